@@ -1,0 +1,93 @@
+"""coda-memory: memory across sessions for LLM agents, with no LLM call in the memory path.
+
+Observations (tool successes and failures, entity accesses, query domains) are
+consolidated into facts whose confidence rises with reinforcement and decays with time;
+the facts become a token-budgeted system-prompt section and tool-ranking affinities.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from coda_memory.affinity import (
+    AFFINITY_WEIGHT,
+    boost_tool_scores,
+    extract_tool_affinities,
+    rank_tools,
+)
+from coda_memory.decay import AdaptiveDecay, DecayStrategy, ExponentialDecay
+from coda_memory.emitters import (
+    DEFAULT_DOMAIN_PATTERNS,
+    DEFAULT_ENTITY_EXTRACTORS,
+    META_TOOLS,
+    EntityExtractors,
+    EntityRef,
+    ToolResult,
+    ToolUse,
+    entity_observations,
+    query_pattern_observation,
+    tool_observations,
+)
+from coda_memory.model import (
+    IDENTIFIER_PATTERN,
+    Fact,
+    FactCategory,
+    FactEvent,
+    FactEventKind,
+    LoadedMemory,
+    NewObservation,
+    Observation,
+    ObservationType,
+)
+from coda_memory.prompt import format_memory_section
+from coda_memory.sanitize import ObservationRejected
+from coda_memory.service import MemoryService, MemoryStats
+
+if TYPE_CHECKING:
+    from coda_memory.migrate import migrate
+
+__version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    # The migration helper pulls in Alembic; load it only when asked for.
+    if name == "migrate":
+        from coda_memory.migrate import migrate
+
+        return migrate
+    raise AttributeError(f"module 'coda_memory' has no attribute {name!r}")
+
+
+__all__ = [
+    "AFFINITY_WEIGHT",
+    "DEFAULT_DOMAIN_PATTERNS",
+    "DEFAULT_ENTITY_EXTRACTORS",
+    "IDENTIFIER_PATTERN",
+    "META_TOOLS",
+    "AdaptiveDecay",
+    "DecayStrategy",
+    "EntityExtractors",
+    "EntityRef",
+    "ExponentialDecay",
+    "Fact",
+    "FactCategory",
+    "FactEvent",
+    "FactEventKind",
+    "LoadedMemory",
+    "MemoryService",
+    "MemoryStats",
+    "NewObservation",
+    "Observation",
+    "ObservationRejected",
+    "ObservationType",
+    "ToolResult",
+    "ToolUse",
+    "boost_tool_scores",
+    "entity_observations",
+    "extract_tool_affinities",
+    "format_memory_section",
+    "migrate",
+    "query_pattern_observation",
+    "rank_tools",
+    "tool_observations",
+]

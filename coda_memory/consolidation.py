@@ -1,0 +1,402 @@
+"""Consolidation as a pure function: (stored facts, new observations, now) -> plan.
+
+The rules, which fix the original design's flaws:
+
+* Each observation maps to one fact key (category, subject). Observations of one
+  session reinforce a fact at most once, even when they arrive over several runs;
+  observations without a session id form one session per run.
+* Sessions are applied in time order. A session's reinforcement time is the latest
+  ``created_at`` among its observations for that fact, never earlier than the fact's
+  ``last_reinforced_at``. When a later observation of the session that last reinforced a
+  fact arrives in a later run, that reinforcement is redone at the later time from the
+  state the fact had before it (an ``extended`` event), so how often consolidation runs
+  never changes the result.
+* Stored confidence is the value at the last reinforcement; decay is computed from there
+  and never written back, so there is no compounding.
+* A fact already expired at a session's reinforcement time starts again at 0.5 with
+  count 1. A fact expired at ``now`` is deleted and never returned.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+
+from coda_memory.decay import DecayStrategy, initial_ease
+from coda_memory.model import (
+    Fact,
+    FactCategory,
+    FactEvent,
+    FactEventKind,
+    Observation,
+    ObservationType,
+    fact_id,
+    fact_subject,
+    is_identifier,
+)
+from coda_memory.sanitize import quote_untrusted
+
+NEW_FACT_CONFIDENCE = 0.5
+DEFAULT_RETENTION = timedelta(days=7)
+REINFORCING = frozenset({FactEventKind.CREATED, FactEventKind.REINFORCED, FactEventKind.EXTENDED})
+
+
+@dataclass(frozen=True, slots=True)
+class ConsolidationInput:
+    """Everything consolidation reads for one identity, under its lock."""
+
+    #: Observations not yet consolidated, in any order.
+    observations: list[Observation]
+    #: The identity's stored facts (stored form: confidence at its anchor).
+    facts: list[Fact]
+    #: Reinforcing events (created/reinforced/extended) of the sessions in ``observations``,
+    #: from earlier runs: they stop a session from reinforcing a fact twice.
+    session_events: list[FactEvent]
+
+
+@dataclass(frozen=True, slots=True)
+class ConsolidationPlan:
+    """What one consolidation decided; a store applies it in one transaction."""
+
+    identity_id: str
+    now: datetime
+    #: Facts to insert or overwrite, in stored form.
+    upserts: list[Fact]
+    #: Subjects of stored facts to delete (expired).
+    deletes: list[str]
+    #: History entries to append, in order.
+    events: list[FactEvent]
+    #: Observations older than this are pruned.
+    prune_before: datetime
+    #: The identity's active facts after the plan, as views at ``now``.
+    active: list[Fact]
+    #: How many new observations this plan consumed.
+    consumed: int
+
+    @property
+    def writes_anything(self) -> bool:
+        return bool(self.upserts or self.deletes or self.events or self.consumed)
+
+
+@dataclass(frozen=True, slots=True)
+class FactKey:
+    """Where an observation lands: the fact's category, subject and display text."""
+
+    category: FactCategory
+    subject: str
+    content: str
+    tool: str | None = None
+
+
+def fact_key(observation: Observation) -> FactKey | None:
+    """The fact an observation reinforces, or None when its metadata is unusable."""
+    meta = observation.metadata
+    kind = observation.type
+    if kind in (ObservationType.TOOL_SUCCESS, ObservationType.TOOL_FAILURE):
+        tool = meta.get("toolName")
+        if not is_identifier(tool):
+            return None
+        assert isinstance(tool, str)
+        if kind is ObservationType.TOOL_SUCCESS:
+            category, content = FactCategory.TOOL_AFFINITY, f"Uses {tool} successfully"
+        else:
+            category, content = FactCategory.TOOL_AVOIDANCE, f"{tool} has failed for this user"
+        return FactKey(category, fact_subject(category, tool), content, tool)
+    if kind is ObservationType.ENTITY_ACCESS:
+        entity_type, entity_id = meta.get("entityType"), meta.get("entityId")
+        if isinstance(entity_id, int) and not isinstance(entity_id, bool):
+            entity_id = str(entity_id)
+        if not (is_identifier(entity_type) and is_identifier(entity_id)):
+            return None
+        assert isinstance(entity_type, str) and isinstance(entity_id, str)
+        name = meta.get("entityName")
+        label = (
+            f"{quote_untrusted(name)} ({entity_id})"
+            if isinstance(name, str) and name
+            else entity_id
+        )
+        category = FactCategory.ENTITY_FREQUENCY
+        return FactKey(
+            category,
+            fact_subject(category, entity_type, entity_id),
+            f"Works with {entity_type} {label}",
+        )
+    if kind is ObservationType.QUERY_PATTERN:
+        domain = meta.get("domain")
+        if not is_identifier(domain):
+            return None
+        assert isinstance(domain, str)
+        category = FactCategory.DOMAIN_PREFERENCE
+        return FactKey(category, fact_subject(category, domain), f"Asks about {domain}")
+    return None
+
+
+@dataclass(slots=True)
+class SessionGroup:
+    """One session's observations for one fact within a run."""
+
+    key: FactKey
+    session_id: str | None
+    at: datetime
+    content: str
+    hits: int = 0
+    trials: int = 0
+
+    @property
+    def quality(self) -> float:
+        return self.hits / self.trials if self.trials else 1.0
+
+
+def group_by_session(observations: Iterable[Observation]) -> dict[str, list[SessionGroup]]:
+    """Group observations per subject and session, computing reinforcement time and quality.
+
+    For a tool affinity the quality is the share of the tool's calls in the session that
+    succeeded; for a tool avoidance the share that failed; for anything else 1.0.
+    """
+    keyed: list[tuple[Observation, FactKey]] = []
+    tool_calls: dict[tuple[str | None, str], list[int]] = defaultdict(lambda: [0, 0])
+    for obs in observations:
+        key = fact_key(obs)
+        if key is None:
+            continue
+        keyed.append((obs, key))
+        if key.tool is not None:
+            counts = tool_calls[(obs.session_id, key.tool)]
+            counts[0 if obs.type is ObservationType.TOOL_SUCCESS else 1] += 1
+
+    groups: dict[tuple[str, str | None], SessionGroup] = {}
+    for obs, key in keyed:
+        group = groups.get((key.subject, obs.session_id))
+        if group is None:
+            group = groups[(key.subject, obs.session_id)] = SessionGroup(
+                key, obs.session_id, obs.created_at, key.content
+            )
+        elif obs.created_at >= group.at:
+            group.at, group.content = obs.created_at, key.content
+    for (_, session_id), group in groups.items():
+        if group.key.tool is not None:
+            successes, failures = tool_calls[(session_id, group.key.tool)]
+            own = successes if group.key.category is FactCategory.TOOL_AFFINITY else failures
+            group.hits, group.trials = own, successes + failures
+        else:
+            group.hits = group.trials = 1
+
+    by_subject: dict[str, list[SessionGroup]] = defaultdict(list)
+    for (subject, _), group in groups.items():
+        by_subject[subject].append(group)
+    for session_groups in by_subject.values():
+        session_groups.sort(key=lambda g: (g.at, g.session_id or ""))
+    return by_subject
+
+
+@dataclass(slots=True)
+class _Run:
+    """Working state of one consolidation run."""
+
+    identity_id: str
+    now: datetime
+    decay: DecayStrategy
+    current: dict[str, Fact]
+    events: list[FactEvent] = field(default_factory=list)
+    #: The latest reinforcing event per (subject, session id), from earlier runs and this one.
+    reinforced_by: dict[tuple[str, str], FactEvent] = field(default_factory=dict)
+
+    def fresh(self, group: SessionGroup, at: datetime) -> Fact:
+        return Fact(
+            id=fact_id(group.key.subject),
+            identity_id=self.identity_id,
+            category=group.key.category,
+            subject=group.key.subject,
+            content=group.content,
+            confidence=NEW_FACT_CONFIDENCE,
+            reinforcement_count=1,
+            last_reinforced_at=at,
+            created_at=at,
+            updated_at=self.now,
+            ease_factor=initial_ease(self.decay),
+            confidence_at=at,
+        )
+
+    def expired_at(self, fact: Fact, until: datetime) -> datetime:
+        """When the fact's confidence crossed the expiry threshold (at most ``until``)."""
+        probe_days = 1.0
+        probe = fact.model_copy(update={"confidence_at": fact.anchor})
+        one_day = self.decay.apply(probe, fact.anchor + timedelta(days=probe_days))
+        threshold = self.decay.expiry_threshold
+        if not 0.0 < one_day < fact.confidence or threshold <= 0.0:
+            return until
+        days = math.log(threshold / fact.confidence) / math.log(one_day / fact.confidence)
+        return min(until, fact.anchor + timedelta(days=max(0.0, days)))
+
+    def expire(self, fact: Fact, at: datetime) -> None:
+        self.events.append(
+            FactEvent(
+                identity_id=self.identity_id,
+                subject=fact.subject,
+                category=fact.category,
+                kind=FactEventKind.EXPIRED,
+                session_id=None,
+                at=self.expired_at(fact, at),
+                confidence_before=self.decay.apply(fact, at),
+                confidence_after=None,
+                count_before=fact.reinforcement_count,
+                count_after=None,
+                ease_before=fact.ease_factor,
+            )
+        )
+
+    def reinforce(
+        self,
+        before: Fact | None,
+        group: SessionGroup,
+        at: datetime,
+        kind: FactEventKind,
+        hits: int,
+        trials: int,
+    ) -> None:
+        """Reinforce ``before`` (or create the fact) at ``at`` and record the event."""
+        quality = hits / trials if trials else 1.0
+        threshold = self.decay.expiry_threshold
+        confidence_before = None if before is None else self.decay.apply(before, at)
+        if before is None or confidence_before is None or confidence_before < threshold:
+            after = self.fresh(group, at)
+            if kind is FactEventKind.REINFORCED:
+                kind = FactEventKind.CREATED
+        else:
+            after = self.decay.reinforce(before, quality, at).model_copy(
+                update={"content": group.content, "updated_at": self.now, "confidence_at": at}
+            )
+        event = FactEvent(
+            identity_id=self.identity_id,
+            subject=group.key.subject,
+            category=group.key.category,
+            kind=kind,
+            session_id=group.session_id,
+            at=at,
+            confidence_before=confidence_before,
+            confidence_after=after.confidence,
+            count_before=None if before is None else before.reinforcement_count,
+            count_after=after.reinforcement_count,
+            ease_before=None if before is None else before.ease_factor,
+            ease_after=after.ease_factor,
+            quality=quality,
+            hits=hits,
+            trials=trials,
+        )
+        self.events.append(event)
+        self.current[group.key.subject] = after
+        if group.session_id is not None:
+            self.reinforced_by[(group.key.subject, group.session_id)] = event
+
+    def apply_group(self, group: SessionGroup) -> bool:
+        """Apply one session's observations for one fact; True when the fact changed."""
+        subject = group.key.subject
+        current = self.current.get(subject)
+        prior = (
+            None
+            if group.session_id is None
+            else self.reinforced_by.get((subject, group.session_id))
+        )
+        if prior is None:
+            at = group.at if current is None else max(group.at, current.last_reinforced_at)
+            if current is not None and self.decay.apply(current, at) < self.decay.expiry_threshold:
+                self.expire(current, at)
+                current = None
+            self.reinforce(current, group, at, FactEventKind.REINFORCED, group.hits, group.trials)
+            return True
+        # The session already reinforced this fact in an earlier run: only a later
+        # observation of the fact's latest reinforcing session moves that reinforcement.
+        is_latest = (
+            current is not None
+            and current.last_reinforced_at == prior.at
+            and current.reinforcement_count == prior.count_after
+        )
+        if not is_latest or group.at <= prior.at or current is None:
+            return False
+        before = _state_before(prior, current)
+        self.reinforce(
+            before,
+            group,
+            group.at,
+            FactEventKind.EXTENDED,
+            prior.hits + group.hits,
+            prior.trials + group.trials,
+        )
+        return True
+
+
+def _state_before(event: FactEvent, current: Fact) -> Fact | None:
+    """The fact as it was just before ``event``'s reinforcement (None: it did not exist)."""
+    if event.confidence_before is None or event.count_before is None:
+        return None
+    return current.model_copy(
+        update={
+            "confidence": event.confidence_before,
+            "confidence_at": event.at,
+            "last_reinforced_at": event.at,
+            "reinforcement_count": event.count_before,
+            "ease_factor": event.ease_before,
+        }
+    )
+
+
+def view_at(fact: Fact, decay: DecayStrategy, now: datetime) -> Fact:
+    """The fact as seen at ``now``: effective confidence, ``confidence_at = now``."""
+    return fact.model_copy(update={"confidence": decay.apply(fact, now), "confidence_at": now})
+
+
+def active_views(facts: Iterable[Fact], decay: DecayStrategy, now: datetime) -> list[Fact]:
+    """Views at ``now`` of the facts that have not expired, sorted by subject."""
+    views = (view_at(f, decay, now) for f in facts)
+    return sorted(
+        (v for v in views if v.confidence >= decay.expiry_threshold), key=lambda f: f.subject
+    )
+
+
+def plan_consolidation(
+    identity_id: str,
+    batch: ConsolidationInput,
+    now: datetime,
+    decay: DecayStrategy,
+    retention: timedelta = DEFAULT_RETENTION,
+) -> ConsolidationPlan:
+    """Decide what consolidating ``batch`` at ``now`` changes. Pure: no I/O."""
+    stored = {f.subject: f for f in batch.facts}
+    run = _Run(identity_id, now, decay, dict(stored))
+    for event in batch.session_events:
+        if event.kind in REINFORCING and event.session_id is not None:
+            run.reinforced_by[(event.subject, event.session_id)] = event
+
+    changed: set[str] = set()
+    for subject, groups in sorted(group_by_session(batch.observations).items()):
+        for group in groups:
+            if run.apply_group(group):
+                changed.add(subject)
+
+    upserts: list[Fact] = []
+    deletes: list[str] = []
+    active: list[Fact] = []
+    for subject in sorted(run.current):
+        fact = run.current[subject]
+        view = view_at(fact, decay, now)
+        if view.confidence < decay.expiry_threshold:
+            run.expire(fact, now)
+            if subject in stored:
+                deletes.append(subject)
+            continue
+        active.append(view)
+        if subject in changed:
+            upserts.append(fact)
+    return ConsolidationPlan(
+        identity_id=identity_id,
+        now=now,
+        upserts=upserts,
+        deletes=deletes,
+        events=run.events,
+        prune_before=now - retention,
+        active=active,
+        consumed=len(batch.observations),
+    )

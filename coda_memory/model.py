@@ -1,0 +1,175 @@
+"""The domain model: observations, facts, fact events and what `load_memory` returns.
+
+Pure data, no I/O. Datetimes are always tz-aware UTC once inside a model.
+"""
+
+from __future__ import annotations
+
+import re
+from datetime import UTC, datetime
+from enum import StrEnum
+from typing import Annotated, Any
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+
+#: Tool names, entity types, entity ids and domains must match this pattern:
+#: letters, digits and ``_ . : - / @``, 1 to 200 characters.
+IDENTIFIER_PATTERN = re.compile(r"[A-Za-z0-9_.:\-/@]{1,200}")
+
+
+def is_identifier(value: object) -> bool:
+    """True when ``value`` is a string matching :data:`IDENTIFIER_PATTERN`."""
+    return isinstance(value, str) and IDENTIFIER_PATTERN.fullmatch(value) is not None
+
+
+def as_utc(value: datetime) -> datetime:
+    """Return ``value`` as tz-aware UTC; a naive datetime is refused."""
+    if value.tzinfo is None or value.utcoffset() is None:
+        raise ValueError("datetimes must be timezone-aware (naive datetimes are ambiguous)")
+    return value.astimezone(UTC)
+
+
+UtcDatetime = Annotated[datetime, AfterValidator(as_utc)]
+
+
+class ObservationType(StrEnum):
+    """What kind of event an observation records."""
+
+    TOOL_SUCCESS = "tool_success"
+    TOOL_FAILURE = "tool_failure"
+    ENTITY_ACCESS = "entity_access"
+    QUERY_PATTERN = "query_pattern"
+
+
+class FactCategory(StrEnum):
+    """Classification of a consolidated fact."""
+
+    TOOL_AFFINITY = "tool_affinity"
+    TOOL_AVOIDANCE = "tool_avoidance"
+    ENTITY_FREQUENCY = "entity_frequency"
+    DOMAIN_PREFERENCE = "domain_preference"
+    FAILURE_PATTERN = "failure_pattern"
+
+
+class NewObservation(BaseModel):
+    """An observation as the host application emits it.
+
+    ``created_at`` of None means "now by the service clock" at emit time.
+    Metadata keys follow the design: ``toolName``, ``durationMs``, ``error``,
+    ``entityType``, ``entityId``, ``entityName``, ``domain``, ``query``.
+    """
+
+    model_config = ConfigDict(frozen=True)
+
+    type: ObservationType
+    content: str
+    metadata: dict[str, Any] = Field(default_factory=dict)
+    session_id: str | None = None
+    created_at: UtcDatetime | None = None
+
+
+class Observation(BaseModel):
+    """The stored form of an observation."""
+
+    model_config = ConfigDict(frozen=True)
+
+    id: int
+    identity_id: str
+    type: ObservationType
+    content: str
+    metadata: dict[str, Any] = Field(default_factory=dict)
+    session_id: str | None = None
+    created_at: UtcDatetime
+
+
+class Fact(BaseModel):
+    """A durable belief about one identity, derived from observations.
+
+    ``confidence`` is the value at ``confidence_at`` (None: at ``last_reinforced_at``);
+    the confidence seen at any instant is ``decay.apply(fact, instant)``.
+    """
+
+    model_config = ConfigDict(frozen=True)
+
+    id: str
+    identity_id: str
+    category: FactCategory
+    subject: str
+    content: str
+    confidence: float
+    reinforcement_count: int
+    last_reinforced_at: UtcDatetime
+    created_at: UtcDatetime
+    updated_at: UtcDatetime
+    ease_factor: float | None = None
+    confidence_at: UtcDatetime | None = None
+
+    @property
+    def anchor(self) -> datetime:
+        """The instant ``confidence`` refers to."""
+        return self.confidence_at if self.confidence_at is not None else self.last_reinforced_at
+
+
+def fact_id(subject: str) -> str:
+    """The deterministic fact id for a subject."""
+    return f"fact:{subject}"
+
+
+class FactEventKind(StrEnum):
+    """What happened to a fact; the history answers "why does the agent think this?"."""
+
+    CREATED = "created"
+    REINFORCED = "reinforced"
+    #: A session that already reinforced the fact sent a later observation for it, so the
+    #: session's reinforcement moved to that later time (still one reinforcement).
+    EXTENDED = "extended"
+    EXPIRED = "expired"
+
+
+class FactEvent(BaseModel):
+    """One entry of a fact's history.
+
+    For CREATED/REINFORCED/EXTENDED events ``confidence_before``, ``ease_before`` and
+    ``count_before`` are the fact's state just before the session's reinforcement (None
+    when the fact did not exist), so a later observation of the same session can redo
+    the reinforcement at its later time. ``hits``/``trials`` are the session's
+    observations behind the quality (successes or failures out of the tool's calls).
+    """
+
+    model_config = ConfigDict(frozen=True)
+
+    identity_id: str
+    subject: str
+    category: FactCategory
+    kind: FactEventKind
+    session_id: str | None
+    at: UtcDatetime
+    confidence_before: float | None
+    confidence_after: float | None
+    count_before: int | None
+    count_after: int | None
+    ease_before: float | None = None
+    ease_after: float | None = None
+    quality: float | None = None
+    hits: int = 0
+    trials: int = 0
+    created_before: UtcDatetime | None = None
+
+
+class LoadedMemory(BaseModel):
+    """What `MemoryService.load_memory` returns: facts, the prompt section, affinities."""
+
+    model_config = ConfigDict(frozen=True)
+
+    facts: list[Fact] = Field(default_factory=list)
+    prompt_section: str = ""
+    tool_affinities: dict[str, float] = Field(default_factory=dict)
+
+    @classmethod
+    def empty(cls) -> LoadedMemory:
+        return cls()
+
+
+def fact_subject(category: FactCategory, *parts: str) -> str:
+    """Build a subject such as ``tool_affinity:get_account``."""
+    return ":".join((category.value, *parts))

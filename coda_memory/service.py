@@ -1,0 +1,383 @@
+"""MemoryService: the composition root a host application talks to.
+
+* ``emit_observation`` is fire-and-forget: it stamps the observation and appends it to a
+  bounded queue, nothing more, on the caller's thread. A background writer validates,
+  sanitises and stores observations in batches. When the queue is full (the store is
+  down or slow) further observations are dropped, logged and counted.
+* ``load_memory`` consolidates under ``load_timeout`` and never raises. A consolidation
+  that outlives the timeout finishes in the background (it is not cancelled half-way);
+  ``drain`` and ``close`` wait for it.
+* Every "now" comes from ``clock``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections import deque
+from collections.abc import Callable
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+
+from coda_memory.affinity import extract_tool_affinities
+from coda_memory.consolidation import DEFAULT_RETENTION, active_views, plan_consolidation
+from coda_memory.decay import DecayStrategy, ExponentialDecay
+from coda_memory.model import Fact, FactEvent, LoadedMemory, NewObservation
+from coda_memory.prompt import format_memory_section
+from coda_memory.sanitize import ObservationRejected, sanitize_observation
+from coda_memory.store.base import MemoryStore, ObservationRecord
+
+logger = logging.getLogger("coda_memory")
+
+Clock = Callable[[], datetime]
+
+
+def system_clock() -> datetime:
+    """The default clock: the system's UTC time."""
+    return datetime.now(UTC)
+
+
+class MemoryStats(BaseModel):
+    """Counters of a service since it started."""
+
+    model_config = ConfigDict(frozen=True)
+
+    #: Observations passed to ``emit_observation``.
+    emitted: int
+    #: Observations the store accepted.
+    stored: int
+    #: Observations refused as bad input (by validation or by the store), with a log line.
+    rejected: int
+    #: Observations dropped because the queue was full or the service was closed.
+    dropped: int
+    #: Observations emitted but not yet stored, rejected or dropped.
+    pending: int
+    #: ``load_memory`` calls, and how many of them returned empty on timeout or error.
+    loads: int = 0
+    load_timeouts: int = 0
+    load_errors: int = 0
+
+
+_Item = tuple[str, NewObservation, datetime]
+
+
+class MemoryService:
+    """Memory for one agent server process, over one store."""
+
+    def __init__(
+        self,
+        store: MemoryStore,
+        *,
+        decay: DecayStrategy | None = None,
+        load_timeout: float = 0.1,
+        clock: Clock | None = None,
+        retention: timedelta = DEFAULT_RETENTION,
+        queue_size: int = 100_000,
+        batch_size: int = 1_000,
+        prompt_budget_tokens: int = 300,
+    ) -> None:
+        if load_timeout <= 0:
+            raise ValueError("load_timeout must be positive")
+        if queue_size < 1 or batch_size < 1:
+            raise ValueError("queue_size and batch_size must be at least 1")
+        self.store = store
+        self.decay: DecayStrategy = decay if decay is not None else ExponentialDecay()
+        self.load_timeout = load_timeout
+        self.clock: Clock = clock if clock is not None else system_clock
+        self.retention = retention
+        self.prompt_budget_tokens = prompt_budget_tokens
+        self._queue_size = queue_size
+        self._batch_size = batch_size
+        self._queue: deque[_Item] = deque()
+        self._inflight = 0
+        self._emitted = self._stored = self._rejected = self._dropped = 0
+        self._loads = self._load_timeouts = self._load_errors = 0
+        self._closed = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._loop_thread: int | None = None
+        self._writer: asyncio.Task[None] | None = None
+        self._wakeup: asyncio.Event | None = None
+        self._progress: asyncio.Event | None = None
+        self._background: set[asyncio.Task[list[Fact]]] = set()
+        self._loading: dict[str, asyncio.Task[list[Fact]]] = {}
+
+    @classmethod
+    def from_url(
+        cls,
+        url: str,
+        *,
+        decay: DecayStrategy | None = None,
+        load_timeout: float = 0.1,
+        clock: Clock | None = None,
+        **options: Any,
+    ) -> MemoryService:
+        """A service over the store that ``url`` names: ``memory://`` or a Postgres URL
+        (``postgresql://``, ``postgresql+asyncpg://``). Extra keyword options go to the
+        service (``retention``, ``queue_size``, ``batch_size``, ``prompt_budget_tokens``)
+        or to the Postgres store (``schema``, ``pool_size``, ``lock_timeout``, …)."""
+        service_keys = {"retention", "queue_size", "batch_size", "prompt_budget_tokens"}
+        service_options = {k: v for k, v in options.items() if k in service_keys}
+        store_options = {k: v for k, v in options.items() if k not in service_keys}
+        store: MemoryStore
+        if url == "memory://" or url.startswith("memory:"):
+            if store_options:
+                raise TypeError(f"unexpected options for memory://: {sorted(store_options)}")
+            from coda_memory.store.memory import InMemoryStore
+
+            store = InMemoryStore()
+        elif url.split(":", 1)[0].split("+", 1)[0] in ("postgresql", "postgres"):
+            from coda_memory.store.postgres import PostgresStore
+
+            retention = service_options.get("retention", DEFAULT_RETENTION)
+            store = PostgresStore.from_url(url, retention=retention, **store_options)
+        else:
+            raise ValueError(
+                "unsupported memory URL scheme: use memory:// or postgresql://… "
+                f"(got {url.split(':', 1)[0]!r})"
+            )
+        return cls(store, decay=decay, load_timeout=load_timeout, clock=clock, **service_options)
+
+    # -- writes -------------------------------------------------------------------------
+
+    def emit_observation(self, identity_id: str, obs: NewObservation) -> None:
+        """Queue an observation for storage. Never raises and never waits on I/O."""
+        try:
+            self._emitted += 1
+            if self._closed or len(self._queue) >= self._queue_size:
+                self._drop(1, "service closed" if self._closed else "queue full")
+                return
+            created_at = obs.created_at if obs.created_at is not None else self.clock()
+            self._queue.append((identity_id, obs, created_at))
+            self._wake()
+        except Exception:  # the fire-and-forget boundary: log, count, carry on
+            self._rejected += 1
+            logger.exception("coda-memory: observation for %r not queued", identity_id)
+
+    def _drop(self, count: int, reason: str) -> None:
+        self._dropped += count
+        # Log the first drop and then every 1,000th, so an outage can't flood the log.
+        if self._dropped == count or self._dropped // 1000 != (self._dropped - count) // 1000:
+            logger.warning(
+                "coda-memory: dropped %d observation(s) (%s); %d dropped so far",
+                count,
+                reason,
+                self._dropped,
+            )
+
+    def _wake(self) -> None:
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            loop = None
+        if loop is not None and (self._loop is None or self._loop is loop):
+            self._ensure_writer(loop)
+            assert self._wakeup is not None
+            self._wakeup.set()
+        elif self._loop is not None and self._loop_thread != threading.get_ident():
+            wakeup = self._wakeup
+            if wakeup is not None and not self._loop.is_closed():
+                self._loop.call_soon_threadsafe(wakeup.set)
+        # Otherwise no loop runs yet: the items wait until the writer starts.
+
+    def _ensure_writer(self, loop: asyncio.AbstractEventLoop) -> None:
+        if self._writer is not None and not self._writer.done():
+            return
+        self._loop, self._loop_thread = loop, threading.get_ident()
+        if self._wakeup is None:
+            self._wakeup, self._progress = asyncio.Event(), asyncio.Event()
+        self._writer = loop.create_task(self._write_loop(), name="coda-memory-writer")
+
+    async def _write_loop(self) -> None:
+        assert self._wakeup is not None and self._progress is not None
+        backoff = 0.05
+        while True:
+            if not self._queue:
+                self._wakeup.clear()
+                await self._wakeup.wait()
+                continue
+            items = [self._queue.popleft() for _ in range(min(self._batch_size, len(self._queue)))]
+            self._inflight = len(items)
+            records = self._validate(items)
+            while records:
+                try:
+                    outcome = await self.store.append(records)
+                except Exception as error:
+                    logger.warning(
+                        "coda-memory: storing %d observation(s) failed (%s); retrying in %.2fs",
+                        len(records),
+                        error,
+                        backoff,
+                    )
+                    await asyncio.sleep(backoff)
+                    backoff = min(backoff * 2, 2.0)
+                    continue
+                backoff = 0.05
+                self._stored += outcome.stored
+                for index, reason in outcome.refused:
+                    self._reject(records[index].identity_id, reason)
+                break
+            self._inflight = 0
+            self._progress.set()
+
+    def _validate(self, items: list[_Item]) -> list[ObservationRecord]:
+        records: list[ObservationRecord] = []
+        for identity_id, obs, created_at in items:
+            try:
+                records.append(sanitize_observation(identity_id, obs, created_at))
+            except ObservationRejected as rejected:
+                self._reject(identity_id, rejected.reason)
+            except Exception as error:  # a bug must not lose the rest of the batch
+                self._reject(identity_id, f"unexpected {type(error).__name__}: {error}")
+        return records
+
+    def _reject(self, identity_id: str, reason: str) -> None:
+        self._rejected += 1
+        logger.warning("coda-memory: observation for %r rejected: %s", identity_id[:80], reason)
+
+    @property
+    def _processed(self) -> int:
+        return self._stored + self._rejected + self._dropped
+
+    async def drain(self, timeout: float | None = None) -> None:
+        """Wait until everything emitted so far is stored (or rejected or dropped), and
+        every background consolidation has finished. With ``timeout``, raise
+        ``TimeoutError`` after that many seconds."""
+        async with asyncio.timeout(timeout):
+            target = self._emitted
+            if self._queue or self._inflight:
+                self._ensure_writer(asyncio.get_running_loop())
+                assert self._wakeup is not None
+                self._wakeup.set()
+            while self._processed < target:
+                assert self._progress is not None
+                self._progress.clear()
+                if self._processed >= target:
+                    break
+                await self._progress.wait()
+            while self._background:
+                await asyncio.gather(*list(self._background), return_exceptions=True)
+
+    # -- consolidation ------------------------------------------------------------------
+
+    async def consolidate(self, identity_id: str) -> list[Fact]:
+        """Consolidate the identity's new observations now (no timeout) and return its
+        active facts; raises on storage errors."""
+        async with self.store.consolidation(identity_id) as unit:
+            batch = await unit.load()
+            now = self.clock()
+            plan = plan_consolidation(identity_id, batch, now, self.decay, self.retention)
+            if plan.writes_anything:
+                await unit.apply(plan)
+                await unit.commit()
+        return plan.active
+
+    async def facts(self, identity_id: str) -> list[Fact]:
+        """The identity's active facts at the clock's now, without consolidating."""
+        return active_views(await self.store.facts(identity_id), self.decay, self.clock())
+
+    async def history(self, identity_id: str, subject: str | None = None) -> list[FactEvent]:
+        """Every create, reinforce, extend and expire of the identity's facts, in order."""
+        return await self.store.history(identity_id, subject)
+
+    async def load_memory(self, identity_id: str) -> LoadedMemory:
+        """Consolidate, then format the prompt section and tool affinities, all within
+        ``load_timeout``. Returns empty results on timeout or any error; never raises."""
+        self._loads += 1
+        try:
+            task = self._loading.get(identity_id)
+            if task is None or task.done():
+                task = asyncio.get_running_loop().create_task(self.consolidate(identity_id))
+                self._loading[identity_id] = task
+                self._background.add(task)
+                task.add_done_callback(lambda t: self._finished(identity_id, t))
+            facts = await asyncio.wait_for(asyncio.shield(task), self.load_timeout)
+            return LoadedMemory(
+                facts=facts,
+                prompt_section=format_memory_section(facts, self.prompt_budget_tokens),
+                tool_affinities=extract_tool_affinities(facts),
+            )
+        except TimeoutError:
+            self._load_timeouts += 1
+            logger.warning(
+                "coda-memory: load_memory for %r timed out after %.0f ms; returning empty",
+                identity_id[:80],
+                self.load_timeout * 1000,
+            )
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            self._load_errors += 1
+            logger.exception(
+                "coda-memory: load_memory for %r failed; returning empty", identity_id[:80]
+            )
+        return LoadedMemory.empty()
+
+    def _finished(self, identity_id: str, task: asyncio.Task[list[Fact]]) -> None:
+        self._background.discard(task)
+        if self._loading.get(identity_id) is task:
+            del self._loading[identity_id]
+        if not task.cancelled() and task.exception() is not None:
+            logger.warning(
+                "coda-memory: background consolidation of %r failed: %r",
+                identity_id[:80],
+                task.exception(),
+            )
+
+    # -- administration -----------------------------------------------------------------
+
+    async def forget(self, identity_id: str) -> None:
+        """Delete every observation, fact, fact event and checkpoint of the identity,
+        including observations of it still queued in this service."""
+        kept = deque(item for item in self._queue if item[0] != identity_id)
+        if len(kept) != len(self._queue):
+            self._drop(len(self._queue) - len(kept), "identity forgotten")
+            self._queue = kept
+        await self.drain()
+        await self.store.forget(identity_id)
+
+    def stats(self) -> MemoryStats:
+        """Counts of observations emitted, stored, rejected, dropped and pending."""
+        return MemoryStats(
+            emitted=self._emitted,
+            stored=self._stored,
+            rejected=self._rejected,
+            dropped=self._dropped,
+            pending=self._emitted - self._processed,
+            loads=self._loads,
+            load_timeouts=self._load_timeouts,
+            load_errors=self._load_errors,
+        )
+
+    async def close(self, timeout: float | None = 30.0) -> None:
+        """Drain (up to ``timeout`` seconds), stop the writer and release the store.
+        Observations that could not be stored by then are dropped and counted."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            await self.drain(timeout)
+        except TimeoutError:
+            logger.warning("coda-memory: close timed out with %d pending", self.stats().pending)
+        finally:
+            if self._writer is not None:
+                self._writer.cancel()
+                await asyncio.gather(self._writer, return_exceptions=True)
+                self._writer = None
+            leftover = len(self._queue) + self._inflight
+            if leftover:
+                self._queue.clear()
+                self._inflight = 0
+                self._drop(leftover, "service closed before they were stored")
+            for task in list(self._background):
+                task.cancel()
+            await asyncio.gather(*list(self._background), return_exceptions=True)
+            await self.store.close()
+
+    async def __aenter__(self) -> MemoryService:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()

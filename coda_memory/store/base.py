@@ -1,0 +1,82 @@
+"""The ports: what the engine needs from a store, and the data it passes across.
+
+A store is a thin adapter. Consolidation of one identity happens inside a
+:class:`ConsolidationUnit`, a unit of work that holds the identity's lock and owns the
+transaction: it rolls back unless :meth:`ConsolidationUnit.commit` is called.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from contextlib import AbstractAsyncContextManager
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from coda_memory.consolidation import ConsolidationInput, ConsolidationPlan
+from coda_memory.model import Fact, FactEvent
+from coda_memory.sanitize import SanitizedObservation as ObservationRecord
+
+
+@dataclass(frozen=True, slots=True)
+class AppendOutcome:
+    """What happened to a batch: how many rows were stored, and which were refused."""
+
+    stored: int
+    #: (index in the batch, reason) for each row the store refused.
+    refused: list[tuple[int, str]] = field(default_factory=list)
+
+
+class ConsolidationUnit(Protocol):
+    """A unit of work for consolidating one identity; it holds the identity's lock."""
+
+    async def load(self) -> ConsolidationInput:
+        """Read new observations, stored facts and the relevant session events."""
+        ...
+
+    async def apply(self, plan: ConsolidationPlan) -> None:
+        """Write facts, deletes and events, advance the checkpoint past what ``load``
+        returned, and prune old observations. Nothing is visible before ``commit``."""
+        ...
+
+    async def commit(self) -> None:
+        """Make everything applied durable and visible, atomically."""
+        ...
+
+
+class MemoryStore(Protocol):
+    """Storage for observations, facts, checkpoints and fact history."""
+
+    async def append(self, records: Sequence[ObservationRecord]) -> AppendOutcome:
+        """Store a batch; a refused row never stops the good rows from being stored."""
+        ...
+
+    def consolidation(self, identity_id: str) -> AbstractAsyncContextManager[ConsolidationUnit]:
+        """Lock the identity (creating its checkpoint on first use) and open a unit of
+        work; leaving the context without ``commit`` rolls everything back."""
+        ...
+
+    async def facts(self, identity_id: str) -> list[Fact]:
+        """The identity's stored facts (stored form, possibly expired by now)."""
+        ...
+
+    async def history(self, identity_id: str, subject: str | None = None) -> list[FactEvent]:
+        """The identity's fact events in the order they happened."""
+        ...
+
+    async def forget(self, identity_id: str) -> None:
+        """Delete every observation, fact, event and checkpoint of the identity."""
+        ...
+
+    async def close(self) -> None:
+        """Release connections and other resources."""
+        ...
+
+
+__all__ = [
+    "AppendOutcome",
+    "ConsolidationInput",
+    "ConsolidationPlan",
+    "ConsolidationUnit",
+    "MemoryStore",
+    "ObservationRecord",
+]

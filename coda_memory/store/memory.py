@@ -1,0 +1,124 @@
+"""An in-memory store: the reference adapter, and a fake for the host app's own tests.
+
+It keeps the same guarantees as the Postgres store within one process: consolidations of
+one identity are serialised by a per-identity lock, and a unit of work changes nothing
+unless it commits. The cursor is the insertion sequence: appends are atomic here, so an
+observation appended after a unit loaded has a higher sequence and is left for the next run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections import defaultdict
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+from coda_memory.consolidation import DEFAULT_RETENTION, ConsolidationInput, ConsolidationPlan
+from coda_memory.model import Fact, FactEvent, Observation
+from coda_memory.store.base import AppendOutcome, ObservationRecord
+
+_REINFORCING = {"created", "reinforced", "extended"}
+
+
+@dataclass(slots=True)
+class _Identity:
+    observations: dict[int, Observation] = field(default_factory=dict)
+    facts: dict[str, Fact] = field(default_factory=dict)
+    events: list[FactEvent] = field(default_factory=list)
+    cursor: int = 0
+    runs: int = 0
+
+
+class InMemoryConsolidationUnit:
+    """Unit of work over one identity's in-memory state; applies only on commit."""
+
+    def __init__(self, state: _Identity) -> None:
+        self._state = state
+        self._loaded_upto = state.cursor
+        self._plan: ConsolidationPlan | None = None
+
+    async def load(self) -> ConsolidationInput:
+        state = self._state
+        new = [o for seq, o in state.observations.items() if seq > state.cursor]
+        self._loaded_upto = max((o.id for o in new), default=state.cursor)
+        sessions = {o.session_id for o in new if o.session_id is not None}
+        events = [e for e in state.events if e.session_id in sessions and e.kind in _REINFORCING]
+        return ConsolidationInput(
+            observations=new, facts=list(state.facts.values()), session_events=events
+        )
+
+    async def apply(self, plan: ConsolidationPlan) -> None:
+        self._plan = plan
+
+    async def commit(self) -> None:
+        plan, state = self._plan, self._state
+        if plan is None:
+            return
+        for subject in plan.deletes:
+            state.facts.pop(subject, None)
+        for fact in plan.upserts:
+            state.facts[fact.subject] = fact
+        state.events.extend(plan.events)
+        state.cursor = self._loaded_upto
+        state.runs += 1
+        for seq in [
+            seq
+            for seq, o in state.observations.items()
+            if seq <= self._loaded_upto and o.created_at < plan.prune_before
+        ]:
+            del state.observations[seq]
+        self._plan = None
+
+
+class InMemoryStore:
+    """Everything in dictionaries; lost when the process exits."""
+
+    def __init__(self, retention: timedelta = DEFAULT_RETENTION) -> None:
+        self.retention = retention
+        self._identities: dict[str, _Identity] = defaultdict(_Identity)
+        self._locks: dict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
+        self._ids = itertools.count(1)
+
+    async def append(self, records: Sequence[ObservationRecord]) -> AppendOutcome:
+        for record in records:
+            seq = next(self._ids)
+            self._identities[record.identity_id].observations[seq] = Observation(
+                id=seq,
+                identity_id=record.identity_id,
+                type=record.type,
+                content=record.content,
+                metadata=record.metadata,
+                session_id=record.session_id,
+                created_at=record.created_at,
+            )
+        return AppendOutcome(stored=len(records))
+
+    @asynccontextmanager
+    async def consolidation(self, identity_id: str) -> AsyncIterator[InMemoryConsolidationUnit]:
+        async with self._locks[identity_id]:
+            yield InMemoryConsolidationUnit(self._identities[identity_id])
+
+    async def facts(self, identity_id: str) -> list[Fact]:
+        state = self._identities.get(identity_id)
+        return [] if state is None else sorted(state.facts.values(), key=lambda f: f.subject)
+
+    async def history(self, identity_id: str, subject: str | None = None) -> list[FactEvent]:
+        state = self._identities.get(identity_id)
+        if state is None:
+            return []
+        return [e for e in state.events if subject is None or e.subject == subject]
+
+    async def observations(self, identity_id: str) -> list[Observation]:
+        """Stored (not yet pruned) observations of the identity, oldest first."""
+        state = self._identities.get(identity_id)
+        return [] if state is None else list(state.observations.values())
+
+    async def forget(self, identity_id: str) -> None:
+        async with self._locks[identity_id]:
+            self._identities.pop(identity_id, None)
+
+    async def close(self) -> None:
+        return None

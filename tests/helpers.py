@@ -1,0 +1,75 @@
+"""Test helpers: a controllable clock and observation builders."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from coda_memory import NewObservation, ObservationType
+
+T0 = datetime(2026, 1, 1, 9, 0, tzinfo=UTC)
+
+
+class FakeClock:
+    """A clock the test moves by hand."""
+
+    def __init__(self, start: datetime = T0) -> None:
+        self.now = start
+
+    def __call__(self) -> datetime:
+        return self.now
+
+    def advance(self, **delta: float) -> datetime:
+        self.now += timedelta(**delta)
+        return self.now
+
+
+def tool_ok(tool: str, session: str | None = "s1", at: datetime | None = None) -> NewObservation:
+    return NewObservation(
+        type=ObservationType.TOOL_SUCCESS,
+        content=f"{tool} ok",
+        metadata={"toolName": tool, "durationMs": 12.5},
+        session_id=session,
+        created_at=at,
+    )
+
+
+def tool_failed(
+    tool: str, session: str | None = "s1", at: datetime | None = None
+) -> NewObservation:
+    return NewObservation(
+        type=ObservationType.TOOL_FAILURE,
+        content=f"{tool} failed",
+        metadata={"toolName": tool, "durationMs": 40.0, "error": "boom"},
+        session_id=session,
+        created_at=at,
+    )
+
+
+def entity(
+    entity_type: str,
+    entity_id: str,
+    name: str | None = None,
+    session: str | None = "s1",
+    at: datetime | None = None,
+) -> NewObservation:
+    meta: dict[str, Any] = {"entityType": entity_type, "entityId": entity_id}
+    if name is not None:
+        meta["entityName"] = name
+    return NewObservation(
+        type=ObservationType.ENTITY_ACCESS,
+        content=f"accessed {entity_type}",
+        metadata=meta,
+        session_id=session,
+        created_at=at,
+    )
+
+
+def domain(name: str, session: str | None = "s1", at: datetime | None = None) -> NewObservation:
+    return NewObservation(
+        type=ObservationType.QUERY_PATTERN,
+        content=f"asked about {name}",
+        metadata={"domain": name, "query": f"what about {name}?"},
+        session_id=session,
+        created_at=at,
+    )
