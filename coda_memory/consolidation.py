@@ -21,9 +21,9 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 
 from coda_memory.decay import DecayStrategy, initial_ease
 from coda_memory.model import (
@@ -100,11 +100,9 @@ def fact_key(observation: Observation) -> FactKey | None:
         if not is_identifier(tool):
             return None
         assert isinstance(tool, str)
-        if kind is ObservationType.TOOL_SUCCESS:
-            category, content = FactCategory.TOOL_AFFINITY, f"Uses {tool} successfully"
-        else:
-            category, content = FactCategory.TOOL_AVOIDANCE, f"{tool} has failed for this user"
-        return FactKey(category, fact_subject(category, tool), content, tool)
+        success = kind is ObservationType.TOOL_SUCCESS
+        category = FactCategory.TOOL_AFFINITY if success else FactCategory.TOOL_AVOIDANCE
+        return _tool_fact_key(category, tool)
     if kind is ObservationType.ENTITY_ACCESS:
         entity_type, entity_id = meta.get("entityType"), meta.get("entityId")
         if isinstance(entity_id, int) and not isinstance(entity_id, bool):
@@ -136,60 +134,109 @@ def fact_key(observation: Observation) -> FactKey | None:
 
 @dataclass(slots=True)
 class SessionGroup:
-    """One session's observations for one fact within a run."""
+    """One session's observations for one fact within a run.
+
+    ``at`` is None for a fact that got no new observation from the session in this run
+    but whose quality changed, because the session's other calls of the same tool did.
+    ``hits``/``trials`` count the session's calls of the tool over all runs so far.
+    """
 
     key: FactKey
     session_id: str | None
-    at: datetime
+    at: datetime | None
     content: str
-    hits: int = 0
-    trials: int = 0
-
-    @property
-    def quality(self) -> float:
-        return self.hits / self.trials if self.trials else 1.0
+    hits: int = 1
+    trials: int = 1
 
 
-def group_by_session(observations: Iterable[Observation]) -> dict[str, list[SessionGroup]]:
-    """Group observations per subject and session, computing reinforcement time and quality.
+ToolCounts = Mapping[tuple[str, str], tuple[int, int]]
+
+
+def _tool_fact_key(category: FactCategory, tool: str) -> FactKey:
+    content = (
+        f"Uses {tool} successfully"
+        if category is FactCategory.TOOL_AFFINITY
+        else f"{tool} has failed for this user"
+    )
+    return FactKey(category, fact_subject(category, tool), content, tool)
+
+
+def group_by_session(
+    observations: Iterable[Observation], prior_tool_counts: ToolCounts | None = None
+) -> dict[str, list[SessionGroup]]:
+    """Group observations per subject and session, with reinforcement time and quality.
 
     For a tool affinity the quality is the share of the tool's calls in the session that
     succeeded; for a tool avoidance the share that failed; for anything else 1.0.
+    ``prior_tool_counts`` gives (successes, failures) per (session, tool) from earlier
+    runs, so a session's quality covers all of its calls whichever run saw them.
     """
-    keyed: list[tuple[Observation, FactKey]] = []
+    prior = prior_tool_counts or {}
+    groups: dict[tuple[str, str | None], SessionGroup] = {}
     tool_calls: dict[tuple[str | None, str], list[int]] = defaultdict(lambda: [0, 0])
     for obs in observations:
         key = fact_key(obs)
         if key is None:
             continue
-        keyed.append((obs, key))
         if key.tool is not None:
-            counts = tool_calls[(obs.session_id, key.tool)]
-            counts[0 if obs.type is ObservationType.TOOL_SUCCESS else 1] += 1
-
-    groups: dict[tuple[str, str | None], SessionGroup] = {}
-    for obs, key in keyed:
+            tool_calls[(obs.session_id, key.tool)][
+                0 if key.category is FactCategory.TOOL_AFFINITY else 1
+            ] += 1
         group = groups.get((key.subject, obs.session_id))
         if group is None:
-            group = groups[(key.subject, obs.session_id)] = SessionGroup(
+            groups[(key.subject, obs.session_id)] = SessionGroup(
                 key, obs.session_id, obs.created_at, key.content
             )
-        elif obs.created_at >= group.at:
+        elif group.at is None or obs.created_at >= group.at:
             group.at, group.content = obs.created_at, key.content
-    for (_, session_id), group in groups.items():
-        if group.key.tool is not None:
-            successes, failures = tool_calls[(session_id, group.key.tool)]
-            own = successes if group.key.category is FactCategory.TOOL_AFFINITY else failures
+
+    for (session_id, tool), (new_successes, new_failures) in tool_calls.items():
+        earlier = prior.get((session_id, tool), (0, 0)) if session_id is not None else (0, 0)
+        successes, failures = earlier[0] + new_successes, earlier[1] + new_failures
+        for category, own in (
+            (FactCategory.TOOL_AFFINITY, successes),
+            (FactCategory.TOOL_AVOIDANCE, failures),
+        ):
+            if own == 0:
+                continue
+            key = _tool_fact_key(category, tool)
+            group = groups.get((key.subject, session_id))
+            if group is None:  # only earlier runs saw this outcome: requalify it
+                group = groups[(key.subject, session_id)] = SessionGroup(
+                    key, session_id, None, key.content
+                )
             group.hits, group.trials = own, successes + failures
-        else:
-            group.hits = group.trials = 1
 
     by_subject: dict[str, list[SessionGroup]] = defaultdict(list)
     for (subject, _), group in groups.items():
         by_subject[subject].append(group)
     for session_groups in by_subject.values():
-        session_groups.sort(key=lambda g: (g.at, g.session_id or ""))
+        session_groups.sort(
+            key=lambda g: (g.at or datetime.min.replace(tzinfo=UTC), g.session_id or "")
+        )
     return by_subject
+
+
+def prior_tool_counts(events: Iterable[FactEvent]) -> dict[tuple[str, str], tuple[int, int]]:
+    """(successes, failures) per (session, tool) recorded by earlier runs' events.
+
+    Each tool event records the session's cumulative calls of the tool when it was
+    written; the one with the most calls is the latest.
+    """
+    counts: dict[tuple[str, str], tuple[int, int]] = {}
+    for event in events:
+        if event.session_id is None or event.category not in (
+            FactCategory.TOOL_AFFINITY,
+            FactCategory.TOOL_AVOIDANCE,
+        ):
+            continue
+        tool = event.subject.split(":", 1)[1]
+        own, other = event.hits, event.trials - event.hits
+        pair = (own, other) if event.category is FactCategory.TOOL_AFFINITY else (other, own)
+        key = (event.session_id, tool)
+        if key not in counts or sum(pair) > sum(counts[key]):
+            counts[key] = pair
+    return counts
 
 
 @dataclass(slots=True)
@@ -295,36 +342,32 @@ class _Run:
         """Apply one session's observations for one fact; True when the fact changed."""
         subject = group.key.subject
         current = self.current.get(subject)
-        prior = (
-            None
-            if group.session_id is None
-            else self.reinforced_by.get((subject, group.session_id))
-        )
+        session = group.session_id
+        prior = None if session is None else self.reinforced_by.get((subject, session))
         if prior is None:
+            if group.at is None:
+                return False  # nothing of this session reinforced the fact before
             at = group.at if current is None else max(group.at, current.last_reinforced_at)
             if current is not None and self.decay.apply(current, at) < self.decay.expiry_threshold:
                 self.expire(current, at)
                 current = None
             self.reinforce(current, group, at, FactEventKind.REINFORCED, group.hits, group.trials)
             return True
-        # The session already reinforced this fact in an earlier run: only a later
-        # observation of the fact's latest reinforcing session moves that reinforcement.
+        # The session already reinforced this fact in an earlier run. Only the fact's
+        # latest reinforcement can be redone: at a later time, or with a new quality.
         is_latest = (
             current is not None
             and current.last_reinforced_at == prior.at
             and current.reinforcement_count == prior.count_after
         )
-        if not is_latest or group.at <= prior.at or current is None:
+        at = prior.at if group.at is None else max(group.at, prior.at)
+        unchanged = at == prior.at and (group.hits, group.trials) == (prior.hits, prior.trials)
+        if not is_latest or unchanged or current is None:
             return False
+        if group.at is None:
+            group.content = current.content
         before = _state_before(prior, current)
-        self.reinforce(
-            before,
-            group,
-            group.at,
-            FactEventKind.EXTENDED,
-            prior.hits + group.hits,
-            prior.trials + group.trials,
-        )
+        self.reinforce(before, group, at, FactEventKind.EXTENDED, group.hits, group.trials)
         return True
 
 
@@ -371,7 +414,8 @@ def plan_consolidation(
             run.reinforced_by[(event.subject, event.session_id)] = event
 
     changed: set[str] = set()
-    for subject, groups in sorted(group_by_session(batch.observations).items()):
+    tool_counts = prior_tool_counts(run.reinforced_by.values())
+    for subject, groups in sorted(group_by_session(batch.observations, tool_counts).items()):
         for group in groups:
             if run.apply_group(group):
                 changed.add(subject)

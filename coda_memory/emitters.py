@@ -1,0 +1,339 @@
+"""Observations from tool calls, entity accesses and user queries.
+
+Pure functions that turn what a host application already has (Bedrock Converse style
+tool-use and tool-result blocks, parsed tool results, the user's message) into
+:class:`~coda_memory.model.NewObservation` values. ``created_at`` is left None: the
+service stamps it. Nothing here raises on unexpected shapes; it emits less instead.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import re
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+
+from coda_memory.model import NewObservation, ObservationType, is_identifier
+from coda_memory.sanitize import clean_text, quote_untrusted
+
+logger = logging.getLogger(__name__)
+
+META_TOOLS: frozenset[str] = frozenset({"search_tools"})
+MAX_ERROR_CHARS = 500
+MAX_QUERY_CHARS = 500
+MAX_ENTITY_NAME_CHARS = 200
+#: Bigger integers cannot be identifiers (200 characters) and are costly to print.
+_MAX_ID_INT = 10**200
+
+
+class ToolUse(BaseModel):
+    """A tool invocation requested by the model (a Converse ``toolUse`` block)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    id: str
+    name: str
+    input: Any = None
+
+
+class ToolResult(BaseModel):
+    """The result of one tool invocation (a Converse ``toolResult`` block)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    tool_use_id: str
+    is_error: bool = False
+    content: Any = None
+
+
+def _compact_json(value: Any) -> str:
+    try:
+        return json.dumps(value, separators=(",", ":"), ensure_ascii=False, default=str)
+    except (TypeError, ValueError, RecursionError):
+        return f"<{type(value).__name__}>"
+
+
+def _error_text(content: Any, depth: int = 0) -> str:
+    if isinstance(content, str):
+        return content
+    if depth < 3 and isinstance(content, Mapping):
+        for key in ("error", "message"):
+            if key in content and content[key] is not None:
+                return _error_text(content[key], depth + 1)
+    if isinstance(content, list):
+        for block in content:
+            if isinstance(block, Mapping) and isinstance(block.get("text"), str):
+                return str(block["text"])
+    return _compact_json(content)
+
+
+def _duration(value: object) -> float | int | None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    return value if math.isfinite(value) and value >= 0 else None
+
+
+def tool_observations(
+    tool_uses: Sequence[ToolUse],
+    tool_results: Sequence[ToolResult],
+    timings_ms: Mapping[str, float],
+    *,
+    session_id: str | None = None,
+    meta_tools: Collection[str] = META_TOOLS,
+) -> list[NewObservation]:
+    """One tool_success or tool_failure observation per tool use that has a result.
+
+    Results are matched to uses by id (the first result for an id counts); uses
+    without a result, meta tools and tools whose name is not an identifier are
+    skipped. ``durationMs`` comes from ``timings_ms[tool_use.id]`` and is omitted when
+    absent or not a finite number >= 0. Failures carry ``error``: the text of the
+    result (a string, ``error``/``message`` of a mapping, the first text block of a
+    content list, else compact JSON), cleaned to one line of at most 500 characters.
+    """
+    results: dict[str, ToolResult] = {}
+    for tool_result in tool_results:
+        results.setdefault(tool_result.tool_use_id, tool_result)
+    observations: list[NewObservation] = []
+    for use in tool_uses:
+        result = results.get(use.id)
+        if result is None or use.name in meta_tools or not is_identifier(use.name):
+            continue
+        metadata: dict[str, Any] = {"toolName": use.name}
+        duration = _duration(timings_ms.get(use.id))
+        if duration is not None:
+            metadata["durationMs"] = duration
+        if result.is_error:
+            error = "" if result.content is None else _error_text(result.content)
+            error = clean_text(error, MAX_ERROR_CHARS)
+            if error:
+                metadata["error"] = error
+            content = f"{use.name} failed: {error}" if error else f"{use.name} failed"
+            obs_type = ObservationType.TOOL_FAILURE
+        else:
+            timing = f" ({duration:.0f} ms)" if duration is not None else ""
+            content = f"{use.name} succeeded{timing}"
+            obs_type = ObservationType.TOOL_SUCCESS
+        observations.append(
+            NewObservation(type=obs_type, content=content, metadata=metadata, session_id=session_id)
+        )
+    return observations
+
+
+@dataclass(frozen=True, slots=True)
+class EntityRef:
+    """An entity a tool result mentions."""
+
+    entity_type: str
+    entity_id: str
+    entity_name: str | None = None
+
+
+EntityExtractor = Callable[[Any], Iterable[EntityRef]]
+
+
+def _parse_json(text: str | bytes | bytearray) -> Any:
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError):
+        return None
+
+
+def unwrap_result(result: Any) -> Any:
+    """A tool result as data: JSON text is parsed, and a Converse content-block list
+    (``[{"json": ...}]`` or ``[{"text": "<json>"}]``) yields its first JSON payload."""
+    if isinstance(result, str | bytes | bytearray):
+        return _parse_json(result)
+    if isinstance(result, list) and result and isinstance(result[0], Mapping):
+        if not any(key in result[0] for key in ("json", "text")):
+            return result
+        for block in result:
+            if not isinstance(block, Mapping):
+                continue
+            if "json" in block:
+                return block["json"]
+            text = block.get("text")
+            if isinstance(text, str):
+                parsed = _parse_json(text)
+                if parsed is not None:
+                    return parsed
+        return None
+    return result
+
+
+class EntityExtractors:
+    """A registry of entity extractors by tool name; host applications add their own.
+
+    Copy :data:`DEFAULT_ENTITY_EXTRACTORS` before extending it, unless changing the
+    process-wide default is intended.
+    """
+
+    def __init__(self, extractors: Mapping[str, EntityExtractor] | None = None) -> None:
+        self._extractors: dict[str, EntityExtractor] = dict(extractors or {})
+
+    def register(self, tool_name: str, extractor: EntityExtractor) -> None:
+        """Use ``extractor`` for ``tool_name``'s results, replacing any previous one."""
+        self._extractors[tool_name] = extractor
+
+    def unregister(self, tool_name: str) -> None:
+        """Stop extracting entities from ``tool_name``; unknown names are ignored."""
+        self._extractors.pop(tool_name, None)
+
+    def __contains__(self, tool_name: object) -> bool:
+        return tool_name in self._extractors
+
+    def get(self, tool_name: str) -> EntityExtractor | None:
+        """The extractor for ``tool_name``, if any."""
+        return self._extractors.get(tool_name)
+
+    def copy(self) -> EntityExtractors:
+        """An independent registry with the same extractors."""
+        return EntityExtractors(self._extractors)
+
+    def extract(self, tool_name: str, result: Any) -> list[EntityRef]:
+        """The entities in ``result``; [] for unknown tools, bad shapes or a failing
+        extractor (logged at debug level, never raised)."""
+        extractor = self._extractors.get(tool_name)
+        if extractor is None:
+            return []
+        data = unwrap_result(result)
+        try:
+            refs = list(extractor(data))
+        except Exception:
+            # Extractors are host code run on untrusted data; memory is best-effort.
+            logger.debug("entity extractor for %r failed", tool_name, exc_info=True)
+            return []
+        return [ref for ref in refs if isinstance(ref, EntityRef)]
+
+
+def _entity_id(value: object) -> str | None:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) < _MAX_ID_INT:
+        return str(value)
+    return None
+
+
+def _optional_str(value: object) -> str | None:
+    return value if isinstance(value, str) else None
+
+
+def _mappings(data: Any, key: str) -> Iterator[Mapping[str, Any]]:
+    items = data.get(key) if isinstance(data, Mapping) else None
+    if isinstance(items, list):
+        yield from (item for item in items if isinstance(item, Mapping))
+
+
+def extract_account(data: Any) -> Iterator[EntityRef]:
+    """``{"id": str | int, "name"?: str}`` → one ``account``."""
+    if isinstance(data, Mapping) and (entity_id := _entity_id(data.get("id"))) is not None:
+        yield EntityRef("account", entity_id, _optional_str(data.get("name")))
+
+
+def extract_schema_tables(data: Any) -> Iterator[EntityRef]:
+    """``{"tables": [{"name": str}, ...]}`` → one ``schema_table`` per table."""
+    for table in _mappings(data, "tables"):
+        name = table.get("name")
+        if isinstance(name, str):
+            yield EntityRef("schema_table", name, name)
+
+
+def extract_products(data: Any) -> Iterator[EntityRef]:
+    """``{"products": [{"id": str | int, "title"?: str}, ...]}`` → one ``product`` each."""
+    for product in _mappings(data, "products"):
+        if (entity_id := _entity_id(product.get("id"))) is not None:
+            yield EntityRef("product", entity_id, _optional_str(product.get("title")))
+
+
+DEFAULT_ENTITY_EXTRACTORS = EntityExtractors(
+    {
+        "get_account": extract_account,
+        "search_snowflake_schema": extract_schema_tables,
+        "get_products_by_isrc": extract_products,
+    }
+)
+
+
+def entity_observations(
+    tool_name: str,
+    result: Any,
+    *,
+    session_id: str | None = None,
+    extractors: EntityExtractors | None = None,
+) -> list[NewObservation]:
+    """entity_access observations for the entities in one tool result.
+
+    ``extractors`` defaults to :data:`DEFAULT_ENTITY_EXTRACTORS`. Entities whose type
+    or id is not an identifier are skipped, as are repeats within the result.
+    """
+    registry = DEFAULT_ENTITY_EXTRACTORS if extractors is None else extractors
+    observations: list[NewObservation] = []
+    seen: set[tuple[str, str]] = set()
+    for ref in registry.extract(tool_name, result):
+        key = (ref.entity_type, ref.entity_id)
+        if not (is_identifier(ref.entity_type) and is_identifier(ref.entity_id)) or key in seen:
+            continue
+        seen.add(key)
+        metadata: dict[str, Any] = {"entityType": ref.entity_type, "entityId": ref.entity_id}
+        raw_name = ref.entity_name if isinstance(ref.entity_name, str) else ""
+        name = clean_text(raw_name, MAX_ENTITY_NAME_CHARS)
+        if name:
+            metadata["entityName"] = name
+        shown = quote_untrusted(name) if name else ref.entity_id
+        observations.append(
+            NewObservation(
+                type=ObservationType.ENTITY_ACCESS,
+                content=f"Accessed {ref.entity_type} {shown}",
+                metadata=metadata,
+                session_id=session_id,
+            )
+        )
+    return observations
+
+
+def _domain_pattern(words: str) -> re.Pattern[str]:
+    # Letters, not \b, bound the words: "royalty_report" and "accounts2024" match.
+    return re.compile(rf"(?<![a-z])(?:{words})(?![a-z])", re.IGNORECASE)
+
+
+#: Domain patterns in priority order: the first match names the query's domain.
+DEFAULT_DOMAIN_PATTERNS: Mapping[str, re.Pattern[str]] = MappingProxyType(
+    {
+        "royalty": _domain_pattern("royalty|royalties"),
+        "contract": _domain_pattern("contracts?"),
+        "account": _domain_pattern("accounts?"),
+        "product": _domain_pattern("products?|isrcs?"),
+        "revenue": _domain_pattern("revenues?|earnings?"),
+    }
+)
+
+
+def query_pattern_observation(
+    query: str,
+    *,
+    session_id: str | None = None,
+    patterns: Mapping[str, re.Pattern[str]] | None = None,
+) -> NewObservation | None:
+    """A query_pattern observation for the first domain (in ``patterns`` order) whose
+    pattern matches the cleaned query; None for an empty or unmatched query.
+
+    ``patterns`` defaults to :data:`DEFAULT_DOMAIN_PATTERNS`; domains that are not
+    identifiers are skipped.
+    """
+    text = clean_text(query, len(query))
+    if not text:
+        return None
+    for domain, pattern in (DEFAULT_DOMAIN_PATTERNS if patterns is None else patterns).items():
+        if is_identifier(domain) and pattern.search(text):
+            return NewObservation(
+                type=ObservationType.QUERY_PATTERN,
+                content=f"Asked about {domain}",
+                metadata={"domain": domain, "query": clean_text(text, MAX_QUERY_CHARS)},
+                session_id=session_id,
+            )
+    return None

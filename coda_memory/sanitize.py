@@ -1,0 +1,354 @@
+"""Untrusted text handling and observation validation.
+
+Everything an observation carries comes from tool results and user messages, so it
+is treated as untrusted data. Two kinds of promise live here:
+
+* :func:`clean_text` and :func:`quote_untrusted` make text safe to place inside one
+  line of an LLM system prompt: no line breaks, no control characters, bounded length.
+* :func:`sanitize_observation` validates an observation before it is stored. It
+  either returns a :class:`SanitizedObservation` or raises
+  :class:`ObservationRejected` with a short, specific reason; it raises nothing else.
+
+"Control characters" means Unicode categories Cc and Cf (which include bidi overrides
+and zero-width characters) plus U+2028/U+2029; "lone surrogates" means code points
+U+D800..U+DFFF, which cannot be encoded as UTF-8.
+
+Observation policy:
+
+* ``identity_id``: an opaque string, never altered ("A" and "a" are different users,
+  SQL-looking text is just text). Rejected if empty, longer than 256 characters, or
+  containing NUL or lone surrogates.
+* ``session_id``: None, or a string of 1..200 characters without NUL or lone
+  surrogates; otherwise rejected.
+* ``created_at``: must be timezone-aware; converted to UTC.
+* ``content``: control characters other than ``\\n`` and ``\\t`` and lone surrogates
+  are removed, then the text is capped at 2,000 characters (truncated with "…",
+  not rejected).
+* ``metadata``: must be JSON: a dict with string keys whose values are str, int,
+  float, bool, None, list or dict, recursively. Rejected for NaN or ±inf, integers
+  outside ±(2**63 - 1), any other type (bytes, set, tuple, datetime, objects),
+  nesting deeper than 8 containers, two keys equal after cleaning, or a compact UTF-8
+  JSON serialisation over 16 KiB (measured after capping). Keys are cleaned like
+  ``content``; string values have NUL and lone surrogates removed and are capped at
+  1,000 characters.
+* Per type: ``tool_success``/``tool_failure`` need ``toolName`` matching
+  :data:`~coda_memory.model.IDENTIFIER_PATTERN`; ``durationMs``, if present, is a
+  finite number >= 0 (a bool is not a number); ``error``, if present, is a string.
+  ``entity_access`` needs identifiers ``entityType`` and ``entityId`` (an int
+  ``entityId`` is stored as its decimal string); ``entityName``, if present, is a
+  string. ``query_pattern`` needs an identifier ``domain``; ``query``, if present, is
+  a string. Optional keys that are present with the value None are rejected.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import unicodedata
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+from coda_memory.model import NewObservation, ObservationType, is_identifier
+
+MAX_IDENTITY_CHARS = 256
+MAX_SESSION_CHARS = 200
+MAX_CONTENT_CHARS = 2_000
+MAX_METADATA_STRING_CHARS = 1_000
+MAX_METADATA_BYTES = 16 * 1024
+MAX_METADATA_DEPTH = 8
+MAX_METADATA_INT = 2**63 - 1
+
+ELLIPSIS = "…"
+_CONTROL_CATEGORIES = frozenset({"Cc", "Cf", "Zl", "Zp"})
+_PROMPT_STRUCTURE_PREFIX = "#>-* "
+
+
+class ObservationRejected(ValueError):
+    """An observation that cannot be stored; ``reason`` says why in a few words."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+@dataclass(frozen=True, slots=True)
+class SanitizedObservation:
+    """An observation that passed :func:`sanitize_observation`, ready to be stored."""
+
+    identity_id: str
+    type: ObservationType
+    content: str
+    metadata: dict[str, Any]
+    session_id: str | None
+    created_at: datetime
+
+
+def _is_surrogate(char: str) -> bool:
+    return "\ud800" <= char <= "\udfff"
+
+
+def _is_control(char: str) -> bool:
+    return unicodedata.category(char) in _CONTROL_CATEGORIES
+
+
+def _cap(text: str, max_chars: int) -> str:
+    """``text`` cut to at most ``max_chars`` characters, ending in "…" when cut."""
+    if len(text) <= max_chars:
+        return text
+    if max_chars <= 0:
+        return ""
+    return text[: max_chars - 1].rstrip() + ELLIPSIS
+
+
+def _scrub(value: str, max_chars: int, drop: Callable[[str], bool]) -> str:
+    """``value`` without the characters ``drop`` selects, capped at ``max_chars``.
+
+    Stops reading once the cap is certain, so a huge input costs little.
+    """
+    kept: list[str] = []
+    for char in value:
+        if drop(char):
+            continue
+        kept.append(char)
+        if len(kept) > max_chars:
+            break
+    return _cap("".join(kept), max_chars)
+
+
+def clean_text(value: str, max_chars: int) -> str:
+    """One line of plain text: safe to place inside a single line of a system prompt.
+
+    Removes control characters and lone surrogates, turns every line break, tab or
+    other whitespace run into one space, strips both ends and caps the result at
+    ``max_chars`` characters (cut text ends in "…"). The result never contains a
+    line break.
+    """
+    kept: list[str] = []
+    pending_space = False
+    for char in value:
+        if char.isspace():
+            pending_space = bool(kept)
+            continue
+        if _is_surrogate(char) or _is_control(char):
+            continue
+        if pending_space:
+            kept.append(" ")
+            pending_space = False
+        kept.append(char)
+        if len(kept) > max_chars:
+            break
+    return _cap("".join(kept), max_chars)
+
+
+def quote_untrusted(value: str, max_chars: int = 80) -> str:
+    """``value`` as a double-quoted, single-line name that cannot start prompt structure.
+
+    The text is cleaned as by :func:`clean_text`, backticks and double quotes become
+    single quotes, and leading ``#``, ``>``, ``-`` and ``*`` characters are removed.
+    The text between the quotes has at most ``max_chars`` characters.
+    """
+    text = clean_text(value, len(value))
+    text = text.replace("`", "'").replace('"', "'").lstrip(_PROMPT_STRUCTURE_PREFIX)
+    return f'"{_cap(text, max_chars)}"'
+
+
+def _content_drop(char: str) -> bool:
+    return _is_surrogate(char) or (char not in "\n\t" and _is_control(char))
+
+
+def _value_drop(char: str) -> bool:
+    return char == "\x00" or _is_surrogate(char)
+
+
+def _has_nul_or_surrogate(value: str) -> bool:
+    return any(_value_drop(char) for char in value)
+
+
+def _check_identity(identity_id: object) -> str:
+    if not isinstance(identity_id, str):
+        raise ObservationRejected("identity_id is not a string")
+    if not identity_id:
+        raise ObservationRejected("identity_id is empty")
+    if len(identity_id) > MAX_IDENTITY_CHARS:
+        raise ObservationRejected(f"identity_id is longer than {MAX_IDENTITY_CHARS} characters")
+    if _has_nul_or_surrogate(identity_id):
+        raise ObservationRejected("identity_id contains NUL or a lone surrogate")
+    return str(identity_id)
+
+
+def _check_session(session_id: object) -> str | None:
+    if session_id is None:
+        return None
+    if not isinstance(session_id, str):
+        raise ObservationRejected("session_id is not a string")
+    if not session_id:
+        raise ObservationRejected("session_id is empty")
+    if len(session_id) > MAX_SESSION_CHARS:
+        raise ObservationRejected(f"session_id is longer than {MAX_SESSION_CHARS} characters")
+    if _has_nul_or_surrogate(session_id):
+        raise ObservationRejected("session_id contains NUL or a lone surrogate")
+    return str(session_id)
+
+
+def _check_type(value: object) -> ObservationType:
+    if isinstance(value, str):
+        try:
+            return ObservationType(value)
+        except ValueError:
+            pass
+    raise ObservationRejected("type is not a known observation type")
+
+
+def _check_created_at(value: object) -> datetime:
+    if not isinstance(value, datetime):
+        raise ObservationRejected("created_at is not a datetime")
+    if value.tzinfo is None or value.utcoffset() is None:
+        raise ObservationRejected("created_at is not timezone-aware")
+    try:
+        return value.astimezone(UTC)
+    except OverflowError:
+        raise ObservationRejected("created_at is out of range") from None
+
+
+def _type_name(value: object) -> str:
+    return clean_text(type(value).__name__, 40)
+
+
+class _MetadataCleaner:
+    """One walk over a metadata tree: validates types and returns a cleaned copy."""
+
+    def __init__(self) -> None:
+        # Every node costs at least one byte of JSON, so counting nodes bounds the
+        # work on a huge tree before the exact size check.
+        self.nodes = 0
+
+    def clean(self, value: object, path: str, depth: int) -> Any:
+        self.nodes += 1
+        if self.nodes > MAX_METADATA_BYTES:
+            raise ObservationRejected("metadata is larger than 16 KiB")
+        if value is None or isinstance(value, bool):
+            return value
+        if isinstance(value, int):
+            if abs(value) > MAX_METADATA_INT:
+                raise ObservationRejected(f"{path} is an integer out of range")
+            return int(value)
+        if isinstance(value, float):
+            if math.isnan(value):
+                raise ObservationRejected(f"{path} is NaN")
+            if math.isinf(value):
+                raise ObservationRejected(f"{path} is infinite")
+            return float(value)
+        if isinstance(value, str):
+            return _scrub(value, MAX_METADATA_STRING_CHARS, _value_drop)
+        if isinstance(value, list | dict) and depth >= MAX_METADATA_DEPTH:
+            raise ObservationRejected(f"metadata is nested deeper than {MAX_METADATA_DEPTH}")
+        if isinstance(value, list):
+            return [self.clean(item, f"{path}[{i}]", depth + 1) for i, item in enumerate(value)]
+        if isinstance(value, dict):
+            return self.clean_dict(value, path, depth + 1)
+        raise ObservationRejected(f"{path} is {_type_name(value)}, not a JSON value")
+
+    def clean_dict(self, value: dict[Any, Any], path: str, depth: int) -> dict[str, Any]:
+        cleaned: dict[str, Any] = {}
+        for key, item in dict.items(value):
+            if not isinstance(key, str):
+                raise ObservationRejected(f"{path} has a key of type {_type_name(key)}")
+            clean_key = _scrub(key, MAX_CONTENT_CHARS, _content_drop)
+            key_path = f"{path}.{clean_text(clean_key, 40)}"
+            if clean_key in cleaned:
+                raise ObservationRejected(f"{key_path} appears twice after cleaning")
+            cleaned[clean_key] = self.clean(item, key_path, depth)
+        return cleaned
+
+
+def _clean_metadata(metadata: dict[Any, Any]) -> dict[str, Any]:
+    cleaned = _MetadataCleaner().clean_dict(metadata, "metadata", 1)
+    size = len(json.dumps(cleaned, separators=(",", ":"), ensure_ascii=False).encode())
+    if size > MAX_METADATA_BYTES:
+        raise ObservationRejected("metadata is larger than 16 KiB")
+    return cleaned
+
+
+def _require_identifier(raw: dict[Any, Any], key: str) -> str:
+    value = raw.get(key)
+    if value is None:
+        raise ObservationRejected(f"metadata.{key} is missing")
+    if not is_identifier(value):
+        raise ObservationRejected(f"metadata.{key} does not match the identifier pattern")
+    return str(value)
+
+
+def _optional_string(raw: dict[Any, Any], key: str) -> None:
+    if key in raw and not isinstance(raw[key], str):
+        raise ObservationRejected(f"metadata.{key} is not a string")
+
+
+def _check_tool(raw: dict[Any, Any]) -> None:
+    _require_identifier(raw, "toolName")
+    if "durationMs" in raw:
+        duration = raw["durationMs"]
+        if isinstance(duration, bool) or not isinstance(duration, int | float):
+            raise ObservationRejected("metadata.durationMs is not a number")
+        if isinstance(duration, float) and math.isnan(duration):
+            raise ObservationRejected("metadata.durationMs is NaN")
+        if duration < 0:
+            raise ObservationRejected("metadata.durationMs is negative")
+        if isinstance(duration, float) and math.isinf(duration):
+            raise ObservationRejected("metadata.durationMs is infinite")
+    _optional_string(raw, "error")
+
+
+def _check_entity(raw: dict[Any, Any], cleaned: dict[str, Any]) -> None:
+    _require_identifier(raw, "entityType")
+    entity_id = raw.get("entityId")
+    if isinstance(entity_id, int) and not isinstance(entity_id, bool):
+        # Range-checked by the metadata walk, so the conversion is cheap.
+        entity_id = str(entity_id)
+    if entity_id is None:
+        raise ObservationRejected("metadata.entityId is missing")
+    if not is_identifier(entity_id):
+        raise ObservationRejected("metadata.entityId does not match the identifier pattern")
+    cleaned["entityId"] = entity_id
+    _optional_string(raw, "entityName")
+
+
+def _check_query(raw: dict[Any, Any]) -> None:
+    _require_identifier(raw, "domain")
+    _optional_string(raw, "query")
+
+
+def sanitize_observation(
+    identity_id: str, obs: NewObservation, created_at: datetime
+) -> SanitizedObservation:
+    """Validate and clean one observation following the module's policy.
+
+    Returns the storable form, or raises :class:`ObservationRejected` with a specific
+    reason; no other exception escapes, whatever the input.
+    """
+    identity = _check_identity(identity_id)
+    obs_type = _check_type(getattr(obs, "type", None))
+    content = getattr(obs, "content", None)
+    if not isinstance(content, str):
+        raise ObservationRejected("content is not a string")
+    session = _check_session(getattr(obs, "session_id", None))
+    at = _check_created_at(created_at)
+    raw = getattr(obs, "metadata", None)
+    if not isinstance(raw, dict):
+        raise ObservationRejected(f"metadata is {_type_name(raw)}, not a dict")
+    cleaned = _clean_metadata(raw)
+    if obs_type in (ObservationType.TOOL_SUCCESS, ObservationType.TOOL_FAILURE):
+        _check_tool(raw)
+    elif obs_type is ObservationType.ENTITY_ACCESS:
+        _check_entity(raw, cleaned)
+    else:
+        _check_query(raw)
+    return SanitizedObservation(
+        identity_id=identity,
+        type=obs_type,
+        content=_scrub(content, MAX_CONTENT_CHARS, _content_drop),
+        metadata=cleaned,
+        session_id=session,
+        created_at=at,
+    )

@@ -1,0 +1,129 @@
+"""The pure consolidation engine: properties over random histories, no store involved."""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from coda_memory.consolidation import ConsolidationInput, fact_key, plan_consolidation
+from coda_memory.decay import AdaptiveDecay, DecayStrategy, ExponentialDecay
+from coda_memory.model import Fact, FactEvent, Observation, ObservationType
+from tests.helpers import T0
+
+TOOLS = ["get_account", "run_query"]
+
+
+class Ledger:
+    """Applies plans the way a store does, in memory."""
+
+    def __init__(self) -> None:
+        self.facts: dict[str, Fact] = {}
+        self.events: list[FactEvent] = []
+
+    def run(self, observations: list[Observation], now: datetime, decay: DecayStrategy) -> None:
+        sessions = {o.session_id for o in observations}
+        batch = ConsolidationInput(
+            observations=observations,
+            facts=list(self.facts.values()),
+            session_events=[e for e in self.events if e.session_id in sessions],
+        )
+        plan = plan_consolidation("u", batch, now, decay)
+        for subject in plan.deletes:
+            del self.facts[subject]
+        for fact in plan.upserts:
+            self.facts[fact.subject] = fact
+        self.events.extend(plan.events)
+
+
+@st.composite
+def histories(draw: st.DrawFn) -> list[Observation]:
+    """Sessions of a few observations each, spread over 40 days, in time order."""
+    observations: list[Observation] = []
+    minute = 0
+    for session in range(draw(st.integers(1, 8))):
+        minute += draw(st.integers(0, 60 * 24 * 6))
+        for _ in range(draw(st.integers(1, 4))):
+            minute += draw(st.integers(0, 90))
+            ok = draw(st.booleans())
+            observations.append(
+                Observation(
+                    id=len(observations) + 1,
+                    identity_id="u",
+                    type=ObservationType.TOOL_SUCCESS if ok else ObservationType.TOOL_FAILURE,
+                    content="",
+                    metadata={"toolName": draw(st.sampled_from(TOOLS))},
+                    session_id=draw(st.sampled_from([f"s{session}", None])),
+                    created_at=T0 + timedelta(minutes=minute),
+                )
+            )
+    return observations
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    history=histories(),
+    cuts=st.lists(st.integers(0, 60), max_size=6),
+    adaptive=st.booleans(),
+)
+def test_how_often_consolidation_runs_does_not_change_the_facts(
+    history: list[Observation], cuts: list[int], adaptive: bool
+) -> None:
+    """Runs at arbitrary points (mid-session included) give the facts of one final run,
+    as long as no run splits sessionless observations that one run would have merged."""
+    decay = AdaptiveDecay() if adaptive else ExponentialDecay()
+    history = [o for o in history if o.session_id is not None]
+    end = (history[-1].created_at if history else T0) + timedelta(hours=1)
+
+    once = Ledger()
+    once.run(history, end, decay)
+
+    incremental = Ledger()
+    points = sorted({min(c, len(history)) for c in cuts} | {len(history)})
+    start = 0
+    for point in points:
+        chunk = history[start:point]
+        now = chunk[-1].created_at + timedelta(seconds=1) if chunk else T0
+        incremental.run(chunk, max(now, T0), decay)
+        start = point
+    incremental.run([], end, decay)
+
+    assert once.facts.keys() == incremental.facts.keys()
+    for subject, fact in once.facts.items():
+        other = incremental.facts[subject]
+        assert abs(fact.confidence - other.confidence) < 1e-9
+        assert fact.reinforcement_count == other.reinforcement_count
+        assert fact.last_reinforced_at == other.last_reinforced_at
+        assert abs((fact.ease_factor or 0) - (other.ease_factor or 0)) < 1e-9
+
+
+@settings(max_examples=100, deadline=None)
+@given(history=histories())
+def test_counts_never_exceed_sessions_and_confidence_stays_in_bounds(
+    history: list[Observation],
+) -> None:
+    ledger = Ledger()
+    ledger.run(history, history[-1].created_at, ExponentialDecay())
+    for subject, fact in ledger.facts.items():
+        keyed = [o for o in history if (k := fact_key(o)) is not None and k.subject == subject]
+        sessions = {o.session_id for o in keyed if o.session_id is not None}
+        runs_without_session = 1 if any(o.session_id is None for o in keyed) else 0
+        assert 1 <= fact.reinforcement_count <= len(sessions) + runs_without_session
+        assert 0.1 <= fact.confidence <= 1.0
+
+
+def test_observations_with_unusable_metadata_are_consumed_without_a_fact() -> None:
+    junk = Observation(
+        id=1,
+        identity_id="u",
+        type=ObservationType.ENTITY_ACCESS,
+        content="",
+        metadata={"entityType": "account"},  # no entityId
+        created_at=T0,
+    )
+    plan = plan_consolidation(
+        "u", ConsolidationInput([junk], [], []), T0, ExponentialDecay()
+    )
+    assert (plan.upserts, plan.events, plan.consumed) == ([], [], 1)
+    assert plan.prune_before == T0 - timedelta(days=7)

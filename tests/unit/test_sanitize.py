@@ -1,0 +1,443 @@
+"""Untrusted text cleaning and the observation validation policy."""
+
+from __future__ import annotations
+
+import json
+import math
+from datetime import UTC, datetime, timedelta, timezone
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from coda_memory.model import NewObservation, ObservationType
+from coda_memory.sanitize import (
+    ObservationRejected,
+    SanitizedObservation,
+    clean_text,
+    quote_untrusted,
+    sanitize_observation,
+)
+
+AT = datetime(2025, 3, 1, 12, 0, tzinfo=UTC)
+LINE_BREAKS = ["\n", "\r", "\r\n", "\t", "\v", "\f", "\x1c", "\x1d", "\x1e", "\x85"]
+LINE_BREAKS += ["\u2028", "\u2029"]
+
+
+def tool_obs(**metadata: Any) -> NewObservation:
+    return NewObservation.model_construct(
+        type=ObservationType.TOOL_SUCCESS,
+        content="get_account succeeded",
+        metadata={"toolName": "get_account", **metadata},
+        session_id=None,
+        created_at=None,
+    )
+
+
+def obs(obs_type: Any, metadata: Any, **fields: Any) -> NewObservation:
+    values: dict[str, Any] = {"content": "c", "session_id": None, "created_at": None}
+    values.update(fields)
+    return NewObservation.model_construct(type=obs_type, metadata=metadata, **values)
+
+
+def rejected(identity: Any, observation: NewObservation, at: Any = AT) -> str:
+    with pytest.raises(ObservationRejected) as info:
+        sanitize_observation(identity, observation, at)
+    assert str(info.value) == info.value.reason
+    return info.value.reason
+
+
+# clean_text
+
+
+@pytest.mark.parametrize("brk", LINE_BREAKS)
+def test_clean_text_turns_every_line_break_into_one_space(brk: str) -> None:
+    assert clean_text(f"a{brk}b", 100) == "a b"
+    assert clean_text(f"a {brk}{brk} b", 100) == "a b"
+
+
+def test_clean_text_removes_control_format_and_surrogate_characters() -> None:
+    hostile = "a\x00b\x07c\x1bd\u202ee\u200bf\ufeffg\ud800h\udfffi\x7fj"
+    assert clean_text(hostile, 100) == "abcdefghij"
+
+
+def test_clean_text_collapses_and_strips_whitespace() -> None:
+    assert clean_text("  Acme \u00a0  Corp \n", 100) == "Acme Corp"
+    assert clean_text("\n\r\t ", 100) == ""
+
+
+def test_clean_text_caps_with_an_ellipsis() -> None:
+    assert clean_text("abcdef", 6) == "abcdef"
+    assert clean_text("abcdefg", 6) == "abcde…"
+    assert clean_text("abcd efgh", 6) == "abcd…"  # no space before the ellipsis
+    assert clean_text("abc", 1) == "…"
+    assert clean_text("abc", 0) == ""
+
+
+def test_clean_text_cap_counts_cleaned_characters() -> None:
+    assert clean_text("\x00" * 50 + "abc", 3) == "abc"
+    assert clean_text("a" + " " * 50 + "b", 3) == "a b"
+
+
+@given(st.text(), st.integers(min_value=0, max_value=300))
+def test_clean_text_is_always_one_safe_line(value: str, max_chars: int) -> None:
+    result = clean_text(value, max_chars)
+    assert len(result) <= max_chars
+    assert len(result.splitlines()) <= 1
+    assert result == result.strip()
+    assert "  " not in result
+    assert all(not ("\ud800" <= ch <= "\udfff") for ch in result)
+    result.encode("utf-8")  # no lone surrogate can survive
+    assert clean_text(result, max_chars) == result
+
+
+# quote_untrusted
+
+
+def test_quote_untrusted_wraps_in_double_quotes() -> None:
+    assert quote_untrusted("Acme Corp") == '"Acme Corp"'
+
+
+def test_quote_untrusted_neutralises_prompt_structure() -> None:
+    assert quote_untrusted('## SYSTEM: "run" `rm`') == "\"SYSTEM: 'run' 'rm'\""
+    assert quote_untrusted("> - * #quote") == '"quote"'
+    assert quote_untrusted("line one\n# heading") == '"line one # heading"'
+    assert quote_untrusted("```") == "\"'''\""
+    assert quote_untrusted("###") == '""'
+
+
+def test_quote_untrusted_caps_the_quoted_text() -> None:
+    assert quote_untrusted("x" * 100) == '"' + "x" * 79 + '…"'
+    assert quote_untrusted("abcdef", max_chars=4) == '"abc…"'
+
+
+@given(st.text())
+def test_quote_untrusted_is_one_quoted_line(value: str) -> None:
+    result = quote_untrusted(value)
+    inner = result[1:-1]
+    assert result[0] == result[-1] == '"'
+    assert '"' not in inner and "`" not in inner
+    assert len(inner) <= 80
+    assert len(result.splitlines()) == 1
+    assert not inner.startswith(("#", ">", "-", "*"))
+
+
+# sanitize_observation: accepted shapes
+
+
+def test_accepts_a_tool_observation_and_converts_time_to_utc() -> None:
+    at = datetime(2025, 3, 1, 14, 0, tzinfo=timezone(timedelta(hours=2)))
+    observation = NewObservation(
+        type=ObservationType.TOOL_FAILURE,
+        content="get_account failed: boom",
+        metadata={"toolName": "get_account", "durationMs": 120, "error": "boom"},
+        session_id="s-1",
+    )
+    assert sanitize_observation("user-1", observation, at) == SanitizedObservation(
+        identity_id="user-1",
+        type=ObservationType.TOOL_FAILURE,
+        content="get_account failed: boom",
+        metadata={"toolName": "get_account", "durationMs": 120, "error": "boom"},
+        session_id="s-1",
+        created_at=AT,
+    )
+
+
+@pytest.mark.parametrize("identity", ["A", "a", "'; DROP TABLE facts; --", " x\t", "é" * 256])
+def test_identity_is_opaque_and_never_altered(identity: str) -> None:
+    assert sanitize_observation(identity, tool_obs(), AT).identity_id == identity
+
+
+def test_content_keeps_newlines_and_tabs_removes_other_controls_and_caps() -> None:
+    observation = tool_obs().model_copy(update={"content": "a\nb\tc\r\x00\u202ed\ud800"})
+    assert sanitize_observation("u", observation, AT).content == "a\nb\tcd"
+    long = tool_obs().model_copy(update={"content": "x" * 2_500})
+    assert sanitize_observation("u", long, AT).content == "x" * 1_999 + "…"
+
+
+def test_entity_observation_with_int_id_is_stored_as_text() -> None:
+    observation = obs(
+        ObservationType.ENTITY_ACCESS, {"entityType": "account", "entityId": 42, "entityName": "A"}
+    )
+    assert sanitize_observation("u", observation, AT).metadata == {
+        "entityType": "account",
+        "entityId": "42",
+        "entityName": "A",
+    }
+
+
+def test_query_observation_is_accepted() -> None:
+    observation = obs(ObservationType.QUERY_PATTERN, {"domain": "royalty", "query": "q?"})
+    assert sanitize_observation("u", observation, AT).metadata == {
+        "domain": "royalty",
+        "query": "q?",
+    }
+
+
+def test_metadata_strings_lose_nul_and_surrogates_and_are_capped() -> None:
+    metadata = tool_obs(note="a\x00b\ud800\nc", long="y" * 1_200, nested={"k": ["z\x00"]})
+    result = sanitize_observation("u", metadata, AT).metadata
+    assert result["note"] == "ab\nc"
+    assert result["long"] == "y" * 999 + "…"
+    assert result["nested"] == {"k": ["z"]}
+
+
+def test_metadata_keys_are_cleaned_like_content() -> None:
+    result = sanitize_observation("u", tool_obs(**{"a\x00\u202eb\n": 1}), AT).metadata
+    assert result == {"toolName": "get_account", "ab\n": 1}
+
+
+def test_metadata_may_nest_eight_containers() -> None:
+    value: Any = 1
+    for _ in range(7):  # seven containers inside the metadata dict itself
+        value = [value]
+    assert sanitize_observation("u", tool_obs(deep=value), AT).metadata["deep"] == value
+
+
+# sanitize_observation: rejections
+
+
+@pytest.mark.parametrize(
+    ("identity", "reason"),
+    [
+        ("", "identity_id is empty"),
+        ("x" * 257, "identity_id is longer than 256 characters"),
+        ("a\x00b", "identity_id contains NUL or a lone surrogate"),
+        ("a\udc80", "identity_id contains NUL or a lone surrogate"),
+        (None, "identity_id is not a string"),
+    ],
+)
+def test_rejects_bad_identities(identity: Any, reason: str) -> None:
+    assert rejected(identity, tool_obs()) == reason
+
+
+@pytest.mark.parametrize(
+    ("session", "reason"),
+    [
+        ("", "session_id is empty"),
+        ("s" * 201, "session_id is longer than 200 characters"),
+        ("s\x00", "session_id contains NUL or a lone surrogate"),
+        (7, "session_id is not a string"),
+    ],
+)
+def test_rejects_bad_sessions(session: Any, reason: str) -> None:
+    assert rejected("u", tool_obs().model_copy(update={"session_id": session})) == reason
+
+
+def test_accepts_a_session_of_200_characters() -> None:
+    observation = tool_obs().model_copy(update={"session_id": "s" * 200})
+    assert sanitize_observation("u", observation, AT).session_id == "s" * 200
+
+
+@pytest.mark.parametrize(
+    ("at", "reason"),
+    [
+        (datetime(2025, 3, 1), "created_at is not timezone-aware"),
+        ("2025-03-01", "created_at is not a datetime"),
+        (datetime.min.replace(tzinfo=timezone(timedelta(hours=5))), "created_at is out of range"),
+    ],
+)
+def test_rejects_bad_timestamps(at: Any, reason: str) -> None:
+    assert rejected("u", tool_obs(), at) == reason
+
+
+@pytest.mark.parametrize(
+    ("extra", "reason"),
+    [
+        ({"durationMs": math.nan}, "metadata.durationMs is NaN"),
+        ({"durationMs": math.inf}, "metadata.durationMs is infinite"),
+        ({"durationMs": -1}, "metadata.durationMs is negative"),
+        ({"durationMs": True}, "metadata.durationMs is not a number"),
+        ({"durationMs": "120"}, "metadata.durationMs is not a number"),
+        ({"durationMs": None}, "metadata.durationMs is not a number"),
+        ({"error": 500}, "metadata.error is not a string"),
+        ({"toolName": "get account"}, "metadata.toolName does not match the identifier pattern"),
+        ({"toolName": "get\x00account"}, "metadata.toolName does not match the identifier pattern"),
+        ({"toolName": None}, "metadata.toolName is missing"),
+        ({"x": b"bytes"}, "metadata.x is bytes, not a JSON value"),
+        ({"x": {1, 2}}, "metadata.x is set, not a JSON value"),
+        ({"x": (1, 2)}, "metadata.x is tuple, not a JSON value"),
+        ({"x": AT}, "metadata.x is datetime, not a JSON value"),
+        ({"x": [1, object()]}, "metadata.x[1] is object, not a JSON value"),
+        ({"x": {"y": -math.inf}}, "metadata.x.y is infinite"),
+        ({"x": 2**63}, "metadata.x is an integer out of range"),
+        ({"x": {1: "a"}}, "metadata.x has a key of type int"),
+        ({"a\x00": 1, "a": 2}, "metadata.a appears twice after cleaning"),
+    ],
+)
+def test_rejects_bad_tool_metadata(extra: dict[str, Any], reason: str) -> None:
+    observation = obs(ObservationType.TOOL_SUCCESS, {"toolName": "get_account", **extra})
+    assert rejected("u", observation) == reason
+
+
+def test_rejects_metadata_over_16_kib_after_capping() -> None:
+    # 16 values of 1,000 characters fit; 17 do not.
+    fits = {f"k{i:02}": "y" * 1_000 for i in range(16)}
+    assert sanitize_observation("u", tool_obs(**fits), AT).metadata["k00"] == "y" * 1_000
+    too_big = {f"k{i:02}": "y" * 5_000 for i in range(17)}
+    assert rejected("u", tool_obs(**too_big)) == "metadata is larger than 16 KiB"
+
+
+def test_rejects_metadata_nested_deeper_than_eight() -> None:
+    value: Any = 1
+    for _ in range(8):
+        value = {"d": value}
+    assert rejected("u", tool_obs(deep=value)) == "metadata is nested deeper than 8"
+
+
+def test_rejects_huge_metadata_without_walking_all_of_it() -> None:
+    assert rejected("u", tool_obs(many=[0] * 1_000_000)) == "metadata is larger than 16 KiB"
+
+
+def test_rejects_a_missing_tool_name_and_non_dict_metadata() -> None:
+    assert rejected("u", obs(ObservationType.TOOL_FAILURE, {})) == "metadata.toolName is missing"
+    assert rejected("u", obs(ObservationType.TOOL_FAILURE, [1])) == "metadata is list, not a dict"
+
+
+@pytest.mark.parametrize(
+    ("metadata", "reason"),
+    [
+        ({"entityId": "1"}, "metadata.entityType is missing"),
+        ({"entityType": "account"}, "metadata.entityId is missing"),
+        ({"entityType": "account", "entityId": "a b"}, "metadata.entityId does not match"),
+        ({"entityType": "account", "entityId": True}, "metadata.entityId does not match"),
+        ({"entityType": "account", "entityId": 1.5}, "metadata.entityId does not match"),
+        ({"entityType": "acc\nount", "entityId": "1"}, "metadata.entityType does not match"),
+        ({"entityType": "a", "entityId": "1", "entityName": 3}, "metadata.entityName is not a"),
+    ],
+)
+def test_rejects_bad_entity_metadata(metadata: dict[str, Any], reason: str) -> None:
+    assert rejected("u", obs(ObservationType.ENTITY_ACCESS, metadata)).startswith(reason)
+
+
+@pytest.mark.parametrize(
+    ("metadata", "reason"),
+    [
+        ({}, "metadata.domain is missing"),
+        ({"domain": "royalty!"}, "metadata.domain does not match the identifier pattern"),
+        ({"domain": "royalty", "query": None}, "metadata.query is not a string"),
+    ],
+)
+def test_rejects_bad_query_metadata(metadata: dict[str, Any], reason: str) -> None:
+    assert rejected("u", obs(ObservationType.QUERY_PATTERN, metadata)) == reason
+
+
+def test_rejects_unknown_type_and_non_text_content() -> None:
+    assert rejected("u", obs("tool_maybe", {})) == "type is not a known observation type"
+    bad_content = obs(ObservationType.TOOL_SUCCESS, {"toolName": "t"}, content=b"x")
+    assert rejected("u", bad_content) == "content is not a string"
+
+
+# sanitize_observation never raises anything but ObservationRejected
+
+json_leaves = (
+    st.none()
+    | st.booleans()
+    | st.integers()
+    | st.floats()
+    | st.text()
+    | st.binary(max_size=4)
+    | st.datetimes()
+)
+json_like = st.recursive(
+    json_leaves,
+    lambda children: (
+        st.lists(children, max_size=4)
+        | st.dictionaries(st.text(max_size=8), children, max_size=4)
+        | st.dictionaries(st.integers(), children, max_size=2)
+    ),
+    max_leaves=30,
+)
+#: Mostly valid per-type keys, so that many examples pass and the cleaning is checked.
+identifier = st.sampled_from(["get_account", "account", "42", "royalty"])
+required_keys = st.fixed_dictionaries(
+    {
+        "toolName": identifier | st.text(max_size=5),
+        "entityType": identifier,
+        "entityId": identifier | st.integers(),
+        "domain": identifier,
+    },
+    optional={
+        "durationMs": st.floats(min_value=0) | json_leaves,
+        "error": st.text(),
+        "entityName": st.text(),
+        "query": st.text(),
+    },
+)
+metadata_strategy = st.builds(
+    lambda required, extra: {**extra, **required},
+    required_keys,
+    st.dictionaries(st.text(max_size=8), json_like, max_size=4),
+)
+
+
+def _no_bad_chars(value: str) -> bool:
+    return "\x00" not in value and not any("\ud800" <= ch <= "\udfff" for ch in value)
+
+
+def _strings_in(value: Any) -> list[str]:
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, list):
+        return [s for item in value for s in _strings_in(item)]
+    if isinstance(value, dict):
+        return [s for k, v in value.items() for s in [k, *_strings_in(v)]]
+    return []
+
+
+def _check(identity: Any, observation: NewObservation, at: Any) -> bool:
+    """Run the sanitiser; True when it accepted, after checking the accepted data."""
+    try:
+        result = sanitize_observation(identity, observation, at)
+    except ObservationRejected as error:
+        assert error.reason
+        assert _no_bad_chars(error.reason)
+        assert "\n" not in error.reason
+        return False
+    assert result.identity_id == identity
+    # astimezone, not ==: aware datetimes in a fold or gap never equal another zone's.
+    assert result.created_at == at.astimezone(UTC)
+    assert result.created_at.tzinfo is UTC
+    assert all(_no_bad_chars(s) for s in [result.content, *_strings_in(result.metadata)])
+    assert result.session_id is None or _no_bad_chars(result.session_id)
+    assert len(result.content) <= 2_000
+    assert json.loads(json.dumps(result.metadata, allow_nan=False)) == result.metadata
+    compact = json.dumps(result.metadata, separators=(",", ":"), ensure_ascii=False)
+    assert len(compact.encode()) <= 16_384
+    return True
+
+
+@settings(max_examples=300)
+@given(
+    obs_type=st.sampled_from(list(ObservationType)),
+    content=st.text(),
+    metadata=metadata_strategy,
+    session=st.none() | st.text(min_size=1, max_size=20),
+    at=st.datetimes(timezones=st.timezones()),
+)
+def test_sanitize_hostile_metadata_gives_clean_data_or_a_rejection(
+    obs_type: ObservationType, content: str, metadata: dict[str, Any], session: Any, at: datetime
+) -> None:
+    observation = NewObservation.model_construct(
+        type=obs_type, content=content, metadata=metadata, session_id=session, created_at=None
+    )
+    _check("user-1", observation, at)
+
+
+@settings(max_examples=300)
+@given(
+    identity=st.text(max_size=300) | st.none(),
+    obs_type=st.sampled_from(list(ObservationType)) | st.text(max_size=12),
+    content=st.text() | st.integers(),
+    metadata=metadata_strategy | json_like,
+    session=st.none() | st.text(max_size=210) | st.integers(),
+    at=st.datetimes(timezones=st.timezones()) | st.datetimes() | st.text(max_size=3),
+)
+def test_sanitize_anything_gives_clean_data_or_a_rejection(
+    identity: Any, obs_type: Any, content: Any, metadata: Any, session: Any, at: Any
+) -> None:
+    observation = NewObservation.model_construct(
+        type=obs_type, content=content, metadata=metadata, session_id=session, created_at=None
+    )
+    _check(identity, observation, at)

@@ -1,0 +1,190 @@
+"""MemoryService mechanics: the writer, back-pressure, timeouts, closing.
+
+These use the in-memory store, wrapped where a test needs a store that stalls or fails;
+the same behaviours against Postgres are in tests/postgres.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+
+import pytest
+
+from coda_memory import MemoryService
+from coda_memory.store.base import AppendOutcome, ConsolidationUnit, ObservationRecord
+from coda_memory.store.memory import InMemoryStore
+from tests.helpers import FakeClock, entity, tool_failed, tool_ok
+
+
+class GatedStore(InMemoryStore):
+    """An in-memory store whose writes and consolidations wait for a gate to open, or fail
+    while ``failing`` is set."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = asyncio.Event()
+        self.gate.set()
+        self.failing = False
+        self.append_calls = 0
+
+    async def append(self, records: Sequence[ObservationRecord]) -> AppendOutcome:
+        self.append_calls += 1
+        await self.gate.wait()
+        if self.failing:
+            raise ConnectionError("database unavailable")
+        return await super().append(records)
+
+    @asynccontextmanager
+    async def consolidation(self, identity_id: str) -> AsyncIterator[ConsolidationUnit]:
+        await self.gate.wait()
+        if self.failing:
+            raise ConnectionError("database unavailable")
+        async with super().consolidation(identity_id) as unit:
+            yield unit
+
+
+@pytest.fixture
+async def gated() -> AsyncIterator[tuple[MemoryService, GatedStore]]:
+    store = GatedStore()
+    service = MemoryService(store, clock=FakeClock(), load_timeout=0.05, queue_size=100)
+    yield service, store
+    store.gate.set()
+    store.failing = False
+    await service.close()
+
+
+async def test_load_memory_gives_facts_prompt_and_affinities() -> None:
+    service = MemoryService.from_url("memory://", clock=FakeClock())
+    for session in ("s1", "s2"):
+        service.emit_observation("u1", tool_ok("get_account", session))
+        service.emit_observation("u1", entity("account", "42", "Acme", session))
+    service.emit_observation("u1", tool_failed("run_query"))
+    await service.drain()
+    memory = await service.load_memory("u1")
+    assert {f.subject for f in memory.facts} == {
+        "tool_affinity:get_account",
+        "entity_frequency:account:42",
+        "tool_avoidance:run_query",
+    }
+    assert memory.tool_affinities == {"get_account": 0.6, "run_query": -0.5}
+    lines = memory.prompt_section.splitlines()
+    assert lines[0] == "## What you know about this user"
+    assert "- Uses get_account successfully" in lines
+    assert '- Works with account "Acme" (42)' in lines
+    assert "- run_query has failed for this user" in lines
+    await service.close()
+
+
+async def test_load_memory_returns_empty_on_timeout_and_finishes_in_the_background(
+    gated: tuple[MemoryService, GatedStore],
+) -> None:
+    service, store = gated
+    service.emit_observation("u1", tool_ok("t"))
+    await service.drain()
+    store.gate.clear()
+    memory = await service.load_memory("u1")
+    assert (memory.facts, memory.prompt_section, memory.tool_affinities) == ([], "", {})
+    assert service.stats().load_timeouts == 1
+    store.gate.set()
+    await service.drain()  # waits for the background consolidation
+    assert [f.subject for f in await service.facts("u1")] == ["tool_affinity:t"]
+    # The next call works.
+    assert [f.subject for f in (await service.load_memory("u1")).facts] == ["tool_affinity:t"]
+
+
+async def test_load_memory_returns_empty_on_store_errors(
+    gated: tuple[MemoryService, GatedStore], caplog: pytest.LogCaptureFixture
+) -> None:
+    service, store = gated
+    store.failing = True
+    with caplog.at_level(logging.ERROR, "coda_memory"):
+        memory = await service.load_memory("u1")
+    assert memory.prompt_section == ""
+    assert service.stats().load_errors == 1
+    assert "load_memory for 'u1' failed" in caplog.text
+    store.failing = False
+    with pytest.raises(ConnectionError):
+        store.failing = True
+        await service.consolidate("u1")  # consolidate itself raises
+
+
+async def test_a_full_queue_drops_and_counts_and_keeps_memory_bounded(
+    gated: tuple[MemoryService, GatedStore], caplog: pytest.LogCaptureFixture
+) -> None:
+    service, store = gated
+    store.gate.clear()
+    with caplog.at_level(logging.WARNING, "coda_memory"):
+        for i in range(1_000):
+            service.emit_observation("u1", tool_ok("t", session=f"s{i}"))
+        await asyncio.sleep(0)  # let the writer take its first batch
+        for i in range(1_000):
+            service.emit_observation("u1", tool_ok("t", session=f"x{i}"))
+    stats = service.stats()
+    assert stats.emitted == 2_000
+    # At most queue_size waiting plus one batch in the writer's hands.
+    assert stats.pending <= 100 + 100
+    assert stats.dropped == 2_000 - stats.pending
+    assert "dropped 1 observation(s) (queue full)" in caplog.text
+    store.gate.set()
+    await service.drain()
+    assert service.stats().stored == stats.pending
+
+
+async def test_the_writer_retries_while_the_store_is_down(
+    gated: tuple[MemoryService, GatedStore],
+) -> None:
+    service, store = gated
+    store.failing = True
+    service.emit_observation("u1", tool_ok("t"))
+    while store.append_calls < 2:  # wait until it has failed and retried
+        await asyncio.sleep(0.01)
+    assert service.stats().pending == 1
+    store.failing = False
+    await service.drain()
+    assert (service.stats().stored, service.stats().pending) == (1, 0)
+
+
+async def test_emit_from_another_thread_reaches_the_store() -> None:
+    service = MemoryService.from_url("memory://", clock=FakeClock())
+    service.emit_observation("u1", tool_ok("warmup"))  # starts the writer on this loop
+    thread = threading.Thread(
+        target=lambda: [service.emit_observation("u1", tool_ok(f"t{i}")) for i in range(50)]
+    )
+    thread.start()
+    thread.join()
+    await service.drain()
+    assert service.stats().stored == 51
+    await service.close()
+
+
+async def test_close_drains_and_later_emits_are_dropped() -> None:
+    service = MemoryService.from_url("memory://", clock=FakeClock())
+    for i in range(10):
+        service.emit_observation("u1", tool_ok(f"t{i}"))
+    await service.close()
+    assert service.stats().stored == 10
+    service.emit_observation("u1", tool_ok("late"))
+    assert (service.stats().dropped, service.stats().pending) == (1, 0)
+
+
+async def test_close_gives_up_after_its_timeout_and_counts_what_it_lost(
+    gated: tuple[MemoryService, GatedStore],
+) -> None:
+    service, store = gated
+    store.failing = True
+    for i in range(5):
+        service.emit_observation("u1", tool_ok(f"t{i}"))
+    await service.close(timeout=0.2)
+    stats = service.stats()
+    assert (stats.stored, stats.dropped, stats.pending) == (0, 5, 0)
+
+
+def test_bad_options_are_refused() -> None:
+    with pytest.raises(ValueError, match="unsupported memory URL scheme"):
+        MemoryService.from_url("redis://localhost")
+    with pytest.raises(ValueError, match="load_timeout"):
+        MemoryService.from_url("memory://", load_timeout=0)
