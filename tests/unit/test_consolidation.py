@@ -122,8 +122,6 @@ def test_observations_with_unusable_metadata_are_consumed_without_a_fact() -> No
         metadata={"entityType": "account"},  # no entityId
         created_at=T0,
     )
-    plan = plan_consolidation(
-        "u", ConsolidationInput([junk], [], []), T0, ExponentialDecay()
-    )
+    plan = plan_consolidation("u", ConsolidationInput([junk], [], []), T0, ExponentialDecay())
     assert (plan.upserts, plan.events, plan.consumed) == ([], [], 1)
     assert plan.prune_before == T0 - timedelta(days=7)

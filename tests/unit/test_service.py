@@ -15,8 +15,8 @@ from contextlib import asynccontextmanager
 import pytest
 
 from coda_memory import MemoryService
-from coda_memory.store.base import AppendOutcome, ConsolidationUnit, ObservationRecord
-from coda_memory.store.memory import InMemoryStore
+from coda_memory.store.base import AppendOutcome, ObservationRecord
+from coda_memory.store.memory import InMemoryConsolidationUnit, InMemoryStore
 from tests.helpers import FakeClock, entity, tool_failed, tool_ok
 
 
@@ -39,7 +39,7 @@ class GatedStore(InMemoryStore):
         return await super().append(records)
 
     @asynccontextmanager
-    async def consolidation(self, identity_id: str) -> AsyncIterator[ConsolidationUnit]:
+    async def consolidation(self, identity_id: str) -> AsyncIterator[InMemoryConsolidationUnit]:
         await self.gate.wait()
         if self.failing:
             raise ConnectionError("database unavailable")
@@ -151,9 +151,12 @@ async def test_the_writer_retries_while_the_store_is_down(
 async def test_emit_from_another_thread_reaches_the_store() -> None:
     service = MemoryService.from_url("memory://", clock=FakeClock())
     service.emit_observation("u1", tool_ok("warmup"))  # starts the writer on this loop
-    thread = threading.Thread(
-        target=lambda: [service.emit_observation("u1", tool_ok(f"t{i}")) for i in range(50)]
-    )
+
+    def emit_many() -> None:
+        for i in range(50):
+            service.emit_observation("u1", tool_ok(f"t{i}"))
+
+    thread = threading.Thread(target=emit_many)
     thread.start()
     thread.join()
     await service.drain()

@@ -1,0 +1,11 @@
+"""Errors coda-memory raises on purpose; everything else is a bug or the driver's own."""
+
+from __future__ import annotations
+
+
+class CodaMemoryError(Exception):
+    """Base class of coda-memory's own errors."""
+
+
+class SchemaNotMigrated(CodaMemoryError):
+    """The database has no coda-memory tables: run the migrations first."""

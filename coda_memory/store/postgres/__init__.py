@@ -1,0 +1,8 @@
+"""The Postgres adapter: schema, repositories and the store (asyncpg via SQLAlchemy)."""
+
+from __future__ import annotations
+
+from coda_memory.store.postgres.repositories import Checkpoint
+from coda_memory.store.postgres.store import PostgresConsolidationUnit, PostgresStore
+
+__all__ = ["Checkpoint", "PostgresConsolidationUnit", "PostgresStore"]

@@ -1,0 +1,187 @@
+"""Migrations: one head, up/down round trips, no drift from schema.py, the programmatic API."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from alembic.script import ScriptDirectory
+from sqlalchemy import text
+
+from coda_memory.migrate import alembic_config, migrate, migrate_async
+from coda_memory.store.postgres.schema import (
+    metadata,
+    schema_translate_map,
+    validate_schema_name,
+)
+from tests.postgres.helpers import engine, fetch
+
+REPOSITORY = Path(__file__).resolve().parents[2]
+TABLES = ["checkpoints", "fact_events", "facts", "observations"]
+
+#: The newest revision. A new migration updates this pin on purpose.
+HEAD = "0001"
+
+
+def alembic(url: str, *args: str, schema: str | None = None) -> subprocess.CompletedProcess[str]:
+    """Run the alembic command line from the repository root, as a developer would."""
+    executable = Path(sys.executable).with_name("alembic")
+    command = [str(executable)] if executable.exists() else [sys.executable, "-m", "alembic"]
+    env = {**os.environ, "CODA_MEMORY_DATABASE_URL": url}
+    env.pop("CODA_MEMORY_SCHEMA", None)
+    if schema is not None:
+        env["CODA_MEMORY_SCHEMA"] = schema
+    return subprocess.run(
+        [*command, *args], cwd=REPOSITORY, env=env, capture_output=True, text=True, check=False
+    )
+
+
+def tables_in(url: str, schema: str) -> list[str]:
+    rows = asyncio.run(
+        fetch(
+            url,
+            "SELECT tablename FROM pg_tables WHERE schemaname = :schema ORDER BY tablename",
+            schema=schema,
+        )
+    )
+    return [row[0] for row in rows]
+
+
+def version_in(url: str, schema: str) -> list[str]:
+    table = f"{validate_schema_name(schema)}.alembic_version"
+    rows = asyncio.run(fetch(url, f"SELECT version_num FROM {table}"))
+    return [row[0] for row in rows]
+
+
+def test_there_is_a_single_head_and_it_is_pinned() -> None:
+    scripts = ScriptDirectory.from_config(alembic_config())
+
+    assert scripts.get_heads() == [HEAD]
+    assert [s.revision for s in scripts.walk_revisions()][-1] == "0001"
+
+
+def test_the_repository_alembic_ini_uses_the_packaged_migrations() -> None:
+    link = REPOSITORY / "migrations"
+
+    assert link.is_symlink()
+    assert link.resolve() == (REPOSITORY / "coda_memory" / "migrations").resolve()
+
+
+def test_upgrade_downgrade_upgrade_and_no_drift(empty_pg_url: str) -> None:
+    upgraded = alembic(empty_pg_url, "upgrade", "head")
+    assert upgraded.returncode == 0, upgraded.stderr
+    assert tables_in(empty_pg_url, "coda_memory") == ["alembic_version", *TABLES]
+    assert version_in(empty_pg_url, "coda_memory") == [HEAD]
+
+    downgraded = alembic(empty_pg_url, "downgrade", "base")
+    assert downgraded.returncode == 0, downgraded.stderr
+    assert tables_in(empty_pg_url, "coda_memory") == ["alembic_version"]
+    assert version_in(empty_pg_url, "coda_memory") == []
+
+    again = alembic(empty_pg_url, "upgrade", "head")
+    assert again.returncode == 0, again.stderr
+    assert tables_in(empty_pg_url, "coda_memory") == ["alembic_version", *TABLES]
+
+    # The host application's own tables are none of autogenerate's business.
+    asyncio.run(fetch(empty_pg_url, "CREATE TABLE public.host_orders (id int PRIMARY KEY)"))
+    check = alembic(empty_pg_url, "check")
+    assert check.returncode == 0, check.stderr
+    assert "No new upgrade operations detected" in check.stdout + check.stderr
+
+
+def test_check_reports_drift(empty_pg_url: str) -> None:
+    migrate(empty_pg_url)
+    asyncio.run(fetch(empty_pg_url, "DROP INDEX coda_memory.ix_observations_identity_id_xid"))
+
+    check = alembic(empty_pg_url, "check")
+
+    assert check.returncode != 0
+    assert "ix_observations_identity_id_xid" in check.stdout + check.stderr
+
+
+def test_migrate_creates_everything_in_the_coda_memory_schema(empty_pg_url: str) -> None:
+    # A host application's own Alembic history, in the default schema.
+    create = "CREATE TABLE public.alembic_version (version_num varchar(32) PRIMARY KEY)"
+    asyncio.run(fetch(empty_pg_url, create))
+    asyncio.run(fetch(empty_pg_url, "INSERT INTO public.alembic_version VALUES (:v)", v="host"))
+
+    migrate(empty_pg_url)
+    migrate(empty_pg_url)  # idempotent
+
+    assert tables_in(empty_pg_url, "coda_memory") == ["alembic_version", *TABLES]
+    assert version_in(empty_pg_url, "coda_memory") == [HEAD]
+    assert version_in(empty_pg_url, "public") == ["host"]
+    assert tables_in(empty_pg_url, "public") == ["alembic_version"]
+
+
+async def test_migrate_async_into_a_custom_schema(empty_pg_url: str) -> None:
+    await migrate_async(empty_pg_url, schema="tenant_two")
+
+    rows = await fetch(
+        empty_pg_url,
+        "SELECT schemaname, count(*) FROM pg_tables "
+        "WHERE schemaname NOT IN ('pg_catalog', 'information_schema') GROUP BY schemaname",
+    )
+    assert rows == [("tenant_two", 5)]
+    assert (await fetch(empty_pg_url, "SELECT version_num FROM tenant_two.alembic_version")) == [
+        (HEAD,)
+    ]
+
+
+def test_the_cli_honours_coda_memory_schema(empty_pg_url: str) -> None:
+    upgraded = alembic(empty_pg_url, "upgrade", "head", schema="tenant_three")
+    assert upgraded.returncode == 0, upgraded.stderr
+    assert tables_in(empty_pg_url, "tenant_three") == ["alembic_version", *TABLES]
+    assert tables_in(empty_pg_url, "coda_memory") == []
+
+    check = alembic(empty_pg_url, "check", schema="tenant_three")
+    assert check.returncode == 0, check.stderr
+
+
+NAMES = """
+SELECT c.conname FROM pg_constraint c
+JOIN pg_class r ON r.oid = c.conrelid
+JOIN pg_namespace n ON n.oid = r.relnamespace
+WHERE n.nspname = :schema AND r.relname <> 'alembic_version'
+UNION ALL
+SELECT indexname FROM pg_indexes WHERE schemaname = :schema AND tablename <> 'alembic_version'
+ORDER BY 1
+"""
+
+
+async def test_migrated_names_match_the_naming_convention(empty_pg_url: str) -> None:
+    """Constraint and index names from the migrations equal those schema.py produces."""
+    await migrate_async(empty_pg_url)
+    own = engine(empty_pg_url)
+    try:
+        async with own.begin() as conn:
+            await conn.execute(text("CREATE SCHEMA mirror"))
+            mirrored = await conn.execution_options(
+                schema_translate_map=schema_translate_map("mirror")
+            )
+            await mirrored.run_sync(metadata.create_all)
+    finally:
+        await own.dispose()
+    expected = await fetch(empty_pg_url, NAMES, schema="mirror")
+    migrated = await fetch(empty_pg_url, NAMES, schema="coda_memory")
+
+    assert migrated == expected
+    assert ("ck_facts_confidence",) in migrated
+
+
+def test_offline_mode_emits_the_ddl() -> None:
+    sql = alembic("postgresql://offline.invalid/db", "upgrade", "head", "--sql")
+
+    assert sql.returncode == 0, sql.stderr
+    assert "CREATE SCHEMA IF NOT EXISTS coda_memory" in sql.stdout
+    assert "CREATE TABLE coda_memory.observations" in sql.stdout
+    assert "SET LOCAL lock_timeout" in sql.stdout
+
+
+def test_invalid_schema_names_never_reach_the_database() -> None:
+    with pytest.raises(ValueError, match="schema name"):
+        migrate("postgresql://unreachable.invalid/db", schema="x; DROP SCHEMA public")

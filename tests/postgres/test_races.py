@@ -1,0 +1,258 @@
+"""Exactly-once consolidation on Postgres under concurrency, late commits, clock skew,
+killed connections and locks. Every test uses real separate connections."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections.abc import AsyncIterator
+
+import asyncpg
+import pytest
+
+from coda_memory import Fact, FactEventKind, MemoryService
+from tests.helpers import T0, FakeClock, domain, entity, tool_failed, tool_ok
+
+pytestmark = pytest.mark.postgres
+
+
+def dsn(url: str) -> str:
+    """A libpq-style DSN for asyncpg from a SQLAlchemy URL."""
+    return url.replace("postgresql+asyncpg://", "postgresql://", 1)
+
+
+@pytest.fixture
+async def admin(pg_url: str) -> AsyncIterator[asyncpg.Connection]:
+    connection = await asyncpg.connect(dsn(pg_url))
+    yield connection
+    await connection.close()
+
+
+def summary(facts: list[Fact]) -> list[tuple[str, int, float, object]]:
+    return [
+        (f.subject, f.reinforcement_count, round(f.confidence, 12), f.last_reinforced_at)
+        for f in facts
+    ]
+
+
+def emit_sessions(service: MemoryService, identity: str, sessions: range) -> None:
+    for i in sessions:
+        session = f"s{i}"
+        service.emit_observation(identity, tool_ok("get_account", session))
+        service.emit_observation(identity, entity("account", str(i % 3), None, session))
+        if i % 4 == 0:
+            service.emit_observation(identity, tool_failed("run_query", session))
+            service.emit_observation(identity, domain("royalty", session))
+
+
+async def serial_result(clock: FakeClock, sessions: range) -> list[Fact]:
+    """What one consolidation over the same observations gives on the in-memory store."""
+    reference = MemoryService.from_url("memory://", clock=clock)
+    emit_sessions(reference, "u1", sessions)
+    await reference.drain()
+    facts = await reference.consolidate("u1")
+    await reference.close()
+    return facts
+
+
+async def test_32_concurrent_consolidations_from_4_services_give_the_serial_result(
+    pg_url: str, clock: FakeClock
+) -> None:
+    services = [MemoryService.from_url(pg_url, clock=clock, pool_size=8) for _ in range(4)]
+    try:
+        emit_sessions(services[0], "u1", range(40))
+        await services[0].drain()
+        results = await asyncio.gather(*(services[i % 4].consolidate("u1") for i in range(32)))
+        expected = summary(await serial_result(clock, range(40)))
+        # Every run returns the facts as they are after the one that consumed the batch.
+        for result in results:
+            assert summary(result) == expected
+        history = await services[1].history("u1")
+        reinforcing = [e for e in history if e.kind is not FactEventKind.EXPIRED]
+        assert len(reinforcing) == len({(e.subject, e.session_id) for e in reinforcing})
+    finally:
+        for service in services:
+            await service.close()
+
+
+async def test_observations_written_while_consolidations_loop_count_exactly_once(
+    pg_url: str, clock: FakeClock
+) -> None:
+    writer = MemoryService.from_url(pg_url, clock=clock, batch_size=7)
+    consolidators = [MemoryService.from_url(pg_url, clock=clock) for _ in range(2)]
+    done = asyncio.Event()
+
+    async def write() -> None:
+        for i in range(300):
+            writer.emit_observation("u1", tool_ok("t", session=f"s{i}"))
+            if i % 10 == 0:
+                await writer.drain()
+        await writer.drain()
+        done.set()
+
+    seen: list[int] = []
+
+    async def loop(service: MemoryService) -> None:
+        while not done.is_set():
+            facts = await service.consolidate("u1")
+            seen.append(facts[0].reinforcement_count if facts else 0)
+
+    try:
+        await asyncio.gather(write(), *(loop(s) for s in consolidators))
+        # Consolidations really ran while observations were arriving.
+        assert len({count for count in seen if 0 < count < 300}) > 2
+        (fact,) = await consolidators[0].consolidate("u1")
+        assert fact.reinforcement_count == 300
+        sessions = [e.session_id or "" for e in await writer.history("u1")]
+        assert sorted(sessions) == sorted(f"s{i}" for i in range(300))
+    finally:
+        for service in (writer, *consolidators):
+            await service.close()
+
+
+async def test_an_observation_committed_during_a_consolidation_is_counted_next_time(
+    pg_url: str, clock: FakeClock, admin: asyncpg.Connection
+) -> None:
+    service = MemoryService.from_url(pg_url, clock=clock)
+    try:
+        service.emit_observation("u1", tool_ok("t", session="s1"))
+        await service.drain()
+        # Another app server's transaction inserts an observation and stays open while
+        # the consolidation runs.
+        late = admin.transaction()
+        await late.start()
+        await admin.execute(
+            "INSERT INTO coda_memory.observations "
+            "(identity_id, type, content, metadata, session_id, created_at) "
+            "VALUES ($1, 'tool_success', 'late', $2::jsonb, 's2', $3)",
+            "u1",
+            '{"toolName": "t"}',
+            T0,
+        )
+        (fact,) = await service.consolidate("u1")
+        assert fact.reinforcement_count == 1
+        await late.commit()
+        (fact,) = await service.consolidate("u1")
+        assert fact.reinforcement_count == 2
+        (fact,) = await service.consolidate("u1")
+        assert fact.reinforcement_count == 2
+    finally:
+        await service.close()
+
+
+async def test_an_observation_stamped_before_the_checkpoint_is_counted_once(
+    pg_url: str, clock: FakeClock
+) -> None:
+    service = MemoryService.from_url(pg_url, clock=clock)
+    try:
+        clock.advance(days=1)
+        service.emit_observation("u1", tool_ok("t", session="s1"))
+        await service.drain()
+        await service.consolidate("u1")
+        clock.advance(hours=1)
+        # A skewed app server stamps its observation a day before the last consolidation.
+        service.emit_observation("u1", tool_ok("t", session="s2", at=T0))
+        await service.drain()
+        for _ in range(3):
+            (fact,) = await service.consolidate("u1")
+            assert fact.reinforcement_count == 2
+    finally:
+        await service.close()
+
+
+async def test_connections_killed_mid_consolidation_never_leave_partial_state(
+    pg_url: str, clock: FakeClock, admin: asyncpg.Connection
+) -> None:
+    rng = random.Random(20261130)
+    service = MemoryService.from_url(pg_url, clock=clock)
+    database = await admin.fetchval("SELECT current_database()")
+    outcomes = {"committed": 0, "killed": 0}
+    try:
+        for round_ in range(25):
+            emit_sessions(service, "u1", range(round_ * 4, round_ * 4 + 4))
+            await service.drain()
+            clock.advance(hours=3)
+            task = asyncio.create_task(service.consolidate("u1"))
+            await asyncio.sleep(rng.uniform(0, 0.01))  # a random moment to strike
+            await admin.execute(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                "WHERE datname = $1 AND pid <> pg_backend_pid()",
+                database,
+            )
+            try:
+                await task
+                outcomes["committed"] += 1
+            except Exception:
+                outcomes["killed"] += 1
+        final = await service.consolidate("u1")
+    finally:
+        await service.close()
+    assert outcomes["killed"] > 0, outcomes
+    # A killed run that left anything behind would double count a session here.
+    expected = MemoryService.from_url("memory://", clock=clock)
+    for round_ in range(25):
+        emit_sessions(expected, "u1", range(round_ * 4, round_ * 4 + 4))
+    await expected.drain()
+    counts = {f.subject: f.reinforcement_count for f in final}
+    assert counts == {f.subject: f.reinforcement_count for f in await expected.consolidate("u1")}
+    await expected.close()
+
+
+async def test_load_memory_under_an_access_exclusive_lock_returns_empty_and_recovers(
+    pg_url: str, clock: FakeClock, admin: asyncpg.Connection
+) -> None:
+    service = MemoryService.from_url(pg_url, clock=clock, load_timeout=0.1)
+    try:
+        service.emit_observation("u1", tool_ok("t"))
+        await service.drain()
+        lock = admin.transaction()
+        await lock.start()
+        await admin.execute("LOCK TABLE coda_memory.checkpoints IN ACCESS EXCLUSIVE MODE")
+        started = time.monotonic()
+        memory = await asyncio.wait_for(service.load_memory("u1"), 10)
+        elapsed = time.monotonic() - started
+        assert (memory.facts, memory.prompt_section) == ([], "")
+        assert service.stats().load_timeouts == 1
+        assert elapsed < 5  # it came back on its timeout, not when the lock went away
+        await lock.rollback()
+        await service.drain()  # the background consolidation completes
+        database = await admin.fetchval("SELECT current_database()")
+        lingering = await admin.fetch(
+            "SELECT state, backend_xid FROM pg_stat_activity "
+            "WHERE datname = $1 AND pid <> pg_backend_pid() AND state <> 'idle'",
+            database,
+        )
+        assert lingering == []
+        locks = await admin.fetchval(
+            "SELECT count(*) FROM pg_locks l JOIN pg_stat_activity a USING (pid) "
+            "WHERE a.datname = $1 AND a.pid <> pg_backend_pid()",
+            database,
+        )
+        assert locks == 0
+        memory = await service.load_memory("u1")
+        assert [f.subject for f in memory.facts] == ["tool_affinity:t"]
+    finally:
+        await service.close()
+
+
+async def test_the_service_recovers_after_its_connections_are_killed(
+    pg_url: str, clock: FakeClock, admin: asyncpg.Connection
+) -> None:
+    service = MemoryService.from_url(pg_url, clock=clock)
+    try:
+        service.emit_observation("u1", tool_ok("t"))
+        await service.drain()
+        await service.consolidate("u1")
+        database = await admin.fetchval("SELECT current_database()")
+        await admin.execute(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+            "WHERE datname = $1 AND pid <> pg_backend_pid()",
+            database,
+        )
+        service.emit_observation("u1", tool_ok("u", session="s2"))
+        await service.drain()
+        memory = await service.load_memory("u1")
+        assert {f.subject for f in memory.facts} == {"tool_affinity:t", "tool_affinity:u"}
+    finally:
+        await service.close()
