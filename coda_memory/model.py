@@ -153,7 +153,6 @@ class FactEvent(BaseModel):
     quality: float | None = None
     hits: int = 0
     trials: int = 0
-    created_before: UtcDatetime | None = None
 
 
 class LoadedMemory(BaseModel):

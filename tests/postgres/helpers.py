@@ -94,7 +94,6 @@ def event(
         quality=1.0,
         hits=1,
         trials=1,
-        created_before=None,
     )
 
 

@@ -115,7 +115,6 @@ def upgrade() -> None:
         sa.Column("quality", sa.Double(), nullable=True),
         sa.Column("hits", sa.Integer(), nullable=False),
         sa.Column("trials", sa.Integer(), nullable=False),
-        _timestamp("created_before", nullable=True),
         _timestamp("recorded_at"),
         sa.PrimaryKeyConstraint("identity_id", "id", name=op.f("pk_fact_events")),
         sa.CheckConstraint(CATEGORIES, name=op.f("ck_fact_events_category")),

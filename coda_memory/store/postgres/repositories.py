@@ -135,7 +135,6 @@ _EVENT_FIELDS = (
     "quality",
     "hits",
     "trials",
-    "created_before",
 )
 
 

@@ -148,7 +148,6 @@ fact_events = Table(
     Column("quality", Double, nullable=True),
     Column("hits", Integer, nullable=False),
     Column("trials", Integer, nullable=False),
-    Column("created_before", DateTime(timezone=True), nullable=True),
     # The consolidation's ``now``: when the event was written, as opposed to ``at``.
     Column("recorded_at", DateTime(timezone=True), nullable=False),
     PrimaryKeyConstraint("identity_id", "id"),
