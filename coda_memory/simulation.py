@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import random
 import re
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
@@ -131,6 +132,8 @@ class SessionRecord:
     question: str
     memory: LoadedMemory
     tools_called: list[tuple[str, bool]]
+    #: Wall-clock milliseconds the session's ``load_memory`` took.
+    load_ms: float = 0.0
 
 
 @dataclass
@@ -153,7 +156,9 @@ async def run_session(
 ) -> SessionRecord:
     """One request of the agent server: load memory, search tools, call them, emit."""
     session_id = f"{persona.identity_id}-{session_index}"
+    started = time.perf_counter()
     memory = await service.load_memory(persona.identity_id)
+    load_ms = (time.perf_counter() - started) * 1000
     question = rng.choice(persona.questions)
     observation = query_pattern_observation(question, session_id=session_id)
     if observation is not None:
@@ -177,7 +182,7 @@ async def run_session(
                 service.emit_observation(persona.identity_id, obs)
     for obs in tool_observations(uses, results, timings, session_id=session_id):
         service.emit_observation(persona.identity_id, obs)
-    return SessionRecord(persona.identity_id, day, question, memory, called)
+    return SessionRecord(persona.identity_id, day, question, memory, called, load_ms)
 
 
 async def simulate(
@@ -188,8 +193,10 @@ async def simulate(
     personas: tuple[Persona, ...] = PERSONAS,
     seed: int = 7,
     on_session: Callable[[SessionRecord], None] | None = None,
+    start: datetime = START,
 ) -> list[SessionRecord]:
-    """Run ``days`` simulated days of sessions; returns every session's record."""
+    """Run ``days`` simulated days of sessions from ``start``; returns every session's
+    record (``day`` counts days from ``start``)."""
     rng = random.Random(seed)
     records: list[SessionRecord] = []
     counters = dict.fromkeys((p.identity_id for p in personas), 0)
@@ -197,7 +204,7 @@ async def simulate(
         for persona in personas:
             if rng.random() >= persona.activity:
                 continue
-            clock.now = START + timedelta(days=day, hours=rng.randint(0, 9))
+            clock.now = start + timedelta(days=day, hours=rng.randint(0, 9))
             counters[persona.identity_id] += 1
             record = await run_session(
                 service, clock, persona, day, counters[persona.identity_id], rng

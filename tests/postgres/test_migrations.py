@@ -21,10 +21,22 @@ from coda_memory.store.postgres.schema import (
 from tests.postgres.helpers import engine, fetch
 
 REPOSITORY = Path(__file__).resolve().parents[2]
-TABLES = ["checkpoints", "fact_events", "facts", "observations"]
+TABLES = [
+    "checkpoints",
+    "domain_daily",
+    "domain_users",
+    "entity_daily",
+    "entity_users",
+    "fact_events",
+    "facts",
+    "observations",
+    "tool_daily",
+    "tool_durations",
+    "tool_users",
+]
 
 #: The newest revision. A new migration updates this pin on purpose.
-HEAD = "0001"
+HEAD = "0002"
 
 
 def alembic(url: str, *args: str, schema: str | None = None) -> subprocess.CompletedProcess[str]:
@@ -126,7 +138,7 @@ async def test_migrate_async_into_a_custom_schema(empty_pg_url: str) -> None:
         "SELECT schemaname, count(*) FROM pg_tables "
         "WHERE schemaname NOT IN ('pg_catalog', 'information_schema') GROUP BY schemaname",
     )
-    assert rows == [("tenant_two", 5)]
+    assert rows == [("tenant_two", len(TABLES) + 1)]
     assert (await fetch(empty_pg_url, "SELECT version_num FROM tenant_two.alembic_version")) == [
         (HEAD,)
     ]

@@ -1,9 +1,11 @@
 """Appending observations: one binary COPY, and bisection when a row is refused.
 
-The whole batch goes in one transaction. When the server (or asyncpg's encoder) refuses
-a row, the batch is split in halves, each copied under a savepoint, until every refused
-row is isolated; the good rows commit together. A connection error propagates with
-nothing stored, so the caller can retry the batch without duplicating rows.
+The whole batch goes in one transaction, with the rollup of the rows it stored (see
+:mod:`~coda_memory.store.postgres.rollup`). When the server (or asyncpg's encoder) refuses
+a row, that transaction is rolled back and the batch is copied again, split in halves,
+each under a savepoint, until every refused row is isolated; the good rows and their
+rollup commit together. A connection error propagates with nothing stored, so the caller
+can retry the batch without duplicating rows.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from typing import Any
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from coda_memory.store.base import AppendOutcome, ObservationRecord
+from coda_memory.store.postgres.rollup import connection_shard, write_rollup
 from coda_memory.store.postgres.schema import observations
 
 _COLUMNS = ("identity_id", "type", "content", "metadata", "session_id", "created_at")
@@ -37,9 +40,18 @@ def _reason(exc: BaseException) -> str:
     return lines[0] if lines else type(exc).__name__
 
 
+def _sqlstate(exc: BaseException) -> str | None:
+    """The SQLSTATE of a server error, raised by asyncpg or wrapped by SQLAlchemy."""
+    for error in (exc, getattr(exc, "orig", None)):
+        sqlstate = getattr(error, "sqlstate", None)
+        if isinstance(sqlstate, str):
+            return sqlstate
+    return None
+
+
 def _is_row_error(exc: BaseException) -> bool:
     """True when ``exc`` blames the rows rather than the connection or the schema."""
-    sqlstate = getattr(exc, "sqlstate", None)
+    sqlstate = _sqlstate(exc)
     if isinstance(sqlstate, str):
         return sqlstate[:2] in _ROW_ERROR_CLASSES
     # Raised by asyncpg's encoders before the row reaches the server (e.g. a lone
@@ -95,26 +107,44 @@ async def _bisect(driver: Any, schema: str, rows: list[_Row]) -> list[tuple[int,
     return []
 
 
+async def _store(
+    conn: AsyncConnection, driver: Any, schema: str, rows: list[_Row]
+) -> list[tuple[int, str]]:
+    """Copy ``rows`` and write their rollup in one transaction; return the refused rows'
+    (index, reason) pairs. The caller commits."""
+    # Opens the transaction (asyncpg's COPY below does not go through SQLAlchemy).
+    shard = await connection_shard(conn)
+    refused: list[tuple[int, str]] = []
+    try:
+        # The common case: one COPY.
+        await _copy(driver, schema, rows)
+    except Exception as exc:
+        if not _is_row_error(exc):
+            raise
+        await conn.rollback()
+        shard = await connection_shard(conn)  # reopens the transaction
+        refused = await _bisect(driver, schema, rows)
+    blamed = {index for index, _ in refused}
+    stored = [row for row in rows if row.index not in blamed]
+    await write_rollup(conn, shard, [(row.values[0], row.values[1]) for row in stored])
+    return refused
+
+
 async def append_observations(
     conn: AsyncConnection, schema: str, records: Sequence[ObservationRecord]
 ) -> AppendOutcome:
-    """Store ``records`` through ``conn``'s driver connection (asyncpg), in ``schema``."""
+    """Store ``records`` through ``conn``'s driver connection (asyncpg), in ``schema``,
+    with their rollup, and commit."""
     rows, refused = _encode(records)
     if rows:
         raw = await conn.get_raw_connection()
         driver: Any = raw.driver_connection  # asyncpg.Connection
         try:
-            try:
-                # The common case: one COPY, atomic on its own.
-                await _copy(driver, schema, rows)
-            except Exception as exc:
-                if not _is_row_error(exc):
-                    raise
-                async with driver.transaction():
-                    refused += await _bisect(driver, schema, rows)
+            refused += await _store(conn, driver, schema, rows)
+            await conn.commit()
         except BaseException as exc:
             # Anything but a server-reported error leaves the session in an unknown state.
-            if getattr(exc, "sqlstate", None) is None or driver.is_closed():
+            if _sqlstate(exc) is None or driver.is_closed():
                 await conn.invalidate()
             raise
     refused.sort()

@@ -2,8 +2,10 @@
 
 Every table lives in the schema ``coda_memory``; another schema name is applied at run
 time through ``schema_translate_map`` (see :func:`schema_translate_map`), never by building
-SQL strings. Tables are sharded by identity (Citus-style): every primary key and unique
-constraint starts with ``identity_id`` and every per-identity statement filters on it.
+SQL strings. Tables holding an identity's data are sharded by identity (Citus-style): their
+primary key starts with ``identity_id`` and every per-identity statement filters on it. The
+global rollup tables (``*_daily``, ``tool_durations``) hold anonymous counts keyed by day;
+:mod:`coda_memory.store.postgres.rollup` explains them.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from sqlalchemy import (
     BigInteger,
     CheckConstraint,
     Column,
+    Date,
     DateTime,
     Double,
     Identity,
@@ -22,6 +25,7 @@ from sqlalchemy import (
     Integer,
     MetaData,
     PrimaryKeyConstraint,
+    SmallInteger,
     Table,
     Text,
     text,
@@ -127,6 +131,20 @@ facts = Table(
     CheckConstraint(_one_of("category", FactCategory), name="category"),
     CheckConstraint("confidence >= 0 AND confidence <= 1", name="confidence"),
     CheckConstraint("reinforcement_count >= 1", name="reinforcement_count"),
+    # Analytics: per-category aggregation (tools, entities) and fact_summary read these
+    # instead of the table, and never visit the heap once the visibility map is set.
+    Index(
+        None,
+        "category",
+        "subject",
+        postgresql_include=["confidence", "confidence_at", "ease_factor"],
+    ),
+    Index(
+        None,
+        "category",
+        "identity_id",
+        postgresql_include=["confidence", "confidence_at", "ease_factor"],
+    ),
 )
 
 fact_events = Table(
@@ -172,4 +190,89 @@ checkpoints = Table(
     Column("runs", BigInteger, nullable=False, server_default=text("0")),
     Column("observations_consumed", BigInteger, nullable=False, server_default=text("0")),
     PrimaryKeyConstraint("identity_id"),
+)
+
+
+# The rollup: usage counts that outlive the raw observations (see store/postgres/rollup.py).
+
+#: Calls of each tool per UTC day, and the identities whose latest call of it was that day.
+tool_daily = Table(
+    "tool_daily",
+    metadata,
+    Column("day", Date, nullable=False),
+    Column("tool_name", Text, nullable=False),
+    Column("shard", SmallInteger, nullable=False),
+    Column("successes", BigInteger, nullable=False),
+    Column("failures", BigInteger, nullable=False),
+    Column("latest_users", BigInteger, nullable=False),
+    PrimaryKeyConstraint("day", "tool_name", "shard"),
+)
+
+#: Calls per tool, UTC day and duration bucket (log scale, see rollup.duration_bucket).
+tool_durations = Table(
+    "tool_durations",
+    metadata,
+    Column("day", Date, nullable=False),
+    Column("tool_name", Text, nullable=False),
+    Column("shard", SmallInteger, nullable=False),
+    Column("bucket", SmallInteger, nullable=False),
+    Column("calls", BigInteger, nullable=False),
+    PrimaryKeyConstraint("day", "tool_name", "shard", "bucket"),
+)
+
+#: The last UTC day each identity called each tool (and the day before that change).
+tool_users = Table(
+    "tool_users",
+    metadata,
+    Column("identity_id", Text, nullable=False),
+    Column("tool_name", Text, nullable=False),
+    Column("last_day", Date, nullable=False),
+    Column("previous_day", Date, nullable=True),
+    PrimaryKeyConstraint("identity_id", "tool_name"),
+)
+
+#: Accesses of each entity per UTC day, and the identities whose latest access was that day.
+entity_daily = Table(
+    "entity_daily",
+    metadata,
+    Column("day", Date, nullable=False),
+    Column("entity_type", Text, nullable=False),
+    Column("entity_id", Text, nullable=False),
+    Column("accesses", BigInteger, nullable=False),
+    Column("latest_users", BigInteger, nullable=False),
+    PrimaryKeyConstraint("day", "entity_type", "entity_id"),
+)
+
+#: The last UTC day each identity accessed each entity (and the day before that change).
+entity_users = Table(
+    "entity_users",
+    metadata,
+    Column("identity_id", Text, nullable=False),
+    Column("entity_type", Text, nullable=False),
+    Column("entity_id", Text, nullable=False),
+    Column("last_day", Date, nullable=False),
+    Column("previous_day", Date, nullable=True),
+    PrimaryKeyConstraint("identity_id", "entity_type", "entity_id"),
+)
+
+#: Queries per domain and UTC day, and the distinct identities that asked them that day.
+domain_daily = Table(
+    "domain_daily",
+    metadata,
+    Column("day", Date, nullable=False),
+    Column("domain", Text, nullable=False),
+    Column("shard", SmallInteger, nullable=False),
+    Column("queries", BigInteger, nullable=False),
+    Column("users", BigInteger, nullable=False),
+    PrimaryKeyConstraint("day", "domain", "shard"),
+)
+
+#: The UTC days on which each identity asked about each domain.
+domain_users = Table(
+    "domain_users",
+    metadata,
+    Column("identity_id", Text, nullable=False),
+    Column("domain", Text, nullable=False),
+    Column("day", Date, nullable=False),
+    PrimaryKeyConstraint("identity_id", "domain", "day"),
 )

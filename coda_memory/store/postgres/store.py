@@ -51,6 +51,7 @@ from coda_memory.store.postgres.repositories import (
     FactRepository,
     ObservationRepository,
 )
+from coda_memory.store.postgres.rollup import forget_identity
 from coda_memory.store.postgres.schema import DEFAULT_SCHEMA, validate_schema_name
 
 DEFAULT_LOCK_TIMEOUT = timedelta(seconds=5)
@@ -240,6 +241,8 @@ class PostgresStore:
                 await FactEventRepository(conn).delete_identity(identity_id)
                 await FactRepository(conn).delete_identity(identity_id)
                 await ObservationRepository(conn).delete_identity(identity_id)
+                # The identity's rows of the analytics rollup; anonymous counts stay.
+                await forget_identity(conn, identity_id)
 
     async def close(self) -> None:
         await self.engine.dispose()

@@ -1,0 +1,303 @@
+"""Commands over the whole store: migrate, demo, consolidate, prune, stats."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from sqlalchemy.exc import DBAPIError
+
+from coda_memory.cli.app import (
+    DecayName,
+    DecayOption,
+    FormatOption,
+    OutputFormat,
+    SchemaOption,
+    UrlOption,
+    app,
+    decay_strategy,
+)
+from coda_memory.cli.output import (
+    add_row,
+    fmt_bytes,
+    make_console,
+    new_table,
+    print_json,
+)
+from coda_memory.cli.runtime import (
+    check_reachable,
+    describe,
+    fail,
+    head_label,
+    open_store,
+    parse_duration,
+    require_identity,
+    resolve_target,
+    run,
+)
+from coda_memory.service import MemoryService
+from coda_memory.store.postgres import maintenance
+from coda_memory.store.postgres.schema import DEFAULT_SCHEMA
+
+#: SQLSTATE of "lock_timeout expired".
+_LOCK_NOT_AVAILABLE = "55P03"
+
+
+@app.command()
+def migrate(url: UrlOption = None, schema: SchemaOption = DEFAULT_SCHEMA) -> None:
+    """Create or upgrade coda-memory's tables, then print the schema's revision."""
+
+    async def main() -> str | None:
+        target = resolve_target(url, schema)
+        from coda_memory.migrate import migrate_async
+
+        async with open_store(target, migrated=False) as store:
+            await migrate_async(target.url, schema=target.schema)
+            return await maintenance.schema_revision(store)
+
+    revision = run(main, schema)
+    typer.echo(f"schema {schema} is at revision {revision} ({head_label(revision)})")
+
+
+@app.command()
+def demo(
+    url: UrlOption = None,
+    out: Annotated[
+        Path, typer.Option("--out", help="Directory for the demo's charts.", file_okay=False)
+    ] = Path("coda-memory-demo"),
+    days: Annotated[
+        int, typer.Option("--days", min=1, max=120, hidden=True, help="Simulated days.")
+    ] = 30,
+) -> None:
+    """A simulated month of agent sessions with memory at work (a fresh schema each run)."""
+    from coda_memory.demo import DEMO_SCHEMA, run_demo
+
+    started = time.perf_counter()
+    console = make_console()
+    if not console.is_terminal:
+        console.width = 100  # piped to a file: the width the output is written for
+
+    async def main() -> None:
+        target = resolve_target(url, DEMO_SCHEMA, announce=False)
+        await check_reachable(target)
+        await run_demo(target, out=out, days=days, console=console, started=started)
+
+    run(main, DEMO_SCHEMA)
+
+
+@app.command()
+def consolidate(
+    identity: Annotated[
+        str | None, typer.Argument(help="The identity to consolidate (or --all).")
+    ] = None,
+    all_identities: Annotated[
+        bool, typer.Option("--all", help="Every identity with pending observations.")
+    ] = False,
+    workers: Annotated[
+        int, typer.Option("--workers", "-w", min=1, max=64, help="Concurrent consolidations.")
+    ] = 4,
+    lock_wait: Annotated[
+        str,
+        typer.Option(
+            "--lock-wait",
+            help="How long to wait for an identity that live traffic is consolidating "
+            "before retrying (3 attempts, then it is reported as busy).",
+        ),
+    ] = "5s",
+    retention: Annotated[
+        str, typer.Option("--retention", help="Keep consumed observations this long.")
+    ] = "7d",
+    url: UrlOption = None,
+    schema: SchemaOption = DEFAULT_SCHEMA,
+    decay: DecayOption = DecayName.EXPONENTIAL,
+) -> None:
+    """Consolidate pending observations into facts, now.
+
+    Each identity is consolidated atomically and idempotently, exactly as load_memory
+    does, so this is safe beside live traffic and resumable: after an interruption,
+    run it again and it carries on with what is still pending. An identity that live
+    traffic is consolidating holds a row lock; this waits for it (--lock-wait), retries,
+    and reports the identity as busy if it is still locked. Exit 1 if any identity failed.
+    """
+    if (identity is None) == (not all_identities):
+        fail("give either an IDENTITY or --all", 2)
+
+    async def main() -> _Summary:
+        target = resolve_target(url, schema)
+        wait = parse_duration(lock_wait, "--lock-wait")
+        keep = parse_duration(retention, "--retention")
+        async with open_store(target, pool_size=workers, lock_timeout=wait) as store:
+            service = MemoryService(store, decay=decay_strategy(decay), retention=keep)
+            if identity is not None:
+                await require_identity(store, identity)
+                identities = [identity]
+            else:
+                with make_console(stderr=True).status(
+                    "finding identities with pending observations"
+                ):
+                    identities = await maintenance.pending_identities(store)
+            try:
+                return await _consolidate_each(service, identities, workers)
+            finally:
+                await service.close()
+
+    summary = run(main, schema)
+    _print_summary(summary, all_identities)
+    if summary.failed:
+        raise typer.Exit(1)
+
+
+@dataclass
+class _Summary:
+    identities: int
+    consolidated: int = 0
+    facts: int = 0
+    busy: list[str] = field(default_factory=list)
+    failed: list[tuple[str, str]] = field(default_factory=list)
+
+
+def _is_lock_timeout(exc: BaseException) -> bool:
+    orig = exc.orig if isinstance(exc, DBAPIError) else exc
+    return getattr(orig, "sqlstate", None) == _LOCK_NOT_AVAILABLE
+
+
+async def _consolidate_each(
+    service: MemoryService, identities: Sequence[str], workers: int
+) -> _Summary:
+    summary = _Summary(identities=len(identities))
+    if not identities:
+        return summary
+    queue = iter(identities)
+    progress = Progress(
+        TextColumn("consolidating"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("identities"),
+        TimeElapsedColumn(),
+        console=make_console(stderr=True),
+    )
+    task = progress.add_task("consolidating", total=len(identities))
+
+    async def worker() -> None:
+        for identity_id in queue:  # one iterator shared by the workers
+            for attempt in range(3):
+                try:
+                    facts = await service.consolidate(identity_id)
+                except Exception as exc:
+                    if _is_lock_timeout(exc) and attempt < 2:
+                        continue
+                    if _is_lock_timeout(exc):
+                        summary.busy.append(identity_id)
+                    else:
+                        summary.failed.append((identity_id, describe(exc)))
+                else:
+                    summary.consolidated += 1
+                    summary.facts += len(facts)
+                break
+            progress.advance(task)
+
+    with progress:
+        await asyncio.gather(*(worker() for _ in range(min(workers, len(identities)))))
+    return summary
+
+
+def _print_summary(summary: _Summary, all_identities: bool) -> None:
+    if all_identities and summary.identities == 0:
+        typer.echo("nothing to consolidate: no identity has pending observations")
+        return
+    busy, failed = summary.busy, summary.failed
+    typer.echo(
+        f"consolidated {summary.consolidated} of {summary.identities} identities: "
+        f"{summary.facts} active facts, {len(failed)} failed, {len(busy)} busy"
+    )
+    for identity_id in busy[:10]:
+        typer.echo(f"  busy (still locked by live traffic, rerun later): {identity_id!r}")
+    for identity_id, reason in failed[:10]:
+        typer.echo(f"  failed: {identity_id!r}: {reason}", err=True)
+    if len(failed) > 10:
+        typer.echo(f"  … and {len(failed) - 10} more failures", err=True)
+
+
+@app.command()
+def prune(
+    older_than: Annotated[
+        str, typer.Option("--older-than", help="Delete consumed observations older than this.")
+    ] = "7d",
+    batch_size: Annotated[
+        int, typer.Option("--batch-size", min=1, max=10_000, help="Identities per transaction.")
+    ] = 100,
+    url: UrlOption = None,
+    schema: SchemaOption = DEFAULT_SCHEMA,
+) -> None:
+    """Delete old observations that consolidation has already consumed.
+
+    Observations not yet consolidated are never deleted, however old. Identities are
+    pruned in batches of their own short transactions; an identity being consolidated
+    at that moment is skipped (its consolidation prunes it anyway).
+    """
+
+    async def main() -> maintenance.PruneOutcome:
+        target = resolve_target(url, schema)
+        age = parse_duration(older_than, "--older-than")
+        async with open_store(target) as store:
+            total = await maintenance.count_checkpointed(store)
+            progress = Progress(
+                TextColumn("pruning"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn("identities"),
+                TimeElapsedColumn(),
+                console=make_console(stderr=True),
+            )
+            task = progress.add_task("pruning", total=total)
+            with progress:
+                return await maintenance.prune_consolidated(
+                    store,
+                    before=datetime.now(UTC) - age,
+                    batch_size=batch_size,
+                    on_batch=lambda visited, _: progress.advance(task, visited),
+                )
+
+    outcome = run(main, schema)
+    busy = f", {outcome.busy} busy (skipped)" if outcome.busy else ""
+    typer.echo(
+        f"pruned {outcome.deleted} consolidated observations older than {older_than} "
+        f"({outcome.identities} identities{busy})"
+    )
+
+
+@app.command()
+def stats(
+    url: UrlOption = None,
+    schema: SchemaOption = DEFAULT_SCHEMA,
+    output: FormatOption = OutputFormat.TABLE,
+) -> None:
+    """Identities, observations (and how many are pending), facts, events, sizes."""
+
+    async def main() -> maintenance.StoreStats:
+        target = resolve_target(url, schema)
+        async with open_store(target) as store:
+            return await maintenance.store_stats(store)
+
+    result = run(main, schema)
+    if output is OutputFormat.JSON:
+        print_json(result.model_dump(mode="json"))
+        return
+    table = new_table(f"coda-memory in schema {result.schema_name}", [("", "left"), ("", "right")])
+    table.show_header = False
+    add_row(table, "schema revision", f"{result.revision} ({head_label(result.revision)})")
+    add_row(table, "identities", f"{result.identities:,}")
+    add_row(table, "observations", f"{result.observations:,}")
+    add_row(table, "  pending (not consolidated)", f"{result.pending_observations:,}")
+    add_row(table, "facts", f"{result.facts:,}")
+    add_row(table, "fact events", f"{result.fact_events:,}")
+    for name, size in result.table_bytes.items():
+        add_row(table, f"size of {name}", fmt_bytes(size))
+    make_console().print(table)

@@ -1,0 +1,255 @@
+"""Commands about one identity: facts, prompt, history, forget."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+from datetime import UTC, datetime
+from typing import Annotated
+
+import typer
+from rich.table import Table
+from rich.text import Text
+
+from coda_memory.cli.app import (
+    DecayName,
+    DecayOption,
+    FormatOption,
+    IdentityArgument,
+    OutputFormat,
+    PlotOption,
+    SchemaOption,
+    UrlOption,
+    app,
+    decay_strategy,
+)
+from coda_memory.cli.output import (
+    add_row,
+    checked_plot_path,
+    draw_plot_or_exit,
+    dump,
+    fmt_number,
+    fmt_time,
+    make_console,
+    new_table,
+    note,
+    print_json,
+)
+from coda_memory.cli.runtime import (
+    CliError,
+    fail,
+    open_store,
+    require_identity,
+    resolve_target,
+    run,
+)
+from coda_memory.model import Fact, FactEvent, FactEventKind
+from coda_memory.prompt import format_memory_section
+from coda_memory.service import MemoryService
+from coda_memory.store.postgres import maintenance
+from coda_memory.store.postgres.schema import DEFAULT_SCHEMA
+
+
+@app.command()
+def facts(
+    identity: IdentityArgument,
+    url: UrlOption = None,
+    schema: SchemaOption = DEFAULT_SCHEMA,
+    decay: DecayOption = DecayName.EXPONENTIAL,
+    output: FormatOption = OutputFormat.TABLE,
+) -> None:
+    """The identity's active facts, with their confidence now."""
+
+    async def main() -> tuple[list[Fact], int]:
+        target = resolve_target(url, schema)
+        async with open_store(target) as store:
+            await require_identity(store, identity)
+            service = MemoryService(store, decay=decay_strategy(decay))
+            return await service.facts(identity), await maintenance.pending_observations(
+                store, identity
+            )
+
+    active, pending = run(main, schema)
+    if output is OutputFormat.JSON:
+        print_json(dump(active))
+        return
+    ranked = sorted(active, key=lambda f: (-f.confidence, f.subject))
+    console = make_console()
+    # On a narrow terminal the content goes under the subject, and the category (the
+    # subject's prefix) goes.
+    wide = console.width >= 140
+    columns = [("subject", "left"), ("category", "left")] if wide else [("subject", "left")]
+    columns += [("confidence", "right"), ("reinforced", "right"), ("last reinforced", "left")]
+    table = new_table(f"Facts of {identity!r} (confidence now)", [*columns, ("content", "left")])
+    if not wide:
+        table.columns.pop()
+        table.columns[0].header = "subject / content"
+    for fact in ranked:
+        numbers = [
+            fmt_number(fact.confidence),
+            str(fact.reinforcement_count),
+            fmt_time(fact.last_reinforced_at),
+        ]
+        if wide:
+            add_row(table, fact.subject, fact.category.value, *numbers, fact.content)
+        else:
+            cell = Text(fact.subject)
+            cell.append("\n" + fact.content, style="dim")
+            add_row(table, cell, *numbers)
+    if ranked:
+        console.print(table)
+    else:
+        typer.echo(f"{identity!r} has no active facts")
+    if pending:
+        note(f"{pending} observations are not consolidated yet: coda-memory consolidate …")
+
+
+@app.command()
+def prompt(
+    identity: IdentityArgument,
+    budget: Annotated[int, typer.Option("--budget", min=1, help="Token budget.")] = 300,
+    url: UrlOption = None,
+    schema: SchemaOption = DEFAULT_SCHEMA,
+    decay: DecayOption = DecayName.EXPONENTIAL,
+) -> None:
+    """The memory section the agent gets in its system prompt, exactly (no consolidation)."""
+
+    async def main() -> str:
+        target = resolve_target(url, schema)
+        async with open_store(target) as store:
+            await require_identity(store, identity)
+            service = MemoryService(store, decay=decay_strategy(decay))
+            return format_memory_section(await service.facts(identity), budget)
+
+    section = run(main, schema)
+    if section:
+        typer.echo(section)
+    else:
+        note(f"{identity!r} has no active facts: the memory section is empty")
+
+
+@app.command()
+def history(
+    identity: IdentityArgument,
+    subject: Annotated[
+        str | None, typer.Argument(help="One fact's subject, e.g. tool_affinity:run_sql.")
+    ] = None,
+    plot: PlotOption = None,
+    url: UrlOption = None,
+    schema: SchemaOption = DEFAULT_SCHEMA,
+    decay: DecayOption = DecayName.EXPONENTIAL,
+    output: FormatOption = OutputFormat.TABLE,
+) -> None:
+    """Why the facts exist: every create, reinforce, extend and expire, in order.
+
+    With --plot (and a SUBJECT), draw the fact's confidence over time.
+    """
+    if plot is not None and subject is None:
+        fail("--plot needs a SUBJECT (one fact)", 2)
+
+    async def main() -> list[FactEvent]:
+        target = resolve_target(url, schema)
+        checked_plot_path(plot)
+        async with open_store(target) as store:
+            await require_identity(store, identity)
+            events = await store.history(identity, subject)
+        if subject is not None and not events:
+            raise CliError(f"unknown subject for {identity!r}: {subject!r}")
+        return events
+
+    events = run(main, schema)
+    if plot is not None:
+        from coda_memory.plots import plot_fact_history
+
+        draw_plot_or_exit(
+            lambda: plot_fact_history(
+                events,
+                decay_strategy(decay),
+                plot,
+                until=datetime.now(UTC),
+                title=f"{subject} for {identity!r}",
+            )
+        )
+    if output is OutputFormat.JSON:
+        print_json(dump(events))
+        return
+    if not events:
+        typer.echo(f"{identity!r} has no fact history")
+        return
+    threshold = decay_strategy(decay).expiry_threshold
+    make_console().print(_history_table(identity, subject, events, threshold))
+
+
+def _change(before: float | None, after: float | None, digits: int = 2) -> str:
+    return f"{fmt_number(before, digits)} → {fmt_number(after, digits)}"
+
+
+def _history_table(
+    identity: str, subject: str | None, events: Sequence[FactEvent], threshold: float
+) -> Table:
+    columns = [("time (UTC)", "left"), ("event", "left")]
+    if subject is None:
+        columns.append(("subject", "left"))
+    columns += [
+        ("session", "left"),
+        ("confidence", "left"),
+        ("count", "left"),
+        ("quality", "right"),
+    ]
+    title = f"History of {subject} for {identity!r}" if subject else f"History of {identity!r}"
+    table = new_table(title, columns)
+    for event in events:
+        quality = (
+            ""
+            if event.kind is FactEventKind.EXPIRED or event.quality is None
+            else f"{event.quality:.2f} ({event.hits}/{event.trials})"
+        )
+        cells = [fmt_time(event.at), event.kind.value]
+        if subject is None:
+            cells.append(event.subject)
+        count = f"{event.count_before or '-'} → {event.count_after or '-'}"
+        # An expiry is dated when the confidence crossed the threshold; its recorded
+        # confidence is the one the consolidation that noticed it computed, later.
+        change = (
+            f"fell below {threshold:g}"
+            if event.kind is FactEventKind.EXPIRED
+            else _change(event.confidence_before, event.confidence_after)
+        )
+        cells += [event.session_id or "", change, count, quality]
+        add_row(table, *cells)
+    return table
+
+
+@app.command()
+def forget(
+    identity: IdentityArgument,
+    yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask for confirmation.")] = False,
+    url: UrlOption = None,
+    schema: SchemaOption = DEFAULT_SCHEMA,
+) -> None:
+    """Erase everything about an identity: observations, facts, history and checkpoint."""
+    if not yes and not stdin_is_interactive():
+        fail("refusing to forget without confirmation: stdin is not a terminal; pass --yes", 2)
+
+    async def main() -> bool:
+        target = resolve_target(url, schema)
+        async with open_store(target) as store:
+            await require_identity(store, identity)
+            question = (
+                f"Erase every observation, fact and fact event of {identity!r} "
+                f"in {target.display} (schema {target.schema})?"
+            )
+            if not yes and not typer.confirm(question, default=False):
+                return False
+            await store.forget(identity)
+            return True
+
+    if run(main, schema):
+        typer.echo(f"forgot {identity!r}")
+    else:
+        fail("not confirmed: nothing was erased")
+
+
+def stdin_is_interactive() -> bool:
+    """True when a person can answer a confirmation prompt."""
+    return sys.stdin is not None and sys.stdin.isatty()

