@@ -125,6 +125,14 @@ def clean_text(value: str, max_chars: int) -> str:
     ``max_chars`` characters (cut text ends in "…"). The result never contains a
     line break.
     """
+    if value.isascii() and value.isprintable():
+        # The common case, and a hot path of the prompt section: printable ASCII has no
+        # control characters and no whitespace but the plain space.
+        return _cap(" ".join(value.split()), max_chars)
+    return _clean_text_slow(value, max_chars)
+
+
+def _clean_text_slow(value: str, max_chars: int) -> str:
     kept: list[str] = []
     pending_space = False
     for char in value:

@@ -43,7 +43,7 @@ from contextlib import AbstractAsyncContextManager
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import asyncpg
 import psutil
@@ -51,7 +51,12 @@ from sqlalchemy.engine import URL, make_url
 
 from coda_memory import MemoryService, NewObservation, ObservationType
 from coda_memory.migrate import migrate_async
-from coda_memory.store.base import AppendOutcome, ConsolidationUnit, ObservationRecord
+from coda_memory.store.base import (
+    AppendOutcome,
+    ConsolidationUnit,
+    MemoryStore,
+    ObservationRecord,
+)
 from coda_memory.store.postgres import PostgresStore
 from coda_memory.store.postgres.engine import asyncpg_url
 
@@ -1161,7 +1166,8 @@ async def ingest_section(db: Database, sizes: Sizes, report: Report) -> None:
 
 
 class StalledStore:
-    """A store whose ``append`` never completes: the writer stalls on its first batch."""
+    """A store whose ``append`` never completes: the writer stalls on its first batch.
+    The service only ever calls ``append`` and ``close`` on it."""
 
     async def append(self, records: Sequence[ObservationRecord]) -> AppendOutcome:
         await asyncio.Event().wait()
@@ -1181,6 +1187,10 @@ class StalledStore:
 
     async def close(self) -> None:
         return None
+
+
+def stalled_store() -> MemoryStore:
+    return cast(MemoryStore, StalledStore())
 
 
 def _sample_observation() -> NewObservation:
@@ -1219,7 +1229,7 @@ async def emit_cost(sizes: Sizes, report: Report) -> None:
         in_loop: list[float] = []
         no_loop: list[float] = []
         for _ in range(3):
-            service = MemoryService(StalledStore(), queue_size=calls + 10)
+            service = MemoryService(stalled_store(), queue_size=calls + 10)
             service.emit_observation("user-1", observation)
             await asyncio.sleep(0)  # the writer starts and stalls on its first batch
             in_loop.append(
@@ -1228,7 +1238,7 @@ async def emit_cost(sizes: Sizes, report: Report) -> None:
                 )
             )
             await service.close(timeout=0.01)
-            outside = MemoryService(StalledStore(), queue_size=calls + 10)
+            outside = MemoryService(stalled_store(), queue_size=calls + 10)
             no_loop.append(
                 await asyncio.to_thread(
                     _time_calls,
@@ -2124,12 +2134,38 @@ STATEMENT_LABELS: tuple[tuple[str, str], ...] = (
 )
 
 
+_NAMED_STATEMENTS: dict[str, str] = {}
+
+
+def named_statements() -> dict[str, str]:
+    """The store's own named hot-path statements (``Statements`` in
+    ``coda_memory.store.postgres.unit``, where it exists), by their normalised SQL."""
+    if not _NAMED_STATEMENTS:
+        try:
+            from coda_memory.store.postgres import unit
+        except ImportError:
+            return _NAMED_STATEMENTS
+        statements = unit.Statements.for_schema(SCHEMA)
+        for name in getattr(type(statements), "__dataclass_fields__", {}):
+            value = getattr(statements, name)
+            if isinstance(value, str):
+                _NAMED_STATEMENTS[" ".join(value.split())] = f"Statements.{name}"
+    return _NAMED_STATEMENTS
+
+
 def statement_label(sql: str) -> str:
     text = " ".join(sql.split())
+    named = named_statements().get(text)
+    if named is not None:
+        return named
     for pattern, label in STATEMENT_LABELS:
         if re.search(pattern, text, re.I | re.S):
             return label
-    return text[:60]
+    tables = sorted(set(re.findall(r"\.\"?(\w+)\"?", text)) & _KNOWN_TABLES)
+    return f"{text.split(' ', 1)[0]} .. {', '.join(tables)}" if tables else text[:60]
+
+
+_KNOWN_TABLES = {"observations", "facts", "fact_events", "checkpoints"}
 
 
 class DriverRecorder:
@@ -2388,6 +2424,18 @@ def read_spy(path: Path) -> list[tuple[Stack, float]]:
     return samples
 
 
+def shorten_paths(path: Path) -> None:
+    """Strip install prefixes from the collapsed stacks' file names (a third of the size),
+    once they have been read."""
+    prefixes = sorted(
+        {str(ROOT) + "/", *(p + "/" for p in sys.path if p and Path(p).is_dir())},
+        key=len,
+        reverse=True,
+    )
+    pattern = re.compile("|".join(re.escape(p) for p in prefixes))
+    path.write_text(pattern.sub("", path.read_text()))
+
+
 async def profiled(
     operation: Callable[[str], Awaitable[Any]], identities: Sequence[str], out: Path
 ) -> dict[str, Any]:
@@ -2418,6 +2466,7 @@ async def profiled(
         recorder.send_signal(signal.SIGINT)
         await asyncio.to_thread(recorder.communicate)
         samples = read_spy(raw)
+        shorten_paths(raw)
         sampler, tree = "py-spy (1 kHz, collapsed stacks)", raw.name
     else:
         from pyinstrument.renderers import ConsoleRenderer
@@ -2435,26 +2484,69 @@ async def profiled(
     }
 
 
-async def p50_of(
-    operation: Callable[[str], Awaitable[Any]], identities: Sequence[str], gc_mode: str = "on"
-) -> dict[str, float]:
-    """Latencies of ``operation`` with the garbage collector ``on``, ``off`` or ``frozen``
-    (``gc.freeze()`` first: everything alive so far leaves the collected generations)."""
-    seconds: list[float] = []
-    if gc_mode == "off":
-        gc.disable()
-    elif gc_mode == "frozen":
+async def interleaved(
+    variants: dict[str, tuple[Callable[[str], Awaitable[Any]], Sequence[str]]],
+    block: int = 10,
+) -> dict[str, dict[str, float]]:
+    """Latencies of each variant (operation, identities), run in alternating blocks so
+    that all of them see the same background load on a shared machine."""
+    seconds: dict[str, list[float]] = {name: [] for name in variants}
+    longest = max(len(identities) for _, identities in variants.values())
+    for offset in range(0, longest, block):
+        for name, (operation, identities) in variants.items():
+            for identity in identities[offset : offset + block]:
+                start = time.perf_counter()
+                await operation(identity)
+                seconds[name].append(time.perf_counter() - start)
+    return {name: latency_summary(values) for name, values in seconds.items()}
+
+
+async def collections(
+    operation: Callable[[str], Awaitable[Any]], identities: Sequence[str], freeze: bool = False
+) -> dict[str, Any]:
+    """Latencies of ``operation`` with every garbage collection inside them timed (through
+    ``gc.callbacks``): how often each generation is collected, what a full (generation 2)
+    collection costs, and the p99 of the runs that had none. With ``freeze``,
+    ``gc.freeze()`` first moves everything alive to a generation that is never scanned."""
+    passes: list[tuple[int, float]] = []
+    started: list[float] = [0.0]
+
+    def timed(phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            started[0] = time.perf_counter()
+        else:
+            passes.append((int(info["generation"]), time.perf_counter() - started[0]))
+
+    if freeze:
         gc.collect()
         gc.freeze()
+    gc.callbacks.append(timed)
+    runs: list[tuple[float, bool]] = []
     try:
         for identity in identities:
+            before = len(passes)
             start = time.perf_counter()
             await operation(identity)
-            seconds.append(time.perf_counter() - start)
+            elapsed = time.perf_counter() - start
+            runs.append((elapsed, any(g == 2 for g, _ in passes[before:])))
     finally:
-        gc.enable()
+        gc.callbacks.remove(timed)
         gc.unfreeze()
-    return latency_summary(seconds)
+    full = [d * 1000 for g, d in passes if g == 2]
+    quiet = [r for r, had_full in runs if not had_full]
+    return {
+        **latency_summary([r for r, _ in runs]),
+        "tracked_objects": len(gc.get_objects()),
+        "collections_per_run": {
+            str(generation): sum(1 for g, _ in passes if g == generation) / len(runs)
+            for generation in (0, 1, 2)
+        },
+        "gc_ms_per_run": sum(d for _, d in passes) * 1000 / len(runs),
+        "full_collections": len(full),
+        "full_collection_ms_mean": statistics.fmean(full) if full else 0.0,
+        "full_collection_ms_max": max(full) if full else 0.0,
+        "p99_ms_of_runs_without_full_collection": percentile([r * 1000 for r in quiet], 99),
+    }
 
 
 async def micro_costs(db: Database, identity: str, loaded_identity: str) -> dict[str, float]:
@@ -2607,13 +2699,16 @@ async def profile_run(args: argparse.Namespace, sizes: Sizes) -> dict[str, Any]:
     stamp = datetime.now(UTC).strftime("%Y%m%d-%H%M")
     args.out.mkdir(parents=True, exist_ok=True)
     result: dict[str, Any] = {"identities_per_pass": count}
+    admin = await server.connect()
+    result["postgres_version"] = str(await admin.fetchval("SHOW server_version"))
+    await admin.close()
     monitor = LoadMonitor(server.postmaster_pid())
     monitor.start()
     db = await open_database(server, "profile", base)
     try:
         groups = {
             name: names(f"p-{name}", count)
-            for name in ("rec", "pyi", "ping", "noping", "nogc", "freeze", "micro")
+            for name in ("rec", "pyi", "ping", "noping", "gc", "freeze", "micro")
         }
         for identities in groups.values():
             await prepare_profile(db, identities, 200, 50, 5, rng)
@@ -2686,25 +2781,26 @@ async def profile_run(args: argparse.Namespace, sizes: Sizes) -> dict[str, Any]:
             profiles[name] = await profiled(operation, identities, path)
         result["sampling"] = profiles
 
-        variants: dict[str, Any] = {}
-        variants["as configured (pool_pre_ping=True, gc on)"] = await p50_of(
-            service.consolidate, groups["ping"]
-        )
-        variants["gc disabled during the runs"] = await p50_of(
-            service.consolidate, groups["nogc"], "off"
-        )
-        variants["gc.freeze() before the runs"] = await p50_of(
-            service.consolidate, groups["freeze"], "frozen"
-        )
         other = MemoryService.from_url(
             db.url, clock=db.clock, pool_size=sizes.workers, pool_pre_ping=False
         )
         try:
             for identity in warm:
                 await other.load_memory(identity)
-            variants["pool_pre_ping=False"] = await p50_of(other.consolidate, groups["noping"])
+            variants = await interleaved(
+                {
+                    "pool_pre_ping=True (as configured)": (service.consolidate, groups["ping"]),
+                    "pool_pre_ping=False": (other.consolidate, groups["noping"]),
+                }
+            )
         finally:
             await other.close()
+        result["garbage_collector"] = {
+            "collector on (as configured)": await collections(service.consolidate, groups["gc"]),
+            "after gc.freeze()": await collections(
+                service.consolidate, groups["freeze"], freeze=True
+            ),
+        }
         result["variants"] = variants
         result["micro"] = await micro_costs(db, groups["micro"][0], loads["rec"][0])
     finally:
@@ -2784,7 +2880,7 @@ def profile_markdown(result: dict[str, Any]) -> str:
             lines.append(f"| {label} | {ms:.3f} | {100 * ms / wall:.0f}% |")
     lines += [
         "",
-        "## Variants (typical consolidation)",
+        "## Variants (typical consolidation, alternating blocks of 10)",
         "",
         "| variant | p50 ms | p90 ms | p99 ms | max ms |",
         "| --- | ---: | ---: | ---: | ---: |",
@@ -2793,6 +2889,22 @@ def profile_markdown(result: dict[str, Any]) -> str:
         lines.append(
             f"| {name} | {data['p50_ms']:.2f} | {data['p90_ms']:.2f} | {data['p99_ms']:.2f} | "
             f"{data['max_ms']:.2f} |"
+        )
+    lines += [
+        "",
+        "## The garbage collector (typical consolidation, every collection timed)",
+        "",
+        "| variant | tracked objects | gen0/1/2 per run | full collections: n, mean, max ms "
+        "| p50 ms | p99 ms | p99 ms without a full collection |",
+        "| --- | ---: | --- | --- | ---: | ---: | ---: |",
+    ]
+    for name, data in result["garbage_collector"].items():
+        per_run = "/".join(f"{v:.2f}" for v in data["collections_per_run"].values())
+        lines.append(
+            f"| {name} | {data['tracked_objects']:,} | {per_run} | {data['full_collections']}, "
+            f"{data['full_collection_ms_mean']:.1f}, {data['full_collection_ms_max']:.1f} | "
+            f"{data['p50_ms']:.2f} | {data['p99_ms']:.2f} | "
+            f"{data['p99_ms_of_runs_without_full_collection']:.2f} |"
         )
     lines += ["", "## Single pieces", "", "| piece | value |", "| --- | ---: |"]
     for name, value in result["micro"].items():
@@ -2808,7 +2920,7 @@ def profile_main(args: argparse.Namespace, sizes: Sizes) -> int:
             "mode": sizes.mode,
             "date": datetime.now(UTC).isoformat(timespec="seconds"),
             "command": command_line(),
-            "machine": machine({}),
+            "machine": machine({"postgres_version": result.pop("postgres_version", "?")}),
         }
     )
     stem = f"profile-{result['stamp']}-{sizes.mode}"

@@ -59,6 +59,11 @@ class MemoryStore(Protocol):
         """The identity's stored facts (stored form, possibly expired by now)."""
         ...
 
+    async def peek(self, identity_id: str) -> tuple[list[Fact], bool]:
+        """Without locking: the stored facts, and whether observations committed since the
+        last consolidation wait. Lets a consolidation with nothing to do skip the lock."""
+        ...
+
     async def history(self, identity_id: str, subject: str | None = None) -> list[FactEvent]:
         """The identity's fact events in the order they happened."""
         ...

@@ -105,6 +105,13 @@ class InMemoryStore:
         state = self._identities.get(identity_id)
         return [] if state is None else sorted(state.facts.values(), key=lambda f: f.subject)
 
+    async def peek(self, identity_id: str) -> tuple[list[Fact], bool]:
+        state = self._identities.get(identity_id)
+        if state is None:
+            return [], False
+        pending = any(seq > state.cursor for seq in state.observations)
+        return list(state.facts.values()), pending
+
     async def history(self, identity_id: str, subject: str | None = None) -> list[FactEvent]:
         state = self._identities.get(identity_id)
         if state is None:

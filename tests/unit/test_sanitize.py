@@ -441,3 +441,10 @@ def test_sanitize_anything_gives_clean_data_or_a_rejection(
         type=obs_type, content=content, metadata=metadata, session_id=session, created_at=None
     )
     _check(identity, observation, at)
+
+
+@given(st.text(alphabet=st.characters(min_codepoint=0, max_codepoint=127)), st.integers(0, 60))
+def test_the_ascii_fast_path_of_clean_text_matches_the_general_one(value: str, cap: int) -> None:
+    from coda_memory.sanitize import _clean_text_slow
+
+    assert clean_text(value, cap) == _clean_text_slow(value, cap)

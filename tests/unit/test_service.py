@@ -14,7 +14,7 @@ from contextlib import asynccontextmanager
 
 import pytest
 
-from coda_memory import MemoryService
+from coda_memory import Fact, MemoryService
 from coda_memory.store.base import AppendOutcome, ObservationRecord
 from coda_memory.store.memory import InMemoryConsolidationUnit, InMemoryStore
 from tests.helpers import FakeClock, entity, tool_failed, tool_ok
@@ -37,6 +37,12 @@ class GatedStore(InMemoryStore):
         if self.failing:
             raise ConnectionError("database unavailable")
         return await super().append(records)
+
+    async def peek(self, identity_id: str) -> tuple[list[Fact], bool]:
+        await self.gate.wait()
+        if self.failing:
+            raise ConnectionError("database unavailable")
+        return await super().peek(identity_id)
 
     @asynccontextmanager
     async def consolidation(self, identity_id: str) -> AsyncIterator[InMemoryConsolidationUnit]:

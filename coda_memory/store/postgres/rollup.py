@@ -241,6 +241,7 @@ def tool_rollup(identities: Sequence[str] | None, shard: int) -> Insert:
     # Identities whose latest call of a tool moved to a later day.
     moved = _move_latest_day(stored, tool_users, ["tool_name"])
     counts = ["successes", "failures", "latest_users"]
+    # Both kinds of change per (day, tool), summed into one upsert of the daily rows.
     changes = union_all(calls, *_latest_user_changes(moved, ["tool_name"], counts[:2]))
     daily = _add_to_daily(tool_daily, changes.subquery("changes"), ["tool_name"], counts, shard)
     # The duration histogram; calls without a duration have no bucket.
@@ -277,6 +278,7 @@ def entity_rollup(identities: Sequence[str] | None) -> Insert:
     ).group_by(*group)
     # Identities whose latest access of an entity moved to a later day.
     moved = _move_latest_day(stored, entity_users, keys)
+    # Both kinds of change per (day, entity), summed into one upsert of the daily rows.
     changes = union_all(accesses, *_latest_user_changes(moved, keys, ["accesses"]))
     return _add_to_daily(
         entity_daily, changes.subquery("changes"), keys, ["accesses", "latest_users"], None
@@ -307,6 +309,7 @@ def domain_rollup(identities: Sequence[str] | None, shard: int) -> Insert:
         literal(0, BigInteger).label("users"),
     ).group_by(stored.c.day, stored.c.domain)
     users = select(first.c.day, first.c.domain, literal(0, BigInteger), literal(1, BigInteger))
+    # Queries and new users per (day, domain), summed into one upsert of the daily rows.
     changes = union_all(queries, users).subquery("changes")
     return _add_to_daily(domain_daily, changes, ["domain"], ["queries", "users"], shard)
 

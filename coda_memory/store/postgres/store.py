@@ -27,23 +27,24 @@ nothing, and its observations are read again by the next one.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from datetime import timedelta
-from typing import Any
+from functools import partial
+from typing import Any, TypeVar
 
+import asyncpg
 from sqlalchemy import Text, bindparam, func, select
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from coda_memory.model import Fact, FactEvent, Observation
 from coda_memory.store.base import (
     AppendOutcome,
-    ConsolidationInput,
-    ConsolidationPlan,
     ObservationRecord,
 )
 from coda_memory.store.postgres.append import append_observations
-from coda_memory.store.postgres.engine import create_engine, schema_required
+from coda_memory.store.postgres.engine import create_engine, driver_connection, schema_required
 from coda_memory.store.postgres.repositories import (
     Checkpoint,
     CheckpointRepository,
@@ -53,8 +54,11 @@ from coda_memory.store.postgres.repositories import (
 )
 from coda_memory.store.postgres.rollup import forget_identity
 from coda_memory.store.postgres.schema import DEFAULT_SCHEMA, validate_schema_name
+from coda_memory.store.postgres.unit import PostgresConsolidationUnit, Statements, peek_result
 
 DEFAULT_LOCK_TIMEOUT = timedelta(seconds=5)
+
+T = TypeVar("T")
 
 #: How often to retry creating and locking a checkpoint that ``forget`` deleted meanwhile.
 _LOCK_ATTEMPTS = 3
@@ -81,79 +85,21 @@ async def lock_identity(
     raise RuntimeError(f"could not lock the checkpoint of {identity_id!r}")
 
 
-class PostgresConsolidationUnit:
-    """A unit of work over one identity: it holds the checkpoint row lock and the
-    transaction, and writes nothing visible until :meth:`commit`."""
+#: What asyncpg raises on a connection that is gone.
+_DEAD_CONNECTION = (asyncpg.ConnectionDoesNotExistError, asyncpg.InterfaceError, OSError)
 
-    def __init__(self, conn: AsyncConnection, schema: str, checkpoint: Checkpoint) -> None:
-        """Use :meth:`open`; ``checkpoint`` is the row ``conn``'s transaction has locked."""
-        self._conn = conn
-        self._schema = schema
-        self.identity_id = checkpoint.identity_id
-        #: The checkpoint as it was when the lock was granted.
-        self.checkpoint = checkpoint
-        self._snapshot: str | None = None
-        self._committed = False
 
-    @classmethod
-    async def open(
-        cls,
-        conn: AsyncConnection,
-        schema: str,
-        identity_id: str,
-        lock_timeout: timedelta | None,
-    ) -> PostgresConsolidationUnit:
-        """Begin the transaction and lock the identity's checkpoint (creating it)."""
-        await conn.begin()
-        return cls(conn, schema, await lock_identity(conn, identity_id, lock_timeout))
-
-    async def load(self) -> ConsolidationInput:
-        self._check_open()
-        with schema_required(self._schema):
-            self._snapshot = await CheckpointRepository(self._conn).current_snapshot()
-            new = await ObservationRepository(self._conn).new(
-                self.identity_id, self._snapshot, self.checkpoint.snapshot
-            )
-            stored = await FactRepository(self._conn).stored(self.identity_id)
-            sessions = {o.session_id for o in new if o.session_id is not None}
-            events = await FactEventRepository(self._conn).reinforcing(self.identity_id, sessions)
-        return ConsolidationInput(observations=new, facts=stored, session_events=events)
-
-    async def apply(self, plan: ConsolidationPlan) -> None:
-        self._check_open()
-        if self._snapshot is None:
-            raise RuntimeError("apply() needs load() first: the plan must come from this unit")
-        self._check_identity(plan)
-        with schema_required(self._schema):
-            facts = FactRepository(self._conn)
-            await facts.upsert(self.identity_id, plan.upserts)
-            await facts.delete(self.identity_id, plan.deletes)
-            await FactEventRepository(self._conn).append(self.identity_id, plan.events, plan.now)
-            await CheckpointRepository(self._conn).advance(
-                self.identity_id, self._snapshot, plan.now, plan.consumed
-            )
-            await ObservationRepository(self._conn).prune(
-                self.identity_id, plan.prune_before, self._snapshot
-            )
-
-    async def commit(self) -> None:
-        self._check_open()
-        await self._conn.commit()
-        self._committed = True
-
-    def _check_open(self) -> None:
-        if self._committed:
-            raise RuntimeError("this unit of work is committed; open a new one")
-
-    def _check_identity(self, plan: ConsolidationPlan) -> None:
-        owners = {plan.identity_id}
-        owners.update(f.identity_id for f in plan.upserts)
-        owners.update(e.identity_id for e in plan.events)
-        if owners != {self.identity_id}:
-            raise ValueError(
-                f"the plan touches identities {sorted(owners)!r}, "
-                f"but this unit consolidates {self.identity_id!r}"
-            )
+async def _end_transaction(conn: AsyncConnection, driver: Any) -> None:
+    """Roll back what was not committed; a connection that can't is thrown away."""
+    if driver.is_closed():
+        await conn.invalidate()
+        return
+    if driver.is_in_transaction():
+        try:
+            await driver.execute("ROLLBACK")
+        except Exception:
+            await conn.invalidate()
+            raise
 
 
 class PostgresStore:
@@ -171,6 +117,11 @@ class PostgresStore:
         ``schema`` (:meth:`from_url` builds such an engine)."""
         self.engine = engine
         self.schema = validate_schema_name(schema)
+        self._statements = Statements.for_schema(self.schema)
+        # The transaction of a consolidation, and its bound on waiting for locks, in one
+        # round trip (a formatted integer, not a value from outside).
+        milliseconds = 0 if lock_timeout is None else round(lock_timeout.total_seconds() * 1000)
+        self._begin = f"BEGIN; SET LOCAL lock_timeout = '{max(0, milliseconds)}ms'"
         self.retention = retention
         self.lock_timeout = lock_timeout
 
@@ -192,44 +143,54 @@ class PostgresStore:
     async def append(self, records: Sequence[ObservationRecord]) -> AppendOutcome:
         if not records:
             return AppendOutcome(stored=0)
-        with schema_required(self.schema):
-            async with self.engine.connect() as conn:
-                return await append_observations(conn, self.schema, records)
+        return await self._retrying(lambda conn: append_observations(conn, self.schema, records))
 
     @asynccontextmanager
     async def consolidation(self, identity_id: str) -> AsyncIterator[PostgresConsolidationUnit]:
         async with self.engine.connect() as conn:
+            driver = await driver_connection(conn)
             try:
                 with schema_required(self.schema):
+                    try:
+                        await driver.execute(self._begin)
+                    except _DEAD_CONNECTION:
+                        # Died while idle in the pool (server restart, terminated
+                        # backend): nothing was done yet, so try once on a fresh one.
+                        driver = await self._reconnect(conn)
+                        await driver.execute(self._begin)
                     unit = await PostgresConsolidationUnit.open(
-                        conn, self.schema, identity_id, self.lock_timeout
+                        driver, self._statements, identity_id, partial(driver.execute, "COMMIT")
                     )
                 yield unit
             finally:
-                if conn.in_transaction() and not conn.invalidated:
-                    await conn.rollback()
+                await _end_transaction(conn, driver)
 
     async def facts(self, identity_id: str) -> list[Fact]:
+        return await self._retrying(lambda conn: FactRepository(conn).stored(identity_id))
+
+    async def peek(self, identity_id: str) -> tuple[list[Fact], bool]:
         with schema_required(self.schema):
             async with self.engine.connect() as conn:
-                return await FactRepository(conn).stored(identity_id)
+                driver = await driver_connection(conn)
+                try:
+                    rows = await driver.fetch(self._statements.peek, identity_id)
+                except _DEAD_CONNECTION:
+                    driver = await self._reconnect(conn)  # read-only: retry once
+                    rows = await driver.fetch(self._statements.peek, identity_id)
+        return peek_result(identity_id, rows)
 
     async def history(self, identity_id: str, subject: str | None = None) -> list[FactEvent]:
-        with schema_required(self.schema):
-            async with self.engine.connect() as conn:
-                return await FactEventRepository(conn).history(identity_id, subject)
+        return await self._retrying(
+            lambda conn: FactEventRepository(conn).history(identity_id, subject)
+        )
 
     async def observations(self, identity_id: str) -> list[Observation]:
         """The identity's stored (not yet pruned) observations, in insertion order."""
-        with schema_required(self.schema):
-            async with self.engine.connect() as conn:
-                return await ObservationRepository(conn).stored(identity_id)
+        return await self._retrying(lambda conn: ObservationRepository(conn).stored(identity_id))
 
     async def checkpoint(self, identity_id: str) -> Checkpoint | None:
         """The identity's checkpoint, or None before its first consolidation."""
-        with schema_required(self.schema):
-            async with self.engine.connect() as conn:
-                return await CheckpointRepository(conn).get(identity_id)
+        return await self._retrying(lambda conn: CheckpointRepository(conn).get(identity_id))
 
     async def forget(self, identity_id: str) -> None:
         with schema_required(self.schema):
@@ -243,6 +204,28 @@ class PostgresStore:
                 await ObservationRepository(conn).delete_identity(identity_id)
                 # The identity's rows of the analytics rollup; anonymous counts stay.
                 await forget_identity(conn, identity_id)
+
+    async def _retrying(self, work: Callable[[AsyncConnection], Awaitable[T]]) -> T:
+        """Run ``work`` in a connection; once more on a new pool when the connection turned
+        out to be dead (see ``create_engine``). ``work`` must be read-only or a single
+        transaction, which a lost connection rolls back."""
+        with schema_required(self.schema):
+            try:
+                async with self.engine.connect() as conn:
+                    return await work(conn)
+            except DBAPIError as error:
+                if not error.connection_invalidated:
+                    raise
+            await self.engine.dispose(close=False)
+            async with self.engine.connect() as conn:
+                return await work(conn)
+
+    async def _reconnect(self, conn: AsyncConnection) -> Any:
+        """Replace a dead connection; its pooled siblings are presumed dead too (a server
+        restart kills them all), so the pool is replaced as well."""
+        await conn.invalidate()
+        await self.engine.dispose(close=False)
+        return await driver_connection(conn)
 
     async def close(self) -> None:
         await self.engine.dispose()
