@@ -36,6 +36,7 @@ from coda_memory.model import (
     fact_id,
     fact_subject,
     is_identifier,
+    trusted,
 )
 from coda_memory.sanitize import quote_untrusted
 
@@ -388,7 +389,9 @@ def _state_before(event: FactEvent, current: Fact) -> Fact | None:
 
 def view_at(fact: Fact, decay: DecayStrategy, now: datetime) -> Fact:
     """The fact as seen at ``now``: effective confidence, ``confidence_at = now``."""
-    return fact.model_copy(update={"confidence": decay.apply(fact, now), "confidence_at": now})
+    return trusted(
+        Fact, **{**fact.__dict__, "confidence": decay.apply(fact, now), "confidence_at": now}
+    )
 
 
 def active_views(facts: Iterable[Fact], decay: DecayStrategy, now: datetime) -> list[Fact]:

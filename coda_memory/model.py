@@ -8,7 +8,7 @@ from __future__ import annotations
 import re
 from datetime import UTC, datetime
 from enum import StrEnum
-from typing import Annotated, Any
+from typing import Annotated, Any, TypeVar
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
@@ -171,4 +171,19 @@ class LoadedMemory(BaseModel):
 
 def fact_subject(category: FactCategory, *parts: str) -> str:
     """Build a subject such as ``tool_affinity:get_account``."""
-    return ":".join((category.value, *parts))
+    return ":".join((category, *parts))  # a StrEnum member is its value
+
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def trusted(cls: type[M], **values: Any) -> M:
+    """A model from values that are already valid (rows we wrote, copies of models),
+    without validation: the hot paths build thousands of these. Every field must be given.
+    """
+    model = cls.__new__(cls)
+    object.__setattr__(model, "__dict__", values)
+    object.__setattr__(model, "__pydantic_fields_set__", set(values))
+    object.__setattr__(model, "__pydantic_extra__", None)
+    object.__setattr__(model, "__pydantic_private__", None)
+    return model

@@ -30,6 +30,7 @@ from coda_memory.model import (
     Observation,
     ObservationType,
     fact_id,
+    trusted,
 )
 from coda_memory.store.base import ConsolidationInput, ConsolidationPlan
 
@@ -139,14 +140,16 @@ class Statements:
                 "(cp.s IS NULL OR (o.xid >= pg_snapshot_xmin(cp.s) "
                 "AND NOT pg_visible_in_snapshot(o.xid, cp.s)))) AS p) "
                 f"SELECT pending.p AS pending, {_qualified('f', _FACT_COLUMNS)} "
-                f"FROM pending LEFT JOIN {s}.facts f ON f.identity_id = $1"
+                # Facts only when nothing waits: otherwise the locked run reads them.
+                f"FROM pending LEFT JOIN {s}.facts f ON f.identity_id = $1 AND NOT pending.p"
             ),
         )
 
 
 def fact_from_row(identity_id: str, row: Any) -> Fact:
     """A stored fact from a trusted row (asyncpg gives tz-aware UTC datetimes)."""
-    return Fact.model_construct(
+    return trusted(
+        Fact,
         id=fact_id(row["subject"]),
         identity_id=identity_id,
         category=FactCategory(row["category"]),
@@ -164,7 +167,8 @@ def fact_from_row(identity_id: str, row: Any) -> Fact:
 
 def event_from_row(identity_id: str, row: Any) -> FactEvent:
     """A fact event from a trusted row."""
-    return FactEvent.model_construct(
+    return trusted(
+        FactEvent,
         identity_id=identity_id,
         subject=row["subject"],
         category=FactCategory(row["category"]),
@@ -185,7 +189,8 @@ def event_from_row(identity_id: str, row: Any) -> FactEvent:
 
 def observation_from_row(identity_id: str, row: Any) -> Observation:
     """A stored observation from a trusted row."""
-    return Observation.model_construct(
+    return trusted(
+        Observation,
         id=row["id"],
         identity_id=identity_id,
         type=ObservationType(row["type"]),
@@ -326,7 +331,8 @@ class PostgresConsolidationUnit:
 
 
 def peek_result(identity_id: str, rows: list[Any]) -> tuple[list[Fact], bool]:
-    """Stored facts and whether new observations wait, from :attr:`Statements.peek` rows."""
+    """Stored facts and whether new observations wait, from :attr:`Statements.peek` rows
+    (no facts when observations wait)."""
     pending = bool(rows[0]["pending"]) if rows else False
     facts = [fact_from_row(identity_id, r) for r in rows if r["subject"] is not None]
     return facts, pending
