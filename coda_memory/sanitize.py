@@ -107,6 +107,9 @@ def _scrub(value: str, max_chars: int, drop: Callable[[str], bool]) -> str:
 
     Stops reading once the cap is certain, so a huge input costs little.
     """
+    if value.isascii() and value.isprintable():
+        # The common case: every ``drop`` here spares printable ASCII, so nothing goes.
+        return _cap(value, max_chars)
     kept: list[str] = []
     for char in value:
         if drop(char):
@@ -171,6 +174,8 @@ def _value_drop(char: str) -> bool:
 
 
 def _has_nul_or_surrogate(value: str) -> bool:
+    if value.isascii():
+        return "\x00" in value
     return any(_value_drop(char) for char in value)
 
 

@@ -448,3 +448,13 @@ def test_the_ascii_fast_path_of_clean_text_matches_the_general_one(value: str, c
     from coda_memory.sanitize import _clean_text_slow
 
     assert clean_text(value, cap) == _clean_text_slow(value, cap)
+
+
+@given(st.text(alphabet=st.characters(min_codepoint=0, max_codepoint=127)), st.integers(0, 60))
+def test_the_ascii_fast_path_of_scrubbing_matches_the_general_one(value: str, cap: int) -> None:
+    from coda_memory import sanitize
+
+    for drop in (sanitize._content_drop, sanitize._value_drop):
+        kept = "".join(c for c in value if not drop(c))
+        assert sanitize._scrub(value, cap, drop) == sanitize._cap(kept, cap)
+    assert sanitize._has_nul_or_surrogate(value) == ("\x00" in value)
