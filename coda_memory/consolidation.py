@@ -114,7 +114,7 @@ def fact_key(observation: Observation) -> FactKey | None:
         name = meta.get("entityName")
         label = (
             f"{quote_untrusted(name)} ({entity_id})"
-            if isinstance(name, str) and name
+            if isinstance(name, str) and name and name != entity_id
             else entity_id
         )
         category = FactCategory.ENTITY_FREQUENCY

@@ -2087,6 +2087,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         from_profile = profile_main(args, sizes)
         return from_profile
     report = Report()
+    commit = git_commit()  # the code this run imports, whatever lands meanwhile
     started = time.perf_counter()
     date = datetime.now(UTC)
     info = asyncio.run(run(args, sizes, report))
@@ -2095,7 +2096,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "date": date.isoformat(timespec="seconds"),
         "command": command_line(),
         "duration_s": time.perf_counter() - started,
-        "commit": git_commit(),
+        "commit": commit,
         "machine": machine(info),
         "sizes": asdict(sizes),
         "figures": [asdict(f) for f in report.figures],
@@ -2336,6 +2337,8 @@ def _is_row_conversion(function: str) -> bool:
 #: Inclusive CPU time of chosen functions: (label, file suffix, function name).
 PROFILE_FUNCTIONS: tuple[tuple[str, str, str], ...] = (
     ("plan_consolidation (pure Python)", "consolidation.py", "plan_consolidation"),
+    ("PostgresStore.peek (lock-free read)", "postgres/store.py", "peek"),
+    ("store/postgres/unit.py (hot-path statements, rows -> models)", "postgres/unit.py", "*"),
     ("unit.load (snapshot + 3 reads)", "postgres/store.py", "load"),
     ("unit.apply (5 writes)", "postgres/store.py", "apply"),
     ("lock_identity (set_config, ensure, lock)", "postgres/store.py", "lock_identity"),
@@ -2379,7 +2382,7 @@ def profile_breakdown(samples: Sequence[tuple[Stack, float]], cpu_ms: float) -> 
         for function, path in frames:
             for label, suffix, name in PROFILE_FUNCTIONS:
                 short = function.rsplit(".", 1)[-1]
-                if label not in seen and short == name and path.endswith(suffix):
+                if label not in seen and name in (short, "*") and path.endswith(suffix):
                     functions[label] += weight
                     seen.add(label)
     scale = cpu_ms / total if total else 0.0
@@ -2823,6 +2826,7 @@ def profile_markdown(result: dict[str, Any]) -> str:
         f"- command: `{result['command']}`",
         f"- machine: {result['machine']['cores']} cores, PostgreSQL "
         f"{result['machine'].get('postgres_version', '?')}, Python {result['machine']['python']}",
+        f"- commit: {result['commit']}",
         f"- identities per pass: {result['identities_per_pass']}",
         f"- other processes on the machine used {result['other_processes_cpu_cores_mean']:.2f} "
         "CPU cores on average meanwhile",
@@ -2877,7 +2881,8 @@ def profile_markdown(result: dict[str, Any]) -> str:
             "| --- | ---: | ---: |",
         ]
         for label, ms in data["functions_ms_per_run"].items():
-            lines.append(f"| {label} | {ms:.3f} | {100 * ms / wall:.0f}% |")
+            if ms > 0:
+                lines.append(f"| {label} | {ms:.3f} | {100 * ms / wall:.0f}% |")
     lines += [
         "",
         "## Variants (typical consolidation, alternating blocks of 10)",
@@ -2914,7 +2919,9 @@ def profile_markdown(result: dict[str, Any]) -> str:
 
 
 def profile_main(args: argparse.Namespace, sizes: Sizes) -> int:
+    commit = git_commit()
     result = asyncio.run(profile_run(args, sizes))
+    result["commit"] = commit
     result.update(
         {
             "mode": sizes.mode,
