@@ -2784,20 +2784,25 @@ async def profile_run(args: argparse.Namespace, sizes: Sizes) -> dict[str, Any]:
             profiles[name] = await profiled(operation, identities, path)
         result["sampling"] = profiles
 
-        other = MemoryService.from_url(
-            db.url, clock=db.clock, pool_size=sizes.workers, pool_pre_ping=False
+        pinging, trusting = (
+            MemoryService.from_url(
+                db.url, clock=db.clock, pool_size=sizes.workers, pool_pre_ping=ping
+            )
+            for ping in (True, False)
         )
         try:
             for identity in warm:
-                await other.load_memory(identity)
+                await pinging.load_memory(identity)
+                await trusting.load_memory(identity)
             variants = await interleaved(
                 {
-                    "pool_pre_ping=True (as configured)": (service.consolidate, groups["ping"]),
-                    "pool_pre_ping=False": (other.consolidate, groups["noping"]),
+                    "pool_pre_ping=True": (pinging.consolidate, groups["ping"]),
+                    "pool_pre_ping=False": (trusting.consolidate, groups["noping"]),
                 }
             )
         finally:
-            await other.close()
+            await pinging.close()
+            await trusting.close()
         result["garbage_collector"] = {
             "collector on (as configured)": await collections(service.consolidate, groups["gc"]),
             "after gc.freeze()": await collections(

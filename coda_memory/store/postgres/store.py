@@ -118,10 +118,16 @@ class PostgresStore:
         self.engine = engine
         self.schema = validate_schema_name(schema)
         self._statements = Statements.for_schema(self.schema)
-        # The transaction of a consolidation, and its bound on waiting for locks, in one
-        # round trip (a formatted integer, not a value from outside).
+        # The transaction of a consolidation and its settings, in one round trip (the
+        # timeout is a formatted integer, not a value from outside). A consolidation need
+        # not wait for its commit to reach disk: if a crash loses it, the facts, history
+        # and checkpoint are lost together and the next run redoes it from the same
+        # (durably stored) observations.
         milliseconds = 0 if lock_timeout is None else round(lock_timeout.total_seconds() * 1000)
-        self._begin = f"BEGIN; SET LOCAL lock_timeout = '{max(0, milliseconds)}ms'"
+        self._begin = (
+            f"BEGIN; SET LOCAL lock_timeout = '{max(0, milliseconds)}ms'; "
+            "SET LOCAL synchronous_commit = off"
+        )
         self.retention = retention
         self.lock_timeout = lock_timeout
 
