@@ -35,6 +35,7 @@ from coda_memory.model import (
     ObservationType,
     fact_id,
     fact_subject,
+    gc_paused,
     is_identifier,
     trusted,
 )
@@ -396,7 +397,8 @@ def view_at(fact: Fact, decay: DecayStrategy, now: datetime) -> Fact:
 
 def active_views(facts: Iterable[Fact], decay: DecayStrategy, now: datetime) -> list[Fact]:
     """Views at ``now`` of the facts that have not expired, sorted by subject."""
-    views = (view_at(f, decay, now) for f in facts)
+    with gc_paused():
+        views = [view_at(f, decay, now) for f in facts]
     return sorted(
         (v for v in views if v.confidence >= decay.expiry_threshold), key=lambda f: f.subject
     )
@@ -426,9 +428,11 @@ def plan_consolidation(
     upserts: list[Fact] = []
     deletes: list[str] = []
     active: list[Fact] = []
+    with gc_paused():
+        views = {subject: view_at(fact, decay, now) for subject, fact in run.current.items()}
     for subject in sorted(run.current):
         fact = run.current[subject]
-        view = view_at(fact, decay, now)
+        view = views[subject]
         if view.confidence < decay.expiry_threshold:
             run.expire(fact, now)
             if subject in stored:

@@ -32,3 +32,21 @@ def test_subjects_use_the_category_value() -> None:
     assert fact_subject(FactCategory.ENTITY_FREQUENCY, "account", "42") == (
         "entity_frequency:account:42"
     )
+
+
+def test_gc_paused_restores_the_collector_state() -> None:
+    import gc
+
+    from coda_memory.model import gc_paused
+
+    assert gc.isenabled()
+    with gc_paused():
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with gc_paused():
+            pass
+        assert not gc.isenabled()  # a host that disabled it keeps it disabled
+    finally:
+        gc.enable()

@@ -30,6 +30,7 @@ from coda_memory.model import (
     Observation,
     ObservationType,
     fact_id,
+    gc_paused,
     trusted,
 )
 from coda_memory.store.base import ConsolidationInput, ConsolidationPlan
@@ -287,11 +288,10 @@ class PostgresConsolidationUnit:
         else:
             rows = await self._raw.fetch(self._sql.new_since, identity_id, self.stored_snapshot)
         self._snapshot = rows[0]["snapshot"]
-        new = [observation_from_row(identity_id, r) for r in rows if r["id"] is not None]
-        stored = [
-            fact_from_row(identity_id, r)
-            for r in await self._raw.fetch(self._sql.facts, identity_id)
-        ]
+        fact_rows = await self._raw.fetch(self._sql.facts, identity_id)
+        with gc_paused():
+            new = [observation_from_row(identity_id, r) for r in rows if r["id"] is not None]
+            stored = [fact_from_row(identity_id, r) for r in fact_rows]
         sessions = sorted({o.session_id for o in new if o.session_id is not None})
         events = (
             [
@@ -334,5 +334,6 @@ def peek_result(identity_id: str, rows: list[Any]) -> tuple[list[Fact], bool]:
     """Stored facts and whether new observations wait, from :attr:`Statements.peek` rows
     (no facts when observations wait)."""
     pending = bool(rows[0]["pending"]) if rows else False
-    facts = [fact_from_row(identity_id, r) for r in rows if r["subject"] is not None]
+    with gc_paused():
+        facts = [fact_from_row(identity_id, r) for r in rows if r["subject"] is not None]
     return facts, pending
