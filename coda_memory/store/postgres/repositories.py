@@ -38,7 +38,6 @@ from coda_memory.model import (
     FactEventKind,
     Observation,
     UtcDatetime,
-    fact_id,
 )
 from coda_memory.store.postgres.schema import (
     PgSnapshot,
@@ -47,6 +46,7 @@ from coda_memory.store.postgres.schema import (
     facts,
     observations,
 )
+from coda_memory.store.postgres.unit import event_from_row, fact_from_row
 
 #: Event kinds that record a session's reinforcement of a fact.
 REINFORCING_KINDS = (FactEventKind.CREATED, FactEventKind.REINFORCED, FactEventKind.EXTENDED)
@@ -103,20 +103,7 @@ def _observation(row: RowMapping) -> Observation:
 
 
 def _fact(row: RowMapping) -> Fact:
-    return Fact(
-        id=fact_id(row["subject"]),
-        identity_id=row["identity_id"],
-        category=row["category"],
-        subject=row["subject"],
-        content=row["content"],
-        confidence=row["confidence"],
-        reinforcement_count=row["reinforcement_count"],
-        last_reinforced_at=row["last_reinforced_at"],
-        created_at=row["created_at"],
-        updated_at=row["updated_at"],
-        ease_factor=row["ease_factor"],
-        confidence_at=row["confidence_at"],
-    )
+    return fact_from_row(row["identity_id"], row)
 
 
 _EVENT_FIELDS = (
@@ -139,7 +126,7 @@ _EVENT_FIELDS = (
 
 
 def _event(row: RowMapping) -> FactEvent:
-    return FactEvent.model_validate({name: row[name] for name in _EVENT_FIELDS})
+    return event_from_row(row["identity_id"], row)
 
 
 def new_observations(identity_id: str, current: str, previous: str | None) -> Select[Any]:
