@@ -9,3 +9,8 @@ class CodaMemoryError(Exception):
 
 class SchemaNotMigrated(CodaMemoryError):
     """The database has no coda-memory tables: run the migrations first."""
+
+
+class ConnectionLost(CodaMemoryError):
+    """The database connection died in the middle of a unit of work; nothing of it was
+    committed unless the commit itself had already been acknowledged."""

@@ -38,6 +38,7 @@ from sqlalchemy import Text, bindparam, func, select
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
+from coda_memory.errors import ConnectionLost
 from coda_memory.model import Fact, FactEvent, Observation
 from coda_memory.store.base import (
     AppendOutcome,
@@ -87,6 +88,8 @@ async def lock_identity(
 
 #: What asyncpg raises on a connection that is gone.
 _DEAD_CONNECTION = (asyncpg.ConnectionDoesNotExistError, asyncpg.InterfaceError, OSError)
+#: ... and, mid-operation, when the server's termination message races the next request.
+_BROKEN_CONNECTION = (*_DEAD_CONNECTION, asyncpg.exceptions.InternalClientError)
 
 
 async def _end_transaction(conn: AsyncConnection, driver: Any) -> None:
@@ -98,8 +101,9 @@ async def _end_transaction(conn: AsyncConnection, driver: Any) -> None:
         try:
             await driver.execute("ROLLBACK")
         except Exception:
+            # A connection that cannot roll back is broken, and its transaction is gone
+            # with it on the server: discard it without hiding the error being raised.
             await conn.invalidate()
-            raise
 
 
 class PostgresStore:
@@ -168,6 +172,10 @@ class PostgresStore:
                         driver, self._statements, identity_id, partial(driver.execute, "COMMIT")
                     )
                 yield unit
+            except _BROKEN_CONNECTION as error:
+                raise ConnectionLost(
+                    f"the connection died while consolidating {identity_id!r}: {error!r}"
+                ) from error
             finally:
                 await _end_transaction(conn, driver)
 
