@@ -35,6 +35,11 @@ logger = logging.getLogger("coda_memory")
 Clock = Callable[[], datetime]
 
 
+def _label(identity_id: object) -> str:
+    """An identity id for a log line: quoted, and short even when huge or not a string."""
+    return repr(identity_id)[:80]
+
+
 def system_clock() -> datetime:
     """The default clock: the system's UTC time."""
     return datetime.now(UTC)
@@ -235,7 +240,7 @@ class MemoryService:
 
     def _reject(self, identity_id: str, reason: str) -> None:
         self._rejected += 1
-        logger.warning("coda-memory: observation for %r rejected: %s", identity_id[:80], reason)
+        logger.warning("coda-memory: observation for %s rejected: %s", _label(identity_id), reason)
 
     @property
     def _processed(self) -> int:
@@ -308,8 +313,8 @@ class MemoryService:
         except TimeoutError:
             self._load_timeouts += 1
             logger.warning(
-                "coda-memory: load_memory for %r timed out after %.0f ms; returning empty",
-                identity_id[:80],
+                "coda-memory: load_memory for %s timed out after %.0f ms; returning empty",
+                _label(identity_id),
                 self.load_timeout * 1000,
             )
         except asyncio.CancelledError:
@@ -317,7 +322,7 @@ class MemoryService:
         except Exception:
             self._load_errors += 1
             logger.exception(
-                "coda-memory: load_memory for %r failed; returning empty", identity_id[:80]
+                "coda-memory: load_memory for %s failed; returning empty", _label(identity_id)
             )
         return LoadedMemory.empty()
 
@@ -327,8 +332,8 @@ class MemoryService:
             del self._loading[identity_id]
         if not task.cancelled() and task.exception() is not None:
             logger.warning(
-                "coda-memory: background consolidation of %r failed: %r",
-                identity_id[:80],
+                "coda-memory: background consolidation of %s failed: %r",
+                _label(identity_id),
                 task.exception(),
             )
 

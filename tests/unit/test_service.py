@@ -197,3 +197,15 @@ def test_bad_options_are_refused() -> None:
         MemoryService.from_url("redis://localhost")
     with pytest.raises(ValueError, match="load_timeout"):
         MemoryService.from_url("memory://", load_timeout=0)
+
+
+async def test_a_host_passing_a_non_string_identity_gets_a_rejection_not_a_crash() -> None:
+    service = MemoryService.from_url("memory://", clock=FakeClock())
+    service.emit_observation(42, tool_ok("t"))  # type: ignore[arg-type]
+    service.emit_observation("u1", tool_ok("t"))
+    await service.drain()
+    stats = service.stats()
+    assert (stats.stored, stats.rejected, stats.pending) == (1, 1, 0)
+    memory = await service.load_memory(None)  # type: ignore[arg-type]
+    assert memory.prompt_section == ""
+    await service.close()
