@@ -81,7 +81,7 @@ class MemoryService:
         clock: Clock | None = None,
         retention: timedelta = DEFAULT_RETENTION,
         queue_size: int = 100_000,
-        batch_size: int = 1_000,
+        batch_size: int = 5_000,
         prompt_budget_tokens: int = 300,
     ) -> None:
         if load_timeout <= 0:
