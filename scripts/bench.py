@@ -2560,7 +2560,7 @@ async def micro_costs(db: Database, identity: str, loaded_identity: str) -> dict
     from coda_memory.consolidation import active_views, plan_consolidation
     from coda_memory.model import Fact, fact_id
     from coda_memory.prompt import format_memory_section
-    from coda_memory.store.postgres.repositories import CheckpointRepository, FactRepository
+    from coda_memory.store.postgres.repositories import FactRepository
 
     store = db.service.store
     assert isinstance(store, PostgresStore)
@@ -2633,7 +2633,7 @@ async def micro_costs(db: Database, identity: str, loaded_identity: str) -> dict
         await conn.execute(statement)
         start = time.perf_counter()
         for _ in range(500):
-            await CheckpointRepository(conn).current_snapshot()
+            (await conn.execute(statement)).scalar_one()
         through_sqlalchemy = (time.perf_counter() - start) / 500
         await conn.rollback()
     raw = await db.conn.prepare("SELECT pg_current_snapshot()::text")

@@ -16,11 +16,14 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
 
-from coda_memory.consolidation import DEFAULT_RETENTION, ConsolidationInput, ConsolidationPlan
+from coda_memory.consolidation import (
+    DEFAULT_RETENTION,
+    REINFORCING,
+    ConsolidationInput,
+    ConsolidationPlan,
+)
 from coda_memory.model import Fact, FactEvent, Observation
 from coda_memory.store.base import AppendOutcome, ObservationRecord
-
-_REINFORCING = {"created", "reinforced", "extended"}
 
 
 @dataclass(slots=True)
@@ -45,7 +48,7 @@ class InMemoryConsolidationUnit:
         new = [o for seq, o in state.observations.items() if seq > state.cursor]
         self._loaded_upto = max((o.id for o in new), default=state.cursor)
         sessions = {o.session_id for o in new if o.session_id is not None}
-        events = [e for e in state.events if e.session_id in sessions and e.kind in _REINFORCING]
+        events = [e for e in state.events if e.session_id in sessions and e.kind in REINFORCING]
         return ConsolidationInput(
             observations=new, facts=list(state.facts.values()), session_events=events
         )

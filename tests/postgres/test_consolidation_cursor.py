@@ -19,8 +19,9 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 
 from coda_memory.errors import ConnectionLost
 from coda_memory.store.postgres import PostgresStore
-from coda_memory.store.postgres.repositories import new_observations
+from coda_memory.store.postgres.engine import driver_connection
 from coda_memory.store.postgres.schema import observations
+from coda_memory.store.postgres.unit import Statements
 from tests.postgres.helpers import (
     NOW,
     consolidate,
@@ -315,12 +316,12 @@ async def test_the_new_observations_query_uses_the_xid_index(pg_store: PostgresS
     assert checkpoint is not None and checkpoint.snapshot is not None
     async with pg_store.engine.connect() as conn:
         await conn.execute(text("ANALYZE coda_memory.observations"))
-        current = (await conn.execute(text("SELECT pg_current_snapshot()::text"))).scalar_one()
-        query = new_observations("id7", current, checkpoint.snapshot).compile(
-            dialect=conn.dialect, compile_kwargs={"literal_binds": True}
+        # The statement the consolidation unit runs, with its parameters bound.
+        statement = Statements.for_schema("coda_memory").new_since
+        driver = await driver_connection(conn)
+        plan_json = await driver.fetchval(
+            f"EXPLAIN (FORMAT JSON) {statement}", "id7", checkpoint.snapshot
         )
-        explained = await conn.exec_driver_sql(f"EXPLAIN (FORMAT JSON) {query}")
-        plan_json = explained.scalar_one()
 
     assert "ix_observations_identity_id_xid" in str(plan_json)
 
