@@ -9,14 +9,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from coda_memory.affinity import (
+from coda_memory.core.affinity import (
     AFFINITY_WEIGHT,
     boost_tool_scores,
     extract_tool_affinities,
     rank_tools,
 )
-from coda_memory.decay import AdaptiveDecay, DecayStrategy, ExponentialDecay
-from coda_memory.emitters import (
+from coda_memory.core.decay import AdaptiveDecay, DecayStrategy, ExponentialDecay
+from coda_memory.core.emitters import (
     DEFAULT_DOMAIN_PATTERNS,
     DEFAULT_ENTITY_EXTRACTORS,
     META_TOOLS,
@@ -28,7 +28,7 @@ from coda_memory.emitters import (
     query_pattern_observation,
     tool_observations,
 )
-from coda_memory.model import (
+from coda_memory.core.model import (
     IDENTIFIER_PATTERN,
     Fact,
     FactCategory,
@@ -39,12 +39,12 @@ from coda_memory.model import (
     Observation,
     ObservationType,
 )
-from coda_memory.prompt import format_memory_section
-from coda_memory.sanitize import ObservationRejected
+from coda_memory.core.prompt import format_memory_section
+from coda_memory.core.sanitize import ObservationRejected
 from coda_memory.service import MemoryService, MemoryStats
 
 if TYPE_CHECKING:
-    from coda_memory.migrate import migrate
+    from coda_memory.postgres.migrate import migrate
 
 __version__ = "0.1.0"
 
@@ -52,7 +52,7 @@ __version__ = "0.1.0"
 def __getattr__(name: str) -> Any:
     # The migration helper pulls in Alembic; load it only when asked for.
     if name == "migrate":
-        from coda_memory.migrate import migrate
+        from coda_memory.postgres.migrate import migrate
 
         return migrate
     raise AttributeError(f"module 'coda_memory' has no attribute {name!r}")

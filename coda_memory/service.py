@@ -22,13 +22,13 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
-from coda_memory.affinity import extract_tool_affinities
-from coda_memory.consolidation import DEFAULT_RETENTION, active_views, plan_consolidation
-from coda_memory.decay import DecayStrategy, ExponentialDecay
-from coda_memory.model import Fact, FactEvent, LoadedMemory, NewObservation
-from coda_memory.prompt import format_memory_section
-from coda_memory.sanitize import ObservationRejected, sanitize_observation
-from coda_memory.store.base import MemoryStore, ObservationRecord
+from coda_memory.core.affinity import extract_tool_affinities
+from coda_memory.core.consolidation import DEFAULT_RETENTION, active_views, plan_consolidation
+from coda_memory.core.decay import DecayStrategy, ExponentialDecay
+from coda_memory.core.model import Fact, FactEvent, LoadedMemory, NewObservation
+from coda_memory.core.prompt import format_memory_section
+from coda_memory.core.sanitize import ObservationRejected, sanitize_observation
+from coda_memory.ports import MemoryStore, ObservationRecord
 
 logger = logging.getLogger("coda_memory")
 
@@ -130,11 +130,11 @@ class MemoryService:
         if url == "memory://" or url.startswith("memory:"):
             if store_options:
                 raise TypeError(f"unexpected options for memory://: {sorted(store_options)}")
-            from coda_memory.store.memory import InMemoryStore
+            from coda_memory.testing import InMemoryStore
 
             store = InMemoryStore()
         elif url.split(":", 1)[0].split("+", 1)[0] in ("postgresql", "postgres"):
-            from coda_memory.store.postgres import PostgresStore
+            from coda_memory.postgres import PostgresStore
 
             retention = service_options.get("retention", DEFAULT_RETENTION)
             store = PostgresStore.from_url(url, retention=retention, **store_options)

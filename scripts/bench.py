@@ -50,15 +50,15 @@ import psutil
 from sqlalchemy.engine import URL, make_url
 
 from coda_memory import MemoryService, NewObservation, ObservationType
-from coda_memory.migrate import migrate_async
-from coda_memory.store.base import (
+from coda_memory.ports import (
     AppendOutcome,
     ConsolidationUnit,
     MemoryStore,
     ObservationRecord,
 )
-from coda_memory.store.postgres import PostgresStore
-from coda_memory.store.postgres.engine import asyncpg_url
+from coda_memory.postgres import PostgresStore
+from coda_memory.postgres.engine import asyncpg_url
+from coda_memory.postgres.migrate import migrate_async
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_DATA_DIR = ROOT / "benchmarks" / ".pgdata"
@@ -434,7 +434,7 @@ def start_server(url: str | None, data_dir: Path, pgbench: str | None) -> Server
     run_id = f"{os.getpid()}_{int(time.time()) % 100_000}"
     embedded: Path | None = None
     if url is None:
-        from coda_memory.embedded import embedded_url
+        from coda_memory.postgres.embedded import embedded_url
 
         data_dir.parent.mkdir(parents=True, exist_ok=True)
         url = embedded_url(data_dir)
@@ -1062,7 +1062,7 @@ def copy_rows(records: Sequence[ObservationRecord]) -> list[tuple[Any, ...]]:
 
 
 async def ingest_section(db: Database, sizes: Sizes, report: Report) -> None:
-    from coda_memory.sanitize import sanitize_observation
+    from coda_memory.core.sanitize import sanitize_observation
 
     rng = random.Random(4)
     items = ingest_observations(sizes.ingest_rows, rng)
@@ -1720,10 +1720,10 @@ async def analytics_queries(
 
 
 async def analytics_section(big: Database, sizes: Sizes, report: Report, base: datetime) -> None:
-    if importlib.util.find_spec("coda_memory.analytics") is None:
-        report.note("analytics: skipped, coda_memory.analytics does not exist yet")
+    if importlib.util.find_spec("coda_memory.postgres.analytics") is None:
+        report.note("analytics: skipped, coda_memory.postgres.analytics does not exist yet")
         return
-    module = importlib.import_module("coda_memory.analytics")
+    module = importlib.import_module("coda_memory.postgres.analytics")
     tables = {
         r["table_name"]
         for r in await big.conn.fetch(
@@ -1736,7 +1736,8 @@ async def analytics_section(big: Database, sizes: Sizes, report: Report, base: d
     hook = rollup_hook(module)
     if rollups and hook is None:
         report.note(
-            "analytics: skipped, rollup tables exist but coda_memory.analytics exposes none of "
+            "analytics: skipped, rollup tables exist but coda_memory.postgres.analytics exposes "
+            "none of "
             f"{', '.join(ROLLUP_HOOKS)} to fill them from bulk-loaded observations"
         )
         return
@@ -2140,10 +2141,10 @@ _NAMED_STATEMENTS: dict[str, str] = {}
 
 def named_statements() -> dict[str, str]:
     """The store's own named hot-path statements (``Statements`` in
-    ``coda_memory.store.postgres.unit``, where it exists), by their normalised SQL."""
+    ``coda_memory.postgres.unit``, where it exists), by their normalised SQL."""
     if not _NAMED_STATEMENTS:
         try:
-            from coda_memory.store.postgres import unit
+            from coda_memory.postgres import unit
         except ImportError:
             return _NAMED_STATEMENTS
         statements = unit.Statements.for_schema(SCHEMA)
@@ -2556,11 +2557,11 @@ async def micro_costs(db: Database, identity: str, loaded_identity: str) -> dict
     """Costs of single pieces, each timed on its own (milliseconds or microseconds)."""
     from sqlalchemy import text as sql_text
 
-    from coda_memory.affinity import extract_tool_affinities
-    from coda_memory.consolidation import active_views, plan_consolidation
-    from coda_memory.model import Fact, fact_id
-    from coda_memory.prompt import format_memory_section
-    from coda_memory.store.postgres.repositories import FactRepository
+    from coda_memory.core.affinity import extract_tool_affinities
+    from coda_memory.core.consolidation import active_views, plan_consolidation
+    from coda_memory.core.model import Fact, fact_id
+    from coda_memory.core.prompt import format_memory_section
+    from coda_memory.postgres.repositories import FactRepository
 
     store = db.service.store
     assert isinstance(store, PostgresStore)
@@ -2665,7 +2666,7 @@ async def micro_costs(db: Database, identity: str, loaded_identity: str) -> dict
 async def ingest_costs(db: Database) -> dict[str, float]:
     """The writer's path for one batch, piece by piece: validation, then the store's
     append (COPY and the rollup, one transaction) against a bare COPY of the same rows."""
-    from coda_memory.sanitize import sanitize_observation
+    from coda_memory.core.sanitize import sanitize_observation
 
     store = db.service.store
     assert isinstance(store, PostgresStore)

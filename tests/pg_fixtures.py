@@ -34,9 +34,9 @@ from sqlalchemy import pool
 from sqlalchemy.engine import URL
 from sqlalchemy.ext.asyncio import create_async_engine
 
-from coda_memory.migrate import migrate_async
-from coda_memory.store.postgres import PostgresStore
-from coda_memory.store.postgres.engine import asyncpg_url
+from coda_memory.postgres import PostgresStore
+from coda_memory.postgres.engine import asyncpg_url
+from coda_memory.postgres.migrate import migrate_async
 
 _POSTGRES_FIXTURES = frozenset({"pg_url", "pg_store", "empty_pg_url", "admin_url"})
 

@@ -42,9 +42,9 @@ from coda_memory.cli.runtime import (
     resolve_target,
     run,
 )
+from coda_memory.postgres import maintenance
+from coda_memory.postgres.schema import DEFAULT_SCHEMA
 from coda_memory.service import MemoryService
-from coda_memory.store.postgres import maintenance
-from coda_memory.store.postgres.schema import DEFAULT_SCHEMA
 
 #: SQLSTATE of "lock_timeout expired".
 _LOCK_NOT_AVAILABLE = "55P03"
@@ -56,7 +56,7 @@ def migrate(url: UrlOption = None, schema: SchemaOption = DEFAULT_SCHEMA) -> Non
 
     async def main() -> str | None:
         target = resolve_target(url, schema)
-        from coda_memory.migrate import migrate_async
+        from coda_memory.postgres.migrate import migrate_async
 
         async with open_store(target, migrated=False) as store:
             await migrate_async(target.url, schema=target.schema)
@@ -77,7 +77,7 @@ def demo(
     ] = 30,
 ) -> None:
     """A simulated month of agent sessions with memory at work (a fresh schema each run)."""
-    from coda_memory.demo import DEMO_SCHEMA, run_demo
+    from coda_memory.cli.demo.demo import DEMO_SCHEMA, run_demo
 
     started = time.perf_counter()
     console = make_console()

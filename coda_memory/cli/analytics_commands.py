@@ -13,8 +13,6 @@ import typer
 from pydantic import BaseModel
 from rich.table import Table
 
-from coda_memory import analytics, plots
-from coda_memory.analytics import DomainTrend, EntityPopularity, FactSummary, ToolEffectiveness
 from coda_memory.cli.app import (
     AnalyticsFormat,
     PlotOption,
@@ -22,6 +20,7 @@ from coda_memory.cli.app import (
     UrlOption,
     analytics_app,
 )
+from coda_memory.cli.demo import plots
 from coda_memory.cli.output import (
     add_row,
     checked_plot_path,
@@ -41,8 +40,15 @@ from coda_memory.cli.runtime import (
     resolve_target,
     run,
 )
-from coda_memory.store.postgres.schema import DEFAULT_SCHEMA
-from coda_memory.store.postgres.store import PostgresStore
+from coda_memory.postgres import analytics
+from coda_memory.postgres.analytics import (
+    DomainTrend,
+    EntityPopularity,
+    FactSummary,
+    ToolEffectiveness,
+)
+from coda_memory.postgres.schema import DEFAULT_SCHEMA
+from coda_memory.postgres.store import PostgresStore
 
 SinceOption = Annotated[str, typer.Option("--since", help="How far back to look, e.g. 30d.")]
 MinUsersOption = Annotated[

@@ -9,7 +9,7 @@ from typing import Annotated
 import typer
 
 from coda_memory.cli.runtime import invocation
-from coda_memory.decay import AdaptiveDecay, DecayStrategy, ExponentialDecay
+from coda_memory.core.decay import AdaptiveDecay, DecayStrategy, ExponentialDecay
 
 app = typer.Typer(
     name="coda-memory",

@@ -43,11 +43,11 @@ from coda_memory.cli.runtime import (
     resolve_target,
     run,
 )
-from coda_memory.model import Fact, FactEvent, FactEventKind
-from coda_memory.prompt import format_memory_section
+from coda_memory.core.model import Fact, FactEvent, FactEventKind
+from coda_memory.core.prompt import format_memory_section
+from coda_memory.postgres import maintenance
+from coda_memory.postgres.schema import DEFAULT_SCHEMA
 from coda_memory.service import MemoryService
-from coda_memory.store.postgres import maintenance
-from coda_memory.store.postgres.schema import DEFAULT_SCHEMA
 
 
 @app.command()
@@ -159,7 +159,7 @@ def history(
 
     events = run(main, schema)
     if plot is not None:
-        from coda_memory.plots import plot_fact_history
+        from coda_memory.cli.demo.plots import plot_fact_history
 
         draw_plot_or_exit(
             lambda: plot_fact_history(

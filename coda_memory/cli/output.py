@@ -16,12 +16,12 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from coda_memory.cli.demo.plots import PlotsUnavailable
 from coda_memory.cli.runtime import (
     CliError,
     debug_enabled,
     fail,
 )
-from coda_memory.plots import PlotsUnavailable
 
 #: Width of tables written to a file or pipe (unless $COLUMNS says otherwise): wide
 #: enough that cells are not wrapped, so the output stays greppable.

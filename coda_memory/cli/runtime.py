@@ -22,10 +22,10 @@ from sqlalchemy.exc import ArgumentError, DBAPIError
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
 from coda_memory.errors import SchemaNotMigrated
-from coda_memory.store.postgres import maintenance
-from coda_memory.store.postgres.engine import asyncpg_url
-from coda_memory.store.postgres.schema import DEFAULT_SCHEMA, validate_schema_name
-from coda_memory.store.postgres.store import PostgresStore
+from coda_memory.postgres import maintenance
+from coda_memory.postgres.engine import asyncpg_url
+from coda_memory.postgres.schema import DEFAULT_SCHEMA, validate_schema_name
+from coda_memory.postgres.store import PostgresStore
 
 T = TypeVar("T")
 
@@ -163,7 +163,7 @@ def resolve_target(url: str | None, schema: str, *, announce: bool = True) -> Ta
                 reason = "the port is not a number"
             raise CliError(f"invalid database URL {_masked(url)!r}: {reason}") from exc
         return Target(url, schema, _masked(url), embedded=False)
-    from coda_memory.embedded import DEFAULT_DATA_DIR, embedded_url
+    from coda_memory.postgres.embedded import DEFAULT_DATA_DIR, embedded_url
 
     data_dir = os.environ.get("CODA_MEMORY_DATA_DIR") or str(DEFAULT_DATA_DIR)
     try:
@@ -222,7 +222,7 @@ async def open_store(
     try:
         await _check_connection(store.engine, target)
         if target.embedded:
-            from coda_memory.migrate import migrate_async
+            from coda_memory.postgres.migrate import migrate_async
 
             await migrate_async(target.url, schema=target.schema)
         if migrated and await maintenance.schema_revision(store) is None:
@@ -242,7 +242,7 @@ def head_revision() -> str | None:
     """The latest revision of the packaged migrations."""
     from alembic.script import ScriptDirectory
 
-    from coda_memory.migrate import alembic_config
+    from coda_memory.postgres.migrate import alembic_config
 
     return ScriptDirectory.from_config(alembic_config()).get_current_head()
 

@@ -9,7 +9,7 @@ from typing import Any
 from sqlalchemy import pool, text
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
-from coda_memory.model import (
+from coda_memory.core.model import (
     Fact,
     FactCategory,
     FactEvent,
@@ -18,8 +18,8 @@ from coda_memory.model import (
     ObservationType,
     fact_id,
 )
-from coda_memory.store.base import ConsolidationInput, ConsolidationPlan, ObservationRecord
-from coda_memory.store.postgres import PostgresStore
+from coda_memory.ports import ConsolidationInput, ConsolidationPlan, ObservationRecord
+from coda_memory.postgres import PostgresStore
 
 NOW = datetime(2026, 3, 1, 12, 0, tzinfo=UTC)
 EPOCH = datetime(1970, 1, 1, tzinfo=UTC)

@@ -26,7 +26,10 @@ import pytest
 from sqlalchemy import Double, literal, select, text
 
 from coda_memory import MemoryService
-from coda_memory.analytics import (
+from coda_memory.core.model import ObservationType
+from coda_memory.ports import ObservationRecord
+from coda_memory.postgres import PostgresStore
+from coda_memory.postgres.analytics import (
     DomainTrend,
     EntityPopularity,
     FactSummary,
@@ -37,11 +40,8 @@ from coda_memory.analytics import (
     rebuild_rollups,
     tool_effectiveness,
 )
-from coda_memory.migrate import migrate_async
-from coda_memory.model import ObservationType
-from coda_memory.store.base import ObservationRecord
-from coda_memory.store.postgres import PostgresStore
-from coda_memory.store.postgres.rollup import duration_bucket
+from coda_memory.postgres.migrate import migrate_async
+from coda_memory.postgres.rollup import duration_bucket
 from tests.helpers import FakeClock, domain, tool_failed, tool_ok
 from tests.postgres.helpers import NOW, consolidate, fact, fetch, record
 

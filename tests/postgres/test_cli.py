@@ -29,9 +29,9 @@ from typer.testing import CliRunner, Result
 
 from coda_memory import MemoryService, format_memory_section
 from coda_memory.cli import app, identity_commands, runtime
-from coda_memory.simulation import SimulatedClock, simulate
-from coda_memory.store.postgres import PostgresStore, maintenance
-from coda_memory.store.postgres.schema import checkpoints
+from coda_memory.cli.demo.simulation import SimulatedClock, simulate
+from coda_memory.postgres import PostgresStore, maintenance
+from coda_memory.postgres.schema import checkpoints
 from tests.helpers import FakeClock, domain, entity, tool_failed, tool_ok
 from tests.postgres.helpers import consolidate, fetch, record
 

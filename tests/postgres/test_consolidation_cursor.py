@@ -18,10 +18,10 @@ from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from coda_memory.errors import ConnectionLost
-from coda_memory.store.postgres import PostgresStore
-from coda_memory.store.postgres.engine import driver_connection
-from coda_memory.store.postgres.schema import observations
-from coda_memory.store.postgres.unit import Statements
+from coda_memory.postgres import PostgresStore
+from coda_memory.postgres.engine import driver_connection
+from coda_memory.postgres.schema import observations
+from coda_memory.postgres.unit import Statements
 from tests.postgres.helpers import (
     NOW,
     consolidate,

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from coda_memory.embedded import embedded_url
-from coda_memory.migrate import migrate_async
-from coda_memory.store.postgres import PostgresStore
+from coda_memory.postgres import PostgresStore
+from coda_memory.postgres.embedded import embedded_url
+from coda_memory.postgres.migrate import migrate_async
 from tests.postgres.helpers import consolidate, contents, record
 
 pytestmark = pytest.mark.postgres

@@ -12,8 +12,8 @@ import pytest
 from alembic.script import ScriptDirectory
 from sqlalchemy import text
 
-from coda_memory.migrate import alembic_config, migrate, migrate_async
-from coda_memory.store.postgres.schema import (
+from coda_memory.postgres.migrate import alembic_config, migrate, migrate_async
+from coda_memory.postgres.schema import (
     metadata,
     schema_translate_map,
     validate_schema_name,
@@ -80,7 +80,7 @@ def test_the_repository_alembic_ini_uses_the_packaged_migrations() -> None:
     link = REPOSITORY / "migrations"
 
     assert link.is_symlink()
-    assert link.resolve() == (REPOSITORY / "coda_memory" / "migrations").resolve()
+    assert link.resolve() == (REPOSITORY / "coda_memory" / "postgres" / "migrations").resolve()
 
 
 def test_upgrade_downgrade_upgrade_and_no_drift(empty_pg_url: str) -> None:

@@ -7,13 +7,13 @@ from typing import cast
 
 import pytest
 
+from coda_memory.core.model import FactEventKind, ObservationType
 from coda_memory.errors import SchemaNotMigrated
-from coda_memory.migrate import migrate_async
-from coda_memory.model import FactEventKind, ObservationType
-from coda_memory.store.base import MemoryStore
-from coda_memory.store.postgres import PostgresStore
-from coda_memory.store.postgres.engine import asyncpg_url
-from coda_memory.store.postgres.schema import metadata
+from coda_memory.ports import MemoryStore
+from coda_memory.postgres import PostgresStore
+from coda_memory.postgres.engine import asyncpg_url
+from coda_memory.postgres.migrate import migrate_async
+from coda_memory.postgres.schema import metadata
 from tests.postgres.helpers import (
     NOW,
     consolidate,

@@ -20,9 +20,14 @@ import pytest
 from sqlalchemy import event, make_url, pool, text
 from sqlalchemy.ext.asyncio import create_async_engine
 
-from coda_memory.analytics import domain_trends, entity_popularity, fact_summary, tool_effectiveness
-from coda_memory.migrate import migrate_async
-from coda_memory.store.postgres import PostgresStore
+from coda_memory.postgres import PostgresStore
+from coda_memory.postgres.analytics import (
+    domain_trends,
+    entity_popularity,
+    fact_summary,
+    tool_effectiveness,
+)
+from coda_memory.postgres.migrate import migrate_async
 from tests.postgres.helpers import record
 
 NOW = datetime(2026, 3, 1, 12, 0, tzinfo=UTC)

@@ -5,13 +5,13 @@ from __future__ import annotations
 import math
 from datetime import UTC, datetime
 
-from coda_memory.affinity import (
+from coda_memory.core.affinity import (
     AFFINITY_WEIGHT,
     boost_tool_scores,
     extract_tool_affinities,
     rank_tools,
 )
-from coda_memory.model import Fact, FactCategory, fact_id, fact_subject
+from coda_memory.core.model import Fact, FactCategory, fact_id, fact_subject
 
 AT = datetime(2025, 3, 1, tzinfo=UTC)
 

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from coda_memory.decay import AdaptiveDecay, ExponentialDecay
-from coda_memory.model import Fact, FactCategory, FactEvent, FactEventKind, fact_id
-from coda_memory.plots import confidence_curve, crossing, plot_fact_history
+from coda_memory.cli.demo.plots import confidence_curve, crossing, plot_fact_history
+from coda_memory.core.decay import AdaptiveDecay, ExponentialDecay
+from coda_memory.core.model import Fact, FactCategory, FactEvent, FactEventKind, fact_id
 
 T0 = datetime(2026, 1, 1, 9, 0, tzinfo=UTC)
 SUBJECT = "tool_affinity:get_account"

@@ -7,9 +7,9 @@ from datetime import datetime, timedelta
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from coda_memory.consolidation import ConsolidationInput, fact_key, plan_consolidation
-from coda_memory.decay import AdaptiveDecay, DecayStrategy, ExponentialDecay
-from coda_memory.model import Fact, FactEvent, Observation, ObservationType
+from coda_memory.core.consolidation import ConsolidationInput, fact_key, plan_consolidation
+from coda_memory.core.decay import AdaptiveDecay, DecayStrategy, ExponentialDecay
+from coda_memory.core.model import Fact, FactEvent, Observation, ObservationType
 from tests.helpers import T0
 
 TOOLS = ["get_account", "run_query"]

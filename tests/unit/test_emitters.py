@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from coda_memory.emitters import (
+from coda_memory.core.emitters import (
     DEFAULT_DOMAIN_PATTERNS,
     DEFAULT_ENTITY_EXTRACTORS,
     META_TOOLS,
@@ -22,7 +22,7 @@ from coda_memory.emitters import (
     query_pattern_observation,
     tool_observations,
 )
-from coda_memory.model import NewObservation, ObservationType
+from coda_memory.core.model import NewObservation, ObservationType
 
 # tool_observations
 
@@ -287,7 +287,7 @@ def test_a_raising_extractor_gives_nothing_and_logs_at_debug(
         raise RuntimeError("midway")
 
     extractors = EntityExtractors({"broken": broken, "midway": broken_midway})
-    with caplog.at_level(logging.DEBUG, logger="coda_memory.emitters"):
+    with caplog.at_level(logging.DEBUG, logger="coda_memory.core.emitters"):
         assert entity_observations("broken", {}, extractors=extractors) == []
         assert entity_observations("midway", {}, extractors=extractors) == []
     assert [r.levelno for r in caplog.records] == [logging.DEBUG, logging.DEBUG]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from coda_memory.model import Fact, FactCategory, fact_subject, trusted
+from coda_memory.core.model import Fact, FactCategory, fact_subject, trusted
 from tests.helpers import T0
 
 
@@ -37,7 +37,7 @@ def test_subjects_use_the_category_value() -> None:
 def test_gc_paused_restores_the_collector_state() -> None:
     import gc
 
-    from coda_memory.model import gc_paused
+    from coda_memory.core.model import gc_paused
 
     assert gc.isenabled()
     with gc_paused():

@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from coda_memory.model import Fact, FactCategory, fact_id, fact_subject
-from coda_memory.prompt import CLOSING, FRAMING, HEADER, estimate_tokens, format_memory_section
+from coda_memory.core.model import Fact, FactCategory, fact_id, fact_subject
+from coda_memory.core.prompt import CLOSING, FRAMING, HEADER, estimate_tokens, format_memory_section
 
 AT = datetime(2025, 3, 1, tzinfo=UTC)
 #: Header 7 + framing 17 + closing 16 words.

@@ -11,8 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from coda_memory.model import NewObservation, ObservationType
-from coda_memory.sanitize import (
+from coda_memory.core.model import NewObservation, ObservationType
+from coda_memory.core.sanitize import (
     ObservationRejected,
     SanitizedObservation,
     clean_text,
@@ -445,14 +445,14 @@ def test_sanitize_anything_gives_clean_data_or_a_rejection(
 
 @given(st.text(alphabet=st.characters(min_codepoint=0, max_codepoint=127)), st.integers(0, 60))
 def test_the_ascii_fast_path_of_clean_text_matches_the_general_one(value: str, cap: int) -> None:
-    from coda_memory.sanitize import _clean_text_slow
+    from coda_memory.core.sanitize import _clean_text_slow
 
     assert clean_text(value, cap) == _clean_text_slow(value, cap)
 
 
 @given(st.text(alphabet=st.characters(min_codepoint=0, max_codepoint=127)), st.integers(0, 60))
 def test_the_ascii_fast_path_of_scrubbing_matches_the_general_one(value: str, cap: int) -> None:
-    from coda_memory import sanitize
+    from coda_memory.core import sanitize
 
     for drop in (sanitize._content_drop, sanitize._value_drop):
         kept = "".join(c for c in value if not drop(c))

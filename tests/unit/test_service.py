@@ -15,8 +15,8 @@ from contextlib import asynccontextmanager
 import pytest
 
 from coda_memory import Fact, MemoryService
-from coda_memory.store.base import AppendOutcome, ObservationRecord
-from coda_memory.store.memory import InMemoryConsolidationUnit, InMemoryStore
+from coda_memory.ports import AppendOutcome, ObservationRecord
+from coda_memory.testing import InMemoryConsolidationUnit, InMemoryStore
 from tests.helpers import FakeClock, entity, tool_failed, tool_ok
 
 

@@ -81,8 +81,8 @@ from sqlalchemy.schema import ExecutableDDLElement
 from sqlalchemy.sql.dml import Insert
 from sqlalchemy.sql.selectable import CTE, Select
 
-from coda_memory.model import ObservationType
-from coda_memory.store.postgres.schema import (
+from coda_memory.core.model import ObservationType
+from coda_memory.postgres.schema import (
     domain_daily,
     domain_users,
     entity_daily,

@@ -11,7 +11,7 @@ from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 
 from coda_memory.errors import SchemaNotMigrated
-from coda_memory.store.postgres.schema import schema_translate_map
+from coda_memory.postgres.schema import schema_translate_map
 
 _POSTGRES_DRIVERS = {"postgresql", "postgres", "postgresql+asyncpg"}
 
@@ -85,6 +85,6 @@ def schema_required(schema: str) -> Iterator[None]:
         if is_missing_relation(exc):
             raise SchemaNotMigrated(
                 f"coda-memory tables are missing from schema {schema!r}; create them with "
-                "coda_memory.migrate.migrate(url) or `alembic upgrade head`"
+                "coda_memory.migrate(url) or `alembic upgrade head`"
             ) from exc
         raise

@@ -1,7 +1,7 @@
 """Operations across identities, for operators: what the command line runs.
 
 Everything here reads the consolidation cursor the way the store writes it (see the
-docstring of :mod:`coda_memory.store.postgres.store`): an observation is *consolidated*
+docstring of :mod:`coda_memory.postgres.store`): an observation is *consolidated*
 once its ``xid`` is visible in its identity's checkpoint snapshot, and *pending* while it
 is not (or while the identity has no checkpoint snapshot yet). Statements are built from
 the Core tables, so they land in the store's schema, and every value is a bound parameter.
@@ -41,8 +41,8 @@ from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.ext.asyncio import AsyncConnection
 from sqlalchemy.sql.selectable import Select
 
-from coda_memory.store.postgres.engine import schema_required
-from coda_memory.store.postgres.schema import (
+from coda_memory.postgres.engine import schema_required
+from coda_memory.postgres.schema import (
     DEFAULT_SCHEMA,
     PgSnapshot,
     checkpoints,
@@ -51,7 +51,7 @@ from coda_memory.store.postgres.schema import (
     metadata,
     observations,
 )
-from coda_memory.store.postgres.store import PostgresStore
+from coda_memory.postgres.store import PostgresStore
 
 #: Alembic's version table, which the migrations keep in the store's schema (a Table, not
 #: a lightweight ``table()``, so that ``schema_translate_map`` moves it with the others).

@@ -12,9 +12,9 @@ from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from coda_memory.consolidation import ConsolidationInput, ConsolidationPlan
-from coda_memory.model import Fact, FactEvent
-from coda_memory.sanitize import SanitizedObservation as ObservationRecord
+from coda_memory.core.consolidation import ConsolidationInput, ConsolidationPlan
+from coda_memory.core.model import Fact, FactEvent
+from coda_memory.core.sanitize import SanitizedObservation as ObservationRecord
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,7 +11,7 @@ import math
 from datetime import datetime
 from typing import Protocol, runtime_checkable
 
-from coda_memory.model import Fact
+from coda_memory.core.model import Fact
 
 SECONDS_PER_DAY = 86_400.0
 

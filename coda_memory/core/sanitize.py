@@ -32,7 +32,7 @@ Observation policy:
   ``content``; string values have NUL and lone surrogates removed and are capped at
   1,000 characters.
 * Per type: ``tool_success``/``tool_failure`` need ``toolName`` matching
-  :data:`~coda_memory.model.IDENTIFIER_PATTERN`; ``durationMs``, if present, is a
+  :data:`~coda_memory.core.model.IDENTIFIER_PATTERN`; ``durationMs``, if present, is a
   finite number >= 0 (a bool is not a number); ``error``, if present, is a string.
   ``entity_access`` needs identifiers ``entityType`` and ``entityId`` (an int
   ``entityId`` is stored as its decimal string); ``entityName``, if present, is a
@@ -50,7 +50,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from coda_memory.model import NewObservation, ObservationType, is_identifier
+from coda_memory.core.model import NewObservation, ObservationType, is_identifier
 
 MAX_IDENTITY_CHARS = 256
 MAX_SESSION_CHARS = 200

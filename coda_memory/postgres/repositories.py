@@ -20,19 +20,19 @@ from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.engine import RowMapping
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from coda_memory.model import (
+from coda_memory.core.model import (
     Fact,
     FactEvent,
     Observation,
     UtcDatetime,
 )
-from coda_memory.store.postgres.schema import (
+from coda_memory.postgres.schema import (
     checkpoints,
     fact_events,
     facts,
     observations,
 )
-from coda_memory.store.postgres.unit import event_from_row, fact_from_row
+from coda_memory.postgres.unit import event_from_row, fact_from_row
 
 
 #: Event kinds that record a session's reinforcement of a fact.

@@ -12,7 +12,7 @@ import threading
 import warnings
 from pathlib import Path
 
-from coda_memory.store.postgres.engine import asyncpg_url
+from coda_memory.postgres.engine import asyncpg_url
 
 #: Where the data lives when neither an argument nor CODA_MEMORY_DATA_DIR says otherwise.
 DEFAULT_DATA_DIR = Path(".coda-memory") / "pgdata"

@@ -1,6 +1,6 @@
 """``coda-memory demo``: a simulated month of agent sessions, with memory at work.
 
-Everything printed comes from the run: the simulation (:mod:`coda_memory.simulation`)
+Everything printed comes from the run: the simulation (:mod:`coda_memory.cli.demo.simulation`)
 drives the real emitters and :class:`~coda_memory.service.MemoryService` on Postgres with
 a simulated clock, and the demo shows what the memory made of it. Each run starts from
 an empty schema of its own (:data:`DEMO_SCHEMA`), dropped and migrated again.
@@ -25,11 +25,8 @@ from sqlalchemy import pool, select
 from sqlalchemy.ext.asyncio import create_async_engine
 from sqlalchemy.schema import DropSchema
 
-from coda_memory.analytics import ToolEffectiveness, tool_effectiveness
-from coda_memory.model import FactEvent, FactEventKind, LoadedMemory
-from coda_memory.plots import INSTALL_HINT, PlotsUnavailable, crossing
-from coda_memory.service import MemoryService
-from coda_memory.simulation import (
+from coda_memory.cli.demo.plots import INSTALL_HINT, PlotsUnavailable, crossing
+from coda_memory.cli.demo.simulation import (
     PERSONAS,
     Persona,
     SessionRecord,
@@ -37,8 +34,11 @@ from coda_memory.simulation import (
     ranking,
     simulate,
 )
-from coda_memory.store.postgres import PostgresStore
-from coda_memory.store.postgres.engine import asyncpg_url
+from coda_memory.core.model import FactEvent, FactEventKind, LoadedMemory
+from coda_memory.postgres import PostgresStore
+from coda_memory.postgres.analytics import ToolEffectiveness, tool_effectiveness
+from coda_memory.postgres.engine import asyncpg_url
+from coda_memory.service import MemoryService
 
 if TYPE_CHECKING:
     from coda_memory.cli.runtime import Target
@@ -104,7 +104,7 @@ def _day(at: datetime, start: datetime) -> int:
 
 async def reset_schema(url: str) -> None:
     """Drop the demo schema with everything in it, then migrate it from scratch."""
-    from coda_memory.migrate import migrate_async
+    from coda_memory.postgres.migrate import migrate_async
 
     engine = create_async_engine(asyncpg_url(url), poolclass=pool.NullPool)
     try:
@@ -321,7 +321,7 @@ async def _show_expiry(
     events = await service.history(FOCUS, subject)
     console.print(_events_table(subject, events, start, decay.expiry_threshold))
     try:
-        from coda_memory.plots import plot_fact_history
+        from coda_memory.cli.demo.plots import plot_fact_history
 
         out.mkdir(parents=True, exist_ok=True)
         path = out / f"fact-history-{FOCUS}-{tool}.png"
@@ -399,7 +399,7 @@ def _draw_effectiveness(
 ) -> str | None:
     """Draw the tool chart; returns a note when plots could not be drawn."""
     try:
-        from coda_memory.plots import plot_tool_effectiveness
+        from coda_memory.cli.demo.plots import plot_tool_effectiveness
 
         out.mkdir(parents=True, exist_ok=True)
         plots.append(

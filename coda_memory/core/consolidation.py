@@ -25,8 +25,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 
-from coda_memory.decay import DecayStrategy, initial_ease
-from coda_memory.model import (
+from coda_memory.core.decay import DecayStrategy, initial_ease
+from coda_memory.core.model import (
     Fact,
     FactCategory,
     FactEvent,
@@ -39,7 +39,7 @@ from coda_memory.model import (
     is_identifier,
     trusted,
 )
-from coda_memory.sanitize import quote_untrusted
+from coda_memory.core.sanitize import quote_untrusted
 
 NEW_FACT_CONFIDENCE = 0.5
 DEFAULT_RETENTION = timedelta(days=7)

@@ -5,7 +5,7 @@ time through ``schema_translate_map`` (see :func:`schema_translate_map`), never 
 SQL strings. Tables holding an identity's data are sharded by identity (Citus-style): their
 primary key starts with ``identity_id`` and every per-identity statement filters on it. The
 global rollup tables (``*_daily``, ``tool_durations``) hold anonymous counts keyed by day;
-:mod:`coda_memory.store.postgres.rollup` explains them.
+:mod:`coda_memory.postgres.rollup` explains them.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from sqlalchemy import (
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.types import UserDefinedType
 
-from coda_memory.model import FactCategory, FactEventKind, ObservationType
+from coda_memory.core.model import FactCategory, FactEventKind, ObservationType
 
 #: The schema name written in the metadata and in the migrations.
 DEFAULT_SCHEMA = "coda_memory"

@@ -2,7 +2,7 @@
 
 The rollup tables are backfilled from the observations already stored, so an upgrade
 loses no history. The views read the rollup and the facts, never the raw observations;
-``coda_memory.store.postgres.rollup`` describes the rollup and ``coda_memory.analytics``
+``coda_memory.postgres.rollup`` describes the rollup and ``coda_memory.postgres.analytics``
 the views.
 
 Deploy order: upgrade, then run the new code. Observations that the old code commits
@@ -59,7 +59,7 @@ TABLES = (
     "domain_users",
 )
 
-# The rollup's duration histogram (coda_memory.store.postgres.rollup): bucket 0 is below
+# The rollup's duration histogram (coda_memory.postgres.rollup): bucket 0 is below
 # 1 ms, then 4 buckets per doubling, capped at 127.
 BUCKETS_PER_DOUBLING = 4
 MAX_BUCKET = 127
@@ -406,7 +406,7 @@ WINDOW_COMMENT = (
     "The instant and the window the analytics views use: at = now(), since = 30 days, "
     "start_day and end_day the UTC days of at - since and at (both included). A "
     "transaction may move them with SET LOCAL coda_memory.analytics_now = '<timestamptz>' "
-    "and SET LOCAL coda_memory.analytics_window = '<interval>' (coda_memory.analytics "
+    "and SET LOCAL coda_memory.analytics_window = '<interval>' (coda_memory.postgres.analytics "
     "does)."
 )
 ACTIVE_FACTS_COMMENT = (
@@ -424,7 +424,7 @@ TOOL_COMMENT = (
     "with a durationMs, reported as the geometric middle of their log-scale bucket (four "
     "per doubling: within 9.1 %; 0.5 ms below 1 ms). affinity/avoidance columns: active "
     "facts now (active_facts), one per identity. No k-anonymity threshold: filter on users "
-    "(coda_memory.analytics hides rows below min_users, default 5)."
+    "(coda_memory.postgres.analytics hides rows below min_users, default 5)."
 )
 ENTITY_COMMENT = (
     "Entities accessed in the window (analytics_window, by default the last 30 days), from "

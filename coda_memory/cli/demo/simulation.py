@@ -17,15 +17,15 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from coda_memory.affinity import rank_tools
-from coda_memory.emitters import (
+from coda_memory.core.affinity import rank_tools
+from coda_memory.core.emitters import (
     ToolResult,
     ToolUse,
     entity_observations,
     query_pattern_observation,
     tool_observations,
 )
-from coda_memory.model import LoadedMemory
+from coda_memory.core.model import LoadedMemory
 from coda_memory.service import MemoryService
 
 START = datetime(2026, 10, 1, 8, 0, tzinfo=UTC)

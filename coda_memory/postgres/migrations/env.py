@@ -1,6 +1,6 @@
 """Alembic environment for coda-memory's tables (async, asyncpg).
 
-The URL is ``config.attributes["url"]`` (set by :mod:`coda_memory.migrate`), else the
+The URL is ``config.attributes["url"]`` (set by :mod:`coda_memory.postgres.migrate`), else the
 ``CODA_MEMORY_DATABASE_URL`` environment variable, else ``sqlalchemy.url`` in alembic.ini.
 The schema is ``config.attributes["schema"]``, else ``CODA_MEMORY_SCHEMA``, else
 ``coda_memory``; the migrations name ``coda_memory`` and ``schema_translate_map`` moves
@@ -21,8 +21,8 @@ from sqlalchemy import Connection, MetaData, Text, bindparam, func, pool, select
 from sqlalchemy.ext.asyncio import create_async_engine
 from sqlalchemy.schema import CreateSchema
 
-from coda_memory.store.postgres.engine import asyncpg_url
-from coda_memory.store.postgres.schema import (
+from coda_memory.postgres.engine import asyncpg_url
+from coda_memory.postgres.schema import (
     DEFAULT_SCHEMA,
     NAMING_CONVENTION,
     Xid8,

@@ -1,7 +1,7 @@
 """Appending observations: one binary COPY, and bisection when a row is refused.
 
 The whole batch goes in one transaction, with the rollup of the rows it stored (see
-:mod:`~coda_memory.store.postgres.rollup`). When the server (or asyncpg's encoder) refuses
+:mod:`~coda_memory.postgres.rollup`). When the server (or asyncpg's encoder) refuses
 a row, that transaction is rolled back and the batch is copied again, split in halves,
 each under a savepoint, until every refused row is isolated; the good rows and their
 rollup commit together. A connection error propagates with nothing stored, so the caller
@@ -18,9 +18,9 @@ from typing import Any
 
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from coda_memory.store.base import AppendOutcome, ObservationRecord
-from coda_memory.store.postgres.rollup import connection_shard, write_rollup
-from coda_memory.store.postgres.schema import observations
+from coda_memory.ports import AppendOutcome, ObservationRecord
+from coda_memory.postgres.rollup import connection_shard, write_rollup
+from coda_memory.postgres.schema import observations
 
 _COLUMNS = ("identity_id", "type", "content", "metadata", "session_id", "created_at")
 

@@ -22,7 +22,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from coda_memory.model import (
+from coda_memory.core.model import (
     Fact,
     FactCategory,
     FactEvent,
@@ -33,7 +33,7 @@ from coda_memory.model import (
     gc_paused,
     trusted,
 )
-from coda_memory.store.base import ConsolidationInput, ConsolidationPlan
+from coda_memory.ports import ConsolidationInput, ConsolidationPlan
 
 _FACT_COLUMNS = (
     "subject, category, content, confidence, reinforcement_count, last_reinforced_at, "

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping
 
-from coda_memory.model import Fact, FactCategory
+from coda_memory.core.model import Fact, FactCategory
 
 AFFINITY_WEIGHT = 2.0
 

@@ -15,7 +15,7 @@ from alembic import op
 from sqlalchemy.dialects import postgresql
 from sqlalchemy.schema import CreateSchema
 
-from coda_memory.store.postgres.schema import Xid8
+from coda_memory.postgres.schema import Xid8
 
 revision: str = "0001"
 down_revision: str | Sequence[str] | None = None

@@ -16,14 +16,14 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
 
-from coda_memory.consolidation import (
+from coda_memory.core.consolidation import (
     DEFAULT_RETENTION,
     REINFORCING,
     ConsolidationInput,
     ConsolidationPlan,
 )
-from coda_memory.model import Fact, FactEvent, Observation
-from coda_memory.store.base import AppendOutcome, ObservationRecord
+from coda_memory.core.model import Fact, FactEvent, Observation
+from coda_memory.ports import AppendOutcome, ObservationRecord
 
 
 @dataclass(slots=True)

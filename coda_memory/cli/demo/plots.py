@@ -15,17 +15,17 @@ from datetime import datetime, timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from coda_memory.core.model import Fact, FactEvent, FactEventKind, fact_id
 from coda_memory.errors import CodaMemoryError
-from coda_memory.model import Fact, FactEvent, FactEventKind, fact_id
 
 if TYPE_CHECKING:
-    from coda_memory.analytics import (
+    from coda_memory.core.decay import DecayStrategy
+    from coda_memory.postgres.analytics import (
         DomainTrend,
         EntityPopularity,
         FactSummary,
         ToolEffectiveness,
     )
-    from coda_memory.decay import DecayStrategy
 
 INSTALL_HINT = "plots need matplotlib: pip install coda-memory[plot]"
 

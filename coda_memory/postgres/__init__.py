@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from coda_memory.store.postgres.repositories import Checkpoint
-from coda_memory.store.postgres.store import PostgresStore
-from coda_memory.store.postgres.unit import PostgresConsolidationUnit
+from coda_memory.postgres.repositories import Checkpoint
+from coda_memory.postgres.store import PostgresStore
+from coda_memory.postgres.unit import PostgresConsolidationUnit
 
 __all__ = ["Checkpoint", "PostgresConsolidationUnit", "PostgresStore"]

@@ -1,6 +1,6 @@
 """Create or upgrade coda-memory's tables from Python, without the repository.
 
-The migrations ship inside the package (``coda_memory/migrations``); these functions run
+The migrations ship inside the package (``coda_memory/postgres/migrations``); these functions run
 them with Alembic's command API on a programmatic configuration. Alembic's version table
 lives in the target schema, so a host application's own Alembic history is untouched.
 """
@@ -14,11 +14,11 @@ from alembic.config import Config
 from sqlalchemy import Connection, pool
 from sqlalchemy.ext.asyncio import create_async_engine
 
-from coda_memory.store.postgres.engine import asyncpg_url
-from coda_memory.store.postgres.schema import DEFAULT_SCHEMA, validate_schema_name
+from coda_memory.postgres.engine import asyncpg_url
+from coda_memory.postgres.schema import DEFAULT_SCHEMA, validate_schema_name
 
 #: Where the migrations live, as Alembic's ``package:directory`` location.
-SCRIPT_LOCATION = "coda_memory:migrations"
+SCRIPT_LOCATION = "coda_memory.postgres:migrations"
 
 
 def alembic_config(*, schema: str = DEFAULT_SCHEMA, url: str | None = None) -> Config:

@@ -2,7 +2,7 @@
 
 Pure functions that turn what a host application already has (Bedrock Converse style
 tool-use and tool-result blocks, parsed tool results, the user's message) into
-:class:`~coda_memory.model.NewObservation` values. ``created_at`` is left None: the
+:class:`~coda_memory.core.model.NewObservation` values. ``created_at`` is left None: the
 service stamps it. Nothing here raises on unexpected shapes; it emits less instead.
 """
 
@@ -19,8 +19,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
-from coda_memory.model import NewObservation, ObservationType, is_identifier
-from coda_memory.sanitize import clean_text, quote_untrusted
+from coda_memory.core.model import NewObservation, ObservationType, is_identifier
+from coda_memory.core.sanitize import clean_text, quote_untrusted
 
 logger = logging.getLogger(__name__)
 

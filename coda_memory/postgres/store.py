@@ -38,24 +38,24 @@ from sqlalchemy import Text, bindparam, func, select
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
+from coda_memory.core.model import Fact, FactEvent, Observation
 from coda_memory.errors import ConnectionLost
-from coda_memory.model import Fact, FactEvent, Observation
-from coda_memory.store.base import (
+from coda_memory.ports import (
     AppendOutcome,
     ObservationRecord,
 )
-from coda_memory.store.postgres.append import append_observations
-from coda_memory.store.postgres.engine import create_engine, driver_connection, schema_required
-from coda_memory.store.postgres.repositories import (
+from coda_memory.postgres.append import append_observations
+from coda_memory.postgres.engine import create_engine, driver_connection, schema_required
+from coda_memory.postgres.repositories import (
     Checkpoint,
     CheckpointRepository,
     FactEventRepository,
     FactRepository,
     ObservationRepository,
 )
-from coda_memory.store.postgres.rollup import forget_identity
-from coda_memory.store.postgres.schema import DEFAULT_SCHEMA, validate_schema_name
-from coda_memory.store.postgres.unit import PostgresConsolidationUnit, Statements, peek_result
+from coda_memory.postgres.rollup import forget_identity
+from coda_memory.postgres.schema import DEFAULT_SCHEMA, validate_schema_name
+from coda_memory.postgres.unit import PostgresConsolidationUnit, Statements, peek_result
 
 DEFAULT_LOCK_TIMEOUT = timedelta(seconds=5)
 
@@ -107,7 +107,7 @@ async def _end_transaction(conn: AsyncConnection, driver: Any) -> None:
 
 
 class PostgresStore:
-    """:class:`~coda_memory.store.base.MemoryStore` on Postgres (asyncpg)."""
+    """:class:`~coda_memory.ports.MemoryStore` on Postgres (asyncpg)."""
 
     def __init__(
         self,

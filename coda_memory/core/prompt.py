@@ -5,8 +5,8 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from coda_memory.model import Fact, FactCategory
-from coda_memory.sanitize import clean_text
+from coda_memory.core.model import Fact, FactCategory
+from coda_memory.core.sanitize import clean_text
 
 HEADER = "## What you know about this user"
 FRAMING = (
@@ -51,7 +51,7 @@ def format_memory_section(facts: Sequence[Fact], budget_tokens: int = 300) -> st
 
     Facts are ranked by ``confidence * reinforcement_count`` (descending, then by
     subject) and shown under fixed group headings, one line each, their content
-    reduced by :func:`~coda_memory.sanitize.clean_text` to one line of at most 160
+    reduced by :func:`~coda_memory.core.sanitize.clean_text` to one line of at most 160
     characters, so a fact cannot add a line, heading or list item. Facts are taken in
     rank order and one that does not fit is skipped (a later, shorter one may fit).
     The whole section, header and closing line included, is at most ``budget_tokens``
