@@ -1,0 +1,152 @@
+"""The machine a run measures on: its load, its description, the commit."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import psutil
+from sqlalchemy.engine import make_url
+
+from benchmarks.report import Report
+from benchmarks.server import ROOT
+
+
+class LoadMonitor:
+    """Samples how much CPU processes other than this run's use meanwhile: this machine
+    is shared, and a busy neighbour slows every figure down. "Ours" is this process, its
+    children (pgbench, the memory probe) and the embedded server's processes."""
+
+    def __init__(self, server_pid: int | None, interval: float = 0.5) -> None:
+        self._roots = [os.getpid()] + ([server_pid] if server_pid else [])
+        self._interval = interval
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="load-monitor", daemon=True)
+        self._last: dict[int, float] = {}
+        self.foreign_seconds = 0.0
+        self.elapsed = 0.0
+
+    def _ours(self) -> dict[int, float]:
+        cpu: dict[int, float] = {}
+        for root in self._roots:
+            try:
+                process = psutil.Process(root)
+                family = [process, *process.children(recursive=True)]
+            except psutil.Error:
+                continue
+            for member in family:
+                try:
+                    times = member.cpu_times()
+                except psutil.Error:
+                    continue
+                cpu[member.pid] = times.user + times.system + times.children_user
+        return cpu
+
+    @staticmethod
+    def _busy() -> float:
+        times = psutil.cpu_times()
+        fields = ("user", "nice", "system", "irq", "softirq")
+        values = times._asdict()
+        return float(sum(values.get(name, 0.0) for name in fields))
+
+    def _run(self) -> None:
+        busy, self._last, clock = self._busy(), self._ours(), time.perf_counter()
+        while not self._stop.wait(self._interval):
+            now_busy, ours, now = self._busy(), self._ours(), time.perf_counter()
+            used = sum(cpu - self._last.get(pid, 0.0) for pid, cpu in ours.items())
+            self.foreign_seconds += max(0.0, (now_busy - busy) - used)
+            self.elapsed += now - clock
+            busy, self._last, clock = now_busy, ours, now
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    @contextlib.contextmanager
+    def section(self, report: Report, name: str) -> Iterator[None]:
+        """Record the section's duration and the other processes' mean CPU use in it."""
+        start, foreign, elapsed = time.perf_counter(), self.foreign_seconds, self.elapsed
+        try:
+            yield
+        finally:
+            report.timings[f"{name}_s"] = time.perf_counter() - start
+            span = self.elapsed - elapsed
+            cores = (self.foreign_seconds - foreign) / span if span > 0 else 0.0
+            report.load[name] = cores
+            if cores > 0.25:
+                report.note(
+                    f"{name}: other processes on this machine used {cores:.2f} of its "
+                    f"{os.cpu_count()} cores meanwhile; figures of this section are pessimistic"
+                )
+
+
+def machine(info: dict[str, Any]) -> dict[str, Any]:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {
+        "cores": os.cpu_count(),
+        "cpu": cpu,
+        "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        **info,
+    }
+
+
+def git_commit() -> str | None:
+    """The checked-out commit, marked when the library has uncommitted changes (read-only
+    git commands only)."""
+    try:
+        head = subprocess.run(
+            ["git", "-C", str(ROOT), "rev-parse", "--short=12", "HEAD"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+        changed = subprocess.run(
+            ["git", "-C", str(ROOT), "diff", "--quiet", "HEAD", "--", "coda_memory"],
+            capture_output=True,
+        ).returncode
+        untracked = subprocess.run(
+            ["git", "-C", str(ROOT), "ls-files", "--others", "--exclude-standard", "coda_memory"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return head + (" + uncommitted changes" if changed or untracked else "")
+
+
+def command_line() -> str:
+    argv = list(sys.argv)
+    for n, arg in enumerate(argv):
+        if "://" in arg:
+            try:
+                argv[n] = make_url(arg).render_as_string(hide_password=True)
+            except Exception:
+                argv[n] = "<url>"
+    python = Path(sys.executable)
+    try:
+        shown = str(python.relative_to(Path.cwd()))
+    except ValueError:
+        shown = str(python)
+    return shlex.join([shown, *argv])

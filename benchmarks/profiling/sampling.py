@@ -1,0 +1,202 @@
+"""Profiling: where the CPU time goes, from a sampling profiler."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections import defaultdict
+from collections.abc import Awaitable, Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from pyinstrument import Profiler
+from pyinstrument.renderers import ConsoleRenderer
+
+from benchmarks.server import ROOT
+
+#: Where sampled CPU time goes: the first frame from the leaf up that matches decides. C
+#: code (asyncpg's protocol, SQLAlchemy's row processing, pydantic-core) has no frames of
+#: its own, so its time lands on the Python frame that called it.
+PROFILE_CATEGORIES: tuple[tuple[str, Callable[[str, str], bool]], ...] = (
+    (
+        "asyncpg (protocol, row decoding; mostly C)",
+        lambda f, p: "/asyncpg/" in p or (p.endswith("selector_events.py") and "_read_" in f),
+    ),
+    ("pydantic (Python side)", lambda f, p: "/pydantic" in p),
+    (
+        "rows -> pydantic models in repositories (SQLAlchemy rows + pydantic-core, C)",
+        lambda f, p: p.endswith("repositories.py") and _is_row_conversion(f),
+    ),
+    ("SQLAlchemy (compile, execute, results, pool)", lambda f, p: "/sqlalchemy/" in p),
+    ("consolidation engine (plan, decay, model)", lambda f, p: _in_engine(p)),
+    ("prompt section + affinities", lambda f, p: p.endswith(("prompt.py", "affinity.py"))),
+    ("coda_memory store adapter (statement building)", lambda f, p: "/coda_memory/store/" in p),
+    ("coda_memory service", lambda f, p: p.endswith("coda_memory/service.py")),
+    ("greenlet bridge", lambda f, p: "greenlet" in p),
+    ("asyncio event loop (task switches, callbacks)", lambda f, p: "/asyncio/" in p),
+)
+
+
+def _in_engine(path: str) -> bool:
+    return "/coda_memory/" in path and path.endswith(
+        ("consolidation.py", "decay.py", "model.py", "sanitize.py")
+    )
+
+
+def _is_row_conversion(function: str) -> bool:
+    return function.rsplit(".", 1)[-1] in ("_fact", "_observation", "_event", "<listcomp>")
+
+
+#: Inclusive CPU time of chosen functions: (label, file suffix, function name).
+PROFILE_FUNCTIONS: tuple[tuple[str, str, str], ...] = (
+    ("plan_consolidation (pure Python)", "consolidation.py", "plan_consolidation"),
+    ("PostgresStore.peek (lock-free read)", "postgres/store.py", "peek"),
+    ("store/postgres/unit.py (hot-path statements, rows -> models)", "postgres/unit.py", "*"),
+    ("unit.load (snapshot + 3 reads)", "postgres/store.py", "load"),
+    ("unit.apply (5 writes)", "postgres/store.py", "apply"),
+    ("lock_identity (set_config, ensure, lock)", "postgres/store.py", "lock_identity"),
+    ("FactRepository.stored (SELECT + rows -> Fact)", "repositories.py", "stored"),
+    ("ObservationRepository.new", "repositories.py", "new"),
+    ("FactEventRepository.reinforcing", "repositories.py", "reinforcing"),
+    ("FactRepository.upsert", "repositories.py", "upsert"),
+    ("FactEventRepository.append", "repositories.py", "append"),
+    (
+        "SQLAlchemy statement compile (cache lookups)",
+        "sqlalchemy/sql/elements.py",
+        "_compile_w_cache",
+    ),
+    ("SQLAlchemy pool checkout", "sqlalchemy/pool/base.py", "_checkout"),
+    ("format_memory_section", "prompt.py", "format_memory_section"),
+    ("extract_tool_affinities", "affinity.py", "extract_tool_affinities"),
+)
+
+
+Stack = list[tuple[str, str]]
+
+
+def profile_breakdown(samples: Sequence[tuple[Stack, float]], cpu_ms: float) -> dict[str, Any]:
+    """Busy samples (stacks root first, as (function, file)) by category and by chosen
+    function, scaled so that they add up to ``cpu_ms``, the measured CPU time per run."""
+    categories: dict[str, float] = defaultdict(float)
+    functions: dict[str, float] = defaultdict(float)
+    total = 0.0
+    for frames, weight in samples:
+        if frames and frames[-1][1].endswith("selectors.py"):
+            continue  # idle in the event loop: accounted for as wall - CPU
+        total += weight
+        chosen = "other (stdlib, benchmark loop)"
+        for function, path in reversed(frames):
+            hit = next((name for name, test in PROFILE_CATEGORIES if test(function, path)), None)
+            if hit is not None:
+                chosen = hit
+                break
+        categories[chosen] += weight
+        seen: set[str] = set()
+        for function, path in frames:
+            for label, suffix, name in PROFILE_FUNCTIONS:
+                short = function.rsplit(".", 1)[-1]
+                if label not in seen and name in (short, "*") and path.endswith(suffix):
+                    functions[label] += weight
+                    seen.add(label)
+    scale = cpu_ms / total if total else 0.0
+    return {
+        "samples": total,
+        "categories_ms_per_run": {
+            k: v * scale for k, v in sorted(categories.items(), key=lambda kv: -kv[1])
+        },
+        "functions_ms_per_run": {k: functions[k] * scale for k, _, _ in PROFILE_FUNCTIONS},
+    }
+
+
+def pyinstrument_samples(session: Any) -> list[tuple[Stack, float]]:
+    samples: list[tuple[Stack, float]] = []
+    for stack, seconds in session.frame_records:
+        frames: Stack = []
+        for info in stack:
+            parts = info.split("\x01", 1)[0].split("\x00")
+            frames.append((parts[0], parts[1] if len(parts) > 1 else ""))
+        samples.append((frames, seconds))
+    return samples
+
+
+_SPY_FRAME = re.compile(r"^(.*) \((.*):\d+\)$")
+
+
+def py_spy() -> str | None:
+    found = shutil.which("py-spy")
+    local = Path(sys.executable).parent / "py-spy"
+    return found or (str(local) if local.exists() else None)
+
+
+def read_spy(path: Path) -> list[tuple[Stack, float]]:
+    samples: list[tuple[Stack, float]] = []
+    for line in path.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        frames: Stack = []
+        for frame in stack.split(";"):
+            match = _SPY_FRAME.match(frame)
+            frames.append((match.group(1), match.group(2)) if match else (frame, ""))
+        samples.append((frames, float(count)))
+    return samples
+
+
+def shorten_paths(path: Path) -> None:
+    """Strip install prefixes from the collapsed stacks' file names (a third of the size),
+    once they have been read."""
+    prefixes = sorted(
+        {str(ROOT) + "/", *(p + "/" for p in sys.path if p and Path(p).is_dir())},
+        key=len,
+        reverse=True,
+    )
+    pattern = re.compile("|".join(re.escape(p) for p in prefixes))
+    path.write_text(pattern.sub("", path.read_text()))
+
+
+async def profiled(
+    operation: Callable[[str], Awaitable[Any]], identities: Sequence[str], out: Path
+) -> dict[str, Any]:
+    """Run ``operation`` for each identity under a sampling profiler: py-spy when it is
+    installed (it samples from outside, so the code runs at full speed), else
+    pyinstrument. Returns wall and CPU time per run and where the CPU time went."""
+    spy = py_spy()
+    recorder: subprocess.Popen[bytes] | None = None
+    profiler: Any = None
+    if spy is not None:
+        raw = out.with_suffix(".collapsed.txt")
+        command = [spy, "record", "--pid", str(os.getpid()), "--rate", "1000", "--format"]
+        command += ["raw", "--output", str(raw), "--nonblocking", "--full-filenames"]
+        recorder = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        await asyncio.sleep(1.0)  # py-spy attaches
+    else:
+        profiler = Profiler(interval=0.0005, async_mode="disabled")
+        profiler.start()
+    wall, cpu = time.perf_counter(), time.process_time()
+    for identity in identities:
+        await operation(identity)
+    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    runs = len(identities)
+    samples: list[tuple[Stack, float]]
+    if recorder is not None:
+        recorder.send_signal(signal.SIGINT)
+        await asyncio.to_thread(recorder.communicate)
+        samples = read_spy(raw)
+        shorten_paths(raw)
+        sampler, tree = "py-spy (1 kHz, collapsed stacks)", raw.name
+    else:
+        session = profiler.stop()
+        out.write_text(ConsoleRenderer(unicode=False, color=False).render(session))
+        samples = pyinstrument_samples(session)
+        sampler, tree = "pyinstrument (0.5 ms; adds per-call overhead)", out.name
+    return {
+        "sampler": sampler,
+        "tree": tree,
+        "wall_ms_per_run": wall * 1000 / runs,
+        "cpu_ms_per_run": cpu * 1000 / runs,
+        **profile_breakdown(samples, cpu * 1000 / runs),
+    }

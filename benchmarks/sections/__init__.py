@@ -1,0 +1,33 @@
+"""Every section of the benchmark, in the order a run measures them.
+
+A section module defines ``SECTION`` and is listed here; ``tests/unit/test_benchmarks.py``
+checks that every module of this package is.
+"""
+
+from benchmarks.section import Section
+from benchmarks.sections import (
+    analytics,
+    consolidation,
+    ingest,
+    load,
+    scaling_facts,
+    scaling_table,
+    throughput,
+)
+
+SECTIONS: tuple[Section, ...] = (
+    consolidation.SECTION,
+    load.SECTION,
+    throughput.SECTION,
+    ingest.SECTION,
+    scaling_facts.SECTION,
+    scaling_table.SECTION,
+    analytics.SECTION,
+)
+
+#: The names ``--only`` accepts.
+OPTIONS: tuple[str, ...] = tuple(
+    dict.fromkeys(option for section in SECTIONS for option in sorted(section.selected_by))
+)
+
+__all__ = ["OPTIONS", "SECTIONS", "Section"]

@@ -1,0 +1,90 @@
+"""The benchmark package: every section is registered and reaches the library directly.
+
+The benchmark is not run here (it takes minutes); these checks make a renamed library
+function or an unregistered section fail the suite instead of dropping out of the report.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import pkgutil
+import re
+from pathlib import Path
+
+import benchmarks
+import benchmarks.sections
+from benchmarks.__main__ import main, parse_args
+from benchmarks.profiling.run import profile_main
+from benchmarks.run import benchmark, selected
+from benchmarks.section import Section
+from benchmarks.sections import OPTIONS, SECTIONS
+from benchmarks.sizes import FULL, QUICK
+
+#: The ``--only`` names the benchmark README documents.
+DOCUMENTED_OPTIONS = {"consolidation", "load", "throughput", "ingest", "scaling", "analytics"}
+
+#: Ways of finding the library's API at run time, which let a renamed function drop out
+#: of the benchmark silently instead of failing it.
+REFLECTION = re.compile(r"\b(getattr|hasattr|importlib|find_spec|getmembers)\b")
+
+
+def section_modules() -> list[str]:
+    return sorted(
+        module.name
+        for module in pkgutil.iter_modules(benchmarks.sections.__path__)
+        if not module.ispkg
+    )
+
+
+def test_every_section_module_is_registered_once() -> None:
+    modules = section_modules()
+    assert len(modules) == len(SECTIONS) == 7
+    for name in modules:
+        module = importlib.import_module(f"benchmarks.sections.{name}")
+        assert isinstance(module.SECTION, Section)
+        assert SECTIONS.count(module.SECTION) == 1, name
+    assert len({section.name for section in SECTIONS}) == len(SECTIONS)
+
+
+def test_sections_run_coroutines_on_a_known_database() -> None:
+    for section in SECTIONS:
+        assert inspect.iscoroutinefunction(section.run), section.name
+        assert list(inspect.signature(section.run).parameters) in (["db", "ctx"], ["big", "ctx"])
+        assert section.database in ("main", "big")
+        assert section.selected_by <= DOCUMENTED_OPTIONS
+
+
+def test_only_accepts_the_documented_sections_and_rejects_others() -> None:
+    assert set(OPTIONS) == DOCUMENTED_OPTIONS
+    assert selected(None) == DOCUMENTED_OPTIONS
+    assert selected("load,ingest") == {"load", "ingest"}
+    chosen = [s.name for s in SECTIONS if s.selected_by & selected("analytics")]
+    assert chosen == ["table_scaling", "analytics"]
+    try:
+        selected("load,nonsense")
+    except SystemExit as error:
+        assert "nonsense" in str(error)
+    else:
+        raise AssertionError("an unknown section was accepted")
+
+
+def test_quick_mode_entry_points_are_callable() -> None:
+    args = parse_args(["--quick", "--out", "scratch"])
+    assert args.quick and args.out == Path("scratch") and not args.profile
+    assert parse_args(["--quick", "--profile"]).profile
+    for entry in (main, benchmark, profile_main):
+        assert callable(entry)
+    assert QUICK.mode == "quick" and FULL.mode == "full"
+    assert [p.name for p in QUICK.profiles] == ["small", "typical", "heavy"]
+
+
+def test_no_reflection_finds_the_library_api() -> None:
+    root = Path(benchmarks.__file__).parent
+    offenders = [
+        f"{path.relative_to(root)}:{n}: {line.strip()}"
+        for path in sorted(root.rglob("*.py"))
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if REFLECTION.search(line)
+    ]
+    assert offenders == []
