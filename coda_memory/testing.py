@@ -35,15 +35,33 @@ class _Identity:
     runs: int = 0
 
 
-class InMemoryConsolidationUnit:
-    """Unit of work over one identity's in-memory state; applies only on commit."""
+@dataclass(frozen=True, slots=True)
+class InMemoryCheckpoint:
+    """How far consolidation of one identity has got in an :class:`InMemoryStore`."""
 
-    def __init__(self, state: _Identity) -> None:
+    identity_id: str
+    #: The insertion sequence of the last observation consumed.
+    cursor: int
+    runs: int
+
+
+class InMemoryConsolidationUnit:
+    """Unit of work over one identity's in-memory state; applies only on commit.
+
+    It refuses what the Postgres unit refuses: a plan before ``load``, a plan that touches
+    another identity, and any use after ``commit``.
+    """
+
+    def __init__(self, identity_id: str, state: _Identity) -> None:
+        self.identity_id = identity_id
         self._state = state
-        self._loaded_upto = state.cursor
+        #: The sequence up to which ``load`` read; None until it has run.
+        self._loaded_upto: int | None = None
         self._plan: ConsolidationPlan | None = None
+        self._committed = False
 
     async def load(self) -> ConsolidationInput:
+        self._check_open()
         state = self._state
         new = [o for seq, o in state.observations.items() if seq > state.cursor]
         self._loaded_upto = max((o.id for o in new), default=state.cursor)
@@ -54,26 +72,46 @@ class InMemoryConsolidationUnit:
         )
 
     async def apply(self, plan: ConsolidationPlan) -> None:
+        self._check_open()
+        if self._loaded_upto is None:
+            raise RuntimeError("apply() needs load() first: the plan must come from this unit")
+        self._check_identity(plan)
         self._plan = plan
 
     async def commit(self) -> None:
-        plan, state = self._plan, self._state
-        if plan is None:
+        self._check_open()
+        self._committed = True
+        plan, state, loaded_upto = self._plan, self._state, self._loaded_upto
+        if plan is None or loaded_upto is None:
             return
         for subject in plan.deletes:
             state.facts.pop(subject, None)
         for fact in plan.upserts:
             state.facts[fact.subject] = fact
         state.events.extend(plan.events)
-        state.cursor = self._loaded_upto
+        state.cursor = loaded_upto
         state.runs += 1
+        # Retention: only observations this run loaded (or earlier runs consumed).
         for seq in [
             seq
             for seq, o in state.observations.items()
-            if seq <= self._loaded_upto and o.created_at < plan.prune_before
+            if seq <= loaded_upto and o.created_at < plan.prune_before
         ]:
             del state.observations[seq]
-        self._plan = None
+
+    def _check_open(self) -> None:
+        if self._committed:
+            raise RuntimeError("this unit of work is committed; open a new one")
+
+    def _check_identity(self, plan: ConsolidationPlan) -> None:
+        owners = {plan.identity_id}
+        owners.update(f.identity_id for f in plan.upserts)
+        owners.update(e.identity_id for e in plan.events)
+        if owners != {self.identity_id}:
+            raise ValueError(
+                f"the plan touches identities {sorted(owners)!r}, "
+                f"but this unit consolidates {self.identity_id!r}"
+            )
 
 
 class InMemoryStore:
@@ -102,7 +140,7 @@ class InMemoryStore:
     @asynccontextmanager
     async def consolidation(self, identity_id: str) -> AsyncIterator[InMemoryConsolidationUnit]:
         async with self._locks[identity_id]:
-            yield InMemoryConsolidationUnit(self._identities[identity_id])
+            yield InMemoryConsolidationUnit(identity_id, self._identities[identity_id])
 
     async def facts(self, identity_id: str) -> list[Fact]:
         state = self._identities.get(identity_id)
@@ -125,6 +163,13 @@ class InMemoryStore:
         """Stored (not yet pruned) observations of the identity, oldest first."""
         state = self._identities.get(identity_id)
         return [] if state is None else list(state.observations.values())
+
+    async def checkpoint(self, identity_id: str) -> InMemoryCheckpoint | None:
+        """The identity's checkpoint, or None before its first consolidation."""
+        state = self._identities.get(identity_id)
+        if state is None or state.runs == 0:
+            return None
+        return InMemoryCheckpoint(identity_id, state.cursor, state.runs)
 
     async def forget(self, identity_id: str) -> None:
         async with self._locks[identity_id]:
