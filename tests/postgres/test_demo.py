@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import re
 from pathlib import Path
 
@@ -9,6 +10,9 @@ import pytest
 from typer.testing import CliRunner, Result
 
 from coda_memory.cli import app
+from coda_memory.cli.demo.demo import DEMO_SCHEMA
+from coda_memory.postgres import PostgresStore
+from tests.postgres.helpers import consolidate, contents, fact, record
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -66,9 +70,36 @@ def test_the_demo_shows_memory_at_work_and_writes_its_plots(pg_url: str, tmp_pat
         assert len(data) > 10_000
 
 
+async def _leave_behind(url: str) -> None:
+    """Data the demo did not write, in its schema: an observation, a fact, a checkpoint."""
+    store = PostgresStore.from_url(url, schema=DEMO_SCHEMA)
+    try:
+        await store.append([record("consumed", identity_id="stale")])
+        await consolidate(store, "stale", upserts=[fact(identity_id="stale")])
+        await store.append([record("pending", identity_id="stale")])
+    finally:
+        await store.close()
+
+
+async def _remains(url: str) -> tuple[list[str], int, bool]:
+    store = PostgresStore.from_url(url, schema=DEMO_SCHEMA)
+    try:
+        return (
+            contents(await store.observations("stale")),
+            len(await store.facts("stale")),
+            await store.checkpoint("stale") is not None,
+        )
+    finally:
+        await store.close()
+
+
 def test_a_rerun_starts_from_a_clean_schema(pg_url: str, tmp_path: Path) -> None:
     first = demo(pg_url, tmp_path)
+    asyncio.run(_leave_behind(pg_url))
+    assert asyncio.run(_remains(pg_url)) == (["consumed", "pending"], 1, True)
+
     second = demo(pg_url, tmp_path)
 
     assert first.exit_code == second.exit_code == 0, second.output
     assert summary(first.stdout) == summary(second.stdout)
+    assert asyncio.run(_remains(pg_url)) == ([], 0, False)
