@@ -59,11 +59,11 @@ from sqlalchemy import (
 )
 from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.engine import RowMapping
+from sqlalchemy.ext.asyncio import AsyncConnection
 from sqlalchemy.sql.selectable import Select
 
 from coda_memory.core.model import as_utc
 from coda_memory.postgres import rollup
-from coda_memory.postgres.engine import schema_required
 from coda_memory.postgres.schema import DEFAULT_SCHEMA
 from coda_memory.postgres.store import PostgresStore
 
@@ -225,11 +225,13 @@ async def _fetch(
         func.set_config(NOW_SETTING, instant, True),
         func.set_config(WINDOW_SETTING, window, True),
     )
-    with schema_required(store.schema):
-        async with store.engine.connect() as conn:
-            await conn.execute(settings)
-            result = await conn.execute(statement)
-            return list(result.mappings())
+
+    async def read(conn: AsyncConnection) -> list[RowMapping]:
+        await conn.execute(settings)
+        result = await conn.execute(statement)
+        return list(result.mappings())
+
+    return await store.run(read)
 
 
 async def tool_effectiveness(
@@ -368,6 +370,10 @@ async def rebuild_rollups(store: PostgresStore) -> None:
     For observations loaded in bulk, bypassing :meth:`PostgresStore.append`. Counts of
     observations already pruned are lost, so this is not routine maintenance.
     """
-    with schema_required(store.schema):
-        async with store.engine.begin() as conn:
+
+    async def rebuild(conn: AsyncConnection) -> None:
+        async with conn.begin():
             await rollup.rebuild(conn)
+
+    # One transaction, replacing the rollup whole: retried on a dead connection.
+    await store.run(rebuild)

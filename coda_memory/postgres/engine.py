@@ -48,9 +48,9 @@ def create_engine(
 
     No ``pool_pre_ping`` by default: with asyncpg it costs three round trips per checkout,
     more than a consolidation's own statements. A connection that died while idle
-    (server restart, terminated backend) fails on first use instead; the store then
-    replaces the pool and retries read-only or not-yet-begun work once, and SQLAlchemy
-    does the same for the statements it runs. Pass ``pool_pre_ping=True`` to trade those
+    (server restart, terminated backend) fails on first use instead, and the connection
+    policy (:mod:`coda_memory.postgres.connection`) replaces the pool and retries
+    idempotent work once. Pass ``pool_pre_ping=True`` to trade those
     round trips for checking every checkout.
     """
     options = dict(engine_kwargs.pop("execution_options", {}))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from datetime import datetime
+from functools import partial
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict
@@ -41,7 +42,6 @@ from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.ext.asyncio import AsyncConnection
 from sqlalchemy.sql.selectable import Select
 
-from coda_memory.postgres.engine import schema_required
 from coda_memory.postgres.schema import (
     DEFAULT_SCHEMA,
     PgSnapshot,
@@ -116,24 +116,29 @@ async def pending_identities(
         raise ValueError("scan_batch must be at least 1")
     found: list[str] = []
     after: str | None = None
-    with schema_required(store.schema):
-        async with store.engine.connect() as conn:
-            while True:
-                batch = await _scan_pending(conn, after, scan_batch)
-                await conn.rollback()  # one short read-only transaction per batch
-                if not batch:
-                    return found
-                found.extend(identity for identity, pending in batch if pending)
-                after = batch[-1][0]
-                if on_scanned is not None:
-                    on_scanned(len(batch))
+    while True:
+        # One short read-only transaction per batch.
+        batch = await store.run(partial(_scan_pending, after=after, limit=scan_batch))
+        if not batch:
+            return found
+        found.extend(identity for identity, pending in batch if pending)
+        after = batch[-1][0]
+        if on_scanned is not None:
+            on_scanned(len(batch))
 
 
 async def _scan_pending(
-    conn: AsyncConnection, after: str | None, limit: int
+    conn: AsyncConnection, *, after: str | None, limit: int
 ) -> list[tuple[str, bool]]:
     result = await conn.execute(pending_scan(after, limit))
     return [(str(row.identity_id), bool(row.pending)) for row in result]
+
+
+async def _scalar(store: PostgresStore, statement: Select[Any]) -> Any:
+    async def read(conn: AsyncConnection) -> Any:
+        return (await conn.execute(statement)).scalar_one()
+
+    return await store.run(read)
 
 
 def pending_scan(after: str | None, limit: int) -> Select[Any]:
@@ -195,9 +200,7 @@ async def pending_observations(store: PostgresStore, identity_id: str | None = N
     )
     if identity_id is not None:
         statement = statement.where(observations.c.identity_id == identity_id)
-    with schema_required(store.schema):
-        async with store.engine.connect() as conn:
-            return int((await conn.execute(statement)).scalar_one())
+    return int(await _scalar(store, statement))
 
 
 async def identity_exists(store: PostgresStore, identity_id: str) -> bool:
@@ -209,9 +212,7 @@ async def identity_exists(store: PostgresStore, identity_id: str) -> bool:
             exists().where(observations.c.identity_id == identity_id),
         )
     )
-    with schema_required(store.schema):
-        async with store.engine.connect() as conn:
-            return bool((await conn.execute(statement)).scalar_one())
+    return bool(await _scalar(store, statement))
 
 
 class PruneOutcome(BaseModel):
@@ -230,9 +231,7 @@ class PruneOutcome(BaseModel):
 async def count_checkpointed(store: PostgresStore) -> int:
     """Identities whose checkpoint has a snapshot: those :func:`prune_consolidated` visits."""
     statement = select(func.count()).where(checkpoints.c.snapshot.is_not(None))
-    with schema_required(store.schema):
-        async with store.engine.connect() as conn:
-            return int((await conn.execute(statement)).scalar_one())
+    return int(await _scalar(store, statement))
 
 
 async def prune_consolidated(
@@ -255,22 +254,33 @@ async def prune_consolidated(
         raise ValueError("batch_size must be at least 1")
     deleted = visited = busy = 0
     after: str | None = None
-    with schema_required(store.schema):
-        async with store.engine.connect() as conn:
-            while True:
-                async with conn.begin():
-                    candidates = await _checkpoint_batch(conn, after, batch_size)
-                    if not candidates:
-                        break
-                    locked = await _lock_checkpoints(conn, candidates)
-                    rows = await _delete_consumed(conn, locked, before) if locked else 0
-                deleted += rows
-                visited += len(candidates)
-                busy += len(candidates) - len(locked)
-                after = candidates[-1]
-                if on_batch is not None:
-                    on_batch(len(candidates), rows)
+    while True:
+        # A batch deletes only consumed rows, in one transaction: retried when its
+        # connection turns out to be dead.
+        batch = partial(_prune_batch, after=after, limit=batch_size, before=before)
+        candidates, locked, rows = await store.run(batch)
+        if not candidates:
+            break
+        deleted += rows
+        visited += len(candidates)
+        busy += len(candidates) - len(locked)
+        after = candidates[-1]
+        if on_batch is not None:
+            on_batch(len(candidates), rows)
     return PruneOutcome(deleted=deleted, identities=visited, busy=busy)
+
+
+async def _prune_batch(
+    conn: AsyncConnection, *, after: str | None, limit: int, before: datetime
+) -> tuple[list[str], list[str], int]:
+    """(identities looked at, those locked, rows deleted) of one batch."""
+    async with conn.begin():
+        candidates = await _checkpoint_batch(conn, after, limit)
+        if not candidates:
+            return [], [], 0
+        locked = await _lock_checkpoints(conn, candidates)
+        rows = await _delete_consumed(conn, locked, before) if locked else 0
+    return candidates, locked, rows
 
 
 async def _checkpoint_batch(conn: AsyncConnection, after: str | None, limit: int) -> list[str]:
@@ -335,12 +345,15 @@ class StoreStats(BaseModel):
 async def schema_revision(store: PostgresStore) -> str | None:
     """The Alembic revision of the store's schema, or None when it was never migrated."""
     qualified = bindparam("name", f"{store.schema}.{alembic_version.name}", Text)
-    async with store.engine.connect() as conn:
+
+    async def read(conn: AsyncConnection) -> str | None:
         present = (await conn.execute(select(func.to_regclass(qualified).is_not(None)))).scalar()
         if not present:
             return None
         result = await conn.execute(select(alembic_version.c.version_num))
         return result.scalar_one_or_none()
+
+    return await store.run(read)
 
 
 async def store_stats(store: PostgresStore) -> StoreStats:
@@ -366,10 +379,12 @@ async def store_stats(store: PostgresStore) -> StoreStats:
             _pg_class.c.relname == any_(bindparam("tables", names, ARRAY(Text))),
         )
     )
-    with schema_required(store.schema):
-        async with store.engine.connect() as conn:
-            row = (await conn.execute(counts)).one()
-            table_bytes = {str(name): int(size) for name, size in await conn.execute(sizes)}
+
+    async def read(conn: AsyncConnection) -> tuple[Any, dict[str, int]]:
+        row = (await conn.execute(counts)).one()
+        return row, {str(name): int(size) for name, size in await conn.execute(sizes)}
+
+    row, table_bytes = await store.run(read)
     pending = await pending_observations(store)
     return StoreStats(
         schema_name=store.schema,

@@ -5,8 +5,8 @@ transaction. Every statement is built from the Core tables, so the engine's
 ``schema_translate_map`` places it in the configured schema, and every value is a bound
 parameter. Rows become pydantic models here, once, with tz-aware UTC datetimes.
 
-These serve the reads, ``forget`` and the checkpoint lock it takes; consolidation's own
-statements, on the hot path, are prepared asyncpg statements in ``unit``.
+These serve the reads and ``forget``; consolidation's own statements, on the hot path,
+and the checkpoint lock are prepared asyncpg statements in ``unit``.
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ from sqlalchemy import (
     delete,
     select,
 )
-from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.engine import RowMapping
 from sqlalchemy.ext.asyncio import AsyncConnection
 
@@ -26,16 +25,15 @@ from coda_memory.core.model import (
     Observation,
     UtcDatetime,
 )
+from coda_memory.postgres.rows import event_from_row, fact_from_row, observation_from_mapping
 from coda_memory.postgres.schema import (
     checkpoints,
     fact_events,
     facts,
     observations,
 )
-from coda_memory.postgres.unit import event_from_row, fact_from_row
 
 
-#: Event kinds that record a session's reinforcement of a fact.
 class Checkpoint(BaseModel):
     """How far consolidation of one identity has got."""
 
@@ -51,18 +49,6 @@ class Checkpoint(BaseModel):
 
 #: Everything but ``xid``, which only the cursor's conditions use.
 _OBSERVATION_COLUMNS = [c for c in observations.c if c.name != "xid"]
-
-
-def _observation(row: RowMapping) -> Observation:
-    return Observation(
-        id=row["id"],
-        identity_id=row["identity_id"],
-        type=row["type"],
-        content=row["content"],
-        metadata=row["metadata"],
-        session_id=row["session_id"],
-        created_at=row["created_at"],
-    )
 
 
 def _fact(row: RowMapping) -> Fact:
@@ -87,7 +73,7 @@ class ObservationRepository:
             .order_by(observations.c.id)
         )
         result = await self._conn.execute(statement)
-        return [_observation(row) for row in result.mappings()]
+        return [observation_from_mapping(row) for row in result.mappings()]
 
     async def delete_identity(self, identity_id: str) -> None:
         await self._conn.execute(
@@ -134,27 +120,10 @@ class FactEventRepository:
 
 
 class CheckpointRepository:
-    """One row per identity: the consolidation cursor, and the row that serialises runs."""
+    """One row per identity: the consolidation cursor (``unit`` locks it)."""
 
     def __init__(self, conn: AsyncConnection) -> None:
         self._conn = conn
-
-    async def ensure(self, identity_id: str) -> None:
-        """Create the identity's checkpoint if it has none."""
-        statement = (
-            insert(checkpoints)
-            .values(identity_id=identity_id)
-            .on_conflict_do_nothing(index_elements=[checkpoints.c.identity_id])
-        )
-        await self._conn.execute(statement)
-
-    async def lock(self, identity_id: str) -> Checkpoint | None:
-        """Lock the identity's checkpoint until the transaction ends (None: no row)."""
-        statement = (
-            select(checkpoints).where(checkpoints.c.identity_id == identity_id).with_for_update()
-        )
-        row = (await self._conn.execute(statement)).mappings().one_or_none()
-        return None if row is None else Checkpoint.model_validate(dict(row))
 
     async def get(self, identity_id: str) -> Checkpoint | None:
         statement = select(checkpoints).where(checkpoints.c.identity_id == identity_id)

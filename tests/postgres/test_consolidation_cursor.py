@@ -317,7 +317,7 @@ async def test_the_new_observations_query_uses_the_xid_index(pg_store: PostgresS
     async with pg_store.engine.connect() as conn:
         await conn.execute(text("ANALYZE coda_memory.observations"))
         # The statement the consolidation unit runs, with its parameters bound.
-        statement = Statements.for_schema("coda_memory").new_since
+        statement = Statements.for_schema("coda_memory").new_since.text
         driver = await driver_connection(conn)
         plan_json = await driver.fetchval(
             f"EXPLAIN (FORMAT JSON) {statement}", "id7", checkpoint.snapshot

@@ -1,0 +1,141 @@
+"""The one connection policy: what a dead connection is, and when work is retried.
+
+The engine has no ``pool_pre_ping`` (see :func:`~coda_memory.postgres.engine.create_engine`),
+so a connection that died while idle in the pool (server restart, terminated backend)
+fails on first use. Every path of the store, maintenance and analytics reaches the
+database through this module:
+
+* :func:`run` gives work a connection. When the connection turns out to be dead, the pool
+  is replaced (its siblings are presumed dead too) and *idempotent* work runs once more:
+  reads, and work done in one transaction that a lost connection rolls back (append,
+  forget, a prune batch, a rollup rebuild). Other work raises :class:`ConnectionLost`.
+* :func:`driver_transaction` gives the consolidation unit an asyncpg connection inside a
+  transaction. Beginning is retried once (nothing was done yet); once the unit has
+  begun, a dead connection raises :class:`ConnectionLost` and nothing of the unit is kept.
+
+:func:`is_dead_connection` recognises both asyncpg's own errors (statements sent on the
+driver connection) and SQLAlchemy's wrapped ones.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from datetime import timedelta
+from typing import Any, TypeVar
+
+import asyncpg
+from sqlalchemy.exc import DBAPIError
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
+
+from coda_memory.errors import ConnectionLost
+from coda_memory.postgres.engine import driver_connection, schema_required
+
+T = TypeVar("T")
+
+#: What asyncpg raises on a connection that is gone, including mid-operation, when the
+#: server's termination message races the next request (InternalClientError).
+_DEAD = (
+    asyncpg.ConnectionDoesNotExistError,
+    asyncpg.InterfaceError,
+    asyncpg.exceptions.InternalClientError,
+    OSError,
+)
+
+
+def is_dead_connection(error: BaseException) -> bool:
+    """True when ``error`` (asyncpg's or SQLAlchemy's) says the connection is gone."""
+    if isinstance(error, DBAPIError) and error.connection_invalidated:
+        return True
+    seen: BaseException | None = error
+    while seen is not None:
+        if isinstance(seen, _DEAD):
+            return True
+        seen = seen.__cause__ or (seen.orig if isinstance(seen, DBAPIError) else None)
+    return False
+
+
+def lock_timeout_clause(lock_timeout: timedelta | None) -> str:
+    """``SET LOCAL lock_timeout`` for the current transaction (None or zero: no limit).
+
+    The value is a formatted integer, never a value from outside.
+    """
+    milliseconds = 0 if lock_timeout is None else round(lock_timeout.total_seconds() * 1000)
+    return f"SET LOCAL lock_timeout = '{max(0, milliseconds)}ms'"
+
+
+async def _attempt(engine: AsyncEngine, work: Callable[[AsyncConnection], Awaitable[T]]) -> T:
+    async with engine.connect() as conn:
+        try:
+            return await work(conn)
+        except Exception as error:
+            # SQLAlchemy invalidates what it saw die; asyncpg errors it did not see.
+            if is_dead_connection(error) and not conn.invalidated:
+                await conn.invalidate()
+            raise
+
+
+async def run(
+    engine: AsyncEngine,
+    schema: str,
+    work: Callable[[AsyncConnection], Awaitable[T]],
+    *,
+    idempotent: bool,
+) -> T:
+    """Run ``work`` in a connection of ``engine``; on a dead connection, replace the pool
+    and run idempotent work once more, else raise :class:`ConnectionLost`."""
+    with schema_required(schema):
+        try:
+            return await _attempt(engine, work)
+        except Exception as error:
+            if not is_dead_connection(error):
+                raise
+            await engine.dispose(close=False)
+            if not idempotent:
+                raise ConnectionLost(f"the connection died: {error!r}") from error
+        return await _attempt(engine, work)
+
+
+async def _end_transaction(conn: AsyncConnection, driver: Any) -> None:
+    """Roll back what was not committed; a connection that can't is thrown away."""
+    if driver.is_closed():
+        await conn.invalidate()
+        return
+    if driver.is_in_transaction():
+        try:
+            await driver.execute("ROLLBACK")
+        except Exception:
+            # A connection that cannot roll back is broken, and its transaction is gone
+            # with it on the server: discard it without hiding the error being raised.
+            await conn.invalidate()
+
+
+@asynccontextmanager
+async def driver_transaction(
+    engine: AsyncEngine, schema: str, begin: str, doing: str
+) -> AsyncIterator[Any]:
+    """An asyncpg connection inside the transaction that ``begin`` opens (a simple query:
+    BEGIN and its settings in one round trip); what is not committed is rolled back.
+    ``doing`` completes the :class:`ConnectionLost` message ("while …")."""
+    async with engine.connect() as conn:
+        driver = await driver_connection(conn)
+        try:
+            with schema_required(schema):
+                try:
+                    await driver.execute(begin)
+                except Exception as error:
+                    if not is_dead_connection(error):
+                        raise
+                    # Died while idle in the pool: nothing was done yet, so begin once
+                    # more on a fresh connection of a fresh pool.
+                    await conn.invalidate()
+                    await engine.dispose(close=False)
+                    driver = await driver_connection(conn)
+                    await driver.execute(begin)
+            yield driver
+        except Exception as error:
+            if is_dead_connection(error):
+                raise ConnectionLost(f"the connection died {doing}: {error!r}") from error
+            raise
+        finally:
+            await _end_transaction(conn, driver)

@@ -1,0 +1,90 @@
+"""Rows to models: each stored row becomes a pydantic model here, once.
+
+Rows come from our own tables, so they are trusted (:func:`~coda_memory.core.model.trusted`
+skips validation); asyncpg gives tz-aware UTC datetimes. Both asyncpg records and
+SQLAlchemy row mappings are read by column name.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from coda_memory.core.model import (
+    Fact,
+    FactCategory,
+    FactEvent,
+    FactEventKind,
+    Observation,
+    ObservationType,
+    fact_id,
+    trusted,
+)
+
+
+def fact_from_row(identity_id: str, row: Any) -> Fact:
+    """A stored fact."""
+    return trusted(
+        Fact,
+        id=fact_id(row["subject"]),
+        identity_id=identity_id,
+        category=FactCategory(row["category"]),
+        subject=row["subject"],
+        content=row["content"],
+        confidence=row["confidence"],
+        reinforcement_count=row["reinforcement_count"],
+        last_reinforced_at=row["last_reinforced_at"],
+        created_at=row["created_at"],
+        updated_at=row["updated_at"],
+        ease_factor=row["ease_factor"],
+        confidence_at=row["confidence_at"],
+    )
+
+
+def event_from_row(identity_id: str, row: Any) -> FactEvent:
+    """A fact event."""
+    return trusted(
+        FactEvent,
+        identity_id=identity_id,
+        subject=row["subject"],
+        category=FactCategory(row["category"]),
+        kind=FactEventKind(row["kind"]),
+        session_id=row["session_id"],
+        at=row["at"],
+        confidence_before=row["confidence_before"],
+        confidence_after=row["confidence_after"],
+        count_before=row["count_before"],
+        count_after=row["count_after"],
+        ease_before=row["ease_before"],
+        ease_after=row["ease_after"],
+        quality=row["quality"],
+        hits=row["hits"],
+        trials=row["trials"],
+    )
+
+
+def observation_from_row(identity_id: str, row: Any) -> Observation:
+    """A stored observation whose metadata comes as JSON text (the hot path's form)."""
+    return trusted(
+        Observation,
+        id=row["id"],
+        identity_id=identity_id,
+        type=ObservationType(row["type"]),
+        content=row["content"],
+        metadata=json.loads(row["metadata"]),
+        session_id=row["session_id"],
+        created_at=row["created_at"],
+    )
+
+
+def observation_from_mapping(row: Any) -> Observation:
+    """A stored observation read through SQLAlchemy (metadata already decoded), validated."""
+    return Observation(
+        id=row["id"],
+        identity_id=row["identity_id"],
+        type=row["type"],
+        content=row["content"],
+        metadata=row["metadata"],
+        session_id=row["session_id"],
+        created_at=row["created_at"],
+    )

@@ -1,0 +1,76 @@
+"""Named SQL: one statement per ``.sql`` file in this package, read once.
+
+A file holds one statement, formatted one clause per line, with a comment on each CTE
+saying why it exists. Two kinds of placeholder appear in it:
+
+* ``{schema}``, the store's schema: replaced by the quoted identifier, after
+  :func:`~coda_memory.postgres.schema.validate_schema_name` accepted it (never a value);
+* ``:name``, a parameter. :class:`Query` numbers the names in order of first use, as
+  asyncpg's ``$1, $2, …``, and builds the argument list from a mapping by name, so no
+  value is ever matched to a position by hand.
+
+Lines that start with ``--`` are comments and are not sent to the server.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from importlib import resources
+from typing import Any
+
+from coda_memory.postgres.schema import validate_schema_name
+
+#: ``:name``, but not the second colon of a ``::type`` cast.
+_PARAMETER = re.compile(r"(?<![:\w]):([a-z_][a-z0-9_]*)")
+_COMMENT = re.compile(r"^\s*--.*$\n?", re.MULTILINE)
+
+
+@functools.cache
+def source(name: str) -> str:
+    """The text of ``name``.sql as written (comments and placeholders included)."""
+    return resources.files(__package__).joinpath(f"{name}.sql").read_text(encoding="utf-8")
+
+
+def in_schema(sql: str, schema: str) -> str:
+    """``sql`` with ``{schema}`` replaced by the quoted, validated schema name."""
+    return sql.replace("{schema}", f'"{validate_schema_name(schema)}"')
+
+
+@dataclass(frozen=True, slots=True)
+class Query:
+    """One named statement for one schema, in asyncpg's ``$n`` form."""
+
+    name: str
+    #: The statement as sent to the server.
+    text: str
+    #: The parameters' names: ``parameters[n - 1]`` binds ``$n``.
+    parameters: tuple[str, ...]
+
+    def arguments(self, **values: Any) -> list[Any]:
+        """The positional arguments for :attr:`text`, from ``values`` by name."""
+        return self.arguments_from(values)
+
+    def arguments_from(self, values: Mapping[str, Any]) -> list[Any]:
+        """As :meth:`arguments`; every parameter must be given, and nothing else."""
+        if values.keys() != set(self.parameters):
+            raise ValueError(
+                f"{self.name}.sql takes {sorted(self.parameters)}, given {sorted(values)}"
+            )
+        return [values[name] for name in self.parameters]
+
+
+@functools.cache
+def query(name: str, schema: str) -> Query:
+    """``name``.sql for ``schema``, with its ``:name`` parameters numbered (cached)."""
+    text = in_schema(_COMMENT.sub("", source(name)), schema).strip()
+    parameters: list[str] = []
+
+    def number(match: re.Match[str]) -> str:
+        if match.group(1) not in parameters:
+            parameters.append(match.group(1))
+        return f"${parameters.index(match.group(1)) + 1}"
+
+    return Query(name, _PARAMETER.sub(number, text), tuple(parameters))

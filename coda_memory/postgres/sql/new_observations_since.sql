@@ -1,0 +1,27 @@
+-- The identity's observations that this run consumes: visible in the run's snapshot and
+-- not in the stored one. The first row carries the snapshot (also when there is no
+-- observation: LEFT JOIN).
+WITH
+-- The statement's own snapshot: taken after the row lock was granted (the lock was a
+-- statement of its own), and the same one this statement reads rows with.
+snap AS (
+    SELECT pg_current_snapshot() AS s
+)
+SELECT
+    snap.s::text AS snapshot,
+    o.id,
+    o.type,
+    o.content,
+    o.metadata::text AS metadata,
+    o.session_id,
+    o.created_at
+FROM snap
+LEFT JOIN {schema}.observations o
+    ON o.identity_id = :identity_id
+    AND o.xid < pg_snapshot_xmax(snap.s)
+    AND pg_visible_in_snapshot(o.xid, snap.s)
+    -- Pending since the stored snapshot: everything below its xmin was visible in it,
+    -- which bounds the range scan of (identity_id, xid).
+    AND o.xid >= pg_snapshot_xmin(:stored_snapshot::text::pg_snapshot)
+    AND NOT pg_visible_in_snapshot(o.xid, :stored_snapshot::text::pg_snapshot)
+ORDER BY o.id

@@ -1,0 +1,43 @@
+-- Is anything committed that the stored snapshot did not see? Plus the facts, in the
+-- same statement and snapshot. No lock is taken.
+WITH
+-- The identity's stored snapshot (no row: never consolidated).
+cp AS (
+    SELECT snapshot::pg_snapshot AS s
+    FROM {schema}.checkpoints
+    WHERE identity_id = :identity_id
+),
+-- Whether an observation waits: none consolidated yet, or one not visible in the
+-- stored snapshot (everything below its xmin was visible in it).
+pending AS (
+    SELECT EXISTS (
+        SELECT 1
+        FROM {schema}.observations o
+        LEFT JOIN cp ON true
+        WHERE o.identity_id = :identity_id
+            AND (
+                cp.s IS NULL
+                OR (
+                    o.xid >= pg_snapshot_xmin(cp.s)
+                    AND NOT pg_visible_in_snapshot(o.xid, cp.s)
+                )
+            )
+    ) AS p
+)
+SELECT
+    pending.p AS pending,
+    f.subject,
+    f.category,
+    f.content,
+    f.confidence,
+    f.reinforcement_count,
+    f.last_reinforced_at,
+    f.confidence_at,
+    f.created_at,
+    f.updated_at,
+    f.ease_factor
+FROM pending
+-- Facts only when nothing waits: otherwise the locked run reads them.
+LEFT JOIN {schema}.facts f
+    ON f.identity_id = :identity_id
+    AND NOT pending.p

@@ -1,0 +1,135 @@
+"""The connection policy: a dead connection is retried once for idempotent work only,
+and every path of the store, maintenance and analytics goes through it.
+
+Connections are killed for real, with ``pg_terminate_backend`` (waiting until the backend
+is gone), while they sit idle in the store's pool.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from datetime import timedelta
+from typing import Any
+
+import pytest
+from sqlalchemy import text
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from coda_memory.errors import ConnectionLost
+from coda_memory.postgres import PostgresStore
+from coda_memory.postgres.analytics import rebuild_rollups, tool_effectiveness
+from coda_memory.postgres.connection import run
+from coda_memory.postgres.engine import driver_connection
+from coda_memory.postgres.maintenance import (
+    pending_identities,
+    pending_observations,
+    prune_consolidated,
+    store_stats,
+)
+from tests.postgres.helpers import NOW, consolidate, fetch, record
+
+
+async def kill_pooled_connections(store: PostgresStore, admin_url: str) -> None:
+    """Leave a connection idle in the store's pool, then terminate it (and any other of
+    the store's database), returning once the backends are gone."""
+    await store.facts("alice")
+    killed = await fetch(
+        admin_url,
+        "SELECT count(*) FILTER (WHERE pg_terminate_backend(pid, 10000)) "
+        "FROM pg_stat_activity WHERE datname = :db AND pid <> pg_backend_pid()",
+        db=store.engine.url.database,
+    )
+    assert killed[0][0] >= 1
+
+
+async def through_sqlalchemy(conn: AsyncConnection) -> int:
+    return int((await conn.execute(text("SELECT 1"))).scalar_one())
+
+
+async def through_asyncpg(conn: AsyncConnection) -> int:
+    return int(await (await driver_connection(conn)).fetchval("SELECT 1"))
+
+
+WORK = [through_sqlalchemy, through_asyncpg]
+
+
+@pytest.mark.parametrize("statement", WORK, ids=["sqlalchemy", "asyncpg"])
+async def test_idempotent_work_on_a_dead_connection_runs_once_more(
+    pg_store: PostgresStore, admin_url: str, statement: Callable[..., Awaitable[int]]
+) -> None:
+    attempts = 0
+
+    async def work(conn: AsyncConnection) -> int:
+        nonlocal attempts
+        attempts += 1
+        return await statement(conn)
+
+    await kill_pooled_connections(pg_store, admin_url)
+    assert await run(pg_store.engine, pg_store.schema, work, idempotent=True) == 1
+    assert attempts == 2
+
+
+@pytest.mark.parametrize("statement", WORK, ids=["sqlalchemy", "asyncpg"])
+async def test_other_work_on_a_dead_connection_is_not_retried(
+    pg_store: PostgresStore, admin_url: str, statement: Callable[..., Awaitable[int]]
+) -> None:
+    attempts = 0
+
+    async def work(conn: AsyncConnection) -> int:
+        nonlocal attempts
+        attempts += 1
+        return await statement(conn)
+
+    await kill_pooled_connections(pg_store, admin_url)
+    with pytest.raises(ConnectionLost):
+        await run(pg_store.engine, pg_store.schema, work, idempotent=False)
+    assert attempts == 1
+    # The dead pool was replaced: the next work runs at the first attempt.
+    assert await run(pg_store.engine, pg_store.schema, work, idempotent=False) == 1
+
+
+async def test_an_error_that_is_not_a_dead_connection_is_not_retried(
+    pg_store: PostgresStore,
+) -> None:
+    attempts = 0
+
+    async def work(conn: AsyncConnection) -> None:
+        nonlocal attempts
+        attempts += 1
+        await conn.execute(text("SELECT 1 / 0"))
+
+    with pytest.raises(Exception, match="division by zero"):
+        await run(pg_store.engine, pg_store.schema, work, idempotent=True)
+    assert attempts == 1
+
+
+async def consolidation(store: PostgresStore) -> Any:
+    return await consolidate(store)
+
+
+PATHS: dict[str, Callable[[PostgresStore], Awaitable[Any]]] = {
+    "append": lambda store: store.append([record("after")]),
+    "consolidation": consolidation,
+    "peek": lambda store: store.peek("alice"),
+    "facts": lambda store: store.facts("alice"),
+    "history": lambda store: store.history("alice"),
+    "observations": lambda store: store.observations("alice"),
+    "checkpoint": lambda store: store.checkpoint("alice"),
+    "forget": lambda store: store.forget("alice"),
+    "pending_identities": pending_identities,
+    "pending_observations": pending_observations,
+    "prune_consolidated": lambda store: prune_consolidated(store, before=NOW - timedelta(days=7)),
+    "store_stats": store_stats,
+    "tool_effectiveness": lambda store: tool_effectiveness(store, min_users=1),
+    "rebuild_rollups": rebuild_rollups,
+}
+
+
+@pytest.mark.parametrize("path", sorted(PATHS))
+async def test_every_path_recovers_from_a_dead_pooled_connection(
+    pg_store: PostgresStore, admin_url: str, path: str
+) -> None:
+    await pg_store.append([record("before")])
+    await consolidate(pg_store)
+    await kill_pooled_connections(pg_store, admin_url)
+    await PATHS[path](pg_store)  # would raise if the dead connection were not replaced
