@@ -24,6 +24,8 @@ class AppendOutcome:
     stored: int
     #: (index in the batch, reason) for each row the store refused.
     refused: list[tuple[int, str]] = field(default_factory=list)
+    #: Rows accepted and deliberately not kept (the null store).
+    discarded: int = 0
 
 
 class ConsolidationUnit(Protocol):

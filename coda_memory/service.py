@@ -58,12 +58,14 @@ class MemoryStats(BaseModel):
     rejected: int
     #: Observations dropped because the queue was full or the service was closed.
     dropped: int
-    #: Observations emitted but not yet stored, rejected or dropped.
+    #: Observations emitted but not yet stored, rejected, dropped or discarded.
     pending: int
     #: ``load_memory`` calls, and how many of them returned empty on timeout or error.
     loads: int = 0
     load_timeouts: int = 0
     load_errors: int = 0
+    #: Observations the store accepted and threw away by design (``null://``).
+    discarded: int = 0
 
 
 _Item = tuple[str, NewObservation, datetime]
@@ -98,7 +100,7 @@ class MemoryService:
         self._batch_size = batch_size
         self._queue: deque[_Item] = deque()
         self._inflight = 0
-        self._emitted = self._stored = self._rejected = self._dropped = 0
+        self._emitted = self._stored = self._rejected = self._dropped = self._discarded = 0
         self._loads = self._load_timeouts = self._load_errors = 0
         self._closed = False
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -119,29 +121,46 @@ class MemoryService:
         clock: Clock | None = None,
         **options: Any,
     ) -> MemoryService:
-        """A service over the store that ``url`` names: ``memory://`` or a Postgres URL
-        (``postgresql://``, ``postgresql+asyncpg://``). Extra keyword options go to the
-        service (``retention``, ``queue_size``, ``batch_size``, ``prompt_budget_tokens``)
-        or to the Postgres store (``schema``, ``pool_size``, ``lock_timeout``, …)."""
+        """A service over the store that ``url`` names: ``memory://``, a Postgres URL
+        (``postgresql://``, ``postgresql+asyncpg://``), a Redis URL (``redis://host:port/db``,
+        ``rediss://…``; needs the ``redis`` extra) or ``null://`` (memory switched off).
+        Extra keyword options go to the service (``retention``, ``queue_size``,
+        ``batch_size``, ``prompt_budget_tokens``) or to the store (Postgres: ``schema``,
+        ``pool_size``, ``lock_timeout``, …; Redis: ``prefix``, ``lock_timeout``,
+        ``history_limit``, …)."""
         service_keys = {"retention", "queue_size", "batch_size", "prompt_budget_tokens"}
         service_options = {k: v for k, v in options.items() if k in service_keys}
         store_options = {k: v for k, v in options.items() if k not in service_keys}
+        scheme = url.split(":", 1)[0].split("+", 1)[0].lower()
         store: MemoryStore
-        if url == "memory://" or url.startswith("memory:"):
+        if scheme in ("memory", "null"):
             if store_options:
-                raise TypeError(f"unexpected options for memory://: {sorted(store_options)}")
-            from coda_memory.testing import InMemoryStore
+                raise TypeError(f"unexpected options for {scheme}://: {sorted(store_options)}")
+            if scheme == "null":
+                from coda_memory.null import NullStore
 
-            store = InMemoryStore()
-        elif url.split(":", 1)[0].split("+", 1)[0] in ("postgresql", "postgres"):
+                store = NullStore()
+            else:
+                from coda_memory.testing import InMemoryStore
+
+                store = InMemoryStore()
+        elif scheme in ("postgresql", "postgres"):
             from coda_memory.postgres import PostgresStore
 
             retention = service_options.get("retention", DEFAULT_RETENTION)
             store = PostgresStore.from_url(url, retention=retention, **store_options)
+        elif scheme in ("redis", "rediss"):
+            try:
+                from coda_memory.redis import RedisStore
+            except ImportError as exc:
+                raise ImportError(
+                    "redis:// needs the redis extra: pip install 'coda-memory[redis]'"
+                ) from exc
+            store = RedisStore.from_url(url, **store_options)
         else:
             raise ValueError(
-                "unsupported memory URL scheme: use memory:// or postgresql://… "
-                f"(got {url.split(':', 1)[0]!r})"
+                "unsupported memory URL scheme: use memory://, postgresql://…, redis://… "
+                f"or null:// (got {url.split(':', 1)[0]!r})"
             )
         return cls(store, decay=decay, load_timeout=load_timeout, clock=clock, **service_options)
 
@@ -221,6 +240,7 @@ class MemoryService:
                     continue
                 backoff = 0.05
                 self._stored += outcome.stored
+                self._discarded += outcome.discarded
                 for index, reason in outcome.refused:
                     self._reject(records[index].identity_id, reason)
                 break
@@ -244,7 +264,7 @@ class MemoryService:
 
     @property
     def _processed(self) -> int:
-        return self._stored + self._rejected + self._dropped
+        return self._stored + self._rejected + self._dropped + self._discarded
 
     async def drain(self, timeout: float | None = None) -> None:
         """Wait until everything emitted so far is stored (or rejected or dropped), and
@@ -360,6 +380,7 @@ class MemoryService:
             loads=self._loads,
             load_timeouts=self._load_timeouts,
             load_errors=self._load_errors,
+            discarded=self._discarded,
         )
 
     async def close(self, timeout: float | None = 30.0) -> None:

@@ -1,7 +1,8 @@
 """Shared fixtures. Postgres fixtures live in tests/pg_fixtures.py.
 
 ``make_service`` builds MemoryServices over every store: the tests that use it run once
-against the in-memory store and once against a fresh Postgres database.
+against the in-memory store, once against a fresh Postgres database and once against
+Redis under a key prefix of its own.
 """
 
 from __future__ import annotations
@@ -14,17 +15,17 @@ import pytest
 from coda_memory import MemoryService
 from tests.helpers import FakeClock
 
-pytest_plugins = ["tests.pg_fixtures"]
+pytest_plugins = ["tests.pg_fixtures", "tests.redis_fixtures"]
 
 ServiceFactory = Callable[..., Awaitable[MemoryService]]
 
 
-@pytest.fixture(params=["memory", "postgres"])
+@pytest.fixture(params=["memory", "postgres", "redis"])
 def store_url(request: pytest.FixtureRequest) -> str:
     """The URL of an empty store of each kind."""
     if request.param == "memory":
         return "memory://"
-    url: str = request.getfixturevalue("pg_url")
+    url: str = request.getfixturevalue("redis_url" if request.param == "redis" else "pg_url")
     return url
 
 

@@ -1,0 +1,283 @@
+"""The original server's JSON: observations and facts in camelCase, times in epoch ms.
+
+Writing follows ``JSON.stringify``: compact separators, non-ASCII text as is, and an
+integral number without a fractional part, so a record coda-memory writes is the record
+the original TypeScript server would have written, plus extra fields it ignores:
+
+* observations: ``id`` (a decimal string), ``identityId``, ``type``, ``content``,
+  ``metadata``, ``createdAt``, and ``sessionId`` when there is one;
+* facts: ``id``, ``identityId``, ``category``, ``subject``, ``content``, ``confidence``,
+  ``reinforcementCount``, ``lastReinforcedAt``, ``createdAt``, ``updatedAt``,
+  ``easeFactor`` when there is one, and ``confidenceAt``: the instant ``confidence``
+  refers to. The original server wrote the decayed confidence back at every
+  consolidation, together with ``updatedAt``; so a fact without ``confidenceAt`` has its
+  confidence anchored at ``updatedAt``.
+
+Reading validates at this boundary: a record that does not parse, has an unknown type or
+category, or an impossible value raises :class:`BadRecord` with a short reason.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from coda_memory.core.model import (
+    Fact,
+    FactCategory,
+    FactEvent,
+    FactEventKind,
+    NewObservation,
+    Observation,
+    ObservationType,
+    trusted,
+)
+from coda_memory.core.sanitize import (
+    ObservationRejected,
+    SanitizedObservation,
+    sanitize_observation,
+)
+
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+#: Epoch ms beyond which a time is impossible here (datetime's range ends at year 9999).
+_MAX_MS = 253_402_300_799_999
+
+
+class BadRecord(ValueError):
+    """A stored record coda-memory cannot use; the message says why."""
+
+
+def dumps(value: Any) -> str:
+    """Compact JSON as ``JSON.stringify`` writes it (NaN and infinities refused)."""
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+
+
+def to_ms(at: datetime) -> int | float:
+    """Epoch milliseconds; a whole number unless ``at`` has a sub-millisecond part."""
+    delta = at - _EPOCH
+    micros = (delta.days * 86_400 + delta.seconds) * 1_000_000 + delta.microseconds
+    whole, rest = divmod(micros, 1000)
+    return whole if rest == 0 else micros / 1000
+
+
+def from_ms(value: object, field: str) -> datetime:
+    """The UTC datetime of an epoch-ms number; :class:`BadRecord` for anything else."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise BadRecord(f"{field} is not a number")
+    if not math.isfinite(value) or not 0 <= value <= _MAX_MS:
+        raise BadRecord(f"{field} is out of range")
+    return _EPOCH + timedelta(microseconds=round(value * 1000))
+
+
+def _number(value: float) -> int | float:
+    """``value`` as ``JSON.stringify`` would print it: 1.0 as 1."""
+    return int(value) if value.is_integer() and abs(value) < 2**53 else value
+
+
+def _object(raw: str | bytes) -> dict[str, Any]:
+    try:
+        value = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise BadRecord(f"not JSON ({type(exc).__name__})") from exc
+    if not isinstance(value, dict):
+        raise BadRecord("not a JSON object")
+    return value
+
+
+def _identity(value: dict[str, Any], identity_id: str) -> None:
+    owner = value.get("identityId")
+    if owner is not None and owner != identity_id:
+        raise BadRecord("identityId does not match its key")
+
+
+# -- observations -----------------------------------------------------------------------
+
+
+def observation_body(record: SanitizedObservation) -> str:
+    """An observation's JSON without its ``id``: ``"identityId":…}``, everything after the
+    opening brace. The append script puts ``{"id":"<sequence>",`` in front of it."""
+    value: dict[str, Any] = {
+        "identityId": record.identity_id,
+        "type": record.type.value,
+        "content": record.content,
+        "metadata": record.metadata,
+        "createdAt": to_ms(record.created_at),
+    }
+    if record.session_id is not None:
+        value["sessionId"] = record.session_id
+    return dumps(value)[1:]
+
+
+def _observation_id(raw: object) -> int:
+    """An integer id: ours are decimal strings; the original server's are turned into a
+    stable 63-bit number (used for display only, never as a cursor)."""
+    if isinstance(raw, int) and not isinstance(raw, bool):
+        return raw
+    text = str(raw)
+    if text.isdigit() and len(text) < 19:
+        return int(text)
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest()) >> 1
+
+
+def observation_from_json(identity_id: str, raw: str | bytes) -> Observation:
+    """An observation from its stored JSON, validated like a new one (sanitised)."""
+    value = _object(raw)
+    _identity(value, identity_id)
+    if "id" not in value:
+        raise BadRecord("observation has no id")
+    try:
+        kind = ObservationType(str(value.get("type")))
+    except ValueError as exc:
+        raise BadRecord(f"unknown observation type {value.get('type')!r}") from exc
+    created_at = from_ms(value.get("createdAt"), "createdAt")
+    # Not validated here: sanitize_observation checks every field and says what is wrong.
+    content: Any = value.get("content")
+    emitted = NewObservation.model_construct(
+        type=kind,
+        content=content,
+        metadata=value.get("metadata", {}),
+        session_id=value.get("sessionId"),
+        created_at=created_at,
+    )
+    try:
+        clean = sanitize_observation(identity_id, emitted, created_at)
+    except ObservationRejected as exc:
+        raise BadRecord(exc.reason) from exc
+    return trusted(
+        Observation,
+        id=_observation_id(value["id"]),
+        identity_id=identity_id,
+        type=clean.type,
+        content=clean.content,
+        metadata=clean.metadata,
+        session_id=clean.session_id,
+        created_at=clean.created_at,
+    )
+
+
+# -- facts ------------------------------------------------------------------------------
+
+
+def fact_json(fact: Fact, stored_id: str | None = None) -> str:
+    """A fact in the original shape (plus ``confidenceAt``), under ``stored_id`` if the
+    hash already holds it under another id."""
+    value: dict[str, Any] = {
+        "id": stored_id or fact.id,
+        "identityId": fact.identity_id,
+        "category": fact.category.value,
+        "subject": fact.subject,
+        "content": fact.content,
+        "confidence": _number(fact.confidence),
+        "reinforcementCount": fact.reinforcement_count,
+        "lastReinforcedAt": to_ms(fact.last_reinforced_at),
+        "createdAt": to_ms(fact.created_at),
+        "updatedAt": to_ms(fact.updated_at),
+    }
+    if fact.ease_factor is not None:
+        value["easeFactor"] = _number(fact.ease_factor)
+    value["confidenceAt"] = to_ms(fact.anchor)
+    return dumps(value)
+
+
+def _probability(value: object, field: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise BadRecord(f"{field} is not a finite number")
+    if not 0.0 <= value <= 1.0:
+        raise BadRecord(f"{field} {value!r} is outside 0..1")
+    return float(value)
+
+
+def _text(value: dict[str, Any], field: str) -> str:
+    text = value.get(field)
+    if not isinstance(text, str) or not text:
+        raise BadRecord(f"{field} is not a non-empty string")
+    return text
+
+
+def fact_from_json(identity_id: str, raw: str | bytes) -> Fact:
+    """A fact from its stored JSON; ``confidenceAt`` defaults to ``updatedAt``."""
+    value = _object(raw)
+    _identity(value, identity_id)
+    try:
+        category = FactCategory(str(value.get("category")))
+    except ValueError as exc:
+        raise BadRecord(f"unknown fact category {value.get('category')!r}") from exc
+    count = value.get("reinforcementCount")
+    if isinstance(count, float) and count.is_integer():
+        count = int(count)
+    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+        raise BadRecord("reinforcementCount is not a positive integer")
+    ease = value.get("easeFactor")
+    if ease is not None and (
+        isinstance(ease, bool)
+        or not isinstance(ease, int | float)
+        or not math.isfinite(ease)
+        or ease <= 0
+    ):
+        raise BadRecord("easeFactor is not a positive number")
+    updated_at = from_ms(value.get("updatedAt"), "updatedAt")
+    anchor = value.get("confidenceAt")
+    return trusted(
+        Fact,
+        id=_text(value, "id"),
+        identity_id=identity_id,
+        category=category,
+        subject=_text(value, "subject"),
+        content=value["content"] if isinstance(value.get("content"), str) else "",
+        confidence=_probability(value.get("confidence"), "confidence"),
+        reinforcement_count=count,
+        last_reinforced_at=from_ms(value.get("lastReinforcedAt"), "lastReinforcedAt"),
+        created_at=from_ms(value.get("createdAt"), "createdAt"),
+        updated_at=updated_at,
+        ease_factor=None if ease is None else float(ease),
+        confidence_at=updated_at if anchor is None else from_ms(anchor, "confidenceAt"),
+    )
+
+
+# -- fact events (coda-memory's own keys) -----------------------------------------------
+
+
+def event_value(event: FactEvent) -> dict[str, Any]:
+    """A fact event as a camelCase JSON object (``at`` in epoch ms)."""
+    return {
+        "identityId": event.identity_id,
+        "subject": event.subject,
+        "category": event.category.value,
+        "kind": event.kind.value,
+        "sessionId": event.session_id,
+        "at": to_ms(event.at),
+        "confidenceBefore": event.confidence_before,
+        "confidenceAfter": event.confidence_after,
+        "countBefore": event.count_before,
+        "countAfter": event.count_after,
+        "easeBefore": event.ease_before,
+        "easeAfter": event.ease_after,
+        "quality": event.quality,
+        "hits": event.hits,
+        "trials": event.trials,
+    }
+
+
+def event_from_value(identity_id: str, value: dict[str, Any]) -> FactEvent:
+    """A fact event coda-memory wrote (trusted: only coda-memory writes these keys)."""
+    return trusted(
+        FactEvent,
+        identity_id=identity_id,
+        subject=value["subject"],
+        category=FactCategory(value["category"]),
+        kind=FactEventKind(value["kind"]),
+        session_id=value["sessionId"],
+        at=from_ms(value["at"], "at"),
+        confidence_before=value["confidenceBefore"],
+        confidence_after=value["confidenceAfter"],
+        count_before=value["countBefore"],
+        count_after=value["countAfter"],
+        ease_before=value["easeBefore"],
+        ease_after=value["easeAfter"],
+        quality=value["quality"],
+        hits=value["hits"],
+        trials=value["trials"],
+    )

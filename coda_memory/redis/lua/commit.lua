@@ -1,0 +1,68 @@
+-- Commit one consolidation of one identity, atomically, only while this run holds the
+-- identity's lock (a run whose lock expired and was taken over commits nothing).
+-- KEYS[1] lock, KEYS[2] facts, KEYS[3] history, KEYS[4] pending, KEYS[5] observations,
+-- KEYS[6] checkpoint map, KEYS[7] state, KEYS[8] sessions, KEYS[9] session times
+-- ARGV[1] lock token, ARGV[2] identity id, ARGV[3] the plan as JSON (see unit.py),
+-- ARGV[4..] the pending members this run consumed
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then
+  return redis.error_reply('LOCKLOST the consolidation lock expired before the commit')
+end
+local plan = cjson.decode(ARGV[3])
+
+-- Commands with many arguments, a thousand at a time (Lua's unpack has a limit).
+local function each_chunk(command, key, items, first, last, step)
+  for i = first, last, step do
+    local stop = math.min(i + step - 1, last)
+    redis.call(command, key, unpack(items, i, stop))
+  end
+end
+
+if #plan.upserts > 0 then each_chunk('HSET', KEYS[2], plan.upserts, 1, #plan.upserts, 1000) end
+if #plan.deletes > 0 then each_chunk('HDEL', KEYS[2], plan.deletes, 1, #plan.deletes, 1000) end
+if #plan.events > 0 then
+  each_chunk('RPUSH', KEYS[3], plan.events, 1, #plan.events, 1000)
+  if plan.historyLimit > 0 then
+    redis.call('LTRIM', KEYS[3], -plan.historyLimit, -1)
+  end
+end
+if #plan.sessions > 0 then
+  each_chunk('HSET', KEYS[8], plan.sessions, 1, #plan.sessions, 1000)
+  each_chunk('ZADD', KEYS[9], plan.sessionTimes, 1, #plan.sessionTimes, 1000)
+end
+-- Sessions past the horizon can no longer send observations that matter.
+local stale = redis.call('ZRANGEBYSCORE', KEYS[9], '-inf', '(' .. plan.sessionsBefore)
+if #stale > 0 then
+  each_chunk('HDEL', KEYS[8], stale, 1, #stale, 1000)
+  each_chunk('ZREM', KEYS[9], stale, 1, #stale, 1000)
+end
+if #ARGV > 3 then each_chunk('ZREM', KEYS[4], ARGV, 4, #ARGV, 1000) end
+
+-- The checkpoint only moves forward: every consumed observation is scored at or before
+-- it, which is what the original server reads too.
+local checkpoint = redis.call('HGET', KEYS[6], ARGV[2])
+if plan.checkpoint ~= cjson.null then
+  if not (checkpoint and tonumber(checkpoint)) or tonumber(checkpoint) < tonumber(plan.checkpoint) then
+    checkpoint = plan.checkpoint
+    redis.call('HSET', KEYS[6], ARGV[2], checkpoint)
+  end
+end
+
+-- Retention: consumed observations older than the bound (never a pending one, never one
+-- scored after the checkpoint, which the original server may still have to consume).
+local pruned = 0
+if checkpoint and tonumber(checkpoint) then
+  local limit = tonumber(checkpoint)
+  local old = redis.call('ZRANGEBYSCORE', KEYS[5], '-inf', '(' .. plan.pruneBefore, 'WITHSCORES')
+  for i = 1, #old, 2 do
+    local member = old[i]
+    if tonumber(old[i + 1]) <= limit and not redis.call('ZSCORE', KEYS[4], member) then
+      redis.call('ZREM', KEYS[5], member)
+      pruned = pruned + 1
+    end
+  end
+end
+
+redis.call('HINCRBY', KEYS[7], 'runs', 1)
+redis.call('HINCRBY', KEYS[7], 'consumed', plan.consumed)
+redis.call('HSET', KEYS[7], 'consolidatedAt', plan.now)
+return pruned

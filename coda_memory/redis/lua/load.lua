@@ -1,0 +1,18 @@
+-- Under the lock, in one atomic read: the checkpoint, the pending observations, the
+-- observations scored after the checkpoint (the original server's new ones are among
+-- them), and the stored facts. An append lands wholly before or wholly after this read.
+-- KEYS[1] checkpoint map, KEYS[2] pending, KEYS[3] observations (seed), KEYS[4] facts
+-- ARGV[1] identity id
+local checkpoint = redis.call('HGET', KEYS[1], ARGV[1])
+local after = '-inf'
+if checkpoint and tonumber(checkpoint) then
+  after = '(' .. checkpoint
+else
+  checkpoint = false
+end
+return {
+  checkpoint,
+  redis.call('ZRANGE', KEYS[2], 0, -1),
+  redis.call('ZRANGEBYSCORE', KEYS[3], after, '+inf', 'WITHSCORES'),
+  redis.call('HVALS', KEYS[4]),
+}

@@ -1,0 +1,309 @@
+"""The Redis store: the original server's key layout, with coda-memory's guarantees.
+
+Observations and facts live where the original TypeScript server kept them, in the same
+JSON (see :mod:`~coda_memory.redis.codec` and :mod:`~coda_memory.redis.keys`), so either
+server can read what the other wrote. What the original design lacked comes from a few
+extra keys under the same prefix: a pending set per identity, so that what is new never
+depends on a timestamp (see :mod:`~coda_memory.redis.unit`); a lock per identity, so that
+concurrent consolidations from any number of processes queue up and consume every
+observation exactly once; a capped fact history; and per-session reinforcement records.
+
+Everything that must change together is one Lua script, which Redis runs atomically.
+redis-py is imported here, so the package needs the ``redis`` extra
+(``pip install 'coda-memory[redis]'``); nothing else in coda-memory imports it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import secrets
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from importlib import resources
+from typing import Any
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+
+import redis.asyncio as aioredis
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from coda_memory.core.model import Fact, FactEvent, Observation
+from coda_memory.errors import ConnectionLost
+from coda_memory.ports import AppendOutcome, ObservationRecord
+from coda_memory.redis.codec import (
+    BadRecord,
+    event_from_value,
+    from_ms,
+    observation_body,
+    observation_from_json,
+    to_ms,
+)
+from coda_memory.redis.keys import DEFAULT_PREFIX, IDENTITY_KINDS, Keys
+from coda_memory.redis.unit import RedisConsolidationUnit, parse_facts
+
+DEFAULT_LOCK_TIMEOUT = timedelta(seconds=5)
+#: How long a lock outlives a consolidation whose process died holding it.
+DEFAULT_LOCK_TTL = timedelta(seconds=30)
+#: Fact events kept per identity (the oldest go first).
+DEFAULT_HISTORY_LIMIT = 1_000
+#: How long a session's reinforcement records are kept after its latest reinforcement.
+DEFAULT_SESSION_HORIZON = timedelta(days=30)
+
+_SCRIPTS = ("append", "peek", "load", "commit", "unlock", "forget")
+
+
+class LockTimeout(TimeoutError):
+    """Another consolidation of the identity held its lock longer than ``lock_timeout``."""
+
+
+class LockLost(RuntimeError):
+    """The lock expired before the commit (another run may have taken it): nothing of
+    this consolidation was written."""
+
+
+def _script_source(name: str) -> str:
+    return resources.files("coda_memory.redis").joinpath("lua", f"{name}.lua").read_text()
+
+
+def split_prefix(url: str) -> tuple[str, str | None]:
+    """``url`` without its ``prefix`` query parameter, and that parameter (if any)."""
+    parts = urlsplit(url)
+    query = parse_qsl(parts.query, keep_blank_values=True)
+    prefixes = [value for key, value in query if key == "prefix"]
+    rest = urlencode([(key, value) for key, value in query if key != "prefix"])
+    return urlunsplit(parts._replace(query=rest)), (prefixes[-1] if prefixes else None)
+
+
+@dataclass(frozen=True, slots=True)
+class RedisStoreStats:
+    """What ``RedisStore.stats`` counts, over every identity under the prefix."""
+
+    prefix: str
+    identities: int
+    observations: int
+    pending_observations: int
+    facts: int
+    fact_events: int
+    used_memory_bytes: int
+
+
+class RedisStore:
+    """:class:`~coda_memory.ports.MemoryStore` on Redis (redis-py's asyncio client)."""
+
+    def __init__(
+        self,
+        client: aioredis.Redis,
+        *,
+        prefix: str = DEFAULT_PREFIX,
+        lock_timeout: timedelta | None = DEFAULT_LOCK_TIMEOUT,
+        lock_ttl: timedelta = DEFAULT_LOCK_TTL,
+        history_limit: int = DEFAULT_HISTORY_LIMIT,
+        session_horizon: timedelta = DEFAULT_SESSION_HORIZON,
+    ) -> None:
+        """Use ``client``, which must return bytes (``decode_responses=False``)."""
+        if history_limit < 0:
+            raise ValueError("history_limit must be 0 (unbounded) or more")
+        if lock_ttl <= timedelta(0):
+            raise ValueError("lock_ttl must be positive")
+        self.client = client
+        self.keys = Keys(prefix)
+        self.lock_timeout = lock_timeout
+        self.lock_ttl = lock_ttl
+        self.history_limit = history_limit
+        self.session_horizon = session_horizon
+        self._scripts = {name: client.register_script(_script_source(name)) for name in _SCRIPTS}
+
+    @classmethod
+    def from_url(cls, url: str, *, prefix: str | None = None, **options: Any) -> RedisStore:
+        """A store on ``url`` (``redis://host:port/db``, ``rediss://…``). The key prefix is
+        ``prefix``, else the URL's ``?prefix=`` parameter, else ``coda:memory:``."""
+        bare, url_prefix = split_prefix(url)
+        store_keys = {"lock_timeout", "lock_ttl", "history_limit", "session_horizon"}
+        store_options = {k: v for k, v in options.items() if k in store_keys}
+        client_options = {k: v for k, v in options.items() if k not in store_keys}
+        client = aioredis.Redis.from_url(bare, decode_responses=False, **client_options)
+        chosen = prefix if prefix is not None else url_prefix
+        return cls(client, prefix=DEFAULT_PREFIX if chosen is None else chosen, **store_options)
+
+    def _script(self, name: str) -> Any:
+        return self._scripts[name]
+
+    # -- writes -------------------------------------------------------------------------
+
+    async def append(self, records: Sequence[ObservationRecord]) -> AppendOutcome:
+        by_identity: dict[str, list[tuple[int, ObservationRecord]]] = {}
+        for index, record in enumerate(records):
+            by_identity.setdefault(record.identity_id, []).append((index, record))
+        refused: list[tuple[int, str]] = []
+        async with self.client.pipeline(transaction=False) as pipe:
+            calls = 0
+            for identity, rows in by_identity.items():
+                args: list[Any] = []
+                for index, record in rows:
+                    try:
+                        body = observation_body(record)
+                    except (TypeError, ValueError) as exc:
+                        refused.append((index, f"metadata is not JSON: {exc}"))
+                        continue
+                    args += [to_ms(record.created_at), body]
+                if not args:
+                    continue
+                keys = [self.keys.of(kind, identity) for kind in ("state", "obs", "pending")]
+                await self._script("append")(keys=keys, args=[len(args) // 2, *args], client=pipe)
+                calls += 1
+            if calls:
+                await pipe.execute()
+        refused.sort()
+        return AppendOutcome(stored=len(records) - len(refused), refused=refused)
+
+    # -- consolidation ------------------------------------------------------------------
+
+    async def _acquire(self, identity_id: str) -> str:
+        """Take the identity's lock, waiting up to ``lock_timeout``; returns its token."""
+        token = secrets.token_hex(16)
+        key = self.keys.of("lock", identity_id)
+        ttl_ms = max(1, round(self.lock_ttl.total_seconds() * 1000))
+        loop = asyncio.get_running_loop()
+        deadline = (
+            None if self.lock_timeout is None else loop.time() + self.lock_timeout.total_seconds()
+        )
+        delay = 0.001
+        while not await self.client.set(key, token, nx=True, px=ttl_ms):
+            if deadline is not None and loop.time() >= deadline:
+                raise LockTimeout(f"the consolidation lock of {identity_id!r} stayed busy")
+            # The holder is usually done within milliseconds: poll, backing off to 25 ms.
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 0.025)
+        return token
+
+    async def _release(self, identity_id: str, token: str) -> None:
+        await self._script("unlock")(keys=[self.keys.of("lock", identity_id)], args=[token])
+
+    @asynccontextmanager
+    async def consolidation(self, identity_id: str) -> AsyncIterator[RedisConsolidationUnit]:
+        token = await self._acquire(identity_id)
+        try:
+            yield RedisConsolidationUnit(
+                keys=self.keys,
+                identity_id=identity_id,
+                token=token,
+                load_script=self._script("load"),
+                commit_script=self._commit_script,
+                read_sessions=lambda sessions: self.client.hmget(
+                    self.keys.of("sessions", identity_id), sessions
+                ),
+                history_limit=self.history_limit,
+                session_horizon=self.session_horizon,
+            )
+        except (RedisConnectionError, RedisTimeoutError) as error:
+            raise ConnectionLost(
+                f"the connection died while consolidating {identity_id!r}: {error!r}"
+            ) from error
+        finally:
+            # On a dead connection the lock expires by itself after lock_ttl.
+            with contextlib.suppress(RedisConnectionError, RedisTimeoutError):
+                await self._release(identity_id, token)
+
+    async def _commit_script(self, *, keys: list[str], args: list[Any]) -> Any:
+        try:
+            return await self._script("commit")(keys=keys, args=args)
+        except ResponseError as error:
+            if "LOCKLOST" in str(error):
+                raise LockLost(str(error)) from error
+            raise
+
+    # -- reads --------------------------------------------------------------------------
+
+    async def facts(self, identity_id: str) -> list[Fact]:
+        values = await self.client.hvals(self.keys.of("facts", identity_id))
+        return sorted(parse_facts(identity_id, values), key=lambda f: f.subject)
+
+    async def peek(self, identity_id: str) -> tuple[list[Fact], bool]:
+        reply = await self._script("peek")(
+            keys=self.keys.read_keys(identity_id),
+            args=[identity_id],
+        )
+        if int(reply[0]):
+            return [], True
+        return parse_facts(identity_id, reply[1]), False
+
+    async def history(self, identity_id: str, subject: str | None = None) -> list[FactEvent]:
+        raw = await self.client.lrange(self.keys.of("history", identity_id), 0, -1)
+        events = [event_from_value(identity_id, json.loads(r)) for r in raw]
+        return [e for e in events if subject is None or e.subject == subject]
+
+    async def observations(self, identity_id: str) -> list[Observation]:
+        """The identity's stored (not yet pruned) observations, oldest ``createdAt``
+        first; records that do not parse are left out."""
+        members: list[Any] = await self.client.zrange(self.keys.of("obs", identity_id), 0, -1)
+        observations: list[Observation] = []
+        for member in members:
+            try:
+                observations.append(observation_from_json(identity_id, member))
+            except BadRecord:
+                continue
+        return observations
+
+    async def checkpoint(self, identity_id: str) -> datetime | None:
+        """The checkpoint map's entry: ``createdAt`` of the latest consumed observation."""
+        raw = await self.client.hget(self.keys.checkpoint, identity_id)
+        return None if raw is None else from_ms(float(raw), "checkpoint")
+
+    async def identities(self) -> list[str]:
+        """Every identity with observations, facts, history or a checkpoint, sorted."""
+        found: set[str] = set()
+        for kind in ("obs", "facts", "pending", "history"):
+            async for key in self.client.scan_iter(match=self.keys.pattern(kind), count=1000):
+                text = key.decode() if isinstance(key, bytes) else str(key)
+                found.add(self.keys.identity_of(kind, text))
+        for field in await self.client.hkeys(self.keys.checkpoint):
+            found.add(field.decode() if isinstance(field, bytes) else str(field))
+        return sorted(found)
+
+    async def stats(self) -> RedisStoreStats:
+        """Counts over every identity under the prefix (a SCAN: for operators)."""
+        identities = await self.identities()
+        observations = pending = facts = events = 0
+        for start in range(0, len(identities), 500):
+            async with self.client.pipeline(transaction=False) as pipe:
+                for identity in identities[start : start + 500]:
+                    pipe.zcard(self.keys.of("obs", identity))
+                    pipe.zcard(self.keys.of("pending", identity))
+                    pipe.hlen(self.keys.of("facts", identity))
+                    pipe.llen(self.keys.of("history", identity))
+                counts = await pipe.execute()
+            observations += sum(counts[0::4])
+            pending += sum(counts[1::4])
+            facts += sum(counts[2::4])
+            events += sum(counts[3::4])
+        memory = await self.client.info("memory")
+        return RedisStoreStats(
+            prefix=self.keys.prefix,
+            identities=len(identities),
+            observations=observations,
+            pending_observations=pending,
+            facts=facts,
+            fact_events=events,
+            used_memory_bytes=int(memory.get("used_memory", 0)),
+        )
+
+    # -- administration -----------------------------------------------------------------
+
+    async def forget(self, identity_id: str) -> None:
+        token = await self._acquire(identity_id)
+        k = self.keys
+        own = [k.of(kind, identity_id) for kind in IDENTITY_KINDS if kind != "lock"]
+        await self._script("forget")(
+            keys=[k.of("lock", identity_id), k.checkpoint, *own], args=[token, identity_id]
+        )
+
+    async def close(self) -> None:
+        await self.client.aclose()
+
+
+__all__ = ["LockLost", "LockTimeout", "RedisStore", "RedisStoreStats", "split_prefix"]

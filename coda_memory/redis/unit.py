@@ -1,0 +1,233 @@
+"""The consolidation unit of work on Redis.
+
+The store hands a unit the identity's lock (a token in ``lock:{identityId}``). ``load``
+reads everything in one atomic script, ``apply`` keeps the plan, and ``commit`` writes it
+in one atomic script that first checks the lock is still this run's: facts, deletes,
+history, the sessions' reinforcement records, the consumed pending observations, the
+checkpoint, the counters and retention all change together, or not at all.
+
+What is new
+-----------
+An observation coda-memory appends is, in one atomic step, numbered from the identity's
+ingest sequence and added both to the seed's sorted set and to the pending set. ``load``
+takes the pending set as it is at that instant, and ``commit`` removes exactly those
+members: an append that lands in between is neither read nor removed, so the next run
+consumes it, whatever its ``createdAt``. No timestamp decides what is new.
+
+The original server never wrote a pending set; its observations count as new when scored
+after the checkpoint, as it did itself. Every run moves the checkpoint to at least the
+latest ``createdAt`` it consumed, so an observation coda-memory consumed is never scored
+after the checkpoint and is never taken for one of the original server's; one still
+pending is recognised by being in the pending set. Runs of one identity are serialised
+by the lock, and a run that lost its lock (it expired) cannot commit.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Awaitable, Callable, Sequence
+from datetime import timedelta
+from typing import Any
+
+from coda_memory.core.consolidation import REINFORCING, ConsolidationInput, ConsolidationPlan
+from coda_memory.core.model import Fact, FactEvent, Observation, fact_id
+from coda_memory.redis.codec import (
+    BadRecord,
+    dumps,
+    event_from_value,
+    event_value,
+    fact_from_json,
+    fact_json,
+    observation_from_json,
+    to_ms,
+)
+from coda_memory.redis.keys import Keys
+
+logger = logging.getLogger("coda_memory")
+
+Script = Callable[..., Awaitable[Any]]
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def _number_text(value: float) -> str:
+    return str(int(value)) if float(value).is_integer() else repr(float(value))
+
+
+def parse_facts(
+    identity_id: str, values: Sequence[bytes | str], on_bad: Callable[[str], None] | None = None
+) -> list[Fact]:
+    """The facts of a hash's values; a bad one is skipped and reported to ``on_bad``."""
+    facts: list[Fact] = []
+    for raw in values:
+        try:
+            facts.append(fact_from_json(identity_id, raw))
+        except BadRecord as exc:
+            if on_bad is not None:
+                on_bad(str(exc))
+    return facts
+
+
+class RedisConsolidationUnit:
+    """A unit of work over one identity that holds its lock; writes only on commit."""
+
+    def __init__(
+        self,
+        *,
+        keys: Keys,
+        identity_id: str,
+        token: str,
+        load_script: Script,
+        commit_script: Script,
+        read_sessions: Callable[[list[str]], Awaitable[list[bytes | str | None]]],
+        history_limit: int,
+        session_horizon: timedelta,
+    ) -> None:
+        self.identity_id = identity_id
+        self._keys = keys
+        self._token = token
+        self._load = load_script
+        self._commit = commit_script
+        self._read_sessions = read_sessions
+        self._history_limit = history_limit
+        self._session_horizon = session_horizon
+        self._loaded = False
+        self._committed = False
+        self._plan: ConsolidationPlan | None = None
+        self._consumed_pending: list[bytes] = []
+        self._checkpoint: float | None = None
+        self._stored_ids: dict[str, str] = {}
+        self._sessions: dict[str, dict[str, FactEvent]] = {}
+
+    def _bad(self, what: str) -> Callable[[str], None]:
+        def report(reason: str) -> None:
+            logger.warning(
+                "coda-memory: skipped a bad %s of %r in Redis: %s", what, self.identity_id, reason
+            )
+
+        return report
+
+    async def load(self) -> ConsolidationInput:
+        self._check_open()
+        k, identity = self._keys, self.identity_id
+        checkpoint, pending, after, fact_values = await self._load(
+            keys=k.read_keys(identity),
+            args=[identity],
+        )
+        waiting = set(pending)
+        new: list[Observation] = []
+        latest = None if checkpoint is None else float(checkpoint)
+        for member in pending:
+            try:
+                observation = observation_from_json(identity, member)
+            except BadRecord as exc:
+                self._bad("observation")(str(exc))
+                continue
+            new.append(observation)
+            at = float(to_ms(observation.created_at))
+            latest = at if latest is None else max(latest, at)
+        for member, score in zip(after[::2], after[1::2], strict=True):
+            latest = float(score) if latest is None else max(latest, float(score))
+            if member in waiting:
+                continue
+            try:
+                new.append(observation_from_json(identity, member))
+            except BadRecord as exc:
+                self._bad("observation")(str(exc))
+        facts = parse_facts(identity, fact_values, self._bad("fact"))
+        self._stored_ids = {f.subject: f.id for f in facts}
+        self._consumed_pending = list(pending)
+        self._checkpoint = latest
+        sessions = sorted({o.session_id for o in new if o.session_id is not None})
+        self._sessions = {}
+        events: list[FactEvent] = []
+        if sessions:
+            for session, raw in zip(sessions, await self._read_sessions(sessions), strict=True):
+                if raw is None:
+                    continue
+                latest_by_subject = {
+                    event.subject: event
+                    for event in (event_from_value(identity, v) for v in json.loads(raw))
+                }
+                self._sessions[session] = latest_by_subject
+                events.extend(latest_by_subject.values())
+        self._loaded = True
+        return ConsolidationInput(observations=new, facts=facts, session_events=events)
+
+    async def apply(self, plan: ConsolidationPlan) -> None:
+        self._check_open()
+        if not self._loaded:
+            raise RuntimeError("apply() needs load() first: the plan must come from this unit")
+        owners = {plan.identity_id}
+        owners.update(f.identity_id for f in plan.upserts)
+        owners.update(e.identity_id for e in plan.events)
+        if owners != {self.identity_id}:
+            raise ValueError(
+                f"the plan touches identities {sorted(owners)!r}, "
+                f"but this unit consolidates {self.identity_id!r}"
+            )
+        self._plan = plan
+
+    async def commit(self) -> None:
+        self._check_open()
+        plan = self._plan
+        if plan is not None:
+            k, identity = self._keys, self.identity_id
+            await self._commit(
+                keys=[
+                    k.of("lock", identity),
+                    k.of("facts", identity),
+                    k.of("history", identity),
+                    k.of("pending", identity),
+                    k.of("obs", identity),
+                    k.checkpoint,
+                    k.of("state", identity),
+                    k.of("sessions", identity),
+                    k.of("session-times", identity),
+                ],
+                args=[self._token, identity, self._payload(plan), *self._consumed_pending],
+            )
+        self._committed = True
+
+    def _payload(self, plan: ConsolidationPlan) -> str:
+        upserts: list[str] = []
+        for fact in plan.upserts:
+            stored_id = self._stored_ids.get(fact.subject, fact.id)
+            upserts += [stored_id, fact_json(fact, stored_id)]
+        deletes = [self._stored_ids.get(s, fact_id(s)) for s in plan.deletes]
+        touched: set[str] = set()
+        for event in plan.events:
+            if event.kind in REINFORCING and event.session_id is not None:
+                self._sessions.setdefault(event.session_id, {})[event.subject] = event
+                touched.add(event.session_id)
+        sessions: list[str] = []
+        session_times: list[str] = []
+        for session in sorted(touched):
+            events = list(self._sessions[session].values())
+            sessions += [session, dumps([event_value(e) for e in events])]
+            session_times += [_number_text(max(to_ms(e.at) for e in events)), session]
+        return dumps(
+            {
+                "upserts": upserts,
+                "deletes": deletes,
+                "events": [dumps(event_value(e)) for e in plan.events],
+                "historyLimit": self._history_limit,
+                "sessions": sessions,
+                "sessionTimes": session_times,
+                "sessionsBefore": _number_text(to_ms(plan.now - self._session_horizon)),
+                "checkpoint": None if self._checkpoint is None else _number_text(self._checkpoint),
+                "pruneBefore": _number_text(to_ms(plan.prune_before)),
+                "consumed": plan.consumed,
+                "now": _number_text(to_ms(plan.now)),
+            }
+        )
+
+    def _check_open(self) -> None:
+        if self._committed:
+            raise RuntimeError("this unit of work is committed; open a new one")
+
+
+__all__ = ["RedisConsolidationUnit", "parse_facts"]

@@ -1,0 +1,270 @@
+"""The Redis store's own mechanisms: exactly-once under concurrency, no timestamp cursor,
+the lock, retention, the capped history, forget and stats."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from datetime import timedelta
+
+import pytest
+import redis.asyncio as aioredis
+
+from coda_memory import Fact, FactEvent, FactEventKind, MemoryService, NewObservation
+from coda_memory.core.consolidation import plan_consolidation
+from coda_memory.core.decay import ExponentialDecay
+from coda_memory.core.sanitize import sanitize_observation
+from coda_memory.redis import LockLost, LockTimeout, RedisStore
+from coda_memory.redis.keys import glob_escape
+from tests.helpers import T0, FakeClock, domain, entity, tool_failed, tool_ok
+
+
+def summary(facts: list[Fact]) -> dict[str, tuple[float, int]]:
+    return {f.subject: (round(f.confidence, 12), f.reinforcement_count) for f in facts}
+
+
+def reinforcements(events: list[FactEvent]) -> list[tuple[str, str | None]]:
+    """(subject, session) of every reinforcement, sorted: each session reinforces a fact
+    once, however the observations were split between runs."""
+    kinds = (FactEventKind.CREATED, FactEventKind.REINFORCED)
+    return sorted((e.subject, e.session_id) for e in events if e.kind in kinds)
+
+
+def round_observations(day: int) -> list[tuple[str, NewObservation]]:
+    """A day of sessions for one identity: tools, failures, entities, domains, late ones."""
+    at = T0 + timedelta(days=day)
+    out: list[tuple[str, NewObservation]] = []
+    for s in range(4):
+        session = f"d{day}s{s}"
+        out += [
+            ("u1", tool_ok(f"tool_{s % 3}", session=session, at=at + timedelta(minutes=s))),
+            ("u1", tool_failed("flaky", session=session, at=at + timedelta(minutes=s, seconds=1))),
+            ("u1", entity("account", str(s % 2), session=session, at=at)),
+            ("u1", domain("royalty", session=session, at=at + timedelta(minutes=s))),
+        ]
+    # Late: stamped the previous day, delivered now.
+    out.append(("u1", tool_ok("late_tool", session=f"late{day}", at=at - timedelta(hours=20))))
+    return out
+
+
+async def test_16_concurrent_consolidations_of_one_identity_equal_the_serial_result(
+    redis_url: str, redis_prefix: str
+) -> None:
+    clock = FakeClock()
+    serial = MemoryService.from_url(
+        redis_url, prefix=redis_prefix + "serial:", clock=clock, load_timeout=5.0
+    )
+    # Sixteen services, each with its own client and connections, as sixteen processes.
+    workers = [MemoryService.from_url(redis_url, clock=clock, load_timeout=5.0) for _ in range(16)]
+    try:
+        for day in range(1, 6):
+            clock.now = T0 + timedelta(days=day, hours=1)
+            observations = round_observations(day)
+            for identity, obs in observations:
+                serial.emit_observation(identity, obs)
+            await serial.drain()
+            await serial.consolidate("u1")
+            # Half is stored before the race, half by the racers themselves during it.
+            half = len(observations) // 2
+            for identity, obs in observations[:half]:
+                workers[0].emit_observation(identity, obs)
+            await workers[0].drain()
+            for i, (identity, obs) in enumerate(observations[half:]):
+                workers[1 + i % 15].emit_observation(identity, obs)
+
+            async def race(worker: MemoryService) -> list[Fact]:
+                await worker.drain()
+                return await worker.consolidate("u1")
+
+            await asyncio.gather(*(race(w) for w in workers))
+            await workers[0].consolidate("u1")  # whatever the racers left over
+
+        expected = await serial.facts("u1")
+        got = await workers[5].facts("u1")
+        assert summary(got) == summary(expected)
+        assert reinforcements(await workers[3].history("u1")) == reinforcements(
+            await serial.history("u1")
+        )
+        assert len(expected) == 8
+        store = workers[0].store
+        assert isinstance(store, RedisStore)
+        consumed = await store.client.hget(store.keys.of("state", "u1"), "consumed")
+        assert int(consumed) == 5 * len(round_observations(1))  # each one exactly once
+    finally:
+        for service in [serial, *workers]:
+            await service.close()
+
+
+async def test_a_late_observation_stamped_before_the_checkpoint_is_consumed_once(
+    redis_url: str,
+) -> None:
+    clock = FakeClock(T0 + timedelta(days=5))
+    service = MemoryService.from_url(redis_url, clock=clock, load_timeout=5.0)
+    try:
+        service.emit_observation("u1", tool_ok("t", session="s1"))
+        await service.drain()
+        await service.consolidate("u1")
+        # Delivered late: stamped four days before the checkpoint.
+        service.emit_observation("u1", tool_ok("t", session="s0", at=T0 + timedelta(days=1)))
+        await service.drain()
+        facts = {f.subject: f for f in await service.consolidate("u1")}
+        assert facts["tool_affinity:t"].reinforcement_count == 2
+        facts = {f.subject: f for f in await service.consolidate("u1")}
+        assert facts["tool_affinity:t"].reinforcement_count == 2
+    finally:
+        await service.close()
+
+
+async def test_an_append_during_a_consolidation_is_left_for_the_next_one(
+    redis_store: RedisStore, redis_url: str
+) -> None:
+    decay = ExponentialDecay()
+    writer = RedisStore.from_url(redis_url)
+    try:
+        first = sanitize_observation("u1", tool_ok("a", session="s1"), T0)
+        await writer.append([first])
+        async with redis_store.consolidation("u1") as unit:
+            batch = await unit.load()
+            # Lands after the load, with an older timestamp than the one just loaded.
+            late = sanitize_observation("u1", tool_ok("b", session="s2"), T0 - timedelta(hours=1))
+            await writer.append([late])
+            plan = plan_consolidation("u1", batch, T0 + timedelta(minutes=1), decay)
+            await unit.apply(plan)
+            await unit.commit()
+        assert [o.metadata["toolName"] for o in batch.observations] == ["a"]
+        _, pending = await redis_store.peek("u1")
+        assert pending
+        async with redis_store.consolidation("u1") as unit:
+            batch = await unit.load()
+        assert [o.metadata["toolName"] for o in batch.observations] == ["b"]
+    finally:
+        await writer.close()
+
+
+async def test_a_run_whose_lock_expired_commits_nothing(
+    redis_store: RedisStore, redis_url: str
+) -> None:
+    decay = ExponentialDecay()
+    await redis_store.append([sanitize_observation("u1", tool_ok("a"), T0)])
+    other = RedisStore.from_url(redis_url)
+    try:
+        async with redis_store.consolidation("u1") as unit:
+            batch = await unit.load()
+            # The lock expires (as after lock_ttl) and another run takes it.
+            await redis_store.client.delete(redis_store.keys.of("lock", "u1"))
+            async with other.consolidation("u1"):
+                await unit.apply(plan_consolidation("u1", batch, T0, decay))
+                with pytest.raises(LockLost):
+                    await unit.commit()
+        assert await redis_store.facts("u1") == []
+        assert (await redis_store.peek("u1"))[1]
+    finally:
+        await other.close()
+
+
+async def test_a_busy_lock_times_out(redis_store: RedisStore, redis_url: str) -> None:
+    impatient = RedisStore.from_url(redis_url, lock_timeout=timedelta(milliseconds=50))
+    try:
+        async with redis_store.consolidation("u1"):
+            with pytest.raises(LockTimeout):
+                async with impatient.consolidation("u1"):
+                    pass
+        async with impatient.consolidation("u1"):  # free again
+            pass
+    finally:
+        await impatient.close()
+
+
+async def test_the_history_is_capped_per_identity(redis_url: str) -> None:
+    clock = FakeClock()
+    service = MemoryService.from_url(redis_url, clock=clock, history_limit=5, load_timeout=5.0)
+    try:
+        for day in range(8):
+            clock.now = T0 + timedelta(days=day)
+            service.emit_observation("u1", tool_ok("t", session=f"s{day}"))
+            await service.drain()
+            await service.consolidate("u1")
+        events = await service.history("u1")
+        assert [e.count_after for e in events] == [4, 5, 6, 7, 8]
+        assert (await service.facts("u1"))[0].reinforcement_count == 8
+    finally:
+        await service.close()
+
+
+async def test_retention_prunes_consumed_observations_only(
+    redis_store: RedisStore, redis_url: str
+) -> None:
+    clock = FakeClock()
+    service = MemoryService.from_url(redis_url, clock=clock, load_timeout=5.0)
+    try:
+        service.emit_observation("u1", tool_ok("old", session="s1"))
+        await service.drain()
+        await service.consolidate("u1")
+        clock.advance(days=10)
+        # Pending, and older than the retention: consolidation must read it, not prune it.
+        service.emit_observation("u1", tool_ok("late", session="s2", at=T0 - timedelta(days=1)))
+        service.emit_observation("u1", tool_ok("new", session="s3"))
+        await service.drain()
+        async with redis_store.consolidation("u1") as unit:
+            batch = await unit.load()
+            await unit.apply(plan_consolidation("u1", batch, clock.now, ExponentialDecay()))
+            await unit.commit()
+        kept = {o.metadata["toolName"] for o in await redis_store.observations("u1")}
+        assert kept == {"new"}
+        assert {o.metadata["toolName"] for o in batch.observations} == {"late", "new"}
+    finally:
+        await service.close()
+
+
+async def test_forget_leaves_no_key_of_the_identity(
+    redis_url: str, redis_prefix: str, redis_client: aioredis.Redis
+) -> None:
+    service = MemoryService.from_url(redis_url, load_timeout=5.0, clock=FakeClock())
+    try:
+        for identity in ("u1", "u2"):
+            service.emit_observation(identity, tool_ok("t", session="s1"))
+            await service.drain()
+            await service.consolidate(identity)
+        await service.forget("u1")
+        keys = {
+            k.decode() async for k in redis_client.scan_iter(match=glob_escape(redis_prefix) + "*")
+        }
+        assert not any(k.endswith(":u1") for k in keys), keys
+        assert await redis_client.hkeys(f"{redis_prefix}checkpoint") == [b"u2"]
+        assert await service.facts("u1") == []
+        assert len(await service.facts("u2")) == 1
+    finally:
+        await service.close()
+
+
+async def test_stats_count_every_identity(redis_store: RedisStore, redis_url: str) -> None:
+    service = MemoryService.from_url(redis_url, load_timeout=5.0, clock=FakeClock())
+    try:
+        for identity in ("a", "b", "c"):
+            service.emit_observation(identity, tool_ok("t"))
+            service.emit_observation(identity, domain("royalty"))
+        await service.drain()
+        await service.consolidate("a")
+        stats = await redis_store.stats()
+        assert (stats.identities, stats.observations, stats.pending_observations) == (3, 6, 4)
+        assert (stats.facts, stats.fact_events) == (2, 2)
+        assert stats.used_memory_bytes > 0
+    finally:
+        await service.close()
+
+
+async def test_the_prefix_comes_from_the_url_or_the_option(
+    redis_url: str, redis_prefix: str, redis_client: aioredis.Redis
+) -> None:
+    by_url = RedisStore.from_url(redis_url)
+    by_option = RedisStore.from_url(redis_url, prefix=redis_prefix + "x:")
+    try:
+        await by_url.append([sanitize_observation("u1", tool_ok("t"), T0)])
+        await by_option.append([sanitize_observation("u1", tool_ok("t"), T0)])
+        assert await redis_client.zcard(f"{redis_prefix}obs:u1") == 1
+        assert await redis_client.zcard(f"{redis_prefix}x:obs:u1") == 1
+        member = (await redis_client.zrange(f"{redis_prefix}obs:u1", 0, -1))[0]
+        assert json.loads(member)["id"] == "1"
+    finally:
+        await by_url.close()
+        await by_option.close()
