@@ -8,8 +8,9 @@ Contract for other tests:
 - ``redis_client`` (function scope): a raw asyncio client (bytes) on the same server.
 
 The server is the one at ``CODA_MEMORY_TEST_REDIS_URL`` when that is set; else the one at
-127.0.0.1:6379 when it answers; else a ``redis-server`` (Debian's package, on PATH)
-started here on a free port in a temporary directory, without persistence. Tests that use
+127.0.0.1:6379 when it answers (unless ``CODA_MEMORY_TEST_REDIS_SERVER=spawn``); else a
+``redis-server`` (Debian's package, on PATH) started here on a free port in a temporary
+directory, without persistence. Tests that use
 these fixtures get the ``redis`` marker, so ``-m redis`` selects them.
 """
 
@@ -72,8 +73,10 @@ def _own_server() -> Iterator[str]:
     directory = tempfile.mkdtemp(prefix="coda-memory-redis-")
     port = _free_port()
     process = subprocess.Popen(
-        [binary, "--port", str(port), "--bind", "127.0.0.1", "--dir", directory]
-        + ["--save", "", "--appendonly", "no"],
+        [
+            *(binary, "--port", str(port), "--bind", "127.0.0.1", "--dir", directory),
+            *("--save", "", "--appendonly", "no"),
+        ],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
@@ -97,7 +100,7 @@ def _redis_server() -> Iterator[str]:
     configured = os.environ.get("CODA_MEMORY_TEST_REDIS_URL")
     if configured:
         yield configured  # a configured server that does not answer is an error
-    elif _answers(_DEFAULT):
+    elif os.environ.get("CODA_MEMORY_TEST_REDIS_SERVER") != "spawn" and _answers(_DEFAULT):
         yield _DEFAULT
     else:
         yield from _own_server()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 from datetime import timedelta
+from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
@@ -88,7 +89,7 @@ async def test_16_concurrent_consolidations_of_one_identity_equal_the_serial_res
         assert len(expected) == 8
         store = workers[0].store
         assert isinstance(store, RedisStore)
-        consumed = await store.client.hget(store.keys.of("state", "u1"), "consumed")
+        consumed: Any = await store.client.hget(store.keys.of("state", "u1"), "consumed")
         assert int(consumed) == 5 * len(round_observations(1))  # each one exactly once
     finally:
         for service in [serial, *workers]:
@@ -201,17 +202,21 @@ async def test_retention_prunes_consumed_observations_only(
         await service.drain()
         await service.consolidate("u1")
         clock.advance(days=10)
-        # Pending, and older than the retention: consolidation must read it, not prune it.
-        service.emit_observation("u1", tool_ok("late", session="s2", at=T0 - timedelta(days=1)))
         service.emit_observation("u1", tool_ok("new", session="s3"))
         await service.drain()
         async with redis_store.consolidation("u1") as unit:
             batch = await unit.load()
+            # Appended during the run and older than the retention: still pending, so the
+            # run's pruning must leave it for the next run to consume.
+            late = sanitize_observation("u1", tool_ok("late", session="s2"), T0)
+            await redis_store.append([late])
             await unit.apply(plan_consolidation("u1", batch, clock.now, ExponentialDecay()))
             await unit.commit()
         kept = {o.metadata["toolName"] for o in await redis_store.observations("u1")}
-        assert kept == {"new"}
-        assert {o.metadata["toolName"] for o in batch.observations} == {"late", "new"}
+        assert kept == {"new", "late"}
+        assert {o.metadata["toolName"] for o in batch.observations} == {"new"}
+        facts = {f.subject for f in await service.consolidate("u1")}
+        assert "tool_affinity:late" in facts
     finally:
         await service.close()
 
@@ -263,7 +268,8 @@ async def test_the_prefix_comes_from_the_url_or_the_option(
         await by_option.append([sanitize_observation("u1", tool_ok("t"), T0)])
         assert await redis_client.zcard(f"{redis_prefix}obs:u1") == 1
         assert await redis_client.zcard(f"{redis_prefix}x:obs:u1") == 1
-        member = (await redis_client.zrange(f"{redis_prefix}obs:u1", 0, -1))[0]
+        members: list[Any] = await redis_client.zrange(f"{redis_prefix}obs:u1", 0, -1)
+        member = members[0]
         assert json.loads(member)["id"] == "1"
     finally:
         await by_url.close()

@@ -141,7 +141,7 @@ async def test_facts_written_back_keep_the_original_shape(
     finally:
         await service.close()
 
-    stored = await redis_client.hgetall(f"{redis_prefix}facts:u1")
+    stored: dict[Any, Any] = await redis_client.hgetall(f"{redis_prefix}facts:u1")
     facts = {field.decode(): json.loads(value) for field, value in stored.items()}
     assert set(facts) == {
         "fact:tool_affinity:get_account",
@@ -167,7 +167,7 @@ async def test_facts_written_back_keep_the_original_shape(
     assert facts["fact:tool_affinity:search"]["createdAt"] == ms(4)
 
     # Observations coda-memory appended have the seed's shape (plus sessionId) and score.
-    members = await redis_client.zrange(f"{redis_prefix}obs:u1", 0, -1, withscores=True)
+    members: list[Any] = await redis_client.zrange(f"{redis_prefix}obs:u1", 0, -1, withscores=True)
     ours = [(json.loads(m), score) for m, score in members if b'"sessionId"' in m]
     assert len(ours) == 1
     observation, score = ours[0]
@@ -176,7 +176,8 @@ async def test_facts_written_back_keep_the_original_shape(
     assert observation["type"] == "tool_success"
     assert observation["createdAt"] == score == ms(4)
     # The checkpoint map moved to the latest consumed observation, as the seed's does.
-    assert int(await redis_client.hget(f"{redis_prefix}checkpoint", "u1")) == ms(4)
+    checkpoint: Any = await redis_client.hget(f"{redis_prefix}checkpoint", "u1")
+    assert int(checkpoint) == ms(4)
 
 
 async def test_bad_records_of_the_original_server_are_skipped_not_fatal(

@@ -194,7 +194,7 @@ async def test_close_gives_up_after_its_timeout_and_counts_what_it_lost(
 
 def test_bad_options_are_refused() -> None:
     with pytest.raises(ValueError, match="unsupported memory URL scheme"):
-        MemoryService.from_url("redis://localhost")
+        MemoryService.from_url("mongodb://localhost")
     with pytest.raises(ValueError, match="load_timeout"):
         MemoryService.from_url("memory://", load_timeout=0)
 
