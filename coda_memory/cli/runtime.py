@@ -154,6 +154,12 @@ def resolve_target(url: str | None, schema: str, *, announce: bool = True) -> Ta
         schema = validate_schema_name(schema)
     except ValueError as exc:
         raise CliError(str(exc), code=2) from exc
+    if url and url.split(":", 1)[0].lower() in ("redis", "rediss"):
+        raise CliError(
+            "analytics and the other commands need Postgres; a Redis URL serves only "
+            "MemoryService (copy it into Postgres with coda-memory import-redis)",
+            code=2,
+        )
     if url:
         try:
             asyncpg_url(url)
