@@ -123,7 +123,10 @@ def _observation_id(raw: object) -> int:
 
 
 def observation_from_json(identity_id: str, raw: str | bytes) -> Observation:
-    """An observation from its stored JSON, validated like a new one (sanitised)."""
+    """An observation from its stored JSON, checked for shape: known type, text content,
+    object metadata, a valid ``createdAt``, a string ``sessionId`` if any. Whether the
+    metadata can become a fact is consolidation's business (unusable metadata is skipped
+    there), and :func:`sanitized` cleans the text for another store."""
     value = _object(raw)
     _identity(value, identity_id)
     if "id" not in value:
@@ -132,30 +135,40 @@ def observation_from_json(identity_id: str, raw: str | bytes) -> Observation:
         kind = ObservationType(str(value.get("type")))
     except ValueError as exc:
         raise BadRecord(f"unknown observation type {value.get('type')!r}") from exc
-    created_at = from_ms(value.get("createdAt"), "createdAt")
-    # Not validated here: sanitize_observation checks every field and says what is wrong.
-    content: Any = value.get("content")
-    emitted = NewObservation.model_construct(
-        type=kind,
-        content=content,
-        metadata=value.get("metadata", {}),
-        session_id=value.get("sessionId"),
-        created_at=created_at,
-    )
-    try:
-        clean = sanitize_observation(identity_id, emitted, created_at)
-    except ObservationRejected as exc:
-        raise BadRecord(exc.reason) from exc
+    content, metadata = value.get("content"), value.get("metadata", {})
+    session_id = value.get("sessionId")
+    if not isinstance(content, str):
+        raise BadRecord("content is not a string")
+    if not isinstance(metadata, dict):
+        raise BadRecord("metadata is not an object")
+    if session_id is not None and not isinstance(session_id, str):
+        raise BadRecord("sessionId is not a string")
     return trusted(
         Observation,
         id=_observation_id(value["id"]),
         identity_id=identity_id,
-        type=clean.type,
-        content=clean.content,
-        metadata=clean.metadata,
-        session_id=clean.session_id,
-        created_at=clean.created_at,
+        type=kind,
+        content=content,
+        metadata=metadata,
+        session_id=session_id,
+        created_at=from_ms(value.get("createdAt"), "createdAt"),
     )
+
+
+def sanitized(observation: Observation) -> SanitizedObservation:
+    """The observation validated and cleaned as if it were emitted now (for a copy into
+    another store); :class:`BadRecord` with the reason when it would be rejected."""
+    emitted = NewObservation.model_construct(
+        type=observation.type,
+        content=observation.content,
+        metadata=observation.metadata,
+        session_id=observation.session_id,
+        created_at=observation.created_at,
+    )
+    try:
+        return sanitize_observation(observation.identity_id, emitted, observation.created_at)
+    except ObservationRejected as exc:
+        raise BadRecord(exc.reason) from exc
 
 
 # -- facts ------------------------------------------------------------------------------

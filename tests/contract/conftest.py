@@ -17,6 +17,7 @@ import pytest
 from coda_memory.core.model import Observation
 from coda_memory.ports import MemoryStore
 from coda_memory.postgres import PostgresStore
+from coda_memory.redis import RedisStore
 from coda_memory.testing import InMemoryStore
 
 
@@ -40,12 +41,17 @@ def _postgres(request: pytest.FixtureRequest) -> InspectableStore:
     return PostgresStore.from_url(request.getfixturevalue("pg_url"))
 
 
+def _redis(request: pytest.FixtureRequest) -> InspectableStore:
+    return RedisStore.from_url(request.getfixturevalue("redis_url"))
+
+
 StoreOpener = Callable[[pytest.FixtureRequest], InspectableStore]
 
 #: One entry per store kind.
 STORES = [
     pytest.param(_memory, id="memory"),
     pytest.param(_postgres, id="postgres", marks=pytest.mark.postgres),
+    pytest.param(_redis, id="redis", marks=pytest.mark.redis),
 ]
 
 
