@@ -16,7 +16,6 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from rich import box
 from rich.console import Console, Group
 from rich.panel import Panel
 from rich.table import Table
@@ -34,6 +33,7 @@ from coda_memory.cli.demo.simulation import (
     ranking,
     simulate,
 )
+from coda_memory.cli.output import add_row, new_table
 from coda_memory.core.model import FactEvent, FactEventKind, LoadedMemory
 from coda_memory.postgres import PostgresStore
 from coda_memory.postgres.analytics import ToolEffectiveness, tool_effectiveness
@@ -250,21 +250,23 @@ def _show_ranking(console: Console, persona: Persona, memory: LoadedMemory) -> N
         "added (score + affinity * 2; a failing tool's avoidance subtracts).",
         markup=False,
     )
-    table = Table(header_style="bold", box=box.SIMPLE_HEAD)
-    for header, justify in (
-        ("rank", "right"),
-        ("without memory", "left"),
-        ("score", "right"),
-        (f"with {FOCUS}'s memory", "left"),
-        ("score", "right"),
-        ("affinity", "right"),
-    ):
-        table.add_column(header, justify=justify)  # type: ignore[arg-type]
+    table = new_table(
+        None,
+        [
+            ("rank", "right"),
+            ("without memory", "left"),
+            ("score", "right"),
+            (f"with {FOCUS}'s memory", "left"),
+            ("score", "right"),
+            ("affinity", "right"),
+        ],
+    )
     for rank, ((tool, score), (boosted_tool, boosted_score)) in enumerate(
         zip(plain, boosted, strict=True), start=1
     ):
         affinity = memory.tool_affinities.get(boosted_tool)
-        table.add_row(
+        add_row(
+            table,
             str(rank),
             tool,
             f"{score:.2f}",
@@ -341,17 +343,16 @@ async def _show_expiry(
 def _events_table(
     subject: str, events: Sequence[FactEvent], start: datetime, threshold: float
 ) -> Table:
-    table = Table(
-        title=f"History of {FOCUS}'s {subject}", title_justify="left", box=box.SIMPLE_HEAD
+    table = new_table(
+        f"History of {FOCUS}'s {subject}",
+        [
+            ("day", "right"),
+            ("event", "left"),
+            ("session", "left"),
+            ("confidence", "left"),
+            ("count", "right"),
+        ],
     )
-    for header, justify in (
-        ("day", "right"),
-        ("event", "left"),
-        ("session", "left"),
-        ("confidence", "left"),
-        ("count", "right"),
-    ):
-        table.add_column(header, justify=justify)  # type: ignore[arg-type]
     for event in events:
         expired = event.kind is FactEventKind.EXPIRED
         if expired:
@@ -359,7 +360,8 @@ def _events_table(
         else:
             before = "-" if event.confidence_before is None else f"{event.confidence_before:.2f}"
             change = f"{before} → {event.confidence_after or 0.0:.2f}"
-        table.add_row(
+        add_row(
+            table,
             str(_day(event.at, start)),
             Text(event.kind.value, style="bold red" if expired else ""),
             event.session_id or "",
@@ -378,11 +380,11 @@ def _show_effectiveness(console: Console, rows: Sequence[ToolEffectiveness], day
         "whose memory holds a tool_affinity or tool_avoidance fact for the tool.",
         markup=False,
     )
-    table = Table(header_style="bold", box=box.SIMPLE_HEAD)
-    for header in ("tool", "users", "calls", "success", "p50 ms", "affinity", "avoidance"):
-        table.add_column(header, justify="left" if header == "tool" else "right")
+    headers = ("tool", "users", "calls", "success", "p50 ms", "affinity", "avoidance")
+    table = new_table(None, [(h, "left" if h == "tool" else "right") for h in headers])
     for row in sorted(rows, key=lambda r: (-(r.success_rate or 0.0), r.tool_name)):
-        table.add_row(
+        add_row(
+            table,
             row.tool_name,
             str(row.users),
             str(row.successes + row.failures),
