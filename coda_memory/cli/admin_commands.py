@@ -6,7 +6,7 @@ import asyncio
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Annotated
 
@@ -32,18 +32,21 @@ from coda_memory.cli.output import (
     print_json,
 )
 from coda_memory.cli.runtime import (
+    StoreOptions,
+    Target,
     check_reachable,
     describe,
     fail,
     head_label,
-    open_store,
     parse_duration,
     require_identity,
     resolve_target,
     run,
+    run_on_store,
 )
 from coda_memory.postgres import maintenance
 from coda_memory.postgres.schema import DEFAULT_SCHEMA
+from coda_memory.postgres.store import PostgresStore
 from coda_memory.service import MemoryService
 
 #: SQLSTATE of "lock_timeout expired".
@@ -54,15 +57,13 @@ _LOCK_NOT_AVAILABLE = "55P03"
 def migrate(url: UrlOption = None, schema: SchemaOption = DEFAULT_SCHEMA) -> None:
     """Create or upgrade coda-memory's tables, then print the schema's revision."""
 
-    async def main() -> str | None:
-        target = resolve_target(url, schema)
+    async def work(store: PostgresStore, target: Target) -> str | None:
         from coda_memory.postgres.migrate import migrate_async
 
-        async with open_store(target, migrated=False) as store:
-            await migrate_async(target.url, schema=target.schema)
-            return await maintenance.schema_revision(store)
+        await migrate_async(target.url, schema=target.schema)
+        return await maintenance.schema_revision(store)
 
-    revision = run(main, schema)
+    revision = run_on_store(url, schema, work, prepare=lambda: StoreOptions(migrated=False))
     typer.echo(f"schema {schema} is at revision {revision} ({head_label(revision)})")
 
 
@@ -129,26 +130,28 @@ def consolidate(
     if (identity is None) == (not all_identities):
         fail("give either an IDENTITY or --all", 2)
 
-    async def main() -> _Summary:
-        target = resolve_target(url, schema)
+    keep = timedelta()
+
+    def prepare() -> StoreOptions:
+        nonlocal keep
         wait = parse_duration(lock_wait, "--lock-wait")
         keep = parse_duration(retention, "--retention")
-        async with open_store(target, pool_size=workers, lock_timeout=wait) as store:
-            service = MemoryService(store, decay=decay_strategy(decay), retention=keep)
-            if identity is not None:
-                await require_identity(store, identity)
-                identities = [identity]
-            else:
-                with make_console(stderr=True).status(
-                    "finding identities with pending observations"
-                ):
-                    identities = await maintenance.pending_identities(store)
-            try:
-                return await _consolidate_each(service, identities, workers)
-            finally:
-                await service.close()
+        return StoreOptions(pool_size=workers, lock_timeout=wait)
 
-    summary = run(main, schema)
+    async def work(store: PostgresStore, target: Target) -> _Summary:
+        service = MemoryService(store, decay=decay_strategy(decay), retention=keep)
+        if identity is not None:
+            await require_identity(store, identity)
+            identities = [identity]
+        else:
+            with make_console(stderr=True).status("finding identities with pending observations"):
+                identities = await maintenance.pending_identities(store)
+        try:
+            return await _consolidate_each(service, identities, workers)
+        finally:
+            await service.close()
+
+    summary = run_on_store(url, schema, work, prepare=prepare)
     _print_summary(summary, all_identities)
     if summary.failed:
         raise typer.Exit(1)
@@ -243,29 +246,32 @@ def prune(
     at that moment is skipped (its consolidation prunes it anyway).
     """
 
-    async def main() -> maintenance.PruneOutcome:
-        target = resolve_target(url, schema)
-        age = parse_duration(older_than, "--older-than")
-        async with open_store(target) as store:
-            total = await maintenance.count_checkpointed(store)
-            progress = Progress(
-                TextColumn("pruning"),
-                BarColumn(),
-                MofNCompleteColumn(),
-                TextColumn("identities"),
-                TimeElapsedColumn(),
-                console=make_console(stderr=True),
-            )
-            task = progress.add_task("pruning", total=total)
-            with progress:
-                return await maintenance.prune_consolidated(
-                    store,
-                    before=datetime.now(UTC) - age,
-                    batch_size=batch_size,
-                    on_batch=lambda visited, _: progress.advance(task, visited),
-                )
+    age = timedelta()
 
-    outcome = run(main, schema)
+    def prepare() -> None:
+        nonlocal age
+        age = parse_duration(older_than, "--older-than")
+
+    async def work(store: PostgresStore, target: Target) -> maintenance.PruneOutcome:
+        total = await maintenance.count_checkpointed(store)
+        progress = Progress(
+            TextColumn("pruning"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("identities"),
+            TimeElapsedColumn(),
+            console=make_console(stderr=True),
+        )
+        task = progress.add_task("pruning", total=total)
+        with progress:
+            return await maintenance.prune_consolidated(
+                store,
+                before=datetime.now(UTC) - age,
+                batch_size=batch_size,
+                on_batch=lambda visited, _: progress.advance(task, visited),
+            )
+
+    outcome = run_on_store(url, schema, work, prepare=prepare)
     busy = f", {outcome.busy} busy (skipped)" if outcome.busy else ""
     typer.echo(
         f"pruned {outcome.deleted} consolidated observations older than {older_than} "
@@ -281,12 +287,7 @@ def stats(
 ) -> None:
     """Identities, observations (and how many are pending), facts, events, sizes."""
 
-    async def main() -> maintenance.StoreStats:
-        target = resolve_target(url, schema)
-        async with open_store(target) as store:
-            return await maintenance.store_stats(store)
-
-    result = run(main, schema)
+    result = run_on_store(url, schema, lambda store, _: maintenance.store_stats(store))
     if output is OutputFormat.JSON:
         print_json(result.model_dump(mode="json"))
         return

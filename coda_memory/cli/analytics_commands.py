@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import csv
+import functools
+import inspect
 import sys
 from collections.abc import Callable, Coroutine, Sequence
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Annotated, Any
@@ -35,10 +38,8 @@ from coda_memory.cli.output import (
 from coda_memory.cli.runtime import (
     CliError,
     fail,
-    open_store,
     parse_duration,
-    resolve_target,
-    run,
+    run_on_store,
 )
 from coda_memory.postgres import analytics
 from coda_memory.postgres.analytics import (
@@ -59,28 +60,98 @@ AnalyticsFormatOption = Annotated[
     AnalyticsFormat, typer.Option("--format", "-f", help="Output format.")
 ]
 
+
+@dataclass(frozen=True)
+class AnalyticsQuery:
+    """The options every analytics command takes."""
+
+    #: ``--since``, of the commands over a time window (None for the others).
+    since: str | None
+    min_users: int
+    output: AnalyticsFormat
+    plot: Path | None
+    url: str | None
+    schema: str
+
+    def window(self) -> timedelta:
+        """``--since`` as a timedelta, or a one-line usage error."""
+        assert self.since is not None, "a command without --since has no window"
+        try:
+            return parse_duration(self.since, "--since")
+        except CliError as exc:
+            fail(str(exc), exc.code)
+
+    def at_least(self) -> str:
+        """``--min-users`` for titles: "at least 5 users"."""
+        return f"at least {self.min_users} user{'' if self.min_users == 1 else 's'}"
+
+
+def _option(name: str, annotation: Any, default: Any) -> inspect.Parameter:
+    return inspect.Parameter(
+        name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=annotation
+    )
+
+
+#: The shared options, in the order ``--help`` lists them: the command's own options go
+#: between the leading and the trailing ones.
+_LEADING = (_option("since", SinceOption, "30d"), _option("min_users", MinUsersOption, 5))
+_TRAILING = (
+    _option("output", AnalyticsFormatOption, AnalyticsFormat.TABLE),
+    _option("plot", PlotOption, None),
+    _option("url", UrlOption, None),
+    _option("schema", SchemaOption, DEFAULT_SCHEMA),
+)
+
+
+def analytics_command(
+    name: str, *, windowed: bool = True
+) -> Callable[[Callable[..., None]], Callable[..., None]]:
+    """Register ``command(query, **own_options)`` as ``coda-memory analytics NAME`` with the
+    shared options (without ``--since`` unless ``windowed``) around its own."""
+
+    def register(command: Callable[..., None]) -> Callable[..., None]:
+        own = [
+            p.replace(kind=inspect.Parameter.KEYWORD_ONLY)
+            for p in list(inspect.signature(command, eval_str=True).parameters.values())[1:]
+        ]
+        leading = _LEADING if windowed else _LEADING[1:]
+        shared = {p.name for p in (*leading, *_TRAILING)}
+
+        @functools.wraps(command)
+        def cli(**options: Any) -> None:
+            query = AnalyticsQuery(
+                since=options.pop("since", None),
+                **{key: options.pop(key) for key in shared - {"since"}},
+            )
+            command(query, **options)
+
+        parameters = [*leading, *own, *_TRAILING]
+        cli.__signature__ = inspect.Signature(parameters)  # type: ignore[attr-defined]
+        cli.__annotations__ = {p.name: p.annotation for p in parameters}
+        analytics_app.command(name)(cli)
+        return cli
+
+    return register
+
+
 _Columns = Sequence[tuple[str, str, Callable[[Any], str]]]
 
 
 def _analytics(
     fetch: Callable[[PostgresStore], Coroutine[Any, Any, Sequence[BaseModel]]],
+    query: AnalyticsQuery,
     *,
-    url: str | None,
-    schema: str,
-    output: AnalyticsFormat,
     title: str,
     columns: _Columns | Callable[[Sequence[Any]], Table],
-    plot: Path | None,
     draw: Callable[[Sequence[Any], Path], Path],
     caption: str | None = None,
 ) -> None:
-    async def main() -> Sequence[BaseModel]:
-        target = resolve_target(url, schema)
-        checked_plot_path(plot)
-        async with open_store(target) as store:
-            return await fetch(store)
+    plot, output = query.plot, query.output
 
-    rows = run(main, schema)
+    def prepare() -> None:
+        checked_plot_path(plot)
+
+    rows = run_on_store(query.url, query.schema, lambda store, _: fetch(store), prepare=prepare)
     if plot is not None:
         draw_plot_or_exit(lambda: draw(rows, plot))
     if output is AnalyticsFormat.JSON:
@@ -97,10 +168,6 @@ def _analytics(
         for row in rows:
             add_row(table, *(cell(row) for _, _, cell in columns))
         make_console().print(table)
-
-
-def _at_least(min_users: int) -> str:
-    return f"at least {min_users} user{'' if min_users == 1 else 's'}"
 
 
 def _print_csv(rows: Sequence[BaseModel]) -> None:
@@ -121,14 +188,6 @@ def _print_csv(rows: Sequence[BaseModel]) -> None:
     writer = csv.DictWriter(sys.stdout, fieldnames=list(flat[0]), lineterminator="\n")
     writer.writeheader()
     writer.writerows(flat)
-
-
-def _window(since: str) -> timedelta:
-    """``--since`` as a timedelta, or a one-line usage error."""
-    try:
-        return parse_duration(since, "--since")
-    except CliError as exc:
-        fail(str(exc), exc.code)
 
 
 def _sparkline(counts: Sequence[int]) -> str:
@@ -164,45 +223,30 @@ def _tool_columns() -> _Columns:
     ]
 
 
-@analytics_app.command("tools")
-def analytics_tools(
-    since: SinceOption = "30d",
-    min_users: MinUsersOption = 5,
-    output: AnalyticsFormatOption = AnalyticsFormat.TABLE,
-    plot: PlotOption = None,
-    url: UrlOption = None,
-    schema: SchemaOption = DEFAULT_SCHEMA,
-) -> None:
+@analytics_command("tools")
+def analytics_tools(query: AnalyticsQuery) -> None:
     """Per tool: users, success rate, latency, and how many users prefer or avoid it."""
-    window = _window(since)
-    title = f"Tool effectiveness (last {since}, {_at_least(min_users)})"
+    window = query.window()
+    title = f"Tool effectiveness (last {query.since}, {query.at_least()})"
     _analytics(
-        lambda store: analytics.tool_effectiveness(store, since=window, min_users=min_users),
-        url=url,
-        schema=schema,
-        output=output,
+        lambda store: analytics.tool_effectiveness(store, since=window, min_users=query.min_users),
+        query,
         title=title,
         columns=_tool_columns(),
         caption="affinity, avoidance: users whose memory holds a tool_affinity or "
         "tool_avoidance fact for the tool (their mean confidence)",
-        plot=plot,
         draw=lambda rows, path: plots.plot_tool_effectiveness(rows, path, title=title),
     )
 
 
-@analytics_app.command("entities")
+@analytics_command("entities")
 def analytics_entities(
-    since: SinceOption = "30d",
-    min_users: MinUsersOption = 5,
+    query: AnalyticsQuery,
     limit: Annotated[int, typer.Option("--limit", min=1, help="At most this many rows.")] = 100,
-    output: AnalyticsFormatOption = AnalyticsFormat.TABLE,
-    plot: PlotOption = None,
-    url: UrlOption = None,
-    schema: SchemaOption = DEFAULT_SCHEMA,
 ) -> None:
     """The entities most users work with: accesses, and users with a fact about them."""
-    window = _window(since)
-    title = f"Entity popularity (last {since}, {_at_least(min_users)})"
+    window = query.window()
+    title = f"Entity popularity (last {query.since}, {query.at_least()})"
     columns: list[tuple[str, str, Callable[[EntityPopularity], str]]] = [
         ("entity type", "left", lambda r: r.entity_type),
         ("entity id", "left", lambda r: r.entity_id),
@@ -213,38 +257,25 @@ def analytics_entities(
     ]
     _analytics(
         lambda store: analytics.entity_popularity(
-            store, since=window, min_users=min_users, limit=limit
+            store, since=window, min_users=query.min_users, limit=limit
         ),
-        url=url,
-        schema=schema,
-        output=output,
+        query,
         title=title,
         columns=columns,
-        plot=plot,
         draw=lambda rows, path: plots.plot_entity_popularity(rows, path, title=title),
     )
 
 
-@analytics_app.command("domains")
-def analytics_domains(
-    since: SinceOption = "30d",
-    min_users: MinUsersOption = 5,
-    output: AnalyticsFormatOption = AnalyticsFormat.TABLE,
-    plot: PlotOption = None,
-    url: UrlOption = None,
-    schema: SchemaOption = DEFAULT_SCHEMA,
-) -> None:
+@analytics_command("domains")
+def analytics_domains(query: AnalyticsQuery) -> None:
     """Queries per day and domain (royalty, contract, …), with how many users asked."""
-    window = _window(since)
-    title = f"Domain trends (last {since}, {_at_least(min_users)})"
+    window = query.window()
+    title = f"Domain trends (last {query.since}, {query.at_least()})"
     _analytics(
-        lambda store: analytics.domain_trends(store, since=window, min_users=min_users),
-        url=url,
-        schema=schema,
-        output=output,
+        lambda store: analytics.domain_trends(store, since=window, min_users=query.min_users),
+        query,
         title=title,
         columns=lambda rows: _domain_table(rows, title),
-        plot=plot,
         draw=lambda rows, path: plots.plot_domain_trends(rows, path, title=title),
     )
 
@@ -262,16 +293,10 @@ def _domain_table(rows: Sequence[DomainTrend], title: str) -> Table:
     return table
 
 
-@analytics_app.command("facts")
-def analytics_facts(
-    min_users: MinUsersOption = 5,
-    output: AnalyticsFormatOption = AnalyticsFormat.TABLE,
-    plot: PlotOption = None,
-    url: UrlOption = None,
-    schema: SchemaOption = DEFAULT_SCHEMA,
-) -> None:
+@analytics_command("facts", windowed=False)
+def analytics_facts(query: AnalyticsQuery) -> None:
     """Active facts per category: how many, for how many users, and how confident."""
-    title = f"Facts by category ({_at_least(min_users)})"
+    title = f"Facts by category ({query.at_least()})"
     columns: list[tuple[str, str, Callable[[FactSummary], str]]] = [
         ("category", "left", lambda r: r.category),
         ("facts", "right", lambda r: str(r.facts)),
@@ -280,12 +305,9 @@ def analytics_facts(
         ("confidence 0 → 1", "left", lambda r: _sparkline(r.histogram)),
     ]
     _analytics(
-        lambda store: analytics.fact_summary(store, min_users=min_users),
-        url=url,
-        schema=schema,
-        output=output,
+        lambda store: analytics.fact_summary(store, min_users=query.min_users),
+        query,
         title=title,
         columns=columns,
-        plot=plot,
         draw=lambda rows, path: plots.plot_fact_summary(rows, path, title=title),
     )

@@ -37,16 +37,16 @@ from coda_memory.cli.output import (
 )
 from coda_memory.cli.runtime import (
     CliError,
+    Target,
     fail,
-    open_store,
     require_identity,
-    resolve_target,
-    run,
+    run_on_store,
 )
 from coda_memory.core.model import Fact, FactEvent, FactEventKind
 from coda_memory.core.prompt import format_memory_section
 from coda_memory.postgres import maintenance
 from coda_memory.postgres.schema import DEFAULT_SCHEMA
+from coda_memory.postgres.store import PostgresStore
 from coda_memory.service import MemoryService
 
 
@@ -60,16 +60,14 @@ def facts(
 ) -> None:
     """The identity's active facts, with their confidence now."""
 
-    async def main() -> tuple[list[Fact], int]:
-        target = resolve_target(url, schema)
-        async with open_store(target) as store:
-            await require_identity(store, identity)
-            service = MemoryService(store, decay=decay_strategy(decay))
-            return await service.facts(identity), await maintenance.pending_observations(
-                store, identity
-            )
+    async def work(store: PostgresStore, target: Target) -> tuple[list[Fact], int]:
+        await require_identity(store, identity)
+        service = MemoryService(store, decay=decay_strategy(decay))
+        return await service.facts(identity), await maintenance.pending_observations(
+            store, identity
+        )
 
-    active, pending = run(main, schema)
+    active, pending = run_on_store(url, schema, work)
     if output is OutputFormat.JSON:
         print_json(dump(active))
         return
@@ -114,14 +112,12 @@ def prompt(
 ) -> None:
     """The memory section the agent gets in its system prompt, exactly (no consolidation)."""
 
-    async def main() -> str:
-        target = resolve_target(url, schema)
-        async with open_store(target) as store:
-            await require_identity(store, identity)
-            service = MemoryService(store, decay=decay_strategy(decay))
-            return format_memory_section(await service.facts(identity), budget)
+    async def work(store: PostgresStore, target: Target) -> str:
+        await require_identity(store, identity)
+        service = MemoryService(store, decay=decay_strategy(decay))
+        return format_memory_section(await service.facts(identity), budget)
 
-    section = run(main, schema)
+    section = run_on_store(url, schema, work)
     if section:
         typer.echo(section)
     else:
@@ -147,17 +143,17 @@ def history(
     if plot is not None and subject is None:
         fail("--plot needs a SUBJECT (one fact)", 2)
 
-    async def main() -> list[FactEvent]:
-        target = resolve_target(url, schema)
-        checked_plot_path(plot)
-        async with open_store(target) as store:
-            await require_identity(store, identity)
-            events = await store.history(identity, subject)
+    async def work(store: PostgresStore, target: Target) -> list[FactEvent]:
+        await require_identity(store, identity)
+        events = await store.history(identity, subject)
         if subject is not None and not events:
             raise CliError(f"unknown subject for {identity!r}: {subject!r}")
         return events
 
-    events = run(main, schema)
+    def prepare() -> None:
+        checked_plot_path(plot)
+
+    events = run_on_store(url, schema, work, prepare=prepare)
     if plot is not None:
         from coda_memory.cli.demo.plots import plot_fact_history
 
@@ -231,20 +227,18 @@ def forget(
     if not yes and not stdin_is_interactive():
         fail("refusing to forget without confirmation: stdin is not a terminal; pass --yes", 2)
 
-    async def main() -> bool:
-        target = resolve_target(url, schema)
-        async with open_store(target) as store:
-            await require_identity(store, identity)
-            question = (
-                f"Erase every observation, fact and fact event of {identity!r} "
-                f"in {target.display} (schema {target.schema})?"
-            )
-            if not yes and not typer.confirm(question, default=False):
-                return False
-            await store.forget(identity)
-            return True
+    async def work(store: PostgresStore, target: Target) -> bool:
+        await require_identity(store, identity)
+        question = (
+            f"Erase every observation, fact and fact event of {identity!r} "
+            f"in {target.display} (schema {target.schema})?"
+        )
+        if not yes and not typer.confirm(question, default=False):
+            return False
+        await store.forget(identity)
+        return True
 
-    if run(main, schema):
+    if run_on_store(url, schema, work):
         typer.echo(f"forgot {identity!r}")
     else:
         fail("not confirmed: nothing was erased")

@@ -238,6 +238,40 @@ async def open_store(
         await store.close()
 
 
+@dataclass(frozen=True)
+class StoreOptions:
+    """How :func:`run_on_store` opens the store (see :func:`open_store`)."""
+
+    migrated: bool = True
+    pool_size: int = 2
+    lock_timeout: timedelta | None = None
+
+
+def run_on_store(
+    url: str | None,
+    schema: str,
+    work: Callable[[PostgresStore, Target], Coroutine[Any, Any, T]],
+    *,
+    prepare: Callable[[], StoreOptions | None] | None = None,
+) -> T:
+    """A command's database work, under :func:`run`: resolve ``--url``/``--schema``, call
+    ``prepare`` (checks of the other options, before any connection; it may say how to
+    open the store), open the store and run ``work`` on it."""
+
+    async def main() -> T:
+        target = resolve_target(url, schema)
+        options = (prepare() if prepare is not None else None) or StoreOptions()
+        async with open_store(
+            target,
+            migrated=options.migrated,
+            pool_size=options.pool_size,
+            lock_timeout=options.lock_timeout,
+        ) as store:
+            return await work(store, target)
+
+    return run(main, schema)
+
+
 async def require_identity(store: PostgresStore, identity_id: str) -> None:
     """Fail with "unknown identity" unless it has a checkpoint, a fact or an observation."""
     if not await maintenance.identity_exists(store, identity_id):
