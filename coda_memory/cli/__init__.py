@@ -12,10 +12,22 @@ shows the traceback instead. Listings print as tables, or as JSON with ``--forma
 from __future__ import annotations
 
 # Importing the command modules registers their commands on ``app``.
-from coda_memory.cli import admin_commands, analytics_commands, identity_commands
+from coda_memory.cli import (
+    admin_commands,
+    analytics_commands,
+    identity_commands,
+    import_commands,
+)
 from coda_memory.cli.app import app
 
-__all__ = ["admin_commands", "analytics_commands", "app", "identity_commands", "main"]
+__all__ = [
+    "admin_commands",
+    "analytics_commands",
+    "app",
+    "identity_commands",
+    "import_commands",
+    "main",
+]
 
 
 def main() -> None:

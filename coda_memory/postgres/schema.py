@@ -193,6 +193,24 @@ checkpoints = Table(
 )
 
 
+#: One row per identity copied from the original Redis layout by ``import-redis``, written
+#: in the transaction that copied it: a rerun skips the identity, a killed run resumes.
+redis_imports = Table(
+    "redis_imports",
+    metadata,
+    Column("identity_id", Text, nullable=False),
+    #: Where it came from: the Redis key prefix.
+    Column("source", Text, nullable=False),
+    Column("imported_at", DateTime(timezone=True), nullable=False),
+    Column("observations", Integer, nullable=False),
+    Column("consumed_observations", Integer, nullable=False),
+    Column("facts", Integer, nullable=False),
+    Column("fact_events", Integer, nullable=False),
+    #: The Redis checkpoint: createdAt of the latest observation it had consumed.
+    Column("checkpoint_at", DateTime(timezone=True), nullable=True),
+    PrimaryKeyConstraint("identity_id", "source"),
+)
+
 # The rollup: usage counts that outlive the raw observations (see store/postgres/rollup.py).
 
 #: Calls of each tool per UTC day, and the identities whose latest call of it was that day.

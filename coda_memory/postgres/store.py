@@ -33,6 +33,7 @@ from datetime import timedelta
 from functools import partial
 from typing import Any, TypeVar
 
+from sqlalchemy import delete
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from coda_memory.core.model import Fact, FactEvent, Observation
@@ -51,7 +52,7 @@ from coda_memory.postgres.repositories import (
     ObservationRepository,
 )
 from coda_memory.postgres.rollup import forget_identity
-from coda_memory.postgres.schema import DEFAULT_SCHEMA, validate_schema_name
+from coda_memory.postgres.schema import DEFAULT_SCHEMA, redis_imports, validate_schema_name
 from coda_memory.postgres.unit import PostgresConsolidationUnit, Statements, lock_identity, peek
 
 DEFAULT_LOCK_TIMEOUT = timedelta(seconds=5)
@@ -151,6 +152,9 @@ class PostgresStore:
                 await ObservationRepository(conn).delete_identity(identity_id)
                 # The identity's rows of the analytics rollup; anonymous counts stay.
                 await forget_identity(conn, identity_id)
+                await conn.execute(
+                    delete(redis_imports).where(redis_imports.c.identity_id == identity_id)
+                )
 
         # Forgetting twice forgets the same: retried on a dead connection.
         await self.run(forget)

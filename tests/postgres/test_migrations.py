@@ -30,13 +30,14 @@ TABLES = [
     "fact_events",
     "facts",
     "observations",
+    "redis_imports",
     "tool_daily",
     "tool_durations",
     "tool_users",
 ]
 
 #: The newest revision. A new migration updates this pin on purpose.
-HEAD = "0002"
+HEAD = "0003"
 
 
 def alembic(url: str, *args: str, schema: str | None = None) -> subprocess.CompletedProcess[str]:

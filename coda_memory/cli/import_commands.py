@@ -1,0 +1,122 @@
+"""``coda-memory import-redis``: from the original Redis deployment to Postgres."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Annotated
+
+import typer
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from coda_memory.cli.app import FormatOption, OutputFormat, SchemaOption, UrlOption, app
+from coda_memory.cli.output import add_row, make_console, new_table, print_json
+from coda_memory.cli.runtime import CliError, open_store, resolve_target, run
+from coda_memory.postgres.schema import DEFAULT_SCHEMA
+
+#: Bad records listed one by one; past this many, the rest are only counted.
+_LISTED_BAD = 50
+
+
+@app.command("import-redis")
+def import_redis(
+    redis_url: Annotated[
+        str, typer.Argument(help="The original deployment's Redis (redis://host:port/db).")
+    ],
+    prefix: Annotated[
+        str, typer.Option("--prefix", help="The key prefix the original server used.")
+    ] = "coda:memory:",
+    url: UrlOption = None,
+    schema: SchemaOption = DEFAULT_SCHEMA,
+    dry_run: Annotated[
+        bool, typer.Option("--dry-run", help="Read and validate Redis; write nothing.")
+    ] = False,
+    output: FormatOption = OutputFormat.TABLE,
+) -> None:
+    """Copy every identity's observations, facts and checkpoint from Redis into Postgres.
+
+    One transaction per identity; a second run copies nothing, and a run stopped half-way
+    resumes where it was. Observations the Redis checkpoint had consumed arrive consumed.
+    Bad records are counted and listed by key, and never stop the copy.
+    """
+    from coda_memory.migration import ImportSummary
+    from coda_memory.migration import import_redis as copy_all
+    from coda_memory.redis import RedisStore
+
+    async def main() -> ImportSummary:
+        source = RedisStore.from_url(redis_url, prefix=prefix)
+        try:
+            try:
+                await source.client.ping()
+            except Exception as exc:
+                raise CliError(f"cannot connect to Redis at {redis_url}: {exc}") from exc
+            progress = Progress(
+                TextColumn("checking" if dry_run else "copying"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn("identities"),
+                TimeElapsedColumn(),
+                console=make_console(stderr=True),
+            )
+            task = progress.add_task("import", total=None)
+
+            def advance(identity: str, done: int, total: int) -> None:
+                progress.update(task, completed=done, total=total)
+
+            if dry_run:
+                with progress:
+                    return await copy_all(source, None, now=_now, on_identity=advance)
+            target = resolve_target(url, schema)
+            async with open_store(target) as store:
+                with progress:
+                    return await copy_all(source, store, now=_now, on_identity=advance)
+        finally:
+            await source.close()
+
+    summary = run(main, schema)
+    if output is OutputFormat.JSON:
+        print_json(
+            {
+                "dry_run": dry_run,
+                **{k: getattr(summary, k) for k in _COUNTS},
+                "bad_records": [{"key": key, "reason": reason} for key, reason in summary.bad],
+            }
+        )
+        return
+    title = "import-redis (dry run: nothing written)" if dry_run else "import-redis"
+    table = new_table(title, [("", "left"), ("", "right")])
+    table.show_header = False
+    labels = {
+        "identities": "identities in Redis",
+        "copied": "identities checked" if dry_run else "identities copied",
+        "skipped": "identities already copied (skipped)",
+        "observations": "observations",
+        "consumed_observations": "  of which consumed by the Redis checkpoint",
+        "facts": "facts",
+        "fact_events": "fact events",
+        "checkpoints": "checkpoints",
+    }
+    for key, label in labels.items():
+        add_row(table, label, f"{getattr(summary, key):,}")
+    add_row(table, "bad records (left out)", f"{len(summary.bad):,}")
+    console = make_console()
+    console.print(table)
+    for key, reason in summary.bad[:_LISTED_BAD]:
+        console.print(f"bad record: {key}: {reason}", markup=False, highlight=False)
+    if len(summary.bad) > _LISTED_BAD:
+        console.print(f"… and {len(summary.bad) - _LISTED_BAD:,} more (see --format json)")
+
+
+_COUNTS = (
+    "identities",
+    "copied",
+    "skipped",
+    "observations",
+    "consumed_observations",
+    "facts",
+    "fact_events",
+    "checkpoints",
+)
+
+
+def _now() -> datetime:
+    return datetime.now(UTC)

@@ -1,0 +1,105 @@
+"""``coda-memory import-redis``: every identity of a Redis deployment, copied into Postgres.
+
+Identities are copied one at a time, in sorted order, each in one Postgres transaction
+that ends with its ledger row (see :mod:`coda_memory.postgres.imports`): a second run
+copies nothing, and a run killed half-way resumes at the identity it was copying. Each
+identity is read whole from Redis first (:mod:`coda_memory.redis.export`); observations
+are validated as new emits are, and every record that cannot be used is counted and
+reported by key, never stopping the copy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import datetime
+
+from coda_memory.core.model import Observation
+from coda_memory.core.sanitize import SanitizedObservation
+from coda_memory.postgres.imports import IdentityCopy, copied_identities, copy_identity
+from coda_memory.postgres.store import PostgresStore
+from coda_memory.redis.codec import BadRecord, sanitized
+from coda_memory.redis.export import ExportedIdentity, export_identity
+from coda_memory.redis.store import RedisStore
+
+
+@dataclass(slots=True)
+class ImportSummary:
+    """Counts of one run, per kind (copied now; skipped: copied by an earlier run)."""
+
+    identities: int = 0
+    copied: int = 0
+    skipped: int = 0
+    observations: int = 0
+    consumed_observations: int = 0
+    facts: int = 0
+    fact_events: int = 0
+    checkpoints: int = 0
+    #: (key, reason) of every record left out.
+    bad: list[tuple[str, str]] = field(default_factory=list)
+
+
+def _clean(
+    exported: ExportedIdentity, observations: list[Observation], key: str
+) -> list[SanitizedObservation]:
+    clean: list[SanitizedObservation] = []
+    for observation in observations:
+        try:
+            clean.append(sanitized(observation))
+        except BadRecord as exc:
+            exported.bad.append((f"{key} id {observation.id}", str(exc)))
+    return clean
+
+
+async def import_redis(
+    source: RedisStore,
+    target: PostgresStore | None,
+    *,
+    now: Callable[[], datetime],
+    on_identity: Callable[[str, int, int], None] | None = None,
+) -> ImportSummary:
+    """Copy every identity under ``source``'s prefix into ``target``; with ``target``
+    None (a dry run) only read, validate and count. ``on_identity(identity, done, total)``
+    is called after each identity."""
+    identities = await source.identities()
+    summary = ImportSummary(identities=len(identities))
+    copied_before = set() if target is None else await copied_identities(target, source.keys.prefix)
+    for done, identity in enumerate(identities, start=1):
+        if identity in copied_before:
+            summary.skipped += 1
+            if on_identity is not None:
+                on_identity(identity, done, len(identities))
+            continue
+        exported = await export_identity(source, identity)
+        obs_key = source.keys.of("obs", identity)
+        copy = IdentityCopy(
+            identity_id=identity,
+            source=source.keys.prefix,
+            consumed=_clean(exported, exported.consumed, obs_key),
+            pending=_clean(exported, exported.pending, obs_key),
+            facts=exported.facts,
+            events=exported.events,
+            checkpoint_at=exported.checkpoint_at,
+        )
+        summary.bad += exported.bad
+        if target is None:
+            summary.copied += 1
+            summary.observations += len(copy.consumed) + len(copy.pending)
+            summary.consumed_observations += len(copy.consumed)
+            summary.facts += len(copy.facts)
+            summary.fact_events += len(copy.events)
+            summary.checkpoints += copy.checkpoint_at is not None
+        else:
+            counts = await copy_identity(target, copy, now())
+            if counts is None:
+                summary.skipped += 1
+            else:
+                summary.copied += 1
+                summary.observations += counts.observations
+                summary.consumed_observations += counts.consumed_observations
+                summary.facts += counts.facts
+                summary.fact_events += counts.fact_events
+                summary.checkpoints += counts.checkpoints
+        if on_identity is not None:
+            on_identity(identity, done, len(identities))
+    return summary

@@ -1,0 +1,207 @@
+"""Copying one identity into Postgres from another store (``coda-memory import-redis``).
+
+The caller reads and validates the identity's records; this module writes them in one
+transaction that holds the identity's checkpoint lock (so no consolidation runs
+meanwhile) and ends with a ledger row in ``redis_imports``: a rerun skips what a finished
+transaction copied, and a killed one left nothing behind, so the copy resumes where it
+stopped. Observations keep whether the source had consumed them: consumed ones are
+written under transaction id 3, which every checkpoint snapshot sees (see
+``redis_import_consumed.sql``), so the next consolidation here reinforces nothing twice;
+the others are new to it. All of them go into the analytics rollup, as appends do.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime
+
+from sqlalchemy.ext.asyncio import AsyncConnection
+from sqlalchemy.sql.expression import Executable
+
+from coda_memory.core.model import Fact, FactEvent, ObservationType
+from coda_memory.core.sanitize import SanitizedObservation
+from coda_memory.postgres.connection import lock_timeout_clause
+from coda_memory.postgres.engine import driver_connection
+from coda_memory.postgres.rollup import (
+    TOOL_TYPES,
+    connection_shard,
+    domain_rollup,
+    entity_rollup,
+    tool_rollup,
+)
+from coda_memory.postgres.sql import query
+from coda_memory.postgres.store import PostgresStore
+from coda_memory.postgres.unit import Statements, lock_identity
+
+
+@dataclass(frozen=True, slots=True)
+class IdentityCopy:
+    """One identity's records as the source held them, validated."""
+
+    identity_id: str
+    #: Where they come from (for Redis: the key prefix); the ledger is kept per source.
+    source: str
+    #: Observations the source had already consumed into facts.
+    consumed: Sequence[SanitizedObservation]
+    #: Observations no consolidation had consumed yet.
+    pending: Sequence[SanitizedObservation]
+    facts: Sequence[Fact]
+    events: Sequence[FactEvent]
+    #: The source's checkpoint (None: never consolidated there).
+    checkpoint_at: datetime | None
+
+
+@dataclass(frozen=True, slots=True)
+class CopyCounts:
+    """Rows one identity's copy wrote."""
+
+    observations: int
+    consumed_observations: int
+    facts: int
+    fact_events: int
+    checkpoints: int
+
+
+async def copied_identities(store: PostgresStore, source: str) -> set[str]:
+    """Identities the ledger says were copied from ``source``."""
+    ledger = query("redis_import_ledger", store.schema)
+
+    async def read(conn: AsyncConnection) -> set[str]:
+        driver = await driver_connection(conn)
+        rows = await driver.fetch(ledger.text, *ledger.arguments(source=source))
+        return {row["identity_id"] for row in rows}
+
+    return await store.run(read)
+
+
+def _observation_arguments(records: Sequence[SanitizedObservation]) -> dict[str, object]:
+    return {
+        "types": [r.type.value for r in records],
+        "contents": [r.content for r in records],
+        "metadata": [json.dumps(r.metadata, separators=(",", ":")) for r in records],
+        "session_ids": [r.session_id for r in records],
+        "created_ats": [r.created_at for r in records],
+    }
+
+
+async def copy_identity(
+    store: PostgresStore, copy: IdentityCopy, now: datetime
+) -> CopyCounts | None:
+    """Write ``copy`` in one transaction; None when the ledger says it was copied before."""
+    schema = store.schema
+    statements = Statements.for_schema(schema)
+    identity = copy.identity_id
+
+    async def work(conn: AsyncConnection) -> CopyCounts | None:
+        async with conn.begin():
+            # A crash may lose the last copies with their ledger rows: a rerun redoes them.
+            await conn.exec_driver_sql(lock_timeout_clause(store.lock_timeout))
+            await conn.exec_driver_sql("SET LOCAL synchronous_commit = off")
+            driver = await driver_connection(conn)
+            await lock_identity(driver, statements, identity)
+            done = query("redis_import_done", schema)
+            if await driver.fetchval(
+                done.text, *done.arguments(identity_id=identity, source=copy.source)
+            ):
+                return None
+            observations = query("redis_import_observations", schema)
+            consumed_ids: list[int] = []
+            for records, consumed in ((copy.consumed, True), (copy.pending, False)):
+                if not records:
+                    continue
+                rows = await driver.fetch(
+                    observations.text,
+                    *observations.arguments_from(
+                        {"identity_id": identity, **_observation_arguments(records)}
+                    ),
+                )
+                if consumed:
+                    consumed_ids = [row["id"] for row in rows]
+            stored = [*copy.consumed, *copy.pending]
+            if stored:
+                # Reads the rows this transaction wrote, before some of them move to xid 3.
+                await _write_rollup(conn, identity, {r.type for r in stored})
+            if consumed_ids:
+                mark = query("redis_import_consumed", schema)
+                await driver.execute(
+                    mark.text, *mark.arguments(identity_id=identity, ids=consumed_ids)
+                )
+            rest = query("redis_import_rest", schema)
+            row = await driver.fetchrow(rest.text, *rest.arguments_from(_rest(copy, now)))
+            return CopyCounts(
+                observations=len(stored),
+                consumed_observations=len(consumed_ids),
+                facts=row["facts"],
+                fact_events=row["fact_events"],
+                checkpoints=row["checkpoints"],
+            )
+
+    # One transaction, which a lost connection rolls back: retried once.
+    return await store.run(work)
+
+
+@functools.cache
+def _rollup_statements(shard: int) -> dict[str, Executable]:
+    """The rollup statements for one identity, built once per shard (building them costs
+    more than running them); the identity is bound when they run."""
+    one = ["identity"]
+    return {
+        "tool": tool_rollup(one, shard),
+        "entity": entity_rollup(one),
+        "domain": domain_rollup(one, shard),
+    }
+
+
+async def _write_rollup(
+    conn: AsyncConnection, identity_id: str, types: set[ObservationType]
+) -> None:
+    """As :func:`~coda_memory.postgres.rollup.write_rollup` for one identity."""
+    statements = _rollup_statements(await connection_shard(conn))
+    wanted = [
+        ("tool", bool(types.intersection(TOOL_TYPES))),
+        ("entity", ObservationType.ENTITY_ACCESS in types),
+        ("domain", ObservationType.QUERY_PATTERN in types),
+    ]
+    for kind, present in wanted:  # the order every writer follows
+        if present:
+            await conn.execute(statements[kind], {"identities": [identity_id]})
+
+
+def _rest(copy: IdentityCopy, now: datetime) -> dict[str, object]:
+    facts, events = copy.facts, copy.events
+    return {
+        "identity_id": copy.identity_id,
+        "source": copy.source,
+        "imported_at": now,
+        "observation_count": len(copy.consumed) + len(copy.pending),
+        "consumed_count": len(copy.consumed),
+        "checkpoint_at": copy.checkpoint_at,
+        "has_consumed": bool(copy.consumed),
+        "fact_subjects": [f.subject for f in facts],
+        "fact_categories": [f.category.value for f in facts],
+        "fact_contents": [f.content for f in facts],
+        "fact_confidences": [f.confidence for f in facts],
+        "fact_reinforcement_counts": [f.reinforcement_count for f in facts],
+        "fact_last_reinforced_ats": [f.last_reinforced_at for f in facts],
+        "fact_confidence_ats": [f.anchor for f in facts],
+        "fact_created_ats": [f.created_at for f in facts],
+        "fact_updated_ats": [f.updated_at for f in facts],
+        "fact_ease_factors": [f.ease_factor for f in facts],
+        "event_subjects": [e.subject for e in events],
+        "event_categories": [e.category.value for e in events],
+        "event_kinds": [e.kind.value for e in events],
+        "event_session_ids": [e.session_id for e in events],
+        "event_ats": [e.at for e in events],
+        "event_confidences_before": [e.confidence_before for e in events],
+        "event_confidences_after": [e.confidence_after for e in events],
+        "event_counts_before": [e.count_before for e in events],
+        "event_counts_after": [e.count_after for e in events],
+        "event_eases_before": [e.ease_before for e in events],
+        "event_eases_after": [e.ease_after for e in events],
+        "event_qualities": [e.quality for e in events],
+        "event_hits": [e.hits for e in events],
+        "event_trials": [e.trials for e in events],
+    }

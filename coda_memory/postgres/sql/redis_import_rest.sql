@@ -1,0 +1,147 @@
+-- The rest of one identity's copy from Redis, in one statement: facts as they were,
+-- their history, the checkpoint, and the ledger row that makes a rerun skip it.
+WITH
+-- Facts with their confidence, anchor, counts and times; a fact Postgres already has
+-- (written by a live server since) is newer and stays.
+copied_facts AS (
+    INSERT INTO {schema}.facts (
+        identity_id,
+        subject,
+        category,
+        content,
+        confidence,
+        reinforcement_count,
+        last_reinforced_at,
+        confidence_at,
+        created_at,
+        updated_at,
+        ease_factor
+    )
+    SELECT :identity_id, *
+    FROM unnest(
+        :fact_subjects::text[],
+        :fact_categories::text[],
+        :fact_contents::text[],
+        :fact_confidences::float8[],
+        :fact_reinforcement_counts::int[],
+        :fact_last_reinforced_ats::timestamptz[],
+        :fact_confidence_ats::timestamptz[],
+        :fact_created_ats::timestamptz[],
+        :fact_updated_ats::timestamptz[],
+        :fact_ease_factors::float8[]
+    )
+    ON CONFLICT (identity_id, subject) DO NOTHING
+    RETURNING 1
+),
+-- The history coda-memory kept in Redis, in its order (the original server kept none).
+copied_events AS (
+    INSERT INTO {schema}.fact_events (
+        identity_id,
+        recorded_at,
+        subject,
+        category,
+        kind,
+        session_id,
+        at,
+        confidence_before,
+        confidence_after,
+        count_before,
+        count_after,
+        ease_before,
+        ease_after,
+        quality,
+        hits,
+        trials
+    )
+    SELECT
+        :identity_id,
+        e.at,
+        e.subject,
+        e.category,
+        e.kind,
+        e.session_id,
+        e.at,
+        e.confidence_before,
+        e.confidence_after,
+        e.count_before,
+        e.count_after,
+        e.ease_before,
+        e.ease_after,
+        e.quality,
+        e.hits,
+        e.trials
+    FROM unnest(
+        :event_subjects::text[],
+        :event_categories::text[],
+        :event_kinds::text[],
+        :event_session_ids::text[],
+        :event_ats::timestamptz[],
+        :event_confidences_before::float8[],
+        :event_confidences_after::float8[],
+        :event_counts_before::int[],
+        :event_counts_after::int[],
+        :event_eases_before::float8[],
+        :event_eases_after::float8[],
+        :event_qualities::float8[],
+        :event_hits::int[],
+        :event_trials::int[]
+    ) WITH ORDINALITY AS e(
+        subject,
+        category,
+        kind,
+        session_id,
+        at,
+        confidence_before,
+        confidence_after,
+        count_before,
+        count_after,
+        ease_before,
+        ease_after,
+        quality,
+        hits,
+        trials,
+        ord
+    )
+    ORDER BY e.ord
+    RETURNING 1
+),
+-- An identity never consolidated here gets a snapshot in which only transaction ids
+-- below 4 are visible: the consumed copies (id 3) are read as consumed, and every other
+-- observation (this copy's pending ones, and any a live server stored) stays new.
+cursor_set AS (
+    UPDATE {schema}.checkpoints
+    SET snapshot = '4:4:'
+    WHERE identity_id = :identity_id
+        AND snapshot IS NULL
+        AND :has_consumed::boolean
+    RETURNING 1
+),
+-- The ledger: committed with the copy, so a rerun (or a resumed run) skips the identity.
+ledger AS (
+    INSERT INTO {schema}.redis_imports (
+        identity_id,
+        source,
+        imported_at,
+        observations,
+        consumed_observations,
+        facts,
+        fact_events,
+        checkpoint_at
+    )
+    VALUES (
+        :identity_id,
+        :source,
+        :imported_at,
+        :observation_count,
+        :consumed_count,
+        (SELECT count(*) FROM copied_facts),
+        (SELECT count(*) FROM copied_events),
+        :checkpoint_at
+    )
+    RETURNING 1
+)
+SELECT
+    (SELECT count(*) FROM copied_facts) AS facts,
+    (SELECT count(*) FROM copied_events) AS fact_events,
+    (SELECT count(*) FROM cursor_set) AS checkpoints,
+    (SELECT count(*) FROM ledger) AS ledger

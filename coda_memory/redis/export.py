@@ -1,0 +1,131 @@
+"""Reading one identity out of the Redis layout whole, for a copy into another store.
+
+One MULTI/EXEC reads every key of the identity at once, so an append or a consolidation
+cannot land between the reads. Each observation is classed as the Redis store itself
+would: pending when it is in the pending set, or when no checkpoint covers it (the
+original server's new ones); consumed otherwise. Records that do not parse are reported
+by key, with the reason, and left out.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from datetime import datetime
+
+from coda_memory.core.model import Fact, FactEvent, Observation
+from coda_memory.redis.codec import (
+    BadRecord,
+    event_from_value,
+    fact_from_json,
+    from_ms,
+    observation_from_json,
+)
+from coda_memory.redis.store import RedisStore
+
+
+@dataclass(slots=True)
+class ExportedIdentity:
+    """One identity's records in the Redis layout, parsed."""
+
+    identity_id: str
+    consumed: list[Observation] = field(default_factory=list)
+    pending: list[Observation] = field(default_factory=list)
+    facts: list[Fact] = field(default_factory=list)
+    events: list[FactEvent] = field(default_factory=list)
+    checkpoint_at: datetime | None = None
+    #: (key, reason) for each record left out.
+    bad: list[tuple[str, str]] = field(default_factory=list)
+
+
+def _text(value: bytes) -> str:
+    return value.decode(errors="replace")
+
+
+def _member_label(key: str, member: bytes) -> str:
+    try:
+        value = json.loads(member)
+        if isinstance(value, dict) and "id" in value:
+            return f"{key} id {value['id']!r}"
+    except ValueError:
+        pass
+    return f"{key} member {_text(member)[:40]!r}"
+
+
+async def export_identity(store: RedisStore, identity_id: str) -> ExportedIdentity:
+    """Everything the Redis layout holds for ``identity_id``, read atomically."""
+    k = store.keys
+    obs_key, facts_key = k.of("obs", identity_id), k.of("facts", identity_id)
+    history_key, sessions_key = k.of("history", identity_id), k.of("sessions", identity_id)
+    async with store.client.pipeline(transaction=True) as pipe:
+        pipe.hget(k.checkpoint, identity_id)
+        pipe.zrange(obs_key, 0, -1, withscores=True)
+        pipe.zrange(k.of("pending", identity_id), 0, -1)
+        pipe.hgetall(facts_key)
+        pipe.lrange(history_key, 0, -1)
+        pipe.hvals(sessions_key)
+        checkpoint, members, pending, facts, history, sessions = await pipe.execute()
+    out = ExportedIdentity(identity_id)
+    limit: float | None = None
+    if checkpoint is not None:
+        try:
+            out.checkpoint_at = from_ms(float(checkpoint), "checkpoint")
+            limit = float(checkpoint)
+        except (ValueError, BadRecord) as exc:
+            out.bad.append((f"{k.checkpoint} field {identity_id!r}", f"not epoch ms ({exc})"))
+    waiting = set(pending)
+    for member, score in members:
+        try:
+            observation = observation_from_json(identity_id, member)
+        except BadRecord as exc:
+            out.bad.append((_member_label(obs_key, member), str(exc)))
+            continue
+        if member in waiting or limit is None or score > limit:
+            out.pending.append(observation)
+        else:
+            out.consumed.append(observation)
+    for name, raw in sorted(facts.items()):
+        try:
+            out.facts.append(fact_from_json(identity_id, raw))
+        except BadRecord as exc:
+            out.bad.append((f"{facts_key} field {_text(name)!r}", str(exc)))
+    out.events, bad_events = _events(identity_id, history, sessions)
+    out.bad += [(history_key if i < len(history) else sessions_key, r) for i, r in bad_events]
+    return out
+
+
+def _identity_of(event: FactEvent) -> tuple[object, ...]:
+    return (event.subject, event.session_id, event.kind, event.at, event.count_after)
+
+
+def _events(
+    identity_id: str, history: list[bytes], sessions: list[bytes]
+) -> tuple[list[FactEvent], list[tuple[int, str]]]:
+    """The history, then session records the capped history no longer holds."""
+    events: list[FactEvent] = []
+    bad: list[tuple[int, str]] = []
+    for index, raw in enumerate(history):
+        try:
+            events.append(event_from_value(identity_id, json.loads(raw)))
+        except (ValueError, KeyError, TypeError, BadRecord) as exc:
+            bad.append((index, f"fact event: {type(exc).__name__}"))
+    seen = {_identity_of(e) for e in events}
+    extra: list[FactEvent] = []
+    for index, raw in enumerate(sessions, start=len(history)):
+        try:
+            values = json.loads(raw)
+            recorded = [event_from_value(identity_id, v) for v in values]
+        except (ValueError, KeyError, TypeError, BadRecord) as exc:
+            bad.append((index, f"session record: {type(exc).__name__}"))
+            continue
+        for event in recorded:
+            if (
+                event.subject,
+                event.session_id,
+                event.kind,
+                event.at,
+                event.count_after,
+            ) not in seen:
+                extra.append(event)
+    extra.sort(key=lambda e: e.at)
+    return extra + events, bad
