@@ -16,7 +16,8 @@ analyst's ad-hoc SQL and these functions agree:
   the views read them from two settings, ``coda_memory.analytics_now`` (default
   ``now()``) and ``coda_memory.analytics_window`` (default 30 days); each function sets
   them for its own transaction only, then filters, orders and limits the view's rows
-  (``entity_popularity`` looks up the facts of its top entities only).
+  (``entity_popularity`` looks up the facts of its top entities only), with the
+  ``analytics_*.sql`` statements of :mod:`coda_memory.postgres.sql`.
 
 The window is ``[now - since, now]`` in whole UTC days, both ends included. ``users`` of
 tools and entities counts the identities whose latest use falls in the window: the
@@ -38,33 +39,12 @@ from datetime import date, datetime, timedelta
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict
-from sqlalchemy import (
-    BigInteger,
-    Column,
-    ColumnElement,
-    Date,
-    DateTime,
-    Double,
-    Interval,
-    MetaData,
-    Table,
-    Text,
-    bindparam,
-    case,
-    cast,
-    func,
-    literal,
-    select,
-    true,
-)
-from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.engine import RowMapping
 from sqlalchemy.ext.asyncio import AsyncConnection
-from sqlalchemy.sql.selectable import Select
 
 from coda_memory.core.model import as_utc
 from coda_memory.postgres import rollup
-from coda_memory.postgres.schema import DEFAULT_SCHEMA
+from coda_memory.postgres.sql import query
 from coda_memory.postgres.store import PostgresStore
 
 DEFAULT_WINDOW = timedelta(days=30)
@@ -82,7 +62,7 @@ VIEWS = (
     "analytics_window",
 )
 
-#: The settings the views read their instant and window from.
+#: The settings the views read their instant and window from (``analytics_settings.sql``).
 NOW_SETTING = "coda_memory.analytics_now"
 WINDOW_SETTING = "coda_memory.analytics_window"
 
@@ -142,61 +122,6 @@ class FactSummary(BaseModel):
     histogram: list[int]
 
 
-# The views' columns (a MetaData of their own: they are not tables to create).
-_views = MetaData(schema=DEFAULT_SCHEMA)
-
-_tool_view = Table(
-    "tool_effectiveness",
-    _views,
-    Column("tool_name", Text),
-    Column("users", BigInteger),
-    Column("successes", BigInteger),
-    Column("failures", BigInteger),
-    Column("success_rate", Double),
-    Column("p50_duration_ms", Double),
-    Column("p95_duration_ms", Double),
-    Column("affinity_users", BigInteger),
-    Column("avoidance_users", BigInteger),
-    Column("mean_affinity_confidence", Double),
-    Column("mean_avoidance_confidence", Double),
-)
-_entity_view = Table(
-    "entity_popularity",
-    _views,
-    Column("entity_type", Text),
-    Column("entity_id", Text),
-    Column("users", BigInteger),
-    Column("accesses", BigInteger),
-    Column("fact_users", BigInteger),
-    Column("mean_confidence", Double),
-)
-_domain_view = Table(
-    "domain_trends",
-    _views,
-    Column("day", Date),
-    Column("domain", Text),
-    Column("queries", BigInteger),
-    Column("users", BigInteger),
-)
-_active_facts = Table(
-    "active_facts",
-    _views,
-    Column("identity_id", Text),
-    Column("subject", Text),
-    Column("category", Text),
-    Column("effective_confidence", Double),
-)
-_fact_view = Table(
-    "fact_summary",
-    _views,
-    Column("category", Text),
-    Column("facts", BigInteger),
-    Column("users", BigInteger),
-    Column("mean_confidence", Double),
-    Column("histogram", ARRAY(BigInteger)),
-)
-
-
 def _check(since: timedelta, min_users: int, limit: int = DEFAULT_LIMIT) -> None:
     if not isinstance(since, timedelta) or since <= timedelta(0):
         raise ValueError(f"since must be a positive timedelta, not {since!r}")
@@ -206,29 +131,23 @@ def _check(since: timedelta, min_users: int, limit: int = DEFAULT_LIMIT) -> None
         raise ValueError(f"limit must be an integer of at least 1, not {limit!r}")
 
 
-def _withheld(mean: ColumnElement[Any], users: ColumnElement[Any], min_users: int) -> Any:
-    """``mean``, or NULL when fewer than ``min_users`` identities are behind it."""
-    return case((users >= bindparam("min_users", min_users), mean), else_=None)
-
-
 async def _fetch(
-    store: PostgresStore, statement: Select[Any], since: timedelta, now: datetime | None
+    store: PostgresStore,
+    name: str,
+    since: timedelta,
+    now: datetime | None,
+    **parameters: Any,
 ) -> list[RowMapping]:
-    """Run ``statement`` with the views' instant and window set for its transaction."""
-    instant: ColumnElement[Any] = (
-        literal("", Text)
-        if now is None
-        else cast(bindparam("now", as_utc(now), DateTime(timezone=True)), Text)
-    )
-    window = cast(bindparam("since", since, Interval()), Text)
-    settings = select(
-        func.set_config(NOW_SETTING, instant, True),
-        func.set_config(WINDOW_SETTING, window, True),
-    )
+    """Run ``name``.sql (of :mod:`coda_memory.postgres.sql`) with the views' instant and
+    window set for its transaction."""
+    settings = query("analytics_settings", store.schema)
+    statement = query(name, store.schema)
+    window = {"now": None if now is None else as_utc(now), "since": since}
 
     async def read(conn: AsyncConnection) -> list[RowMapping]:
-        await conn.execute(settings)
-        result = await conn.execute(statement)
+        await conn.exec_driver_sql(settings.text, tuple(settings.arguments_from(window)))
+        arguments = tuple(statement.arguments_from(parameters))
+        result = await conn.exec_driver_sql(statement.text, arguments)
         return list(result.mappings())
 
     return await store.run(read)
@@ -243,39 +162,8 @@ async def tool_effectiveness(
 ) -> list[ToolEffectiveness]:
     """Tools used by at least ``min_users`` identities in the window, most used first."""
     _check(since, min_users)
-    view = _tool_view
-    statement = (
-        select(
-            *(
-                view.c[name]
-                for name in (
-                    "tool_name",
-                    "users",
-                    "successes",
-                    "failures",
-                    "success_rate",
-                    "p50_duration_ms",
-                    "p95_duration_ms",
-                    "affinity_users",
-                    "avoidance_users",
-                )
-            ),
-            _withheld(view.c.mean_affinity_confidence, view.c.affinity_users, min_users).label(
-                "mean_affinity_confidence"
-            ),
-            _withheld(view.c.mean_avoidance_confidence, view.c.avoidance_users, min_users).label(
-                "mean_avoidance_confidence"
-            ),
-        )
-        .where(view.c.users >= bindparam("min_users", min_users))
-        .order_by(view.c.users.desc(), view.c.tool_name)
-    )
-    rows = await _fetch(store, statement, since, now)
+    rows = await _fetch(store, "analytics_tools", since, now, min_users=min_users)
     return [ToolEffectiveness.model_validate(dict(row)) for row in rows]
-
-
-def _entity_order(rows: Any) -> list[Any]:
-    return [rows.c.users.desc(), rows.c.accesses.desc(), rows.c.entity_type, rows.c.entity_id]
 
 
 async def entity_popularity(
@@ -289,39 +177,8 @@ async def entity_popularity(
     """The ``limit`` entities accessed by the most identities in the window (then by
     accesses), among those accessed by at least ``min_users``."""
     _check(since, min_users, limit)
-    view = _entity_view
-    # The top entities first, from the view's usage columns alone (the planner then
-    # leaves its fact aggregation out), and their facts afterwards: ``limit`` index
-    # lookups instead of aggregating every entity fact.
-    top = (
-        select(view.c.entity_type, view.c.entity_id, view.c.users, view.c.accesses)
-        .where(view.c.users >= bindparam("min_users", min_users))
-        .order_by(*_entity_order(view))
-        .limit(bindparam("limit", limit))
-        .subquery("top")
-    )
-    active = _active_facts
-    subject = "entity_frequency:" + top.c.entity_type + ":" + top.c.entity_id
-    held = (
-        select(
-            func.count().label("fact_users"),
-            func.avg(active.c.effective_confidence).label("mean_confidence"),
-        )
-        .where(active.c.category == "entity_frequency", active.c.subject == subject)
-        .lateral("held")
-    )
-    statement = (
-        select(
-            top,
-            held.c.fact_users,
-            _withheld(held.c.mean_confidence, held.c.fact_users, min_users).label(
-                "mean_confidence"
-            ),
-        )
-        .select_from(top.join(held, true()))
-        .order_by(*_entity_order(top))
-    )
-    rows = await _fetch(store, statement, since, now)
+    parameters = {"min_users": min_users, "limit": limit}
+    rows = await _fetch(store, "analytics_entities", since, now, **parameters)
     return [EntityPopularity.model_validate(dict(row)) for row in rows]
 
 
@@ -335,13 +192,7 @@ async def domain_trends(
     """Queries per UTC day and domain in the window, by day and domain; a day's domain
     asked about by fewer than ``min_users`` identities is left out."""
     _check(since, min_users)
-    view = _domain_view
-    statement = (
-        select(view)
-        .where(view.c.users >= bindparam("min_users", min_users))
-        .order_by(view.c.day, view.c.domain)
-    )
-    rows = await _fetch(store, statement, since, now)
+    rows = await _fetch(store, "analytics_domains", since, now, min_users=min_users)
     return [DomainTrend.model_validate(dict(row)) for row in rows]
 
 
@@ -354,13 +205,7 @@ async def fact_summary(
     """Active facts per category (at ``now``), by category; a category held by fewer
     than ``min_users`` identities is left out."""
     _check(DEFAULT_WINDOW, min_users)
-    view = _fact_view
-    statement = (
-        select(view)
-        .where(view.c.users >= bindparam("min_users", min_users))
-        .order_by(view.c.category)
-    )
-    rows = await _fetch(store, statement, DEFAULT_WINDOW, now)
+    rows = await _fetch(store, "analytics_facts", DEFAULT_WINDOW, now, min_users=min_users)
     return [FactSummary.model_validate(dict(row)) for row in rows]
 
 

@@ -34,6 +34,11 @@ def source(name: str) -> str:
     return resources.files(__package__).joinpath(f"{name}.sql").read_text(encoding="utf-8")
 
 
+def strip_comments(sql: str) -> str:
+    """``sql`` without its comment lines (those that start with ``--``)."""
+    return _COMMENT.sub("", sql)
+
+
 def in_schema(sql: str, schema: str) -> str:
     """``sql`` with ``{schema}`` replaced by the quoted, validated schema name."""
     return sql.replace("{schema}", f'"{validate_schema_name(schema)}"')
@@ -65,7 +70,7 @@ class Query:
 @functools.cache
 def query(name: str, schema: str) -> Query:
     """``name``.sql for ``schema``, with its ``:name`` parameters numbered (cached)."""
-    text = in_schema(_COMMENT.sub("", source(name)), schema).strip()
+    text = in_schema(strip_comments(source(name)), schema).strip()
     parameters: list[str] = []
 
     def number(match: re.Match[str]) -> str:

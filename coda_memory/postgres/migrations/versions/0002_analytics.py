@@ -16,14 +16,19 @@ Create Date: 2026-11-30
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from pathlib import Path
+from typing import Any
 
 import sqlalchemy as sa
 from alembic import op
 from sqlalchemy.dialects import postgresql
 from sqlalchemy.ext.compiler import compiles
 from sqlalchemy.schema import ExecutableDDLElement
+
+from coda_memory.postgres.schema import validate_schema_name
+from coda_memory.postgres.sql import in_schema, strip_comments
 
 revision: str = "0002"
 down_revision: str | Sequence[str] | None = "0001"
@@ -64,33 +69,9 @@ TABLES = (
 BUCKETS_PER_DOUBLING = 4
 MAX_BUCKET = 127
 MAX_KEY_CHARS = 200
-#: The default decay (ExponentialDecay and AdaptiveDecay): base and expiry threshold.
-DECAY_BASE = 0.95
-EXPIRY_THRESHOLD = 0.1
-HISTOGRAM_BUCKETS = 10
 
-if TYPE_CHECKING:
-    Query = sa.Select[*tuple[Any, ...]]
-
-
-class _CreateView(ExecutableDDLElement):
-    """``CREATE VIEW name AS query``; names are translated like any table's."""
-
-    inherit_cache = False
-
-    def __init__(self, view: sa.Table, query: Query) -> None:
-        self.view = view
-        self.query = query
-
-
-class _CommentOnView(ExecutableDDLElement):
-    """``COMMENT ON VIEW name IS 'text'``; the text is a constant of this migration."""
-
-    inherit_cache = False
-
-    def __init__(self, view: sa.Table, comment: str) -> None:
-        self.view = view
-        self.comment = comment
+#: The end of a statement in a view's file (a view, then its comment).
+_STATEMENT_END = re.compile(r";\s*$", re.MULTILINE)
 
 
 class _DropView(ExecutableDDLElement):
@@ -102,18 +83,6 @@ class _DropView(ExecutableDDLElement):
         self.view = view
 
 
-@compiles(_CreateView)
-def _compile_create_view(element: _CreateView, compiler: Any, **kw: Any) -> str:
-    query = compiler.sql_compiler.process(element.query, literal_binds=True)
-    return f"CREATE VIEW {compiler.preparer.format_table(element.view)} AS {query}"
-
-
-@compiles(_CommentOnView)
-def _compile_comment(element: _CommentOnView, compiler: Any, **kw: Any) -> str:
-    comment = compiler.sql_compiler.render_literal_value(element.comment, sa.String())
-    return f"COMMENT ON VIEW {compiler.preparer.format_table(element.view)} IS {comment}"
-
-
 @compiles(_DropView)
 def _compile_drop_view(element: _DropView, compiler: Any, **kw: Any) -> str:
     return f"DROP VIEW IF EXISTS {compiler.preparer.format_table(element.view)}"
@@ -123,9 +92,9 @@ def _timestamp(name: str) -> sa.Column[Any]:
     return sa.Column(name, sa.DateTime(timezone=True), nullable=False)
 
 
-def _existing_tables(metadata: sa.MetaData) -> tuple[sa.Table, sa.Table]:
-    """The 0001 tables, as far as this migration reads them."""
-    observations = sa.Table(
+def _observations(metadata: sa.MetaData) -> sa.Table:
+    """The 0001 observations table, as far as the backfill reads it."""
+    return sa.Table(
         "observations",
         metadata,
         sa.Column("identity_id", sa.Text()),
@@ -134,23 +103,6 @@ def _existing_tables(metadata: sa.MetaData) -> tuple[sa.Table, sa.Table]:
         _timestamp("created_at"),
         schema=SCHEMA,
     )
-    facts = sa.Table(
-        "facts",
-        metadata,
-        sa.Column("identity_id", sa.Text()),
-        sa.Column("subject", sa.Text()),
-        sa.Column("category", sa.Text()),
-        sa.Column("content", sa.Text()),
-        sa.Column("confidence", sa.Double()),
-        sa.Column("reinforcement_count", sa.Integer()),
-        _timestamp("last_reinforced_at"),
-        _timestamp("confidence_at"),
-        _timestamp("created_at"),
-        _timestamp("updated_at"),
-        sa.Column("ease_factor", sa.Double()),
-        schema=SCHEMA,
-    )
-    return observations, facts
 
 
 def _day(name: str = "day") -> sa.Column[Any]:
@@ -402,348 +354,27 @@ def _backfill(observations: sa.Table, tables: dict[str, sa.Table]) -> None:
 
 # --- Views ----------------------------------------------------------------------------
 
-WINDOW_COMMENT = (
-    "The instant and the window the analytics views use: at = now(), since = 30 days, "
-    "start_day and end_day the UTC days of at - since and at (both included). A "
-    "transaction may move them with SET LOCAL coda_memory.analytics_now = '<timestamptz>' "
-    "and SET LOCAL coda_memory.analytics_window = '<interval>' (coda_memory.postgres.analytics "
-    "does)."
-)
-ACTIVE_FACTS_COMMENT = (
-    "Facts whose confidence at analytics_window.at is at least 0.1, with that "
-    "effective_confidence = confidence * 0.95 ^ (days since confidence_at / "
-    "coalesce(ease_factor, 1)): the default ExponentialDecay and AdaptiveDecay. A service "
-    "configured with another base or threshold decays differently; that is not reflected."
-)
-TOOL_COMMENT = (
-    "One row per tool used in the window (analytics_window, by default the last 30 days) "
-    "or with an active affinity or avoidance fact. Usage comes from the rollup (tool_daily, "
-    "tool_durations), which outlives raw observations: users = identities whose latest "
-    "call falls in the window (the distinct users of a window ending today); success_rate "
-    "= successes / calls; p50 and p95 durations are nearest-rank percentiles over calls "
-    "with a durationMs, reported as the geometric middle of their log-scale bucket (four "
-    "per doubling: within 9.1 %; 0.5 ms below 1 ms). affinity/avoidance columns: active "
-    "facts now (active_facts), one per identity. No k-anonymity threshold: filter on users "
-    "(coda_memory.postgres.analytics hides rows below min_users, default 5)."
-)
-ENTITY_COMMENT = (
-    "Entities accessed in the window (analytics_window, by default the last 30 days), from "
-    "the rollup (entity_daily): users = identities whose latest access falls in the window, "
-    "accesses = accesses in it; fact_users and mean_confidence: active entity_frequency "
-    "facts (active_facts). No k-anonymity threshold: filter on users."
-)
-DOMAIN_COMMENT = (
-    "Queries and distinct users per UTC day and domain in the window (analytics_window, by "
-    "default the last 30 days), from the rollup (domain_daily). No k-anonymity threshold: "
-    "filter on users."
-)
-FACT_SUMMARY_COMMENT = (
-    "Active facts (active_facts) per category: facts, users (distinct identities), "
-    "mean effective confidence and a histogram of it in 10 buckets [0, 0.1) ... [0.9, 1] "
-    "(the first is empty: facts below 0.1 are expired). No k-anonymity threshold: filter "
-    "on users."
-)
+#: The views' SQL, one file per view (in ``migrations/views/0002``): a later migration that
+#: changes a view adds files of its own, so this revision always creates the same views.
+VIEW_SQL = Path(__file__).resolve().parent.parent / "views" / revision
 
 
-def _view(metadata: sa.MetaData, name: str, query: Query, comment: str) -> sa.Table:
-    view = sa.Table(
-        name,
-        metadata,
-        *(sa.Column(c.name, c.type) for c in query.selected_columns),
-        schema=SCHEMA,
-    )
-    op.execute(_CreateView(view, query))
-    op.execute(_CommentOnView(view, comment))
-    return view
+def _target_schema() -> str:
+    """The schema env.py migrates: its ``schema_translate_map`` moves ``SCHEMA`` there."""
+    if op.get_context().as_sql:
+        return SCHEMA  # offline mode supports the default schema only (env.py)
+    translate = op.get_bind().get_execution_options().get("schema_translate_map") or {}
+    return validate_schema_name(translate.get(SCHEMA, SCHEMA))
 
 
-def _utc_day(instant: Any) -> Any:
-    return sa.cast(sa.func.timezone("UTC", instant), sa.Date)
-
-
-def _double(value: float) -> Any:
-    return sa.cast(value, sa.Double)
-
-
-def _setting(name: str) -> Any:
-    return sa.func.nullif(sa.func.current_setting(name, sa.true()), "")
-
-
-def _window_view(metadata: sa.MetaData) -> sa.Table:
-    setting = sa.select(
-        sa.func.coalesce(
-            sa.cast(_setting("coda_memory.analytics_now"), sa.DateTime(timezone=True)),
-            sa.func.now(),
-        ).label("at"),
-        sa.func.coalesce(
-            sa.cast(_setting("coda_memory.analytics_window"), sa.Interval()),
-            sa.cast(sa.literal("30 days", sa.Text), sa.Interval()),
-        ).label("since"),
-    ).subquery("setting")
-    query = sa.select(
-        setting.c.at,
-        setting.c.since,
-        _utc_day(setting.c.at - setting.c.since).label("start_day"),
-        _utc_day(setting.c.at).label("end_day"),
-    )
-    return _view(metadata, "analytics_window", query, WINDOW_COMMENT)
-
-
-def _window_value(window: sa.Table, name: str) -> Any:
-    """One value of the window, as a scalar subquery: the planner computes it once (an
-    InitPlan) instead of parsing the settings again for every row."""
-    return sa.select(window.c[name]).scalar_subquery()
-
-
-def _effective(facts: sa.Table, window: sa.Table) -> Any:
-    """A fact's confidence at the window's instant, decayed from its anchor."""
-    at = _window_value(window, "at")
-    elapsed = sa.func.date_part("epoch", at - facts.c.confidence_at) / _double(86400)
-    days = sa.func.greatest(_double(0), elapsed) / sa.func.coalesce(facts.c.ease_factor, _double(1))
-    return facts.c.confidence * sa.func.power(_double(DECAY_BASE), days)
-
-
-def _active_facts_view(metadata: sa.MetaData, facts: sa.Table, window: sa.Table) -> sa.Table:
-    effective = _effective(facts, window)
-    query = sa.select(*facts.c, effective.label("effective_confidence")).where(
-        effective >= EXPIRY_THRESHOLD
-    )
-    return _view(metadata, "active_facts", query, ACTIVE_FACTS_COMMENT)
-
-
-def _graded(
-    facts: sa.Table, window: sa.Table, categories: Sequence[str] | None, key: str
-) -> tuple[Any, Any]:
-    """Facts of ``categories`` (None: all) with their effective confidence, in
-    (category, ``key``) order, and the condition that keeps the active ones.
-
-    Aggregating active_facts would compute the confidence once for its filter and again
-    for every aggregate that reads it: about 0.1 us each, a second over a million facts.
-    OFFSET 0 keeps the planner from merging this subquery into the query, so it computes
-    the confidence once per fact; the ORDER BY is the index's, so it costs no sort and
-    the aggregates above it stream.
-    """
-    graded = (
-        sa.select(
-            facts.c.category,
-            facts.c[key],
-            _effective(facts, window).label("confidence"),
-        )
-        .where(*([] if categories is None else [facts.c.category.in_(categories)]))
-        .order_by(facts.c.category, facts.c[key])
-        .offset(0)
-        .subquery("graded")
-    )
-    return graded, graded.c.confidence >= EXPIRY_THRESHOLD
-
-
-def _in_window(table: sa.Table, window: sa.Table) -> Any:
-    return table.c.day.between(_window_value(window, "start_day"), _window_value(window, "end_day"))
-
-
-def _total(column: Any) -> Any:
-    return sa.cast(sa.func.sum(column), sa.BigInteger)
-
-
-def _bucket_ms(bucket: Any) -> Any:
-    """The duration a histogram bucket stands for: its geometric middle."""
-    exponent = (sa.cast(bucket, sa.Double) - 0.5) / _double(BUCKETS_PER_DOUBLING)
-    return sa.case((bucket == 0, _double(0.5)), else_=sa.func.power(_double(2), exponent))
-
-
-def _tool_view(
-    metadata: sa.MetaData, tables: dict[str, sa.Table], window: sa.Table, facts: sa.Table
-) -> sa.Table:
-    daily = tables["tool_daily"]
-    # Calls and latest-day users in the window, summed over days and shards.
-    usage = (
-        sa.select(
-            daily.c.tool_name,
-            _total(daily.c.latest_users).label("users"),
-            _total(daily.c.successes).label("successes"),
-            _total(daily.c.failures).label("failures"),
-        )
-        .where(_in_window(daily, window))
-        .group_by(daily.c.tool_name)
-        .cte("usage")
-    )
-    # The window's duration histogram per tool, merged over days and shards.
-    durations = tables["tool_durations"]
-    histogram = (
-        sa.select(
-            durations.c.tool_name,
-            durations.c.bucket,
-            sa.func.sum(durations.c.calls).label("calls"),
-        )
-        .where(_in_window(durations, window))
-        .group_by(durations.c.tool_name, durations.c.bucket)
-        .subquery("histogram")
-    )
-    # Calls up to and including each bucket: a percentile is the first bucket whose
-    # running count reaches its share of the calls.
-    tool, bucket_calls = histogram.c.tool_name, sa.func.sum(histogram.c.calls)
-    running = sa.select(
-        tool,
-        histogram.c.bucket,
-        bucket_calls.over(partition_by=tool, order_by=histogram.c.bucket).label("calls"),
-        bucket_calls.over(partition_by=tool).label("total"),
-    ).subquery("running")
-    percentiles = (
-        sa.select(
-            running.c.tool_name,
-            *(
-                sa.func.min(running.c.bucket)
-                .filter(running.c.calls >= share * running.c.total)
-                .label(name)
-                for name, share in (("p50", 0.5), ("p95", 0.95))
-            ),
-        )
-        .group_by(running.c.tool_name)
-        .cte("percentiles")
-    )
-    # Active affinity and avoidance facts per subject.
-    graded, active = _graded(facts, window, ["tool_affinity", "tool_avoidance"], "subject")
-    subjects = (
-        sa.select(
-            graded.c.category,
-            graded.c.subject,
-            sa.func.count().label("users"),
-            sa.func.avg(graded.c.confidence).label("confidence"),
-        )
-        .where(active)
-        .group_by(graded.c.category, graded.c.subject)
-        .subquery("subjects")
-    )
-    # One row per tool (subject = category:tool); each (category, tool) has one row
-    # above, so max() just picks it.
-    tool_name = sa.func.substr(subjects.c.subject, sa.func.length(subjects.c.category) + 2)
-    affinity = subjects.c.category == "tool_affinity"
-    avoidance = subjects.c.category == "tool_avoidance"
-    opinions = (
-        sa.select(
-            tool_name.label("tool_name"),
-            sa.func.max(subjects.c.users).filter(affinity).label("affinity_users"),
-            sa.func.max(subjects.c.users).filter(avoidance).label("avoidance_users"),
-            sa.func.max(subjects.c.confidence).filter(affinity).label("affinity"),
-            sa.func.max(subjects.c.confidence).filter(avoidance).label("avoidance"),
-        )
-        .group_by(tool_name)
-        .cte("opinions")
-    )
-    name = sa.func.coalesce(usage.c.tool_name, opinions.c.tool_name)
-    successes = sa.func.coalesce(usage.c.successes, 0)
-    failures = sa.func.coalesce(usage.c.failures, 0)
-    calls = sa.func.nullif(successes + failures, 0)
-    query = sa.select(
-        name.label("tool_name"),
-        sa.func.coalesce(usage.c.users, 0).label("users"),
-        successes.label("successes"),
-        failures.label("failures"),
-        (sa.cast(successes, sa.Double) / sa.cast(calls, sa.Double)).label("success_rate"),
-        _bucket_ms(percentiles.c.p50).label("p50_duration_ms"),
-        _bucket_ms(percentiles.c.p95).label("p95_duration_ms"),
-        sa.func.coalesce(opinions.c.affinity_users, 0).label("affinity_users"),
-        sa.func.coalesce(opinions.c.avoidance_users, 0).label("avoidance_users"),
-        opinions.c.affinity.label("mean_affinity_confidence"),
-        opinions.c.avoidance.label("mean_avoidance_confidence"),
-    ).select_from(
-        usage.join(opinions, opinions.c.tool_name == usage.c.tool_name, full=True).outerjoin(
-            percentiles, percentiles.c.tool_name == name
-        )
-    )
-    return _view(metadata, "tool_effectiveness", query, TOOL_COMMENT)
-
-
-def _entity_view(
-    metadata: sa.MetaData, tables: dict[str, sa.Table], window: sa.Table, facts: sa.Table
-) -> sa.Table:
-    daily = tables["entity_daily"]
-    key = [daily.c.entity_type, daily.c.entity_id]
-    # Accesses and latest-day users in the window, per entity.
-    usage = (
-        sa.select(
-            *key,
-            _total(daily.c.latest_users).label("users"),
-            _total(daily.c.accesses).label("accesses"),
-        )
-        .where(_in_window(daily, window))
-        .group_by(*key)
-        .cte("usage")
-    )
-    # Active entity facts per subject (entity_frequency:type:id).
-    graded, active = _graded(facts, window, ["entity_frequency"], "subject")
-    opinions = (
-        sa.select(
-            graded.c.subject,
-            sa.func.count().label("fact_users"),
-            sa.func.avg(graded.c.confidence).label("mean_confidence"),
-        )
-        .where(active)
-        .group_by(graded.c.subject)
-        .cte("opinions")
-    )
-    subject = "entity_frequency:" + usage.c.entity_type + ":" + usage.c.entity_id
-    query = sa.select(
-        usage.c.entity_type,
-        usage.c.entity_id,
-        usage.c.users,
-        usage.c.accesses,
-        sa.func.coalesce(opinions.c.fact_users, 0).label("fact_users"),
-        opinions.c.mean_confidence,
-    ).select_from(usage.outerjoin(opinions, opinions.c.subject == subject))
-    return _view(metadata, "entity_popularity", query, ENTITY_COMMENT)
-
-
-def _domain_view(metadata: sa.MetaData, tables: dict[str, sa.Table], window: sa.Table) -> sa.Table:
-    daily = tables["domain_daily"]
-    query = (
-        sa.select(
-            daily.c.day,
-            daily.c.domain,
-            _total(daily.c.queries).label("queries"),
-            _total(daily.c.users).label("users"),
-        )
-        .where(_in_window(daily, window))
-        .group_by(daily.c.day, daily.c.domain)
-    )
-    return _view(metadata, "domain_trends", query, DOMAIN_COMMENT)
-
-
-def _fact_summary_view(metadata: sa.MetaData, facts: sa.Table, window: sa.Table) -> sa.Table:
-    # In (category, identity_id) order: one pass, and the distinct count needs no sort.
-    graded, active = _graded(facts, window, None, "identity_id")
-    confidence = graded.c.confidence
-
-    def bucket(b: int) -> Any:
-        low = confidence >= b / HISTOGRAM_BUCKETS
-        if b == HISTOGRAM_BUCKETS - 1:
-            return low
-        return sa.and_(low, confidence < (b + 1) / HISTOGRAM_BUCKETS)
-
-    query = (
-        sa.select(
-            graded.c.category,
-            sa.func.count().label("facts"),
-            sa.func.count(sa.distinct(graded.c.identity_id)).label("users"),
-            sa.func.avg(confidence).label("mean_confidence"),
-            postgresql.array(
-                [sa.func.count().filter(bucket(b)) for b in range(HISTOGRAM_BUCKETS)]
-            ).label("histogram"),
-        )
-        .where(active)
-        .group_by(graded.c.category)
-    )
-    return _view(metadata, "fact_summary", query, FACT_SUMMARY_COMMENT)
-
-
-def _create_views(facts: sa.Table, tables: dict[str, sa.Table]) -> None:
-    metadata = facts.metadata
-    window = _window_view(metadata)
-    _active_facts_view(metadata, facts, window)
-    _tool_view(metadata, tables, window, facts)
-    _entity_view(metadata, tables, window, facts)
-    _domain_view(metadata, tables, window)
-    _fact_summary_view(metadata, facts, window)
+def _create_views() -> None:
+    """Each view and its comment, from its file; ``{schema}`` is the validated schema."""
+    schema = _target_schema()
+    for name in VIEWS:
+        source = (VIEW_SQL / f"{name}.sql").read_text(encoding="utf-8")
+        for statement in _STATEMENT_END.split(in_schema(strip_comments(source), schema)):
+            if statement.strip():
+                op.execute(sa.text(statement.strip()))
 
 
 # --- Upgrade and downgrade ------------------------------------------------------------
@@ -768,9 +399,8 @@ def upgrade() -> None:
             )
     # Then, in one transaction with the version bump: the rollup, its backfill, the views.
     tables = _create_tables()
-    observations, facts = _existing_tables(sa.MetaData())
-    _backfill(observations, tables)
-    _create_views(facts, tables)
+    _backfill(_observations(sa.MetaData()), tables)
+    _create_views()
 
 
 def downgrade() -> None:
