@@ -7,16 +7,19 @@
 * ``load_memory`` consolidates under ``load_timeout`` and never raises. A consolidation
   that outlives the timeout finishes in the background (it is not cancelled half-way);
   ``drain`` and ``close`` wait for it.
-* Every "now" comes from ``clock``.
+* Every "now" comes from ``clock``. An observation dated more than ``max_clock_skew``
+  after the clock when the writer validates it is stored as made at that instant, and
+  counted in ``stats().future_clamped``: a wrong or hostile date cannot keep a fact alive.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import threading
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -66,9 +69,15 @@ class MemoryStats(BaseModel):
     load_errors: int = 0
     #: Observations the store accepted and threw away by design (``null://``).
     discarded: int = 0
+    #: Observations (also counted as stored or rejected) dated more than
+    #: ``max_clock_skew`` after the service clock, stored as made at the clock's now.
+    future_clamped: int = 0
 
 
 _Item = tuple[str, NewObservation, datetime]
+
+#: How far past the service clock an observation's ``created_at`` may be.
+DEFAULT_MAX_CLOCK_SKEW = timedelta(minutes=5)
 
 
 class MemoryService:
@@ -85,9 +94,14 @@ class MemoryService:
         queue_size: int = 100_000,
         batch_size: int = 5_000,
         prompt_budget_tokens: int = 300,
+        max_clock_skew: timedelta = DEFAULT_MAX_CLOCK_SKEW,
+        tool_catalog: Collection[str] | None = None,
+        token_counter: Callable[[str], int] | None = None,
     ) -> None:
         if load_timeout <= 0:
             raise ValueError("load_timeout must be positive")
+        if max_clock_skew < timedelta(0):
+            raise ValueError("max_clock_skew must not be negative")
         if queue_size < 1 or batch_size < 1:
             raise ValueError("queue_size and batch_size must be at least 1")
         self.store = store
@@ -96,12 +110,17 @@ class MemoryService:
         self.clock: Clock = clock if clock is not None else system_clock
         self.retention = retention
         self.prompt_budget_tokens = prompt_budget_tokens
+        self.max_clock_skew = max_clock_skew
+        #: When set, only tool observations naming one of these tools are stored.
+        self.tool_catalog = None if tool_catalog is None else frozenset(tool_catalog)
+        #: Exact token counting for the prompt section (default: a conservative estimate).
+        self.token_counter = token_counter
         self._queue_size = queue_size
         self._batch_size = batch_size
         self._queue: deque[_Item] = deque()
         self._inflight = 0
         self._emitted = self._stored = self._rejected = self._dropped = self._discarded = 0
-        self._loads = self._load_timeouts = self._load_errors = 0
+        self._loads = self._load_timeouts = self._load_errors = self._future_clamped = 0
         self._closed = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_thread: int | None = None
@@ -125,10 +144,18 @@ class MemoryService:
         (``postgresql://``, ``postgresql+asyncpg://``), a Redis URL (``redis://host:port/db``,
         ``rediss://…``; needs the ``redis`` extra) or ``null://`` (memory switched off).
         Extra keyword options go to the service (``retention``, ``queue_size``,
-        ``batch_size``, ``prompt_budget_tokens``) or to the store (Postgres: ``schema``,
-        ``pool_size``, ``lock_timeout``, …; Redis: ``prefix``, ``lock_timeout``,
-        ``history_limit``, …)."""
-        service_keys = {"retention", "queue_size", "batch_size", "prompt_budget_tokens"}
+        ``batch_size``, ``prompt_budget_tokens``, ``max_clock_skew``, ``tool_catalog``,
+        ``token_counter``) or to the store (Postgres: ``schema``, ``pool_size``,
+        ``lock_timeout``, …; Redis: ``prefix``, ``lock_timeout``, ``history_limit``, …)."""
+        service_keys = {
+            "retention",
+            "queue_size",
+            "batch_size",
+            "prompt_budget_tokens",
+            "max_clock_skew",
+            "tool_catalog",
+            "token_counter",
+        }
         service_options = {k: v for k, v in options.items() if k in service_keys}
         store_options = {k: v for k, v in options.items() if k not in service_keys}
         scheme = url.split(":", 1)[0].split("+", 1)[0].lower()
@@ -249,9 +276,15 @@ class MemoryService:
 
     def _validate(self, items: list[_Item]) -> list[ObservationRecord]:
         records: list[ObservationRecord] = []
+        now = self.clock()
+        latest = now + self.max_clock_skew
         for identity_id, obs, created_at in items:
             try:
-                records.append(sanitize_observation(identity_id, obs, created_at))
+                record = sanitize_observation(identity_id, obs, created_at, self.tool_catalog)
+                if record.created_at > latest:
+                    record = dataclasses.replace(record, created_at=now)
+                    self._future_clamped += 1
+                records.append(record)
             except ObservationRejected as rejected:
                 self._reject(identity_id, rejected.reason)
             except Exception as error:  # a bug must not lose the rest of the batch
@@ -327,7 +360,9 @@ class MemoryService:
             facts = await asyncio.wait_for(asyncio.shield(task), self.load_timeout)
             return LoadedMemory(
                 facts=facts,
-                prompt_section=format_memory_section(facts, self.prompt_budget_tokens),
+                prompt_section=format_memory_section(
+                    facts, self.prompt_budget_tokens, token_counter=self.token_counter
+                ),
                 tool_affinities=extract_tool_affinities(facts),
             )
         except TimeoutError:
@@ -381,6 +416,7 @@ class MemoryService:
             load_timeouts=self._load_timeouts,
             load_errors=self._load_errors,
             discarded=self._discarded,
+            future_clamped=self._future_clamped,
         )
 
     async def close(self, timeout: float | None = 30.0) -> None:

@@ -7,10 +7,11 @@ The rules, which fix the original design's flaws:
   observations without a session id form one session per run.
 * Sessions are applied in time order. A session's reinforcement time is the latest
   ``created_at`` among its observations for that fact, never earlier than the fact's
-  ``last_reinforced_at``. When a later observation of the session that last reinforced a
-  fact arrives in a later run, that reinforcement is redone at the later time from the
-  state the fact had before it (an ``extended`` event), so how often consolidation runs
-  never changes the result.
+  ``last_reinforced_at`` and never later than the run's ``now`` (a future-dated
+  observation reinforces at ``now``, so no date can carry a fact forward). When a later
+  observation of the session that last reinforced a fact arrives in a later run, that
+  reinforcement is redone at the later time from the state the fact had before it (an
+  ``extended`` event), so how often consolidation runs never changes the result.
 * Stored confidence is the value at the last reinforcement; decay is computed from there
   and never written back, so there is no compounding.
 * A fact already expired at a session's reinforcement time starts again at 0.5 with
@@ -37,6 +38,7 @@ from coda_memory.core.model import (
     fact_subject,
     gc_paused,
     is_identifier,
+    is_tool_name,
     trusted,
 )
 from coda_memory.core.sanitize import quote_untrusted
@@ -99,7 +101,7 @@ def fact_key(observation: Observation) -> FactKey | None:
     kind = observation.type
     if kind in (ObservationType.TOOL_SUCCESS, ObservationType.TOOL_FAILURE):
         tool = meta.get("toolName")
-        if not is_identifier(tool):
+        if not is_tool_name(tool):
             return None
         assert isinstance(tool, str)
         success = kind is ObservationType.TOOL_SUCCESS
@@ -350,6 +352,7 @@ class _Run:
             if group.at is None:
                 return False  # nothing of this session reinforced the fact before
             at = group.at if current is None else max(group.at, current.last_reinforced_at)
+            at = min(at, self.now)  # a future date must not carry a fact forward
             if current is not None and self.decay.apply(current, at) < self.decay.expiry_threshold:
                 self.expire(current, at)
                 current = None
@@ -362,7 +365,7 @@ class _Run:
             and current.last_reinforced_at == prior.at
             and current.reinforcement_count == prior.count_after
         )
-        at = prior.at if group.at is None else max(group.at, prior.at)
+        at = min(prior.at if group.at is None else max(group.at, prior.at), self.now)
         unchanged = at == prior.at and (group.hits, group.trials) == (prior.hits, prior.trials)
         if not is_latest or unchanged or current is None:
             return False

@@ -17,8 +17,13 @@ SECONDS_PER_DAY = 86_400.0
 
 
 def elapsed_days(since: datetime, until: datetime) -> float:
-    """Days from ``since`` to ``until``; never negative (a clock going back is no decay)."""
-    return max(0.0, (until - since).total_seconds() / SECONDS_PER_DAY)
+    """Days between ``since`` and ``until``, as a distance: never negative.
+
+    An anchor later than ``until`` (a clock that went back, or a future-dated fact
+    stored before dates were bounded) decays by its distance too, so no date can pin
+    a fact at its confidence; a skew of minutes costs a negligible amount.
+    """
+    return abs((until - since).total_seconds()) / SECONDS_PER_DAY
 
 
 @runtime_checkable

@@ -19,15 +19,15 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
-from coda_memory.core.model import NewObservation, ObservationType, is_identifier
-from coda_memory.core.sanitize import clean_text, quote_untrusted
+from coda_memory.core.model import NewObservation, ObservationType, is_identifier, is_tool_name
+from coda_memory.core.sanitize import MAX_ENTITY_NAME_CHARS, clean_text, quote_untrusted
+from coda_memory.core.untrusted import data_text
 
 logger = logging.getLogger(__name__)
 
 META_TOOLS: frozenset[str] = frozenset({"search_tools"})
 MAX_ERROR_CHARS = 500
 MAX_QUERY_CHARS = 500
-MAX_ENTITY_NAME_CHARS = 200
 #: Bigger integers cannot be identifiers (200 characters) and are costly to print.
 _MAX_ID_INT = 10**200
 
@@ -90,9 +90,10 @@ def tool_observations(
     """One tool_success or tool_failure observation per tool use that has a result.
 
     Results are matched to uses by id (the first result for an id counts); uses
-    without a result, meta tools and tools whose name is not an identifier are
-    skipped. ``durationMs`` comes from ``timings_ms[tool_use.id]`` and is omitted when
-    absent or not a finite number >= 0. Failures carry ``error``: the text of the
+    without a result, meta tools and tools whose name does not match
+    :data:`~coda_memory.core.model.TOOL_NAME_PATTERN` are skipped. ``durationMs`` comes
+    from ``timings_ms[tool_use.id]`` and is omitted when absent or not a finite number
+    >= 0. Failures carry ``error``: the text of the
     result (a string, ``error``/``message`` of a mapping, the first text block of a
     content list, else compact JSON), cleaned to one line of at most 500 characters.
     """
@@ -102,7 +103,7 @@ def tool_observations(
     observations: list[NewObservation] = []
     for use in tool_uses:
         result = results.get(use.id)
-        if result is None or use.name in meta_tools or not is_identifier(use.name):
+        if result is None or use.name in meta_tools or not is_tool_name(use.name):
             continue
         metadata: dict[str, Any] = {"toolName": use.name}
         duration = _duration(timings_ms.get(use.id))
@@ -281,7 +282,7 @@ def entity_observations(
         seen.add(key)
         metadata: dict[str, Any] = {"entityType": ref.entity_type, "entityId": ref.entity_id}
         raw_name = ref.entity_name if isinstance(ref.entity_name, str) else ""
-        name = clean_text(raw_name, MAX_ENTITY_NAME_CHARS)
+        name = data_text(raw_name, MAX_ENTITY_NAME_CHARS)
         if name:
             metadata["entityName"] = name
         shown = quote_untrusted(name) if name else ref.entity_id

@@ -25,6 +25,17 @@ def is_identifier(value: object) -> bool:
     return isinstance(value, str) and IDENTIFIER_PATTERN.fullmatch(value) is not None
 
 
+#: Tool names are narrower: letters, digits and ``_ . -``, 1 to 128 characters (what the
+#: Converse, OpenAI, Anthropic and MCP tool APIs accept), so no name reads as
+#: ``SYSTEM:…`` or as a URL.
+TOOL_NAME_PATTERN = re.compile(r"[A-Za-z0-9_.\-]{1,128}")
+
+
+def is_tool_name(value: object) -> bool:
+    """True when ``value`` is a string matching :data:`TOOL_NAME_PATTERN`."""
+    return isinstance(value, str) and TOOL_NAME_PATTERN.fullmatch(value) is not None
+
+
 def as_utc(value: datetime) -> datetime:
     """Return ``value`` as tz-aware UTC; a naive datetime is refused."""
     if value.tzinfo is None or value.utcoffset() is None:

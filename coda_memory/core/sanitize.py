@@ -32,12 +32,15 @@ Observation policy:
   ``content``; string values have NUL and lone surrogates removed and are capped at
   1,000 characters.
 * Per type: ``tool_success``/``tool_failure`` need ``toolName`` matching
-  :data:`~coda_memory.core.model.IDENTIFIER_PATTERN`; ``durationMs``, if present, is a
-  finite number >= 0 (a bool is not a number); ``error``, if present, is a string.
-  ``entity_access`` needs identifiers ``entityType`` and ``entityId`` (an int
-  ``entityId`` is stored as its decimal string); ``entityName``, if present, is a
-  string. ``query_pattern`` needs an identifier ``domain``; ``query``, if present, is
-  a string. Optional keys that are present with the value None are rejected.
+  :data:`~coda_memory.core.model.TOOL_NAME_PATTERN` (and, when the host gives a tool
+  catalog, naming a tool in it); ``durationMs``, if present, is a finite number >= 0
+  (a bool is not a number); ``error``, if present, is a string. ``entity_access``
+  needs identifiers (:data:`~coda_memory.core.model.IDENTIFIER_PATTERN`) ``entityType``
+  and ``entityId`` (an int ``entityId`` is stored as its decimal string);
+  ``entityName``, if present, is a string, stored as
+  :func:`~coda_memory.core.untrusted.data_text` makes it (one line of data, at most 200
+  characters). ``query_pattern`` needs an identifier ``domain``; ``query``, if present,
+  is a string. Optional keys that are present with the value None are rejected.
 """
 
 from __future__ import annotations
@@ -45,12 +48,13 @@ from __future__ import annotations
 import json
 import math
 import unicodedata
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from coda_memory.core.model import NewObservation, ObservationType, is_identifier
+from coda_memory.core.model import NewObservation, ObservationType, is_identifier, is_tool_name
+from coda_memory.core.untrusted import data_text
 
 MAX_IDENTITY_CHARS = 256
 MAX_SESSION_CHARS = 200
@@ -59,6 +63,7 @@ MAX_METADATA_STRING_CHARS = 1_000
 MAX_METADATA_BYTES = 16 * 1024
 MAX_METADATA_DEPTH = 8
 MAX_METADATA_INT = 2**63 - 1
+MAX_ENTITY_NAME_CHARS = 200
 
 ELLIPSIS = "…"
 _CONTROL_CATEGORIES = frozenset({"Cc", "Cf", "Zl", "Zp"})
@@ -156,11 +161,12 @@ def _clean_text_slow(value: str, max_chars: int) -> str:
 def quote_untrusted(value: str, max_chars: int = 80) -> str:
     """``value`` as a double-quoted, single-line name that cannot start prompt structure.
 
-    The text is cleaned as by :func:`clean_text`, backticks and double quotes become
+    The text is made data by :func:`~coda_memory.core.untrusted.data_text` (no URL,
+    link, tag, role marker or invisible character), backticks and double quotes become
     single quotes, and leading ``#``, ``>``, ``-`` and ``*`` characters are removed.
     The text between the quotes has at most ``max_chars`` characters.
     """
-    text = clean_text(value, len(value))
+    text = data_text(value, 4 * max_chars)
     text = text.replace("`", "'").replace('"', "'").lstrip(_PROMPT_STRUCTURE_PREFIX)
     return f'"{_cap(text, max_chars)}"'
 
@@ -298,8 +304,14 @@ def _optional_string(raw: dict[Any, Any], key: str) -> None:
         raise ObservationRejected(f"metadata.{key} is not a string")
 
 
-def _check_tool(raw: dict[Any, Any]) -> None:
-    _require_identifier(raw, "toolName")
+def _check_tool(raw: dict[Any, Any], tool_catalog: Collection[str] | None) -> None:
+    name = raw.get("toolName")
+    if name is None:
+        raise ObservationRejected("metadata.toolName is missing")
+    if not is_tool_name(name):
+        raise ObservationRejected("metadata.toolName does not match the identifier pattern")
+    if tool_catalog is not None and name not in tool_catalog:
+        raise ObservationRejected("metadata.toolName is not in the tool catalog")
     if "durationMs" in raw:
         duration = raw["durationMs"]
         if isinstance(duration, bool) or not isinstance(duration, int | float):
@@ -325,6 +337,8 @@ def _check_entity(raw: dict[Any, Any], cleaned: dict[str, Any]) -> None:
         raise ObservationRejected("metadata.entityId does not match the identifier pattern")
     cleaned["entityId"] = entity_id
     _optional_string(raw, "entityName")
+    if "entityName" in cleaned:
+        cleaned["entityName"] = data_text(cleaned["entityName"], MAX_ENTITY_NAME_CHARS)
 
 
 def _check_query(raw: dict[Any, Any]) -> None:
@@ -333,10 +347,14 @@ def _check_query(raw: dict[Any, Any]) -> None:
 
 
 def sanitize_observation(
-    identity_id: str, obs: NewObservation, created_at: datetime
+    identity_id: str,
+    obs: NewObservation,
+    created_at: datetime,
+    tool_catalog: Collection[str] | None = None,
 ) -> SanitizedObservation:
     """Validate and clean one observation following the module's policy.
 
+    With ``tool_catalog``, a tool observation naming any other tool is rejected.
     Returns the storable form, or raises :class:`ObservationRejected` with a specific
     reason; no other exception escapes, whatever the input.
     """
@@ -352,7 +370,7 @@ def sanitize_observation(
         raise ObservationRejected(f"metadata is {_type_name(raw)}, not a dict")
     cleaned = _clean_metadata(raw)
     if obs_type in (ObservationType.TOOL_SUCCESS, ObservationType.TOOL_FAILURE):
-        _check_tool(raw)
+        _check_tool(raw, tool_catalog)
     elif obs_type is ObservationType.ENTITY_ACCESS:
         _check_entity(raw, cleaned)
     else:

@@ -9,7 +9,14 @@ from hypothesis import strategies as st
 
 from coda_memory.core.consolidation import ConsolidationInput, fact_key, plan_consolidation
 from coda_memory.core.decay import AdaptiveDecay, DecayStrategy, ExponentialDecay
-from coda_memory.core.model import Fact, FactEvent, Observation, ObservationType
+from coda_memory.core.model import (
+    Fact,
+    FactCategory,
+    FactEvent,
+    FactEventKind,
+    Observation,
+    ObservationType,
+)
 from tests.helpers import T0
 
 TOOLS = ["get_account", "run_query"]
@@ -125,3 +132,38 @@ def test_observations_with_unusable_metadata_are_consumed_without_a_fact() -> No
     plan = plan_consolidation("u", ConsolidationInput([junk], [], []), T0, ExponentialDecay())
     assert (plan.upserts, plan.events, plan.consumed) == ([], [], 1)
     assert plan.prune_before == T0 - timedelta(days=7)
+
+
+def test_no_reinforcement_is_dated_after_now_even_from_a_stored_future_date() -> None:
+    # A fact stored with a date ten years ahead (before dates were bounded) and a new
+    # observation dated after now: nothing the plan writes is later than its now.
+    decay = ExponentialDecay()
+    future = T0 + timedelta(days=3650)
+    legacy = Fact(
+        id="fact:tool_affinity:get_account",
+        identity_id="u",
+        category=FactCategory.TOOL_AFFINITY,
+        subject="tool_affinity:get_account",
+        content="Uses get_account successfully",
+        confidence=1.0,
+        reinforcement_count=9,
+        last_reinforced_at=future,
+        created_at=future,
+        updated_at=future,
+        confidence_at=future,
+    )
+    observation = Observation(
+        id=1,
+        identity_id="u",
+        type=ObservationType.TOOL_SUCCESS,
+        content="",
+        metadata={"toolName": "get_account"},
+        session_id="s1",
+        created_at=T0 + timedelta(hours=1),
+    )
+    plan = plan_consolidation("u", ConsolidationInput([observation], [legacy], []), T0, decay)
+    assert [e.kind for e in plan.events] == [FactEventKind.EXPIRED, FactEventKind.CREATED]
+    assert all(e.at <= T0 for e in plan.events)
+    [fact] = plan.upserts
+    assert (fact.confidence, fact.reinforcement_count) == (0.5, 1)
+    assert fact.last_reinforced_at == fact.created_at == T0

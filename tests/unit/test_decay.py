@@ -73,7 +73,19 @@ def test_decay_is_computed_from_confidence_at_not_compounded() -> None:
 
 
 def test_time_going_backwards_never_raises_confidence() -> None:
-    assert ExponentialDecay().apply(make_fact(0.6), T0 - timedelta(days=3)) == 0.6
+    # Elapsed time is a distance: an anchor 3 days ahead decays like one 3 days behind.
+    backwards = ExponentialDecay().apply(make_fact(0.6), T0 - timedelta(days=3))
+    assert backwards == pytest.approx(0.6 * 0.95**3)
+    assert backwards <= 0.6
+
+
+@pytest.mark.parametrize("decay", [ExponentialDecay(), AdaptiveDecay()])
+def test_a_future_anchor_cannot_pin_a_fact(decay: ExponentialDecay) -> None:
+    # A fact stored with a date ten years ahead is expired now, not held at 1.0.
+    pinned = make_fact(1.0)
+    assert decay.apply(pinned, T0 - timedelta(days=3650)) < decay.expiry_threshold
+    # A few minutes of clock skew between servers cost next to nothing.
+    assert decay.apply(pinned, T0 - timedelta(minutes=5)) == pytest.approx(1.0, abs=1e-3)
 
 
 def test_reinforcement_adds_0_1_to_the_decayed_value_and_caps_at_1() -> None:

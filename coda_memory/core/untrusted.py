@@ -1,0 +1,217 @@
+# ruff: noqa: RUF001, RUF002 - confusable letters are the point of this module
+"""Untrusted text shown as data inside a system prompt.
+
+Entity names, entity ids and every other value that tool results or users control may
+reach the memory section of a system prompt. :func:`data_text` makes such a value one
+line of plain data that cannot steer the model, in this order:
+
+1. **Normalised.** NFKC folds compatibility forms: fullwidth ``ＳＹＳＴＥＭ``, circled
+   and math-alphanumeric letters (``𝓢𝔂𝓼𝓽𝓮𝓶``) and ligatures become plain letters.
+2. **Invisible characters removed.** Unicode categories Cc, Cf (zero-width and bidi
+   controls, the tags block), Co, Cn, Cs, Zl and Zp, every Default_Ignorable_Code_Point
+   (variation selectors such as U+FE0F, Hangul fillers U+115F, U+1160, U+3164, U+FFA0,
+   the combining grapheme joiner, ...), the braille blank U+2800, combining marks with
+   no base, and combining marks past the second on one base. Whitespace runs become one
+   space; the result is one line.
+3. **Confusables folded before checks.** The checks below run on a copy in which
+   Cyrillic and Greek letters that look like Latin ones (:data:`CONFUSABLES`, from
+   Unicode's confusables.txt) are Latin, so ``ЅYЅТЕМ:`` is caught like ``SYSTEM:``.
+4. **Structure neutralised.** URLs (any ``scheme://``, ``//host``, ``www.`` hosts,
+   ``javascript:``-like schemes, ``host.tld/path``) become ``(link removed)``; tags
+   such as ``<img …>`` or ``<|im_start|>`` and every other ``<`` or ``>`` become a space;
+   ``[INST]``-like markers go and other square brackets become parentheses, so no
+   markdown link or image can form; a role word followed by a colon (``SYSTEM:``,
+   ``assistant:``, ``### Instruction:``) loses the colon; runs of ``#`` and HTML
+   entities (``&lt;``) become a space. Every removal leaves a space, so removing one
+   pattern cannot join its neighbours into another.
+5. **Capped** at ``max_chars`` characters, ending in "…" when cut.
+
+Printable ASCII without ``<>[]#&:`` or ``www`` skips all of this but the whitespace
+collapsing: that is the common case, and it stays fast.
+"""
+
+from __future__ import annotations
+
+import re
+import unicodedata
+from collections.abc import Callable
+
+ELLIPSIS = "…"
+LINK_REMOVED = "(link removed)"
+
+#: Cyrillic, Greek and a few Latin-extension letters that look like a Latin letter, from
+#: Unicode's confusables.txt (one character to one character, so positions line up).
+CONFUSABLES: dict[int, str] = {
+    ord(k): v
+    for k, v in {
+        # Cyrillic capitals and small letters
+        "А": "A", "В": "B", "Е": "E", "К": "K", "М": "M", "Н": "H", "О": "O", "Р": "P",
+        "С": "C", "Т": "T", "У": "Y", "Х": "X", "Ѕ": "S", "І": "I", "Ј": "J", "Ԁ": "D",
+        "Ԛ": "Q", "Ԝ": "W", "Ү": "Y", "Һ": "h", "Ӏ": "I", "а": "a", "е": "e", "о": "o",
+        "р": "p", "с": "c", "у": "y", "х": "x", "ѕ": "s", "і": "i", "ј": "j", "ԁ": "d",
+        "ԛ": "q", "ԝ": "w", "һ": "h", "ӏ": "l", "ү": "y", "ɡ": "g",
+        # Greek capitals and small letters
+        "Α": "A", "Β": "B", "Ε": "E", "Ζ": "Z", "Η": "H", "Ι": "I", "Κ": "K", "Μ": "M",
+        "Ν": "N", "Ο": "O", "Ρ": "P", "Τ": "T", "Υ": "Y", "Χ": "X", "Ϲ": "C", "ϒ": "Y",
+        "α": "a", "ο": "o", "ρ": "p", "ν": "v", "ι": "i", "υ": "u", "ϲ": "c", "ϳ": "j",
+        "κ": "k", "τ": "t", "ϵ": "e",
+        # Latin look-alikes and Armenian
+        "ı": "i", "ɑ": "a", "ʏ": "y", "ȷ": "j", "օ": "o", "ս": "u", "ց": "g", "հ": "h",
+    }.items()
+}  # fmt: skip
+
+#: Default_Ignorable_Code_Point ranges (Unicode 15) plus the braille blank U+2800.
+_IGNORABLE_RANGES: tuple[tuple[int, int], ...] = (
+    (0x00AD, 0x00AD),
+    (0x034F, 0x034F),
+    (0x061C, 0x061C),
+    (0x115F, 0x1160),
+    (0x17B4, 0x17B5),
+    (0x180B, 0x180F),
+    (0x200B, 0x200F),
+    (0x202A, 0x202E),
+    (0x2060, 0x206F),
+    (0x2800, 0x2800),
+    (0x3164, 0x3164),
+    (0xFE00, 0xFE0F),
+    (0xFEFF, 0xFEFF),
+    (0xFFA0, 0xFFA0),
+    (0xFFF0, 0xFFF8),
+    (0x1BCA0, 0x1BCA3),
+    (0x1D173, 0x1D17A),
+    (0xE0000, 0xE0FFF),
+)
+_INVISIBLE_CATEGORIES = frozenset({"Cc", "Cf", "Co", "Cn", "Cs", "Zl", "Zp"})
+_MARK_CATEGORIES = frozenset({"Mn", "Me"})
+#: Combining marks kept on one base: enough for Vietnamese and most Indic clusters,
+#: too few for "Zalgo" stacks.
+MAX_MARKS_PER_BASE = 2
+
+
+def is_invisible(char: str) -> bool:
+    """True for a character that renders as nothing (or as a blank that is not a space)."""
+    code = ord(char)
+    if code < 0x80:
+        return not (0x20 <= code < 0x7F)
+    if unicodedata.category(char) in _INVISIBLE_CATEGORIES:
+        return True
+    return any(low <= code <= high for low, high in _IGNORABLE_RANGES)
+
+
+# -- structure patterns, matched on the confusable-folded text -----------------------------
+
+_URL = re.compile(
+    r"[a-z][a-z0-9+.\-]*://[^\s\"'<>()\[\]{}]*"  # any scheme://
+    r"|(?<![\w/])//[^\s\"'<>()\[\]{}/]+[^\s\"'<>()\[\]{}]*"  # protocol-relative //host
+    r"|\bwww\d{0,3}\.[^\s\"'<>()\[\]{}]+"  # www.host
+    r"|\b(?:javascript|vbscript|data|file|mailto|blob|ftp):[^\s\"'<>()\[\]{}]*"
+    r"|\b(?:[a-z0-9\-]+\.)+[a-z]{2,24}(?::\d{1,5})?/[^\s\"'<>()\[\]{}]*",  # host.tld/path
+    re.IGNORECASE,
+)
+_TAG = re.compile(r"<[^<>]{0,64}>|[<>]")
+_BRACKET_MARKER = re.compile(
+    r"\[\s*/?\s*(?:inst|sys|system|user|assistant|human|ai|bot)\s*\]", re.IGNORECASE
+)
+_ROLE = re.compile(
+    r"(?<![A-Za-z0-9_])(system|developer|assistant|user|human|ai|model|bot|"
+    r"instructions?|response|prompt)\s*:",
+    re.IGNORECASE,
+)
+_HASHES_OR_ENTITY = re.compile(r"#{2,}|&#?[a-z0-9]{1,10};", re.IGNORECASE)
+#: Printable ASCII that may hold any of the structures above.
+_SUSPICIOUS_ASCII = re.compile(r"[<>\[\]#&:]|www|//", re.IGNORECASE)
+
+_Pair = tuple[str, str]
+
+
+def _sub(pattern: re.Pattern[str], repl: Callable[[re.Match[str]], str], pair: _Pair) -> _Pair:
+    """Replace ``pattern``'s matches in the folded text, in both texts alike.
+
+    The replacement is ASCII, so both texts keep the same length at every position.
+    """
+    text, folded = pair
+    text_parts: list[str] = []
+    folded_parts: list[str] = []
+    position = 0
+    for match in pattern.finditer(folded):
+        replacement = repl(match)
+        text_parts += (text[position : match.start()], replacement)
+        folded_parts += (folded[position : match.start()], replacement)
+        position = match.end()
+    if not position:
+        return pair
+    text_parts.append(text[position:])
+    folded_parts.append(folded[position:])
+    return "".join(text_parts), "".join(folded_parts)
+
+
+def _neutralise(text: str) -> str:
+    """``text`` with every structure of step 4 of the module policy replaced."""
+    pair = (text, text.translate(CONFUSABLES))
+    pair = _sub(_URL, lambda _: f" {LINK_REMOVED} ", pair)
+    pair = _sub(_TAG, lambda _: " ", pair)
+    pair = _sub(_BRACKET_MARKER, lambda _: " ", pair)
+    pair = (pair[0].replace("[", "(").replace("]", ")"), pair[1])
+    pair = _sub(_ROLE, lambda match: f"{match.group(1)} ", pair)
+    pair = _sub(_HASHES_OR_ENTITY, lambda _: " ", pair)
+    return pair[0]
+
+
+def _cap(text: str, max_chars: int) -> str:
+    if len(text) <= max_chars:
+        return text
+    if max_chars <= 0:
+        return ""
+    return text[: max_chars - 1].rstrip() + ELLIPSIS
+
+
+def _visible_line(text: str, max_chars: int) -> str:
+    """NFKC, then one line without invisible characters or stacked marks; reading stops
+    once ``max_chars`` is certain to be exceeded."""
+    # "…" stays itself (NFKC would make it "..."), so cleaning twice changes nothing.
+    text = ELLIPSIS.join(unicodedata.normalize("NFKC", part) for part in text.split(ELLIPSIS))
+    kept: list[str] = []
+    pending_space = False
+    marks = MAX_MARKS_PER_BASE
+    for char in text:
+        if char.isspace():
+            pending_space = bool(kept)
+            marks = MAX_MARKS_PER_BASE
+            continue
+        if is_invisible(char):
+            continue
+        if char >= "\u0300" and unicodedata.category(char) in _MARK_CATEGORIES:
+            if marks >= MAX_MARKS_PER_BASE or pending_space:
+                continue  # no base, or one mark too many
+            marks += 1
+        else:
+            marks = 0
+        if pending_space:
+            kept.append(" ")
+            pending_space = False
+        kept.append(char)
+        if len(kept) > max_chars + 1:
+            break
+    return "".join(kept)
+
+
+def data_text(value: str, max_chars: int) -> str:
+    """``value`` as one line of plain data for a system prompt (see the module policy).
+
+    The result has at most ``max_chars`` characters, no line break, no invisible
+    character, URL, markdown link or image, tag, turn marker or role marker; applying
+    the function to its own result changes nothing.
+    """
+    if value.isascii() and value.isprintable():
+        if not _SUSPICIOUS_ASCII.search(value):
+            return _cap(" ".join(value.split()), max_chars)
+        text = " ".join(value[: 4 * max_chars + 64].split())
+    else:
+        # Work on a bounded prefix: a huge value costs no more than a long one.
+        text = _visible_line(value[: 4 * max_chars + 64], 4 * max_chars + 64)
+    for _ in range(3):  # one pass suffices; the loop only guards that claim
+        neutral = " ".join(_neutralise(text).split())
+        if neutral == text:
+            break
+        text = neutral
+    return _cap(text, max_chars)
