@@ -10,6 +10,8 @@ tokenizers pre-split it:
   after a space or nothing, one more after punctuation; otherwise one token per byte;
 * a group of up to three ASCII digits: one token (both vocabularies hold every such
   group);
+* a run of ASCII punctuation, with the space before it: one token for a space and one
+  character, otherwise one per character;
 * any other character: one token per UTF-8 byte. No byte-level BPE gives a byte more
   than one token, so this bounds rare CJK characters, math letters and emoji.
 
@@ -65,8 +67,13 @@ KNOWN_WORDS: dict[str, int] = {
     **dict.fromkeys(_THREE_TOKENS.split(), 3),
 }
 
-#: A letter run with its lead character, a digit group, or any single character.
-_PIECE = re.compile(r"([ !-/:-@\[-`{-~]?)([A-Za-z]+)|[0-9]{1,3}|.", re.DOTALL)
+_PUNCTUATION = r"!-/:-@\[-`{-~"
+#: As the tokenizers pre-split: a letter run with the space or punctuation character
+#: before it, a digit group, a punctuation run with the space before it, or any single
+#: character.
+_PIECE = re.compile(
+    rf"([ {_PUNCTUATION}]?)([A-Za-z]+)|[0-9]{{1,3}}|( ?[{_PUNCTUATION}]+)|.", re.DOTALL
+)
 
 
 def _word_cost(text: str, lead: str, word: str, start: int, end: int) -> int:
@@ -89,6 +96,9 @@ def estimate_tokens(text: str) -> int:
         word = match.group(2)
         if word is not None:
             total += _word_cost(text, match.group(1), word, match.start(), match.end())
+        elif (punctuation := match.group(3)) is not None:
+            # A space and one punctuation character is one token in both vocabularies.
+            total += 1 if len(punctuation) == 2 and punctuation[0] == " " else len(punctuation)
         else:
             piece = match.group()
             total += 1 if piece.isascii() else len(piece.encode("utf-8", "surrogatepass"))

@@ -1,0 +1,249 @@
+"""The prompt section against hostile text: fed through every emitter, consolidated,
+formatted, then checked for structure, invisible characters and real token counts."""
+
+from __future__ import annotations
+
+import re
+import unicodedata
+import warnings
+from collections.abc import Callable
+from datetime import timedelta
+from functools import cache
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from coda_memory.core.consolidation import ConsolidationInput, plan_consolidation
+from coda_memory.core.decay import ExponentialDecay
+from coda_memory.core.emitters import (
+    EntityExtractors,
+    EntityRef,
+    ToolResult,
+    ToolUse,
+    entity_observations,
+    query_pattern_observation,
+    tool_observations,
+)
+from coda_memory.core.model import Fact, NewObservation, Observation
+from coda_memory.core.prompt import format_memory_section
+from coda_memory.core.sanitize import ObservationRejected, sanitize_observation
+from coda_memory.core.tokens import estimate_tokens
+from coda_memory.core.untrusted import CONFUSABLES, data_text
+from tests.helpers import T0
+from tests.unit.adversarial_corpus import CORPORA, HOSTILE_IDENTIFIERS, NORMAL
+
+with warnings.catch_warnings():
+    # bpe-openai loads its vocabularies with a deprecated importlib.resources call.
+    warnings.simplefilter("ignore", DeprecationWarning)
+    import bpe_openai  # type: ignore[import-untyped]
+
+ENCODINGS = ("o200k_base", "cl100k_base")
+BUDGETS = (60, 150, 300, 1_000)
+
+
+@cache
+def real_tokens(encoding: str) -> Callable[[str], int]:
+    with warnings.catch_warnings():
+        # bpe-openai loads its vocabularies with a deprecated importlib.resources call.
+        warnings.simplefilter("ignore", DeprecationWarning)
+        tokenizer = bpe_openai.get_encoding(encoding)
+    return lambda text: len(tokenizer.encode(text))
+
+
+def emitted(strings: list[str]) -> list[NewObservation]:
+    """Every emitter's observations with ``strings`` in every untrusted position."""
+    extractors = EntityExtractors({"corpus": lambda refs: refs})
+    observations: list[NewObservation] = []
+    for i, text in enumerate(strings):
+        session = f"s{i}"
+        hostile_id = HOSTILE_IDENTIFIERS[i % len(HOSTILE_IDENTIFIERS)]
+        uses = [
+            ToolUse(id="a", name=text[:300]),
+            ToolUse(id="b", name=hostile_id),
+            ToolUse(id="c", name=f"tool_{i}"),
+        ]
+        results = [
+            ToolResult(tool_use_id="a"),
+            ToolResult(tool_use_id="b"),
+            ToolResult(tool_use_id="c", is_error=True, content={"error": text}),
+        ]
+        observations += tool_observations(uses, results, {"c": 12.0}, session_id=session)
+        refs = [
+            EntityRef("account", f"acct-{i}", text),
+            EntityRef("account", hostile_id, text[:100]),
+            EntityRef(hostile_id, str(i), None),
+            EntityRef("product", text[:200], None),
+        ]
+        observations += entity_observations(
+            "corpus", refs, session_id=session, extractors=extractors
+        )
+        patterns = {hostile_id: re.compile(".", re.DOTALL), "royalty": re.compile("x")}
+        query = query_pattern_observation(text, session_id=session, patterns=patterns)
+        if query is not None:
+            observations.append(query)
+    return observations
+
+
+def consolidated(strings: list[str]) -> list[Observation]:
+    stored: list[Observation] = []
+    for i, observation in enumerate(emitted(strings)):
+        try:
+            record = sanitize_observation("u", observation, T0 + timedelta(seconds=i))
+        except ObservationRejected:
+            continue
+        stored.append(
+            Observation(
+                id=i + 1,
+                identity_id=record.identity_id,
+                type=record.type,
+                content=record.content,
+                metadata=record.metadata,
+                session_id=record.session_id,
+                created_at=record.created_at,
+            )
+        )
+    return stored
+
+
+@cache
+def section_facts(corpus: str) -> tuple[Fact, ...]:
+    observations = consolidated(CORPORA[corpus])
+    batch = ConsolidationInput(observations=observations, facts=[], session_events=[])
+    plan = plan_consolidation("u", batch, T0 + timedelta(hours=1), ExponentialDecay())
+    return tuple(plan.active)
+
+
+def folded(text: str) -> str:
+    return unicodedata.normalize("NFKC", text).translate(CONFUSABLES)
+
+
+LINK_SYNTAX = re.compile(r"://|\bwww\d*\.|javascript:|data:|mailto:|\]\(|!\[|[\[\]<>]", re.I)
+ROLE_MARKER = re.compile(
+    r"(?<![a-z0-9_])(system|assistant|user|human|developer|ai|model|bot|instructions?|"
+    r"response|prompt)\s*:|<\||\|>|\binst\b|<<\s*/?sys|#{2,}",
+    re.IGNORECASE,
+)
+#: Independent of the library's table: what must never reach a prompt.
+FILLERS = {0x115F, 0x1160, 0x3164, 0xFFA0, 0x2800, 0x034F, 0x17B4, 0x17B5, 0x00AD}
+FILLER_RANGES = [(0xFE00, 0xFE0F), (0xE0000, 0xE0FFF), (0x180B, 0x180F), (0x2060, 0x206F)]
+INVISIBLE_CATEGORIES = {"Cc", "Cf", "Co", "Cn", "Cs", "Zl", "Zp"}
+
+
+def invisible(char: str) -> bool:
+    code = ord(char)
+    return (
+        unicodedata.category(char) in INVISIBLE_CATEGORIES
+        or code in FILLERS
+        or any(low <= code <= high for low, high in FILLER_RANGES)
+    )
+
+
+def assert_is_data(text: str) -> None:
+    assert not LINK_SYNTAX.search(folded(text)), text
+    assert not ROLE_MARKER.search(folded(text)), text
+    assert not [c for c in text if invisible(c)], text
+
+
+@pytest.mark.parametrize("budget", BUDGETS)
+@pytest.mark.parametrize("corpus", sorted(CORPORA))
+def test_the_section_shows_hostile_text_as_data_within_the_budget(corpus: str, budget: int) -> None:
+    facts = section_facts(corpus)
+    assert facts, "the corpus must reach the prompt"
+    section = format_memory_section(facts, budget)
+    if budget >= 300:
+        assert section.count("\n- ") >= 3
+    lines = section.split("\n")
+    for line in lines:
+        if line.startswith("#"):
+            assert re.fullmatch(r"## What you know about this user|### [A-Z][a-z ]+", line)
+        else:
+            assert_is_data(line)
+            assert "\n" not in line
+    assert estimate_tokens(section) <= budget
+    for encoding in ENCODINGS:
+        assert real_tokens(encoding)(section) <= budget * 1.05, (encoding, section)
+
+
+@pytest.mark.parametrize("corpus", sorted(CORPORA))
+def test_the_estimate_never_undercounts_real_tokenizers(corpus: str) -> None:
+    samples = [s[:20_000] for s in CORPORA[corpus]]
+    samples += [data_text(s, 160) for s in CORPORA[corpus]]
+    samples += [f.content for f in section_facts(corpus)]
+    for encoding in ENCODINGS:
+        count = real_tokens(encoding)
+        under = [s for s in samples if estimate_tokens(s) < count(s)]
+        assert not under, (encoding, under[:3])
+
+
+def normal_facts() -> list[Fact]:
+    """The facts of an ordinary user: catalog tools, plain names and ids, known domains."""
+    observations: list[NewObservation] = []
+    tools = ["get_account", "search_snowflake_schema", "get_products_by_isrc", "run_sql"]
+    for i, name in enumerate(NORMAL):
+        session = f"s{i}"
+        uses = [ToolUse(id="a", name=tools[i % len(tools)])]
+        results = [ToolResult(tool_use_id="a", is_error=i % 3 == 0, content="timeout")]
+        observations += tool_observations(uses, results, {"a": 80.0}, session_id=session)
+        account = {"id": f"acct-{100 + i}", "name": name}
+        observations += entity_observations("get_account", account, session_id=session)
+        query = query_pattern_observation(f"{name} royalty and contracts", session_id=session)
+        observations += [query] if query is not None else []
+    stored = [
+        Observation(
+            id=i + 1, identity_id="u", created_at=T0, **o.model_dump(exclude={"created_at"})
+        )
+        for i, o in enumerate(observations)
+    ]
+    batch = ConsolidationInput(observations=stored, facts=[], session_events=[])
+    return plan_consolidation("u", batch, T0, ExponentialDecay()).active
+
+
+def test_the_estimate_stays_close_on_normal_text() -> None:
+    section = format_memory_section(normal_facts(), 300)
+    estimate = estimate_tokens(section)
+    for encoding in ENCODINGS:
+        real = real_tokens(encoding)(section)
+        assert real <= estimate <= 1.5 * real, (encoding, estimate, real)
+
+
+def test_an_exact_counter_fills_the_budget_and_holds_it() -> None:
+    facts = section_facts("cjk")
+    count = real_tokens("o200k_base")
+    section = format_memory_section(facts, 300, token_counter=count)
+    assert 270 < count(section) <= 300
+    estimated = format_memory_section(facts, 300)
+    assert count(section) > count(estimated)
+
+
+def test_known_words_cost_what_the_estimate_says_in_both_vocabularies() -> None:
+    from string import punctuation
+
+    from coda_memory.core.tokens import KNOWN_WORDS
+
+    for encoding in ENCODINGS:
+        count = real_tokens(encoding)
+        for word, cost in KNOWN_WORDS.items():
+            for form in (word, word.capitalize()):
+                assert count(form) <= cost and count(" " + form) <= cost, (encoding, form)
+                for lead in punctuation.replace("'", ""):
+                    assert count(lead + form) <= cost + 1, (encoding, lead + form)
+        for char in punctuation:
+            assert count(" " + char) == 1, (encoding, char)
+
+
+@settings(max_examples=300)
+@given(st.text(), st.integers(min_value=0, max_value=200))
+def test_data_text_is_always_one_line_of_plain_data(value: str, cap: int) -> None:
+    result = data_text(value, cap)
+    assert len(result) <= cap
+    assert "\n" not in result and result == result.strip()
+    assert_is_data(result)
+    assert data_text(result, cap) == result
+
+
+@given(st.text(alphabet=st.sampled_from(list("SYTEMsytem:/<>[]()!#&|wh.tpx \u200b\u0405\u0422"))))
+def test_data_text_holds_on_dense_structure(value: str) -> None:
+    result = data_text(value, 300)
+    assert_is_data(result)
+    assert data_text(result, 300) == result
