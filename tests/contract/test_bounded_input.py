@@ -76,3 +76,16 @@ async def test_a_tool_name_that_reads_as_a_role_marker_is_rejected(
     assert (service.stats().stored, service.stats().rejected) == (1, 2)
     facts = await service.consolidate("u1")
     assert [f.subject for f in facts] == ["tool_affinity:mcp.github-create_issue"]
+
+
+async def test_a_very_old_observation_is_recorded_but_never_shown(
+    make_service: ServiceFactory,
+) -> None:
+    service = await make_service()
+    service.emit_observation("u1", tool_ok("old", at=T0 - timedelta(days=60)))
+    await service.drain()
+    assert await service.consolidate("u1") == []
+    history = await service.history("u1")
+    assert [e.kind for e in history] == [FactEventKind.CREATED, FactEventKind.EXPIRED]
+    assert history[0].at == T0 - timedelta(days=60)
+    assert service.stats().future_clamped == 0
