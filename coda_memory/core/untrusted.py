@@ -19,8 +19,8 @@ line of plain data that cannot steer the model, in this order:
 4. **Structure neutralised.** URLs (any ``scheme://``, ``//host``, ``www.`` hosts,
    ``javascript:``-like schemes, ``host.tld/path``) become ``(link removed)``; tags
    such as ``<img …>`` or ``<|im_start|>`` and every other ``<`` or ``>`` become a space;
-   ``[INST]``-like markers go and other square brackets become parentheses, so no
-   markdown link or image can form; a role word followed by a colon (``SYSTEM:``,
+   ``[INST]``-like markers go, and a space splits ``](``, ``][``, ``]:`` and ``![``, so
+   no markdown link or image can form; a role word followed by a colon (``SYSTEM:``,
    ``assistant:``, ``### Instruction:``) loses the colon; runs of ``#`` and HTML
    entities (``&lt;``) become a space. Every removal leaves a space, so removing one
    pattern cannot join its neighbours into another.
@@ -101,7 +101,7 @@ def is_invisible(char: str) -> bool:
 # -- structure patterns, matched on the confusable-folded text -----------------------------
 
 _URL = re.compile(
-    r"[a-z][a-z0-9+.\-]*://[^\s\"'<>()\[\]{}]*"  # any scheme://
+    r"[^\s\"'<>()\[\]{}]*://[^\s\"'<>()\[\]{}]*"  # any scheme://
     r"|(?<![\w/])//[^\s\"'<>()\[\]{}/]+[^\s\"'<>()\[\]{}]*"  # protocol-relative //host
     r"|\bwww\d{0,3}\.[^\s\"'<>()\[\]{}]+"  # www.host
     r"|\b(?:javascript|vbscript|data|file|mailto|blob|ftp):[^\s\"'<>()\[\]{}]*"
@@ -117,6 +117,8 @@ _ROLE = re.compile(
     r"instructions?|response|prompt)\s*:",
     re.IGNORECASE,
 )
+#: What makes brackets a markdown link, image or reference: ``](``, ``][``, ``]:``, ``![``.
+_LINK_SYNTAX = re.compile(r"\](?=[(\[:])|!\[")
 _HASHES_OR_ENTITY = re.compile(r"#{2,}|&#?[a-z0-9]{1,10};", re.IGNORECASE)
 #: Printable ASCII that may hold any of the structures above.
 _SUSPICIOUS_ASCII = re.compile(r"[<>\[\]#&:]|www|//", re.IGNORECASE)
@@ -151,7 +153,7 @@ def _neutralise(text: str) -> str:
     pair = _sub(_URL, lambda _: f" {LINK_REMOVED} ", pair)
     pair = _sub(_TAG, lambda _: " ", pair)
     pair = _sub(_BRACKET_MARKER, lambda _: " ", pair)
-    pair = (pair[0].replace("[", "(").replace("]", ")"), pair[1])
+    pair = _sub(_LINK_SYNTAX, lambda match: f"{match.group()[0]} {match.group()[1:]}", pair)
     pair = _sub(_ROLE, lambda match: f"{match.group(1)} ", pair)
     pair = _sub(_HASHES_OR_ENTITY, lambda _: " ", pair)
     return pair[0]

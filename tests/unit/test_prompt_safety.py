@@ -118,7 +118,7 @@ def folded(text: str) -> str:
     return unicodedata.normalize("NFKC", text).translate(CONFUSABLES)
 
 
-LINK_SYNTAX = re.compile(r"://|\bwww\d*\.|javascript:|data:|mailto:|\]\(|!\[|[\[\]<>]", re.I)
+LINK_SYNTAX = re.compile(r"://|\bwww\d*\.|javascript:|data:|mailto:|\][(\[:]|!\[|[<>]", re.I)
 ROLE_MARKER = re.compile(
     r"(?<![a-z0-9_])(system|assistant|user|human|developer|ai|model|bot|instructions?|"
     r"response|prompt)\s*:|<\||\|>|\binst\b|<<\s*/?sys|#{2,}",
