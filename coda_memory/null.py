@@ -27,9 +27,9 @@ class NullConsolidationUnit:
         self._loaded = True
         return ConsolidationInput(observations=[], facts=[], session_events=[])
 
-    async def apply(self, plan: ConsolidationPlan) -> None:
+    async def write(self, plan: ConsolidationPlan) -> None:
         if not self._loaded:
-            raise RuntimeError("apply() needs load() first: the plan must come from this unit")
+            raise RuntimeError("write() needs load() first: the plan must come from this unit")
         if plan.identity_id != self.identity_id:
             raise ValueError(
                 f"the plan is for {plan.identity_id!r}, "

@@ -14,7 +14,7 @@ from typing import Protocol
 
 from coda_memory.core.consolidation import ConsolidationInput, ConsolidationPlan
 from coda_memory.core.model import Fact, FactEvent
-from coda_memory.core.sanitize import SanitizedObservation as ObservationRecord
+from coda_memory.core.sanitize import ObservationRecord
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,7 +35,7 @@ class ConsolidationUnit(Protocol):
         """Read new observations, stored facts and the relevant session events."""
         ...
 
-    async def apply(self, plan: ConsolidationPlan) -> None:
+    async def write(self, plan: ConsolidationPlan) -> None:
         """Write facts, deletes and events, advance the checkpoint past what ``load``
         returned, and prune old observations. Nothing is visible before ``commit``."""
         ...

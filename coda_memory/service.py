@@ -174,8 +174,7 @@ class MemoryService:
         elif scheme in ("postgresql", "postgres"):
             from coda_memory.postgres import PostgresStore
 
-            retention = service_options.get("retention", DEFAULT_RETENTION)
-            store = PostgresStore.from_url(url, retention=retention, **store_options)
+            store = PostgresStore.from_url(url, **store_options)
         elif scheme in ("redis", "rediss"):
             try:
                 from coda_memory.redis import RedisStore
@@ -327,14 +326,14 @@ class MemoryService:
         stored, pending = await self.store.peek(identity_id)
         now = self.clock()
         threshold = self.decay.expiry_threshold
-        if not pending and all(self.decay.apply(f, now) >= threshold for f in stored):
+        if not pending and all(self.decay.decayed(f, now) >= threshold for f in stored):
             return active_views(stored, self.decay, now)
         async with self.store.consolidation(identity_id) as unit:
             batch = await unit.load()
             now = self.clock()
             plan = plan_consolidation(identity_id, batch, now, self.decay, self.retention)
             if plan.writes_anything:
-                await unit.apply(plan)
+                await unit.write(plan)
                 await unit.commit()
         return plan.active
 

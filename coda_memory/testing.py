@@ -14,10 +14,8 @@ from collections import defaultdict
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from datetime import timedelta
 
 from coda_memory.core.consolidation import (
-    DEFAULT_RETENTION,
     REINFORCING,
     ConsolidationInput,
     ConsolidationPlan,
@@ -71,10 +69,10 @@ class InMemoryConsolidationUnit:
             observations=new, facts=list(state.facts.values()), session_events=events
         )
 
-    async def apply(self, plan: ConsolidationPlan) -> None:
+    async def write(self, plan: ConsolidationPlan) -> None:
         self._check_open()
         if self._loaded_upto is None:
-            raise RuntimeError("apply() needs load() first: the plan must come from this unit")
+            raise RuntimeError("write() needs load() first: the plan must come from this unit")
         self._check_identity(plan)
         self._plan = plan
 
@@ -117,8 +115,7 @@ class InMemoryConsolidationUnit:
 class InMemoryStore:
     """Everything in dictionaries; lost when the process exits."""
 
-    def __init__(self, retention: timedelta = DEFAULT_RETENTION) -> None:
-        self.retention = retention
+    def __init__(self) -> None:
         self._identities: dict[str, _Identity] = defaultdict(_Identity)
         self._locks: dict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
         self._ids = itertools.count(1)

@@ -128,7 +128,7 @@ async def consolidate(
     async with store.consolidation(identity_id) as unit:
         loaded = await unit.load()
         prune_before = EPOCH if retention is None else now - retention
-        await unit.apply(
+        await unit.write(
             plan(
                 identity_id,
                 consumed=len(loaded.observations),

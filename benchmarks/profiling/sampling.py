@@ -59,7 +59,7 @@ PROFILE_FUNCTIONS: tuple[tuple[str, str, str], ...] = (
     ("PostgresStore.peek (lock-free read)", "postgres/store.py", "peek"),
     ("store/postgres/unit.py (hot-path statements, rows -> models)", "postgres/unit.py", "*"),
     ("unit.load (snapshot + 3 reads)", "postgres/store.py", "load"),
-    ("unit.apply (5 writes)", "postgres/store.py", "apply"),
+    ("unit.write (5 writes)", "postgres/unit.py", "write"),
     ("lock_identity (set_config, ensure, lock)", "postgres/store.py", "lock_identity"),
     ("FactRepository.stored (SELECT + rows -> Fact)", "repositories.py", "stored"),
     ("ObservationRepository.new", "repositories.py", "new"),

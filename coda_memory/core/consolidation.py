@@ -275,7 +275,7 @@ class _Run:
         """When the fact's confidence crossed the expiry threshold (at most ``until``)."""
         probe_days = 1.0
         probe = fact.model_copy(update={"confidence_at": fact.anchor})
-        one_day = self.decay.apply(probe, fact.anchor + timedelta(days=probe_days))
+        one_day = self.decay.decayed(probe, fact.anchor + timedelta(days=probe_days))
         threshold = self.decay.expiry_threshold
         if not 0.0 < one_day < fact.confidence or threshold <= 0.0:
             return until
@@ -291,7 +291,7 @@ class _Run:
                 kind=FactEventKind.EXPIRED,
                 session_id=None,
                 at=self.expired_at(fact, at),
-                confidence_before=self.decay.apply(fact, at),
+                confidence_before=self.decay.decayed(fact, at),
                 confidence_after=None,
                 count_before=fact.reinforcement_count,
                 count_after=None,
@@ -311,7 +311,7 @@ class _Run:
         """Reinforce ``before`` (or create the fact) at ``at`` and record the event."""
         quality = hits / trials if trials else 1.0
         threshold = self.decay.expiry_threshold
-        confidence_before = None if before is None else self.decay.apply(before, at)
+        confidence_before = None if before is None else self.decay.decayed(before, at)
         if before is None or confidence_before is None or confidence_before < threshold:
             after = self.fresh(group, at)
             if kind is FactEventKind.REINFORCED:
@@ -342,7 +342,7 @@ class _Run:
         if group.session_id is not None:
             self.reinforced_by[(group.key.subject, group.session_id)] = event
 
-    def apply_group(self, group: SessionGroup) -> bool:
+    def fold_group(self, group: SessionGroup) -> bool:
         """Apply one session's observations for one fact; True when the fact changed."""
         subject = group.key.subject
         current = self.current.get(subject)
@@ -353,7 +353,7 @@ class _Run:
                 return False  # nothing of this session reinforced the fact before
             at = group.at if current is None else max(group.at, current.last_reinforced_at)
             at = min(at, self.now)  # a future date must not carry a fact forward
-            if current is not None and self.decay.apply(current, at) < self.decay.expiry_threshold:
+            if current is not None and self.decay.decayed(current, at) < self.decay.expiry_threshold:
                 self.expire(current, at)
                 current = None
             self.reinforce(current, group, at, FactEventKind.REINFORCED, group.hits, group.trials)
@@ -394,7 +394,7 @@ def _state_before(event: FactEvent, current: Fact) -> Fact | None:
 def view_at(fact: Fact, decay: DecayStrategy, now: datetime) -> Fact:
     """The fact as seen at ``now``: effective confidence, ``confidence_at = now``."""
     return trusted(
-        Fact, **{**fact.__dict__, "confidence": decay.apply(fact, now), "confidence_at": now}
+        Fact, **{**fact.__dict__, "confidence": decay.decayed(fact, now), "confidence_at": now}
     )
 
 
@@ -425,7 +425,7 @@ def plan_consolidation(
     tool_counts = prior_tool_counts(run.reinforced_by.values())
     for subject, groups in sorted(group_by_session(batch.observations, tool_counts).items()):
         for group in groups:
-            if run.apply_group(group):
+            if run.fold_group(group):
                 changed.add(subject)
 
     upserts: list[Fact] = []

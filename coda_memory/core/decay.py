@@ -35,7 +35,7 @@ class DecayStrategy(Protocol):
         """A fact whose current confidence is below this is expired."""
         ...
 
-    def apply(self, fact: Fact, now: datetime) -> float:
+    def decayed(self, fact: Fact, now: datetime) -> float:
         """The fact's confidence at ``now``, decayed from its anchor."""
         ...
 
@@ -85,7 +85,7 @@ class ExponentialDecay:
     def _days_scale(self, fact: Fact) -> float:
         return 1.0
 
-    def apply(self, fact: Fact, now: datetime) -> float:
+    def decayed(self, fact: Fact, now: datetime) -> float:
         days = elapsed_days(fact.anchor, now) / self._days_scale(fact)
         return float(fact.confidence * self.base**days)
 
@@ -93,7 +93,7 @@ class ExponentialDecay:
         return fact.ease_factor
 
     def reinforce(self, fact: Fact, quality: float, now: datetime) -> Fact:
-        confidence = min(1.0, self.apply(fact, now) + self.reinforce_amount)
+        confidence = min(1.0, self.decayed(fact, now) + self.reinforce_amount)
         return fact.model_copy(
             update={
                 "confidence": confidence,

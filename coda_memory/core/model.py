@@ -100,7 +100,7 @@ class Fact(BaseModel):
     """A durable belief about one identity, derived from observations.
 
     ``confidence`` is the value at ``confidence_at`` (None: at ``last_reinforced_at``);
-    the confidence seen at any instant is ``decay.apply(fact, instant)``.
+    the confidence seen at any instant is ``decay.decayed(fact, instant)``.
     """
 
     model_config = ConfigDict(frozen=True)

@@ -6,7 +6,7 @@ is treated as untrusted data. Two kinds of promise live here:
 * :func:`clean_text` and :func:`quote_untrusted` make text safe to place inside one
   line of an LLM system prompt: no line breaks, no control characters, bounded length.
 * :func:`sanitize_observation` validates an observation before it is stored. It
-  either returns a :class:`SanitizedObservation` or raises
+  either returns an :class:`ObservationRecord` or raises
   :class:`ObservationRejected` with a short, specific reason; it raises nothing else.
 
 "Control characters" means Unicode categories Cc and Cf (which include bidi overrides
@@ -79,7 +79,7 @@ class ObservationRejected(ValueError):
 
 
 @dataclass(frozen=True, slots=True)
-class SanitizedObservation:
+class ObservationRecord:
     """An observation that passed :func:`sanitize_observation`, ready to be stored."""
 
     identity_id: str
@@ -351,7 +351,7 @@ def sanitize_observation(
     obs: NewObservation,
     created_at: datetime,
     tool_catalog: Collection[str] | None = None,
-) -> SanitizedObservation:
+) -> ObservationRecord:
     """Validate and clean one observation following the module's policy.
 
     With ``tool_catalog``, a tool observation naming any other tool is rejected.
@@ -375,7 +375,7 @@ def sanitize_observation(
         _check_entity(raw, cleaned)
     else:
         _check_query(raw)
-    return SanitizedObservation(
+    return ObservationRecord(
         identity_id=identity,
         type=obs_type,
         content=_scrub(content, MAX_CONTENT_CHARS, _content_drop),

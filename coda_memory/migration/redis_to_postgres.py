@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 
 from coda_memory.core.model import Observation
-from coda_memory.core.sanitize import SanitizedObservation
+from coda_memory.core.sanitize import ObservationRecord
 from coda_memory.postgres.imports import IdentityCopy, copied_identities, copy_identity
 from coda_memory.postgres.store import PostgresStore
 from coda_memory.redis.codec import BadRecord, sanitized
@@ -41,8 +41,8 @@ class ImportSummary:
 
 def _clean(
     exported: ExportedIdentity, observations: list[Observation], key: str
-) -> list[SanitizedObservation]:
-    clean: list[SanitizedObservation] = []
+) -> list[ObservationRecord]:
+    clean: list[ObservationRecord] = []
     for observation in observations:
         try:
             clean.append(sanitized(observation))

@@ -22,7 +22,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 from sqlalchemy.sql.expression import Executable
 
 from coda_memory.core.model import Fact, FactEvent, ObservationType
-from coda_memory.core.sanitize import SanitizedObservation
+from coda_memory.core.sanitize import ObservationRecord
 from coda_memory.postgres.connection import lock_timeout_clause
 from coda_memory.postgres.engine import driver_connection
 from coda_memory.postgres.rollup import (
@@ -45,9 +45,9 @@ class IdentityCopy:
     #: Where they come from (for Redis: the key prefix); the ledger is kept per source.
     source: str
     #: Observations the source had already consumed into facts.
-    consumed: Sequence[SanitizedObservation]
+    consumed: Sequence[ObservationRecord]
     #: Observations no consolidation had consumed yet.
-    pending: Sequence[SanitizedObservation]
+    pending: Sequence[ObservationRecord]
     facts: Sequence[Fact]
     events: Sequence[FactEvent]
     #: The source's checkpoint (None: never consolidated there).
@@ -77,7 +77,7 @@ async def copied_identities(store: PostgresStore, source: str) -> set[str]:
     return await store.run(read)
 
 
-def _observation_arguments(records: Sequence[SanitizedObservation]) -> dict[str, object]:
+def _observation_arguments(records: Sequence[ObservationRecord]) -> dict[str, object]:
     return {
         "types": [r.type.value for r in records],
         "contents": [r.content for r in records],

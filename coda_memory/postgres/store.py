@@ -68,7 +68,6 @@ class PostgresStore:
         engine: AsyncEngine,
         *,
         schema: str = DEFAULT_SCHEMA,
-        retention: timedelta = timedelta(days=7),
         lock_timeout: timedelta | None = DEFAULT_LOCK_TIMEOUT,
     ) -> None:
         """Use ``engine``, whose ``schema_translate_map`` must place the tables in
@@ -83,7 +82,6 @@ class PostgresStore:
         # (durably stored) observations.
         self._lock_timeout = lock_timeout_clause(lock_timeout)
         self._begin = f"BEGIN; {self._lock_timeout}; SET LOCAL synchronous_commit = off"
-        self.retention = retention
         self.lock_timeout = lock_timeout
 
     @classmethod
@@ -92,14 +90,13 @@ class PostgresStore:
         url: str,
         *,
         schema: str = DEFAULT_SCHEMA,
-        retention: timedelta = timedelta(days=7),
         lock_timeout: timedelta | None = DEFAULT_LOCK_TIMEOUT,
         pool_size: int = 5,
         **engine_kwargs: Any,
     ) -> PostgresStore:
         """A store on ``url`` (postgresql://, postgres:// or postgresql+asyncpg://)."""
         engine = create_engine(url, schema=schema, pool_size=pool_size, **engine_kwargs)
-        return cls(engine, schema=schema, retention=retention, lock_timeout=lock_timeout)
+        return cls(engine, schema=schema, lock_timeout=lock_timeout)
 
     async def append(self, records: Sequence[ObservationRecord]) -> AppendOutcome:
         if not records:

@@ -177,10 +177,10 @@ class PostgresConsolidationUnit:
             ]
         return ConsolidationInput(observations=observations, facts=stored, session_events=events)
 
-    async def apply(self, plan: ConsolidationPlan) -> None:
+    async def write(self, plan: ConsolidationPlan) -> None:
         self._check_open()
         if self._snapshot is None:
-            raise RuntimeError("apply() needs load() first: the plan must come from this unit")
+            raise RuntimeError("write() needs load() first: the plan must come from this unit")
         self._check_identity(plan)
         write = self._sql.write
         await self._raw.fetchrow(write.text, *write_arguments(write, plan, self._snapshot))

@@ -36,8 +36,8 @@ from coda_memory.core.model import (
     trusted,
 )
 from coda_memory.core.sanitize import (
+    ObservationRecord,
     ObservationRejected,
-    SanitizedObservation,
     sanitize_observation,
 )
 
@@ -96,7 +96,7 @@ def _identity(value: dict[str, Any], identity_id: str) -> None:
 # -- observations -----------------------------------------------------------------------
 
 
-def observation_body(record: SanitizedObservation) -> str:
+def observation_body(record: ObservationRecord) -> str:
     """An observation's JSON without its ``id``: ``"identityId":…}``, everything after the
     opening brace. The append script puts ``{"id":"<sequence>",`` in front of it."""
     value: dict[str, Any] = {
@@ -155,7 +155,7 @@ def observation_from_json(identity_id: str, raw: str | bytes) -> Observation:
     )
 
 
-def sanitized(observation: Observation) -> SanitizedObservation:
+def sanitized(observation: Observation) -> ObservationRecord:
     """The observation validated and cleaned as if it were emitted now (for a copy into
     another store); :class:`BadRecord` with the reason when it would be rejected."""
     emitted = NewObservation.model_construct(

@@ -1,7 +1,7 @@
 """The consolidation unit of work on Redis.
 
 The store hands a unit the identity's lock (a token in ``lock:{identityId}``). ``load``
-reads everything in one atomic script, ``apply`` keeps the plan, and ``commit`` writes it
+reads everything in one atomic script, ``write`` keeps the plan, and ``commit`` writes it
 in one atomic script that first checks the lock is still this run's: facts, deletes,
 history, the sessions' reinforcement records, the consumed pending observations, the
 checkpoint, the counters and retention all change together, or not at all.
@@ -157,10 +157,10 @@ class RedisConsolidationUnit:
         self._loaded = True
         return ConsolidationInput(observations=new, facts=facts, session_events=events)
 
-    async def apply(self, plan: ConsolidationPlan) -> None:
+    async def write(self, plan: ConsolidationPlan) -> None:
         self._check_open()
         if not self._loaded:
-            raise RuntimeError("apply() needs load() first: the plan must come from this unit")
+            raise RuntimeError("write() needs load() first: the plan must come from this unit")
         owners = {plan.identity_id}
         owners.update(f.identity_id for f in plan.upserts)
         owners.update(e.identity_id for e in plan.events)

@@ -196,7 +196,7 @@ async def test_returned_facts_are_views_at_now(
         (fact,) = facts
         assert fact.confidence_at == clock.now
         assert fact.confidence == pytest.approx(0.5 * 0.95**7)
-        assert service.decay.apply(fact, clock.now) == pytest.approx(fact.confidence)
+        assert service.decay.decayed(fact, clock.now) == pytest.approx(fact.confidence)
     # Consolidating with nothing new does not rewrite the stored confidence.
     (stored,) = await service.store.facts("u1")
     assert stored.confidence == 0.5

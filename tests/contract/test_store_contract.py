@@ -74,28 +74,28 @@ async def test_an_append_after_load_is_left_for_the_next_run(store: InspectableS
     async with store.consolidation("alice") as unit:
         loaded = await unit.load()
         await store.append([record("during")])
-        await unit.apply(plan(consumed=len(loaded.observations)))
+        await unit.write(plan(consumed=len(loaded.observations)))
         await unit.commit()
 
     assert contents(loaded.observations) == ["before"]
     assert contents((await consolidate(store)).observations) == ["during"]
 
 
-async def test_apply_needs_load_first(store: InspectableStore) -> None:
+async def test_write_needs_load_first(store: InspectableStore) -> None:
     async with store.consolidation("alice") as unit:
         with pytest.raises(RuntimeError, match="load"):
-            await unit.apply(plan())
+            await unit.write(plan())
 
 
-async def test_apply_refuses_a_plan_for_another_identity(store: InspectableStore) -> None:
+async def test_write_refuses_a_plan_for_another_identity(store: InspectableStore) -> None:
     async with store.consolidation("alice") as unit:
         await unit.load()
         with pytest.raises(ValueError, match="bob"):
-            await unit.apply(plan("bob"))
+            await unit.write(plan("bob"))
         with pytest.raises(ValueError, match="bob"):
-            await unit.apply(plan(upserts=[fact(identity_id="bob")]))
+            await unit.write(plan(upserts=[fact(identity_id="bob")]))
         with pytest.raises(ValueError, match="bob"):
-            await unit.apply(plan(events=[event(identity_id="bob")]))
+            await unit.write(plan(events=[event(identity_id="bob")]))
         await unit.commit()
 
     assert await state_of(store, "bob") == ([], [], [], None)
@@ -105,7 +105,7 @@ async def test_apply_refuses_a_plan_for_another_identity(store: InspectableStore
 async def test_a_unit_is_done_after_commit(store: InspectableStore) -> None:
     async with store.consolidation("alice") as unit:
         await unit.load()
-        await unit.apply(plan())
+        await unit.write(plan())
         await unit.commit()
         with pytest.raises(RuntimeError, match="committed"):
             await unit.load()
@@ -119,7 +119,7 @@ async def test_leaving_without_commit_changes_nothing(store: InspectableStore) -
 
     async with store.consolidation("alice") as unit:
         loaded = await unit.load()
-        await unit.apply(
+        await unit.write(
             plan(
                 consumed=1,
                 upserts=[fact("tool_affinity:new")],
@@ -131,7 +131,7 @@ async def test_leaving_without_commit_changes_nothing(store: InspectableStore) -
     with pytest.raises(KeyError):
         async with store.consolidation("alice") as unit:
             await unit.load()
-            await unit.apply(plan(consumed=1, upserts=[fact("tool_affinity:new")]))
+            await unit.write(plan(consumed=1, upserts=[fact("tool_affinity:new")]))
             raise KeyError("the caller failed before commit")
 
     assert await state_of(store, "alice") == before
@@ -148,7 +148,7 @@ async def test_upserts_overwrite_and_deletes_remove(store: InspectableStore) -> 
     async with store.consolidation("alice") as unit:
         loaded = await unit.load()
         assert {f.subject for f in loaded.facts} == {"tool_affinity:a", "tool_affinity:b"}
-        await unit.apply(plan(upserts=[reinforced], deletes=["tool_affinity:b"]))
+        await unit.write(plan(upserts=[reinforced], deletes=["tool_affinity:b"]))
         await unit.commit()
 
     stored = await store.facts("alice")
@@ -181,7 +181,7 @@ async def test_history_keeps_events_in_order(store: InspectableStore) -> None:
     ]
     async with store.consolidation("alice") as unit:
         await unit.load()
-        await unit.apply(plan(events=events))
+        await unit.write(plan(events=events))
         await unit.commit()
 
     assert await store.history("alice") == events
@@ -205,7 +205,7 @@ async def test_load_returns_reinforcing_events_of_the_new_sessions_only(
         async with store.consolidation(identity) as unit:
             await unit.load()
             mine = [e for e in earlier if e.identity_id == identity]
-            await unit.apply(plan(identity, events=mine))
+            await unit.write(plan(identity, events=mine))
             await unit.commit()
     await store.append([record(session_id="s1"), record(session_id="s3"), record(session_id=None)])
 
@@ -231,7 +231,7 @@ async def test_retention_prunes_consumed_observations_past_it_and_nothing_else(
     async with store.consolidation("alice") as unit:
         loaded = await unit.load()
         await store.append([record("old appended after load", created_at=OLD)])
-        await unit.apply(
+        await unit.write(
             plan(
                 consumed=len(loaded.observations),
                 upserts=[fact()],
@@ -268,7 +268,7 @@ async def _populate(store: InspectableStore, identity: str) -> None:
     await store.append([record(identity, identity_id=identity)])
     async with store.consolidation(identity) as unit:
         await unit.load()
-        await unit.apply(
+        await unit.write(
             plan(
                 identity,
                 upserts=[fact(identity_id=identity)],

@@ -105,7 +105,7 @@ async def test_an_append_committed_after_load_is_left_for_the_next_run(
         loaded = await unit.load()
         # Committed while the run holds its lock, after its snapshot was taken.
         await pg_store.append([record("during")])
-        await unit.apply(plan(consumed=len(loaded.observations)))
+        await unit.write(plan(consumed=len(loaded.observations)))
         await unit.commit()
 
     assert contents(loaded.observations) == ["before"]
@@ -134,7 +134,7 @@ async def test_prune_deletes_only_old_observations_the_run_saw(pg_store: Postgre
             loaded = await unit.load()
             # Committed after the snapshot: visible to the DELETE, but not seen by the run.
             await pg_store.append([record("old committed meanwhile", created_at=old)])
-            await unit.apply(plan(consumed=2, prune_before=NOW - timedelta(days=7)))
+            await unit.write(plan(consumed=2, prune_before=NOW - timedelta(days=7)))
             await unit.commit()
         await writer.commit()
 
@@ -160,7 +160,7 @@ async def test_leaving_without_commit_leaves_no_trace(pg_store: PostgresStore) -
 
     async with pg_store.consolidation("alice") as unit:
         loaded = await unit.load()
-        await unit.apply(
+        await unit.write(
             plan(
                 consumed=1,
                 upserts=[fact("tool_affinity:new")],
@@ -172,7 +172,7 @@ async def test_leaving_without_commit_leaves_no_trace(pg_store: PostgresStore) -
     with pytest.raises(KeyError):
         async with pg_store.consolidation("alice") as unit:
             await unit.load()
-            await unit.apply(plan(consumed=1, upserts=[fact("tool_affinity:new")]))
+            await unit.write(plan(consumed=1, upserts=[fact("tool_affinity:new")]))
             raise KeyError("the caller failed before commit")
 
     after = (
@@ -189,7 +189,7 @@ async def test_leaving_without_commit_leaves_no_trace(pg_store: PostgresStore) -
 async def test_a_unit_is_done_after_commit(pg_store: PostgresStore) -> None:
     async with pg_store.consolidation("alice") as unit:
         await unit.load()
-        await unit.apply(plan())
+        await unit.write(plan())
         await unit.commit()
         with pytest.raises(RuntimeError, match="committed"):
             await unit.load()
@@ -207,7 +207,7 @@ async def test_a_connection_killed_mid_unit_leaves_the_previous_state(
     with pytest.raises(ConnectionLost):
         async with pg_store.consolidation("alice") as unit:
             await unit.load()
-            await unit.apply(plan(consumed=1, upserts=[fact("tool_affinity:new")]))
+            await unit.write(plan(consumed=1, upserts=[fact("tool_affinity:new")]))
             # The unit's backend is the one idle in a transaction on this database.
             killed = await fetch(
                 admin_url,
@@ -267,7 +267,7 @@ async def test_a_run_waiting_behind_another_starts_where_it_stopped(
         waiting = asyncio.create_task(second_run())
         await wait_until_blocked(admin_url, pg_store.engine.url.database)
         await pg_store.append([record("while the first run held the lock")])
-        await unit.apply(plan(consumed=len(loaded.observations), upserts=[fact()]))
+        await unit.write(plan(consumed=len(loaded.observations), upserts=[fact()]))
         await unit.commit()
     second = await waiting
 
@@ -300,7 +300,7 @@ async def test_forget_waits_for_a_running_consolidation(
         loaded = await unit.load()
         forgetting = asyncio.create_task(pg_store.forget("alice"))
         await wait_until_blocked(admin_url, pg_store.engine.url.database)
-        await unit.apply(plan(consumed=len(loaded.observations), upserts=[fact()]))
+        await unit.write(plan(consumed=len(loaded.observations), upserts=[fact()]))
         await unit.commit()
     await forgetting
 
@@ -339,7 +339,7 @@ async def test_a_run_cancelled_while_waiting_for_the_lock_leaves_nothing_behind(
         waiting.cancel()
         with pytest.raises(asyncio.CancelledError):
             await waiting
-        await unit.apply(plan(consumed=len(loaded.observations)))
+        await unit.write(plan(consumed=len(loaded.observations)))
         await unit.commit()
 
     leftovers = await fetch(

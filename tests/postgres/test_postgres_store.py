@@ -93,7 +93,7 @@ async def test_facts_are_stored_with_their_anchor(pg_store: PostgresStore) -> No
     await pg_store.append([record()])
     async with pg_store.consolidation("alice") as unit:
         await unit.load()
-        await unit.apply(plan(upserts=[anchored, plain], consumed=1))
+        await unit.write(plan(upserts=[anchored, plain], consumed=1))
         await unit.commit()
 
     stored = {f.subject: f for f in await pg_store.facts("alice")}

@@ -130,7 +130,7 @@ async def test_an_append_during_a_consolidation_is_left_for_the_next_one(
             late = sanitize_observation("u1", tool_ok("b", session="s2"), T0 - timedelta(hours=1))
             await writer.append([late])
             plan = plan_consolidation("u1", batch, T0 + timedelta(minutes=1), decay)
-            await unit.apply(plan)
+            await unit.write(plan)
             await unit.commit()
         assert [o.metadata["toolName"] for o in batch.observations] == ["a"]
         _, pending = await redis_store.peek("u1")
@@ -154,7 +154,7 @@ async def test_a_run_whose_lock_expired_commits_nothing(
             # The lock expires (as after lock_ttl) and another run takes it.
             await redis_store.client.delete(redis_store.keys.of("lock", "u1"))
             async with other.consolidation("u1"):
-                await unit.apply(plan_consolidation("u1", batch, T0, decay))
+                await unit.write(plan_consolidation("u1", batch, T0, decay))
                 with pytest.raises(LockLost):
                     await unit.commit()
         assert await redis_store.facts("u1") == []
@@ -210,7 +210,7 @@ async def test_retention_prunes_consumed_observations_only(
             # run's pruning must leave it for the next run to consume.
             late = sanitize_observation("u1", tool_ok("late", session="s2"), T0)
             await redis_store.append([late])
-            await unit.apply(plan_consolidation("u1", batch, clock.now, ExponentialDecay()))
+            await unit.write(plan_consolidation("u1", batch, clock.now, ExponentialDecay()))
             await unit.commit()
         kept = {o.metadata["toolName"] for o in await redis_store.observations("u1")}
         assert kept == {"new", "late"}

@@ -30,7 +30,7 @@ def make_fact(confidence: float = 0.5, ease: float | None = None, count: int = 1
 def days_until_expiry(decay: ExponentialDecay, fact: Fact) -> int:
     """The first whole day at which the fact is below the expiry threshold."""
     day = 0
-    while decay.apply(fact, T0 + timedelta(days=day)) >= decay.expiry_threshold:
+    while decay.decayed(fact, T0 + timedelta(days=day)) >= decay.expiry_threshold:
         day += 1
     return day
 
@@ -44,11 +44,11 @@ def test_half_life_is_about_13_5_days() -> None:
     decay = ExponentialDecay()
     assert decay.half_life_days() == pytest.approx(13.51, abs=0.01)
     fact = make_fact(1.0)
-    assert decay.apply(fact, T0 + timedelta(days=decay.half_life_days())) == pytest.approx(0.5)
+    assert decay.decayed(fact, T0 + timedelta(days=decay.half_life_days())) == pytest.approx(0.5)
     assert (
-        decay.apply(fact, T0 + timedelta(days=13))
+        decay.decayed(fact, T0 + timedelta(days=13))
         > 0.5
-        > decay.apply(fact, T0 + timedelta(days=14))
+        > decay.decayed(fact, T0 + timedelta(days=14))
     )
 
 
@@ -63,18 +63,18 @@ def test_new_fact_expires_after_about_31_days_and_full_one_after_about_45() -> N
 def test_decay_is_computed_from_confidence_at_not_compounded() -> None:
     decay = ExponentialDecay()
     fact = make_fact(0.8)
-    at_10 = decay.apply(fact, T0 + timedelta(days=10))
+    at_10 = decay.decayed(fact, T0 + timedelta(days=10))
     assert at_10 == pytest.approx(0.8 * 0.95**10)
     view = fact.model_copy(update={"confidence": at_10, "confidence_at": T0 + timedelta(days=10)})
     # A view at day 10 decays on from day 10, giving the same value at day 20.
-    assert decay.apply(view, T0 + timedelta(days=20)) == pytest.approx(0.8 * 0.95**20)
+    assert decay.decayed(view, T0 + timedelta(days=20)) == pytest.approx(0.8 * 0.95**20)
     # Applying decay to a view at its own instant changes nothing.
-    assert decay.apply(view, T0 + timedelta(days=10)) == pytest.approx(at_10)
+    assert decay.decayed(view, T0 + timedelta(days=10)) == pytest.approx(at_10)
 
 
 def test_time_going_backwards_never_raises_confidence() -> None:
     # Elapsed time is a distance: an anchor 3 days ahead decays like one 3 days behind.
-    backwards = ExponentialDecay().apply(make_fact(0.6), T0 - timedelta(days=3))
+    backwards = ExponentialDecay().decayed(make_fact(0.6), T0 - timedelta(days=3))
     assert backwards == pytest.approx(0.6 * 0.95**3)
     assert backwards <= 0.6
 
@@ -83,9 +83,9 @@ def test_time_going_backwards_never_raises_confidence() -> None:
 def test_a_future_anchor_cannot_pin_a_fact(decay: ExponentialDecay) -> None:
     # A fact stored with a date ten years ahead is expired now, not held at 1.0.
     pinned = make_fact(1.0)
-    assert decay.apply(pinned, T0 - timedelta(days=3650)) < decay.expiry_threshold
+    assert decay.decayed(pinned, T0 - timedelta(days=3650)) < decay.expiry_threshold
     # A few minutes of clock skew between servers cost next to nothing.
-    assert decay.apply(pinned, T0 - timedelta(minutes=5)) == pytest.approx(1.0, abs=1e-3)
+    assert decay.decayed(pinned, T0 - timedelta(minutes=5)) == pytest.approx(1.0, abs=1e-3)
 
 
 def test_reinforcement_adds_0_1_to_the_decayed_value_and_caps_at_1() -> None:
@@ -120,11 +120,11 @@ def test_adaptive_ease_never_drops_below_1_3() -> None:
 def test_adaptive_decay_stretches_time_by_ease() -> None:
     decay = AdaptiveDecay()
     fact = make_fact(1.0, ease=2.5)
-    assert decay.apply(fact, T0 + timedelta(days=25)) == pytest.approx(0.95 ** (25 / 2.5))
+    assert decay.decayed(fact, T0 + timedelta(days=25)) == pytest.approx(0.95 ** (25 / 2.5))
     assert decay.half_life_days(2.5) == pytest.approx(33.78, abs=0.01)
     assert decay.half_life_days(1.3) == pytest.approx(17.56, abs=0.01)
     # A fact without an ease factor decays as if it had the default ease.
-    assert decay.apply(make_fact(1.0), T0 + timedelta(days=5)) == pytest.approx(0.95**2)
+    assert decay.decayed(make_fact(1.0), T0 + timedelta(days=5)) == pytest.approx(0.95**2)
 
 
 @pytest.mark.parametrize(

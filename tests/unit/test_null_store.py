@@ -52,10 +52,10 @@ async def test_the_unit_keeps_the_port_checks() -> None:
         batch = await unit.load()
         plan = plan_consolidation("u2", batch, T0 + timedelta(days=1), ExponentialDecay())
         with pytest.raises(ValueError, match="u2"):
-            await unit.apply(plan)
+            await unit.write(plan)
     async with store.consolidation("u1") as unit:
         with pytest.raises(RuntimeError, match="load"):
-            await unit.apply(plan_consolidation("u1", batch, T0, ExponentialDecay()))
+            await unit.write(plan_consolidation("u1", batch, T0, ExponentialDecay()))
 
 
 def test_null_takes_no_store_options() -> None:

@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 
 from coda_memory.core.model import NewObservation, ObservationType
 from coda_memory.core.sanitize import (
+    ObservationRecord,
     ObservationRejected,
-    SanitizedObservation,
     clean_text,
     quote_untrusted,
     sanitize_observation,
@@ -135,7 +135,7 @@ def test_accepts_a_tool_observation_and_converts_time_to_utc() -> None:
         metadata={"toolName": "get_account", "durationMs": 120, "error": "boom"},
         session_id="s-1",
     )
-    assert sanitize_observation("user-1", observation, at) == SanitizedObservation(
+    assert sanitize_observation("user-1", observation, at) == ObservationRecord(
         identity_id="user-1",
         type=ObservationType.TOOL_FAILURE,
         content="get_account failed: boom",

@@ -89,7 +89,7 @@ class ConfidenceCurve:
 
 
 def _state(event: FactEvent) -> Fact:
-    """The fact as the event left it, enough for ``decay.apply``."""
+    """The fact as the event left it, enough for ``decay.decayed``."""
     assert event.confidence_after is not None
     return Fact(
         id=fact_id(event.subject),
@@ -109,14 +109,14 @@ def _state(event: FactEvent) -> Fact:
 
 def crossing(fact: Fact, decay: DecayStrategy, until: datetime) -> datetime | None:
     """When ``fact`` decays below the expiry threshold, if that happens before ``until``
-    (bisection on ``decay.apply``, so any strategy works)."""
+    (bisection on ``decay.decayed``, so any strategy works)."""
     threshold = decay.expiry_threshold
-    if decay.apply(fact, until) >= threshold:
+    if decay.decayed(fact, until) >= threshold:
         return None
     low, high = fact.anchor, until
     while high - low > timedelta(minutes=1):
         middle = low + (high - low) / 2
-        if decay.apply(fact, middle) >= threshold:
+        if decay.decayed(fact, middle) >= threshold:
             low = middle
         else:
             high = middle
@@ -128,7 +128,7 @@ def _segment(
 ) -> tuple[list[datetime], list[float]]:
     step = (end - start) / _SAMPLES
     times = [start + step * i for i in range(_SAMPLES)] + [end]
-    return times, [decay.apply(fact, t) for t in times]
+    return times, [decay.decayed(fact, t) for t in times]
 
 
 def confidence_curve(
@@ -154,7 +154,7 @@ def confidence_curve(
             continue
         if event.confidence_after is None:
             continue
-        before = decay.apply(state, event.at) if state is not None else None
+        before = decay.decayed(state, event.at) if state is not None else None
         if before is not None and before >= threshold:
             curve.jumps.append((event.at, before, event.confidence_after))
         curve.marks.append((event.at, event.confidence_after, event.kind))
