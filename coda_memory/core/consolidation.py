@@ -353,7 +353,10 @@ class _Run:
                 return False  # nothing of this session reinforced the fact before
             at = group.at if current is None else max(group.at, current.last_reinforced_at)
             at = min(at, self.now)  # a future date must not carry a fact forward
-            if current is not None and self.decay.decayed(current, at) < self.decay.expiry_threshold:
+            if (
+                current is not None
+                and self.decay.decayed(current, at) < self.decay.expiry_threshold
+            ):
                 self.expire(current, at)
                 current = None
             self.reinforce(current, group, at, FactEventKind.REINFORCED, group.hits, group.trials)
