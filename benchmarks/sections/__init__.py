@@ -10,6 +10,7 @@ from benchmarks.sections import (
     consolidation,
     ingest,
     load,
+    redis_store,
     scaling_facts,
     scaling_table,
     throughput,
@@ -18,6 +19,7 @@ from benchmarks.sections import (
 SECTIONS: tuple[Section, ...] = (
     consolidation.SECTION,
     load.SECTION,
+    redis_store.SECTION,
     throughput.SECTION,
     ingest.SECTION,
     scaling_facts.SECTION,

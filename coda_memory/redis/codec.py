@@ -69,6 +69,8 @@ def from_ms(value: object, field: str) -> datetime:
         raise BadRecord(f"{field} is not a number")
     if not math.isfinite(value) or not 0 <= value <= _MAX_MS:
         raise BadRecord(f"{field} is out of range")
+    if isinstance(value, int):  # the common case, exact
+        return _EPOCH + timedelta(milliseconds=value)
     return _EPOCH + timedelta(microseconds=round(value * 1000))
 
 
@@ -79,7 +81,7 @@ def _number(value: float) -> int | float:
 
 def _object(raw: str | bytes) -> dict[str, Any]:
     try:
-        value = json.loads(raw)
+        value = json.loads(raw.decode() if isinstance(raw, bytes) else raw)
     except (ValueError, UnicodeDecodeError) as exc:
         raise BadRecord(f"not JSON ({type(exc).__name__})") from exc
     if not isinstance(value, dict):

@@ -22,7 +22,15 @@ from benchmarks.sections import OPTIONS, SECTIONS
 from benchmarks.sizes import FULL, QUICK
 
 #: The ``--only`` names the benchmark README documents.
-DOCUMENTED_OPTIONS = {"consolidation", "load", "throughput", "ingest", "scaling", "analytics"}
+DOCUMENTED_OPTIONS = {
+    "consolidation",
+    "load",
+    "redis",
+    "throughput",
+    "ingest",
+    "scaling",
+    "analytics",
+}
 
 #: Ways of finding the library's API at run time, which let a renamed function drop out
 #: of the benchmark silently instead of failing it.
@@ -39,7 +47,7 @@ def section_modules() -> list[str]:
 
 def test_every_section_module_is_registered_once() -> None:
     modules = section_modules()
-    assert len(modules) == len(SECTIONS) == 7
+    assert len(modules) == len(SECTIONS) == 8
     for name in modules:
         module = importlib.import_module(f"benchmarks.sections.{name}")
         assert isinstance(module.SECTION, Section)
