@@ -17,6 +17,7 @@ from coda_memory.cli import (
     analytics_commands,
     identity_commands,
     import_commands,
+    role_commands,
 )
 from coda_memory.cli.app import app
 
@@ -27,6 +28,7 @@ __all__ = [
     "identity_commands",
     "import_commands",
     "main",
+    "role_commands",
 ]
 
 

@@ -26,6 +26,7 @@ from coda_memory.postgres import maintenance
 from coda_memory.postgres.engine import asyncpg_url
 from coda_memory.postgres.schema import DEFAULT_SCHEMA, validate_schema_name
 from coda_memory.postgres.store import PostgresStore
+from coda_memory.postgres.tenancy import ALL_IDENTITIES
 
 T = TypeVar("T")
 
@@ -222,7 +223,8 @@ async def open_store(
         target.url,
         schema=target.schema,
         pool_size=pool_size,
-        connect_args={"timeout": CONNECT_TIMEOUT},
+        # The owner's maintenance works across identities (row-level security).
+        connect_args={"timeout": CONNECT_TIMEOUT, "server_settings": ALL_IDENTITIES},
         **options,
     )
     try:

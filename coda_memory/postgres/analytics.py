@@ -46,6 +46,7 @@ from coda_memory.core.model import as_utc
 from coda_memory.postgres import rollup
 from coda_memory.postgres.sql import query
 from coda_memory.postgres.store import PostgresStore
+from coda_memory.postgres.tenancy import set_all_identities
 
 DEFAULT_WINDOW = timedelta(days=30)
 DEFAULT_MIN_USERS = 5
@@ -218,6 +219,7 @@ async def rebuild_rollups(store: PostgresStore) -> None:
 
     async def rebuild(conn: AsyncConnection) -> None:
         async with conn.begin():
+            await set_all_identities(conn)  # every identity's observations (the owner)
             await rollup.rebuild(conn)
 
     # One transaction, replacing the rollup whole: retried on a dead connection.

@@ -20,9 +20,10 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 
 from coda_memory.ports import AppendOutcome, ObservationRecord
 from coda_memory.postgres.rollup import connection_shard, write_rollup
-from coda_memory.postgres.schema import observations
+from coda_memory.postgres.sql import query
 
-_COLUMNS = ("identity_id", "type", "content", "metadata", "session_id", "created_at")
+#: The parameters of ``observations_insert.sql``, one array per column of a row's values.
+_ARRAYS = ("identity_ids", "types", "contents", "metadata", "session_ids", "created_ats")
 
 #: SQLSTATE classes that blame the data of a row: data exception, integrity constraint
 #: violation (CHECK, NOT NULL) and program limit exceeded (an oversized index entry).
@@ -81,12 +82,9 @@ def _encode(records: Sequence[ObservationRecord]) -> tuple[list[_Row], list[tupl
 
 
 async def _copy(driver: Any, schema: str, rows: Sequence[_Row]) -> None:
-    await driver.copy_records_to_table(
-        observations.name,
-        schema_name=schema,
-        columns=_COLUMNS,
-        records=[row.values for row in rows],
-    )
+    statement = query("observations_insert", schema)
+    columns = {name: [row.values[i] for row in rows] for i, name in enumerate(_ARRAYS)}
+    await driver.execute(statement.text, *statement.arguments_from(columns))
 
 
 async def _bisect(driver: Any, schema: str, rows: list[_Row]) -> list[tuple[int, str]]:
@@ -113,7 +111,7 @@ async def _store(
     """Copy ``rows`` and write their rollup in one transaction; return the refused rows'
     (index, reason) pairs. The caller commits."""
     # Opens the transaction (asyncpg's COPY below does not go through SQLAlchemy).
-    shard = await connection_shard(conn)
+    shard = await connection_shard(conn, writer=True)
     refused: list[tuple[int, str]] = []
     try:
         # The common case: one COPY.
@@ -122,7 +120,7 @@ async def _store(
         if not _is_row_error(exc):
             raise
         await conn.rollback()
-        shard = await connection_shard(conn)  # reopens the transaction
+        shard = await connection_shard(conn, writer=True)  # reopens the transaction
         refused = await _bisect(driver, schema, rows)
     blamed = {index for index, _ in refused}
     stored = [row for row in rows if row.index not in blamed]

@@ -92,6 +92,7 @@ from coda_memory.postgres.schema import (
     tool_durations,
     tool_users,
 )
+from coda_memory.postgres.tenancy import WRITER_SETTING
 
 #: How many rows share the load of one hot (day, tool) or (day, domain) counter.
 SHARDS = 8
@@ -314,10 +315,15 @@ def domain_rollup(identities: Sequence[str] | None, shard: int) -> Insert:
     return _add_to_daily(domain_daily, changes, ["domain"], ["queries", "users"], shard)
 
 
-async def connection_shard(conn: AsyncConnection) -> int:
-    """The shard this connection writes (one statement: it also opens the transaction)."""
-    result = await conn.execute(select(func.pg_backend_pid() % SHARDS))
-    return int(result.scalar_one())
+async def connection_shard(conn: AsyncConnection, *, writer: bool = False) -> int:
+    """The shard this connection writes (one statement: it also opens the transaction).
+    ``writer``: the transaction also becomes the writer's, which may store rows of any
+    identity (row-level security; see :mod:`~coda_memory.postgres.tenancy`)."""
+    columns = [func.pg_backend_pid() % SHARDS]
+    if writer:
+        columns.append(func.set_config(WRITER_SETTING, "on", True))
+    result = await conn.execute(select(*columns))
+    return int(result.one()[0])
 
 
 async def write_rollup(

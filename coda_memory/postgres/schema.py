@@ -51,6 +51,10 @@ NAMING_CONVENTION: dict[str, str] = {
 }
 
 
+#: Schemas of the server itself (besides every pg_* one).
+_SYSTEM_SCHEMAS = frozenset({"information_schema"})
+
+
 def validate_schema_name(name: str) -> str:
     """Return ``name`` if it is a plain lower-case identifier that is safe as a schema."""
     if not isinstance(name, str) or _SCHEMA_NAME.fullmatch(name) is None:
@@ -60,6 +64,8 @@ def validate_schema_name(name: str) -> str:
         )
     if name.startswith("pg_"):
         raise ValueError(f"invalid schema name {name!r}: the pg_ prefix is reserved")
+    if name in _SYSTEM_SCHEMAS:
+        raise ValueError(f"invalid schema name {name!r}: a system schema")
     return name
 
 

@@ -53,11 +53,24 @@ from coda_memory.postgres.repositories import (
 )
 from coda_memory.postgres.rollup import forget_identity
 from coda_memory.postgres.schema import DEFAULT_SCHEMA, redis_imports, validate_schema_name
+from coda_memory.postgres.tenancy import SET_TENANT, SET_TENANT_SESSION, set_tenant
 from coda_memory.postgres.unit import PostgresConsolidationUnit, Statements, lock_identity, peek
 
 DEFAULT_LOCK_TIMEOUT = timedelta(seconds=5)
 
 T = TypeVar("T")
+
+
+def _as_tenant(
+    identity_id: str, work: Callable[[AsyncConnection], Awaitable[T]]
+) -> Callable[[AsyncConnection], Awaitable[T]]:
+    """``work`` in a transaction whose tenant is ``identity_id`` (row-level security)."""
+
+    async def scoped(conn: AsyncConnection) -> T:
+        await set_tenant(conn, identity_id)
+        return await work(conn)
+
+    return scoped
 
 
 class PostgresStore:
@@ -109,36 +122,53 @@ class PostgresStore:
         doing = f"while consolidating {identity_id!r}"
         async with driver_transaction(self.engine, self.schema, self._begin, doing) as driver:
             with schema_required(self.schema):
+                # The tenant of the transaction (row-level security).
+                await driver.execute(SET_TENANT, identity_id)
                 unit = await PostgresConsolidationUnit.open(
                     driver, self._statements, identity_id, partial(driver.execute, "COMMIT")
                 )
             yield unit
 
     async def facts(self, identity_id: str) -> list[Fact]:
-        return await self.run(lambda conn: FactRepository(conn).stored(identity_id))
+        return await self.run(
+            _as_tenant(identity_id, lambda conn: FactRepository(conn).stored(identity_id))
+        )
 
     async def peek(self, identity_id: str) -> tuple[list[Fact], bool]:
         async def read(conn: AsyncConnection) -> tuple[list[Fact], bool]:
-            return await peek(await driver_connection(conn), self._statements, identity_id)
+            driver = await driver_connection(conn)
+            # No transaction: the tenant is the session's, until the connection's next
+            # transaction sets its own.
+            await driver.execute(SET_TENANT_SESSION, identity_id)
+            return await peek(driver, self._statements, identity_id)
 
         return await self.run(read)
 
     async def history(self, identity_id: str, subject: str | None = None) -> list[FactEvent]:
-        return await self.run(lambda conn: FactEventRepository(conn).history(identity_id, subject))
+        return await self.run(
+            _as_tenant(
+                identity_id, lambda conn: FactEventRepository(conn).history(identity_id, subject)
+            )
+        )
 
     async def observations(self, identity_id: str) -> list[Observation]:
         """The identity's stored (not yet pruned) observations, in insertion order."""
-        return await self.run(lambda conn: ObservationRepository(conn).stored(identity_id))
+        return await self.run(
+            _as_tenant(identity_id, lambda conn: ObservationRepository(conn).stored(identity_id))
+        )
 
     async def checkpoint(self, identity_id: str) -> Checkpoint | None:
         """The identity's checkpoint, or None before its first consolidation."""
-        return await self.run(lambda conn: CheckpointRepository(conn).get(identity_id))
+        return await self.run(
+            _as_tenant(identity_id, lambda conn: CheckpointRepository(conn).get(identity_id))
+        )
 
     async def forget(self, identity_id: str) -> None:
         async def forget(conn: AsyncConnection) -> None:
             async with conn.begin():
                 # Opens the transaction, which the lock below joins on the same connection.
                 await conn.exec_driver_sql(self._lock_timeout)
+                await set_tenant(conn, identity_id)
                 # Holding the checkpoint lock, no consolidation of the identity runs
                 # meanwhile, so none can write facts after they are deleted.
                 driver = await driver_connection(conn)

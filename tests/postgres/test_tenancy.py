@@ -1,0 +1,352 @@
+"""Tenant isolation in the database: row-level security and the three kinds of role.
+
+Superusers bypass row-level security, so these tests create roles of their own (unique
+per run, dropped afterwards), none a superuser: an owner that migrates a schema of its
+own, an ``app`` role the service runs as, and an ``analyst`` role. A connection takes a
+role with the ``role`` server setting, as ``SET ROLE`` would.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import asyncpg
+import pytest
+from alembic import command
+from sqlalchemy import Connection, pool
+from sqlalchemy.engine import make_url
+from sqlalchemy.ext.asyncio import create_async_engine
+from typer.testing import CliRunner
+
+from coda_memory import MemoryService
+from coda_memory.cli import app
+from coda_memory.postgres import PostgresStore, analytics, maintenance
+from coda_memory.postgres.migrate import alembic_config
+from coda_memory.postgres.schema import validate_schema_name
+from coda_memory.postgres.tenancy import ALL_IDENTITIES, apply_grants, grant_script, quote_role
+from tests.helpers import FakeClock, domain, entity, tool_failed, tool_ok
+
+SCHEMA = "tenancy"
+PER_IDENTITY = (
+    "observations",
+    "facts",
+    "fact_events",
+    "checkpoints",
+    "tool_users",
+    "entity_users",
+    "domain_users",
+)
+#: Per-identity too, but written by the owner's import only: no grant to the app role.
+OWNER_ONLY = ("redis_imports",)
+AGGREGATE_TABLES = ("tool_daily", "tool_durations", "entity_daily", "domain_daily")
+AGGREGATE_VIEWS = (
+    "analytics_window",
+    "tool_effectiveness",
+    "entity_popularity",
+    "domain_trends",
+    "fact_summary",
+)
+#: What the app role may update and delete (no UPDATE on the append-only tables).
+UPDATABLE = ("facts", "checkpoints", "tool_users", "entity_users", "domain_users")
+
+
+@dataclass(frozen=True)
+class Tenancy:
+    url: str
+    owner: str
+    app: str
+    analyst: str
+
+    def as_role(self, role: str, **settings: str) -> dict[str, Any]:
+        """Engine options for connections that act as ``role``."""
+        return {"connect_args": {"server_settings": {"role": role, **settings}}}
+
+    async def connect(self, role: str, **settings: str) -> asyncpg.Connection:
+        dsn = make_url(self.url).set(drivername="postgresql").render_as_string(False)
+        return await asyncpg.connect(dsn, server_settings={"role": role, **settings})
+
+
+async def _superuser(url: str, *statements: str) -> None:
+    conn = await asyncpg.connect(make_url(url).set(drivername="postgresql").render_as_string(False))
+    try:
+        for statement in statements:
+            await conn.execute(statement)
+    finally:
+        await conn.close()
+
+
+def _upgrade(connection: Connection) -> None:
+    config = alembic_config(schema=SCHEMA)
+    config.attributes["connection"] = connection
+    command.upgrade(config, "head")
+
+
+@pytest.fixture
+async def tenancy(pg_url: str) -> AsyncIterator[Tenancy]:
+    """Schema ``tenancy`` migrated by a non-superuser owner, with an app and an analyst
+    role granted by the owner."""
+    suffix = secrets.token_hex(4)
+    names = Tenancy(pg_url, f"coda_owner_{suffix}", f"coda_app_{suffix}", f"coda_analyst_{suffix}")
+    roles = (names.owner, names.app, names.analyst)
+    database = make_url(pg_url).database
+    await _superuser(
+        pg_url,
+        *(f'CREATE ROLE "{role}" NOLOGIN' for role in roles),
+        f'GRANT CREATE ON DATABASE "{database}" TO "{names.owner}"',
+    )
+    try:
+        owner = create_async_engine(pg_url, poolclass=pool.NullPool, **names.as_role(names.owner))
+        try:
+            async with owner.connect() as conn:
+                await conn.run_sync(_upgrade)
+                await conn.commit()
+                driver = (await conn.get_raw_connection()).driver_connection
+                await apply_grants(driver, "app", names.app, SCHEMA)
+                await apply_grants(driver, "analyst", names.analyst, SCHEMA)
+        finally:
+            await owner.dispose()
+        yield names
+    finally:
+        await _superuser(
+            pg_url,
+            f'DROP SCHEMA IF EXISTS "{SCHEMA}" CASCADE',
+            *(f'DROP OWNED BY "{role}"' for role in roles),
+            *(f'DROP ROLE "{role}"' for role in roles),
+        )
+
+
+async def _populate(t: Tenancy) -> None:
+    """alice and bob use the service, which runs as the app role."""
+    clock = FakeClock()
+    service = MemoryService.from_url(
+        t.url, schema=SCHEMA, clock=clock, load_timeout=5.0, **t.as_role(t.app)
+    )
+    try:
+        for who in ("alice", "bob"):
+            service.emit_observation(who, tool_ok(f"tool_{who}"))
+            service.emit_observation(who, tool_failed("run_sql"))
+            service.emit_observation(who, entity("account", f"acct-{who}"))
+            service.emit_observation(who, domain("royalty"))
+        await service.drain()
+        assert service.stats().stored == 8
+        # bob is consolidated first, without the read that load_memory does first.
+        await service.consolidate("bob")
+        for who in ("alice", "bob"):
+            loaded = await service.load_memory(who)
+            subjects = {f.subject for f in loaded.facts}
+            assert f"tool_affinity:tool_{who}" in subjects
+            assert {f.identity_id for f in loaded.facts} == {who}
+    finally:
+        await service.close()
+
+
+async def _count(conn: asyncpg.Connection, table: str, where: str = "true") -> int:
+    count: int = await conn.fetchval(f"SELECT count(*) FROM {SCHEMA}.{table} WHERE {where}")
+    return count
+
+
+async def test_the_app_role_sees_and_changes_one_identity_only(tenancy: Tenancy) -> None:
+    await _populate(tenancy)
+    superuser = await asyncpg.connect(
+        make_url(tenancy.url).set(drivername="postgresql").render_as_string(False)
+    )
+    app_conn = await tenancy.connect(tenancy.app)
+    try:
+        before = {t: await _count(superuser, t, "identity_id = 'bob'") for t in PER_IDENTITY}
+        assert all(before.values()), before
+        # Without a tenant: nothing at all.
+        for table in PER_IDENTITY:
+            assert await _count(app_conn, table) == 0, table
+        async with app_conn.transaction():
+            await app_conn.execute(
+                "SELECT set_config('coda_memory.identity_id', $1, true)", "alice"
+            )
+            for table in PER_IDENTITY:
+                assert await _count(app_conn, table, "identity_id = 'alice'") > 0, table
+                assert await _count(app_conn, table, "identity_id = 'bob'") == 0, table
+                assert await _count(app_conn, table, "identity_id <> 'alice'") == 0, table
+                deleted = await app_conn.execute(
+                    f"DELETE FROM {SCHEMA}.{table} WHERE identity_id = 'bob'"
+                )
+                assert deleted == "DELETE 0", table
+            for table in UPDATABLE:
+                updated = await app_conn.execute(
+                    f"UPDATE {SCHEMA}.{table} SET identity_id = identity_id "
+                    "WHERE identity_id = 'bob'"
+                )
+                assert updated == "UPDATE 0", table
+            # Nor can it write a row of another tenant.
+            with pytest.raises(asyncpg.InsufficientPrivilegeError):
+                await app_conn.execute(
+                    f"INSERT INTO {SCHEMA}.facts VALUES ('bob', 'domain_preference:x', "
+                    "'domain_preference', 'x', 0.5, 1, now(), now(), now(), now(), null)"
+                )
+        after = {t: await _count(superuser, t, "identity_id = 'bob'") for t in PER_IDENTITY}
+        assert after == before
+    finally:
+        await app_conn.close()
+        await superuser.close()
+
+
+async def test_the_service_as_the_app_role_forgets_one_identity(tenancy: Tenancy) -> None:
+    await _populate(tenancy)
+    store = PostgresStore.from_url(tenancy.url, schema=SCHEMA, **tenancy.as_role(tenancy.app))
+    try:
+        assert await store.facts("bob")
+        await store.forget("alice")
+        assert await store.facts("alice") == []
+        assert await store.history("alice") == []
+        assert await store.facts("bob")
+        assert await store.observations("bob")
+        assert await store.checkpoint("bob") is not None
+    finally:
+        await store.close()
+
+
+async def test_the_analyst_role_reads_only_the_aggregate_views(tenancy: Tenancy) -> None:
+    await _populate(tenancy)
+    conn = await tenancy.connect(tenancy.analyst)
+    try:
+        for relation in (
+            *PER_IDENTITY,
+            *OWNER_ONLY,
+            *AGGREGATE_TABLES,
+            "active_facts",
+            "alembic_version",
+        ):
+            with pytest.raises(asyncpg.InsufficientPrivilegeError):
+                await conn.fetch(f"SELECT * FROM {SCHEMA}.{relation} LIMIT 1")
+        for view in AGGREGATE_VIEWS:
+            columns = await conn.fetch(
+                "SELECT column_name FROM information_schema.columns "
+                "WHERE table_schema = $1 AND table_name = $2",
+                SCHEMA,
+                view,
+            )
+            assert "identity_id" not in {c["column_name"] for c in columns}, view
+            await conn.fetch(f"SELECT * FROM {SCHEMA}.{view}")
+        # The aggregates count every identity's facts, although no row is readable.
+        await conn.execute("SET coda_memory.analytics_now = '2026-01-01T10:00:00Z'")
+        summary = {
+            r["category"]: r["users"]
+            for r in await conn.fetch(f"SELECT * FROM {SCHEMA}.fact_summary")
+        }
+        assert summary["tool_affinity"] == 2
+        assert summary["tool_avoidance"] == 2
+        tools = {
+            r["tool_name"]: r["avoidance_users"]
+            for r in await conn.fetch(f"SELECT * FROM {SCHEMA}.tool_effectiveness")
+        }
+        assert tools["run_sql"] == 2
+    finally:
+        await conn.close()
+
+
+async def test_the_owner_sees_every_identity_only_when_it_asks(tenancy: Tenancy) -> None:
+    await _populate(tenancy)
+    # FORCE: the owner is subject to the policies too.
+    conn = await tenancy.connect(tenancy.owner)
+    try:
+        for table in PER_IDENTITY:
+            assert await _count(conn, table) == 0, table
+    finally:
+        await conn.close()
+    conn = await tenancy.connect(tenancy.owner, **ALL_IDENTITIES)
+    try:
+        assert await _count(conn, "facts", "identity_id IN ('alice', 'bob')") > 0
+        assert await conn.fetchval(f"SELECT count(DISTINCT identity_id) FROM {SCHEMA}.facts") == 2
+    finally:
+        await conn.close()
+    # No other role can ask for it.
+    conn = await tenancy.connect(tenancy.app, **ALL_IDENTITIES)
+    try:
+        for table in PER_IDENTITY:
+            assert await _count(conn, table) == 0, table
+    finally:
+        await conn.close()
+
+
+async def test_owner_maintenance_and_analytics_work_across_identities(tenancy: Tenancy) -> None:
+    await _populate(tenancy)
+    options: dict[str, Any] = {
+        "connect_args": {"server_settings": {"role": tenancy.owner, **ALL_IDENTITIES}}
+    }
+    store = PostgresStore.from_url(tenancy.url, schema=SCHEMA, **options)
+    try:
+        stats = await maintenance.store_stats(store)
+        assert stats.identities == 2
+        assert stats.observations == 8
+        assert await maintenance.pending_identities(store) == []
+        assert await maintenance.identity_exists(store, "bob")
+        summary = await analytics.fact_summary(store, min_users=1, now=FakeClock().now)
+        assert {s.category: s.users for s in summary}["tool_affinity"] == 2
+        outcome = await maintenance.prune_consolidated(
+            store, before=FakeClock().now.replace(year=2100)
+        )
+        assert (outcome.deleted, outcome.identities) == (8, 2)
+    finally:
+        await store.close()
+    # Analytics as the owner without the connection setting: they ask for it themselves.
+    store = PostgresStore.from_url(tenancy.url, schema=SCHEMA, **tenancy.as_role(tenancy.owner))
+    try:
+        summary = await analytics.fact_summary(store, min_users=1, now=FakeClock().now)
+        assert {s.category: s.users for s in summary}["tool_affinity"] == 2
+    finally:
+        await store.close()
+
+
+def test_grant_prints_statements_with_the_role_quoted() -> None:
+    result = CliRunner().invoke(app, ["grant", "analyst", 'odd "name"; DROP', "--print"])
+    assert result.exit_code == 0, result.output
+    assert '"odd ""name""; DROP"' in result.stdout
+    assert 'GRANT SELECT\n    ON "coda_memory".analytics_window' in result.stdout
+    assert "active_facts" not in result.stdout.replace("(active_facts)", "")
+    for bad in ("", "public", "pg_monitor", "x" * 64, "a\x00b"):
+        with pytest.raises(ValueError):
+            quote_role(bad)
+    result = CliRunner().invoke(app, ["grant", "owner", "someone", "--print"])
+    assert result.exit_code == 2
+
+
+def test_grant_applies_the_grants(pg_url: str) -> None:
+    import asyncio
+
+    role = f"coda_grantee_{secrets.token_hex(4)}"
+    asyncio.run(_superuser(pg_url, f'CREATE ROLE "{role}" NOLOGIN'))
+    try:
+        result = CliRunner().invoke(app, ["grant", "app", role, "--url", pg_url])
+        assert result.exit_code == 0, result.output
+
+        async def privileges() -> list[bool]:
+            conn = await asyncpg.connect(
+                make_url(pg_url).set(drivername="postgresql").render_as_string(False)
+            )
+            try:
+                return [
+                    await conn.fetchval(
+                        "SELECT has_table_privilege($1, $2, $3)", role, f"coda_memory.{t}", p
+                    )
+                    for t, p in (
+                        ("facts", "SELECT"),
+                        ("observations", "INSERT"),
+                        ("active_facts", "SELECT"),
+                        ("observations", "UPDATE"),
+                    )
+                ]
+            finally:
+                await conn.close()
+
+        assert asyncio.run(privileges()) == [True, True, False, False]
+    finally:
+        asyncio.run(_superuser(pg_url, f'DROP OWNED BY "{role}"', f'DROP ROLE "{role}"'))
+
+
+@pytest.mark.parametrize("name", ["information_schema", "pg_catalog", "pg_toast", "pg_temp_1"])
+def test_system_schemas_are_refused(name: str) -> None:
+    with pytest.raises(ValueError):
+        validate_schema_name(name)
+    with pytest.raises(ValueError):
+        grant_script("app", "someone", name)
