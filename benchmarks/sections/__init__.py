@@ -13,6 +13,7 @@ from benchmarks.sections import (
     redis_store,
     scaling_facts,
     scaling_table,
+    tenancy,
     throughput,
 )
 
@@ -25,6 +26,7 @@ SECTIONS: tuple[Section, ...] = (
     scaling_facts.SECTION,
     scaling_table.SECTION,
     analytics.SECTION,
+    tenancy.SECTION,
 )
 
 #: The names ``--only`` accepts.

@@ -52,9 +52,11 @@ _MAX_IDENTIFIER_BYTES = 63
 
 
 def tenancy_sql(name: str, schema: str, table: str = "") -> str:
-    """The statements of ``sql/name.sql`` for ``schema`` (validated) and ``table`` (one of
-    this package's table names, a constant)."""
-    return query(name, schema).text.replace("{table}", table)
+    """The DDL script ``sql/tenancy/name.sql`` for ``schema`` (validated) and ``table``
+    (one of this package's table names, a constant). These scripts hold placeholders
+    (``{table}``, ``{role}``) and, for the grants, several statements, so they live apart
+    from the statements the library prepares."""
+    return query(f"tenancy/{name}", schema).text.replace("{table}", table)
 
 
 def quote_role(name: str) -> str:

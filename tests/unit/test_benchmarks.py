@@ -30,6 +30,7 @@ DOCUMENTED_OPTIONS = {
     "ingest",
     "scaling",
     "analytics",
+    "tenancy",
 }
 
 #: Ways of finding the library's API at run time, which let a renamed function drop out
@@ -47,7 +48,7 @@ def section_modules() -> list[str]:
 
 def test_every_section_module_is_registered_once() -> None:
     modules = section_modules()
-    assert len(modules) == len(SECTIONS) == 8
+    assert len(modules) == len(SECTIONS) == 9
     for name in modules:
         module = importlib.import_module(f"benchmarks.sections.{name}")
         assert isinstance(module.SECTION, Section)

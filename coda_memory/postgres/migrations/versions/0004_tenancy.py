@@ -1,7 +1,7 @@
 """Tenant isolation: row-level security on every per-identity table.
 
 Every table with an ``identity_id`` column gets row-level security with ``FORCE`` (the
-owner is subject to it too) and these policies (``coda_memory/postgres/sql/tenancy_*``):
+owner is subject to it too) and these policies (``coda_memory/postgres/sql/tenancy/``):
 
 * ``tenant``: the rows of the identity set for the transaction
   (``coda_memory.identity_id``); without one, nothing;
@@ -56,12 +56,12 @@ def _schema() -> str:
 def upgrade() -> None:
     schema = _schema()
     for table in PER_IDENTITY:
-        for name in ("tenancy_enable", "tenancy_tenant_policy", "tenancy_owner_policy"):
+        for name in ("enable", "tenant_policy", "owner_policy"):
             op.execute(tenancy_sql(name, schema, table))
-    op.execute(tenancy_sql("tenancy_writer_insert_policy", schema, "observations"))
-    op.execute(tenancy_sql("tenancy_writer_read_policy", schema, "observations"))
+    op.execute(tenancy_sql("writer_insert_policy", schema, "observations"))
+    op.execute(tenancy_sql("writer_read_policy", schema, "observations"))
     for table in ROLLUP_USERS:
-        op.execute(tenancy_sql("tenancy_writer_rollup_policy", schema, table))
+        op.execute(tenancy_sql("writer_rollup_policy", schema, table))
 
 
 def downgrade() -> None:
