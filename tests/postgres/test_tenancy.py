@@ -39,8 +39,8 @@ PER_IDENTITY = (
     "entity_users",
     "domain_users",
 )
-#: Per-identity too, but written by the owner's import only: no grant to the app role.
-OWNER_ONLY = ("redis_imports",)
+#: Per-identity too: the import ledger, written by the owner's import (forget deletes).
+LEDGER = ("redis_imports",)
 AGGREGATE_TABLES = ("tool_daily", "tool_durations", "entity_daily", "domain_daily")
 AGGREGATE_VIEWS = (
     "analytics_window",
@@ -212,7 +212,7 @@ async def test_the_analyst_role_reads_only_the_aggregate_views(tenancy: Tenancy)
     try:
         for relation in (
             *PER_IDENTITY,
-            *OWNER_ONLY,
+            *LEDGER,
             *AGGREGATE_TABLES,
             "active_facts",
             "alembic_version",

@@ -11,4 +11,5 @@ GRANT SELECT, INSERT, UPDATE
     ON {schema}.tool_daily, {schema}.tool_durations, {schema}.entity_daily,
         {schema}.domain_daily
     TO {role};
+GRANT SELECT, DELETE ON {schema}.redis_imports TO {role};
 GRANT SELECT ON {schema}.alembic_version TO {role};
