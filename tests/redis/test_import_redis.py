@@ -147,6 +147,20 @@ async def row_counts(url: str, schema: str = "coda_memory") -> dict[str, int]:
     return counts
 
 
+async def tool_calls(url: str) -> list[tuple[str, int, int]]:
+    own = engine(url)
+    async with own.connect() as conn:
+        result = await conn.execute(
+            text(
+                "SELECT tool_name, sum(successes), sum(failures) "
+                "FROM coda_memory.tool_daily GROUP BY tool_name"
+            )
+        )
+        rows = [(str(name), int(ok), int(failed)) for name, ok, failed in result]
+    await own.dispose()
+    return rows
+
+
 def now() -> datetime:
     return datetime.now(UTC)
 
@@ -254,6 +268,8 @@ def test_the_command_copies_reports_and_refuses_nothing_twice(
     assert f"bad record: {redis_prefix}obs:alice" in first.stdout
     counts = asyncio.run(row_counts(pg_url))
     assert (counts["observations"], counts["consumed"], counts["facts"]) == (1, 1, 1)
+    # The copied observation counts in the analytics rollup, as an appended one would.
+    assert asyncio.run(tool_calls(pg_url)) == [("get_account", 1, 0)]
 
     second = CliRunner().invoke(app, [*base, "-f", "json"])
     assert second.exit_code == 0, second.output
