@@ -44,17 +44,18 @@ from coda_memory.core.sanitize import ObservationRejected
 from coda_memory.service import MemoryService, MemoryStats
 
 if TYPE_CHECKING:
-    from coda_memory.postgres.migrate import migrate
+    from coda_memory.postgres.migrate import migrate, migrate_async
 
 __version__ = "0.1.0"
 
 
 def __getattr__(name: str) -> Any:
-    # The migration helper pulls in Alembic; load it only when asked for.
-    if name == "migrate":
-        from coda_memory.postgres.migrate import migrate
+    # The migration helpers pull in Alembic; load them only when asked for. They are
+    # functions: ``coda_memory.postgres.migrate`` is the module.
+    if name in ("migrate", "migrate_async"):
+        from coda_memory.postgres import migrate as module
 
-        return migrate
+        return getattr(module, name)
     raise AttributeError(f"module 'coda_memory' has no attribute {name!r}")
 
 
@@ -87,6 +88,7 @@ __all__ = [
     "extract_tool_affinities",
     "format_memory_section",
     "migrate",
+    "migrate_async",
     "query_pattern_observation",
     "rank_tools",
     "tool_observations",

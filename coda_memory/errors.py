@@ -14,3 +14,8 @@ class SchemaNotMigrated(CodaMemoryError):
 class ConnectionLost(CodaMemoryError):
     """The database connection died in the middle of a unit of work; nothing of it was
     committed unless the commit itself had already been acknowledged."""
+
+
+class ForeignAlembicHistory(CodaMemoryError):
+    """The schema's Alembic version table holds revisions that are not coda-memory's:
+    migrating there would mix two histories. Use a schema of coda-memory's own."""

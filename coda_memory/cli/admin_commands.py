@@ -45,7 +45,7 @@ from coda_memory.cli.runtime import (
     run_on_store,
 )
 from coda_memory.postgres import maintenance
-from coda_memory.postgres.schema import DEFAULT_SCHEMA
+from coda_memory.postgres.schema import DEFAULT_SCHEMA, validate_schema_name
 from coda_memory.postgres.store import PostgresStore
 from coda_memory.service import MemoryService
 
@@ -54,8 +54,28 @@ _LOCK_NOT_AVAILABLE = "55P03"
 
 
 @app.command()
-def migrate(url: UrlOption = None, schema: SchemaOption = DEFAULT_SCHEMA) -> None:
+def migrate(
+    url: UrlOption = None,
+    schema: SchemaOption = DEFAULT_SCHEMA,
+    sql: Annotated[
+        bool,
+        typer.Option(
+            "--sql",
+            help="Print the DDL that creates the schema from scratch, for review, "
+            "without connecting to any database.",
+        ),
+    ] = False,
+) -> None:
     """Create or upgrade coda-memory's tables, then print the schema's revision."""
+    if sql:
+        from coda_memory.postgres.migrate import migration_sql
+
+        try:
+            text = migration_sql(schema=validate_schema_name(schema))
+        except ValueError as exc:
+            fail(str(exc), 2)
+        typer.echo(text, nl=False)
+        return
 
     async def work(store: PostgresStore, target: Target) -> str | None:
         from coda_memory.postgres.migrate import migrate_async

@@ -21,7 +21,7 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError, DBAPIError
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
-from coda_memory.errors import SchemaNotMigrated
+from coda_memory.errors import ForeignAlembicHistory, SchemaNotMigrated
 from coda_memory.postgres import maintenance
 from coda_memory.postgres.engine import asyncpg_url
 from coda_memory.postgres.schema import DEFAULT_SCHEMA, validate_schema_name
@@ -99,6 +99,10 @@ def run(main: Callable[[], Coroutine[Any, Any, T]], schema: str = DEFAULT_SCHEMA
         fail(str(exc), exc.code)
     except KeyboardInterrupt:
         fail("interrupted", 130)
+    except ForeignAlembicHistory as exc:
+        if debug_enabled():
+            raise
+        fail(str(exc))
     except Exception as exc:
         if debug_enabled():
             raise

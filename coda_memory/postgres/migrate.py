@@ -1,14 +1,24 @@
 """Create or upgrade coda-memory's tables from Python, without the repository.
 
 The migrations ship inside the package (``coda_memory/postgres/migrations``); these functions run
-them with Alembic's command API on a programmatic configuration. Alembic's version table
-lives in the target schema, so a host application's own Alembic history is untouched.
+them with Alembic's command API on a programmatic configuration, so no alembic.ini is
+needed. Alembic's version table lives in the target schema, so a host application's own
+Alembic history is untouched; a schema that already holds another history is refused
+(:class:`~coda_memory.errors.ForeignAlembicHistory`).
+
+- :func:`migrate_async` from async code (inside a running event loop);
+- :func:`migrate` from synchronous code with no running loop (a script, a deploy step);
+  inside a running loop it raises at once, before creating any coroutine;
+- :func:`migration_sql` writes the DDL for a DBA to review, without a database
+  (``coda-memory migrate --sql``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import io
 
+# Absolute imports: the real Alembic, never the sibling module coda_memory.alembic.
 from alembic import command
 from alembic.config import Config
 from sqlalchemy import Connection, pool
@@ -37,7 +47,8 @@ def _upgrade(connection: Connection, config: Config, revision: str) -> None:
 
 
 async def migrate_async(url: str, *, schema: str = DEFAULT_SCHEMA, revision: str = "head") -> None:
-    """Upgrade the database at ``url`` to ``revision``, in one transaction."""
+    """Upgrade the database at ``url`` to ``revision``, in one transaction (the indexes
+    built ``CONCURRENTLY`` excepted)."""
     config = alembic_config(schema=schema)
     engine = create_async_engine(asyncpg_url(url), poolclass=pool.NullPool)
     try:
@@ -49,5 +60,34 @@ async def migrate_async(url: str, *, schema: str = DEFAULT_SCHEMA, revision: str
 
 
 def migrate(url: str, *, schema: str = DEFAULT_SCHEMA, revision: str = "head") -> None:
-    """Blocking :func:`migrate_async`; call ``migrate_async`` from a running event loop."""
+    """Blocking :func:`migrate_async`, for code with no running event loop.
+
+    Raises ``RuntimeError`` at once inside a running loop (``await migrate_async(url)``
+    there): blocking the loop for the length of a migration would stall everything else
+    it runs.
+    """
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        pass
+    else:
+        raise RuntimeError(
+            "coda_memory.migrate() cannot run inside a running event loop; "
+            "use `await coda_memory.migrate_async(url)` there"
+        )
+    validate_schema_name(schema)
+    asyncpg_url(url)
     asyncio.run(migrate_async(url, schema=schema, revision=revision))
+
+
+def migration_sql(
+    *, schema: str = DEFAULT_SCHEMA, revision: str = "head", start: str | None = None
+) -> str:
+    """The SQL that upgrades a database from ``start`` (default: empty) to ``revision``,
+    for ``schema``, rendered without connecting anywhere (Alembic's offline mode)."""
+    config = alembic_config(schema=schema)
+    buffer = io.StringIO()
+    config.output_buffer = buffer
+    target = revision if start is None else f"{start}:{revision}"
+    command.upgrade(config, target, sql=True)
+    return buffer.getvalue()

@@ -3,16 +3,21 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
+import re
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
+import asyncpg
 import pytest
 from alembic.script import ScriptDirectory
 from sqlalchemy import text
 
-from coda_memory.postgres.migrate import alembic_config, migrate, migrate_async
+from coda_memory.postgres.engine import asyncpg_url
+from coda_memory.postgres.migrate import alembic_config, migrate, migrate_async, migration_sql
 from coda_memory.postgres.schema import (
     metadata,
     schema_translate_map,
@@ -198,3 +203,116 @@ def test_offline_mode_emits_the_ddl() -> None:
 def test_invalid_schema_names_never_reach_the_database() -> None:
     with pytest.raises(ValueError, match="schema name"):
         migrate("postgresql://unreachable.invalid/db", schema="x; DROP SCHEMA public")
+
+
+async def test_migrate_inside_a_running_loop_fails_at_once_without_a_stray_coroutine(
+    empty_pg_url: str,
+) -> None:
+    import coda_memory
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with pytest.raises(RuntimeError, match=r"await coda_memory\.migrate_async"):
+            coda_memory.migrate(empty_pg_url)
+        gc.collect()
+
+    assert not [w for w in caught if "never awaited" in str(w.message)]
+    count = "SELECT count(*) FROM pg_tables WHERE schemaname = 'coda_memory'"
+    assert await fetch(empty_pg_url, count) == [(0,)]
+    await coda_memory.migrate_async(empty_pg_url)
+    await coda_memory.migrate_async(empty_pg_url)
+    assert (await fetch(empty_pg_url, "SELECT version_num FROM coda_memory.alembic_version")) == [
+        (HEAD,)
+    ]
+
+
+def test_from_coda_memory_import_migrate_gives_the_function_every_time(
+    empty_pg_url: str,
+) -> None:
+    from coda_memory import migrate as first
+
+    first(empty_pg_url)
+    from coda_memory import migrate as second
+
+    second(empty_pg_url)
+
+    assert first is second is migrate
+    assert version_in(empty_pg_url, "coda_memory") == [HEAD]
+
+
+async def test_env_accepts_a_sync_engine(empty_pg_url: str) -> None:
+    """An ``Engine`` in ``config.attributes["connection"]`` (Alembic's cookbook); here the
+    sync face of an asyncpg engine, driven from a greenlet as SQLAlchemy's asyncio does."""
+    from alembic import command
+    from sqlalchemy.util import greenlet_spawn
+
+    own = engine(empty_pg_url)
+    try:
+        config = alembic_config(schema="via_engine")
+        config.attributes["connection"] = own.sync_engine
+        await greenlet_spawn(command.upgrade, config, "head")
+    finally:
+        await own.dispose()
+
+    assert (await fetch(empty_pg_url, "SELECT version_num FROM via_engine.alembic_version")) == [
+        (HEAD,)
+    ]
+
+
+def test_env_rejects_anything_else_as_the_connection() -> None:
+    from alembic import command
+
+    config = alembic_config()
+    config.attributes["connection"] = "postgresql://not-a-connection"
+
+    with pytest.raises(TypeError, match="must be a Connection, an Engine or an AsyncEngine"):
+        command.upgrade(config, "head")
+
+
+def _statements(script: str) -> list[str]:
+    """Alembic's offline output: one statement per paragraph, ending in ';', between
+    comment lines."""
+    code = "\n".join(line for line in script.splitlines() if not line.startswith("-- "))
+    return [s.strip() for s in code.split(";\n\n") if s.strip()]
+
+
+async def test_offline_sql_for_another_schema_builds_what_migrate_builds(
+    empty_pg_url: str,
+) -> None:
+    script = migration_sql(schema="reviewed")
+
+    # Only the settings' names (and a comment naming a module) keep "coda_memory.".
+    leftovers = set(re.findall(r"\bcoda_memory\.(\w+)", script))
+    assert leftovers == {"analytics_now", "analytics_window", "postgres"}
+    conn = await asyncpg.connect(str(asyncpg_url(empty_pg_url)).replace("+asyncpg", ""))
+    try:
+        for statement in _statements(script):
+            await conn.execute(statement)
+    finally:
+        await conn.close()
+
+    assert await fetch(
+        empty_pg_url,
+        "SELECT tablename FROM pg_tables WHERE schemaname = 'reviewed' ORDER BY 1",
+    ) == [(t,) for t in ["alembic_version", *TABLES]]
+    check = await asyncio.to_thread(alembic, empty_pg_url, "check", schema="reviewed")
+    assert check.returncode == 0, check.stderr
+    # The views work in the translated schema.
+    assert await fetch(empty_pg_url, "SELECT count(*) FROM reviewed.tool_effectiveness") == [(0,)]
+
+
+def test_cli_migrate_sql_prints_the_ddl_without_a_database() -> None:
+    from typer.testing import CliRunner
+
+    from coda_memory.cli import app
+
+    env = {"CODA_MEMORY_DATABASE_URL": "postgresql://nobody@unreachable.invalid/db"}
+    result = CliRunner().invoke(app, ["migrate", "--sql", "--schema", "dba_review"], env=env)
+
+    assert result.exit_code == 0, result.output
+    assert "CREATE TABLE dba_review.observations" in result.stdout
+    assert "UPDATE dba_review.alembic_version SET version_num='0002'" in result.stdout
+
+    bad = CliRunner().invoke(app, ["migrate", "--sql", "--schema", "Bad-Name"])
+    assert bad.exit_code == 2
+    assert bad.stderr.startswith("error: invalid schema name")

@@ -1,12 +1,22 @@
 """Alembic environment for coda-memory's tables (async, asyncpg).
 
-The URL is ``config.attributes["url"]`` (set by :mod:`coda_memory.postgres.migrate`), else the
-``CODA_MEMORY_DATABASE_URL`` environment variable, else ``sqlalchemy.url`` in alembic.ini.
+What to migrate, in order of precedence:
+
+- ``config.attributes["connection"]``: a SQLAlchemy ``Connection`` (used as it is, the
+  caller commits), an ``Engine`` or an ``AsyncEngine`` (a connection is taken from it and
+  committed here), as pytest-alembic and Alembic's cookbook pass them;
+- else ``config.attributes["url"]``, the ``CODA_MEMORY_DATABASE_URL`` environment
+  variable, or ``sqlalchemy.url`` in an ini file.
+
 The schema is ``config.attributes["schema"]``, else ``CODA_MEMORY_SCHEMA``, else
 ``coda_memory``; the migrations name ``coda_memory`` and ``schema_translate_map`` moves
-them. Alembic's version table lives in that schema too, so the library's history never
-mixes with a host application's own Alembic history, and autogenerate looks at nothing
-else.
+them (offline, ``--sql``, renders the translated names). Alembic's version table lives in
+that schema too, so the library's history never mixes with a host application's own
+Alembic history, and autogenerate looks at nothing else. A schema whose version table
+holds revisions that are not coda-memory's is refused.
+
+An ini file needs no logging sections: they configure logging only when present, so a
+two-line ``[alembic]`` / ``script_location = coda_memory.postgres:migrations`` is enough.
 """
 
 from __future__ import annotations
@@ -17,10 +27,13 @@ from logging.config import fileConfig
 from typing import Any
 
 from alembic import context
-from sqlalchemy import Connection, MetaData, Text, bindparam, func, pool, select
-from sqlalchemy.ext.asyncio import create_async_engine
+from alembic.script import ScriptDirectory
+from alembic.util.exc import CommandError
+from sqlalchemy import Connection, Engine, MetaData, Text, bindparam, func, pool, select
+from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 from sqlalchemy.schema import CreateSchema
 
+from coda_memory.errors import ForeignAlembicHistory
 from coda_memory.postgres.engine import asyncpg_url
 from coda_memory.postgres.schema import (
     DEFAULT_SCHEMA,
@@ -36,7 +49,11 @@ from coda_memory.postgres.schema import (
 LOCK_TIMEOUT = "5s"
 
 config = context.config
-if config.config_file_name is not None and config.attributes.get("configure_logger", True):
+if (
+    config.config_file_name is not None
+    and config.attributes.get("configure_logger", True)
+    and config.file_config.has_section("formatters")
+):
     fileConfig(config.config_file_name, disable_existing_loggers=False)
 
 SCHEMA = validate_schema_name(
@@ -44,17 +61,13 @@ SCHEMA = validate_schema_name(
 )
 
 
-def _database_url() -> str:
+def _database_url() -> str | None:
     url = (
         config.attributes.get("url")
         or os.environ.get("CODA_MEMORY_DATABASE_URL")
         or config.get_main_option("sqlalchemy.url")
     )
-    if not url:
-        raise RuntimeError(
-            "no database URL: set CODA_MEMORY_DATABASE_URL or sqlalchemy.url in alembic.ini"
-        )
-    return str(url)
+    return None if not url else str(url)
 
 
 def _target_metadata() -> MetaData:
@@ -85,15 +98,56 @@ def _configure(**kwargs: Any) -> None:
     )
 
 
+def _render_translated_schema(dialect: Any) -> None:
+    """Offline, compile every statement with ``SCHEMA`` in place of ``coda_memory``.
+
+    Online the connection's ``schema_translate_map`` does this when a statement runs;
+    offline nothing runs, so the compilers render the translated names themselves.
+    """
+    translate = schema_translate_map(SCHEMA)
+
+    def translating(base: Any) -> Any:
+        class Translating(base):  # type: ignore[misc]
+            def __init__(self, dialect: Any, statement: Any, **kw: Any) -> None:
+                kw["schema_translate_map"] = translate
+                kw["render_schema_translate"] = True
+                super().__init__(dialect, statement, **kw)
+
+        return Translating
+
+    dialect.statement_compiler = translating(dialect.statement_compiler)
+    dialect.ddl_compiler = translating(dialect.ddl_compiler)
+
+
 def run_migrations_offline() -> None:
-    """Emit the SQL instead of running it (``alembic upgrade head --sql``)."""
+    """Emit the SQL instead of running it (``alembic upgrade head --sql``), for any schema."""
+    url = _database_url()
+    if url is None:
+        _configure(dialect_name="postgresql+asyncpg", literal_binds=True)
+    else:
+        _configure(url=asyncpg_url(url), literal_binds=True)
     if SCHEMA != DEFAULT_SCHEMA:
-        raise RuntimeError(f"offline mode supports the default schema {DEFAULT_SCHEMA!r} only")
-    _configure(url=asyncpg_url(_database_url()), literal_binds=True)
+        _render_translated_schema(context.get_context().dialect)
     with context.begin_transaction():
-        context.execute("SET LOCAL lock_timeout = '5s'")
+        context.execute(f"SET LOCAL lock_timeout = '{LOCK_TIMEOUT}'")
         context.execute(CreateSchema(SCHEMA, if_not_exists=True))
         context.run_migrations()
+
+
+def _refuse_foreign_history() -> None:
+    """Stop before touching a schema whose version table holds another history."""
+    script: ScriptDirectory = context.script
+    for head in context.get_context().get_current_heads():
+        try:
+            known = script.get_revision(head) is not None
+        except CommandError:
+            known = False
+        if not known:
+            raise ForeignAlembicHistory(
+                f"schema {SCHEMA!r} already holds another Alembic history (revision "
+                f"{head!r} is not one of coda-memory's); migrate coda-memory into a schema "
+                "of its own (the default is coda_memory)"
+            )
 
 
 def do_run_migrations(connection: Connection) -> None:
@@ -102,6 +156,7 @@ def do_run_migrations(connection: Connection) -> None:
     dialect: Any = connection.dialect
     dialect.ischema_names = {**dialect.ischema_names, "xid8": Xid8}
     _configure(connection=connection)
+    _refuse_foreign_history()
     with context.begin_transaction():
         setting = bindparam("lock_timeout", LOCK_TIMEOUT, Text)
         connection.execute(select(func.set_config("lock_timeout", setting, True)))
@@ -111,21 +166,46 @@ def do_run_migrations(connection: Connection) -> None:
         context.run_migrations()
 
 
-async def run_async_migrations() -> None:
-    engine = create_async_engine(asyncpg_url(_database_url()), poolclass=pool.NullPool)
+def _run_on_engine(engine: Engine) -> None:
+    with engine.connect() as connection:
+        do_run_migrations(connection)
+        connection.commit()
+
+
+async def _run_on_async_engine(engine: AsyncEngine) -> None:
+    async with engine.connect() as connection:
+        await connection.run_sync(do_run_migrations)
+        await connection.commit()
+
+
+async def _run_on_url(url: str) -> None:
+    engine = create_async_engine(asyncpg_url(url), poolclass=pool.NullPool)
     try:
-        async with engine.connect() as connection:
-            await connection.run_sync(do_run_migrations)
+        await _run_on_async_engine(engine)
     finally:
         await engine.dispose()
 
 
 def run_migrations_online() -> None:
-    connection = config.attributes.get("connection")
-    if connection is None:
-        asyncio.run(run_async_migrations())
+    connectable = config.attributes.get("connection")
+    if isinstance(connectable, Connection):
+        do_run_migrations(connectable)
+    elif isinstance(connectable, Engine):
+        _run_on_engine(connectable)
+    elif isinstance(connectable, AsyncEngine):
+        asyncio.run(_run_on_async_engine(connectable))
+    elif connectable is not None:
+        raise TypeError(
+            'config.attributes["connection"] must be a Connection, an Engine or an '
+            f"AsyncEngine, not {type(connectable).__name__}"
+        )
     else:
-        do_run_migrations(connection)
+        url = _database_url()
+        if url is None:
+            raise RuntimeError(
+                "no database URL: set CODA_MEMORY_DATABASE_URL or sqlalchemy.url in alembic.ini"
+            )
+        asyncio.run(_run_on_url(url))
 
 
 if context.is_offline_mode():

@@ -1,0 +1,230 @@
+"""A host application with its own models and Alembic history in ``public``, and
+coda-memory migrated beside it: neither history touches the other.
+
+The test writes a small Alembic project into a temporary directory, as a host would have
+one: ``models.py`` (two tables), an ``env.py`` that sets ``include_schemas=True`` and uses
+:mod:`coda_memory.alembic`'s hooks, and one revision. ``alembic`` runs it as a subprocess.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+import coda_memory
+from coda_memory.errors import ForeignAlembicHistory
+from tests.postgres.helpers import fetch
+
+MODELS = """
+from sqlalchemy import ForeignKey, String
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+
+class Base(DeclarativeBase):
+    pass
+
+
+class Customer(Base):
+    __tablename__ = "customers"
+    id: Mapped[int] = mapped_column(primary_key=True)
+    name: Mapped[str] = mapped_column(String(100))
+
+
+class Order(Base):
+    __tablename__ = "orders"
+    id: Mapped[int] = mapped_column(primary_key=True)
+    customer_id: Mapped[int] = mapped_column(ForeignKey("customers.id"))
+    total_cents: Mapped[int]
+"""
+
+ENV = """
+import asyncio
+import os
+
+from alembic import context
+from sqlalchemy import pool
+from sqlalchemy.ext.asyncio import create_async_engine
+
+from coda_memory.alembic import exclude_schema, exclude_schema_objects
+from models import Base
+
+HOOKS = (
+    {"include_name": exclude_schema(), "include_object": exclude_schema_objects()}
+    if os.environ.get("HOST_USES_CODA_MEMORY_HOOKS") == "1"
+    else {}
+)
+
+
+def run(connection):
+    context.configure(
+        connection=connection,
+        target_metadata=Base.metadata,
+        include_schemas=True,
+        compare_type=True,
+        **HOOKS,
+    )
+    with context.begin_transaction():
+        context.run_migrations()
+
+
+async def main():
+    engine = create_async_engine(os.environ["HOST_DATABASE_URL"], poolclass=pool.NullPool)
+    async with engine.connect() as connection:
+        await connection.run_sync(run)
+        await connection.commit()
+    await engine.dispose()
+
+
+asyncio.run(main())
+"""
+
+REVISION = '''
+"""host tables"""
+import sqlalchemy as sa
+from alembic import op
+
+revision = "h0001"
+down_revision = None
+branch_labels = None
+depends_on = None
+
+
+def upgrade():
+    op.create_table(
+        "customers",
+        sa.Column("id", sa.Integer(), primary_key=True),
+        sa.Column("name", sa.String(100), nullable=False),
+    )
+    op.create_table(
+        "orders",
+        sa.Column("id", sa.Integer(), primary_key=True),
+        sa.Column("customer_id", sa.Integer(), sa.ForeignKey("customers.id"), nullable=False),
+        sa.Column("total_cents", sa.Integer(), nullable=False),
+    )
+
+
+def downgrade():
+    op.drop_table("orders")
+    op.drop_table("customers")
+'''
+
+INI = """
+[alembic]
+script_location = %(here)s/host_migrations
+prepend_sys_path = .
+path_separator = os
+"""
+
+#: All an installed wheel needs for `alembic upgrade head`: no logging sections.
+CODA_MEMORY_INI = """
+[alembic]
+script_location = coda_memory.postgres:migrations
+"""
+
+
+@pytest.fixture
+def host_project(tmp_path: Path) -> Path:
+    (tmp_path / "models.py").write_text(textwrap.dedent(MODELS))
+    (tmp_path / "alembic.ini").write_text(INI)
+    (tmp_path / "coda-memory.ini").write_text(CODA_MEMORY_INI)
+    migrations = tmp_path / "host_migrations"
+    (migrations / "versions").mkdir(parents=True)
+    (migrations / "env.py").write_text(ENV)
+    (migrations / "script.py.mako").write_text(
+        '"""${message}"""\nrevision = ${repr(up_revision)}\n'
+        "down_revision = ${repr(down_revision)}\n\n\ndef upgrade():\n    ${upgrades}\n\n\n"
+        "def downgrade():\n    ${downgrades}\n"
+    )
+    (migrations / "versions" / "h0001_host_tables.py").write_text(REVISION)
+    return tmp_path
+
+
+def alembic(
+    project: Path, url: str, *args: str, hooks: bool = True, ini: str = "alembic.ini"
+) -> subprocess.CompletedProcess[str]:
+    executable = Path(sys.executable).with_name("alembic")
+    env = {
+        **os.environ,
+        "HOST_DATABASE_URL": url,
+        "CODA_MEMORY_DATABASE_URL": url,
+        "HOST_USES_CODA_MEMORY_HOOKS": "1" if hooks else "0",
+    }
+    env.pop("CODA_MEMORY_SCHEMA", None)
+    return subprocess.run(
+        [str(executable), "-c", ini, *args],
+        cwd=project,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+
+
+def rows(url: str, sql: str) -> list[tuple[object, ...]]:
+    return [tuple(row) for row in asyncio.run(fetch(url, sql))]
+
+
+def test_host_history_and_coda_memory_live_side_by_side(
+    host_project: Path, empty_pg_url: str
+) -> None:
+    upgraded = alembic(host_project, empty_pg_url, "upgrade", "head")
+    assert upgraded.returncode == 0, upgraded.stderr
+    coda_memory.migrate(empty_pg_url)
+    coda_memory.migrate(empty_pg_url)  # the function, every time
+
+    assert rows(empty_pg_url, "SELECT version_num FROM public.alembic_version") == [("h0001",)]
+    assert rows(empty_pg_url, "SELECT version_num FROM coda_memory.alembic_version") == [("0002",)]
+
+    check = alembic(host_project, empty_pg_url, "check")
+    assert check.returncode == 0, check.stderr
+    assert "No new upgrade operations detected" in check.stdout + check.stderr
+
+    revision = alembic(host_project, empty_pg_url, "revision", "--autogenerate", "-m", "none")
+    assert revision.returncode == 0, revision.stderr
+    written = [p for p in (host_project / "host_migrations" / "versions").iterdir()]
+    generated = next(p for p in written if p.name != "h0001_host_tables.py")
+    assert "coda_memory" not in generated.read_text()
+    assert "drop_table" not in generated.read_text()
+
+
+def test_without_the_hooks_the_host_autogenerate_would_drop_our_tables(
+    host_project: Path, empty_pg_url: str
+) -> None:
+    """The control: what exclude_schema prevents."""
+    assert alembic(host_project, empty_pg_url, "upgrade", "head").returncode == 0
+    coda_memory.migrate(empty_pg_url)
+
+    check = alembic(host_project, empty_pg_url, "check", hooks=False)
+
+    assert check.returncode != 0
+    assert "coda_memory" in check.stdout + check.stderr
+
+
+def test_a_wheel_needs_only_a_two_line_ini_for_alembic_upgrade_head(
+    host_project: Path, empty_pg_url: str
+) -> None:
+    upgraded = alembic(host_project, empty_pg_url, "upgrade", "head", ini="coda-memory.ini")
+    assert upgraded.returncode == 0, upgraded.stderr
+    assert rows(empty_pg_url, "SELECT version_num FROM coda_memory.alembic_version") == [("0002",)]
+
+    check = alembic(host_project, empty_pg_url, "check", ini="coda-memory.ini")
+    assert check.returncode == 0, check.stderr
+
+
+def test_a_schema_holding_the_host_history_is_refused(
+    host_project: Path, empty_pg_url: str
+) -> None:
+    assert alembic(host_project, empty_pg_url, "upgrade", "head").returncode == 0
+
+    with pytest.raises(ForeignAlembicHistory, match="'h0001' is not one of coda-memory's"):
+        coda_memory.migrate(empty_pg_url, schema="public")
+
+    assert rows(empty_pg_url, "SELECT version_num FROM public.alembic_version") == [("h0001",)]
+    tables = "SELECT tablename FROM pg_tables WHERE schemaname = 'public' ORDER BY 1"
+    assert rows(empty_pg_url, tables) == [("alembic_version",), ("customers",), ("orders",)]
