@@ -6,32 +6,52 @@ migrated on first use. Only that embedded database is migrated automatically: an
 operator's database is migrated by ``coda-memory migrate`` alone.
 
 Errors are one line on stderr and a non-zero exit (1; 2 for bad usage); ``--debug``
-shows the traceback instead. Listings print as tables, or as JSON with ``--format json``.
+(anywhere on the line) shows the traceback instead. Listings print as tables, or as JSON
+with ``--format json``.
+
+The command line is the ``cli`` extra (typer, rich). Without it, importing this package
+still works and :func:`main` prints one line naming the extra.
 """
 
 from __future__ import annotations
 
-# Importing the command modules registers their commands on ``app``.
-from coda_memory.cli import (
-    admin_commands,
-    analytics_commands,
-    identity_commands,
-    import_commands,
-    role_commands,
-)
-from coda_memory.cli.app import app
+import sys
+from importlib.util import find_spec
 
-__all__ = [
-    "admin_commands",
-    "analytics_commands",
-    "app",
-    "identity_commands",
-    "import_commands",
-    "main",
-    "role_commands",
-]
+#: The libraries the ``cli`` extra brings.
+CLI_REQUIREMENTS = ("typer", "rich")
+MISSING_EXTRA = "coda-memory: the command line needs the cli extra: pip install 'coda-memory[cli]'"
+
+HAS_CLI = all(find_spec(name) is not None for name in CLI_REQUIREMENTS)
+
+if HAS_CLI:
+    # Importing the command modules registers their commands on ``app``.
+    from coda_memory.cli import (
+        admin_commands,
+        analytics_commands,
+        identity_commands,
+        import_commands,
+        role_commands,
+    )
+    from coda_memory.cli.app import app
+
+    __all__ = [
+        "CLI_REQUIREMENTS",
+        "HAS_CLI",
+        "MISSING_EXTRA",
+        "admin_commands",
+        "analytics_commands",
+        "app",
+        "identity_commands",
+        "import_commands",
+        "main",
+        "role_commands",
+    ]
 
 
 def main() -> None:
     """The console script's entry point."""
+    if not HAS_CLI:
+        print(MISSING_EXTRA, file=sys.stderr)
+        raise SystemExit(1)
     app()

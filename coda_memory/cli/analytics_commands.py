@@ -33,6 +33,7 @@ from coda_memory.cli.output import (
     fmt_percent,
     make_console,
     new_table,
+    note,
     print_json,
 )
 from coda_memory.cli.runtime import (
@@ -61,6 +62,11 @@ AnalyticsFormatOption = Annotated[
 ]
 
 
+#: The longest ``--since``: older instants fall outside Postgres' timestamps long before
+#: any usage data could exist.
+MAX_WINDOW = timedelta(days=36_500)
+
+
 @dataclass(frozen=True)
 class AnalyticsQuery:
     """The options every analytics command takes."""
@@ -74,12 +80,20 @@ class AnalyticsQuery:
     schema: str
 
     def window(self) -> timedelta:
-        """``--since`` as a timedelta, or a one-line usage error."""
+        """``--since`` as a timedelta, or a one-line usage error (before any database
+        work): a positive duration of at most 100 years."""
         assert self.since is not None, "a command without --since has no window"
         try:
-            return parse_duration(self.since, "--since")
+            window = parse_duration(self.since, "--since")
         except CliError as exc:
             fail(str(exc), exc.code)
+        if window > MAX_WINDOW:
+            fail(
+                f"invalid duration {self.since!r} for --since: at most {MAX_WINDOW.days}d "
+                "(100 years)",
+                2,
+            )
+        return window
 
     def at_least(self) -> str:
         """``--min-users`` for titles: "at least 5 users"."""
@@ -152,7 +166,9 @@ def _analytics(
         checked_plot_path(plot)
 
     rows = run_on_store(query.url, query.schema, lambda store, _: fetch(store), prepare=prepare)
-    if plot is not None:
+    if plot is not None and not rows:
+        note(f"no rows: no chart written to {plot}")
+    elif plot is not None:
         draw_plot_or_exit(lambda: draw(rows, plot))
     if output is AnalyticsFormat.JSON:
         print_json(dump(rows))

@@ -2,17 +2,80 @@
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Sequence
 from enum import StrEnum
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
+from typer.core import TyperGroup
 
 from coda_memory.cli.runtime import invocation
 from coda_memory.core.decay import AdaptiveDecay, DecayStrategy, ExponentialDecay
 
+DEBUG_FLAG = "--debug"
+
+
+def hoist_debug(args: Sequence[str]) -> list[str]:
+    """``--debug`` anywhere before ``--`` moves to the front, where the callback reads it."""
+    args = list(args)
+    end = args.index("--") if "--" in args else len(args)
+    rest = [a for a in args[:end] if a != DEBUG_FLAG] + args[end:]
+    return [DEBUG_FLAG, *rest] if len(rest) < len(args) else rest
+
+
+def _click_class(name: str) -> type[Exception]:
+    """Click's exception classes, whether typer vendors click (0.2x) or uses the package."""
+    found = next(c for c in typer.BadParameter.__mro__ if c.__name__ == name)
+    return found
+
+
+_ClickException = _click_class("ClickException")
+_UsageError = _click_class("UsageError")
+
+
+class _OneLineErrors(TyperGroup):
+    """The root command: ``--debug`` anywhere, and usage errors as one line on stderr."""
+
+    def main(
+        self,
+        args: Sequence[str] | None = None,
+        prog_name: str | None = None,
+        complete_var: str | None = None,
+        standalone_mode: bool = True,
+        windows_expand_args: bool = True,
+        **extra: Any,
+    ) -> Any:
+        argv = hoist_debug(sys.argv[1:] if args is None else args)
+        try:
+            result = super().main(
+                argv, prog_name, complete_var, False, windows_expand_args, **extra
+            )
+        except _ClickException as exc:
+            if not standalone_mode:
+                raise
+            error: Any = exc
+            if not error.format_message():  # no arguments: the help was the answer
+                sys.exit(error.exit_code)
+            hint = ""
+            if isinstance(exc, _UsageError) and error.ctx is not None:
+                hint = f" (see {error.ctx.command_path} --help)"
+            typer.echo(f"error: {error.format_message()}{hint}", err=True)
+            sys.exit(error.exit_code)
+        except typer.Abort:
+            if not standalone_mode:
+                raise
+            typer.echo("error: aborted", err=True)
+            sys.exit(1)
+        if not standalone_mode:
+            return result
+        sys.exit(result if isinstance(result, int) else 0)
+
+
 app = typer.Typer(
     name="coda-memory",
+    cls=_OneLineErrors,
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
@@ -83,7 +146,9 @@ def decay_strategy(name: DecayName) -> DecayStrategy:
 
 @app.callback()
 def _main(
-    debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks of errors.")] = False,
+    debug: Annotated[
+        bool, typer.Option(DEBUG_FLAG, help="Show tracebacks of errors (anywhere on the line).")
+    ] = False,
 ) -> None:
     """Memory across sessions for LLM agents: inspect and maintain it in Postgres.
 

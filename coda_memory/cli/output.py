@@ -99,8 +99,13 @@ def new_table(title: str | None, columns: Sequence[tuple[str, str]]) -> Table:
 
 
 def checked_plot_path(path: Path | None) -> Path | None:
-    """Fail before any work when ``--plot`` names a file in a missing directory."""
-    if path is not None and not path.parent.is_dir():
+    """Fail before any work when ``--plot`` names a file that is not a ``.png`` (charts
+    are PNG only) or lies in a missing directory."""
+    if path is None:
+        return None
+    if path.suffix.lower() != ".png":
+        raise CliError(f"cannot write {path}: --plot writes PNG files only (name it *.png)", 2)
+    if not path.parent.is_dir():
         raise CliError(f"cannot write {path}: directory {path.parent} does not exist")
     return path
 

@@ -732,3 +732,57 @@ def test_the_pending_scan_probes_the_observation_indexes(pg_url: str) -> None:
     assert on_observations, nodes
     assert "Seq Scan" not in on_observations
     assert set(on_observations) <= {"Index Only Scan", "Index Scan", "Bitmap Heap Scan"}
+
+
+UNREACHABLE = "postgresql://nobody@127.0.0.1:1/none"
+
+
+def test_usage_errors_are_one_line_not_panels() -> None:
+    unknown_option = run("analytics", "tools", "--colour")
+    unknown_command = run("consolidates")
+    bad_value = run("analytics", "tools", "--min-users", "0")
+
+    assert_one_line_error(unknown_option, 2, "No such option: --colour")
+    assert "see coda-memory analytics tools --help" in unknown_option.stderr
+    assert_one_line_error(unknown_command, 2, "No such command 'consolidates'")
+    assert_one_line_error(bad_value, 2, "Invalid value for '--min-users'")
+    for result in (unknown_option, unknown_command, bad_value):
+        assert "╭" not in result.stderr
+
+
+def test_debug_works_anywhere_on_the_line() -> None:
+    before = run("--debug", "stats", "--url", UNREACHABLE)
+    after = run("stats", "--url", UNREACHABLE, "--debug")
+    without = run("stats", "--url", UNREACHABLE)
+
+    for result in (before, after):
+        assert isinstance(result.exception, runtime.CliError), result.output
+        assert "cannot connect" in str(result.exception)
+    assert_one_line_error(without, 1, "cannot connect to")
+
+
+@pytest.mark.parametrize("since", ["36501d", "999999999d", "5300w"])
+def test_an_out_of_range_since_is_rejected_before_the_database(since: str) -> None:
+    result = run("analytics", "tools", "--since", since, "--url", UNREACHABLE)
+
+    assert_one_line_error(result, 2, f"invalid duration '{since}' for --since: at most 36500d")
+
+
+def test_a_plot_that_is_not_png_is_refused_before_the_database(tmp_path: Path) -> None:
+    text_plot = tmp_path / "out.txt"
+
+    result = run("analytics", "tools", "--url", UNREACHABLE, "--plot", str(text_plot))
+
+    assert_one_line_error(result, 2, f"cannot write {text_plot}: --plot writes PNG files only")
+    assert not text_plot.exists()
+
+
+def test_an_empty_result_writes_no_blank_chart(pg_url: str, tmp_path: Path) -> None:
+    chart = tmp_path / "tools.png"
+
+    result = run("analytics", "tools", "--url", pg_url, "--min-users", "1", "--plot", str(chart))
+
+    assert result.exit_code == 0, result.output
+    assert not chart.exists()
+    assert f"no rows: no chart written to {chart}" in result.stderr
+    assert "no rows" in result.stdout
