@@ -151,7 +151,7 @@ def fresh_venv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
 
 def _installed(venv: Path) -> set[str]:
     listed = _run(venv / "bin" / "python", "-m", "pip", "list", "--format", "json")
-    names = {canonicalize_name(p["name"]) for p in json.loads(listed.stdout)}
+    names = {str(canonicalize_name(p["name"])) for p in json.loads(listed.stdout)}
     return names - {"pip", "setuptools", "wheel"}
 
 
