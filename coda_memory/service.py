@@ -18,6 +18,7 @@ import asyncio
 import dataclasses
 import logging
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Collection
 from datetime import UTC, datetime, timedelta
@@ -32,6 +33,7 @@ from coda_memory.core.model import Fact, FactEvent, LoadedMemory, NewObservation
 from coda_memory.core.prompt import format_memory_section
 from coda_memory.core.sanitize import ObservationRejected, sanitize_observation
 from coda_memory.ports import MemoryStore, ObservationRecord
+from coda_memory.telemetry import NoTelemetry, Telemetry, telemetry_for
 
 logger = logging.getLogger("coda_memory")
 
@@ -97,6 +99,7 @@ class MemoryService:
         max_clock_skew: timedelta = DEFAULT_MAX_CLOCK_SKEW,
         tool_catalog: Collection[str] | None = None,
         token_counter: Callable[[str], int] | None = None,
+        telemetry: bool | Telemetry | NoTelemetry = False,
     ) -> None:
         if load_timeout <= 0:
             raise ValueError("load_timeout must be positive")
@@ -129,6 +132,9 @@ class MemoryService:
         self._progress: asyncio.Event | None = None
         self._background: set[asyncio.Task[list[Fact]]] = set()
         self._loading: dict[str, asyncio.Task[list[Fact]]] = {}
+        # OpenTelemetry spans and metrics (coda_memory.telemetry); off by default.
+        self._telemetry = telemetry_for(telemetry)
+        self._telemetry.observe(self.stats)
 
     @classmethod
     def from_url(
@@ -145,8 +151,9 @@ class MemoryService:
         ``rediss://…``; needs the ``redis`` extra) or ``null://`` (memory switched off).
         Extra keyword options go to the service (``retention``, ``queue_size``,
         ``batch_size``, ``prompt_budget_tokens``, ``max_clock_skew``, ``tool_catalog``,
-        ``token_counter``) or to the store (Postgres: ``schema``, ``pool_size``,
-        ``lock_timeout``, …; Redis: ``prefix``, ``lock_timeout``, ``history_limit``, …)."""
+        ``token_counter``, ``telemetry``) or to the
+        store (Postgres: ``schema``, ``pool_size``, ``lock_timeout``, …;
+        Redis: ``prefix``, ``lock_timeout``, ``history_limit``, …)."""
         service_keys = {
             "retention",
             "queue_size",
@@ -155,6 +162,7 @@ class MemoryService:
             "max_clock_skew",
             "tool_catalog",
             "token_counter",
+            "telemetry",
         }
         service_options = {k: v for k, v in options.items() if k in service_keys}
         store_options = {k: v for k, v in options.items() if k not in service_keys}
@@ -253,7 +261,8 @@ class MemoryService:
             records = self._validate(items)
             while records:
                 try:
-                    outcome = await self.store.append(records)
+                    with self._telemetry.span("append", **{"coda_memory.batch": len(records)}):
+                        outcome = await self.store.append(records)
                 except Exception as error:
                     logger.warning(
                         "coda-memory: storing %d observation(s) failed (%s); retrying in %.2fs",
@@ -322,6 +331,13 @@ class MemoryService:
     async def consolidate(self, identity_id: str) -> list[Fact]:
         """Consolidate the identity's new observations now (no timeout) and return its
         active facts; raises on storage errors."""
+        with self._telemetry.span("consolidate") as span:
+            facts = await self._consolidate(identity_id)
+            if span is not None:
+                span.set_attribute("coda_memory.facts", len(facts))
+            return facts
+
+    async def _consolidate(self, identity_id: str) -> list[Fact]:
         # Most requests find nothing new: answer those from one read, without the lock.
         stored, pending = await self.store.peek(identity_id)
         now = self.clock()
@@ -349,6 +365,16 @@ class MemoryService:
         """Consolidate, then format the prompt section and tool affinities, all within
         ``load_timeout``. Returns empty results on timeout or any error; never raises."""
         self._loads += 1
+        started = time.perf_counter()
+        with self._telemetry.span("load_memory") as span:
+            loaded, outcome = await self._load(identity_id)
+            if span is not None:
+                span.set_attribute("coda_memory.outcome", outcome)
+                span.set_attribute("coda_memory.facts", len(loaded.facts))
+        self._telemetry.load_finished(time.perf_counter() - started, outcome)
+        return loaded
+
+    async def _load(self, identity_id: str) -> tuple[LoadedMemory, str]:
         try:
             task = self._loading.get(identity_id)
             if task is None or task.done():
@@ -357,13 +383,14 @@ class MemoryService:
                 self._background.add(task)
                 task.add_done_callback(lambda t: self._finished(identity_id, t))
             facts = await asyncio.wait_for(asyncio.shield(task), self.load_timeout)
-            return LoadedMemory(
+            loaded = LoadedMemory(
                 facts=facts,
                 prompt_section=format_memory_section(
                     facts, self.prompt_budget_tokens, token_counter=self.token_counter
                 ),
                 tool_affinities=extract_tool_affinities(facts),
             )
+            return loaded, "ok"
         except TimeoutError:
             self._load_timeouts += 1
             logger.warning(
@@ -371,6 +398,7 @@ class MemoryService:
                 _label(identity_id),
                 self.load_timeout * 1000,
             )
+            return LoadedMemory.empty(), "timeout"
         except asyncio.CancelledError:
             raise
         except Exception:
@@ -378,7 +406,7 @@ class MemoryService:
             logger.exception(
                 "coda-memory: load_memory for %s failed; returning empty", _label(identity_id)
             )
-        return LoadedMemory.empty()
+        return LoadedMemory.empty(), "error"
 
     def _finished(self, identity_id: str, task: asyncio.Task[list[Fact]]) -> None:
         self._background.discard(task)

@@ -1,0 +1,119 @@
+"""OpenTelemetry traces and metrics, off unless a service is given ``telemetry=``.
+
+With the ``otel`` extra installed (``pip install 'coda-memory[otel]'``, the API only; the
+host brings the SDK and exporters) and ``MemoryService(..., telemetry=True)`` (the
+global providers) or ``telemetry=Telemetry(tracer_provider=..., meter_provider=...)``,
+a service records:
+
+- spans ``coda_memory.load_memory``, ``coda_memory.consolidate`` and
+  ``coda_memory.append`` (one per batch the background writer stores);
+- a histogram ``coda_memory.load_memory.duration`` (seconds, attribute
+  ``coda_memory.outcome``: ``ok``, ``timeout`` or ``error``);
+- observable counters for the :meth:`~coda_memory.MemoryService.stats` counters
+  (``coda_memory.observations.emitted``, ``.stored``, ``.rejected``, ``.dropped``,
+  ``.discarded``, ``coda_memory.loads``, ``coda_memory.load_timeouts``,
+  ``coda_memory.load_errors``) and an up-down counter
+  ``coda_memory.observations.pending``, read from ``stats()`` when the host's reader
+  collects, so the hot path does no metric work.
+
+Identity ids are never attributes (they may identify people). Without ``telemetry=``
+nothing is imported from OpenTelemetry and nothing is recorded.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, nullcontext
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from coda_memory.service import MemoryStats
+
+INSTRUMENTATION = "coda_memory"
+
+#: stats() field -> (instrument name, description); all are monotonic counts.
+_COUNTERS = {
+    "emitted": ("coda_memory.observations.emitted", "Observations passed to emit_observation"),
+    "stored": ("coda_memory.observations.stored", "Observations the store accepted"),
+    "rejected": ("coda_memory.observations.rejected", "Observations refused as bad input"),
+    "dropped": ("coda_memory.observations.dropped", "Observations dropped (queue full, closed)"),
+    "discarded": ("coda_memory.observations.discarded", "Observations a null store threw away"),
+    "loads": ("coda_memory.loads", "load_memory calls"),
+    "load_timeouts": ("coda_memory.load_timeouts", "load_memory calls that timed out"),
+    "load_errors": ("coda_memory.load_errors", "load_memory calls that failed"),
+}
+
+
+class Telemetry:
+    """Where a service's spans and metrics go: the given providers, else the global
+    ones. Needs ``opentelemetry-api`` (the ``otel`` extra)."""
+
+    def __init__(self, *, tracer_provider: Any = None, meter_provider: Any = None) -> None:
+        try:
+            from opentelemetry import metrics, trace
+        except ImportError as exc:
+            raise ImportError(
+                "telemetry needs the otel extra: pip install 'coda-memory[otel]'"
+            ) from exc
+        from coda_memory import __version__
+
+        self._tracer = trace.get_tracer(
+            INSTRUMENTATION, __version__, tracer_provider=tracer_provider
+        )
+        self._meter = metrics.get_meter(INSTRUMENTATION, __version__, meter_provider=meter_provider)
+        self._load_duration = self._meter.create_histogram(
+            "coda_memory.load_memory.duration",
+            unit="s",
+            description="load_memory latency, consolidation included",
+        )
+
+    def span(self, name: str, **attributes: Any) -> AbstractContextManager[Any]:
+        """A span named ``coda_memory.<name>``; yields it, for attributes set later."""
+        return self._tracer.start_as_current_span(
+            f"{INSTRUMENTATION}.{name}", attributes=attributes
+        )
+
+    def load_finished(self, seconds: float, outcome: str) -> None:
+        self._load_duration.record(seconds, {"coda_memory.outcome": outcome})
+
+    def observe(self, stats: Callable[[], MemoryStats]) -> None:
+        """Register the counters of ``stats()``, read when the host's reader collects."""
+        from opentelemetry.metrics import CallbackOptions, Observation
+
+        def reading(field: str) -> Callable[[CallbackOptions], Iterator[Observation]]:
+            def callback(options: CallbackOptions) -> Iterator[Observation]:
+                yield Observation(getattr(stats(), field))
+
+            return callback
+
+        for field, (name, description) in _COUNTERS.items():
+            self._meter.create_observable_counter(
+                name, callbacks=[reading(field)], description=description
+            )
+        self._meter.create_observable_up_down_counter(
+            "coda_memory.observations.pending",
+            callbacks=[reading("pending")],
+            description="Observations emitted and not yet stored, rejected or dropped",
+        )
+
+
+class NoTelemetry:
+    """The default: every hook does nothing, and OpenTelemetry is never imported."""
+
+    def span(self, name: str, **attributes: Any) -> AbstractContextManager[Any]:
+        return nullcontext()
+
+    def load_finished(self, seconds: float, outcome: str) -> None:
+        return None
+
+    def observe(self, stats: Callable[[], MemoryStats]) -> None:
+        return None
+
+
+def telemetry_for(option: bool | Telemetry | NoTelemetry) -> Telemetry | NoTelemetry:
+    """The hooks a service uses for its ``telemetry=`` option."""
+    if option is True:
+        return Telemetry()
+    if option is False:
+        return NoTelemetry()
+    return option

@@ -1,0 +1,103 @@
+"""examples/fastapi_app.py served by uvicorn on a loopback port, driven over real HTTP.
+
+The server runs as its own process with ``-W error``: a warning anywhere in it (the
+lifespan, the service, the drivers, uvicorn) is an error that fails the test. It binds
+port 0; the test reads the port from uvicorn's "running on" line, which uvicorn prints
+only after the lifespan's startup has finished.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.postgres.helpers import fetch
+
+REPOSITORY = Path(__file__).resolve().parents[2]
+RUNNING = re.compile(rb"Uvicorn running on (http://127\.0\.0\.1:\d+)")
+
+
+@pytest.fixture
+async def server(pg_url: str) -> AsyncIterator[tuple[str, asyncio.subprocess.Process]]:
+    env = {**os.environ, "CODA_MEMORY_DATABASE_URL": pg_url, "MEMORY_LOAD_TIMEOUT": "10"}
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-W", "error", "-m", "uvicorn", "examples.fastapi_app:app",
+        "--host", "127.0.0.1", "--port", "0", "--no-access-log",
+        cwd=REPOSITORY, env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    assert process.stderr is not None
+    seen = b""
+    try:
+        async with asyncio.timeout(60):
+            while (match := RUNNING.search(seen)) is None:
+                line = await process.stderr.readline()
+                assert line, f"uvicorn exited before serving: {seen.decode()}"
+                seen += line
+        yield match[1].decode(), process
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
+
+
+async def _until_stored(client: httpx.AsyncClient) -> dict[str, int]:
+    """The service's counters once nothing emitted is pending (polls /stats)."""
+    async with asyncio.timeout(30):
+        while True:
+            stats: dict[str, int] = (await client.get("/stats")).json()
+            if stats["pending"] == 0:
+                return stats
+            await asyncio.sleep(0.02)
+
+
+async def test_the_fastapi_example_serves_memory_over_http(
+    server: tuple[str, asyncio.subprocess.Process], pg_url: str
+) -> None:
+    base, process = server
+    async with httpx.AsyncClient(base_url=base, timeout=30) as client:
+        first = await client.post(
+            "/chat/alice", json={"query": "what royalty did acct-118 earn?", "session_id": "s1"}
+        )
+        assert first.status_code == 200, first.text
+        assert (
+            first.json()["system_prompt"] == "You are an analyst's assistant for a music publisher."
+        )
+        assert sorted(first.json()["called"]) == ["get_account", "run_royalty_report"]
+        failing = await client.post(
+            "/chat/alice",
+            json={"query": "account acct-999", "session_id": "s2", "account_id": "acct-999"},
+        )
+        assert failing.json()["called"] == ["get_account"]
+        stats = await _until_stored(client)
+        assert stats["stored"] == stats["emitted"] > 0
+        assert stats["rejected"] == stats["dropped"] == 0
+
+        second = await client.post(
+            "/chat/alice", json={"query": "royalty for acct-118", "session_id": "s3"}
+        )
+        prompt = second.json()["system_prompt"]
+        assert "## What you know about this user" in prompt
+        assert 'Works with account "Northwind Records" (acct-118)' in prompt
+        assert "get_account has failed for this user" in prompt
+        facts = {f["subject"] for f in (await client.get("/memory/alice")).json()}
+        assert {"tool_affinity:run_royalty_report", "domain_preference:royalty"} <= facts
+        assert (await client.get("/memory/bob")).json() == []
+
+    # Shutdown runs the lifespan's exit: the last request's observations are stored.
+    process.send_signal(signal.SIGINT)
+    _, stderr = await asyncio.wait_for(process.communicate(), 30)
+    assert process.returncode == 0, stderr.decode()
+    assert b"Application shutdown complete" in stderr
+    assert b"Traceback" not in stderr and b"Warning" not in stderr, stderr.decode()
+    stored = await fetch(
+        pg_url, "SELECT count(*) FROM coda_memory.observations WHERE session_id = 's3'"
+    )
+    assert stored[0][0] >= 3

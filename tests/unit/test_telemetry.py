@@ -1,0 +1,171 @@
+"""OpenTelemetry: spans and metrics with ``telemetry=``, nothing at all without it.
+
+The SDK's in-memory span exporter and metric reader receive what a service records.
+Global providers can be set once per process, so the tests of the global path run in a
+subprocess.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from typing import Any
+
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from coda_memory import MemoryService
+from coda_memory.telemetry import Telemetry
+from tests.helpers import FakeClock, tool_ok
+
+
+def _metrics(reader: InMemoryMetricReader) -> dict[str, Any]:
+    data = reader.get_metrics_data()
+    assert data is not None
+    return {
+        metric.name: metric.data
+        for resource in data.resource_metrics
+        for scope in resource.scope_metrics
+        for metric in scope.metrics
+    }
+
+
+def _value(metrics: dict[str, Any], name: str) -> Any:
+    (point,) = metrics[name].data_points
+    return point.value
+
+
+async def test_spans_and_metrics_of_a_service_with_telemetry(clock: FakeClock) -> None:
+    exporter = InMemorySpanExporter()
+    tracer_provider = TracerProvider()
+    tracer_provider.add_span_processor(SimpleSpanProcessor(exporter))
+    reader = InMemoryMetricReader()
+    telemetry = Telemetry(
+        tracer_provider=tracer_provider, meter_provider=MeterProvider(metric_readers=[reader])
+    )
+    service = MemoryService.from_url(
+        "memory://", clock=clock, load_timeout=5.0, telemetry=telemetry
+    )
+    try:
+        for tool in ("get_account", "run_sql", "get_contract"):
+            service.emit_observation("alice", tool_ok(tool))
+        await service.drain()
+        loaded = await service.load_memory("alice")
+    finally:
+        await service.close()
+
+    spans = {span.name: span for span in exporter.get_finished_spans()}
+    assert set(spans) == {
+        "coda_memory.append",
+        "coda_memory.load_memory",
+        "coda_memory.consolidate",
+    }
+    assert spans["coda_memory.append"].attributes == {"coda_memory.batch": 3}
+    load, consolidate = spans["coda_memory.load_memory"], spans["coda_memory.consolidate"]
+    assert load.attributes == {"coda_memory.outcome": "ok", "coda_memory.facts": 3}
+    assert consolidate.parent is not None
+    assert consolidate.parent.span_id == load.context.span_id
+    assert consolidate.attributes == {"coda_memory.facts": len(loaded.facts)}
+    assert all("alice" not in str(span.attributes) for span in spans.values())
+
+    metrics = _metrics(reader)
+    assert _value(metrics, "coda_memory.observations.emitted") == 3
+    assert _value(metrics, "coda_memory.observations.stored") == 3
+    assert _value(metrics, "coda_memory.observations.pending") == 0
+    assert _value(metrics, "coda_memory.observations.dropped") == 0
+    assert _value(metrics, "coda_memory.loads") == 1
+    assert _value(metrics, "coda_memory.load_timeouts") == 0
+    (latency,) = metrics["coda_memory.load_memory.duration"].data_points
+    assert latency.count == 1
+    assert dict(latency.attributes) == {"coda_memory.outcome": "ok"}
+    assert 0 < latency.sum < 5
+
+
+GLOBAL_PROVIDERS = """
+import asyncio
+import sys
+
+from opentelemetry import metrics, trace
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from coda_memory import MemoryService, NewObservation, ObservationType
+
+exporter = InMemorySpanExporter()
+provider = TracerProvider()
+provider.add_span_processor(SimpleSpanProcessor(exporter))
+trace.set_tracer_provider(provider)
+reader = InMemoryMetricReader()
+metrics.set_meter_provider(MeterProvider(metric_readers=[reader]))
+
+
+def names():
+    data = reader.get_metrics_data()
+    return sorted(
+        m.name for r in data.resource_metrics for s in r.scope_metrics for m in s.metrics
+    ) if data else []
+
+
+async def use(**options):
+    service = MemoryService.from_url("memory://", load_timeout=5.0, **options)
+    obs = NewObservation(
+        type=ObservationType.TOOL_SUCCESS, content="ok", metadata={"toolName": "get_account"}
+    )
+    service.emit_observation("alice", obs)
+    await service.drain()
+    await service.load_memory("alice")
+    await service.close()
+
+
+asyncio.run(use())
+print("off:", len(exporter.get_finished_spans()), names())
+asyncio.run(use(telemetry=True))
+print("on:", len(exporter.get_finished_spans()), len(names()))
+"""
+
+WITHOUT_OTEL = """
+import asyncio
+import sys
+
+from coda_memory import MemoryService
+
+
+async def use():
+    async with MemoryService.from_url("memory://") as service:
+        await service.load_memory("alice")
+
+
+asyncio.run(use())
+print(sorted(m for m in sys.modules if m.startswith("opentelemetry")))
+"""
+
+
+def _python(code: str) -> str:
+    result = subprocess.run(
+        [sys.executable, "-W", "error", "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    return result.stdout
+
+
+def test_without_telemetry_nothing_is_recorded_even_with_global_providers() -> None:
+    out = _python(GLOBAL_PROVIDERS).splitlines()
+
+    assert out[0] == "off: 0 []"
+    spans, instruments = out[1].removeprefix("on: ").split()
+    assert int(spans) == 3  # append, load_memory, consolidate: telemetry=True uses them
+    assert int(instruments) == 10
+
+
+def test_without_telemetry_opentelemetry_is_never_imported() -> None:
+    assert _python(WITHOUT_OTEL).strip() == "[]"
