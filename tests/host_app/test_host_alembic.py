@@ -122,7 +122,7 @@ path_separator = os
 """
 
 #: All an installed wheel needs for `alembic upgrade head`: no logging sections.
-CODA_MEMORY_INI = """
+WHEEL_INI = """
 [alembic]
 script_location = coda_memory.postgres:migrations
 """
@@ -132,7 +132,7 @@ script_location = coda_memory.postgres:migrations
 def host_project(tmp_path: Path) -> Path:
     (tmp_path / "models.py").write_text(textwrap.dedent(MODELS))
     (tmp_path / "alembic.ini").write_text(INI)
-    (tmp_path / "coda-memory.ini").write_text(CODA_MEMORY_INI)
+    (tmp_path / "coda-memory.ini").write_text(WHEEL_INI)
     migrations = tmp_path / "host_migrations"
     (migrations / "versions").mkdir(parents=True)
     (migrations / "env.py").write_text(ENV)
