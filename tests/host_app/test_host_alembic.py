@@ -20,6 +20,7 @@ import pytest
 import coda_memory
 from coda_memory.errors import ForeignAlembicHistory
 from tests.postgres.helpers import fetch
+from tests.postgres.test_migrations import HEAD
 
 MODELS = """
 from sqlalchemy import ForeignKey, String
@@ -179,7 +180,7 @@ def test_host_history_and_coda_memory_live_side_by_side(
     coda_memory.migrate(empty_pg_url)  # the function, every time
 
     assert rows(empty_pg_url, "SELECT version_num FROM public.alembic_version") == [("h0001",)]
-    assert rows(empty_pg_url, "SELECT version_num FROM coda_memory.alembic_version") == [("0002",)]
+    assert rows(empty_pg_url, "SELECT version_num FROM coda_memory.alembic_version") == [(HEAD,)]
 
     check = alembic(host_project, empty_pg_url, "check")
     assert check.returncode == 0, check.stderr
@@ -211,7 +212,7 @@ def test_a_wheel_needs_only_a_two_line_ini_for_alembic_upgrade_head(
 ) -> None:
     upgraded = alembic(host_project, empty_pg_url, "upgrade", "head", ini="coda-memory.ini")
     assert upgraded.returncode == 0, upgraded.stderr
-    assert rows(empty_pg_url, "SELECT version_num FROM coda_memory.alembic_version") == [("0002",)]
+    assert rows(empty_pg_url, "SELECT version_num FROM coda_memory.alembic_version") == [(HEAD,)]
 
     check = alembic(host_project, empty_pg_url, "check", ini="coda-memory.ini")
     assert check.returncode == 0, check.stderr

@@ -26,6 +26,8 @@ import pytest
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
+from tests.postgres.test_migrations import HEAD
+
 pytestmark = pytest.mark.wheel
 
 REPOSITORY = Path(__file__).resolve().parents[2]
@@ -194,7 +196,7 @@ def test_a_plain_install_brings_only_the_core(
     assert {"typer", "rich"} <= _installed(fresh_venv)
     ddl = _run(fresh_venv / "bin" / "coda-memory", "migrate", "--sql")
     assert "CREATE TABLE coda_memory.observations" in ddl.stdout
-    assert "UPDATE coda_memory.alembic_version SET version_num='0002'" in ddl.stdout
+    assert f"UPDATE coda_memory.alembic_version SET version_num='{HEAD}'" in ddl.stdout
 
 
 def test_the_sdist_holds_sources_not_caches(tmp_path: Path) -> None:

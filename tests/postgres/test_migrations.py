@@ -311,7 +311,7 @@ def test_cli_migrate_sql_prints_the_ddl_without_a_database() -> None:
 
     assert result.exit_code == 0, result.output
     assert "CREATE TABLE dba_review.observations" in result.stdout
-    assert "UPDATE dba_review.alembic_version SET version_num='0002'" in result.stdout
+    assert f"UPDATE dba_review.alembic_version SET version_num='{HEAD}'" in result.stdout
 
     bad = CliRunner().invoke(app, ["migrate", "--sql", "--schema", "Bad-Name"])
     assert bad.exit_code == 2

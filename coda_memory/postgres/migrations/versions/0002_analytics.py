@@ -361,8 +361,9 @@ VIEW_SQL = Path(__file__).resolve().parent.parent / "views" / revision
 
 def _target_schema() -> str:
     """The schema env.py migrates: its ``schema_translate_map`` moves ``SCHEMA`` there."""
-    if op.get_context().as_sql:
-        return SCHEMA  # offline mode supports the default schema only (env.py)
+    context = op.get_context()
+    if context.as_sql:  # offline (--sql): env.py puts the version table in the target
+        return validate_schema_name(context.version_table_schema or SCHEMA)
     translate = op.get_bind().get_execution_options().get("schema_translate_map") or {}
     return validate_schema_name(translate.get(SCHEMA, SCHEMA))
 
