@@ -15,7 +15,7 @@ from coda_memory.core.affinity import (
     extract_tool_affinities,
     rank_tools,
 )
-from coda_memory.core.decay import AdaptiveDecay, DecayStrategy, ExponentialDecay
+from coda_memory.core.decay import AdaptiveDecay, DecayStrategy, ExponentialDecay, PowerLawDecay
 from coda_memory.core.emitters import (
     DEFAULT_DOMAIN_PATTERNS,
     DEFAULT_ENTITY_EXTRACTORS,
@@ -81,6 +81,7 @@ __all__ = [
     "Observation",
     "ObservationRejected",
     "ObservationType",
+    "PowerLawDecay",
     "ToolResult",
     "ToolUse",
     "boost_tool_scores",

@@ -12,7 +12,7 @@ import typer
 from typer.core import TyperGroup
 
 from coda_memory.cli.runtime import invocation
-from coda_memory.core.decay import AdaptiveDecay, DecayStrategy, ExponentialDecay
+from coda_memory.core.decay import AdaptiveDecay, DecayStrategy, ExponentialDecay, PowerLawDecay
 
 DEBUG_FLAG = "--debug"
 
@@ -107,6 +107,7 @@ class DecayName(StrEnum):
 
     EXPONENTIAL = "exponential"
     ADAPTIVE = "adaptive"
+    POWER_LAW = "power-law"
 
 
 UrlOption = Annotated[
@@ -141,7 +142,11 @@ IdentityArgument = Annotated[str, typer.Argument(help="The identity (user) id.")
 
 def decay_strategy(name: DecayName) -> DecayStrategy:
     """The strategy ``--decay`` names, with its default parameters."""
-    return AdaptiveDecay() if name is DecayName.ADAPTIVE else ExponentialDecay()
+    if name is DecayName.ADAPTIVE:
+        return AdaptiveDecay()
+    if name is DecayName.POWER_LAW:
+        return PowerLawDecay()
+    return ExponentialDecay()
 
 
 @app.callback()

@@ -272,7 +272,15 @@ class _Run:
         )
 
     def expired_at(self, fact: Fact, until: datetime) -> datetime:
-        """When the fact's confidence crossed the expiry threshold (at most ``until``)."""
+        """When the fact's confidence crossed the expiry threshold (at most ``until``).
+
+        A strategy may say so itself with ``expires_at(fact)`` (PowerLawDecay does);
+        otherwise the curve is taken as exponential between the anchor and one day later.
+        """
+        exact = getattr(self.decay, "expires_at", None)
+        if exact is not None:
+            when: datetime = exact(fact)
+            return min(until, when)
         probe_days = 1.0
         probe = fact.model_copy(update={"confidence_at": fact.anchor})
         one_day = self.decay.decayed(probe, fact.anchor + timedelta(days=probe_days))

@@ -8,7 +8,7 @@ from a previous decayed value, so how often consolidation runs does not matter.
 from __future__ import annotations
 
 import math
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Protocol, runtime_checkable
 
 from coda_memory.core.model import Fact
@@ -147,3 +147,122 @@ class AdaptiveDecay(ExponentialDecay):
     def _next_ease(self, fact: Fact, quality: float) -> float | None:
         quality = min(1.0, max(0.0, quality))
         return max(self.min_ease, self._ease(fact) + 0.1 - (1.0 - quality) * 0.3)
+
+
+FSRS_FACTOR = 19.0 / 81.0
+"""FSRS-4.5's ``F``: with ``d = 0.5``, retrievability is 0.9 when ``t = S``."""
+
+
+class PowerLawDecay:
+    """FSRS-style power-law forgetting: retrievability ``R(t) = (1 + F·t/S) ** -d``.
+
+    ``S`` is the fact's stability in days (kept in ``ease_factor``): by FSRS's definition
+    ``R(S) = 0.9`` with the default ``F = 19/81``, ``d = 0.5``. A power law forgets fast at
+    first and slowly afterwards, as spaced-repetition data shows people do.
+
+    The confidence is the retrievability: a fact of confidence ``c`` sits on its curve
+    ``(c ** (-1/d) - 1)·S/F`` days after the curve's start, so ``t`` days after its anchor
+    its confidence is ``(c ** (-1/d) + F·t/S) ** -d``. That depends only on the stored
+    confidence, its anchor and ``S``, so a view taken at any instant decays on exactly as
+    the fact would, and how often consolidation runs does not matter.
+
+    Each reinforcement sets ``confidence = min(1, current + reinforce_amount)`` as the
+    other strategies do, and ``S = clamp(S · (1 + growth · (2·quality - 1)))`` between
+    ``min_stability`` and ``max_stability``: a successful session (quality 1) multiplies
+    stability by ``1 + growth``, quality 0.5 leaves it, quality 0 shrinks it.
+
+    Parameters: ``factor`` (F, 19/81), ``power`` (d, 0.5), ``initial_stability`` (S of a
+    new fact, 0.25 day: a new fact at 0.5 halves in 12.8 days, as the seed's exponential
+    does in 13.5), ``growth`` (0.5), ``min_stability`` (0.05 day), ``max_stability``
+    (365 days), ``reinforce_amount`` (0.1) and ``expiry_threshold`` (0.1).
+    """
+
+    def __init__(
+        self,
+        factor: float = FSRS_FACTOR,
+        power: float = 0.5,
+        initial_stability: float = 0.25,
+        growth: float = 0.5,
+        min_stability: float = 0.05,
+        max_stability: float = 365.0,
+        reinforce_amount: float = 0.1,
+        expiry_threshold: float = 0.1,
+    ) -> None:
+        if factor <= 0 or power <= 0:
+            raise ValueError("factor and power must be positive")
+        if not 0 < min_stability <= initial_stability <= max_stability:
+            raise ValueError("need 0 < min_stability <= initial_stability <= max_stability")
+        if not 0.0 <= growth < 1.0:
+            raise ValueError("growth must be in [0, 1)")
+        if not 0.0 <= reinforce_amount <= 1.0:
+            raise ValueError("reinforce_amount must be in [0, 1]")
+        if not 0.0 <= expiry_threshold < 1.0:
+            raise ValueError("expiry_threshold must be in [0, 1)")
+        self.factor = factor
+        self.power = power
+        self.initial_stability = initial_stability
+        self.growth = growth
+        self.min_stability = min_stability
+        self.max_stability = max_stability
+        self.reinforce_amount = reinforce_amount
+        self._expiry_threshold = expiry_threshold
+
+    @property
+    def expiry_threshold(self) -> float:
+        return self._expiry_threshold
+
+    def initial_ease(self) -> float | None:
+        return self.initial_stability
+
+    def stability(self, fact: Fact) -> float:
+        """The fact's stability in days (a fact without one has the initial stability)."""
+        if fact.ease_factor is None or fact.ease_factor <= 0:
+            return self.initial_stability
+        return fact.ease_factor
+
+    def _position(self, confidence: float) -> float:
+        """``c ** (-1/d)``: where on the curve (in units of F·t/S, plus 1) ``c`` lies."""
+        return float(max(confidence, 1e-300) ** (-1.0 / self.power))
+
+    def decayed(self, fact: Fact, now: datetime) -> float:
+        if fact.confidence <= 0.0:
+            return 0.0
+        step = self.factor * elapsed_days(fact.anchor, now) / self.stability(fact)
+        return float((self._position(fact.confidence) + step) ** -self.power)
+
+    def reinforce(self, fact: Fact, quality: float, now: datetime) -> Fact:
+        quality = min(1.0, max(0.0, quality))
+        confidence = min(1.0, self.decayed(fact, now) + self.reinforce_amount)
+        stability = self.stability(fact) * (1.0 + self.growth * (2.0 * quality - 1.0))
+        return fact.model_copy(
+            update={
+                "confidence": confidence,
+                "confidence_at": now,
+                "reinforcement_count": fact.reinforcement_count + 1,
+                "last_reinforced_at": now,
+                "updated_at": now,
+                "ease_factor": min(self.max_stability, max(self.min_stability, stability)),
+            }
+        )
+
+    def expires_at(self, fact: Fact) -> datetime:
+        """When the fact's confidence falls below the threshold, never reinforced again."""
+        threshold = self._expiry_threshold
+        if fact.confidence < threshold:
+            return fact.anchor
+        if threshold <= 0.0:
+            return datetime.max.replace(tzinfo=fact.anchor.tzinfo)
+        gap = self._position(threshold) - self._position(fact.confidence)
+        return fact.anchor + timedelta(days=gap * self.stability(fact) / self.factor)
+
+    def half_life_days(self, stability: float | None = None, confidence: float = 1.0) -> float:
+        """Days for a confidence of ``confidence`` to halve without reinforcement."""
+        s = self.initial_stability if stability is None else stability
+        gap = self._position(confidence / 2.0) - self._position(confidence)
+        return gap * s / self.factor
+
+    def __repr__(self) -> str:
+        return (
+            f"PowerLawDecay(power={self.power}, initial_stability={self.initial_stability}, "
+            f"growth={self.growth}, reinforce_amount={self.reinforce_amount})"
+        )

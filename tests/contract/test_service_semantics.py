@@ -10,12 +10,14 @@ import pytest
 
 from coda_memory import (
     AdaptiveDecay,
+    DecayStrategy,
     ExponentialDecay,
     Fact,
     FactCategory,
     FactEventKind,
     NewObservation,
     ObservationType,
+    PowerLawDecay,
 )
 from tests.conftest import ServiceFactory
 from tests.helpers import T0, FakeClock, domain, entity, tool_failed, tool_ok
@@ -140,11 +142,15 @@ async def test_sessions_apply_in_time_order_and_never_before_the_last_reinforcem
     assert fact.confidence == pytest.approx(expected)
 
 
-@pytest.mark.parametrize("decay_name", ["exponential", "adaptive"])
+@pytest.mark.parametrize("decay_name", ["exponential", "adaptive", "power-law"])
 async def test_consolidating_daily_or_once_at_day_20_gives_the_same_facts(
     make_service: ServiceFactory, clock: FakeClock, decay_name: str
 ) -> None:
-    decay = ExponentialDecay() if decay_name == "exponential" else AdaptiveDecay()
+    decay: DecayStrategy = {
+        "exponential": ExponentialDecay,
+        "adaptive": AdaptiveDecay,
+        "power-law": PowerLawDecay,
+    }[decay_name]()
     service = await make_service(decay=decay)
     Build = Callable[[str, datetime], NewObservation]
     schedule: list[tuple[int, int, str, Build]] = [

@@ -8,7 +8,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from coda_memory.core.consolidation import ConsolidationInput, fact_key, plan_consolidation
-from coda_memory.core.decay import AdaptiveDecay, DecayStrategy, ExponentialDecay
+from coda_memory.core.decay import (
+    AdaptiveDecay,
+    DecayStrategy,
+    ExponentialDecay,
+    PowerLawDecay,
+)
 from coda_memory.core.model import (
     Fact,
     FactCategory,
@@ -72,14 +77,14 @@ def histories(draw: st.DrawFn) -> list[Observation]:
 @given(
     history=histories(),
     cuts=st.lists(st.integers(0, 60), max_size=6),
-    adaptive=st.booleans(),
+    strategy=st.sampled_from([ExponentialDecay, AdaptiveDecay, PowerLawDecay]),
 )
 def test_how_often_consolidation_runs_does_not_change_the_facts(
-    history: list[Observation], cuts: list[int], adaptive: bool
+    history: list[Observation], cuts: list[int], strategy: type[DecayStrategy]
 ) -> None:
     """Runs at arbitrary points (mid-session included) give the facts of one final run,
     as long as no run splits sessionless observations that one run would have merged."""
-    decay = AdaptiveDecay() if adaptive else ExponentialDecay()
+    decay = strategy()
     history = [o for o in history if o.session_id is not None]
     end = (history[-1].created_at if history else T0) + timedelta(hours=1)
 

@@ -2,12 +2,21 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 from datetime import timedelta
 
 import pytest
 
-from coda_memory import AdaptiveDecay, DecayStrategy, ExponentialDecay, Fact, FactCategory
+from coda_memory import (
+    AdaptiveDecay,
+    DecayStrategy,
+    ExponentialDecay,
+    Fact,
+    FactCategory,
+    PowerLawDecay,
+)
+from coda_memory.core.decay import initial_ease
 from tests.helpers import T0
 
 
@@ -35,9 +44,51 @@ def days_until_expiry(decay: ExponentialDecay, fact: Fact) -> int:
     return day
 
 
-def test_both_strategies_satisfy_the_protocol() -> None:
-    assert isinstance(ExponentialDecay(), DecayStrategy)
-    assert isinstance(AdaptiveDecay(), DecayStrategy)
+STRATEGIES: list[DecayStrategy] = [ExponentialDecay(), AdaptiveDecay(), PowerLawDecay()]
+each_strategy = pytest.mark.parametrize("decay", STRATEGIES, ids=repr)
+
+
+@each_strategy
+def test_every_strategy_satisfies_the_protocol(decay: DecayStrategy) -> None:
+    assert isinstance(decay, DecayStrategy)
+
+
+@each_strategy
+def test_every_strategy_decays_from_its_anchor_and_views_decay_on_identically(
+    decay: DecayStrategy,
+) -> None:
+    fact = decay.reinforce(make_fact(0.6, ease=initial_ease(decay)), 1.0, T0)
+    days = [0.0, 0.5, 3.0, 10.0, 40.0]
+    values = [decay.decayed(fact, T0 + timedelta(days=d)) for d in days]
+    assert values[0] == pytest.approx(fact.confidence)
+    assert all(a > b for a, b in itertools.pairwise(values))
+    # A view at any instant (what the service returns) decays on exactly as the fact.
+    for d in days:
+        at = T0 + timedelta(days=d)
+        view = fact.model_copy(update={"confidence": decay.decayed(fact, at), "confidence_at": at})
+        assert decay.decayed(view, at) == pytest.approx(decay.decayed(fact, at))
+        for later in (d + 1.0, d + 25.0):
+            instant = T0 + timedelta(days=later)
+            assert decay.decayed(view, instant) == pytest.approx(decay.decayed(fact, instant))
+
+
+@each_strategy
+def test_every_strategy_never_raises_confidence_when_the_clock_goes_back(decay: DecayStrategy) -> None:
+    fact = make_fact(0.6, ease=initial_ease(decay))
+    backwards = decay.decayed(fact, T0 - timedelta(days=3))
+    assert backwards == pytest.approx(decay.decayed(fact, T0 + timedelta(days=3)))
+    assert backwards < 0.6
+
+
+@each_strategy
+def test_every_strategy_reinforces_by_0_1_from_the_decayed_value(decay: DecayStrategy) -> None:
+    fact = make_fact(0.5, ease=initial_ease(decay), count=3)
+    at = T0 + timedelta(days=2)
+    reinforced = decay.reinforce(fact, 1.0, at)
+    assert reinforced.confidence == pytest.approx(decay.decayed(fact, at) + 0.1)
+    assert reinforced.reinforcement_count == 4
+    assert reinforced.last_reinforced_at == reinforced.confidence_at == at
+    assert decay.reinforce(make_fact(1.0), 1.0, T0).confidence == 1.0
 
 
 def test_half_life_is_about_13_5_days() -> None:
@@ -133,3 +184,71 @@ def test_adaptive_decay_stretches_time_by_ease() -> None:
 def test_bad_parameters_are_refused(kwargs: dict[str, float]) -> None:
     with pytest.raises(ValueError):
         ExponentialDecay(**kwargs)
+
+
+def test_power_law_follows_the_fsrs_curve() -> None:
+    decay = PowerLawDecay()
+    fact = make_fact(1.0, ease=4.0)
+    # R(t) = (1 + 19/81 · t/S) ** -0.5: 0.9 after S days, by FSRS's definition of stability.
+    assert decay.decayed(fact, T0 + timedelta(days=4)) == pytest.approx(0.9)
+    assert decay.decayed(fact, T0 + timedelta(days=30)) == pytest.approx(
+        (1 + 19 / 81 * 30 / 4) ** -0.5
+    )
+    # A fact at 0.5 sits where R = 0.5 on the same curve (3·S/F days in) and goes on from there.
+    half = make_fact(0.5, ease=4.0)
+    offset = 3 * 4 / (19 / 81)
+    assert decay.decayed(half, T0 + timedelta(days=10)) == pytest.approx(
+        (1 + 19 / 81 * (offset + 10) / 4) ** -0.5
+    )
+    # Fast at first, slow later: a heavier tail than an exponential of the same half-life.
+    days = decay.half_life_days(4.0)
+    assert decay.decayed(fact, T0 + timedelta(days=days)) == pytest.approx(0.5)
+    exponential = ExponentialDecay(base=0.5 ** (1 / days))
+    later = T0 + timedelta(days=4 * days)
+    assert decay.decayed(fact, later) > exponential.decayed(fact, later)
+    # A fact without a stability has the initial one: a new fact (0.5) halves in 12.8 days.
+    assert decay.half_life_days(confidence=0.5) == pytest.approx(12.79, abs=0.01)
+    assert decay.decayed(make_fact(1.0), T0 + timedelta(days=0.25)) == pytest.approx(0.9)
+
+
+@pytest.mark.parametrize(("quality", "expected_stability"), [(1.0, 3.0), (0.5, 2.0), (0.0, 1.0)])
+def test_power_law_stability_grows_with_successful_reinforcement(
+    quality: float, expected_stability: float
+) -> None:
+    reinforced = PowerLawDecay(growth=0.5).reinforce(make_fact(0.5, ease=2.0), quality, T0)
+    assert reinforced.ease_factor == pytest.approx(expected_stability)
+
+
+def test_power_law_stability_stays_within_its_bounds() -> None:
+    decay = PowerLawDecay(initial_stability=1.0, min_stability=0.5, max_stability=10.0)
+    fact = make_fact(0.5, ease=1.0)
+    for _ in range(20):
+        fact = decay.reinforce(fact, 1.0, T0)
+    assert fact.ease_factor == pytest.approx(10.0)
+    for _ in range(20):
+        fact = decay.reinforce(fact, 0.0, T0)
+    assert fact.ease_factor == pytest.approx(0.5)
+
+
+@pytest.mark.parametrize("confidence", [0.3, 0.5, 1.0])
+def test_power_law_expiry_instant_is_where_the_curve_crosses_the_threshold(
+    confidence: float,
+) -> None:
+    decay = PowerLawDecay()
+    fact = make_fact(confidence, ease=2.0)
+    when = decay.expires_at(fact)
+    assert decay.decayed(fact, when) == pytest.approx(decay.expiry_threshold)
+    assert decay.decayed(fact, when - timedelta(hours=1)) > decay.expiry_threshold
+    # The same instant from a view taken half-way.
+    half = T0 + (when - T0) / 2
+    view = fact.model_copy(update={"confidence": decay.decayed(fact, half), "confidence_at": half})
+    assert abs((decay.expires_at(view) - when).total_seconds()) < 1e-3
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [{"power": 0.0}, {"growth": 1.0}, {"initial_stability": 0.01}, {"expiry_threshold": 1}],
+)
+def test_power_law_bad_parameters_are_refused(kwargs: dict[str, float]) -> None:
+    with pytest.raises(ValueError):
+        PowerLawDecay(**kwargs)
