@@ -73,7 +73,9 @@ def test_every_strategy_decays_from_its_anchor_and_views_decay_on_identically(
 
 
 @each_strategy
-def test_every_strategy_never_raises_confidence_when_the_clock_goes_back(decay: DecayStrategy) -> None:
+def test_every_strategy_never_raises_confidence_when_the_clock_goes_back(
+    decay: DecayStrategy,
+) -> None:
     fact = make_fact(0.6, ease=initial_ease(decay))
     backwards = decay.decayed(fact, T0 - timedelta(days=3))
     assert backwards == pytest.approx(decay.decayed(fact, T0 + timedelta(days=3)))
