@@ -32,14 +32,15 @@ from sqlalchemy import (
     exists,
     func,
     literal,
-    not_,
     or_,
     select,
     table,
+    text,
     union,
 )
 from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.ext.asyncio import AsyncConnection
+from sqlalchemy.sql.elements import TextClause
 from sqlalchemy.sql.selectable import Select
 
 from coda_memory.postgres.schema import (
@@ -51,6 +52,7 @@ from coda_memory.postgres.schema import (
     metadata,
     observations,
 )
+from coda_memory.postgres.sql import fragment
 from coda_memory.postgres.store import PostgresStore
 
 #: Alembic's version table, which the migrations keep in the store's schema (a Table, not
@@ -88,14 +90,18 @@ def _visible(xid: ColumnElement[int], snapshot: ColumnElement[str]) -> ColumnEle
     return func.pg_visible_in_snapshot(xid, snapshot, type_=Boolean)
 
 
+def _unconsumed() -> TextClause:
+    """True for an observation row whose transaction its identity's checkpoint snapshot
+    did not see: the predicate of ``sql/fragments/unconsumed.sql``, which the hot path
+    shares (the statement must have ``observations`` and ``checkpoints`` in scope)."""
+    snapshot = "checkpoints.snapshot::pg_snapshot"
+    return text(fragment("unconsumed", xid="observations.xid", snapshot=snapshot))
+
+
 def _pending_condition() -> ColumnElement[bool]:
     """True for an observation row (joined with its identity's checkpoint, if any) that no
     committed consolidation has consumed."""
-    snapshot = _checkpoint_snapshot()
-    return or_(
-        checkpoints.c.snapshot.is_(None),
-        not_(_visible(observations.c.xid, snapshot)),
-    )
+    return or_(checkpoints.c.snapshot.is_(None), _unconsumed())
 
 
 async def pending_identities(
@@ -165,14 +171,9 @@ def pending_scan(after: str | None, limit: int) -> Select[Any]:
             scanned.c.identity_id.is_not(None), scanned.c.n < bindparam("limit", limit, Integer)
         )
     )
-    # pending: some row of the identity is not visible in its checkpoint snapshot. Rows
-    # below the snapshot's xmin were all visible in it, which bounds the index range.
-    snapshot = _checkpoint_snapshot()
-    unconsumed = exists().where(
-        observations.c.identity_id == scanned.c.identity_id,
-        observations.c.xid >= func.pg_snapshot_xmin(snapshot),
-        not_(_visible(observations.c.xid, snapshot)),
-    )
+    # pending: some row of the identity is not consumed by its checkpoint snapshot (the
+    # shared predicate bounds the index range by the snapshot's xmin).
+    unconsumed = exists().where(observations.c.identity_id == scanned.c.identity_id, _unconsumed())
     statement = (
         select(
             scanned.c.identity_id,

@@ -38,3 +38,16 @@ def test_the_schema_is_quoted_after_validation() -> None:
     assert 'FROM "tenant_a".facts' in sql.query("stored_facts", "tenant_a").text
     with pytest.raises(ValueError, match="invalid schema name"):
         sql.query("stored_facts", 'x"; DROP TABLE facts; --')
+
+
+def test_the_pending_predicate_is_written_once_and_shared() -> None:
+    from coda_memory.postgres import maintenance
+
+    predicate = sql.fragment("unconsumed", xid="o.xid", snapshot="cp.s")
+    assert predicate.startswith("(o.xid >= pg_snapshot_xmin(cp.s) AND ")
+    assert predicate in sql.query("peek", "coda_memory").text
+    stored = sql.fragment("unconsumed", xid="o.xid", snapshot="$2::text::pg_snapshot")
+    assert stored in sql.query("new_observations_since", "coda_memory").text
+    checkpoint = "checkpoints.snapshot::pg_snapshot"
+    scan = str(maintenance.pending_scan(None, 10))
+    assert sql.fragment("unconsumed", xid="observations.xid", snapshot=checkpoint) in scan

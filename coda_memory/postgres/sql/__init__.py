@@ -1,10 +1,13 @@
 """Named SQL: one statement per ``.sql`` file in this package, read once.
 
 A file holds one statement, formatted one clause per line, with a comment on each CTE
-saying why it exists. Two kinds of placeholder appear in it:
+saying why it exists. Three kinds of placeholder appear in it:
 
 * ``{schema}``, the store's schema: replaced by the quoted identifier, after
   :func:`~coda_memory.postgres.schema.validate_schema_name` accepted it (never a value);
+* ``{fragment(name=value, …)}``, the expression in ``fragments/fragment.sql`` with its
+  ``{name}`` placeholders replaced, in parentheses: a predicate that several statements
+  share is written once;
 * ``:name``, a parameter. :class:`Query` numbers the names in order of first use, as
   asyncpg's ``$1, $2, …``, and builds the argument list from a mapping by name, so no
   value is ever matched to a position by hand.
@@ -26,6 +29,8 @@ from coda_memory.postgres.schema import validate_schema_name
 #: ``:name``, but not the second colon of a ``::type`` cast.
 _PARAMETER = re.compile(r"(?<![:\w]):([a-z_][a-z0-9_]*)")
 _COMMENT = re.compile(r"^\s*--.*$\n?", re.MULTILINE)
+#: ``{name(key=value, …)}``; values contain no braces or parentheses.
+_FRAGMENT = re.compile(r"\{(\w+)\(([^{}()]*)\)\}")
 
 
 @functools.cache
@@ -37,6 +42,25 @@ def source(name: str) -> str:
 def strip_comments(sql: str) -> str:
     """``sql`` without its comment lines (those that start with ``--``)."""
     return _COMMENT.sub("", sql)
+
+
+def fragment(name: str, **values: str) -> str:
+    """``fragments/name.sql`` in parentheses, its ``{key}`` placeholders replaced by
+    ``values`` (SQL expressions of the including statement, never outside values)."""
+    text = " ".join(
+        line.strip() for line in strip_comments(source(f"fragments/{name}")).strip().split("\n")
+    )
+    for key, value in values.items():
+        text = text.replace(f"{{{key}}}", value)
+    return f"({text})"
+
+
+def _expand(sql: str) -> str:
+    def include(match: re.Match[str]) -> str:
+        pairs = (item.split("=", 1) for item in match.group(2).split(", "))
+        return fragment(match.group(1), **{key.strip(): value.strip() for key, value in pairs})
+
+    return _FRAGMENT.sub(include, sql)
 
 
 def in_schema(sql: str, schema: str) -> str:
@@ -70,7 +94,7 @@ class Query:
 @functools.cache
 def query(name: str, schema: str) -> Query:
     """``name``.sql for ``schema``, with its ``:name`` parameters numbered (cached)."""
-    text = in_schema(strip_comments(source(name)), schema).strip()
+    text = in_schema(_expand(strip_comments(source(name))), schema).strip()
     parameters: list[str] = []
 
     def number(match: re.Match[str]) -> str:

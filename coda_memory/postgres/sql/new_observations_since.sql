@@ -20,8 +20,6 @@ LEFT JOIN {schema}.observations o
     ON o.identity_id = :identity_id
     AND o.xid < pg_snapshot_xmax(snap.s)
     AND pg_visible_in_snapshot(o.xid, snap.s)
-    -- Pending since the stored snapshot: everything below its xmin was visible in it,
-    -- which bounds the range scan of (identity_id, xid).
-    AND o.xid >= pg_snapshot_xmin(:stored_snapshot::text::pg_snapshot)
-    AND NOT pg_visible_in_snapshot(o.xid, :stored_snapshot::text::pg_snapshot)
+    -- Not consumed by the stored snapshot (fragments/unconsumed.sql).
+    AND {unconsumed(xid=o.xid, snapshot=:stored_snapshot::text::pg_snapshot)}
 ORDER BY o.id

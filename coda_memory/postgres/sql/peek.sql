@@ -7,21 +7,15 @@ cp AS (
     FROM {schema}.checkpoints
     WHERE identity_id = :identity_id
 ),
--- Whether an observation waits: none consolidated yet, or one not visible in the
--- stored snapshot (everything below its xmin was visible in it).
+-- Whether an observation waits: none consolidated yet, or one the stored snapshot did
+-- not consume (fragments/unconsumed.sql).
 pending AS (
     SELECT EXISTS (
         SELECT 1
         FROM {schema}.observations o
         LEFT JOIN cp ON true
         WHERE o.identity_id = :identity_id
-            AND (
-                cp.s IS NULL
-                OR (
-                    o.xid >= pg_snapshot_xmin(cp.s)
-                    AND NOT pg_visible_in_snapshot(o.xid, cp.s)
-                )
-            )
+            AND (cp.s IS NULL OR {unconsumed(xid=o.xid, snapshot=cp.s)})
     ) AS p
 )
 SELECT
