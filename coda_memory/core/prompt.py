@@ -36,8 +36,15 @@ def _rank_key(fact: Fact) -> tuple[float, str]:
     return (-score if math.isfinite(score) else math.inf, fact.subject)
 
 
-def _group_index(category: FactCategory) -> int:
-    return next(i for i, (_, categories) in enumerate(GROUPS) if category in categories)
+_GROUP_OF: dict[FactCategory, int] = {
+    category: index for index, (_, categories) in enumerate(GROUPS) for category in categories
+}
+
+
+def _fact_line(content: str) -> str:
+    """The list item showing ``content`` as data, or "" when nothing of it is left."""
+    text = data_text(content, MAX_FACT_CHARS)
+    return f"- {text}" if text else ""
 
 
 def _render(lines_by_group: list[list[str]]) -> str:
@@ -78,11 +85,12 @@ def format_memory_section(
     for rank, fact in enumerate(sorted(facts, key=_rank_key)):
         if budget_tokens - used < 2:
             break  # not even "-" and a newline fit
-        text = data_text(fact.content, MAX_FACT_CHARS)
-        if not text:
+        line = _fact_line(fact.content)
+        if not line:
             continue
-        group = _group_index(fact.category)
-        line = f"- {text}"
+        if token_counter is None and used + line.count(" ") + 2 > budget_tokens:
+            continue  # every word and the newline cost the estimate at least one token
+        group = _GROUP_OF[fact.category]
         cost = count(line) + 1
         if not lines_by_group[group]:
             cost += count(_heading(GROUPS[group][0])) + 1

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
+from functools import lru_cache
 
 TokenCounter = Callable[[str], int]
 
@@ -67,39 +68,75 @@ KNOWN_WORDS: dict[str, int] = {
     **dict.fromkeys(_THREE_TOKENS.split(), 3),
 }
 
+#: Every form a known word is counted in (lower case and capitalised), with its cost.
+_FORMS: dict[str, int] = {
+    form: cost for word, cost in KNOWN_WORDS.items() for form in (word, word.capitalize())
+}
+
 _PUNCTUATION = r"!-/:-@\[-`{-~"
 #: As the tokenizers pre-split: a letter run with the space or punctuation character
-#: before it, a digit group, a punctuation run with the space before it, or any single
+#: before it, a punctuation run with the space before it, a digit group, or any single
 #: character.
 _PIECE = re.compile(
-    rf"([ {_PUNCTUATION}]?)([A-Za-z]+)|[0-9]{{1,3}}|( ?[{_PUNCTUATION}]+)|.", re.DOTALL
+    rf"([ {_PUNCTUATION}]?)([A-Za-z]+)|( ?[{_PUNCTUATION}]+)|([0-9]{{1,3}})|(.)", re.DOTALL
 )
+#: Longer texts are not worth keeping in the cache.
+_CACHED_CHARS = 400
 
 
-def _word_cost(text: str, lead: str, word: str, start: int, end: int) -> int:
-    cost = KNOWN_WORDS.get(word.lower())
-    if (
-        cost is None
-        or lead == "'"  # "'s", "'t", "'re"… split differently
-        or not (word.islower() or (word[0].isupper() and word[1:].islower()))
-        or (start > 0 and not text[start - 1].isascii())  # glued to a non-ASCII letter
-        or (end < len(text) and not text[end].isascii())
-    ):
+def _word_cost(lead: str, word: str) -> int:
+    cost = _FORMS.get(word)
+    if cost is None or lead == "'":  # "'s", "'t", "'re"… split differently
         return len(lead) + len(word)
     return cost if lead in ("", " ") else cost + 1
 
 
-def estimate_tokens(text: str) -> int:
-    """A token count of ``text`` that real tokenizers do not exceed (see the module)."""
+def _punctuation_cost(run: str) -> int:
+    # A space and one punctuation character is one token in both vocabularies.
+    return 1 if len(run) == 2 and run[0] == " " else len(run)
+
+
+def _ascii_estimate(text: str) -> int:
+    total = 0
+    for lead, word, punctuation, _, _ in _PIECE.findall(text):
+        if word:
+            total += _word_cost(lead, word)
+        elif punctuation:
+            total += _punctuation_cost(punctuation)
+        else:
+            total += 1  # a digit group or one ASCII character
+    return total
+
+
+def _estimate(text: str) -> int:
     total = 0
     for match in _PIECE.finditer(text):
-        word = match.group(2)
-        if word is not None:
-            total += _word_cost(text, match.group(1), word, match.start(), match.end())
-        elif (punctuation := match.group(3)) is not None:
-            # A space and one punctuation character is one token in both vocabularies.
-            total += 1 if len(punctuation) == 2 and punctuation[0] == " " else len(punctuation)
+        lead, word, punctuation, digits, other = match.groups()
+        if word:
+            start, end = match.start(), match.end()
+            if (start > 0 and not text[start - 1].isascii()) or (
+                end < len(text) and not text[end].isascii()
+            ):
+                total += len(lead) + len(word)  # glued to a non-ASCII letter: bytes
+            else:
+                total += _word_cost(lead, word)
+        elif punctuation:
+            total += _punctuation_cost(punctuation)
+        elif digits:
+            total += 1
         else:
-            piece = match.group()
-            total += 1 if piece.isascii() else len(piece.encode("utf-8", "surrogatepass"))
+            total += len(other.encode("utf-8", "surrogatepass"))
     return total
+
+
+@lru_cache(maxsize=8192)
+def _cached_estimate(text: str) -> int:
+    return _ascii_estimate(text) if text.isascii() else _estimate(text)
+
+
+def estimate_tokens(text: str) -> int:
+    """A token count of ``text`` that real tokenizers do not exceed (see the module)."""
+    if len(text) <= _CACHED_CHARS:
+        # Prompt lines repeat from one load to the next.
+        return _cached_estimate(text)
+    return _ascii_estimate(text) if text.isascii() else _estimate(text)

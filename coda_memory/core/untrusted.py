@@ -35,6 +35,7 @@ from __future__ import annotations
 import re
 import unicodedata
 from collections.abc import Callable
+from functools import lru_cache
 
 ELLIPSIS = "…"
 LINK_REMOVED = "(link removed)"
@@ -88,14 +89,19 @@ _MARK_CATEGORIES = frozenset({"Mn", "Me"})
 MAX_MARKS_PER_BASE = 2
 
 
+_IGNORABLE_BMP = frozenset(
+    chr(code) for low, high in _IGNORABLE_RANGES if high < 0x10000 for code in range(low, high + 1)
+)
+
+
 def is_invisible(char: str) -> bool:
     """True for a character that renders as nothing (or as a blank that is not a space)."""
     code = ord(char)
     if code < 0x80:
         return not (0x20 <= code < 0x7F)
-    if unicodedata.category(char) in _INVISIBLE_CATEGORIES:
+    if char in _IGNORABLE_BMP or unicodedata.category(char) in _INVISIBLE_CATEGORIES:
         return True
-    return any(low <= code <= high for low, high in _IGNORABLE_RANGES)
+    return code >= 0x10000 and any(low <= code <= high for low, high in _IGNORABLE_RANGES)
 
 
 # -- structure patterns, matched on the confusable-folded text -----------------------------
@@ -176,6 +182,15 @@ def _visible_line(text: str, max_chars: int) -> str:
     pending_space = False
     marks = MAX_MARKS_PER_BASE
     for char in text:
+        if " " < char < "\x7f":  # printable ASCII but the space: always kept
+            marks = 0
+            if pending_space:
+                kept.append(" ")
+                pending_space = False
+            kept.append(char)
+            if len(kept) > max_chars + 1:
+                break
+            continue
         if char.isspace():
             pending_space = bool(kept)
             marks = MAX_MARKS_PER_BASE
@@ -197,6 +212,10 @@ def _visible_line(text: str, max_chars: int) -> str:
     return "".join(kept)
 
 
+#: Longer values are not worth keeping in the cache.
+_CACHED_CHARS = 400
+
+
 def data_text(value: str, max_chars: int) -> str:
     """``value`` as one line of plain data for a system prompt (see the module policy).
 
@@ -204,6 +223,18 @@ def data_text(value: str, max_chars: int) -> str:
     character, URL, markdown link or image, tag, turn marker or role marker; applying
     the function to its own result changes nothing.
     """
+    if len(value) <= _CACHED_CHARS:
+        # Names, ids and fact lines repeat from one observation or load to the next.
+        return _cached_data_text(value, max_chars)
+    return _data_text(value, max_chars)
+
+
+@lru_cache(maxsize=16_384)
+def _cached_data_text(value: str, max_chars: int) -> str:
+    return _data_text(value, max_chars)
+
+
+def _data_text(value: str, max_chars: int) -> str:
     if value.isascii() and value.isprintable():
         if not _SUSPICIOUS_ASCII.search(value):
             return _cap(" ".join(value.split()), max_chars)
