@@ -14,7 +14,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 EXTRAS = ("cli", "plot", "otel", "redis")
 #: Test tools, at their locked versions; the OpenTelemetry SDK at the API's floor.
-TOOLS = ("pytest", "pytest-asyncio", "hypothesis")
+TOOLS = ("pytest", "pytest-asyncio", "hypothesis", "bpe-openai")
 
 
 def floors() -> list[str]:
