@@ -31,6 +31,7 @@ if HAS_CLI:
         analytics_commands,
         identity_commands,
         import_commands,
+        replay_command,
         role_commands,
     )
     from coda_memory.cli.app import app
@@ -45,6 +46,7 @@ if HAS_CLI:
         "identity_commands",
         "import_commands",
         "main",
+        "replay_command",
         "role_commands",
     ]
 

@@ -47,6 +47,12 @@ def _fact_line(content: str) -> str:
     return f"- {text}" if text else ""
 
 
+def ranked_facts(facts: Sequence[Fact]) -> list[Fact]:
+    """``facts`` in the order the prompt section lists them: confidence times count, highest
+    first (ties by subject)."""
+    return sorted(facts, key=_rank_key)
+
+
 def _render(lines_by_group: list[list[str]]) -> str:
     lines = [HEADER, FRAMING]
     for (label, _), group_lines in zip(GROUPS, lines_by_group, strict=True):

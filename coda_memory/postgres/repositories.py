@@ -75,6 +75,14 @@ class ObservationRepository:
         result = await self._conn.execute(statement)
         return [observation_from_mapping(row) for row in result.mappings()]
 
+    async def every_stored(self) -> list[Observation]:
+        """Every stored observation of every identity, in time order (for a replay)."""
+        statement = select(*_OBSERVATION_COLUMNS).order_by(
+            observations.c.created_at, observations.c.id
+        )
+        result = await self._conn.execute(statement)
+        return [observation_from_mapping(row) for row in result.mappings()]
+
     async def delete_identity(self, identity_id: str) -> None:
         await self._conn.execute(
             delete(observations).where(observations.c.identity_id == identity_id)

@@ -157,6 +157,10 @@ class PostgresStore:
             _as_tenant(identity_id, lambda conn: ObservationRepository(conn).stored(identity_id))
         )
 
+    async def every_observation(self) -> list[Observation]:
+        """Every identity's stored (not yet pruned) observations, in time order."""
+        return await self.run(lambda conn: ObservationRepository(conn).every_stored())
+
     async def checkpoint(self, identity_id: str) -> Checkpoint | None:
         """The identity's checkpoint, or None before its first consolidation."""
         return await self.run(

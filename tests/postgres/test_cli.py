@@ -786,3 +786,18 @@ def test_an_empty_result_writes_no_blank_chart(pg_url: str, tmp_path: Path) -> N
     assert not chart.exists()
     assert f"no rows: no chart written to {chart}" in result.stderr
     assert "no rows" in result.stdout
+
+
+def test_replay_scores_the_observations_the_database_holds(pg_url: str) -> None:
+    seed_alice(pg_url)
+    seed_alice(pg_url, "bob")
+    result = run("replay", "--url", pg_url, "--split", "0.2", "--format", "json")
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    # Four observations a day for three days each, one session a day.
+    assert (report["events"], report["sessions"], report["scored_identities"]) == (24, 6, 2)
+    rows = {row["method"]: row for row in report["results"]}
+    assert set(rows) >= {"recency only", "exponential", "adaptive", "power-law"}
+    # Both days after the first are held out; every method sees the same sessions.
+    assert {row["sessions"] for row in rows.values()} == {"4"}
+    assert rows["exponential"]["hit@5"] == "1.000"

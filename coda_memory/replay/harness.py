@@ -1,0 +1,163 @@
+"""Replay a timeline through a real MemoryService, and the baselines beside it.
+
+For each session of a scored identity, in order of start: the simulated clock is set to
+the session's start, the identity's memory is consolidated (what ``load_memory`` does
+before the model sees the prompt), its facts are ranked as the prompt section ranks them
+(confidence times reinforcement count) and scored against the subjects the session uses, and
+then the session's events are emitted as observations at their own times.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+from coda_memory.core.decay import DecayStrategy
+from coda_memory.core.model import Fact
+from coda_memory.core.prompt import ranked_facts
+from coda_memory.replay.events import event_observation
+from coda_memory.replay.metrics import Calibration, RankingScore
+from coda_memory.replay.timeline import Session, Timeline
+from coda_memory.service import MemoryService
+
+#: How many subjects the baselines rank (NDCG@10 looks at ten).
+TOP = 10
+
+
+@dataclass
+class PeriodScores:
+    """The scores of one method over one period (fitting or held out)."""
+
+    ranking: RankingScore = field(default_factory=RankingScore)
+    calibration: Calibration = field(default_factory=Calibration)
+    facts_total: int = 0
+
+    @property
+    def facts_per_identity(self) -> float:
+        """Mean number of facts held at a scored session's start."""
+        sessions = self.ranking.sessions
+        return self.facts_total / sessions if sessions else float("nan")
+
+
+@dataclass
+class ReplayResult:
+    """One method's scores on the fitting period and on the held-out one."""
+
+    name: str
+    fit: PeriodScores = field(default_factory=PeriodScores)
+    test: PeriodScores = field(default_factory=PeriodScores)
+    #: True for the decay strategies (their confidences are probabilities to calibrate).
+    calibrated: bool = False
+
+    def period(self, held_out: bool) -> PeriodScores:
+        return self.test if held_out else self.fit
+
+
+class _Clock:
+    def __init__(self, now: datetime) -> None:
+        self.now = now
+
+    def __call__(self) -> datetime:
+        return self.now
+
+
+def _score(
+    result: ReplayResult, timeline: Timeline, session: Session, facts: Sequence[Fact]
+) -> None:
+    scores = result.period(timeline.held_out(session))
+    scores.ranking.add([f.subject for f in ranked_facts(facts)], session.subjects)
+    scores.facts_total += len(facts)
+    for fact in facts:
+        used = timeline.used_within(session.identity, fact.subject, session.start)
+        scores.calibration.add(fact.confidence, used)
+
+
+async def replay_decay(
+    timeline: Timeline,
+    decay: DecayStrategy,
+    *,
+    name: str | None = None,
+    url: str = "memory://",
+    **options: Any,
+) -> ReplayResult:
+    """Replay the scored identities' sessions through a MemoryService using ``decay``.
+
+    ``url`` is the store the replay writes to (any store; ``memory://`` by default, a
+    fresh one per replay). Give it a scratch schema or prefix: the replay writes the
+    identities' observations and facts there. ``options`` go to ``MemoryService.from_url``.
+    """
+    result = ReplayResult(name or repr(decay), calibrated=True)
+    clock = _Clock(timeline.sessions[0].start)
+    service = MemoryService.from_url(url, decay=decay, clock=clock, **options)
+    seen: set[str] = set()
+    try:
+        for session in timeline.sessions:
+            identity = session.identity
+            if identity not in timeline.scored:
+                continue
+            clock.now = session.start
+            if identity in seen:
+                await service.drain()
+                _score(result, timeline, session, await service.consolidate(identity))
+            seen.add(identity)
+            for event in session.events:
+                clock.now = event.time
+                service.emit_observation(identity, event_observation(event, session.key))
+        await service.drain()
+    finally:
+        await service.close()
+    return result
+
+
+class _Popularity:
+    """Subjects by how many sessions of any identity used them so far (exact top ``TOP``;
+    counts only grow, so a subject enters the top only when its own count does)."""
+
+    def __init__(self) -> None:
+        self.counts: dict[str, int] = {}
+        self.top: list[str] = []
+
+    def _key(self, subject: str) -> tuple[int, str]:
+        return (-self.counts[subject], subject)
+
+    def add(self, subject: str) -> None:
+        self.counts[subject] = self.counts.get(subject, 0) + 1
+        if subject not in self.top:
+            if len(self.top) >= TOP and self._key(subject) >= self._key(self.top[-1]):
+                return
+            self.top.append(subject)
+        self.top.sort(key=self._key)
+        del self.top[TOP:]
+
+
+def replay_baselines(timeline: Timeline) -> list[ReplayResult]:
+    """The methods without decay, on the same sessions: global popularity so far (no
+    memory), the identity's subjects by most recent use, and by all-time use count."""
+    popularity = ReplayResult("no memory (global popularity)")
+    recency = ReplayResult("recency only")
+    frequency = ReplayResult("all-time frequency")
+    global_counts = _Popularity()
+    last_used: dict[str, dict[str, tuple[datetime, int]]] = {}
+    for session in timeline.sessions:
+        identity = session.identity
+        history = last_used.get(identity)
+        if identity in timeline.scored and history is not None:
+            held_out = timeline.held_out(session)
+            used = session.subjects
+            popularity.period(held_out).ranking.add(global_counts.top, used)
+            known = history
+            by_recency = heapq.nlargest(TOP, known, key=lambda s: (known[s][0], s))
+            by_count = heapq.nlargest(TOP, known, key=lambda s: (known[s][1], s))
+            for result, ranked in ((recency, by_recency), (frequency, by_count)):
+                scores = result.period(held_out)
+                scores.ranking.add(ranked, used)
+                scores.facts_total += len(history)
+        history = last_used.setdefault(identity, {})
+        for subject in session.subjects:
+            global_counts.add(subject)
+            count = history.get(subject, (session.start, 0))[1]
+            history[subject] = (session.start, count + 1)
+    return [popularity, recency, frequency]

@@ -1,0 +1,91 @@
+"""The replay's results as a table, and the reliability diagram."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from pathlib import Path
+
+from coda_memory.replay.harness import ReplayResult
+
+
+def _number(value: float, digits: int = 3) -> str:
+    return "" if math.isnan(value) else f"{value:.{digits}f}"
+
+
+HEADER = (
+    "method",
+    "sessions",
+    "hit@5",
+    "NDCG@10",
+    "Brier",
+    "Brier, base rate",
+    "log-loss",
+    "facts held",
+)
+
+
+def rows(results: Sequence[ReplayResult], *, held_out: bool = True) -> list[list[str]]:
+    """One row per method: its scores on the held-out (or fitting) period.
+
+    "Brier, base rate" is the Brier score of a constant prediction, the method's own
+    positive rate on the fitting period, on the same pairs: a calibrated confidence
+    beats it."""
+    table: list[list[str]] = []
+    for result in results:
+        scores = result.period(held_out)
+        calibration = scores.calibration
+        calibrated = result.calibrated and calibration.count > 0
+        table.append(
+            [
+                result.name,
+                str(scores.ranking.sessions),
+                _number(scores.ranking.hit_at_5),
+                _number(scores.ranking.ndcg_at_10),
+                _number(calibration.brier) if calibrated else "",
+                _number(calibration.brier_of_constant(result.fit.calibration.base_rate))
+                if calibrated
+                else "",
+                _number(calibration.log_loss) if calibrated else "",
+                _number(scores.facts_per_identity, 1) if scores.facts_total else "",
+            ]
+        )
+    return table
+
+
+def markdown_table(results: Sequence[ReplayResult], *, held_out: bool = True) -> str:
+    lines = [
+        "| " + " | ".join(HEADER) + " |",
+        "| --- | " + " | ".join("---:" for _ in HEADER[1:]) + " |",
+    ]
+    lines += ["| " + " | ".join(row) + " |" for row in rows(results, held_out=held_out)]
+    return "\n".join(lines)
+
+
+def plot_reliability(results: Sequence[ReplayResult], path: Path, *, held_out: bool = True) -> None:
+    """A reliability diagram (needs the ``plot`` extra): per confidence bin, the share of
+    facts whose subject was used within the horizon, against the mean confidence."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(6.4, 5.6))
+    axes.plot([0, 1], [0, 1], linestyle="--", color="grey", linewidth=1, label="calibrated")
+    for result in results:
+        if not result.calibrated:
+            continue
+        points = result.period(held_out).calibration.reliability()
+        if points:
+            xs, ys, _ = zip(*points, strict=True)
+            axes.plot(xs, ys, marker="o", linewidth=1.5, label=result.name)
+    axes.set_xlabel("confidence at the session's start")
+    axes.set_ylabel("share used again within the horizon")
+    axes.set_xlim(0, 1)
+    axes.set_ylim(0, 1)
+    axes.set_title("Reliability of confidence" + (" (held out)" if held_out else ""))
+    axes.legend(fontsize=7, loc="upper left")
+    figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=110)
+    plt.close(figure)

@@ -1,0 +1,205 @@
+"""The replay harness on small streams generated here: metrics, baselines, the service
+replay, tuning, the event format and the command."""
+
+from __future__ import annotations
+
+import heapq
+import json
+import math
+import random
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from coda_memory import AdaptiveDecay, ExponentialDecay, ObservationType, PowerLawDecay
+from coda_memory.cli import app
+from coda_memory.replay import (
+    Calibration,
+    Event,
+    build_timeline,
+    hit_at,
+    ndcg_at,
+    read_events,
+    replay_baselines,
+    replay_decay,
+    tune,
+    write_events,
+)
+from coda_memory.replay.harness import TOP, _Popularity
+from coda_memory.replay.tuning import Family
+from tests.helpers import T0
+
+ENTITY = ObservationType.ENTITY_ACCESS
+
+
+def access(identity: str, day: float, subject: str) -> Event:
+    return Event(identity, T0 + timedelta(days=day, hours=9), ENTITY, subject)
+
+
+def drifting_stream(days: int = 60) -> list[Event]:
+    """``steady`` opens file:a every day; ``drifter`` works on file:b for the first half,
+    then on file:c, touching a one-off file each day throughout."""
+    events: list[Event] = []
+    for day in range(days):
+        events.append(access("steady", day, "file:a"))
+        events.append(access("drifter", day, "file:b" if day < days // 2 else "file:c"))
+        events.append(access("drifter", day, f"file:once-{day}"))
+    return events
+
+
+def test_hit_and_ndcg_on_known_rankings() -> None:
+    assert hit_at(["x", "y", "z"], {"z"}, k=2) == 0.0
+    assert hit_at(["x", "y", "z"], {"z"}, k=3) == 1.0
+    assert ndcg_at(["a", "b"], {"a", "b"}) == pytest.approx(1.0)
+    assert ndcg_at(["x", "a"], {"a"}) == pytest.approx(1 / math.log2(3))
+    assert ndcg_at([], {"a"}) == 0.0
+
+
+def test_brier_log_loss_and_reliability_on_known_pairs() -> None:
+    calibration = Calibration()
+    for probability, outcome in [(0.9, True), (0.9, False), (0.2, False), (0.2, False)]:
+        calibration.add(probability, outcome)
+    assert calibration.brier == pytest.approx((0.01 + 0.81 + 0.04 + 0.04) / 4)
+    expected = -(math.log(0.9) + math.log(0.1) + 2 * math.log(0.8)) / 4
+    assert calibration.log_loss == pytest.approx(expected)
+    (low, high) = calibration.reliability()
+    assert low[0] == pytest.approx(0.2) and low[1:] == (0.0, 2)
+    assert high[0] == pytest.approx(0.9) and high[1:] == (0.5, 2)
+    assert calibration.brier_of_constant(0.25) == pytest.approx((0.75**2 + 3 * 0.25**2) / 4)
+
+
+def test_global_popularity_keeps_the_exact_top_as_counts_grow() -> None:
+    rng = random.Random(7)
+    popularity = _Popularity()
+    for _ in range(3000):
+        popularity.add(f"s{int(rng.paretovariate(1.2)) % 60}")
+        counts = popularity.counts
+        expected = heapq.nsmallest(TOP, counts, key=lambda s: (-counts[s], s))
+        assert popularity.top == expected
+
+
+def test_sessions_are_days_and_the_split_is_by_time() -> None:
+    timeline = build_timeline(drifting_stream(), split=0.5, horizon_days=7)
+    assert len(timeline.sessions) == 120
+    assert timeline.split_at == T0 + timedelta(days=29.5, hours=9)
+    assert timeline.scored == {"steady", "drifter"}
+    first = timeline.sessions[0]
+    assert timeline.used_within("steady", "entity_frequency:file:a", first.start)
+    late = T0 + timedelta(days=31)
+    assert not timeline.used_within("drifter", "entity_frequency:file:b", late)
+    assert timeline.used_within("drifter", "entity_frequency:file:c", late)
+
+
+def test_baselines_see_the_drift_differently() -> None:
+    timeline = build_timeline(drifting_stream(), split=0.5)
+    popularity, recency, frequency = replay_baselines(timeline)
+    # Every scored session but each identity's first, on both sides of the split.
+    assert recency.fit.ranking.sessions + recency.test.ranking.sessions == 118
+    # After the drift, the most recent file is the one used next: recency finds c the day
+    # after; all-time counts keep b on top, and the one-off files rank above c for a while.
+    assert recency.test.ranking.hits == recency.test.ranking.sessions - 1  # the drift day
+    assert frequency.test.ranking.ndcg_at_10 < recency.test.ranking.ndcg_at_10
+    # Global popularity ranks what everyone used: it knows nothing of a person.
+    assert popularity.test.ranking.sessions == recency.test.ranking.sessions
+    # Nothing is forgotten: the baselines hold every subject ever touched.
+    assert recency.test.facts_per_identity > 20
+
+
+@pytest.mark.parametrize("decay", [ExponentialDecay(), AdaptiveDecay(), PowerLawDecay()], ids=repr)
+async def test_a_replay_through_the_service_ranks_scores_and_forgets(decay: object) -> None:
+    # 200 days: long enough for every strategy to forget a file touched once.
+    timeline = build_timeline(drifting_stream(200), split=0.5, horizon_days=7)
+    assert isinstance(decay, ExponentialDecay | PowerLawDecay)
+    result = await replay_decay(timeline, decay, name="x")
+    assert result.fit.ranking.sessions + result.test.ranking.sessions == 398
+    # Daily use keeps a fact on top: file:a every session, file:c from the day after the
+    # drift (the drift day itself nothing can predict).
+    assert result.test.ranking.hits == result.test.ranking.sessions - 1
+    # One-off files are forgotten, so memory holds fewer facts than the baselines' all.
+    _, recency, _ = replay_baselines(timeline)
+    assert result.test.facts_per_identity < recency.test.facts_per_identity
+    # Every fact held at a scored session's start was scored as a probability.
+    assert result.test.calibration.count == result.test.facts_total
+    assert 0.0 < result.test.calibration.base_rate < 1.0
+
+
+async def test_the_replay_uses_the_store_the_url_names() -> None:
+    timeline = build_timeline(drifting_stream(20), split=0.5)
+    with pytest.raises(ValueError, match="unsupported memory URL"):
+        await replay_decay(timeline, ExponentialDecay(), url="nosuch://")
+    off = await replay_decay(timeline, ExponentialDecay(), url="null://")
+    assert off.test.facts_total == 0
+    assert off.test.ranking.hit_at_5 == 0.0
+
+
+async def test_tuning_keeps_the_best_on_the_fitting_period_only() -> None:
+    timeline = build_timeline(drifting_stream(), split=0.5, horizon_days=7)
+    family = Family("exponential", ExponentialDecay, {"base": (0.5, 0.95, 0.99)})
+    tuned = await tune(family, timeline)
+    assert tuned.trials == 3  # the seed, 0.5 and 0.99 (0.95 is the seed's value)
+    assert tuned.seed.name == "exponential"
+    trials = {0.5: None, 0.99: None}
+    for base in trials:
+        result = await replay_decay(timeline, ExponentialDecay(base=base))
+        assert result.fit.ranking.ndcg_at_10 <= tuned.best.fit.ranking.ndcg_at_10 + 1e-12
+    chosen = tuned.best_params.get("base", 0.95)
+    again = await replay_decay(timeline, ExponentialDecay(base=chosen))
+    assert again.fit.ranking.ndcg_at_10 == pytest.approx(tuned.best.fit.ranking.ndcg_at_10)
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".csv"])
+def test_the_event_format_round_trips(tmp_path: Path, suffix: str) -> None:
+    events = [
+        access("ana", 0, "account:acct-1"),
+        Event("ana", T0, ObservationType.TOOL_FAILURE, "run_sql", "s-1"),
+        Event("b", T0 + timedelta(hours=1), ObservationType.QUERY_PATTERN, "royalty"),
+    ]
+    path = tmp_path / f"events{suffix}"
+    write_events(path, events)
+    assert read_events(path) == sorted(events, key=lambda e: e.time)
+
+
+def test_a_bad_event_names_its_line(tmp_path: Path) -> None:
+    path = tmp_path / "events.jsonl"
+    good = {"identity": "a", "time": "2026-01-01T00:00:00Z", "kind": "entity_access"}
+    path.write_text(
+        json.dumps({**good, "subject": "file:x"}) + "\n" + json.dumps({**good, "kind": "x"})
+    )
+    with pytest.raises(ValueError, match=r"events.jsonl:2"):
+        read_events(path)
+
+
+def test_the_command_replays_an_events_file(tmp_path: Path) -> None:
+    path = tmp_path / "events.jsonl"
+    write_events(path, drifting_stream())
+    plot = tmp_path / "reliability.png"
+    result = CliRunner().invoke(
+        app,
+        [
+            "replay",
+            "--events",
+            str(path),
+            "--split",
+            "0.5",
+            "--format",
+            "json",
+            "--plot",
+            str(plot),
+        ],
+    )
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert report["events"] == 180 and report["sessions"] == 120
+    methods = [row["method"] for row in report["results"]]
+    assert methods == [
+        "no memory (global popularity)",
+        "recency only",
+        "all-time frequency",
+        "exponential",
+        "adaptive",
+        "power-law",
+    ]
+    assert all(row["sessions"] == "60" for row in report["results"])
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
