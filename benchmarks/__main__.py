@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from benchmarks.profiling.run import profile_main
+from benchmarks.quality import quality_main
 from benchmarks.queueing import memory_child
 from benchmarks.report import write_results
 from benchmarks.run import benchmark
@@ -46,6 +47,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--profile", action="store_true", help="profile consolidation and load_memory instead"
     )
+    parser.add_argument(
+        "--quality",
+        action="store_true",
+        help="the memory-quality section only: glibc's ChangeLogs replayed (no Postgres)",
+    )
     parser.add_argument("--memory-child", type=int, help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
@@ -61,6 +67,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     sizes = QUICK if args.quick else FULL
     if args.profile:
         return profile_main(args, sizes)
+    if args.quality:
+        return quality_main(args.out)
     result = benchmark(args, sizes)
     for path in write_results(args.out, result):
         log.info("wrote %s", path)
