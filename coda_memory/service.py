@@ -10,6 +10,15 @@
 * Every "now" comes from ``clock``. An observation dated more than ``max_clock_skew``
   after the clock when the writer validates it is stored as made at that instant, and
   counted in ``stats().future_clamped``: a wrong or hostile date cannot keep a fact alive.
+
+Keeping the loop responsive. Everything ``load_memory`` does in Python is proportional
+to the identity's facts, which ``max_facts`` caps (best ranked kept, the rest deleted by
+the next consolidation). Above :data:`OFFLOAD_FACTS` facts the planning, the views and
+the prompt section are computed in a worker thread, so the loop keeps serving other
+requests and ``load_timeout`` can fire. At most ``max_consolidations`` consolidations
+(and peeks) talk to the store at once; the others wait in the loop, not on a
+connection pool, newest first (see :mod:`coda_memory.slots`), and an identity has at
+most one in flight (single flight).
 """
 
 from __future__ import annotations
@@ -22,27 +31,51 @@ import time
 from collections import deque
 from collections.abc import Callable, Collection
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import Any, ParamSpec, TypeVar
 
 from pydantic import BaseModel, ConfigDict
 
+from coda_memory.core import emitters
 from coda_memory.core.affinity import extract_tool_affinities
-from coda_memory.core.consolidation import DEFAULT_RETENTION, active_views, plan_consolidation
+from coda_memory.core.caps import DEFAULT_MAX_FACTS, CapCounter, LogThrottle
+from coda_memory.core.consolidation import (
+    DEFAULT_RETENTION,
+    ConsolidationInput,
+    ConsolidationPlan,
+    active_views,
+    keep_by_rank,
+    plan_consolidation,
+)
 from coda_memory.core.decay import DecayStrategy, ExponentialDecay
 from coda_memory.core.model import Fact, FactEvent, LoadedMemory, NewObservation
 from coda_memory.core.prompt import format_memory_section
 from coda_memory.core.sanitize import ObservationRejected, sanitize_observation
 from coda_memory.ports import MemoryStore, ObservationRecord
+from coda_memory.slots import LifoSlots
 from coda_memory.telemetry import NoTelemetry, Telemetry, telemetry_for
 
 logger = logging.getLogger("coda_memory")
 
 Clock = Callable[[], datetime]
+P = ParamSpec("P")
+R = TypeVar("R")
+
+#: Above this many facts, Python work of a load runs in a worker thread (see above).
+OFFLOAD_FACTS = 300
+#: Consolidations (and peeks) in flight at once, unless the store says otherwise.
+DEFAULT_MAX_CONSOLIDATIONS = 8
 
 
 def _label(identity_id: object) -> str:
     """An identity id for a log line: quoted, and short even when huge or not a string."""
     return repr(identity_id)[:80]
+
+
+async def _offload(size: int, work: Callable[P, R], *args: P.args, **kwargs: P.kwargs) -> R:
+    """``work(*args)``, in a worker thread when ``size`` (facts) is above OFFLOAD_FACTS."""
+    if size > OFFLOAD_FACTS:
+        return await asyncio.to_thread(work, *args, **kwargs)
+    return work(*args, **kwargs)
 
 
 def system_clock() -> datetime:
@@ -74,6 +107,14 @@ class MemoryStats(BaseModel):
     #: Observations (also counted as stored or rejected) dated more than
     #: ``max_clock_skew`` after the service clock, stored as made at the clock's now.
     future_clamped: int = 0
+    #: Loads that outlived the timeout and answered with the facts of the identity's
+    #: last consolidation (not empty, and not counted in ``load_timeouts``).
+    load_stale: int = 0
+    #: Consolidations where the ``max_facts`` cap applied, and the facts it deleted.
+    facts_capped: int = 0
+    facts_evicted: int = 0
+    #: Tool results (in this process) whose entities were cut to ``max_entities``.
+    entity_results_capped: int = 0
 
 
 _Item = tuple[str, NewObservation, datetime]
@@ -100,6 +141,8 @@ class MemoryService:
         tool_catalog: Collection[str] | None = None,
         token_counter: Callable[[str], int] | None = None,
         telemetry: bool | Telemetry | NoTelemetry = False,
+        max_facts: int | None = DEFAULT_MAX_FACTS,
+        max_consolidations: int | None = None,
     ) -> None:
         if load_timeout <= 0:
             raise ValueError("load_timeout must be positive")
@@ -107,6 +150,12 @@ class MemoryService:
             raise ValueError("max_clock_skew must not be negative")
         if queue_size < 1 or batch_size < 1:
             raise ValueError("queue_size and batch_size must be at least 1")
+        if max_facts is not None and max_facts < 1:
+            raise ValueError("max_facts must be at least 1 (or None: no cap)")
+        if max_consolidations is None:
+            max_consolidations = getattr(store, "request_slots", DEFAULT_MAX_CONSOLIDATIONS)
+        if max_consolidations < 1:
+            raise ValueError("max_consolidations must be at least 1")
         self.store = store
         self.decay: DecayStrategy = decay if decay is not None else ExponentialDecay()
         self.load_timeout = load_timeout
@@ -118,6 +167,10 @@ class MemoryService:
         self.tool_catalog = None if tool_catalog is None else frozenset(tool_catalog)
         #: Exact token counting for the prompt section (default: a conservative estimate).
         self.token_counter = token_counter
+        self.max_facts = max_facts
+        self._slots = LifoSlots(max_consolidations)
+        self._log = LogThrottle(logger)
+        self._facts_cap = CapCounter(self._log, "facts per identity capped")
         self._queue_size = queue_size
         self._batch_size = batch_size
         self._queue: deque[_Item] = deque()
@@ -125,15 +178,18 @@ class MemoryService:
         self._emitted = self._stored = self._rejected = self._dropped = self._discarded = 0
         self._loads = self._load_timeouts = self._load_errors = self._future_clamped = 0
         self._closed = False
+        # OpenTelemetry spans and metrics (coda_memory.telemetry); off by default.
+        self._telemetry = telemetry_for(telemetry)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_thread: int | None = None
         self._writer: asyncio.Task[None] | None = None
         self._wakeup: asyncio.Event | None = None
         self._progress: asyncio.Event | None = None
-        self._background: set[asyncio.Task[list[Fact]]] = set()
-        self._loading: dict[str, asyncio.Task[list[Fact]]] = {}
-        # OpenTelemetry spans and metrics (coda_memory.telemetry); off by default.
-        self._telemetry = telemetry_for(telemetry)
+        self._background: set[asyncio.Task[LoadedMemory]] = set()
+        self._loading: dict[str, asyncio.Task[LoadedMemory]] = {}
+        #: Facts as of the last consolidation, for the identities being consolidated.
+        self._stale: dict[str, list[Fact]] = {}
+        self._load_stale = 0
         self._telemetry.observe(self.stats)
 
     @classmethod
@@ -151,9 +207,9 @@ class MemoryService:
         ``rediss://…``; needs the ``redis`` extra) or ``null://`` (memory switched off).
         Extra keyword options go to the service (``retention``, ``queue_size``,
         ``batch_size``, ``prompt_budget_tokens``, ``max_clock_skew``, ``tool_catalog``,
-        ``token_counter``, ``telemetry``) or to the
-        store (Postgres: ``schema``, ``pool_size``, ``lock_timeout``, …;
-        Redis: ``prefix``, ``lock_timeout``, ``history_limit``, …)."""
+        ``token_counter``, ``telemetry``, ``max_facts``, ``max_consolidations``) or to the store
+        (Postgres: ``schema``, ``pool_size``, ``lock_timeout``, …; Redis: ``prefix``,
+        ``lock_timeout``, ``history_limit``, …)."""
         service_keys = {
             "retention",
             "queue_size",
@@ -163,6 +219,8 @@ class MemoryService:
             "tool_catalog",
             "token_counter",
             "telemetry",
+            "max_facts",
+            "max_consolidations",
         }
         service_options = {k: v for k, v in options.items() if k in service_keys}
         store_options = {k: v for k, v in options.items() if k not in service_keys}
@@ -264,7 +322,8 @@ class MemoryService:
                     with self._telemetry.span("append", **{"coda_memory.batch": len(records)}):
                         outcome = await self.store.append(records)
                 except Exception as error:
-                    logger.warning(
+                    self._log.warning(
+                        "append failed",
                         "coda-memory: storing %d observation(s) failed (%s); retrying in %.2fs",
                         len(records),
                         error,
@@ -328,9 +387,19 @@ class MemoryService:
 
     # -- consolidation ------------------------------------------------------------------
 
+    async def start(self) -> None:
+        """Open the store's connections, prepare its statements and start the writer, so
+        that the first requests don't pay for it. Optional: without it, everything starts
+        on first use."""
+        self._ensure_writer(asyncio.get_running_loop())
+        start = getattr(self.store, "start", None)
+        if start is not None:
+            await start()
+
     async def consolidate(self, identity_id: str) -> list[Fact]:
         """Consolidate the identity's new observations now (no timeout) and return its
         active facts; raises on storage errors."""
+        # Most requests find nothing new: answer those from one read, without the lock.
         with self._telemetry.span("consolidate") as span:
             facts = await self._consolidate(identity_id)
             if span is not None:
@@ -338,20 +407,33 @@ class MemoryService:
             return facts
 
     async def _consolidate(self, identity_id: str) -> list[Fact]:
-        # Most requests find nothing new: answer those from one read, without the lock.
-        stored, pending = await self.store.peek(identity_id)
-        now = self.clock()
-        threshold = self.decay.expiry_threshold
-        if not pending and all(self.decay.decayed(f, now) >= threshold for f in stored):
-            return active_views(stored, self.decay, now)
-        async with self.store.consolidation(identity_id) as unit:
+        async with self._slots:
+            stored, pending = await self.store.peek(identity_id)
+        if pending and stored and identity_id in self._loading:
+            # What a load that outlives its timeout answers with (see load_memory).
+            self._stale[identity_id] = stored
+        if not pending and (self.max_facts is None or len(stored) <= self.max_facts):
+            views = await _offload(len(stored), active_views, stored, self.decay, self.clock())
+            if len(views) == len(stored):  # else some expired: the consolidation deletes them
+                return views
+        async with self._slots, self.store.consolidation(identity_id) as unit:
             batch = await unit.load()
-            now = self.clock()
-            plan = plan_consolidation(identity_id, batch, now, self.decay, self.retention)
+            plan = await _offload(len(batch.facts), self._plan, identity_id, batch)
             if plan.writes_anything:
                 await unit.write(plan)
                 await unit.commit()
+        if plan.evicted:
+            self._facts_cap.hit(
+                len(plan.evicted),
+                f"{_label(identity_id)} keeps its {len(plan.active)} best ranked facts, "
+                f"{len(plan.evicted)} deleted",
+            )
         return plan.active
+
+    def _plan(self, identity_id: str, batch: ConsolidationInput) -> ConsolidationPlan:
+        return plan_consolidation(
+            identity_id, batch, self.clock(), self.decay, self.retention, self.max_facts
+        )
 
     async def facts(self, identity_id: str) -> list[Fact]:
         """The identity's active facts at the clock's now, without consolidating."""
@@ -363,37 +445,46 @@ class MemoryService:
 
     async def load_memory(self, identity_id: str) -> LoadedMemory:
         """Consolidate, then format the prompt section and tool affinities, all within
-        ``load_timeout``. Returns empty results on timeout or any error; never raises."""
+        ``load_timeout``; never raises.
+
+        When the consolidation outlives the timeout (it then finishes in the background),
+        the answer is built from the facts as of the last consolidation, read before it
+        started (``stats().load_stale``): only the newest observations are missing.
+        Without those, and on any error, the result is empty."""
         self._loads += 1
         started = time.perf_counter()
         with self._telemetry.span("load_memory") as span:
-            loaded, outcome = await self._load(identity_id)
+            loaded, outcome = await self._answer(identity_id)
             if span is not None:
                 span.set_attribute("coda_memory.outcome", outcome)
                 span.set_attribute("coda_memory.facts", len(loaded.facts))
         self._telemetry.load_finished(time.perf_counter() - started, outcome)
         return loaded
 
-    async def _load(self, identity_id: str) -> tuple[LoadedMemory, str]:
+    async def _answer(self, identity_id: str) -> tuple[LoadedMemory, str]:
         try:
             task = self._loading.get(identity_id)
             if task is None or task.done():
-                task = asyncio.get_running_loop().create_task(self.consolidate(identity_id))
+                task = asyncio.get_running_loop().create_task(self._load(identity_id))
                 self._loading[identity_id] = task
                 self._background.add(task)
                 task.add_done_callback(lambda t: self._finished(identity_id, t))
-            facts = await asyncio.wait_for(asyncio.shield(task), self.load_timeout)
-            loaded = LoadedMemory(
-                facts=facts,
-                prompt_section=format_memory_section(
-                    facts, self.prompt_budget_tokens, token_counter=self.token_counter
-                ),
-                tool_affinities=extract_tool_affinities(facts),
-            )
-            return loaded, "ok"
+            return await asyncio.wait_for(asyncio.shield(task), self.load_timeout), "ok"
         except TimeoutError:
+            stale = self._stale.get(identity_id)
+            if stale is not None:
+                self._load_stale += 1
+                self._log.warning(
+                    "load stale",
+                    "coda-memory: consolidating %s took over %.0f ms; answering with the "
+                    "facts of its last consolidation",
+                    _label(identity_id),
+                    self.load_timeout * 1000,
+                )
+                return await self._loaded_as_of_last_consolidation(stale), "stale"
             self._load_timeouts += 1
-            logger.warning(
+            self._log.warning(
+                "load timeout",
                 "coda-memory: load_memory for %s timed out after %.0f ms; returning empty",
                 _label(identity_id),
                 self.load_timeout * 1000,
@@ -403,17 +494,42 @@ class MemoryService:
             raise
         except Exception:
             self._load_errors += 1
-            logger.exception(
-                "coda-memory: load_memory for %s failed; returning empty", _label(identity_id)
+            self._log.error(
+                "load error",
+                "coda-memory: load_memory for %s failed; returning empty",
+                _label(identity_id),
             )
         return LoadedMemory.empty(), "error"
 
-    def _finished(self, identity_id: str, task: asyncio.Task[list[Fact]]) -> None:
+    async def _load(self, identity_id: str) -> LoadedMemory:
+        """One consolidation and its prompt section, shared by concurrent loads."""
+        facts = await self.consolidate(identity_id)
+        return await _offload(len(facts), self._loaded, facts)
+
+    async def _loaded_as_of_last_consolidation(self, stored: list[Fact]) -> LoadedMemory:
+        def build() -> LoadedMemory:
+            views = active_views(stored, self.decay, self.clock())
+            return self._loaded(keep_by_rank(views, self.max_facts)[0])
+
+        return await _offload(len(stored), build)
+
+    def _loaded(self, facts: list[Fact]) -> LoadedMemory:
+        return LoadedMemory(
+            facts=facts,
+            prompt_section=format_memory_section(
+                facts, self.prompt_budget_tokens, token_counter=self.token_counter
+            ),
+            tool_affinities=extract_tool_affinities(facts),
+        )
+
+    def _finished(self, identity_id: str, task: asyncio.Task[LoadedMemory]) -> None:
         self._background.discard(task)
         if self._loading.get(identity_id) is task:
             del self._loading[identity_id]
+            self._stale.pop(identity_id, None)
         if not task.cancelled() and task.exception() is not None:
-            logger.warning(
+            self._log.warning(
+                "background consolidation failed",
                 "coda-memory: background consolidation of %s failed: %r",
                 _label(identity_id),
                 task.exception(),
@@ -444,6 +560,10 @@ class MemoryService:
             load_errors=self._load_errors,
             discarded=self._discarded,
             future_clamped=self._future_clamped,
+            load_stale=self._load_stale,
+            facts_capped=self._facts_cap.applied,
+            facts_evicted=self._facts_cap.dropped,
+            entity_results_capped=emitters.ENTITY_CAP.applied,
         )
 
     async def close(self, timeout: float | None = 30.0) -> None:

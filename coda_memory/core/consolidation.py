@@ -79,6 +79,8 @@ class ConsolidationPlan:
     active: list[Fact]
     #: How many new observations this plan consumed.
     consumed: int
+    #: Subjects dropped by the ``max_facts`` cap (deleted when stored).
+    evicted: list[str] = field(default_factory=list)
 
     @property
     def writes_anything(self) -> bool:
@@ -411,11 +413,41 @@ def view_at(fact: Fact, decay: DecayStrategy, now: datetime) -> Fact:
 
 def active_views(facts: Iterable[Fact], decay: DecayStrategy, now: datetime) -> list[Fact]:
     """Views at ``now`` of the facts that have not expired, sorted by subject."""
+    threshold = decay.expiry_threshold
+    views: list[Fact] = []
     with gc_paused():
-        views = [view_at(f, decay, now) for f in facts]
-    return sorted(
-        (v for v in views if v.confidence >= decay.expiry_threshold), key=lambda f: f.subject
-    )
+        for fact in facts:
+            # Decay once per fact, and build a view only for a fact that is returned.
+            confidence = decay.decayed(fact, now)
+            if confidence >= threshold:
+                views.append(
+                    trusted(
+                        Fact, **{**fact.__dict__, "confidence": confidence, "confidence_at": now}
+                    )
+                )
+    views.sort(key=_subject)
+    return views
+
+
+def _subject(fact: Fact) -> str:
+    return fact.subject
+
+
+def rank_key(fact: Fact) -> tuple[float, str]:
+    """The prompt's rank: ``confidence * reinforcement_count``, highest first, then subject."""
+    score = fact.confidence * fact.reinforcement_count
+    return (-score if math.isfinite(score) else math.inf, fact.subject)
+
+
+def keep_by_rank(views: list[Fact], max_facts: int | None) -> tuple[list[Fact], list[Fact]]:
+    """Split ``views`` (sorted by subject) into the ``max_facts`` best ranked, still sorted
+    by subject, and the rest (None: keep all)."""
+    if max_facts is None or len(views) <= max_facts:
+        return views, []
+    ranked = sorted(views, key=rank_key)
+    kept, dropped = ranked[:max_facts], ranked[max_facts:]
+    kept.sort(key=_subject)
+    return kept, dropped
 
 
 def plan_consolidation(
@@ -424,8 +456,12 @@ def plan_consolidation(
     now: datetime,
     decay: DecayStrategy,
     retention: timedelta = DEFAULT_RETENTION,
+    max_facts: int | None = None,
 ) -> ConsolidationPlan:
-    """Decide what consolidating ``batch`` at ``now`` changes. Pure: no I/O."""
+    """Decide what consolidating ``batch`` at ``now`` changes. Pure: no I/O.
+
+    With ``max_facts``, at most that many facts stay active: the best ranked by
+    :func:`rank_key`; the others are deleted and listed in ``evicted``."""
     stored = {f.subject: f for f in batch.facts}
     run = _Run(identity_id, now, decay, dict(stored))
     for event in batch.session_events:
@@ -439,22 +475,29 @@ def plan_consolidation(
             if run.fold_group(group):
                 changed.add(subject)
 
-    upserts: list[Fact] = []
     deletes: list[str] = []
     active: list[Fact] = []
+    threshold = decay.expiry_threshold
     with gc_paused():
-        views = {subject: view_at(fact, decay, now) for subject, fact in run.current.items()}
-    for subject in sorted(run.current):
-        fact = run.current[subject]
-        view = views[subject]
-        if view.confidence < decay.expiry_threshold:
-            run.expire(fact, now)
-            if subject in stored:
-                deletes.append(subject)
-            continue
-        active.append(view)
-        if subject in changed:
-            upserts.append(fact)
+        for subject in sorted(run.current):
+            fact = run.current[subject]
+            confidence = decay.decayed(fact, now)
+            if confidence < threshold:
+                run.expire(fact, now)
+                if subject in stored:
+                    deletes.append(subject)
+                continue
+            active.append(
+                trusted(Fact, **{**fact.__dict__, "confidence": confidence, "confidence_at": now})
+            )
+    # The cap: the best ranked facts stay, the others are deleted (no history event: they
+    # did not expire, and a new observation starts them again like an expired fact).
+    active, evicted = keep_by_rank(active, max_facts)
+    evicted_subjects = sorted(f.subject for f in evicted)
+    deletes.extend(s for s in evicted_subjects if s in stored)
+    deletes.sort()
+    kept = {f.subject for f in active}
+    upserts = [run.current[subject] for subject in sorted(changed) if subject in kept]
     return ConsolidationPlan(
         identity_id=identity_id,
         now=now,
@@ -464,4 +507,5 @@ def plan_consolidation(
         prune_before=now - retention,
         active=active,
         consumed=len(batch.observations),
+        evicted=evicted_subjects,
     )

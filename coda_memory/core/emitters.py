@@ -19,6 +19,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
+from coda_memory.core.caps import DEFAULT_MAX_ENTITIES_PER_RESULT, CapCounter, LogThrottle
 from coda_memory.core.model import NewObservation, ObservationType, is_identifier, is_tool_name
 from coda_memory.core.sanitize import MAX_ENTITY_NAME_CHARS, clean_text, quote_untrusted
 from coda_memory.core.untrusted import data_text
@@ -30,6 +31,9 @@ MAX_ERROR_CHARS = 500
 MAX_QUERY_CHARS = 500
 #: Bigger integers cannot be identifiers (200 characters) and are costly to print.
 _MAX_ID_INT = 10**200
+
+#: Tool results whose entities were capped in this process (``MemoryService.stats``).
+ENTITY_CAP = CapCounter(LogThrottle(logger), "entities per tool result capped")
 
 
 class ToolUse(BaseModel):
@@ -266,18 +270,26 @@ def entity_observations(
     *,
     session_id: str | None = None,
     extractors: EntityExtractors | None = None,
+    max_entities: int | None = DEFAULT_MAX_ENTITIES_PER_RESULT,
 ) -> list[NewObservation]:
     """entity_access observations for the entities in one tool result.
 
     ``extractors`` defaults to :data:`DEFAULT_ENTITY_EXTRACTORS`. Entities whose type
-    or id is not an identifier are skipped, as are repeats within the result.
+    or id is not an identifier are skipped, as are repeats within the result. At most
+    ``max_entities`` are taken (None: all), the first ones in the result's own order
+    (its ranking); a cap that applies is counted in :data:`ENTITY_CAP` and logged.
     """
     registry = DEFAULT_ENTITY_EXTRACTORS if extractors is None else extractors
     observations: list[NewObservation] = []
     seen: set[tuple[str, str]] = set()
+    skipped = 0
     for ref in registry.extract(tool_name, result):
         key = (ref.entity_type, ref.entity_id)
         if not (is_identifier(ref.entity_type) and is_identifier(ref.entity_id)) or key in seen:
+            continue
+        if max_entities is not None and len(observations) >= max_entities:
+            seen.add(key)
+            skipped += 1
             continue
         seen.add(key)
         metadata: dict[str, Any] = {"entityType": ref.entity_type, "entityId": ref.entity_id}
@@ -293,6 +305,11 @@ def entity_observations(
                 metadata=metadata,
                 session_id=session_id,
             )
+        )
+    if skipped:
+        ENTITY_CAP.hit(
+            skipped,
+            f"{tool_name!r} gave {len(observations) + skipped}, kept the first {len(observations)}",
         )
     return observations
 

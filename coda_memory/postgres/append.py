@@ -124,7 +124,7 @@ async def _store(
         refused = await _bisect(driver, schema, rows)
     blamed = {index for index, _ in refused}
     stored = [row for row in rows if row.index not in blamed]
-    await write_rollup(conn, shard, [(row.values[0], row.values[1]) for row in stored])
+    await write_rollup(driver, schema, shard, [(row.values[0], row.values[1]) for row in stored])
     return refused
 
 

@@ -53,6 +53,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any
 
 from sqlalchemy import (
@@ -75,6 +77,7 @@ from sqlalchemy import (
     union_all,
 )
 from sqlalchemy.dialects.postgresql import ARRAY, insert
+from sqlalchemy.dialects.postgresql.asyncpg import dialect as asyncpg_dialect
 from sqlalchemy.ext.asyncio import AsyncConnection
 from sqlalchemy.ext.compiler import compiles
 from sqlalchemy.schema import ExecutableDDLElement
@@ -88,6 +91,7 @@ from coda_memory.postgres.schema import (
     entity_daily,
     entity_users,
     observations,
+    schema_translate_map,
     tool_daily,
     tool_durations,
     tool_users,
@@ -119,6 +123,11 @@ def _duration_ms(value: ColumnElement[Any]) -> ColumnElement[Any]:
     (sanitising allows none outside it, but the table would) fails the cast; else NULL."""
     clamped = func.greatest(func.least(cast(value, Numeric), literal(10**15, BigInteger)), 0)
     return case((func.jsonb_typeof(value) == "number", cast(clamped, Double)))
+
+
+def _shard(shard: int) -> ColumnElement[Any]:
+    # A named parameter, so that a compiled statement takes each writer's own shard.
+    return bindparam("shard", shard, SmallInteger)
 
 
 def _utc_day(column: ColumnElement[Any]) -> ColumnElement[Any]:
@@ -203,7 +212,7 @@ def _add_to_daily(
 ) -> Insert:
     """Add the summed ``changes`` to ``daily``'s rows, in key order."""
     group = [changes.c.day, *(changes.c[k] for k in keys)]
-    sharding = [] if shard is None else [literal(shard, SmallInteger)]
+    sharding = [] if shard is None else [_shard(shard)]
     source = (
         select(*group, *sharding, *(func.sum(changes.c[c]) for c in counts))
         .group_by(*group)
@@ -248,7 +257,7 @@ def tool_rollup(identities: Sequence[str] | None, shard: int) -> Insert:
     # The duration histogram; calls without a duration have no bucket.
     group = [stored.c.day, stored.c.tool_name, stored.c.bucket]
     histogram = (
-        select(*group[:2], literal(shard, SmallInteger), group[2], func.count())
+        select(*group[:2], _shard(shard), group[2], func.count())
         .where(stored.c.bucket.is_not(None))
         .group_by(*group)
         .order_by(*group)
@@ -326,20 +335,61 @@ async def connection_shard(conn: AsyncConnection, *, writer: bool = False) -> in
     return int(result.one()[0])
 
 
+@dataclass(frozen=True, slots=True)
+class _Compiled:
+    """A rollup statement compiled once: its SQL and its positional parameters, whose
+    values are the ones it was built with except the ``identities`` and ``shard``."""
+
+    sql: str
+    names: tuple[str, ...]
+    values: dict[str, Any]
+
+    def arguments(self, identities: list[str], shard: int) -> list[Any]:
+        given = {"identities": identities, "shard": shard}
+        return [given[n] if n in given else self.values[n] for n in self.names]
+
+
+def _compile(statement: Insert, schema: str) -> _Compiled:
+    compiled = statement.compile(
+        dialect=_DIALECT,
+        schema_translate_map=schema_translate_map(schema),
+        render_schema_translate=True,
+        compile_kwargs={"render_postcompile": True},
+    )
+    assert compiled.positiontup is not None
+    return _Compiled(compiled.string, tuple(compiled.positiontup), dict(compiled.params))
+
+
+_DIALECT = asyncpg_dialect()  # type: ignore[no-untyped-call]
+
+
+@lru_cache(maxsize=16)
+def batch_statements(schema: str) -> tuple[_Compiled, _Compiled, _Compiled]:
+    """The tool, entity and domain rollup statements of a batch, compiled once per schema
+    (building them costs more than running them)."""
+    return (
+        _compile(tool_rollup([], 0), schema),
+        _compile(entity_rollup([]), schema),
+        _compile(domain_rollup([], 0), schema),
+    )
+
+
 async def write_rollup(
-    conn: AsyncConnection, shard: int, stored: Sequence[tuple[str, str]]
+    driver: Any, schema: str, shard: int, stored: Sequence[tuple[str, str]]
 ) -> None:
     """Fold the rows this transaction stored, given as (identity_id, type), into the
-    rollup; one statement per kind of observation present."""
+    rollup, through ``driver`` (asyncpg, inside the transaction); one statement per kind
+    of observation present."""
     types = {observation_type for _, observation_type in stored}
     identities = sorted({identity_id for identity_id, _ in stored})
+    tools, entities, domains = batch_statements(schema)
     # Tools, entities, domains: the order every writer (and forget) follows.
     if types.intersection(TOOL_TYPES):
-        await conn.execute(tool_rollup(identities, shard))
+        await driver.execute(tools.sql, *tools.arguments(identities, shard))
     if ObservationType.ENTITY_ACCESS in types:
-        await conn.execute(entity_rollup(identities))
+        await driver.execute(entities.sql, *entities.arguments(identities, shard))
     if ObservationType.QUERY_PATTERN in types:
-        await conn.execute(domain_rollup(identities, shard))
+        await driver.execute(domains.sql, *domains.arguments(identities, shard))
 
 
 def _forget_latest(

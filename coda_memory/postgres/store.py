@@ -23,10 +23,43 @@ waited behind another takes its snapshot after the other committed, so it starts
 where the other stopped. Pruning deletes only rows visible in the run's snapshot, so it
 never removes an observation the run did not see. A run that does not commit changes
 nothing, and its observations are read again by the next one.
+
+Facts read once
+---------------
+A peek that finds observations waiting keeps the facts it read, with the checkpoint's
+snapshot they went with (one statement, one snapshot). The consolidation that follows
+locks the checkpoint row; if its snapshot is still the one the peek saw, the facts are
+those the peek read, and are not read again. Facts are written only by a consolidation,
+in the transaction that also stores on the checkpoint the snapshot it took after locking
+the row, and that snapshot differs from every one stored before it: either an xid was
+assigned since the earlier one was taken (a higher xmax), or the later consolidation's
+own xid was in progress in the earlier snapshot and is absent from its own. So an
+unchanged snapshot means unchanged facts. ``forget`` deletes the checkpoint: a peek that
+sees none keeps nothing.
+
+Connection budgets
+------------------
+Three pools, so that what blocks one kind of work cannot take the connections of another:
+
+* the request pool (``pool_size``, no overflow) runs peeks and consolidations, the work of
+  ``load_memory``; every statement on it runs under ``statement_timeout`` (which bounds
+  lock waits as well), so a locked table costs a request at most that long;
+* the writer pool (``writer_pool_size``, no overflow) runs appends, under
+  ``writer_lock_timeout``: a writer stuck behind a lock fails, backs off and retries
+  instead of holding its connection;
+* the admin pool (the ``engine``; history, forget, maintenance, analytics) opens
+  connections only when such work runs.
+
+The service runs at most ``request_slots`` consolidations at once, so requests queue in
+the event loop rather than on the pool. :meth:`PostgresStore.start` opens the request
+and writer connections and prepares the hot-path statements on each before the first
+request.
 """
 
 from __future__ import annotations
 
+import asyncio
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from datetime import timedelta
@@ -51,12 +84,40 @@ from coda_memory.postgres.repositories import (
     FactRepository,
     ObservationRepository,
 )
-from coda_memory.postgres.rollup import forget_identity
+from coda_memory.postgres.rollup import batch_statements, forget_identity
 from coda_memory.postgres.schema import DEFAULT_SCHEMA, redis_imports, validate_schema_name
 from coda_memory.postgres.tenancy import SET_TENANT, SET_TENANT_SESSION, set_tenant
-from coda_memory.postgres.unit import PostgresConsolidationUnit, Statements, lock_identity, peek
+from coda_memory.postgres.unit import (
+    Peeked,
+    PostgresConsolidationUnit,
+    Statements,
+    lock_identity,
+    peek,
+)
 
 DEFAULT_LOCK_TIMEOUT = timedelta(seconds=5)
+#: Peeks kept for the consolidations that follow them (most recent first out last).
+_PEEKED_KEPT = 1024
+#: Every statement of a request (peek, consolidation); lock waits included.
+DEFAULT_STATEMENT_TIMEOUT = timedelta(seconds=1)
+#: How long an append waits for a lock before it fails and is retried.
+DEFAULT_WRITER_LOCK_TIMEOUT = timedelta(seconds=1)
+DEFAULT_POOL_SIZE = 8
+DEFAULT_WRITER_POOL_SIZE = 2
+
+
+def _milliseconds(value: timedelta | None) -> str:
+    return f"{0 if value is None else max(0, round(value.total_seconds() * 1000))}ms"
+
+
+def _with_settings(engine_kwargs: dict[str, Any], **settings: str) -> dict[str, Any]:
+    """``engine_kwargs`` with server ``settings`` added to every connection it opens."""
+    connect_args = dict(engine_kwargs.get("connect_args", {}))
+    connect_args["server_settings"] = {**connect_args.get("server_settings", {}), **settings}
+    # The request and writer pools are bounded: no overflow, whatever the admin pool has.
+    kwargs = {k: v for k, v in engine_kwargs.items() if k != "max_overflow"}
+    return {**kwargs, "connect_args": connect_args}
+
 
 T = TypeVar("T")
 
@@ -82,10 +143,17 @@ class PostgresStore:
         *,
         schema: str = DEFAULT_SCHEMA,
         lock_timeout: timedelta | None = DEFAULT_LOCK_TIMEOUT,
+        request_engine: AsyncEngine | None = None,
+        writer_engine: AsyncEngine | None = None,
     ) -> None:
-        """Use ``engine``, whose ``schema_translate_map`` must place the tables in
-        ``schema`` (:meth:`from_url` builds such an engine)."""
+        """Use ``engine`` (and ``request_engine`` for peeks and consolidations,
+        ``writer_engine`` for appends; ``engine`` when None), whose
+        ``schema_translate_map`` must place the tables in ``schema`` (:meth:`from_url`
+        builds such engines, with the pools and timeouts the module docstring describes)."""
         self.engine = engine
+        self.request_engine = request_engine if request_engine is not None else engine
+        self.writer_engine = writer_engine if writer_engine is not None else engine
+        self._peeked: OrderedDict[str, Peeked] = OrderedDict()
         self.schema = validate_schema_name(schema)
         self._statements = Statements.for_schema(self.schema)
         # The transaction of a consolidation and its settings, in one round trip (the
@@ -104,28 +172,80 @@ class PostgresStore:
         *,
         schema: str = DEFAULT_SCHEMA,
         lock_timeout: timedelta | None = DEFAULT_LOCK_TIMEOUT,
-        pool_size: int = 5,
+        pool_size: int = DEFAULT_POOL_SIZE,
+        writer_pool_size: int = DEFAULT_WRITER_POOL_SIZE,
+        statement_timeout: timedelta | None = DEFAULT_STATEMENT_TIMEOUT,
+        writer_lock_timeout: timedelta | None = DEFAULT_WRITER_LOCK_TIMEOUT,
         **engine_kwargs: Any,
     ) -> PostgresStore:
-        """A store on ``url`` (postgresql://, postgres:// or postgresql+asyncpg://)."""
-        engine = create_engine(url, schema=schema, pool_size=pool_size, **engine_kwargs)
-        return cls(engine, schema=schema, lock_timeout=lock_timeout)
+        """A store on ``url`` (postgresql://, postgres:// or postgresql+asyncpg://), with
+        a request pool of ``pool_size`` connections whose statements run under
+        ``statement_timeout``, a writer pool of ``writer_pool_size`` whose lock waits end
+        after ``writer_lock_timeout`` (None: no limit), and an admin pool."""
+        if pool_size < 1 or writer_pool_size < 1:
+            raise ValueError("pool_size and writer_pool_size must be at least 1")
+        engine = create_engine(url, schema=schema, **engine_kwargs)
+        request_kwargs = _with_settings(
+            engine_kwargs, statement_timeout=_milliseconds(statement_timeout)
+        )
+        request_engine = create_engine(
+            url, schema=schema, pool_size=pool_size, max_overflow=0, **request_kwargs
+        )
+        writer_kwargs = _with_settings(
+            engine_kwargs, lock_timeout=_milliseconds(writer_lock_timeout)
+        )
+        writer_engine = create_engine(
+            url, schema=schema, pool_size=writer_pool_size, max_overflow=0, **writer_kwargs
+        )
+        return cls(
+            engine,
+            schema=schema,
+            lock_timeout=lock_timeout,
+            request_engine=request_engine,
+            writer_engine=writer_engine,
+        )
+
+    @property
+    def request_slots(self) -> int:
+        """How many peeks and consolidations can hold a connection at once."""
+        size: Any = getattr(self.request_engine.pool, "size", None)
+        return int(size()) if callable(size) else DEFAULT_POOL_SIZE
+
+    async def start(self) -> None:
+        """Open every connection of the request and writer pools, and prepare the
+        hot-path statements on the request connections, before the first request."""
+        batch_statements(self.schema)  # the rollup statements, compiled once
+        await asyncio.gather(
+            _warm(self.request_engine, self.schema, [q.text for q in self._statements.all()]),
+            _warm(self.writer_engine, self.schema, []),
+        )
 
     async def append(self, records: Sequence[ObservationRecord]) -> AppendOutcome:
         if not records:
             return AppendOutcome(stored=0)
         # One transaction, which a lost connection rolls back: retried (see ``connection``).
-        return await self.run(lambda conn: append_observations(conn, self.schema, records))
+        return await run(
+            self.writer_engine,
+            self.schema,
+            lambda conn: append_observations(conn, self.schema, records),
+            idempotent=True,
+        )
 
     @asynccontextmanager
     async def consolidation(self, identity_id: str) -> AsyncIterator[PostgresConsolidationUnit]:
         doing = f"while consolidating {identity_id!r}"
-        async with driver_transaction(self.engine, self.schema, self._begin, doing) as driver:
+        async with driver_transaction(
+            self.request_engine, self.schema, self._begin, doing
+        ) as driver:
             with schema_required(self.schema):
                 # The tenant of the transaction (row-level security).
                 await driver.execute(SET_TENANT, identity_id)
                 unit = await PostgresConsolidationUnit.open(
-                    driver, self._statements, identity_id, partial(driver.execute, "COMMIT")
+                    driver,
+                    self._statements,
+                    identity_id,
+                    partial(driver.execute, "COMMIT"),
+                    self._peeked.pop(identity_id, None),
                 )
             yield unit
 
@@ -135,14 +255,22 @@ class PostgresStore:
         )
 
     async def peek(self, identity_id: str) -> tuple[list[Fact], bool]:
-        async def read(conn: AsyncConnection) -> tuple[list[Fact], bool]:
+        async def read(conn: AsyncConnection) -> Peeked:
             driver = await driver_connection(conn)
             # No transaction: the tenant is the session's, until the connection's next
             # transaction sets its own.
             await driver.execute(SET_TENANT_SESSION, identity_id)
             return await peek(driver, self._statements, identity_id)
 
-        return await self.run(read)
+        peeked = await run(self.request_engine, self.schema, read, idempotent=True)
+        if peeked.pending and peeked.snapshot is not None:
+            # The consolidation that follows reuses these facts if the checkpoint has not
+            # moved meanwhile (see "Facts read once" above).
+            self._peeked[identity_id] = peeked
+            self._peeked.move_to_end(identity_id)
+            while len(self._peeked) > _PEEKED_KEPT:
+                self._peeked.popitem(last=False)
+        return peeked.facts, peeked.pending
 
     async def history(self, identity_id: str, subject: str | None = None) -> list[FactEvent]:
         return await self.run(
@@ -199,4 +327,23 @@ class PostgresStore:
         return await run(self.engine, self.schema, work, idempotent=idempotent)
 
     async def close(self) -> None:
-        await self.engine.dispose()
+        for engine in {self.request_engine, self.writer_engine, self.engine}:
+            await engine.dispose()
+
+
+async def _warm(engine: AsyncEngine, schema: str, statements: list[str]) -> None:
+    """Check out as many connections as the pool holds, at once (so that each is a new
+    one), and prepare ``statements`` on each into asyncpg's statement cache, which the
+    hot path's ``fetch`` calls then hit."""
+    size: Any = getattr(engine.pool, "size", None)
+    count = int(size()) if callable(size) else 1
+
+    async def one() -> None:
+        async with engine.connect() as conn:
+            driver = await driver_connection(conn)
+            for text in statements:
+                # asyncpg's public prepare() bypasses the cache that fetch() uses.
+                await driver._prepare(text, use_cache=True)
+
+    with schema_required(schema):
+        await asyncio.gather(*(one() for _ in range(count)))

@@ -6,7 +6,8 @@ statements that asyncpg prepares once per connection, and keeps round trips to a
 * lock: one ``SELECT … FOR UPDATE`` (plus an ``INSERT … ON CONFLICT DO NOTHING`` the first
   time an identity is seen);
 * load: the current snapshot and the new observations in one statement, the stored facts
-  in a second, and the sessions' earlier fact events in a third when there are sessions;
+  in a second (unless the peek before read them), and the earlier fact events of the
+  sessions that have some in a third;
 * write: every write (fact upserts and deletes, history, checkpoint, prune) in one
   statement of data-modifying CTEs.
 
@@ -43,6 +44,19 @@ class Statements:
     session_events: Query
     write: Query
     peek: Query
+
+    def all(self) -> list[Query]:
+        """Every statement, to prepare on a new connection."""
+        return [
+            self.lock,
+            self.ensure,
+            self.new_first,
+            self.new_since,
+            self.facts,
+            self.session_events,
+            self.write,
+            self.peek,
+        ]
 
     @classmethod
     def for_schema(cls, schema: str) -> Statements:
@@ -122,9 +136,12 @@ class PostgresConsolidationUnit:
         identity_id: str,
         stored_snapshot: str | None,
         commit: Callable[[], Awaitable[None]],
+        known_facts: list[Fact] | None = None,
     ) -> None:
         """Use :meth:`open`; ``raw`` is an asyncpg connection inside a transaction whose
-        lock on the identity's checkpoint row is held, and ``commit`` commits it."""
+        lock on the identity's checkpoint row is held, and ``commit`` commits it.
+        ``known_facts`` are the stored facts when already known (not read again)."""
+        self._known_facts = known_facts
         self._raw = raw
         self._sql = statements
         self.identity_id = identity_id
@@ -141,11 +158,16 @@ class PostgresConsolidationUnit:
         statements: Statements,
         identity_id: str,
         commit: Callable[[], Awaitable[None]],
+        peeked: Peeked | None = None,
     ) -> PostgresConsolidationUnit:
         """Lock the identity's checkpoint row (creating it first if needed); ``raw`` must
-        already be inside the transaction that ``commit`` commits."""
+        already be inside the transaction that ``commit`` commits. The facts of
+        ``peeked`` are used when the checkpoint still has the snapshot they went with."""
         stored_snapshot = await lock_identity(raw, statements, identity_id)
-        return cls(raw, statements, identity_id, stored_snapshot, commit)
+        known = None
+        if peeked is not None and peeked.snapshot is not None:
+            known = peeked.facts if peeked.snapshot == stored_snapshot else None
+        return cls(raw, statements, identity_id, stored_snapshot, commit, known)
 
     async def load(self) -> ConsolidationInput:
         self._check_open()
@@ -159,14 +181,19 @@ class PostgresConsolidationUnit:
             arguments = new.arguments(identity_id=identity_id, stored_snapshot=self.stored_snapshot)
             rows = await self._raw.fetch(new.text, *arguments)
         self._snapshot = rows[0]["snapshot"]
-        facts = sql.facts
-        fact_rows = await self._raw.fetch(facts.text, *facts.arguments(identity_id=identity_id))
+        stored = self._known_facts
+        if stored is None:
+            facts = sql.facts
+            fact_rows = await self._raw.fetch(facts.text, *facts.arguments(identity_id=identity_id))
+            with gc_paused():
+                stored = [fact_from_row(identity_id, r) for r in fact_rows]
         with gc_paused():
             observations = [
                 observation_from_row(identity_id, r) for r in rows if r["id"] is not None
             ]
-            stored = [fact_from_row(identity_id, r) for r in fact_rows]
-        sessions = sorted({o.session_id for o in observations if o.session_id is not None})
+        sessions = sorted(
+            {r["session_id"] for r in rows if r["session_seen"] and r["session_id"] is not None}
+        )
         events = []
         if sessions:
             earlier = sql.session_events
@@ -205,12 +232,23 @@ class PostgresConsolidationUnit:
             )
 
 
-async def peek(raw: Any, statements: Statements, identity_id: str) -> tuple[list[Fact], bool]:
-    """Stored facts and whether new observations wait, in one statement and no lock (no
-    facts when observations wait: the locked run reads them)."""
+@dataclass(frozen=True, slots=True)
+class Peeked:
+    """What :func:`peek` read, in one statement and snapshot."""
+
+    facts: list[Fact]
+    pending: bool
+    #: The checkpoint's snapshot the facts go with (None: no checkpoint).
+    snapshot: str | None
+
+
+async def peek(raw: Any, statements: Statements, identity_id: str) -> Peeked:
+    """Stored facts, whether new observations wait, and the checkpoint's snapshot, in one
+    statement and without a lock."""
     statement = statements.peek
     rows = await raw.fetch(statement.text, *statement.arguments(identity_id=identity_id))
     pending = bool(rows[0]["pending"]) if rows else False
+    snapshot = rows[0]["snapshot"] if rows else None
     with gc_paused():
         facts = [fact_from_row(identity_id, r) for r in rows if r["subject"] is not None]
-    return facts, pending
+    return Peeked(facts, pending, snapshot)

@@ -27,7 +27,9 @@ from coda_memory.postgres.analytics import (
     fact_summary,
     tool_effectiveness,
 )
+from coda_memory.postgres.engine import driver_connection
 from coda_memory.postgres.migrate import migrate_async
+from coda_memory.postgres.rollup import batch_statements
 from tests.postgres.helpers import record
 
 NOW = datetime(2026, 3, 1, 12, 0, tzinfo=UTC)
@@ -243,8 +245,20 @@ async def test_the_rollup_reads_back_the_batch_by_index(loaded: PostgresStore) -
         record("ok", identity_id="user-8", metadata={"toolName": "tool_2"}),
     ]
 
-    plans = await plans_of(loaded, lambda: loaded.append(batch), keep=lambda s: "INSERT INTO" in s)
+    await loaded.append(batch)
+    # The statements append runs, compiled once (rollup.batch_statements), with the batch's
+    # identities; appends send them through the driver, so they are explained directly.
+    plans: list[list[dict[str, Any]]] = []
+    async with loaded.engine.connect() as conn:
+        driver = await driver_connection(conn)
+        for statement in batch_statements(loaded.schema):
+            arguments = statement.arguments(["user-7", "user-8"], 0)
+            raw = await driver.fetchval(f"EXPLAIN (FORMAT JSON) {statement.sql}", *arguments)
+            explained = json.loads(raw) if isinstance(raw, str) else raw
+            plans.append(list(plan_nodes(explained[0]["Plan"])))
+        await conn.rollback()
 
+    assert len(plans) == 3
     for nodes in plans:
         assert "ix_observations_identity_id_xid" in indexes(nodes)
         assert "observations" not in scanned(nodes)

@@ -241,7 +241,9 @@ async def test_load_memory_under_an_access_exclusive_lock_returns_empty_and_reco
 async def test_the_service_recovers_after_its_connections_are_killed(
     pg_url: str, clock: FakeClock, admin: asyncpg.Connection
 ) -> None:
-    service = MemoryService.from_url(pg_url, clock=clock)
+    # Recovery, not latency: reconnecting can take longer than the default load timeout
+    # on a busy machine, and a late load would answer without the new observation.
+    service = MemoryService.from_url(pg_url, clock=clock, load_timeout=5.0)
     try:
         service.emit_observation("u1", tool_ok("t"))
         await service.drain()

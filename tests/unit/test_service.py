@@ -28,6 +28,9 @@ class GatedStore(InMemoryStore):
         super().__init__()
         self.gate = asyncio.Event()
         self.gate.set()
+        #: Holds consolidations only (peeks and appends go through).
+        self.consolidation_gate = asyncio.Event()
+        self.consolidation_gate.set()
         self.failing = False
         self.append_calls = 0
 
@@ -47,6 +50,7 @@ class GatedStore(InMemoryStore):
     @asynccontextmanager
     async def consolidation(self, identity_id: str) -> AsyncIterator[InMemoryConsolidationUnit]:
         await self.gate.wait()
+        await self.consolidation_gate.wait()
         if self.failing:
             raise ConnectionError("database unavailable")
         async with super().consolidation(identity_id) as unit:
@@ -100,6 +104,28 @@ async def test_load_memory_returns_empty_on_timeout_and_finishes_in_the_backgrou
     assert [f.subject for f in await service.facts("u1")] == ["tool_affinity:t"]
     # The next call works.
     assert [f.subject for f in (await service.load_memory("u1")).facts] == ["tool_affinity:t"]
+
+
+async def test_a_load_outliving_its_timeout_answers_with_the_last_consolidated_facts(
+    gated: tuple[MemoryService, GatedStore],
+) -> None:
+    service, store = gated
+    service.emit_observation("u1", tool_ok("old"))
+    await service.drain()
+    await service.consolidate("u1")
+    service.emit_observation("u1", tool_ok("new"))
+    await service.drain()
+    store.consolidation_gate.clear()
+    memory = await service.load_memory("u1")
+    assert [f.subject for f in memory.facts] == ["tool_affinity:old"]
+    assert memory.tool_affinities == {"old": 0.5}
+    assert "Uses old successfully" in memory.prompt_section
+    stats = service.stats()
+    assert (stats.load_stale, stats.load_timeouts) == (1, 0)
+    store.consolidation_gate.set()
+    await service.drain()
+    subjects = [f.subject for f in (await service.load_memory("u1")).facts]
+    assert subjects == ["tool_affinity:new", "tool_affinity:old"]
 
 
 async def test_load_memory_returns_empty_on_store_errors(

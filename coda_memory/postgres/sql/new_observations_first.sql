@@ -14,7 +14,16 @@ SELECT
     o.content,
     o.metadata::text AS metadata,
     o.session_id,
-    o.created_at
+    o.created_at,
+    -- Whether the session reinforced a fact in an earlier run: only such sessions need
+    -- their earlier events read (a round trip saved for a new session).
+    EXISTS (
+        SELECT 1
+        FROM {schema}.fact_events e
+        WHERE e.identity_id = :identity_id
+            AND e.session_id = o.session_id
+            AND e.kind IN ('created', 'reinforced', 'extended')
+    ) AS session_seen
 FROM snap
 LEFT JOIN {schema}.observations o
     ON o.identity_id = :identity_id

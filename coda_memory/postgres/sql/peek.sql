@@ -1,9 +1,9 @@
--- Is anything committed that the stored snapshot did not see? Plus the facts, in the
--- same statement and snapshot. No lock is taken.
+-- Is anything committed that the stored snapshot did not see? Plus the stored snapshot
+-- and the facts, in the same statement and snapshot. No lock is taken.
 WITH
 -- The identity's stored snapshot (no row: never consolidated).
 cp AS (
-    SELECT snapshot::pg_snapshot AS s
+    SELECT snapshot::pg_snapshot AS s, snapshot
     FROM {schema}.checkpoints
     WHERE identity_id = :identity_id
 ),
@@ -20,6 +20,7 @@ pending AS (
 )
 SELECT
     pending.p AS pending,
+    (SELECT snapshot FROM cp) AS snapshot,
     f.subject,
     f.category,
     f.content,
@@ -31,7 +32,7 @@ SELECT
     f.updated_at,
     f.ease_factor
 FROM pending
--- Facts only when nothing waits: otherwise the locked run reads them.
+-- Facts even when observations wait: a late load answers from them, and the locked run
+-- reuses them when the checkpoint has not moved since (see the store's docstring).
 LEFT JOIN {schema}.facts f
     ON f.identity_id = :identity_id
-    AND NOT pending.p

@@ -1,0 +1,99 @@
+"""Caps: facts kept per identity (by rank) and entities taken from one tool result."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from coda_memory import entity_observations
+from coda_memory.core import emitters
+from coda_memory.core.caps import DEFAULT_MAX_ENTITIES_PER_RESULT, LogThrottle
+from tests.conftest import ServiceFactory
+from tests.helpers import FakeClock, tool_ok
+
+
+async def test_the_fact_cap_keeps_the_best_ranked_facts_and_deletes_the_rest(
+    make_service: ServiceFactory, clock: FakeClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    service = await make_service(max_facts=3)
+    # tool_k is used in k sessions: rank (confidence x count) grows with k.
+    for k in range(1, 6):
+        for session in range(k):
+            service.emit_observation("u1", tool_ok(f"tool_{k}", session=f"s{session}"))
+    await service.drain()
+    with caplog.at_level(logging.WARNING, "coda_memory"):
+        loaded = await service.load_memory("u1")
+    kept = ["tool_affinity:tool_3", "tool_affinity:tool_4", "tool_affinity:tool_5"]
+    assert [f.subject for f in loaded.facts] == kept
+    assert "tool_1" not in loaded.prompt_section
+    assert set(loaded.tool_affinities) == {"tool_3", "tool_4", "tool_5"}
+    # Deleted from the store, not only hidden.
+    assert sorted(f.subject for f in await service.store.facts("u1")) == kept
+    stats = service.stats()
+    assert (stats.facts_capped, stats.facts_evicted) == (1, 2)
+    assert "facts per identity capped" in caplog.text
+    # A capped fact comes back like an expired one: new, at 0.5, and it then ranks last.
+    service.emit_observation("u1", tool_ok("tool_1", session="later"))
+    await service.drain()
+    facts = await service.consolidate("u1")
+    assert [f.subject for f in facts] == kept
+    assert service.stats().facts_evicted == 3
+
+
+async def test_without_a_cap_every_fact_stays(make_service: ServiceFactory) -> None:
+    service = await make_service(max_facts=None)
+    for k in range(5):
+        service.emit_observation("u1", tool_ok(f"tool_{k}"))
+    await service.drain()
+    assert len((await service.load_memory("u1")).facts) == 5
+    assert service.stats().facts_capped == 0
+
+
+def test_entities_are_taken_from_one_tool_result_up_to_the_cap_in_its_order(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    products = [{"id": f"p{i}", "title": f"Product {i}"} for i in range(30_000)]
+    applied, dropped = emitters.ENTITY_CAP.applied, emitters.ENTITY_CAP.dropped
+    emitters.ENTITY_CAP.throttle._last.clear()
+    with caplog.at_level(logging.WARNING, "coda_memory"):
+        observations = entity_observations("get_products_by_isrc", {"products": products})
+    assert len(observations) == DEFAULT_MAX_ENTITIES_PER_RESULT
+    assert [o.metadata["entityId"] for o in observations] == [
+        f"p{i}" for i in range(DEFAULT_MAX_ENTITIES_PER_RESULT)
+    ]
+    assert emitters.ENTITY_CAP.applied == applied + 1
+    assert emitters.ENTITY_CAP.dropped == dropped + 30_000 - DEFAULT_MAX_ENTITIES_PER_RESULT
+    assert "entities per tool result capped" in caplog.text
+    few = entity_observations("get_products_by_isrc", {"products": products[:5]})
+    assert len(few) == 5 and emitters.ENTITY_CAP.applied == applied + 1
+    assert (
+        len(entity_observations("get_products_by_isrc", {"products": products}, max_entities=None))
+        == 30_000
+    )
+
+
+async def test_stats_count_the_entity_cap(make_service: ServiceFactory) -> None:
+    service = await make_service()
+    before = service.stats().entity_results_capped
+    entity_observations("get_products_by_isrc", {"products": [{"id": i} for i in range(101)]})
+    assert service.stats().entity_results_capped == before + 1
+
+
+def test_a_repeated_warning_is_logged_at_most_once_per_interval(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    now = [100.0]
+    throttle = LogThrottle(logging.getLogger("coda_memory.test"), 1.0, clock=lambda: now[0])
+    with caplog.at_level(logging.WARNING, "coda_memory.test"):
+        for _ in range(50):
+            throttle.warning("timeout", "load timed out")
+            throttle.warning("other", "another cause")
+            now[0] += 0.01
+        now[0] += 1.0
+        throttle.warning("timeout", "load timed out")
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines.count("another cause") == 1
+    timeouts = [line for line in lines if line.startswith("load timed out")]
+    assert len(timeouts) == 2
+    assert "49 more like it" in timeouts[1]

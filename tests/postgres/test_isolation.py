@@ -1,0 +1,239 @@
+"""Isolation on a real server: statement timeouts on the request path, separate request
+and writer pools of the configured sizes, and ``start()`` opening and preparing them."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from datetime import timedelta
+
+import asyncpg
+import pytest
+import sqlalchemy.exc
+from sqlalchemy import text
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from coda_memory import MemoryService
+from coda_memory.postgres import PostgresStore
+from coda_memory.postgres.engine import driver_connection
+from tests.postgres.helpers import NOW, consolidate, engine, fact, fetch, record
+
+#: Generous: the statements must fail within their timeout, not within this.
+SLACK = 2.0
+
+
+@asynccontextmanager
+async def locked(url: str, table: str) -> AsyncIterator[None]:
+    """Hold an ACCESS EXCLUSIVE lock on ``table`` until the block ends."""
+    own = engine(url)
+    try:
+        async with own.begin() as conn:
+            await conn.execute(text(f"LOCK TABLE coda_memory.{table} IN ACCESS EXCLUSIVE MODE"))
+            yield
+    finally:
+        await own.dispose()
+
+
+async def backends(admin_url: str, database: str | None) -> int:
+    rows = await fetch(
+        admin_url,
+        "SELECT count(*) FROM pg_stat_activity WHERE datname = :db AND backend_type = "
+        "'client backend' AND pid <> pg_backend_pid()",
+        db=database,
+    )
+    return int(rows[0][0])
+
+
+async def waiting_for_a_lock(admin_url: str, database: str | None) -> int:
+    rows = await fetch(
+        admin_url,
+        "SELECT count(*) FROM pg_stat_activity WHERE datname = :db AND wait_event_type = 'Lock'",
+        db=database,
+    )
+    return int(rows[0][0])
+
+
+async def until_waiting(admin_url: str, database: str | None, count: int) -> None:
+    async with asyncio.timeout(10):
+        while await waiting_for_a_lock(admin_url, database) < count:
+            await asyncio.sleep(0.01)
+
+
+@pytest.mark.parametrize("table", ["checkpoints", "facts", "observations"])
+async def test_a_locked_table_fails_peek_and_consolidation_within_the_statement_timeout(
+    pg_url: str, table: str
+) -> None:
+    timeout = 0.2
+    store = PostgresStore.from_url(pg_url, statement_timeout=timedelta(seconds=timeout))
+    try:
+        await store.append([record("observed")])
+        async with locked(pg_url, table):
+            started = time.monotonic()
+            with pytest.raises(asyncpg.QueryCanceledError):
+                await asyncio.wait_for(store.peek("alice"), timeout + SLACK)
+            assert timeout <= time.monotonic() - started < timeout + SLACK
+            started = time.monotonic()
+            with pytest.raises(asyncpg.QueryCanceledError):
+                await asyncio.wait_for(consolidate(store), timeout + SLACK)
+            assert timeout <= time.monotonic() - started < timeout + SLACK
+        # Released: both work again on the same pool.
+        assert (await store.peek("alice"))[1] is True
+        await consolidate(store)
+    finally:
+        await store.close()
+
+
+async def test_a_locked_table_fails_an_append_within_the_writer_lock_timeout(
+    pg_url: str,
+) -> None:
+    store = PostgresStore.from_url(pg_url, writer_lock_timeout=timedelta(milliseconds=200))
+    try:
+        async with locked(pg_url, "tool_daily"):
+            started = time.monotonic()
+            with pytest.raises(asyncpg.LockNotAvailableError):
+                await asyncio.wait_for(store.append([record("observed")]), 0.2 + SLACK)
+            assert time.monotonic() - started < 0.2 + SLACK
+        assert (await store.append([record("observed")])).stored == 1
+    finally:
+        await store.close()
+
+
+async def test_a_blocked_writer_does_not_block_loads(pg_url: str, admin_url: str) -> None:
+    store = PostgresStore.from_url(pg_url, writer_lock_timeout=None, writer_pool_size=1)
+    service = MemoryService(store, load_timeout=5.0, clock=lambda: NOW)
+    try:
+        await store.append([record("observed")])
+        async with locked(pg_url, "tool_daily"):
+            # Every writer connection waits for the rollup table.
+            appending = asyncio.create_task(store.append([record("stuck")]))
+            await until_waiting(admin_url, store.engine.url.database, 1)
+            loaded = await asyncio.wait_for(service.load_memory("alice"), SLACK)
+            assert [f.subject for f in loaded.facts] == ["tool_affinity:get_account"]
+            assert service.stats().load_timeouts == service.stats().load_errors == 0
+            assert not appending.done()
+        assert (await appending).stored == 1
+    finally:
+        await service.close()
+
+
+async def test_blocked_consolidations_do_not_block_the_writer(pg_url: str, admin_url: str) -> None:
+    store = PostgresStore.from_url(pg_url, pool_size=2, statement_timeout=None)
+    try:
+        async with locked(pg_url, "checkpoints"):
+            # Every request connection waits for the checkpoint table.
+            runs = [asyncio.create_task(consolidate(store, identity_id=i)) for i in "ab"]
+            await until_waiting(admin_url, store.engine.url.database, 2)
+            outcome = await asyncio.wait_for(store.append([record("observed")]), 10)
+            assert outcome.stored == 1
+            assert not any(run.done() for run in runs)
+        await asyncio.gather(*runs)
+    finally:
+        await store.close()
+
+
+async def test_the_pools_have_the_sizes_configured_and_no_overflow(pg_url: str) -> None:
+    store = PostgresStore.from_url(pg_url, pool_size=3, writer_pool_size=1, pool_timeout=0.2)
+    try:
+        assert store.request_slots == 3
+        held: list[AsyncConnection] = []
+        for _ in range(3):
+            held.append(await store.request_engine.connect())
+        with pytest.raises(sqlalchemy.exc.TimeoutError):
+            await store.request_engine.connect()
+        # The writer's pool is its own: appends go on while every request connection is out.
+        assert (await store.append([record("observed")])).stored == 1
+        for conn in held:
+            await conn.close()
+        writer = await store.writer_engine.connect()
+        with pytest.raises(sqlalchemy.exc.TimeoutError):
+            await store.writer_engine.connect()
+        await writer.close()
+    finally:
+        await store.close()
+
+
+async def test_the_service_runs_no_more_consolidations_than_request_connections(
+    pg_url: str, admin_url: str
+) -> None:
+    store = PostgresStore.from_url(pg_url, pool_size=2, statement_timeout=None)
+    service = MemoryService(store, load_timeout=0.05)
+    try:
+        assert store.request_slots == 2
+        async with locked(pg_url, "checkpoints"):
+            loads = [await service.load_memory(f"user-{i}") for i in range(6)]
+            assert all(not loaded.facts for loaded in loads)
+            await until_waiting(admin_url, store.engine.url.database, 2)
+            # Six consolidations wanted; two hold connections, four wait in the loop.
+            assert await waiting_for_a_lock(admin_url, store.engine.url.database) == 2
+            assert await backends(admin_url, store.engine.url.database) == 3  # + the locker
+        await service.drain()
+    finally:
+        await service.close()
+
+
+async def test_start_opens_the_pools_and_prepares_the_statements(
+    pg_url: str, admin_url: str
+) -> None:
+    store = PostgresStore.from_url(pg_url, pool_size=3, writer_pool_size=2)
+    service = MemoryService(store)
+    try:
+        database = store.engine.url.database
+        assert await backends(admin_url, database) == 0
+        await service.start()
+        assert await backends(admin_url, database) == 5
+        # Every request connection (all of them out at once: no overflow, so these are the
+        # ones start() opened) already has the hot-path statements prepared.
+        held = [await store.request_engine.connect() for _ in range(3)]
+        for conn in held:
+            driver = await driver_connection(conn)
+            prepared = await driver.fetchval("SELECT count(*) FROM pg_prepared_statements")
+            assert prepared >= 8
+            await conn.close()
+        assert await backends(admin_url, database) == 5
+    finally:
+        await service.close()
+
+
+async def test_without_start_connections_open_on_first_use(pg_url: str, admin_url: str) -> None:
+    store = PostgresStore.from_url(pg_url, pool_size=3, writer_pool_size=2)
+    service = MemoryService(store, load_timeout=5.0, clock=lambda: NOW)
+    try:
+        database = store.engine.url.database
+        await store.append([record("observed")])
+        assert await backends(admin_url, database) == 1
+        loaded = await service.load_memory("alice")
+        assert [f.subject for f in loaded.facts] == ["tool_affinity:get_account"]
+        assert await backends(admin_url, database) == 2
+    finally:
+        await service.close()
+
+
+async def test_a_consolidation_reads_facts_again_when_another_moved_the_checkpoint(
+    pg_url: str,
+) -> None:
+    first, second = PostgresStore.from_url(pg_url), PostgresStore.from_url(pg_url)
+    try:
+        await consolidate(first, upserts=[fact("tool_affinity:old")])
+        await first.append([record("observed")])
+        facts, pending = await first.peek("alice")
+        assert pending and [f.subject for f in facts] == ["tool_affinity:old"]
+        # Another process consolidates between the peek and the lock.
+        await consolidate(second, upserts=[fact("tool_affinity:new")])
+        async with first.consolidation("alice") as unit:
+            loaded = await unit.load()
+        assert sorted(f.subject for f in loaded.facts) == [
+            "tool_affinity:new",
+            "tool_affinity:old",
+        ]
+        # Nothing moved since this peek: the same facts, without reading them again.
+        await first.append([record("observed again")])
+        facts, pending = await first.peek("alice")
+        async with first.consolidation("alice") as unit:
+            assert unit._known_facts is facts
+            loaded = await unit.load()
+        assert loaded.facts is facts
+    finally:
+        await first.close()
+        await second.close()
