@@ -54,7 +54,7 @@ async def run(args: argparse.Namespace, sizes: Sizes, report: Report) -> dict[st
         log.info("baseline: pgbench")
         with monitor.section(report, "pgbench"):
             one, eight = await pgbench_baselines(server, sizes, report)
-        ctx = Context(sizes=sizes, report=report, one=one, eight=eight, base=base)
+        ctx = Context(sizes=sizes, report=report, one=one, eight=eight, base=base, server=server)
         chosen = [section for section in SECTIONS if section.selected_by & only]
         for database in dict.fromkeys(section.database for section in chosen):
             db: Database = await open_database(server, database, base, pool_size=sizes.workers)

@@ -9,6 +9,7 @@ from typing import Literal
 
 from benchmarks.pgbench import PgbenchResult
 from benchmarks.report import Report
+from benchmarks.server import Server
 from benchmarks.sizes import Sizes
 from benchmarks.workloads import Database
 
@@ -16,13 +17,14 @@ from benchmarks.workloads import Database
 @dataclass(frozen=True)
 class Context:
     """What every section is given: the sizes, the report it adds to, the pgbench
-    baselines taken at the start, and the instant the run's data is generated around."""
+    baselines taken at the start, the server, and the instant the run's data is generated around."""
 
     sizes: Sizes
     report: Report
     one: PgbenchResult
     eight: PgbenchResult
     base: datetime
+    server: Server
 
 
 @dataclass(frozen=True)

@@ -38,6 +38,21 @@ class Sizes:
     table_identities: int
     analytics_identities: int
     analytics_facts: int
+    #: The host-shaped run: identities x facts, requests with 8 and with 1 in flight.
+    host_identities: int
+    host_facts: int
+    host_requests: int
+    host_sequential_requests: int
+    host_concurrency: int
+    #: Typical load_memory with 50 new observations: identities measured.
+    typical_load_identities: int
+    #: The noisy neighbour's facts, and the other identities' measured loads.
+    neighbour_facts: int
+    neighbour_loads: int
+    #: Seconds each table is held ACCESS EXCLUSIVE in the lock-isolation section.
+    lock_seconds: float
+    #: Fresh services started in the cold-start section (10 requests each).
+    cold_starts: int
 
 
 FULL = Sizes(
@@ -62,6 +77,16 @@ FULL = Sizes(
     table_identities=40,
     analytics_identities=100_000,
     analytics_facts=1_000_000,
+    host_identities=200,
+    host_facts=200,
+    host_requests=1_600,
+    host_sequential_requests=400,
+    host_concurrency=8,
+    typical_load_identities=200,
+    neighbour_facts=30_000,
+    neighbour_loads=200,
+    lock_seconds=10.0,
+    cold_starts=5,
 )
 
 QUICK = Sizes(
@@ -86,4 +111,14 @@ QUICK = Sizes(
     table_identities=10,
     analytics_identities=10_000,
     analytics_facts=100_000,
+    host_identities=200,
+    host_facts=200,
+    host_requests=400,
+    host_sequential_requests=100,
+    host_concurrency=8,
+    typical_load_identities=60,
+    neighbour_facts=30_000,
+    neighbour_loads=60,
+    lock_seconds=2.0,
+    cold_starts=2,
 )

@@ -171,14 +171,21 @@ async def seed_identities(
 
 
 def new_observations(
-    identity: str, facts: int, count: int, sessions: int, at: datetime, rng: random.Random
+    identity: str,
+    facts: int,
+    count: int,
+    sessions: int,
+    at: datetime,
+    rng: random.Random,
+    session_prefix: str = "n",
 ) -> Iterator[NewObservation]:
     """``count`` observations over ``sessions`` sessions ending at ``at``: tool calls (one
     in ten failing), entity accesses (four in five of known entities) and a query domain,
-    in the proportions an agent session produces them."""
+    in the proportions an agent session produces them. Sessions are named
+    ``{identity}-{session_prefix}{n}``."""
     shape = FactShape(facts)
     for n in range(count):
-        session = f"{identity}-n{n * sessions // count}"
+        session = f"{identity}-{session_prefix}{n * sessions // count}"
         created_at = at - timedelta(seconds=(count - n) * 7)
         slot = n % 10
         if slot <= 3:

@@ -7,14 +7,18 @@ checks that every module of this package is.
 from benchmarks.section import Section
 from benchmarks.sections import (
     analytics,
+    cold_start,
     consolidation,
+    host,
     ingest,
     load,
     redis_store,
+    replay,
     scaling_facts,
     scaling_table,
     tenancy,
     throughput,
+    typical_load,
 )
 
 SECTIONS: tuple[Section, ...] = (
@@ -27,6 +31,10 @@ SECTIONS: tuple[Section, ...] = (
     scaling_table.SECTION,
     analytics.SECTION,
     tenancy.SECTION,
+    host.SECTION,
+    typical_load.SECTION,
+    replay.SECTION,
+    cold_start.SECTION,
 )
 
 #: The names ``--only`` accepts.

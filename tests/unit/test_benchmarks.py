@@ -31,6 +31,10 @@ DOCUMENTED_OPTIONS = {
     "scaling",
     "analytics",
     "tenancy",
+    "host",
+    "typical_load",
+    "replay",
+    "cold_start",
 }
 
 #: Ways of finding the library's API at run time, which let a renamed function drop out

@@ -1,0 +1,130 @@
+"""The host-shaped workload of issue 9: requests of an agent server, each emitting one
+session's observations for a random identity and then loading its memory; and the
+event-loop lag ticker that measures what the library leaves of the loop meanwhile."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import random
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from benchmarks.server import quiesce
+from benchmarks.stats import percentile
+from benchmarks.workloads import Database, names, new_observations, seed_identities
+from coda_memory import MemoryService
+
+#: Observations each request emits: one session of an agent's tool calls.
+OBSERVATIONS_PER_REQUEST = 10
+
+
+async def seed_host(db: Database, prefix: str, identities: int, facts: int) -> list[str]:
+    """``identities`` identities with ``facts`` facts each (COPY), vacuumed and analyzed."""
+    chosen = names(prefix, identities)
+    await seed_identities(
+        db.conn, chosen, facts, datetime.now(UTC) - timedelta(hours=1), random.Random(91)
+    )
+    await quiesce(db.conn)
+    return chosen
+
+
+@dataclass
+class Requests:
+    """What a run of requests saw: load_memory latencies, empty loads, wall time."""
+
+    seconds: list[float] = field(default_factory=list)
+    empty: int = 0
+    wall: float = 0.0
+
+    @property
+    def count(self) -> int:
+        return len(self.seconds)
+
+    @property
+    def rate(self) -> float:
+        return self.count / self.wall if self.wall else 0.0
+
+
+class HostRequests:
+    """Requests for random identities, numbered so each has a session of its own."""
+
+    def __init__(self, identities: Sequence[str], facts: int, seed: int) -> None:
+        self.identities = list(identities)
+        self.facts = facts
+        self.rng = random.Random(seed)
+        self.numbers = itertools.count()
+
+    async def one(self, service: MemoryService, identity: str | None = None) -> tuple[float, bool]:
+        """Emit one session's observations, then load_memory: (seconds, came back empty)."""
+        who = identity or self.rng.choice(self.identities)
+        session = f"r{next(self.numbers)}-"
+        for observation in new_observations(
+            who,
+            self.facts,
+            OBSERVATIONS_PER_REQUEST,
+            1,
+            datetime.now(UTC),
+            self.rng,
+            session_prefix=session,
+        ):
+            service.emit_observation(who, observation)
+        start = time.perf_counter()
+        loaded = await service.load_memory(who)
+        return time.perf_counter() - start, not loaded.facts
+
+    async def run(self, service: MemoryService, requests: int, concurrency: int) -> Requests:
+        """``requests`` requests, ``concurrency`` of them in flight at any time."""
+        seen = Requests()
+        left = iter(range(requests))
+
+        async def client() -> None:
+            for _ in left:
+                seconds, empty = await self.one(service)
+                seen.seconds.append(seconds)
+                seen.empty += empty
+
+        start = time.perf_counter()
+        await asyncio.gather(*(client() for _ in range(concurrency)))
+        seen.wall = time.perf_counter() - start
+        return seen
+
+
+class LagTicker:
+    """A task that sleeps ``interval`` seconds in a loop and records how late it wakes:
+    the time the event loop was busy with something else."""
+
+    def __init__(self, interval: float = 0.001) -> None:
+        self.interval = interval
+        self.lags: list[float] = []
+        self._task: asyncio.Task[None] | None = None
+
+    async def _tick(self) -> None:
+        while True:
+            start = time.perf_counter()
+            await asyncio.sleep(self.interval)
+            self.lags.append(time.perf_counter() - start - self.interval)
+
+    def start(self) -> None:
+        self.lags.clear()
+        self._task = asyncio.get_running_loop().create_task(self._tick())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+
+    def summary(self) -> dict[str, Any]:
+        ms = [max(0.0, lag) * 1000 for lag in self.lags]
+        return {
+            "ticks": len(ms),
+            "p50_ms": percentile(ms, 50),
+            "p99_ms": percentile(ms, 99),
+            "max_ms": max(ms, default=0.0),
+            "over_5_ms": sum(1 for lag in ms if lag > 5),
+            "over_20_ms": sum(1 for lag in ms if lag > 20),
+        }

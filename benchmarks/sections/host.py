@@ -1,0 +1,128 @@
+"""7 and 8. The host-shaped run (issue 9): 200 identities with 200 facts each; each
+request emits one session's 10 observations for a random identity, then calls
+load_memory, through a service with the library's defaults. 8 requests in flight in one
+process, then 1 at a time; the event loop's lag meanwhile, from a 1 ms ticker task."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from benchmarks.host import HostRequests, LagTicker, Requests, seed_host
+from benchmarks.report import Figure
+from benchmarks.section import Context, Section
+from benchmarks.stats import latency_summary
+from benchmarks.workloads import DRAIN_TIMEOUT, Database
+from coda_memory import MemoryService
+
+
+def _row(mode: str, seen: Requests, timeouts: int, errors: int) -> dict[str, Any]:
+    return {
+        "mode": mode,
+        **latency_summary(seen.seconds),
+        "empty": seen.empty,
+        "timeouts": timeouts,
+        "errors": errors,
+        "requests_per_s": seen.rate,
+        "seconds": seen.wall,
+    }
+
+
+async def host_section(db: Database, ctx: Context) -> None:
+    sizes, report = ctx.sizes, ctx.report
+    identities = await seed_host(db, "h", sizes.host_identities, sizes.host_facts)
+    requests = HostRequests(identities, sizes.host_facts, seed=92)
+    service = MemoryService.from_url(db.url)
+    ticker = LagTicker()
+    rows: list[dict[str, Any]] = []
+    try:
+        await requests.run(service, 4 * sizes.host_concurrency, sizes.host_concurrency)
+        for mode, count, concurrency in (
+            (f"{sizes.host_concurrency} concurrent", sizes.host_requests, sizes.host_concurrency),
+            ("1 at a time", sizes.host_sequential_requests, 1),
+        ):
+            before = service.stats()
+            if concurrency > 1:
+                ticker.start()
+            seen = await requests.run(service, count, concurrency)
+            await ticker.stop()
+            after = service.stats()
+            rows.append(
+                _row(
+                    mode,
+                    seen,
+                    after.load_timeouts - before.load_timeouts,
+                    after.load_errors - before.load_errors,
+                )
+            )
+        await service.drain(DRAIN_TIMEOUT)
+    finally:
+        await ticker.stop()
+        await service.close()
+    report.tables["host"] = rows
+    lag = ticker.summary() if ticker.lags else {}
+    concurrent, sequential = rows
+    section = "7 host-shaped"
+    report.add(
+        Figure(
+            section,
+            f"{concurrent['mode']}: empty loads of {concurrent['n']:,}",
+            concurrent["empty"],
+            "",
+            None,
+            None,
+            None,
+            "0 (in >= 1,600 requests)",
+            concurrent["empty"] == 0 and concurrent["n"] >= 1_600,
+            concurrent,
+        )
+    )
+    for row in (concurrent, sequential):
+        report.add(Figure(section, f"{row['mode']}: load_memory p50", row["p50_ms"], "ms"))
+        report.add(
+            Figure(
+                section,
+                f"{row['mode']}: load_memory p99",
+                row["p99_ms"],
+                "ms",
+                target="<= 25 ms" if row is concurrent else None,
+                met=row["p99_ms"] <= 25 if row is concurrent else None,
+            )
+        )
+    for row, pgbench in ((concurrent, ctx.eight), (sequential, ctx.one)):
+        clients = sizes.workers if row is concurrent else 1
+        report.add(
+            Figure(
+                section,
+                f"{row['mode']}: requests/s",
+                row["requests_per_s"],
+                "/s",
+                pgbench.tps,
+                f"pgbench -c{clients} tps",
+                row["requests_per_s"] / pgbench.tps,
+                ">= 0.25x pgbench tps" if row is concurrent else None,
+                row["requests_per_s"] >= 0.25 * pgbench.tps if row is concurrent else None,
+            )
+        )
+    if lag:
+        report.tables["event_loop_lag"] = [{"during": concurrent["mode"], **lag}]
+        for name, key, limit in (("p99", "p99_ms", 5.0), ("max", "max_ms", 20.0)):
+            report.add(
+                Figure(
+                    "8 event-loop lag",
+                    f"1 ms ticker lag {name}, {concurrent['mode']}",
+                    lag[key],
+                    "ms",
+                    target=f"<= {limit:g} ms",
+                    met=lag[key] <= limit,
+                    details=lag,
+                )
+            )
+
+
+SECTION = Section(
+    name="host",
+    title="host-shaped run (8 concurrent and 1 at a time) with the event-loop lag",
+    database="main",
+    run=host_section,
+    selected_by=frozenset({"host"}),
+)

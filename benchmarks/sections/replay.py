@@ -1,0 +1,109 @@
+"""10. Typical consolidation against its physical limit: the SQL of one typical
+consolidation (200 facts, 50 new observations in 5 sessions), replayed by pgbench with
+the same rows (see :mod:`benchmarks.replay`); TPC-B beside it."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from datetime import timedelta
+
+from benchmarks.replay import SqlCapture, render_script, run_script
+from benchmarks.report import Figure
+from benchmarks.section import Context, Section
+from benchmarks.server import quiesce
+from benchmarks.stats import latency_summary
+from benchmarks.workloads import (
+    Database,
+    emit_all,
+    names,
+    new_observations,
+    prepare_profile,
+    seed_identities,
+    timed_consolidations,
+)
+
+#: The identity whose consolidation is captured, and its never-consolidated twin.
+SOURCE, TWIN = "rp-source", "rp-twin"
+
+
+async def replay_section(db: Database, ctx: Context) -> None:
+    sizes, report = ctx.sizes, ctx.report
+    typical = next(p for p in sizes.profiles if p.name == "typical")
+    identities = names("rp", min(typical.identities, 100))
+    warm = names("rp-warm", 3)
+    await prepare_profile(db, [*warm, *identities], 200, 50, 5, random.Random(95))
+    now = db.clock.now
+    await seed_identities(db.conn, [SOURCE, TWIN], 200, now - timedelta(hours=1), random.Random(96))
+    await emit_all(
+        db.service,
+        (
+            (identity, observation)
+            for identity in (SOURCE, TWIN)
+            for observation in new_observations(identity, 200, 50, 5, now, random.Random(97))
+        ),
+    )
+    await quiesce(db.conn)
+    await timed_consolidations(db, warm)
+    summary = latency_summary(await timed_consolidations(db, identities))
+    with SqlCapture() as capture:
+        await db.service.consolidate(SOURCE)
+    script = await render_script(db.conn, capture.calls, SOURCE, TWIN)
+    replayed = await asyncio.to_thread(
+        run_script, ctx.server, db.name, script, sizes.pgbench_seconds
+    )
+    details = {
+        "consolidation": summary,
+        "replay": replayed,
+        "captured_calls": len(capture.calls),
+        "script": script,
+    }
+    report.tables["consolidation_replay"] = [
+        {"what": "consolidate() through the service", **summary},
+        {"what": "the same SQL replayed by pgbench -c1 (ROLLBACK)", **replayed},
+    ]
+    report.add(
+        Figure(
+            "10 consolidation replay",
+            "typical p50 vs its SQL replayed by pgbench",
+            summary["p50_ms"],
+            "ms",
+            replayed["p50_ms"],
+            "replayed SQL p50",
+            summary["p50_ms"] / replayed["p50_ms"],
+            "<= 1.5x the replay",
+            summary["p50_ms"] <= 1.5 * replayed["p50_ms"],
+            details,
+        )
+    )
+    report.add(
+        Figure(
+            "10 consolidation replay",
+            "replayed SQL p50 vs TPC-B",
+            replayed["p50_ms"],
+            "ms",
+            ctx.one.p50_ms,
+            "pgbench -c1 p50",
+            replayed["p50_ms"] / ctx.one.p50_ms,
+        )
+    )
+    report.add(
+        Figure(
+            "10 consolidation replay",
+            "typical p50 vs TPC-B",
+            summary["p50_ms"],
+            "ms",
+            ctx.one.p50_ms,
+            "pgbench -c1 p50",
+            summary["p50_ms"] / ctx.one.p50_ms,
+        )
+    )
+
+
+SECTION = Section(
+    name="replay",
+    title="typical consolidation against its SQL replayed by pgbench",
+    database="main",
+    run=replay_section,
+    selected_by=frozenset({"replay"}),
+)

@@ -1,0 +1,70 @@
+"""9. load_memory on the typical profile of issue 9: 200 facts and 50 new observations
+from 5 sessions, one client."""
+
+from __future__ import annotations
+
+import random
+import time
+
+from benchmarks.report import Figure
+from benchmarks.section import Context, Section
+from benchmarks.stats import latency_summary
+from benchmarks.workloads import Database, names, prepare_profile
+
+
+async def typical_load_section(db: Database, ctx: Context) -> None:
+    sizes, report, baseline = ctx.sizes, ctx.report, ctx.one
+    identities = names("tl", sizes.typical_load_identities)
+    warm = names("tl-warm", 3)
+    await prepare_profile(db, [*warm, *identities], 200, 50, 5, random.Random(93))
+    for identity in warm:
+        await db.service.load_memory(identity)
+    before = db.service.stats()
+    seconds: list[float] = []
+    empty = 0
+    for identity in identities:
+        start = time.perf_counter()
+        loaded = await db.service.load_memory(identity)
+        seconds.append(time.perf_counter() - start)
+        empty += not loaded.facts
+    after = db.service.stats()
+    summary = latency_summary(seconds)
+    details = {
+        **summary,
+        "facts": 200,
+        "new_observations": 50,
+        "sessions": 5,
+        "empty": empty,
+        "timeouts": after.load_timeouts - before.load_timeouts,
+        "errors": after.load_errors - before.load_errors,
+    }
+    report.tables["typical_load"] = [details]
+    name = "typical, 50 new observations in 5 sessions"
+    for key, pgbench, label in (
+        ("p50_ms", baseline.p50_ms, "pgbench -c1 p50"),
+        ("p99_ms", baseline.p99_ms, "pgbench -c1 p99"),
+    ):
+        p99 = key == "p99_ms"
+        report.add(
+            Figure(
+                "9 load_memory",
+                f"{name}: {key[:3]}",
+                summary[key],
+                "ms",
+                pgbench,
+                label,
+                summary[key] / pgbench,
+                "<= 10 ms" if p99 else None,
+                summary[key] <= 10.0 if p99 else None,
+                details,
+            )
+        )
+
+
+SECTION = Section(
+    name="typical_load",
+    title="load_memory, 200 facts and 50 new observations",
+    database="main",
+    run=typical_load_section,
+    selected_by=frozenset({"typical_load"}),
+)
