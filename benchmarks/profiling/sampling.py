@@ -13,12 +13,20 @@ import time
 from collections import defaultdict
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
+from types import CodeType
 from typing import Any
 
 from pyinstrument import Profiler
 from pyinstrument.renderers import ConsoleRenderer
+from sqlalchemy.pool.base import _ConnectionFairy
+from sqlalchemy.sql.elements import ClauseElement
 
 from benchmarks.server import ROOT
+from coda_memory.core.affinity import extract_tool_affinities
+from coda_memory.core.consolidation import plan_consolidation
+from coda_memory.core.prompt import format_memory_section
+from coda_memory.postgres import PostgresStore, unit
+from coda_memory.postgres.repositories import FactRepository
 
 #: Where sampled CPU time goes: the first frame from the leaf up that matches decides. C
 #: code (asyncpg's protocol, SQLAlchemy's row processing, pydantic-core) has no frames of
@@ -36,7 +44,7 @@ PROFILE_CATEGORIES: tuple[tuple[str, Callable[[str, str], bool]], ...] = (
     ("SQLAlchemy (compile, execute, results, pool)", lambda f, p: "/sqlalchemy/" in p),
     ("consolidation engine (plan, decay, model)", lambda f, p: _in_engine(p)),
     ("prompt section + affinities", lambda f, p: p.endswith(("prompt.py", "affinity.py"))),
-    ("coda_memory store adapter (statement building)", lambda f, p: "/coda_memory/store/" in p),
+    ("coda_memory Postgres store (statements, rows)", lambda f, p: "/coda_memory/postgres/" in p),
     ("coda_memory service", lambda f, p: p.endswith("coda_memory/service.py")),
     ("greenlet bridge", lambda f, p: "greenlet" in p),
     ("asyncio event loop (task switches, callbacks)", lambda f, p: "/asyncio/" in p),
@@ -53,27 +61,28 @@ def _is_row_conversion(function: str) -> bool:
     return function.rsplit(".", 1)[-1] in ("_fact", "_observation", "_event", "<listcomp>")
 
 
-#: Inclusive CPU time of chosen functions: (label, file suffix, function name).
+def _where(code: CodeType) -> tuple[str, str]:
+    """(the file's last two path parts, the function's name) of a code object."""
+    return "/".join(Path(code.co_filename).parts[-2:]), code.co_name
+
+
+#: Inclusive CPU time of chosen functions: (label, file suffix, function name), taken
+#: from the functions themselves, so a renamed one fails here instead of reading zero.
+_CHOSEN: tuple[tuple[str, CodeType], ...] = (
+    ("plan_consolidation (pure Python)", plan_consolidation.__code__),
+    ("PostgresStore.peek (lock-free read)", PostgresStore.peek.__code__),
+    ("unit.load (snapshot + 3 reads)", unit.PostgresConsolidationUnit.load.__code__),
+    ("unit.write (one write)", unit.PostgresConsolidationUnit.write.__code__),
+    ("lock_identity (ensure, lock)", unit.lock_identity.__code__),
+    ("FactRepository.stored (SELECT + rows -> Fact)", FactRepository.stored.__code__),
+    ("SQLAlchemy statement compile (cache lookups)", ClauseElement._compile_w_cache.__code__),
+    ("SQLAlchemy pool checkout", _ConnectionFairy._checkout.__code__),
+    ("format_memory_section", format_memory_section.__code__),
+    ("extract_tool_affinities", extract_tool_affinities.__code__),
+)
 PROFILE_FUNCTIONS: tuple[tuple[str, str, str], ...] = (
-    ("plan_consolidation (pure Python)", "consolidation.py", "plan_consolidation"),
-    ("PostgresStore.peek (lock-free read)", "postgres/store.py", "peek"),
-    ("store/postgres/unit.py (hot-path statements, rows -> models)", "postgres/unit.py", "*"),
-    ("unit.load (snapshot + 3 reads)", "postgres/store.py", "load"),
-    ("unit.write (5 writes)", "postgres/unit.py", "write"),
-    ("lock_identity (set_config, ensure, lock)", "postgres/store.py", "lock_identity"),
-    ("FactRepository.stored (SELECT + rows -> Fact)", "repositories.py", "stored"),
-    ("ObservationRepository.new", "repositories.py", "new"),
-    ("FactEventRepository.reinforcing", "repositories.py", "reinforcing"),
-    ("FactRepository.upsert", "repositories.py", "upsert"),
-    ("FactEventRepository.append", "repositories.py", "append"),
-    (
-        "SQLAlchemy statement compile (cache lookups)",
-        "sqlalchemy/sql/elements.py",
-        "_compile_w_cache",
-    ),
-    ("SQLAlchemy pool checkout", "sqlalchemy/pool/base.py", "_checkout"),
-    ("format_memory_section", "prompt.py", "format_memory_section"),
-    ("extract_tool_affinities", "affinity.py", "extract_tool_affinities"),
+    *((label, *_where(code)) for label, code in _CHOSEN),
+    ("postgres/unit.py (hot-path statements, rows -> models)", "postgres/unit.py", "*"),
 )
 
 

@@ -8,7 +8,7 @@ import statistics
 import time
 from collections import defaultdict
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -43,10 +43,11 @@ STATEMENT_LABELS: tuple[tuple[str, str], ...] = (
 
 @functools.cache
 def named_statements() -> dict[str, str]:
-    """The store's own named hot-path statements (``Statements`` in
-    ``coda_memory.postgres.unit``), by their normalised SQL."""
-    statements = asdict(Statements.for_schema(SCHEMA))
-    return {" ".join(sql.split()): f"Statements.{name}" for name, sql in statements.items()}
+    """The store's own named hot-path statements (``coda_memory/postgres/sql/*.sql``, as
+    :class:`~coda_memory.postgres.unit.Statements` holds them), by their normalised SQL."""
+    s = Statements.for_schema(SCHEMA)
+    queries = (s.lock, s.ensure, s.new_first, s.new_since, s.facts, s.session_events, s.write)
+    return {" ".join(q.text.split()): f"{q.name}.sql" for q in (*queries, s.peek)}
 
 
 def statement_label(sql: str) -> str:

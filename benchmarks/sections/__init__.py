@@ -12,6 +12,8 @@ from benchmarks.sections import (
     host,
     ingest,
     load,
+    locks,
+    neighbour,
     redis_store,
     replay,
     scaling_facts,
@@ -34,6 +36,8 @@ SECTIONS: tuple[Section, ...] = (
     host.SECTION,
     typical_load.SECTION,
     replay.SECTION,
+    neighbour.SECTION,
+    locks.SECTION,
     cold_start.SECTION,
 )
 

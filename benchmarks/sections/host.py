@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from benchmarks.host import HostRequests, LagTicker, Requests, seed_host
+from benchmarks.logcount import counted_logs
 from benchmarks.report import Figure
 from benchmarks.section import Context, Section
 from benchmarks.stats import latency_summary
@@ -43,7 +44,8 @@ async def host_section(db: Database, ctx: Context) -> None:
             before = service.stats()
             if concurrency > 1:
                 ticker.start()
-            seen = await requests.run(service, count, concurrency)
+            with counted_logs() as logs:
+                seen = await requests.run(service, count, concurrency)
             await ticker.stop()
             after = service.stats()
             rows.append(
@@ -53,6 +55,7 @@ async def host_section(db: Database, ctx: Context) -> None:
                     after.load_timeouts - before.load_timeouts,
                     after.load_errors - before.load_errors,
                 )
+                | {"warnings_logged": logs.lines}
             )
         await service.drain(DRAIN_TIMEOUT)
     finally:

@@ -34,6 +34,8 @@ DOCUMENTED_OPTIONS = {
     "host",
     "typical_load",
     "replay",
+    "neighbour",
+    "locks",
     "cold_start",
 }
 
@@ -52,7 +54,7 @@ def section_modules() -> list[str]:
 
 def test_every_section_module_is_registered_once() -> None:
     modules = section_modules()
-    assert len(modules) == len(SECTIONS) == 9
+    assert len(modules) == len(SECTIONS) == 15
     for name in modules:
         module = importlib.import_module(f"benchmarks.sections.{name}")
         assert isinstance(module.SECTION, Section)

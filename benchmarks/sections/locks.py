@@ -1,0 +1,174 @@
+"""12. Lock isolation: an ACCESS EXCLUSIVE lock held on each table of the schema in turn
+(10 s in full mode, 2 s in quick) while host-shaped requests keep coming, 8 in flight,
+through a service with the library's defaults. Per table: the slowest load against the
+timeout + 10 ms, the observations stored while the lock was held, pool exhaustion, log
+lines per second per cause, and the time to recover after the release."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+from benchmarks.host import HostRequests, seed_host
+from benchmarks.logcount import counted_logs
+from benchmarks.report import Figure
+from benchmarks.section import Context, Section
+from benchmarks.workloads import DRAIN_TIMEOUT, SCHEMA, Database
+from coda_memory import MemoryService
+
+#: How long recovery after a release may take before the run stops waiting.
+RECOVERY_LIMIT = 30.0
+
+
+async def _recovery(service: MemoryService, requests: HostRequests, released: float) -> float:
+    """Seconds from the release until nothing is pending and a load returns its facts
+    within the timeout (RECOVERY_LIMIT if that never happens)."""
+    while time.perf_counter() - released < RECOVERY_LIMIT:
+        seconds, empty = await requests.one(service)
+        if not empty and seconds <= service.load_timeout and service.stats().pending == 0:
+            return time.perf_counter() - released
+        await asyncio.sleep(0.005)
+    return RECOVERY_LIMIT
+
+
+async def _hold(
+    db: Database, ctx: Context, service: MemoryService, requests: HostRequests, table: str
+) -> dict[str, Any]:
+    locker = await ctx.server.connect(db.name)
+    seconds: list[float] = []
+    empty = 0
+    try:
+        transaction = locker.transaction()
+        await transaction.start()
+        await locker.execute(f'LOCK TABLE "{SCHEMA}"."{table}" IN ACCESS EXCLUSIVE MODE')
+        before = service.stats()
+        held_until = time.perf_counter() + ctx.sizes.lock_seconds
+
+        async def client() -> None:
+            nonlocal empty
+            while time.perf_counter() < held_until:
+                elapsed, was_empty = await requests.one(service)
+                seconds.append(elapsed)
+                empty += was_empty
+
+        with counted_logs() as logs:
+            await asyncio.gather(*(client() for _ in range(ctx.sizes.host_concurrency)))
+            during = service.stats()
+            await transaction.rollback()
+            released = time.perf_counter()
+            recovery = await _recovery(service, requests, released)
+    finally:
+        await locker.close()
+    limit_ms = service.load_timeout * 1000 + 10
+    ms = [s * 1000 for s in seconds]
+    return {
+        "table": table,
+        "loads": len(ms),
+        "max_load_ms": max(ms, default=0.0),
+        "loads_over_limit": sum(1 for v in ms if v > limit_ms),
+        "empty": empty,
+        "emitted": during.emitted - before.emitted,
+        "stored": during.stored - before.stored,
+        "pending_at_release": during.pending,
+        "pool_exhausted_lines": logs.pool_exhausted,
+        "log_lines": logs.lines,
+        "max_lines_per_s_per_cause": logs.max_per_second_per_cause,
+        "recovery_s": recovery,
+        "top_causes": logs.causes(),
+    }
+
+
+async def locks_section(db: Database, ctx: Context) -> None:
+    report = ctx.report
+    identities = await seed_host(db, "lk", 50, 200)
+    tables = [
+        r["table_name"]
+        for r in await db.conn.fetch(
+            "SELECT table_name FROM information_schema.tables WHERE table_schema = $1 "
+            "AND table_type = 'BASE TABLE' AND table_name <> 'alembic_version' ORDER BY 1",
+            SCHEMA,
+        )
+    ]
+    requests = HostRequests(identities, 200, seed=100)
+    service = MemoryService.from_url(db.url)
+    rows: list[dict[str, Any]] = []
+    try:
+        await requests.run(service, 32, ctx.sizes.host_concurrency)
+        for table in tables:
+            rows.append(await _hold(db, ctx, service, requests, table))
+        await service.drain(DRAIN_TIMEOUT)
+    finally:
+        await service.close()
+    report.tables["lock_isolation"] = rows
+    section = "12 lock isolation"
+    held = f"ACCESS EXCLUSIVE {ctx.sizes.lock_seconds:g} s on each of {len(rows)} tables"
+    limit = service.load_timeout * 1000 + 10
+    slowest = max(rows, key=lambda r: r["max_load_ms"])
+    report.add(
+        Figure(
+            section,
+            f"{held}: slowest load_memory",
+            slowest["max_load_ms"],
+            "ms",
+            target=f"<= timeout + 10 ms ({limit:g} ms)",
+            met=slowest["max_load_ms"] <= limit,
+            details={"table": slowest["table"]},
+        )
+    )
+    stalled = [r["table"] for r in rows if r["table"] != "observations" and r["stored"] == 0]
+    report.add(
+        Figure(
+            section,
+            f"{held}: tables other than observations whose lock stopped ingest",
+            len(stalled),
+            "",
+            target="0",
+            met=not stalled,
+            details={"tables": stalled},
+        )
+    )
+    exhausted = sum(r["pool_exhausted_lines"] for r in rows)
+    report.add(
+        Figure(
+            section,
+            f"{held}: pool exhaustion log lines",
+            exhausted,
+            "",
+            target="0",
+            met=exhausted == 0,
+        )
+    )
+    loudest = max(rows, key=lambda r: r["max_lines_per_s_per_cause"])
+    report.add(
+        Figure(
+            section,
+            f"{held}: log lines per second per cause, max",
+            loudest["max_lines_per_s_per_cause"],
+            "/s",
+            target="<= 1",
+            met=loudest["max_lines_per_s_per_cause"] <= 1,
+            details={"table": loudest["table"], "causes": loudest["top_causes"]},
+        )
+    )
+    slowest_recovery = max(rows, key=lambda r: r["recovery_s"])
+    report.add(
+        Figure(
+            section,
+            f"{held}: recovery after release, max",
+            slowest_recovery["recovery_s"],
+            "s",
+            target="<= 1 s",
+            met=slowest_recovery["recovery_s"] <= 1.0,
+            details={"table": slowest_recovery["table"]},
+        )
+    )
+
+
+SECTION = Section(
+    name="locks",
+    title="lock isolation: ACCESS EXCLUSIVE on each table in turn",
+    database="main",
+    run=locks_section,
+    selected_by=frozenset({"locks"}),
+)
