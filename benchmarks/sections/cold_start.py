@@ -1,4 +1,4 @@
-"""13. Cold start: the first 10 requests of a freshly started service (library defaults),
+"""14. Cold start: the first 10 requests of a freshly started service (library defaults),
 on the host-shaped workload; how many come back empty on the timeout."""
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ async def cold_start_section(db: Database, ctx: Context) -> None:
     total = sum(empty)
     report.add(
         Figure(
-            "13 cold start",
+            "14 cold start",
             f"empty loads in the first {FIRST_REQUESTS} requests of "
             f"{sizes.cold_starts} fresh services",
             total,
@@ -61,7 +61,7 @@ async def cold_start_section(db: Database, ctx: Context) -> None:
     for n in (0, 1):
         report.add(
             Figure(
-                "13 cold start",
+                "14 cold start",
                 f"request {n + 1} of a fresh service: load_memory max",
                 rows[n]["max_ms"],
                 "ms",

@@ -1,4 +1,4 @@
-"""7 and 8. The host-shaped run (issue 9): 200 identities with 200 facts each; each
+"""8 and 9. The host-shaped run (issue 9): 200 identities with 200 facts each; each
 request emits one session's 10 observations for a random identity, then calls
 load_memory, through a service with the library's defaults. 8 requests in flight in one
 process, then 1 at a time; the event loop's lag meanwhile, from a 1 ms ticker task."""
@@ -64,7 +64,7 @@ async def host_section(db: Database, ctx: Context) -> None:
     report.tables["host"] = rows
     lag = ticker.summary() if ticker.lags else {}
     concurrent, sequential = rows
-    section = "7 host-shaped"
+    section = "8 host-shaped"
     report.add(
         Figure(
             section,
@@ -111,7 +111,7 @@ async def host_section(db: Database, ctx: Context) -> None:
         for name, key, limit in (("p99", "p99_ms", 5.0), ("max", "max_ms", 20.0)):
             report.add(
                 Figure(
-                    "8 event-loop lag",
+                    "9 event-loop lag",
                     f"1 ms ticker lag {name}, {concurrent['mode']}",
                     lag[key],
                     "ms",

@@ -1,4 +1,4 @@
-"""12. Lock isolation: an ACCESS EXCLUSIVE lock held on each table of the schema in turn
+"""13. Lock isolation: an ACCESS EXCLUSIVE lock held on each table of the schema in turn
 (10 s in full mode, 2 s in quick) while host-shaped requests keep coming, 8 in flight,
 through a service with the library's defaults. Per table: the slowest load against the
 timeout + 10 ms, the observations stored while the lock was held, pool exhaustion, log
@@ -101,7 +101,7 @@ async def locks_section(db: Database, ctx: Context) -> None:
     finally:
         await service.close()
     report.tables["lock_isolation"] = rows
-    section = "12 lock isolation"
+    section = "13 lock isolation"
     held = f"ACCESS EXCLUSIVE {ctx.sizes.lock_seconds:g} s on each of {len(rows)} tables"
     limit = service.load_timeout * 1000 + 10
     slowest = max(rows, key=lambda r: r["max_load_ms"])

@@ -1,4 +1,4 @@
-"""11. Noisy neighbour: one identity with 30,000 facts loads its memory in a loop while
+"""12. Noisy neighbour: one identity with 30,000 facts loads its memory in a loop while
 other identities' load_memory is measured; the same measured first without it."""
 
 from __future__ import annotations
@@ -79,7 +79,7 @@ async def neighbour_section(db: Database, ctx: Context) -> None:
         {"neighbour": "none", **quiet},
         {"neighbour": f"{sizes.neighbour_facts:,} facts loading in a loop", **noisy},
     ]
-    section = "11 noisy neighbour"
+    section = "12 noisy neighbour"
     report.add(
         Figure(
             section,

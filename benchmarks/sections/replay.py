@@ -1,4 +1,4 @@
-"""10. Typical consolidation against its physical limit: the SQL of one typical
+"""11. Typical consolidation against its physical limit: the SQL of one typical
 consolidation (200 facts, 50 new observations in 5 sessions), replayed by pgbench with
 the same rows (see :mod:`benchmarks.replay`); TPC-B beside it."""
 
@@ -64,7 +64,7 @@ async def replay_section(db: Database, ctx: Context) -> None:
     ]
     report.add(
         Figure(
-            "10 consolidation replay",
+            "11 consolidation replay",
             "typical p50 vs its SQL replayed by pgbench",
             summary["p50_ms"],
             "ms",
@@ -78,7 +78,7 @@ async def replay_section(db: Database, ctx: Context) -> None:
     )
     report.add(
         Figure(
-            "10 consolidation replay",
+            "11 consolidation replay",
             "replayed SQL p50 vs TPC-B",
             replayed["p50_ms"],
             "ms",
@@ -89,7 +89,7 @@ async def replay_section(db: Database, ctx: Context) -> None:
     )
     report.add(
         Figure(
-            "10 consolidation replay",
+            "11 consolidation replay",
             "typical p50 vs TPC-B",
             summary["p50_ms"],
             "ms",

@@ -1,4 +1,4 @@
-"""9. load_memory on the typical profile of issue 9: 200 facts and 50 new observations
+"""10. load_memory on the typical profile of issue 9: 200 facts and 50 new observations
 from 5 sessions, one client."""
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ async def typical_load_section(db: Database, ctx: Context) -> None:
         p99 = key == "p99_ms"
         report.add(
             Figure(
-                "9 load_memory",
+                "10 load_memory",
                 f"{name}: {key[:3]}",
                 summary[key],
                 "ms",
