@@ -309,7 +309,15 @@ async def test_forget_waits_for_a_running_consolidation(
 
 
 async def test_the_new_observations_query_uses_the_xid_index(pg_store: PostgresStore) -> None:
-    await pg_store.append([record(f"o{i}", identity_id=f"id{i % 50}") for i in range(5000)])
+    # A busy identity: thousands of consumed observations from many transactions, so that
+    # only the xid range (not the identity alone) makes reading the new ones cheap.
+    for batch in range(10):
+        await pg_store.append(
+            [
+                record(f"o{batch}-{i}", identity_id="id7" if i % 2 else f"id{i % 50}")
+                for i in range(1000)
+            ]
+        )
     await consolidate(pg_store, "id7")
     await pg_store.append([record("new", identity_id="id7")])
     checkpoint = await pg_store.checkpoint("id7")
