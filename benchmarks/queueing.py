@@ -31,7 +31,9 @@ class StalledStore:
     """A store whose ``append`` never completes: the writer stalls on its first batch.
     The service only ever calls ``append`` and ``close`` on it."""
 
-    async def append(self, records: Sequence[ObservationRecord]) -> AppendOutcome:
+    async def append(
+        self, records: Sequence[ObservationRecord], *, batch_key: str | None = None
+    ) -> AppendOutcome:
         await asyncio.Event().wait()
         raise AssertionError("unreachable")
 

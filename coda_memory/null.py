@@ -47,7 +47,9 @@ class NullStore:
         #: Observations accepted and thrown away since the store was made.
         self.discarded = 0
 
-    async def append(self, records: Sequence[ObservationRecord]) -> AppendOutcome:
+    async def append(
+        self, records: Sequence[ObservationRecord], *, batch_key: str | None = None
+    ) -> AppendOutcome:
         self.discarded += len(records)
         return AppendOutcome(stored=0, discarded=len(records))
 

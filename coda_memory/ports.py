@@ -48,8 +48,16 @@ class ConsolidationUnit(Protocol):
 class MemoryStore(Protocol):
     """Storage for observations, facts, checkpoints and fact history."""
 
-    async def append(self, records: Sequence[ObservationRecord]) -> AppendOutcome:
-        """Store a batch; a refused row never stops the good rows from being stored."""
+    async def append(
+        self, records: Sequence[ObservationRecord], *, batch_key: str | None = None
+    ) -> AppendOutcome:
+        """Store a batch; a refused row never stops the good rows from being stored.
+
+        ``batch_key`` identifies the batch across retries: a store that records it stores
+        a batch retried after an unknown outcome (a lost COMMIT acknowledgement) once, and
+        returns the first outcome. A lost connection raises
+        :class:`~coda_memory.errors.ConnectionLost` (or an ``OSError``): the only errors
+        worth retrying."""
         ...
 
     def consolidation(self, identity_id: str) -> AbstractAsyncContextManager[ConsolidationUnit]:

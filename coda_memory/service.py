@@ -26,8 +26,10 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import sys
 import threading
 import time
+import uuid
 from collections import deque
 from collections.abc import Callable, Collection
 from datetime import UTC, datetime, timedelta
@@ -47,9 +49,11 @@ from coda_memory.core.consolidation import (
     plan_consolidation,
 )
 from coda_memory.core.decay import DecayStrategy, ExponentialDecay
+from coda_memory.core.logs import identity_label, short_error
 from coda_memory.core.model import Fact, FactEvent, LoadedMemory, NewObservation
 from coda_memory.core.prompt import format_memory_section
 from coda_memory.core.sanitize import ObservationRejected, sanitize_observation
+from coda_memory.errors import ConnectionLost
 from coda_memory.ports import MemoryStore, ObservationRecord
 from coda_memory.slots import LifoSlots
 from coda_memory.telemetry import NoTelemetry, Telemetry, telemetry_for
@@ -66,9 +70,32 @@ OFFLOAD_FACTS = 300
 DEFAULT_MAX_CONSOLIDATIONS = 8
 
 
-def _label(identity_id: object) -> str:
-    """An identity id for a log line: quoted, and short even when huge or not a string."""
-    return repr(identity_id)[:80]
+#: The default bound on the bytes of queued observations (see ``queue_bytes``).
+DEFAULT_QUEUE_BYTES = 64 * 1024 * 1024
+#: What an observation costs beyond its text: the tuple, the model, the timestamps.
+_ITEM_OVERHEAD = 512
+#: Seconds ``close`` waits for the writer to stop, and for the store to close, after its
+#: ``timeout``: a connection that never answers can't hold it up longer.
+CLOSE_GRACE = 2.0
+
+
+def _approximate_bytes(obs: NewObservation) -> int:
+    """What a queued observation holds in memory, about: its text and its metadata's."""
+    return _ITEM_OVERHEAD + sys.getsizeof(obs.content) + _nested_bytes(obs.metadata, 0)
+
+
+def _nested_bytes(value: object, depth: int) -> int:
+    if isinstance(value, str | bytes):
+        return sys.getsizeof(value)
+    if depth > 16:  # far deeper than validation accepts: count it as big
+        return 1 << 20
+    if isinstance(value, dict):
+        return 64 + sum(
+            _nested_bytes(k, depth + 1) + _nested_bytes(v, depth + 1) for k, v in value.items()
+        )
+    if isinstance(value, list | tuple | set | frozenset):
+        return 64 + sum(_nested_bytes(v, depth + 1) for v in value)
+    return 32
 
 
 async def _offload(size: int, work: Callable[P, R], *args: P.args, **kwargs: P.kwargs) -> R:
@@ -117,7 +144,8 @@ class MemoryStats(BaseModel):
     entity_results_capped: int = 0
 
 
-_Item = tuple[str, NewObservation, datetime]
+#: (identity id, observation, created_at, approximate bytes)
+_Item = tuple[str, NewObservation, datetime, int]
 
 #: How far past the service clock an observation's ``created_at`` may be.
 DEFAULT_MAX_CLOCK_SKEW = timedelta(minutes=5)
@@ -143,13 +171,15 @@ class MemoryService:
         telemetry: bool | Telemetry | NoTelemetry = False,
         max_facts: int | None = DEFAULT_MAX_FACTS,
         max_consolidations: int | None = None,
+        queue_bytes: int = DEFAULT_QUEUE_BYTES,
+        log_identities: bool = False,
     ) -> None:
         if load_timeout <= 0:
             raise ValueError("load_timeout must be positive")
         if max_clock_skew < timedelta(0):
             raise ValueError("max_clock_skew must not be negative")
-        if queue_size < 1 or batch_size < 1:
-            raise ValueError("queue_size and batch_size must be at least 1")
+        if queue_size < 1 or batch_size < 1 or queue_bytes < 1:
+            raise ValueError("queue_size, queue_bytes and batch_size must be at least 1")
         if max_facts is not None and max_facts < 1:
             raise ValueError("max_facts must be at least 1 (or None: no cap)")
         if max_consolidations is None:
@@ -172,7 +202,11 @@ class MemoryService:
         self._log = LogThrottle(logger)
         self._facts_cap = CapCounter(self._log, "facts per identity capped")
         self._queue_size = queue_size
+        self._queue_bytes = queue_bytes
+        #: Bytes of the observations queued or in the writer's hands (about).
+        self._held_bytes = 0
         self._batch_size = batch_size
+        self.log_identities = log_identities
         self._queue: deque[_Item] = deque()
         self._inflight = 0
         self._emitted = self._stored = self._rejected = self._dropped = self._discarded = 0
@@ -213,6 +247,8 @@ class MemoryService:
         service_keys = {
             "retention",
             "queue_size",
+            "queue_bytes",
+            "log_identities",
             "batch_size",
             "prompt_budget_tokens",
             "max_clock_skew",
@@ -262,32 +298,67 @@ class MemoryService:
         """Queue an observation for storage. Never raises and never waits on I/O."""
         try:
             self._emitted += 1
-            if self._closed or len(self._queue) >= self._queue_size:
+            size = _approximate_bytes(obs)
+            if (
+                self._closed
+                or len(self._queue) >= self._queue_size
+                or self._held_bytes + size > self._queue_bytes
+            ):
                 self._drop(1, "service closed" if self._closed else "queue full")
                 return
             created_at = obs.created_at if obs.created_at is not None else self.clock()
-            self._queue.append((identity_id, obs, created_at))
+            self._queue.append((identity_id, obs, created_at, size))
+            self._held_bytes += size
             self._wake()
-        except Exception:  # the fire-and-forget boundary: log, count, carry on
+        except Exception as error:  # the fire-and-forget boundary: log, count, carry on
             self._rejected += 1
-            logger.exception("coda-memory: observation for %r not queued", identity_id)
+            self._log.warning(
+                "not queued",
+                "coda-memory: observation for %s not queued: %s",
+                self._label(identity_id),
+                short_error(error),
+            )
+
+    def _label(self, identity_id: object) -> str:
+        return identity_label(identity_id, show=self.log_identities)
 
     def _drop(self, count: int, reason: str) -> None:
         self._dropped += count
-        # Log the first drop and then every 1,000th, so an outage can't flood the log.
-        if self._dropped == count or self._dropped // 1000 != (self._dropped - count) // 1000:
-            logger.warning(
-                "coda-memory: dropped %d observation(s) (%s); %d dropped so far",
-                count,
-                reason,
-                self._dropped,
+        # At most one line a second (an outage can't flood the log), with the total.
+        self._log.warning(
+            f"dropped: {reason}",
+            "coda-memory: dropped %d observation(s) (%s); %d dropped so far",
+            count,
+            reason,
+            self._dropped,
+        )
+
+    def _check_loop(self) -> asyncio.AbstractEventLoop:
+        """The running loop, which must be the one the service first ran on."""
+        loop = asyncio.get_running_loop()
+        if self._loop is not None and self._loop is not loop:
+            raise RuntimeError(
+                "this MemoryService is bound to the event loop it first ran on (its writer "
+                "and connections live there); create one service per event loop, e.g. "
+                "inside the asyncio.run() that uses it"
             )
+        return loop
 
     def _wake(self) -> None:
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:
             loop = None
+        if loop is not None and self._loop is not None and self._loop is not loop:
+            if self._loop.is_closed() or not self._loop.is_running():
+                # Emitted from a later event loop than the service's: fail loudly once
+                # in a while, never raise to the caller. drain() and close() raise.
+                self._log.warning(
+                    "wrong loop",
+                    "coda-memory: emit_observation from an event loop the service does not "
+                    "run on; its writer can't store it (create one service per event loop)",
+                )
+            return
         if loop is not None and (self._loop is None or self._loop is loop):
             self._ensure_writer(loop)
             assert self._wakeup is not None
@@ -317,35 +388,51 @@ class MemoryService:
             items = [self._queue.popleft() for _ in range(min(self._batch_size, len(self._queue)))]
             self._inflight = len(items)
             records = self._validate(items)
+            # One key per batch, kept across retries: a retry after a lost COMMIT
+            # acknowledgement stores nothing twice (the store records the key).
+            key = str(uuid.uuid4())
             while records:
                 try:
                     with self._telemetry.span("append", **{"coda_memory.batch": len(records)}):
-                        outcome = await self.store.append(records)
-                except Exception as error:
+                        outcome = await self.store.append(records, batch_key=key)
+                except (ConnectionLost, OSError) as error:
+                    # Only a lost connection is worth retrying: the same batch, same key.
                     self._log.warning(
-                        "append failed",
+                        "store unavailable",
                         "coda-memory: storing %d observation(s) failed (%s); retrying in %.2fs",
                         len(records),
-                        error,
+                        short_error(error, self._identities(records), show=self.log_identities),
                         backoff,
                     )
                     await asyncio.sleep(backoff)
                     backoff = min(backoff * 2, 2.0)
                     continue
+                except Exception as error:
+                    # Permanent (the store blamed no single row, e.g. a missing table or
+                    # privilege): retrying can't help, so the batch is rejected, once.
+                    reason = short_error(error, self._identities(records), show=False)
+                    for record in records:
+                        self._reject(record.identity_id, f"not stored: {reason}")
+                    break
                 backoff = 0.05
                 self._stored += outcome.stored
                 self._discarded += outcome.discarded
                 for index, reason in outcome.refused:
                     self._reject(records[index].identity_id, reason)
                 break
+            self._held_bytes = max(0, self._held_bytes - sum(item[3] for item in items))
             self._inflight = 0
             self._progress.set()
+
+    @staticmethod
+    def _identities(records: list[ObservationRecord]) -> tuple[str, ...]:
+        return tuple({record.identity_id for record in records})
 
     def _validate(self, items: list[_Item]) -> list[ObservationRecord]:
         records: list[ObservationRecord] = []
         now = self.clock()
         latest = now + self.max_clock_skew
-        for identity_id, obs, created_at in items:
+        for identity_id, obs, created_at, _ in items:
             try:
                 record = sanitize_observation(identity_id, obs, created_at, self.tool_catalog)
                 if record.created_at > latest:
@@ -360,7 +447,14 @@ class MemoryService:
 
     def _reject(self, identity_id: str, reason: str) -> None:
         self._rejected += 1
-        logger.warning("coda-memory: observation for %s rejected: %s", _label(identity_id), reason)
+        if not self.log_identities and isinstance(identity_id, str) and identity_id:
+            reason = reason.replace(identity_id, identity_label(identity_id))
+        self._log.warning(
+            "rejected",
+            "coda-memory: observation for %s rejected: %s",
+            self._label(identity_id),
+            reason,
+        )
 
     @property
     def _processed(self) -> int:
@@ -370,10 +464,11 @@ class MemoryService:
         """Wait until everything emitted so far is stored (or rejected or dropped), and
         every background consolidation has finished. With ``timeout``, raise
         ``TimeoutError`` after that many seconds."""
+        loop = self._check_loop()
         async with asyncio.timeout(timeout):
             target = self._emitted
             if self._queue or self._inflight:
-                self._ensure_writer(asyncio.get_running_loop())
+                self._ensure_writer(loop)
                 assert self._wakeup is not None
                 self._wakeup.set()
             while self._processed < target:
@@ -399,6 +494,9 @@ class MemoryService:
     async def consolidate(self, identity_id: str) -> list[Fact]:
         """Consolidate the identity's new observations now (no timeout) and return its
         active facts; raises on storage errors."""
+        loop = self._check_loop()
+        if self._loop is None:  # the store's connections will belong to this loop
+            self._loop, self._loop_thread = loop, threading.get_ident()
         # Most requests find nothing new: answer those from one read, without the lock.
         with self._telemetry.span("consolidate") as span:
             facts = await self._consolidate(identity_id)
@@ -425,7 +523,7 @@ class MemoryService:
         if plan.evicted:
             self._facts_cap.hit(
                 len(plan.evicted),
-                f"{_label(identity_id)} keeps its {len(plan.active)} best ranked facts, "
+                f"{self._label(identity_id)} keeps its {len(plan.active)} best ranked facts, "
                 f"{len(plan.evicted)} deleted",
             )
         return plan.active
@@ -478,7 +576,7 @@ class MemoryService:
                     "load stale",
                     "coda-memory: consolidating %s took over %.0f ms; answering with the "
                     "facts of its last consolidation",
-                    _label(identity_id),
+                    self._label(identity_id),
                     self.load_timeout * 1000,
                 )
                 return await self._loaded_as_of_last_consolidation(stale), "stale"
@@ -486,18 +584,19 @@ class MemoryService:
             self._log.warning(
                 "load timeout",
                 "coda-memory: load_memory for %s timed out after %.0f ms; returning empty",
-                _label(identity_id),
+                self._label(identity_id),
                 self.load_timeout * 1000,
             )
             return LoadedMemory.empty(), "timeout"
         except asyncio.CancelledError:
             raise
-        except Exception:
+        except Exception as error:
             self._load_errors += 1
-            self._log.error(
-                "load error",
-                "coda-memory: load_memory for %s failed; returning empty",
-                _label(identity_id),
+            self._log.warning(
+                f"load failed: {type(error).__name__}",
+                "coda-memory: load_memory for %s failed (%s); returning empty",
+                self._label(identity_id),
+                short_error(error, (identity_id,), show=self.log_identities),
             )
         return LoadedMemory.empty(), "error"
 
@@ -527,12 +626,14 @@ class MemoryService:
         if self._loading.get(identity_id) is task:
             del self._loading[identity_id]
             self._stale.pop(identity_id, None)
-        if not task.cancelled() and task.exception() is not None:
+        error = None if task.cancelled() else task.exception()
+        if error is not None:
+            # The same cause as a load that failed with it: one outage, one line a second.
             self._log.warning(
-                "background consolidation failed",
-                "coda-memory: background consolidation of %s failed: %r",
-                _label(identity_id),
-                task.exception(),
+                f"load failed: {type(error).__name__}",
+                "coda-memory: background consolidation of %s failed (%s)",
+                self._label(identity_id),
+                short_error(error, (identity_id,), show=self.log_identities),
             )
 
     # -- administration -----------------------------------------------------------------
@@ -542,6 +643,7 @@ class MemoryService:
         including observations of it still queued in this service."""
         kept = deque(item for item in self._queue if item[0] != identity_id)
         if len(kept) != len(self._queue):
+            self._held_bytes -= sum(item[3] for item in self._queue if item[0] == identity_id)
             self._drop(len(self._queue) - len(kept), "identity forgotten")
             self._queue = kept
         await self.drain()
@@ -577,19 +679,26 @@ class MemoryService:
         except TimeoutError:
             logger.warning("coda-memory: close timed out with %d pending", self.stats().pending)
         finally:
+            # Each wait below is bounded: a connection that never answers (its command
+            # timeout not reached yet) can't hold close() up beyond its timeout.
             if self._writer is not None:
                 self._writer.cancel()
-                await asyncio.gather(self._writer, return_exceptions=True)
+                await asyncio.wait([self._writer], timeout=CLOSE_GRACE)
                 self._writer = None
             leftover = len(self._queue) + self._inflight
             if leftover:
                 self._queue.clear()
                 self._inflight = 0
+                self._held_bytes = 0
                 self._drop(leftover, "service closed before they were stored")
             for task in list(self._background):
                 task.cancel()
-            await asyncio.gather(*list(self._background), return_exceptions=True)
-            await self.store.close()
+            if self._background:
+                await asyncio.wait(list(self._background), timeout=CLOSE_GRACE)
+            try:
+                await asyncio.wait_for(self.store.close(), CLOSE_GRACE)
+            except TimeoutError:
+                logger.warning("coda-memory: the store did not close within %.0f s", CLOSE_GRACE)
 
     async def __aenter__(self) -> MemoryService:
         return self

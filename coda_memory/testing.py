@@ -119,8 +119,14 @@ class InMemoryStore:
         self._identities: dict[str, _Identity] = defaultdict(_Identity)
         self._locks: dict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
         self._ids = itertools.count(1)
+        #: Outcomes by batch key: a retried batch is stored once.
+        self._batches: dict[str, AppendOutcome] = {}
 
-    async def append(self, records: Sequence[ObservationRecord]) -> AppendOutcome:
+    async def append(
+        self, records: Sequence[ObservationRecord], *, batch_key: str | None = None
+    ) -> AppendOutcome:
+        if batch_key is not None and batch_key in self._batches:
+            return self._batches[batch_key]
         for record in records:
             seq = next(self._ids)
             self._identities[record.identity_id].observations[seq] = Observation(
@@ -132,7 +138,10 @@ class InMemoryStore:
                 session_id=record.session_id,
                 created_at=record.created_at,
             )
-        return AppendOutcome(stored=len(records))
+        outcome = AppendOutcome(stored=len(records))
+        if batch_key is not None:
+            self._batches[batch_key] = outcome
+        return outcome
 
     @asynccontextmanager
     async def consolidation(self, identity_id: str) -> AsyncIterator[InMemoryConsolidationUnit]:

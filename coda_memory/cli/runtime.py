@@ -229,6 +229,8 @@ async def open_store(
         pool_size=pool_size,
         # The owner's maintenance works across identities (row-level security).
         connect_args={"timeout": CONNECT_TIMEOUT, "server_settings": ALL_IDENTITIES},
+        # Maintenance (a rollup rebuild, a big prune batch) may run long.
+        command_timeout=None,
         **options,
     )
     try:

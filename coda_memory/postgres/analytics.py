@@ -126,6 +126,10 @@ class FactSummary(BaseModel):
 def _check(since: timedelta, min_users: int, limit: int = DEFAULT_LIMIT) -> None:
     if not isinstance(since, timedelta) or since <= timedelta(0):
         raise ValueError(f"since must be a positive timedelta, not {since!r}")
+    if since % timedelta(days=1):
+        # Windows are whole UTC days: finer ones would let two queries be subtracted to
+        # isolate a few hours of one user's activity.
+        raise ValueError(f"since must be a whole number of days, not {since!r}")
     if isinstance(min_users, bool) or not isinstance(min_users, int) or min_users < 1:
         raise ValueError(f"min_users must be an integer of at least 1, not {min_users!r}")
     if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:

@@ -1,11 +1,15 @@
-"""Appending observations: one binary COPY, and bisection when a row is refused.
+"""Appending observations: one statement per batch, exactly once, with bisection when a
+row is refused.
 
 The whole batch goes in one transaction, with the rollup of the rows it stored (see
-:mod:`~coda_memory.postgres.rollup`). When the server (or asyncpg's encoder) refuses
-a row, that transaction is rolled back and the batch is copied again, split in halves,
-each under a savepoint, until every refused row is isolated; the good rows and their
-rollup commit together. A connection error propagates with nothing stored, so the caller
-can retry the batch without duplicating rows.
+:mod:`~coda_memory.postgres.rollup`) and the batch's idempotency key (``ingest_batches``).
+A retry of a batch whose outcome the caller could not learn (the connection died around
+the COMMIT) finds the key and stores nothing again: it returns the outcome recorded with
+it. A connection error propagates; anything else the server blames on the data (a row's
+value, a constraint, an error raised by a trigger, in the insert or in the rollup) rolls
+the transaction back, and the batch is stored again in halves, each half with its rollup
+under a savepoint, until every refused row is isolated; the good rows, their rollup and
+the key commit together.
 """
 
 from __future__ import annotations
@@ -16,18 +20,24 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
+from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from coda_memory.ports import AppendOutcome, ObservationRecord
-from coda_memory.postgres.rollup import connection_shard, write_rollup
-from coda_memory.postgres.sql import query
+from coda_memory.postgres.rollup import SHARDS, write_rollup, write_rollup_part
+from coda_memory.postgres.sql import in_schema, query, source
 
 #: The parameters of ``observations_insert.sql``, one array per column of a row's values.
 _ARRAYS = ("identity_ids", "types", "contents", "metadata", "session_ids", "created_ats")
 
-#: SQLSTATE classes that blame the data of a row: data exception, integrity constraint
-#: violation (CHECK, NOT NULL) and program limit exceeded (an oversized index entry).
-_ROW_ERROR_CLASSES = ("22", "23", "54")
+#: SQLSTATE classes that blame the system rather than a batch's rows: connection,
+#: operator intervention, resources, syntax or access (a missing table, a privilege),
+#: invalid schema, authorisation, unsupported feature, transaction state, rollback
+#: (deadlock, serialisation) and internal errors. Any other server error is blamed on
+#: the rows, and bisected.
+_SYSTEM_ERROR_CLASSES = frozenset(
+    {"08", "57", "53", "42", "3F", "28", "0A", "25", "40", "XX", "58", "55", "F0"}
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,24 +47,31 @@ class _Row:
 
 
 def _reason(exc: BaseException) -> str:
-    lines = str(exc).strip().splitlines()
-    return lines[0] if lines else type(exc).__name__
+    """The first line of a server's or encoder's message (no statement, no parameters)."""
+    orig = getattr(exc, "orig", None)
+    cause = exc.__cause__ if orig is None else (orig.__cause__ or orig)
+    lines = str(cause if cause is not None else exc).strip().splitlines()
+    return lines[0][:200] if lines else type(exc).__name__
 
 
-def _sqlstate(exc: BaseException) -> str | None:
+def sqlstate(exc: BaseException) -> str | None:
     """The SQLSTATE of a server error, raised by asyncpg or wrapped by SQLAlchemy."""
-    for error in (exc, getattr(exc, "orig", None)):
-        sqlstate = getattr(error, "sqlstate", None)
-        if isinstance(sqlstate, str):
-            return sqlstate
+    seen: BaseException | None = exc
+    for _ in range(4):
+        if seen is None:
+            break
+        state = getattr(seen, "sqlstate", None)
+        if isinstance(state, str):
+            return state
+        seen = getattr(seen, "orig", None) or seen.__cause__
     return None
 
 
 def _is_row_error(exc: BaseException) -> bool:
     """True when ``exc`` blames the rows rather than the connection or the schema."""
-    sqlstate = _sqlstate(exc)
-    if isinstance(sqlstate, str):
-        return sqlstate[:2] in _ROW_ERROR_CLASSES
+    state = sqlstate(exc)
+    if isinstance(state, str):
+        return state[:2] not in _SYSTEM_ERROR_CLASSES
     # Raised by asyncpg's encoders before the row reaches the server (e.g. a lone
     # surrogate cannot be encoded as UTF-8); asyncpg's own DataError is a ValueError.
     return isinstance(exc, ValueError | TypeError | OverflowError)
@@ -81,17 +98,39 @@ def _encode(records: Sequence[ObservationRecord]) -> tuple[list[_Row], list[tupl
     return rows, refused
 
 
-async def _copy(driver: Any, schema: str, rows: Sequence[_Row]) -> None:
+def _statement(name: str, schema: str) -> Any:
+    return text(in_schema(source(name), schema))
+
+
+async def _insert(driver: Any, schema: str, rows: Sequence[_Row]) -> None:
     statement = query("observations_insert", schema)
     columns = {name: [row.values[i] for row in rows] for i, name in enumerate(_ARRAYS)}
     await driver.execute(statement.text, *statement.arguments_from(columns))
 
 
-async def _bisect(driver: Any, schema: str, rows: list[_Row]) -> list[tuple[int, str]]:
-    """Copy ``rows`` under a savepoint; on a row error, split until it is isolated."""
+async def _insert_returning_ids(driver: Any, schema: str, rows: Sequence[_Row]) -> list[int]:
+    statement = query("observations_insert", schema)
+    columns = {name: [row.values[i] for row in rows] for i, name in enumerate(_ARRAYS)}
+    returned = await driver.fetch(
+        statement.text + " RETURNING id", *statement.arguments_from(columns)
+    )
+    return [int(r["id"]) for r in returned]
+
+
+def _pairs(rows: Sequence[_Row]) -> list[tuple[str, str]]:
+    return [(row.values[0], row.values[1]) for row in rows]
+
+
+async def _bisect(
+    conn: AsyncConnection, driver: Any, schema: str, shard: int, rows: list[_Row]
+) -> list[tuple[int, str]]:
+    """Store ``rows`` and their rollup under a savepoint; on an error blamed on the rows,
+    split until each refused row is isolated. The rollup of a part counts that part's
+    rows only (by id), not the rest of the transaction's."""
     try:
-        async with driver.transaction():
-            await _copy(driver, schema, rows)
+        async with conn.begin_nested():
+            ids = await _insert_returning_ids(driver, schema, rows)
+            await write_rollup_part(conn, shard, _pairs(rows), ids)
     except Exception as exc:
         if not _is_row_error(exc):
             raise
@@ -99,51 +138,99 @@ async def _bisect(driver: Any, schema: str, rows: list[_Row]) -> list[tuple[int,
             return [(rows[0].index, _reason(exc))]
         middle = len(rows) // 2
         return [
-            *await _bisect(driver, schema, rows[:middle]),
-            *await _bisect(driver, schema, rows[middle:]),
+            *await _bisect(conn, driver, schema, shard, rows[:middle]),
+            *await _bisect(conn, driver, schema, shard, rows[middle:]),
         ]
     return []
 
 
+async def _claim(
+    conn: AsyncConnection, schema: str, key: str, outcome: AppendOutcome
+) -> tuple[int, AppendOutcome | None]:
+    """Open the transaction and claim ``key`` with ``outcome``; return the rollup shard,
+    and the recorded outcome when an earlier attempt already stored the batch."""
+    row = (
+        await conn.execute(
+            _statement("ingest_claim", schema),
+            {
+                "key": key,
+                "stored": outcome.stored,
+                "refused": json.dumps(outcome.refused),
+                "shards": SHARDS,
+            },
+        )
+    ).one()
+    shard = int(row.shard)
+    if row.claimed:
+        return shard, None
+    earlier = (await conn.execute(_statement("ingest_outcome", schema), {"key": key})).one_or_none()
+    if earlier is None:  # pragma: no cover - a unique key conflicts only with a commit
+        raise RuntimeError(f"batch {key} conflicted but left no record")
+    refused = [(int(index), str(reason)) for index, reason in json.loads(earlier.refused)]
+    return shard, AppendOutcome(stored=int(earlier.stored), refused=refused)
+
+
 async def _store(
-    conn: AsyncConnection, driver: Any, schema: str, rows: list[_Row]
-) -> list[tuple[int, str]]:
-    """Copy ``rows`` and write their rollup in one transaction; return the refused rows'
-    (index, reason) pairs. The caller commits."""
-    # Opens the transaction (asyncpg's COPY below does not go through SQLAlchemy).
-    shard = await connection_shard(conn, writer=True)
-    refused: list[tuple[int, str]] = []
+    conn: AsyncConnection,
+    driver: Any,
+    schema: str,
+    key: str,
+    rows: list[_Row],
+    refused: list[tuple[int, str]],
+    total: int,
+) -> AppendOutcome:
+    """Store ``rows`` with their rollup and ``key`` in one transaction; the caller
+    commits. ``refused``: rows already refused before reaching the server."""
+    expected = AppendOutcome(stored=len(rows), refused=sorted(refused))
+    shard, earlier = await _claim(conn, schema, key, expected)
+    if earlier is not None:
+        return earlier
     try:
-        # The common case: one COPY.
-        await _copy(driver, schema, rows)
+        # The common case: one statement for the rows, then their rollup.
+        await _insert(driver, schema, rows)
+        await write_rollup(driver, schema, shard, _pairs(rows))
+        return expected
     except Exception as exc:
         if not _is_row_error(exc):
             raise
-        await conn.rollback()
-        shard = await connection_shard(conn, writer=True)  # reopens the transaction
-        refused = await _bisect(driver, schema, rows)
-    blamed = {index for index, _ in refused}
-    stored = [row for row in rows if row.index not in blamed]
-    await write_rollup(driver, schema, shard, [(row.values[0], row.values[1]) for row in stored])
-    return refused
+    await conn.rollback()
+    shard, earlier = await _claim(conn, schema, key, expected)  # reopens the transaction
+    if earlier is not None:  # pragma: no cover - the claim was rolled back just now
+        return earlier
+    refused = sorted([*refused, *await _bisect(conn, driver, schema, shard, rows)])
+    outcome = AppendOutcome(stored=total - len(refused), refused=refused)
+    await conn.execute(
+        _statement("ingest_record", schema),
+        {"key": key, "stored": outcome.stored, "refused": json.dumps(outcome.refused)},
+    )
+    return outcome
 
 
 async def append_observations(
-    conn: AsyncConnection, schema: str, records: Sequence[ObservationRecord]
+    conn: AsyncConnection,
+    schema: str,
+    records: Sequence[ObservationRecord],
+    key: str,
+    *,
+    expire_keys: bool = False,
 ) -> AppendOutcome:
     """Store ``records`` through ``conn``'s driver connection (asyncpg), in ``schema``,
-    with their rollup, and commit."""
+    with their rollup and the batch's idempotency ``key``, and commit; a batch whose key
+    is already stored is not stored again. ``expire_keys``: also delete the keys of
+    batches stored more than a day ago."""
     rows, refused = _encode(records)
-    if rows:
-        raw = await conn.get_raw_connection()
-        driver: Any = raw.driver_connection  # asyncpg.Connection
-        try:
-            refused += await _store(conn, driver, schema, rows)
-            await conn.commit()
-        except BaseException as exc:
-            # Anything but a server-reported error leaves the session in an unknown state.
-            if _sqlstate(exc) is None or driver.is_closed():
-                await conn.invalidate()
-            raise
-    refused.sort()
-    return AppendOutcome(stored=len(records) - len(refused), refused=refused)
+    if not rows:
+        return AppendOutcome(stored=0, refused=refused)
+    raw = await conn.get_raw_connection()
+    driver: Any = raw.driver_connection  # asyncpg.Connection
+    try:
+        outcome = await _store(conn, driver, schema, key, rows, refused, len(records))
+        if expire_keys:
+            await conn.execute(_statement("ingest_expire", schema))
+        await conn.commit()
+    except BaseException as exc:
+        # Anything but a server-reported error leaves the session in an unknown state.
+        if sqlstate(exc) is None or driver.is_closed():
+            await conn.invalidate()
+        raise
+    return outcome

@@ -55,6 +55,25 @@ def is_dead_connection(error: BaseException) -> bool:
     return False
 
 
+#: SQLSTATEs of a server that can't serve the connection now: connection exceptions (08),
+#: shutdown or restart (57P01-57P03) and too many connections.
+_UNAVAILABLE = ("08", "57P", "53300")
+
+
+def is_connection_error(error: BaseException) -> bool:
+    """True when ``error`` says the connection (or the server behind it) is gone or not
+    available now: what is worth retrying later, unlike an error in the work itself."""
+    if is_dead_connection(error):
+        return True
+    seen: BaseException | None = error
+    while seen is not None:
+        state = getattr(seen, "sqlstate", None)
+        if isinstance(state, str) and state.startswith(_UNAVAILABLE):
+            return True
+        seen = seen.__cause__ or (seen.orig if isinstance(seen, DBAPIError) else None)
+    return False
+
+
 def lock_timeout_clause(lock_timeout: timedelta | None) -> str:
     """``SET LOCAL lock_timeout`` for the current transaction (None or zero: no limit).
 

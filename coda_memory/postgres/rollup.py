@@ -138,7 +138,12 @@ def _is_key(value: ColumnElement[Any]) -> ColumnElement[bool]:
     return func.length(value).between(1, MAX_KEY_CHARS)
 
 
-def _stored(identities: Sequence[str] | None, types: Iterable[str], **keys: Any) -> Select[Any]:
+def _stored(
+    identities: Sequence[str] | None,
+    types: Iterable[str],
+    ids: Sequence[int] | None = None,
+    **keys: Any,
+) -> Select[Any]:
     """This transaction's observations of ``types`` whose ``keys`` are usable (every
     stored one when ``identities`` is None: a rebuild).
 
@@ -154,6 +159,9 @@ def _stored(identities: Sequence[str] | None, types: Iterable[str], **keys: Any)
             o.c.xid == func.pg_current_xact_id(),
         ]
     )
+    if ids is not None:
+        # Part of the transaction's rows only: a part of a batch being bisected.
+        batch.append(o.c.id == any_(bindparam("ids", list(ids), ARRAY(BigInteger))))
     return select(
         o.c.identity_id,
         o.c.type,
@@ -226,7 +234,9 @@ def _add_to_daily(
     )
 
 
-def tool_rollup(identities: Sequence[str] | None, shard: int) -> Insert:
+def tool_rollup(
+    identities: Sequence[str] | None, shard: int, ids: Sequence[int] | None = None
+) -> Insert:
     """Fold this transaction's tool observations into the tool rollup."""
     metadata = observations.c.metadata
     duration = _duration_ms(metadata["durationMs"])
@@ -235,6 +245,7 @@ def tool_rollup(identities: Sequence[str] | None, shard: int) -> Insert:
         _stored(
             identities,
             [t.value for t in TOOL_TYPES],
+            ids,
             tool_name=metadata["toolName"].astext,
         )
         .add_columns(duration_bucket(duration).label("bucket"))
@@ -271,13 +282,14 @@ def tool_rollup(identities: Sequence[str] | None, shard: int) -> Insert:
     return daily.add_cte(durations.cte("durations"))
 
 
-def entity_rollup(identities: Sequence[str] | None) -> Insert:
+def entity_rollup(identities: Sequence[str] | None, ids: Sequence[int] | None = None) -> Insert:
     """Fold this transaction's entity accesses into the entity rollup."""
     metadata = observations.c.metadata
     keys = ["entity_type", "entity_id"]
     stored = _stored(
         identities,
         [ObservationType.ENTITY_ACCESS.value],
+        ids,
         entity_type=metadata["entityType"].astext,
         entity_id=metadata["entityId"].astext,
     ).cte("stored")
@@ -295,11 +307,14 @@ def entity_rollup(identities: Sequence[str] | None) -> Insert:
     )
 
 
-def domain_rollup(identities: Sequence[str] | None, shard: int) -> Insert:
+def domain_rollup(
+    identities: Sequence[str] | None, shard: int, ids: Sequence[int] | None = None
+) -> Insert:
     """Fold this transaction's query patterns into the domain rollup."""
     stored = _stored(
         identities,
         [ObservationType.QUERY_PATTERN.value],
+        ids,
         domain=observations.c.metadata["domain"].astext,
     ).cte("stored")
     # An identity's first query of a domain on a day inserts a row; later ones conflict,
@@ -390,6 +405,21 @@ async def write_rollup(
         await driver.execute(entities.sql, *entities.arguments(identities, shard))
     if ObservationType.QUERY_PATTERN in types:
         await driver.execute(domains.sql, *domains.arguments(identities, shard))
+
+
+async def write_rollup_part(
+    conn: AsyncConnection, shard: int, stored: Sequence[tuple[str, str]], ids: Sequence[int]
+) -> None:
+    """:func:`write_rollup` for part of a batch being bisected: the rows given by
+    ``ids`` only, when the transaction stored other rows of the same identities too."""
+    types = {observation_type for _, observation_type in stored}
+    identities = sorted({identity_id for identity_id, _ in stored})
+    if types.intersection(TOOL_TYPES):
+        await conn.execute(tool_rollup(identities, shard, ids))
+    if ObservationType.ENTITY_ACCESS in types:
+        await conn.execute(entity_rollup(identities, ids))
+    if ObservationType.QUERY_PATTERN in types:
+        await conn.execute(domain_rollup(identities, shard, ids))
 
 
 def _forget_latest(

@@ -28,6 +28,7 @@ from sqlalchemy import (
     SmallInteger,
     Table,
     Text,
+    Uuid,
     text,
 )
 from sqlalchemy.dialects.postgresql import JSONB
@@ -289,6 +290,18 @@ domain_daily = Table(
     Column("queries", BigInteger, nullable=False),
     Column("users", BigInteger, nullable=False),
     PrimaryKeyConstraint("day", "domain", "shard"),
+)
+
+#: The batches the writer stored, by idempotency key (exactly-once ingest); no identity.
+ingest_batches = Table(
+    "ingest_batches",
+    metadata,
+    Column("key", Uuid, nullable=False),
+    Column("stored", Integer, nullable=False),
+    Column("refused", JSONB, nullable=False, server_default=text("'[]'::jsonb")),
+    Column("committed_at", DateTime(timezone=True), nullable=False, server_default=text("now()")),
+    PrimaryKeyConstraint("key"),
+    Index(None, "committed_at"),
 )
 
 #: The UTC days on which each identity asked about each domain.

@@ -59,6 +59,7 @@ request.
 from __future__ import annotations
 
 import asyncio
+import uuid
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
@@ -70,12 +71,18 @@ from sqlalchemy import delete
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from coda_memory.core.model import Fact, FactEvent, Observation
+from coda_memory.errors import ConnectionLost
 from coda_memory.ports import (
     AppendOutcome,
     ObservationRecord,
 )
 from coda_memory.postgres.append import append_observations
-from coda_memory.postgres.connection import driver_transaction, lock_timeout_clause, run
+from coda_memory.postgres.connection import (
+    driver_transaction,
+    is_connection_error,
+    lock_timeout_clause,
+    run,
+)
 from coda_memory.postgres.engine import create_engine, driver_connection, schema_required
 from coda_memory.postgres.repositories import (
     Checkpoint,
@@ -118,6 +125,12 @@ def _with_settings(engine_kwargs: dict[str, Any], **settings: str) -> dict[str, 
     kwargs = {k: v for k, v in engine_kwargs.items() if k != "max_overflow"}
     return {**kwargs, "connect_args": connect_args}
 
+
+#: Seconds to open a connection, and to run one statement, before giving up on it.
+DEFAULT_CONNECT_TIMEOUT = 10.0
+DEFAULT_COMMAND_TIMEOUT = 60.0
+#: Every so many appends, one also deletes the idempotency keys older than a day.
+_EXPIRE_KEYS_EVERY = 1_000
 
 T = TypeVar("T")
 
@@ -164,6 +177,7 @@ class PostgresStore:
         self._lock_timeout = lock_timeout_clause(lock_timeout)
         self._begin = f"BEGIN; {self._lock_timeout}; SET LOCAL synchronous_commit = off"
         self.lock_timeout = lock_timeout
+        self._appends = 0
 
     @classmethod
     def from_url(
@@ -176,6 +190,8 @@ class PostgresStore:
         writer_pool_size: int = DEFAULT_WRITER_POOL_SIZE,
         statement_timeout: timedelta | None = DEFAULT_STATEMENT_TIMEOUT,
         writer_lock_timeout: timedelta | None = DEFAULT_WRITER_LOCK_TIMEOUT,
+        connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
+        command_timeout: float | None = DEFAULT_COMMAND_TIMEOUT,
         **engine_kwargs: Any,
     ) -> PostgresStore:
         """A store on ``url`` (postgresql://, postgres:// or postgresql+asyncpg://), with
@@ -184,6 +200,12 @@ class PostgresStore:
         after ``writer_lock_timeout`` (None: no limit), and an admin pool."""
         if pool_size < 1 or writer_pool_size < 1:
             raise ValueError("pool_size and writer_pool_size must be at least 1")
+        # A server that stops answering fails the work with a connection error instead of
+        # holding it (and ``close``) forever; explicit ``connect_args`` win.
+        connect_args = dict(engine_kwargs.pop("connect_args", {}))
+        connect_args.setdefault("timeout", connect_timeout)
+        connect_args.setdefault("command_timeout", command_timeout)
+        engine_kwargs["connect_args"] = connect_args
         engine = create_engine(url, schema=schema, **engine_kwargs)
         request_kwargs = _with_settings(
             engine_kwargs, statement_timeout=_milliseconds(statement_timeout)
@@ -220,16 +242,30 @@ class PostgresStore:
             _warm(self.writer_engine, self.schema, []),
         )
 
-    async def append(self, records: Sequence[ObservationRecord]) -> AppendOutcome:
+    async def append(
+        self, records: Sequence[ObservationRecord], *, batch_key: str | None = None
+    ) -> AppendOutcome:
         if not records:
             return AppendOutcome(stored=0)
-        # One transaction, which a lost connection rolls back: retried (see ``connection``).
-        return await run(
-            self.writer_engine,
-            self.schema,
-            lambda conn: append_observations(conn, self.schema, records),
-            idempotent=True,
-        )
+        # One transaction with the batch's key: retried on a dead connection (see
+        # ``connection``), and by the caller, without storing anything twice.
+        key = batch_key if batch_key is not None else str(uuid.uuid4())
+        self._appends += 1
+        expire = self._appends % _EXPIRE_KEYS_EVERY == 0
+
+        async def store(conn: AsyncConnection) -> AppendOutcome:
+            return await append_observations(conn, self.schema, records, key, expire_keys=expire)
+
+        try:
+            return await run(self.writer_engine, self.schema, store, idempotent=True)
+        except ConnectionLost:
+            raise
+        except Exception as error:
+            if is_connection_error(error):
+                raise ConnectionLost(
+                    f"the connection died while storing a batch ({type(error).__name__})"
+                ) from error
+            raise
 
     @asynccontextmanager
     async def consolidation(self, identity_id: str) -> AsyncIterator[PostgresConsolidationUnit]:

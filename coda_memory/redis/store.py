@@ -135,7 +135,17 @@ class RedisStore:
 
     # -- writes -------------------------------------------------------------------------
 
-    async def append(self, records: Sequence[ObservationRecord]) -> AppendOutcome:
+    async def append(
+        self, records: Sequence[ObservationRecord], *, batch_key: str | None = None
+    ) -> AppendOutcome:
+        """Store a batch (``batch_key`` is not recorded: a retried batch whose reply was
+        lost is stored again); a lost connection raises ConnectionLost."""
+        try:
+            return await self._append(records)
+        except (RedisConnectionError, RedisTimeoutError) as error:
+            raise ConnectionLost(f"redis: {type(error).__name__}") from error
+
+    async def _append(self, records: Sequence[ObservationRecord]) -> AppendOutcome:
         by_identity: dict[str, list[tuple[int, ObservationRecord]]] = {}
         for index, record in enumerate(records):
             by_identity.setdefault(record.identity_id, []).append((index, record))

@@ -295,7 +295,7 @@ async def test_entity_popularity(seeded: PostgresStore) -> None:
 async def test_domain_trends(seeded: PostgresStore) -> None:
     assert await domain_trends(seeded, min_users=1, now=NOW) == TRENDS
     # A window of one day (in whole UTC days: D2 and NOW's day) keeps D2 only.
-    one_day = await domain_trends(seeded, since=timedelta(days=1, hours=12), min_users=1, now=NOW)
+    one_day = await domain_trends(seeded, since=timedelta(days=1), min_users=1, now=NOW)
     assert one_day == TRENDS[1:]
 
 
@@ -336,6 +336,7 @@ async def test_rows_behind_fewer_than_min_users_are_hidden(seeded: PostgresStore
     [
         ({"since": timedelta(0)}, "since"),
         ({"since": timedelta(days=-1)}, "since"),
+        ({"since": timedelta(days=1, hours=12)}, "whole number of days"),
         ({"min_users": 0}, "min_users"),
         ({"min_users": True}, "min_users"),
         ({"limit": 0}, "limit"),

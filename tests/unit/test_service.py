@@ -15,6 +15,7 @@ from contextlib import asynccontextmanager
 import pytest
 
 from coda_memory import Fact, MemoryService
+from coda_memory.core.logs import identity_label
 from coda_memory.ports import AppendOutcome, ObservationRecord
 from coda_memory.testing import InMemoryConsolidationUnit, InMemoryStore
 from tests.helpers import FakeClock, entity, tool_failed, tool_ok
@@ -34,12 +35,14 @@ class GatedStore(InMemoryStore):
         self.failing = False
         self.append_calls = 0
 
-    async def append(self, records: Sequence[ObservationRecord]) -> AppendOutcome:
+    async def append(
+        self, records: Sequence[ObservationRecord], *, batch_key: str | None = None
+    ) -> AppendOutcome:
         self.append_calls += 1
         await self.gate.wait()
         if self.failing:
             raise ConnectionError("database unavailable")
-        return await super().append(records)
+        return await super().append(records, batch_key=batch_key)
 
     async def peek(self, identity_id: str) -> tuple[list[Fact], bool]:
         await self.gate.wait()
@@ -133,11 +136,13 @@ async def test_load_memory_returns_empty_on_store_errors(
 ) -> None:
     service, store = gated
     store.failing = True
-    with caplog.at_level(logging.ERROR, "coda_memory"):
+    with caplog.at_level(logging.WARNING, "coda_memory"):
         memory = await service.load_memory("u1")
     assert memory.prompt_section == ""
     assert service.stats().load_errors == 1
-    assert "load_memory for 'u1' failed" in caplog.text
+    # The identity is named by its hash, the error by its class and message.
+    assert f"{identity_label('u1')} failed (ConnectionError: database unavailable)" in caplog.text
+    assert "'u1'" not in caplog.text
     store.failing = False
     with pytest.raises(ConnectionError):
         store.failing = True

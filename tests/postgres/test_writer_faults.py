@@ -1,0 +1,180 @@
+"""The writer under faults it can't fix by retrying: an error in the rollup, a database
+that is down (memory and log volume), a second event loop."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+from collections.abc import Sequence
+
+import psutil
+import pytest
+
+from coda_memory import MemoryService, NewObservation, ObservationType
+from coda_memory.ports import AppendOutcome, ObservationRecord
+from tests.helpers import FakeClock, tool_ok
+from tests.postgres.helpers import fetch
+
+POISON = "poison_tool"
+
+
+def _closed_port_url() -> str:
+    """A Postgres URL on which nothing listens: a database that is down."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    return f"postgresql://nobody@127.0.0.1:{port}/nothing"
+
+
+async def test_an_error_in_the_rollup_rejects_only_its_row(
+    pg_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A trigger on the rollup's daily tool counts raises for one tool only.
+    await fetch(
+        pg_url,
+        "CREATE FUNCTION coda_memory.poison() RETURNS trigger LANGUAGE plpgsql AS $$ "
+        "BEGIN IF NEW.tool_name = 'poison_tool' THEN RAISE EXCEPTION 'poisoned'; END IF; "
+        "RETURN NEW; END $$",
+    )
+    await fetch(
+        pg_url,
+        "CREATE TRIGGER poison BEFORE INSERT OR UPDATE ON coda_memory.tool_daily "
+        "FOR EACH ROW EXECUTE FUNCTION coda_memory.poison()",
+    )
+    appends = 0
+    service = MemoryService.from_url(pg_url, clock=FakeClock(), batch_size=1_000)
+    append = service.store.append
+
+    async def counted(
+        records: Sequence[ObservationRecord], *, batch_key: str | None = None
+    ) -> AppendOutcome:
+        nonlocal appends
+        appends += 1
+        return await append(records, batch_key=batch_key)
+
+    service.store.append = counted  # type: ignore[method-assign]
+    try:
+        for n in range(300):
+            tool = POISON if n == 137 else f"tool_{n % 7}"
+            service.emit_observation(f"user-{n % 13}", tool_ok(tool, session=f"s{n}"))
+        with caplog.at_level(logging.WARNING, logger="coda_memory"):
+            await service.drain(30)
+        stats = service.stats()
+        assert (stats.stored, stats.rejected, stats.dropped) == (299, 1, 0)
+        assert appends == 1  # one batch, never retried
+        rows = await fetch(
+            pg_url,
+            "SELECT count(*), count(*) FILTER (WHERE metadata->>'toolName' = 'poison_tool') "
+            "FROM coda_memory.observations",
+        )
+        assert rows == [(299, 0)]
+        calls = await fetch(pg_url, "SELECT sum(successes) FROM coda_memory.tool_daily")
+        assert calls == [(299,)]
+        assert "poisoned" in caplog.text
+        assert "INSERT" not in caplog.text and "user-" not in caplog.text
+    finally:
+        await service.close()
+
+
+async def test_a_permanent_error_is_not_retried(pg_url: str) -> None:
+    await fetch(pg_url, "ALTER TABLE coda_memory.observations RENAME TO gone")
+    service = MemoryService.from_url(pg_url, clock=FakeClock())
+    try:
+        for n in range(20):
+            service.emit_observation("alice", tool_ok("get_account", session=f"s{n}"))
+        await service.drain(10)
+        stats = service.stats()
+        assert (stats.stored, stats.rejected, stats.pending) == (0, 20, 0)
+    finally:
+        await service.close()
+
+
+async def test_one_outage_of_a_hundred_loads_logs_a_few_lines(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    service = MemoryService.from_url(
+        _closed_port_url(), clock=FakeClock(), load_timeout=5.0, connect_args={"timeout": 1}
+    )
+    secret = "alice.secret@example.com"
+    try:
+        with caplog.at_level(logging.DEBUG, logger="coda_memory"):
+            for _ in range(100):
+                loaded = await service.load_memory(secret)
+                assert loaded.facts == []
+            for n in range(50):
+                service.emit_observation(secret, tool_ok("get_account", session=f"s{n}"))
+            await service.close(timeout=1)
+    finally:
+        await service.close()
+    assert service.stats().load_errors == 100
+    lines = [r.getMessage() for r in caplog.records]
+    assert 1 <= len(lines) <= 8, lines
+    text = "\n".join(lines)
+    assert secret not in text and "alice" not in text
+    assert "SELECT" not in text and "Traceback" not in caplog.text
+
+
+async def test_one_outage_shows_identities_when_asked(caplog: pytest.LogCaptureFixture) -> None:
+    service = MemoryService.from_url(
+        _closed_port_url(),
+        clock=FakeClock(),
+        load_timeout=5.0,
+        log_identities=True,
+        connect_args={"timeout": 1},
+    )
+    try:
+        with caplog.at_level(logging.WARNING, logger="coda_memory"):
+            await service.load_memory("alice")
+    finally:
+        await service.close(timeout=1)
+    assert "'alice'" in caplog.text
+
+
+async def test_a_thousand_megabytes_with_the_database_down_stay_within_the_byte_bound() -> None:
+    bound = 64 * 1024 * 1024
+    service = MemoryService.from_url(
+        _closed_port_url(), clock=FakeClock(), connect_args={"timeout": 1}
+    )
+    process = psutil.Process()
+    before = process.memory_info().rss
+    try:
+        for n in range(1_000):
+            content = f"{n:04d}" + "x" * 1_000_000  # a new megabyte each time
+            service.emit_observation(
+                "alice",
+                NewObservation(
+                    type=ObservationType.TOOL_SUCCESS,
+                    content=content,
+                    metadata={"toolName": "get_account"},
+                ),
+            )
+            del content
+            if n % 100 == 0:
+                await asyncio.sleep(0)  # let the writer run (and fail) meanwhile
+        grown = process.memory_info().rss - before
+        assert grown <= bound + 64 * 1024 * 1024, grown / 2**20
+        stats = service.stats()
+        # Queued: no more megabytes than the bound holds; the rest was dropped.
+        assert stats.pending <= bound // 1_000_000
+        assert stats.dropped == 1_000 - stats.pending
+    finally:
+        await service.close(timeout=1)
+
+
+def test_a_service_used_from_a_second_event_loop_fails_at_once() -> None:
+    service = MemoryService.from_url("memory://", clock=FakeClock())
+
+    async def first() -> None:
+        service.emit_observation("alice", tool_ok("get_account"))
+        await service.drain(5)
+
+    async def second() -> None:
+        with pytest.raises(RuntimeError, match="event loop"):
+            await asyncio.wait_for(service.drain(5), 1)
+        with pytest.raises(RuntimeError, match="event loop"):
+            await asyncio.wait_for(service.consolidate("alice"), 1)
+
+    asyncio.run(first())
+    asyncio.run(second())
+    assert service.stats().stored == 1
