@@ -34,6 +34,7 @@ TABLES = [
     "entity_users",
     "fact_events",
     "facts",
+    "ingest_batches",
     "observations",
     "redis_imports",
     "tool_daily",
@@ -42,7 +43,7 @@ TABLES = [
 ]
 
 #: The newest revision. A new migration updates this pin on purpose.
-HEAD = "0004"
+HEAD = "0005"
 
 
 def alembic(url: str, *args: str, schema: str | None = None) -> subprocess.CompletedProcess[str]:
