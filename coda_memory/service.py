@@ -349,15 +349,19 @@ class MemoryService:
             loop = asyncio.get_running_loop()
         except RuntimeError:
             loop = None
-        if loop is not None and self._loop is not None and self._loop is not loop:
-            if self._loop.is_closed() or not self._loop.is_running():
-                # Emitted from a later event loop than the service's: fail loudly once
-                # in a while, never raise to the caller. drain() and close() raise.
-                self._log.warning(
-                    "wrong loop",
-                    "coda-memory: emit_observation from an event loop the service does not "
-                    "run on; its writer can't store it (create one service per event loop)",
-                )
+        if (
+            loop is not None
+            and self._loop is not None
+            and self._loop is not loop
+            and (self._loop.is_closed() or not self._loop.is_running())
+        ):
+            # Emitted from a later event loop than the service's, which is gone: say so
+            # (rate-limited), never raise to the caller. drain() and close() raise.
+            self._log.warning(
+                "wrong loop",
+                "coda-memory: emit_observation from an event loop the service does not "
+                "run on; its writer can't store it (create one service per event loop)",
+            )
             return
         if loop is not None and (self._loop is None or self._loop is loop):
             self._ensure_writer(loop)
