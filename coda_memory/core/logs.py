@@ -1,9 +1,6 @@
-"""Log lines a host can afford: rate-limited per cause, and no identity ids by default.
+"""What log lines say: no identity ids by default, no statements or parameters.
 
-* :class:`RateLimitedLog` writes at most one line per second for each cause (a storage
-  failure, a rejected observation, a failed load, …); the next line of that cause says
-  how many were suppressed meanwhile. One outage gives a handful of lines, not one per
-  observation or request.
+* Rate limiting per cause is :class:`~coda_memory.core.caps.LogThrottle`'s.
 * :func:`identity_label` shows an identity id as a stable short hash (8 hex digits of
   BLAKE2b), unless the service was built with ``log_identities=True``: the same user has
   the same label in every line, and no e-mail address or name reaches the logs.
@@ -15,9 +12,6 @@
 from __future__ import annotations
 
 import hashlib
-import logging
-import time
-from collections.abc import Callable
 
 #: Characters of a message's first line that a log line keeps.
 MAX_MESSAGE_CHARS = 200
@@ -46,34 +40,3 @@ def short_error(
     message = message[:MAX_MESSAGE_CHARS]
     name = type(error).__name__
     return f"{name}: {message}" if message else name
-
-
-class RateLimitedLog:
-    """At most one line per ``interval`` seconds per cause, then a count of the rest."""
-
-    def __init__(
-        self,
-        logger: logging.Logger,
-        interval: float = 1.0,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
-        self._logger = logger
-        self._interval = interval
-        self._clock = clock
-        #: cause -> (time of its last line, lines suppressed since)
-        self._last: dict[str, tuple[float, int]] = {}
-
-    def warning(self, cause: str, message: str, *args: object) -> bool:
-        """Log ``message % args`` unless ``cause`` logged within the interval; True when
-        it was written."""
-        now = self._clock()
-        last, suppressed = self._last.get(cause, (float("-inf"), 0))
-        if now - last < self._interval:
-            self._last[cause] = (last, suppressed + 1)
-            return False
-        self._last[cause] = (now, 0)
-        if suppressed:
-            message += " (%d similar line(s) suppressed)"
-            args = (*args, suppressed)
-        self._logger.warning(message, *args)
-        return True
