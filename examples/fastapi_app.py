@@ -93,6 +93,8 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     url = os.environ["CODA_MEMORY_DATABASE_URL"]
     timeout = float(os.environ.get("MEMORY_LOAD_TIMEOUT", "0.1"))
     async with MemoryService.from_url(url, load_timeout=timeout) as memory:
+        # Open the connections and prepare the statements before the first request.
+        await memory.start()
         app.state.memory = memory
         yield
     # Leaving the block closed the service: queued observations are stored.

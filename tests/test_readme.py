@@ -72,11 +72,28 @@ def test_using_it_is_a_complete_script() -> None:
 def test_every_environment_variable_is_documented() -> None:
     table = set(re.findall(r"^\| `(CODA_MEMORY_[A-Z_]+)` \|", README, re.M))
     read: dict[str, Path] = {}
-    for folder in ("coda_memory", "scripts", "benchmarks", "tests", "examples", ".ci"):
-        for path in (REPOSITORY / folder).rglob("*"):
-            if path.is_file() and path.suffix in ("", ".py", ".sh", ".toml"):
-                for name in re.findall(r"\b(CODA_MEMORY_[A-Z][A-Z_]*[A-Z])\b", path.read_text()):
-                    read.setdefault(name, path)
+    # The repository's own files only: not the data a benchmark or a server left behind.
+    tracked = subprocess.run(
+        [
+            "git",
+            "ls-files",
+            "-z",
+            "coda_memory",
+            "scripts",
+            "benchmarks",
+            "tests",
+            "examples",
+            ".ci",
+        ],
+        cwd=REPOSITORY,
+        capture_output=True,
+        check=True,
+    ).stdout.decode()
+    for relative in filter(None, tracked.split("\0")):
+        path = REPOSITORY / relative
+        if path.is_file() and path.suffix in ("", ".py", ".sh", ".toml"):
+            for name in re.findall(r"\b(CODA_MEMORY_[A-Z][A-Z_]*[A-Z])\b", path.read_text()):
+                read.setdefault(name, path)
 
     assert read, "the scan found nothing"
     assert {name: str(path) for name, path in read.items() if name not in table} == {}
