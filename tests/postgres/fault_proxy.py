@@ -32,6 +32,8 @@ class FaultProxy:
     target_host: str
     target_port: int
     decide: Decision
+    #: The server's Unix socket directory, when it listens on one instead of TCP.
+    socket_dir: str | None = None
     cuts: int = 0
     blackholes: int = 0
     commits: int = 0
@@ -55,7 +57,14 @@ class FaultProxy:
 
     async def _accept(self, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
         try:
-            server_r, server_w = await asyncio.open_connection(self.target_host, self.target_port)
+            if self.socket_dir is not None:
+                server_r, server_w = await asyncio.open_unix_connection(
+                    f"{self.socket_dir}/.s.PGSQL.{self.target_port}"
+                )
+            else:
+                server_r, server_w = await asyncio.open_connection(
+                    self.target_host, self.target_port
+                )
         except OSError:
             client_w.close()
             return

@@ -55,7 +55,9 @@ async def _counts(url: str) -> dict[str, int]:
 
 
 def _via(proxy_port: int, url: str) -> str:
-    return make_url(url).set(host="127.0.0.1", port=proxy_port).render_as_string(False)
+    """``url`` through the proxy: its TCP port, and no socket directory that would win."""
+    through = make_url(url).difference_update_query(["host"])
+    return through.set(host="127.0.0.1", port=proxy_port).render_as_string(False)
 
 
 async def test_lost_commit_acknowledgements_store_nothing_twice(pg_url: str) -> None:
@@ -72,7 +74,14 @@ async def test_lost_commit_acknowledgements_store_nothing_twice(pg_url: str) -> 
             return "cut"
         return None
 
-    proxy = FaultProxy(target.host or "127.0.0.1", target.port or 5432, decide)
+    # A server on a Unix socket (the embedded one) names its directory in the query.
+    socket_dir = target.query.get("host")
+    proxy = FaultProxy(
+        target.host or "127.0.0.1",
+        target.port or 5432,
+        decide,
+        socket_dir=socket_dir if isinstance(socket_dir, str) else None,
+    )
     port = await proxy.start()
     service = MemoryService.from_url(
         _via(port, pg_url),
