@@ -1,5 +1,9 @@
 """MemoryService: the composition root a host application talks to.
 
+The queue and background writer live in :mod:`coda_memory.writer` (the service's base
+class), the counters in :mod:`coda_memory.stats`, the choice of store for a URL in
+:mod:`coda_memory.stores`; here are consolidation, ``load_memory`` and the lifecycle.
+
 * ``emit_observation`` is fire-and-forget: it stamps the observation and appends it to a
   bounded queue, nothing more, on the caller's thread. A background writer validates,
   sanitises and stores observations in batches. When the queue is full (the store is
@@ -24,18 +28,12 @@ most one in flight (single flight).
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
-import sys
 import threading
 import time
-import uuid
-from collections import deque
 from collections.abc import Callable, Collection
 from datetime import UTC, datetime, timedelta
 from typing import Any, ParamSpec, TypeVar
-
-from pydantic import BaseModel, ConfigDict
 
 from coda_memory.core import emitters
 from coda_memory.core.affinity import extract_tool_affinities
@@ -49,18 +47,18 @@ from coda_memory.core.consolidation import (
     plan_consolidation,
 )
 from coda_memory.core.decay import DecayStrategy, ExponentialDecay
-from coda_memory.core.logs import identity_label, short_error
-from coda_memory.core.model import Fact, FactEvent, LoadedMemory, NewObservation
+from coda_memory.core.logs import short_error
+from coda_memory.core.model import Fact, FactEvent, LoadedMemory
 from coda_memory.core.prompt import format_memory_section
-from coda_memory.core.sanitize import ObservationRejected, sanitize_observation
-from coda_memory.errors import ConnectionLost
-from coda_memory.ports import MemoryStore, ObservationRecord
+from coda_memory.ports import MemoryStore
 from coda_memory.slots import LifoSlots
+from coda_memory.stats import MemoryStats as MemoryStats
+from coda_memory.stores import store_from_url
 from coda_memory.telemetry import NoTelemetry, Telemetry, telemetry_for
+from coda_memory.writer import CLOSE_GRACE, DEFAULT_QUEUE_BYTES, Clock, ObservationWriter
 
 logger = logging.getLogger("coda_memory")
 
-Clock = Callable[[], datetime]
 P = ParamSpec("P")
 R = TypeVar("R")
 
@@ -68,34 +66,6 @@ R = TypeVar("R")
 OFFLOAD_FACTS = 300
 #: Consolidations (and peeks) in flight at once, unless the store says otherwise.
 DEFAULT_MAX_CONSOLIDATIONS = 8
-
-
-#: The default bound on the bytes of queued observations (see ``queue_bytes``).
-DEFAULT_QUEUE_BYTES = 64 * 1024 * 1024
-#: What an observation costs beyond its text: the tuple, the model, the timestamps.
-_ITEM_OVERHEAD = 512
-#: Seconds ``close`` waits for the writer to stop, and for the store to close, after its
-#: ``timeout``: a connection that never answers can't hold it up longer.
-CLOSE_GRACE = 2.0
-
-
-def _approximate_bytes(obs: NewObservation) -> int:
-    """What a queued observation holds in memory, about: its text and its metadata's."""
-    return _ITEM_OVERHEAD + sys.getsizeof(obs.content) + _nested_bytes(obs.metadata, 0)
-
-
-def _nested_bytes(value: object, depth: int) -> int:
-    if isinstance(value, str | bytes):
-        return sys.getsizeof(value)
-    if depth > 16:  # far deeper than validation accepts: count it as big
-        return 1 << 20
-    if isinstance(value, dict):
-        return 64 + sum(
-            _nested_bytes(k, depth + 1) + _nested_bytes(v, depth + 1) for k, v in value.items()
-        )
-    if isinstance(value, list | tuple | set | frozenset):
-        return 64 + sum(_nested_bytes(v, depth + 1) for v in value)
-    return 32
 
 
 async def _offload(size: int, work: Callable[P, R], *args: P.args, **kwargs: P.kwargs) -> R:
@@ -110,48 +80,11 @@ def system_clock() -> datetime:
     return datetime.now(UTC)
 
 
-class MemoryStats(BaseModel):
-    """Counters of a service since it started."""
-
-    model_config = ConfigDict(frozen=True)
-
-    #: Observations passed to ``emit_observation``.
-    emitted: int
-    #: Observations the store accepted.
-    stored: int
-    #: Observations refused as bad input (by validation or by the store), with a log line.
-    rejected: int
-    #: Observations dropped because the queue was full or the service was closed.
-    dropped: int
-    #: Observations emitted but not yet stored, rejected, dropped or discarded.
-    pending: int
-    #: ``load_memory`` calls, and how many of them returned empty on timeout or error.
-    loads: int = 0
-    load_timeouts: int = 0
-    load_errors: int = 0
-    #: Observations the store accepted and threw away by design (``null://``).
-    discarded: int = 0
-    #: Observations (also counted as stored or rejected) dated more than
-    #: ``max_clock_skew`` after the service clock, stored as made at the clock's now.
-    future_clamped: int = 0
-    #: Loads that outlived the timeout and answered with the facts of the identity's
-    #: last consolidation (not empty, and not counted in ``load_timeouts``).
-    load_stale: int = 0
-    #: Consolidations where the ``max_facts`` cap applied, and the facts it deleted.
-    facts_capped: int = 0
-    facts_evicted: int = 0
-    #: Tool results (in this process) whose entities were cut to ``max_entities``.
-    entity_results_capped: int = 0
-
-
-#: (identity id, observation, created_at, approximate bytes)
-_Item = tuple[str, NewObservation, datetime, int]
-
 #: How far past the service clock an observation's ``created_at`` may be.
 DEFAULT_MAX_CLOCK_SKEW = timedelta(minutes=5)
 
 
-class MemoryService:
+class MemoryService(ObservationWriter):
     """Memory for one agent server process, over one store."""
 
     def __init__(
@@ -201,24 +134,11 @@ class MemoryService:
         self._slots = LifoSlots(max_consolidations)
         self._log = LogThrottle(logger)
         self._facts_cap = CapCounter(self._log, "facts per identity capped")
-        self._queue_size = queue_size
-        self._queue_bytes = queue_bytes
-        #: Bytes of the observations queued or in the writer's hands (about).
-        self._held_bytes = 0
-        self._batch_size = batch_size
+        super().__init__(queue_size=queue_size, queue_bytes=queue_bytes, batch_size=batch_size)
         self.log_identities = log_identities
-        self._queue: deque[_Item] = deque()
-        self._inflight = 0
-        self._emitted = self._stored = self._rejected = self._dropped = self._discarded = 0
-        self._loads = self._load_timeouts = self._load_errors = self._future_clamped = 0
-        self._closed = False
+        self._loads = self._load_timeouts = self._load_errors = 0
         # OpenTelemetry spans and metrics (coda_memory.telemetry); off by default.
-        self._telemetry = telemetry_for(telemetry)
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._loop_thread: int | None = None
-        self._writer: asyncio.Task[None] | None = None
-        self._wakeup: asyncio.Event | None = None
-        self._progress: asyncio.Event | None = None
+        self._telemetry: Telemetry | NoTelemetry = telemetry_for(telemetry)
         self._background: set[asyncio.Task[LoadedMemory]] = set()
         self._loading: dict[str, asyncio.Task[LoadedMemory]] = {}
         #: Facts as of the last consolidation, for the identities being consolidated.
@@ -260,209 +180,10 @@ class MemoryService:
         }
         service_options = {k: v for k, v in options.items() if k in service_keys}
         store_options = {k: v for k, v in options.items() if k not in service_keys}
-        scheme = url.split(":", 1)[0].split("+", 1)[0].lower()
-        store: MemoryStore
-        if scheme in ("memory", "null"):
-            if store_options:
-                raise TypeError(f"unexpected options for {scheme}://: {sorted(store_options)}")
-            if scheme == "null":
-                from coda_memory.null import NullStore
-
-                store = NullStore()
-            else:
-                from coda_memory.testing import InMemoryStore
-
-                store = InMemoryStore()
-        elif scheme in ("postgresql", "postgres"):
-            from coda_memory.postgres import PostgresStore
-
-            store = PostgresStore.from_url(url, **store_options)
-        elif scheme in ("redis", "rediss"):
-            try:
-                from coda_memory.redis import RedisStore
-            except ImportError as exc:
-                raise ImportError(
-                    "redis:// needs the redis extra: pip install 'coda-memory[redis]'"
-                ) from exc
-            store = RedisStore.from_url(url, **store_options)
-        else:
-            raise ValueError(
-                "unsupported memory URL scheme: use memory://, postgresql://…, redis://… "
-                f"or null:// (got {url.split(':', 1)[0]!r})"
-            )
+        store = store_from_url(url, store_options)
         return cls(store, decay=decay, load_timeout=load_timeout, clock=clock, **service_options)
 
     # -- writes -------------------------------------------------------------------------
-
-    def emit_observation(self, identity_id: str, obs: NewObservation) -> None:
-        """Queue an observation for storage. Never raises and never waits on I/O."""
-        try:
-            self._emitted += 1
-            size = _approximate_bytes(obs)
-            if (
-                self._closed
-                or len(self._queue) >= self._queue_size
-                or self._held_bytes + size > self._queue_bytes
-            ):
-                self._drop(1, "service closed" if self._closed else "queue full")
-                return
-            created_at = obs.created_at if obs.created_at is not None else self.clock()
-            self._queue.append((identity_id, obs, created_at, size))
-            self._held_bytes += size
-            self._wake()
-        except Exception as error:  # the fire-and-forget boundary: log, count, carry on
-            self._rejected += 1
-            self._log.warning(
-                "not queued",
-                "coda-memory: observation for %s not queued: %s",
-                self._label(identity_id),
-                short_error(error),
-            )
-
-    def _label(self, identity_id: object) -> str:
-        return identity_label(identity_id, show=self.log_identities)
-
-    def _drop(self, count: int, reason: str) -> None:
-        self._dropped += count
-        # At most one line a second (an outage can't flood the log), with the total.
-        self._log.warning(
-            f"dropped: {reason}",
-            "coda-memory: dropped %d observation(s) (%s); %d dropped so far",
-            count,
-            reason,
-            self._dropped,
-        )
-
-    def _check_loop(self) -> asyncio.AbstractEventLoop:
-        """The running loop, which must be the one the service first ran on."""
-        loop = asyncio.get_running_loop()
-        if self._loop is not None and self._loop is not loop:
-            raise RuntimeError(
-                "this MemoryService is bound to the event loop it first ran on (its writer "
-                "and connections live there); create one service per event loop, e.g. "
-                "inside the asyncio.run() that uses it"
-            )
-        return loop
-
-    def _wake(self) -> None:
-        try:
-            loop = asyncio.get_running_loop()
-        except RuntimeError:
-            loop = None
-        if (
-            loop is not None
-            and self._loop is not None
-            and self._loop is not loop
-            and (self._loop.is_closed() or not self._loop.is_running())
-        ):
-            # Emitted from a later event loop than the service's, which is gone: say so
-            # (rate-limited), never raise to the caller. drain() and close() raise.
-            self._log.warning(
-                "wrong loop",
-                "coda-memory: emit_observation from an event loop the service does not "
-                "run on; its writer can't store it (create one service per event loop)",
-            )
-            return
-        if loop is not None and (self._loop is None or self._loop is loop):
-            self._ensure_writer(loop)
-            assert self._wakeup is not None
-            self._wakeup.set()
-        elif self._loop is not None and self._loop_thread != threading.get_ident():
-            wakeup = self._wakeup
-            if wakeup is not None and not self._loop.is_closed():
-                self._loop.call_soon_threadsafe(wakeup.set)
-        # Otherwise no loop runs yet: the items wait until the writer starts.
-
-    def _ensure_writer(self, loop: asyncio.AbstractEventLoop) -> None:
-        if self._writer is not None and not self._writer.done():
-            return
-        self._loop, self._loop_thread = loop, threading.get_ident()
-        if self._wakeup is None:
-            self._wakeup, self._progress = asyncio.Event(), asyncio.Event()
-        self._writer = loop.create_task(self._write_loop(), name="coda-memory-writer")
-
-    async def _write_loop(self) -> None:
-        assert self._wakeup is not None and self._progress is not None
-        backoff = 0.05
-        while True:
-            if not self._queue:
-                self._wakeup.clear()
-                await self._wakeup.wait()
-                continue
-            items = [self._queue.popleft() for _ in range(min(self._batch_size, len(self._queue)))]
-            self._inflight = len(items)
-            records = self._validate(items)
-            # One key per batch, kept across retries: a retry after a lost COMMIT
-            # acknowledgement stores nothing twice (the store records the key).
-            key = str(uuid.uuid4())
-            while records:
-                try:
-                    with self._telemetry.span("append", **{"coda_memory.batch": len(records)}):
-                        outcome = await self.store.append(records, batch_key=key)
-                except (ConnectionLost, OSError) as error:
-                    # Only a lost connection is worth retrying: the same batch, same key.
-                    self._log.warning(
-                        "store unavailable",
-                        "coda-memory: storing %d observation(s) failed (%s); retrying in %.2fs",
-                        len(records),
-                        short_error(error, self._identities(records), show=self.log_identities),
-                        backoff,
-                    )
-                    await asyncio.sleep(backoff)
-                    backoff = min(backoff * 2, 2.0)
-                    continue
-                except Exception as error:
-                    # Permanent (the store blamed no single row, e.g. a missing table or
-                    # privilege): retrying can't help, so the batch is rejected, once.
-                    reason = short_error(error, self._identities(records), show=False)
-                    for record in records:
-                        self._reject(record.identity_id, f"not stored: {reason}")
-                    break
-                backoff = 0.05
-                self._stored += outcome.stored
-                self._discarded += outcome.discarded
-                for index, reason in outcome.refused:
-                    self._reject(records[index].identity_id, reason)
-                break
-            self._held_bytes = max(0, self._held_bytes - sum(item[3] for item in items))
-            self._inflight = 0
-            self._progress.set()
-
-    @staticmethod
-    def _identities(records: list[ObservationRecord]) -> tuple[str, ...]:
-        return tuple({record.identity_id for record in records})
-
-    def _validate(self, items: list[_Item]) -> list[ObservationRecord]:
-        records: list[ObservationRecord] = []
-        now = self.clock()
-        latest = now + self.max_clock_skew
-        for identity_id, obs, created_at, _ in items:
-            try:
-                record = sanitize_observation(identity_id, obs, created_at, self.tool_catalog)
-                if record.created_at > latest:
-                    record = dataclasses.replace(record, created_at=now)
-                    self._future_clamped += 1
-                records.append(record)
-            except ObservationRejected as rejected:
-                self._reject(identity_id, rejected.reason)
-            except Exception as error:  # a bug must not lose the rest of the batch
-                self._reject(identity_id, f"unexpected {type(error).__name__}: {error}")
-        return records
-
-    def _reject(self, identity_id: str, reason: str) -> None:
-        self._rejected += 1
-        if not self.log_identities and isinstance(identity_id, str) and identity_id:
-            reason = reason.replace(identity_id, identity_label(identity_id))
-        self._log.warning(
-            "rejected",
-            "coda-memory: observation for %s rejected: %s",
-            self._label(identity_id),
-            reason,
-        )
-
-    @property
-    def _processed(self) -> int:
-        return self._stored + self._rejected + self._dropped + self._discarded
 
     async def drain(self, timeout: float | None = None) -> None:
         """Wait until everything emitted so far is stored (or rejected or dropped), and
@@ -470,17 +191,7 @@ class MemoryService:
         ``TimeoutError`` after that many seconds."""
         loop = self._check_loop()
         async with asyncio.timeout(timeout):
-            target = self._emitted
-            if self._queue or self._inflight:
-                self._ensure_writer(loop)
-                assert self._wakeup is not None
-                self._wakeup.set()
-            while self._processed < target:
-                assert self._progress is not None
-                self._progress.clear()
-                if self._processed >= target:
-                    break
-                await self._progress.wait()
+            await self._written(loop)
             while self._background:
                 await asyncio.gather(*list(self._background), return_exceptions=True)
 
@@ -645,11 +356,7 @@ class MemoryService:
     async def forget(self, identity_id: str) -> None:
         """Delete every observation, fact, fact event and checkpoint of the identity,
         including observations of it still queued in this service."""
-        kept = deque(item for item in self._queue if item[0] != identity_id)
-        if len(kept) != len(self._queue):
-            self._held_bytes -= sum(item[3] for item in self._queue if item[0] == identity_id)
-            self._drop(len(self._queue) - len(kept), "identity forgotten")
-            self._queue = kept
+        self._forget_queued(identity_id)
         await self.drain()
         await self.store.forget(identity_id)
 
@@ -685,16 +392,7 @@ class MemoryService:
         finally:
             # Each wait below is bounded: a connection that never answers (its command
             # timeout not reached yet) can't hold close() up beyond its timeout.
-            if self._writer is not None:
-                self._writer.cancel()
-                await asyncio.wait([self._writer], timeout=CLOSE_GRACE)
-                self._writer = None
-            leftover = len(self._queue) + self._inflight
-            if leftover:
-                self._queue.clear()
-                self._inflight = 0
-                self._held_bytes = 0
-                self._drop(leftover, "service closed before they were stored")
+            await self._stop_writer()
             for task in list(self._background):
                 task.cancel()
             if self._background:

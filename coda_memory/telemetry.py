@@ -27,7 +27,7 @@ from contextlib import AbstractContextManager, nullcontext
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from coda_memory.service import MemoryStats
+    from coda_memory.stats import MemoryStats
 
 INSTRUMENTATION = "coda_memory"
 

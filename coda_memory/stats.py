@@ -1,0 +1,40 @@
+"""MemoryStats: the counters a service reports (``MemoryService.stats()``), also read
+by the telemetry metrics."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict
+
+
+class MemoryStats(BaseModel):
+    """Counters of a service since it started."""
+
+    model_config = ConfigDict(frozen=True)
+
+    #: Observations passed to ``emit_observation``.
+    emitted: int
+    #: Observations the store accepted.
+    stored: int
+    #: Observations refused as bad input (by validation or by the store), with a log line.
+    rejected: int
+    #: Observations dropped because the queue was full or the service was closed.
+    dropped: int
+    #: Observations emitted but not yet stored, rejected, dropped or discarded.
+    pending: int
+    #: ``load_memory`` calls, and how many of them returned empty on timeout or error.
+    loads: int = 0
+    load_timeouts: int = 0
+    load_errors: int = 0
+    #: Observations the store accepted and threw away by design (``null://``).
+    discarded: int = 0
+    #: Observations (also counted as stored or rejected) dated more than
+    #: ``max_clock_skew`` after the service clock, stored as made at the clock's now.
+    future_clamped: int = 0
+    #: Loads that outlived the timeout and answered with the facts of the identity's
+    #: last consolidation (not empty, and not counted in ``load_timeouts``).
+    load_stale: int = 0
+    #: Consolidations where the ``max_facts`` cap applied, and the facts it deleted.
+    facts_capped: int = 0
+    facts_evicted: int = 0
+    #: Tool results (in this process) whose entities were cut to ``max_entities``.
+    entity_results_capped: int = 0

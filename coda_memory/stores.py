@@ -1,0 +1,46 @@
+"""Which store a memory URL names: ``memory://``, ``null://``, Postgres or Redis.
+
+Each store's module is imported only when its scheme is asked for, so a service over one
+store never imports the others' drivers.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from coda_memory.ports import MemoryStore
+
+
+def store_from_url(url: str, store_options: dict[str, Any]) -> MemoryStore:
+    """The store ``url`` names, built with ``store_options`` (see ``MemoryService.from_url``)."""
+    scheme = url.split(":", 1)[0].split("+", 1)[0].lower()
+    store: MemoryStore
+    if scheme in ("memory", "null"):
+        if store_options:
+            raise TypeError(f"unexpected options for {scheme}://: {sorted(store_options)}")
+        if scheme == "null":
+            from coda_memory.null import NullStore
+
+            store = NullStore()
+        else:
+            from coda_memory.testing import InMemoryStore
+
+            store = InMemoryStore()
+    elif scheme in ("postgresql", "postgres"):
+        from coda_memory.postgres import PostgresStore
+
+        store = PostgresStore.from_url(url, **store_options)
+    elif scheme in ("redis", "rediss"):
+        try:
+            from coda_memory.redis import RedisStore
+        except ImportError as exc:
+            raise ImportError(
+                "redis:// needs the redis extra: pip install 'coda-memory[redis]'"
+            ) from exc
+        store = RedisStore.from_url(url, **store_options)
+    else:
+        raise ValueError(
+            "unsupported memory URL scheme: use memory://, postgresql://…, redis://… "
+            f"or null:// (got {url.split(':', 1)[0]!r})"
+        )
+    return store

@@ -1,0 +1,304 @@
+"""The write path of a service: the bounded queue of emitted observations and the
+background writer that validates, sanitises and stores them in batches.
+
+:class:`ObservationWriter` is the base of :class:`~coda_memory.service.MemoryService`: it
+holds the queue, its counters and the writer task; the service sets the shared attributes
+declared here (store, clock, logging, telemetry) and adds consolidation and loading.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import sys
+import threading
+import uuid
+from collections import deque
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from datetime import datetime, timedelta
+from typing import Any, Protocol
+
+from coda_memory.core.caps import LogThrottle
+from coda_memory.core.logs import identity_label, short_error
+from coda_memory.core.model import NewObservation
+from coda_memory.core.sanitize import ObservationRejected, sanitize_observation
+from coda_memory.errors import ConnectionLost
+from coda_memory.ports import MemoryStore, ObservationRecord
+
+Clock = Callable[[], datetime]
+
+
+class Spans(Protocol):
+    """What the writer needs of the service's telemetry (``coda_memory.telemetry``)."""
+
+    def span(self, name: str, **attributes: Any) -> AbstractContextManager[Any]: ...
+
+
+#: The default bound on the bytes of queued observations (see ``queue_bytes``).
+DEFAULT_QUEUE_BYTES = 64 * 1024 * 1024
+#: What an observation costs beyond its text: the tuple, the model, the timestamps.
+_ITEM_OVERHEAD = 512
+
+
+def _approximate_bytes(obs: NewObservation) -> int:
+    """What a queued observation holds in memory, about: its text and its metadata's."""
+    return _ITEM_OVERHEAD + sys.getsizeof(obs.content) + _nested_bytes(obs.metadata, 0)
+
+
+def _nested_bytes(value: object, depth: int) -> int:
+    if isinstance(value, str | bytes):
+        return sys.getsizeof(value)
+    if depth > 16:  # far deeper than validation accepts: count it as big
+        return 1 << 20
+    if isinstance(value, dict):
+        return 64 + sum(
+            _nested_bytes(k, depth + 1) + _nested_bytes(v, depth + 1) for k, v in value.items()
+        )
+    if isinstance(value, list | tuple | set | frozenset):
+        return 64 + sum(_nested_bytes(v, depth + 1) for v in value)
+    return 32
+
+
+#: Seconds ``close`` waits for the writer to stop, and for the store to close, after its
+#: ``timeout``: a connection that never answers can't hold it up longer.
+CLOSE_GRACE = 2.0
+
+
+#: (identity id, observation, created_at, approximate bytes)
+_Item = tuple[str, NewObservation, datetime, int]
+
+
+class ObservationWriter:
+    """The queue and the background writer of a service (see the module docstring)."""
+
+    # Set by the service: what the writer stores into, and how it validates and logs.
+    store: MemoryStore
+    clock: Clock
+    max_clock_skew: timedelta
+    tool_catalog: frozenset[str] | None
+    log_identities: bool
+    _log: LogThrottle
+    _telemetry: Spans
+
+    def __init__(self, *, queue_size: int, queue_bytes: int, batch_size: int) -> None:
+        self._queue_size = queue_size
+        self._queue_bytes = queue_bytes
+        #: Bytes of the observations queued or in the writer's hands (about).
+        self._held_bytes = 0
+        self._batch_size = batch_size
+        self._queue: deque[_Item] = deque()
+        self._inflight = 0
+        self._emitted = self._stored = self._rejected = self._dropped = self._discarded = 0
+        self._future_clamped = 0
+        self._closed = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._loop_thread: int | None = None
+        self._writer: asyncio.Task[None] | None = None
+        self._wakeup: asyncio.Event | None = None
+        self._progress: asyncio.Event | None = None
+
+    def emit_observation(self, identity_id: str, obs: NewObservation) -> None:
+        """Queue an observation for storage. Never raises and never waits on I/O."""
+        try:
+            self._emitted += 1
+            size = _approximate_bytes(obs)
+            if (
+                self._closed
+                or len(self._queue) >= self._queue_size
+                or self._held_bytes + size > self._queue_bytes
+            ):
+                self._drop(1, "service closed" if self._closed else "queue full")
+                return
+            created_at = obs.created_at if obs.created_at is not None else self.clock()
+            self._queue.append((identity_id, obs, created_at, size))
+            self._held_bytes += size
+            self._wake()
+        except Exception as error:  # the fire-and-forget boundary: log, count, carry on
+            self._rejected += 1
+            self._log.warning(
+                "not queued",
+                "coda-memory: observation for %s not queued: %s",
+                self._label(identity_id),
+                short_error(error),
+            )
+
+    def _label(self, identity_id: object) -> str:
+        return identity_label(identity_id, show=self.log_identities)
+
+    def _drop(self, count: int, reason: str) -> None:
+        self._dropped += count
+        # At most one line a second (an outage can't flood the log), with the total.
+        self._log.warning(
+            f"dropped: {reason}",
+            "coda-memory: dropped %d observation(s) (%s); %d dropped so far",
+            count,
+            reason,
+            self._dropped,
+        )
+
+    def _check_loop(self) -> asyncio.AbstractEventLoop:
+        """The running loop, which must be the one the service first ran on."""
+        loop = asyncio.get_running_loop()
+        if self._loop is not None and self._loop is not loop:
+            raise RuntimeError(
+                "this MemoryService is bound to the event loop it first ran on (its writer "
+                "and connections live there); create one service per event loop, e.g. "
+                "inside the asyncio.run() that uses it"
+            )
+        return loop
+
+    def _wake(self) -> None:
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            loop = None
+        if (
+            loop is not None
+            and self._loop is not None
+            and self._loop is not loop
+            and (self._loop.is_closed() or not self._loop.is_running())
+        ):
+            # Emitted from a later event loop than the service's, which is gone: say so
+            # (rate-limited), never raise to the caller. drain() and close() raise.
+            self._log.warning(
+                "wrong loop",
+                "coda-memory: emit_observation from an event loop the service does not "
+                "run on; its writer can't store it (create one service per event loop)",
+            )
+            return
+        if loop is not None and (self._loop is None or self._loop is loop):
+            self._ensure_writer(loop)
+            assert self._wakeup is not None
+            self._wakeup.set()
+        elif self._loop is not None and self._loop_thread != threading.get_ident():
+            wakeup = self._wakeup
+            if wakeup is not None and not self._loop.is_closed():
+                self._loop.call_soon_threadsafe(wakeup.set)
+        # Otherwise no loop runs yet: the items wait until the writer starts.
+
+    def _ensure_writer(self, loop: asyncio.AbstractEventLoop) -> None:
+        if self._writer is not None and not self._writer.done():
+            return
+        self._loop, self._loop_thread = loop, threading.get_ident()
+        if self._wakeup is None:
+            self._wakeup, self._progress = asyncio.Event(), asyncio.Event()
+        self._writer = loop.create_task(self._write_loop(), name="coda-memory-writer")
+
+    async def _write_loop(self) -> None:
+        assert self._wakeup is not None and self._progress is not None
+        backoff = 0.05
+        while True:
+            if not self._queue:
+                self._wakeup.clear()
+                await self._wakeup.wait()
+                continue
+            items = [self._queue.popleft() for _ in range(min(self._batch_size, len(self._queue)))]
+            self._inflight = len(items)
+            records = self._validate(items)
+            # One key per batch, kept across retries: a retry after a lost COMMIT
+            # acknowledgement stores nothing twice (the store records the key).
+            key = str(uuid.uuid4())
+            while records:
+                try:
+                    with self._telemetry.span("append", **{"coda_memory.batch": len(records)}):
+                        outcome = await self.store.append(records, batch_key=key)
+                except (ConnectionLost, OSError) as error:
+                    # Only a lost connection is worth retrying: the same batch, same key.
+                    self._log.warning(
+                        "store unavailable",
+                        "coda-memory: storing %d observation(s) failed (%s); retrying in %.2fs",
+                        len(records),
+                        short_error(error, self._identities(records), show=self.log_identities),
+                        backoff,
+                    )
+                    await asyncio.sleep(backoff)
+                    backoff = min(backoff * 2, 2.0)
+                    continue
+                except Exception as error:
+                    # Permanent (the store blamed no single row, e.g. a missing table or
+                    # privilege): retrying can't help, so the batch is rejected, once.
+                    reason = short_error(error, self._identities(records), show=False)
+                    for record in records:
+                        self._reject(record.identity_id, f"not stored: {reason}")
+                    break
+                backoff = 0.05
+                self._stored += outcome.stored
+                self._discarded += outcome.discarded
+                for index, reason in outcome.refused:
+                    self._reject(records[index].identity_id, reason)
+                break
+            self._held_bytes = max(0, self._held_bytes - sum(item[3] for item in items))
+            self._inflight = 0
+            self._progress.set()
+
+    @staticmethod
+    def _identities(records: list[ObservationRecord]) -> tuple[str, ...]:
+        return tuple({record.identity_id for record in records})
+
+    def _validate(self, items: list[_Item]) -> list[ObservationRecord]:
+        records: list[ObservationRecord] = []
+        now = self.clock()
+        latest = now + self.max_clock_skew
+        for identity_id, obs, created_at, _ in items:
+            try:
+                record = sanitize_observation(identity_id, obs, created_at, self.tool_catalog)
+                if record.created_at > latest:
+                    record = dataclasses.replace(record, created_at=now)
+                    self._future_clamped += 1
+                records.append(record)
+            except ObservationRejected as rejected:
+                self._reject(identity_id, rejected.reason)
+            except Exception as error:  # a bug must not lose the rest of the batch
+                self._reject(identity_id, f"unexpected {type(error).__name__}: {error}")
+        return records
+
+    def _reject(self, identity_id: str, reason: str) -> None:
+        self._rejected += 1
+        if not self.log_identities and isinstance(identity_id, str) and identity_id:
+            reason = reason.replace(identity_id, identity_label(identity_id))
+        self._log.warning(
+            "rejected",
+            "coda-memory: observation for %s rejected: %s",
+            self._label(identity_id),
+            reason,
+        )
+
+    @property
+    def _processed(self) -> int:
+        return self._stored + self._rejected + self._dropped + self._discarded
+
+    async def _written(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Wait until everything emitted so far is stored (or rejected or dropped)."""
+        target = self._emitted
+        if self._queue or self._inflight:
+            self._ensure_writer(loop)
+            assert self._wakeup is not None
+            self._wakeup.set()
+        while self._processed < target:
+            assert self._progress is not None
+            self._progress.clear()
+            if self._processed >= target:
+                break
+            await self._progress.wait()
+
+    def _forget_queued(self, identity_id: str) -> None:
+        """Drop (and count) the identity's observations still in the queue."""
+        kept = deque(item for item in self._queue if item[0] != identity_id)
+        if len(kept) != len(self._queue):
+            self._held_bytes -= sum(item[3] for item in self._queue if item[0] == identity_id)
+            self._drop(len(self._queue) - len(kept), "identity forgotten")
+            self._queue = kept
+
+    async def _stop_writer(self) -> None:
+        """Stop the writer (waiting at most CLOSE_GRACE); drop and count what it held."""
+        if self._writer is not None:
+            self._writer.cancel()
+            await asyncio.wait([self._writer], timeout=CLOSE_GRACE)
+            self._writer = None
+        leftover = len(self._queue) + self._inflight
+        if leftover:
+            self._queue.clear()
+            self._inflight = 0
+            self._held_bytes = 0
+            self._drop(leftover, "service closed before they were stored")
