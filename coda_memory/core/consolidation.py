@@ -16,32 +16,31 @@ The rules, which fix the original design's flaws:
   and never written back, so there is no compounding.
 * A fact already expired at a session's reinforcement time starts again at 0.5 with
   count 1. A fact expired at ``now`` is deleted and never returned.
+
+Grouping a run's observations per session and fact (and ``fact_key``) lives in
+:mod:`.sessions`; this module folds the groups into facts and events.
 """
 
 from __future__ import annotations
 
 import math
-from collections import defaultdict
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 
 from coda_memory.core.decay import DecayStrategy, initial_ease
 from coda_memory.core.model import (
     Fact,
-    FactCategory,
     FactEvent,
     FactEventKind,
     Observation,
-    ObservationType,
     fact_id,
-    fact_subject,
     gc_paused,
-    is_identifier,
-    is_tool_name,
     trusted,
 )
-from coda_memory.core.sanitize import quote_untrusted
+from coda_memory.core.sessions import FactKey as FactKey
+from coda_memory.core.sessions import SessionGroup, group_by_session, prior_tool_counts
+from coda_memory.core.sessions import fact_key as fact_key
 
 NEW_FACT_CONFIDENCE = 0.5
 DEFAULT_RETENTION = timedelta(days=7)
@@ -85,164 +84,6 @@ class ConsolidationPlan:
     @property
     def writes_anything(self) -> bool:
         return bool(self.upserts or self.deletes or self.events or self.consumed)
-
-
-@dataclass(frozen=True, slots=True)
-class FactKey:
-    """Where an observation lands: the fact's category, subject and display text."""
-
-    category: FactCategory
-    subject: str
-    content: str
-    tool: str | None = None
-
-
-def fact_key(observation: Observation) -> FactKey | None:
-    """The fact an observation reinforces, or None when its metadata is unusable."""
-    meta = observation.metadata
-    kind = observation.type
-    if kind in (ObservationType.TOOL_SUCCESS, ObservationType.TOOL_FAILURE):
-        tool = meta.get("toolName")
-        if not is_tool_name(tool):
-            return None
-        assert isinstance(tool, str)
-        success = kind is ObservationType.TOOL_SUCCESS
-        category = FactCategory.TOOL_AFFINITY if success else FactCategory.TOOL_AVOIDANCE
-        return _tool_fact_key(category, tool)
-    if kind is ObservationType.ENTITY_ACCESS:
-        entity_type, entity_id = meta.get("entityType"), meta.get("entityId")
-        if isinstance(entity_id, int) and not isinstance(entity_id, bool):
-            entity_id = str(entity_id)
-        if not (is_identifier(entity_type) and is_identifier(entity_id)):
-            return None
-        assert isinstance(entity_type, str) and isinstance(entity_id, str)
-        name = meta.get("entityName")
-        label = (
-            f"{quote_untrusted(name)} ({entity_id})"
-            if isinstance(name, str) and name and name != entity_id
-            else entity_id
-        )
-        category = FactCategory.ENTITY_FREQUENCY
-        return FactKey(
-            category,
-            fact_subject(category, entity_type, entity_id),
-            f"Works with {entity_type} {label}",
-        )
-    if kind is ObservationType.QUERY_PATTERN:
-        domain = meta.get("domain")
-        if not is_identifier(domain):
-            return None
-        assert isinstance(domain, str)
-        category = FactCategory.DOMAIN_PREFERENCE
-        return FactKey(category, fact_subject(category, domain), f"Asks about {domain}")
-    return None
-
-
-@dataclass(slots=True)
-class SessionGroup:
-    """One session's observations for one fact within a run.
-
-    ``at`` is None for a fact that got no new observation from the session in this run
-    but whose quality changed, because the session's other calls of the same tool did.
-    ``hits``/``trials`` count the session's calls of the tool over all runs so far.
-    """
-
-    key: FactKey
-    session_id: str | None
-    at: datetime | None
-    content: str
-    hits: int = 1
-    trials: int = 1
-
-
-ToolCounts = Mapping[tuple[str, str], tuple[int, int]]
-
-
-def _tool_fact_key(category: FactCategory, tool: str) -> FactKey:
-    content = (
-        f"Uses {tool} successfully"
-        if category is FactCategory.TOOL_AFFINITY
-        else f"{tool} has failed for this user"
-    )
-    return FactKey(category, fact_subject(category, tool), content, tool)
-
-
-def group_by_session(
-    observations: Iterable[Observation], prior_tool_counts: ToolCounts | None = None
-) -> dict[str, list[SessionGroup]]:
-    """Group observations per subject and session, with reinforcement time and quality.
-
-    For a tool affinity the quality is the share of the tool's calls in the session that
-    succeeded; for a tool avoidance the share that failed; for anything else 1.0.
-    ``prior_tool_counts`` gives (successes, failures) per (session, tool) from earlier
-    runs, so a session's quality covers all of its calls whichever run saw them.
-    """
-    prior = prior_tool_counts or {}
-    groups: dict[tuple[str, str | None], SessionGroup] = {}
-    tool_calls: dict[tuple[str | None, str], list[int]] = defaultdict(lambda: [0, 0])
-    for obs in observations:
-        key = fact_key(obs)
-        if key is None:
-            continue
-        if key.tool is not None:
-            tool_calls[(obs.session_id, key.tool)][
-                0 if key.category is FactCategory.TOOL_AFFINITY else 1
-            ] += 1
-        group = groups.get((key.subject, obs.session_id))
-        if group is None:
-            groups[(key.subject, obs.session_id)] = SessionGroup(
-                key, obs.session_id, obs.created_at, key.content
-            )
-        elif group.at is None or obs.created_at >= group.at:
-            group.at, group.content = obs.created_at, key.content
-
-    for (session_id, tool), (new_successes, new_failures) in tool_calls.items():
-        earlier = prior.get((session_id, tool), (0, 0)) if session_id is not None else (0, 0)
-        successes, failures = earlier[0] + new_successes, earlier[1] + new_failures
-        for category, own in (
-            (FactCategory.TOOL_AFFINITY, successes),
-            (FactCategory.TOOL_AVOIDANCE, failures),
-        ):
-            if own == 0:
-                continue
-            key = _tool_fact_key(category, tool)
-            group = groups.get((key.subject, session_id))
-            if group is None:  # only earlier runs saw this outcome: requalify it
-                group = groups[(key.subject, session_id)] = SessionGroup(
-                    key, session_id, None, key.content
-                )
-            group.hits, group.trials = own, successes + failures
-
-    by_subject: dict[str, list[SessionGroup]] = defaultdict(list)
-    for (subject, _), group in groups.items():
-        by_subject[subject].append(group)
-    for session_groups in by_subject.values():
-        session_groups.sort(
-            key=lambda g: (g.at or datetime.min.replace(tzinfo=UTC), g.session_id or "")
-        )
-    return by_subject
-
-
-def prior_tool_counts(events: Iterable[FactEvent]) -> dict[tuple[str, str], tuple[int, int]]:
-    """(successes, failures) per (session, tool) recorded by earlier runs' events.
-
-    Each tool event records the session's cumulative calls of the tool when it was
-    written; the one with the most calls is the latest.
-    """
-    counts: dict[tuple[str, str], tuple[int, int]] = {}
-    for event in events:
-        if event.session_id is None or event.category not in (
-            FactCategory.TOOL_AFFINITY,
-            FactCategory.TOOL_AVOIDANCE,
-        ):
-            continue
-        tool = event.subject.split(":", 1)[1]
-        own, other = event.hits, event.trials - event.hits
-        pair = (own, other) if event.category is FactCategory.TOOL_AFFINITY else (other, own)
-        key = (event.session_id, tool)
-        if key not in counts or sum(pair) > sum(counts[key]):
-            counts[key] = pair
-    return counts
 
 
 @dataclass(slots=True)
