@@ -43,7 +43,7 @@ from sqlalchemy.engine import RowMapping
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from coda_memory.core.model import as_utc
-from coda_memory.postgres import rollup
+from coda_memory.postgres import rollup_upkeep
 from coda_memory.postgres.sql import query
 from coda_memory.postgres.store import PostgresStore
 from coda_memory.postgres.tenancy import set_all_identities
@@ -224,7 +224,7 @@ async def rebuild_rollups(store: PostgresStore) -> None:
     async def rebuild(conn: AsyncConnection) -> None:
         async with conn.begin():
             await set_all_identities(conn)  # every identity's observations (the owner)
-            await rollup.rebuild(conn)
+            await rollup_upkeep.rebuild(conn)
 
     # One transaction, replacing the rollup whole: retried on a dead connection.
     await store.run(rebuild)

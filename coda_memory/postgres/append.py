@@ -24,7 +24,8 @@ from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from coda_memory.ports import AppendOutcome, ObservationRecord
-from coda_memory.postgres.rollup import SHARDS, write_rollup, write_rollup_part
+from coda_memory.postgres.rollup import SHARDS
+from coda_memory.postgres.rollup_batch import write_rollup, write_rollup_part
 from coda_memory.postgres.sql import in_schema, query, source
 
 #: The parameters of ``observations_insert.sql``, one array per column of a row's values.

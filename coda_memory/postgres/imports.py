@@ -158,7 +158,7 @@ def _rollup_statements(shard: int) -> dict[str, Executable]:
 async def _write_rollup(
     conn: AsyncConnection, identity_id: str, types: set[ObservationType]
 ) -> None:
-    """As :func:`~coda_memory.postgres.rollup.write_rollup` for one identity."""
+    """As :func:`~coda_memory.postgres.rollup_batch.write_rollup` for one identity."""
     statements = _rollup_statements(await connection_shard(conn))
     wanted = [
         ("tool", bool(types.intersection(TOOL_TYPES))),

@@ -35,26 +35,28 @@ Design
   not sharded. Every statement upserts in key order, per-identity rows before the global
   rows they feed, and ``forget`` follows the same order, so concurrent batches wait for
   each other but never deadlock.
-* **Forget.** :func:`forget_identity` deletes the identity's per-identity rows and takes
-  the identity out of the user counters they fed, in ``forget``'s transaction; the
-  anonymous call, access and query counts stay. An identity that comes back is counted
-  afresh, once.
+* **Forget.** :func:`.rollup_upkeep.forget_identity` deletes the identity's per-identity
+  rows and takes the identity out of the user counters they fed, in ``forget``'s
+  transaction; the anonymous call, access and query counts stay. An identity that comes
+  back is counted afresh, once.
 * **Filling it.** Migration 0002 backfills the rollup from the observations stored when
-  it runs; :func:`rebuild` recomputes it from them (for bulk loads that bypass append).
+  it runs; :func:`.rollup_upkeep.rebuild` recomputes it from them (for bulk loads that
+  bypass append).
   Per-identity rows are one per identity and tool or entity, and one per identity, domain
   and active day for domains; nothing prunes them but ``forget``.
 
 Keys come from the stored metadata (``toolName``, ``entityType``/``entityId``,
 ``domain``); a row whose key is missing or longer than :data:`MAX_KEY_CHARS` is not
 counted. Days are UTC days of ``created_at``.
+
+This module builds the statements; :mod:`.rollup_batch` compiles and runs them for each
+appended batch, :mod:`.rollup_upkeep` forgets an identity's rows and rebuilds the rollup.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
-from functools import lru_cache
 from typing import Any
 
 from sqlalchemy import (
@@ -70,17 +72,13 @@ from sqlalchemy import (
     bindparam,
     case,
     cast,
-    delete,
     func,
     literal,
     select,
     union_all,
 )
 from sqlalchemy.dialects.postgresql import ARRAY, insert
-from sqlalchemy.dialects.postgresql.asyncpg import dialect as asyncpg_dialect
 from sqlalchemy.ext.asyncio import AsyncConnection
-from sqlalchemy.ext.compiler import compiles
-from sqlalchemy.schema import ExecutableDDLElement
 from sqlalchemy.sql.dml import Insert
 from sqlalchemy.sql.selectable import CTE, Select
 
@@ -91,7 +89,6 @@ from coda_memory.postgres.schema import (
     entity_daily,
     entity_users,
     observations,
-    schema_translate_map,
     tool_daily,
     tool_durations,
     tool_users,
@@ -211,7 +208,7 @@ def _latest_user_changes(moved: CTE, keys: Sequence[str], counts: Sequence[str])
     return [arrived, left]
 
 
-def _add_to_daily(
+def add_to_daily(
     daily: Table,
     changes: Any,
     keys: Sequence[str],
@@ -264,7 +261,7 @@ def tool_rollup(
     counts = ["successes", "failures", "latest_users"]
     # Both kinds of change per (day, tool), summed into one upsert of the daily rows.
     changes = union_all(calls, *_latest_user_changes(moved, ["tool_name"], counts[:2]))
-    daily = _add_to_daily(tool_daily, changes.subquery("changes"), ["tool_name"], counts, shard)
+    daily = add_to_daily(tool_daily, changes.subquery("changes"), ["tool_name"], counts, shard)
     # The duration histogram; calls without a duration have no bucket.
     group = [stored.c.day, stored.c.tool_name, stored.c.bucket]
     histogram = (
@@ -302,7 +299,7 @@ def entity_rollup(identities: Sequence[str] | None, ids: Sequence[int] | None = 
     moved = _move_latest_day(stored, entity_users, keys)
     # Both kinds of change per (day, entity), summed into one upsert of the daily rows.
     changes = union_all(accesses, *_latest_user_changes(moved, keys, ["accesses"]))
-    return _add_to_daily(
+    return add_to_daily(
         entity_daily, changes.subquery("changes"), keys, ["accesses", "latest_users"], None
     )
 
@@ -336,7 +333,7 @@ def domain_rollup(
     users = select(first.c.day, first.c.domain, literal(0, BigInteger), literal(1, BigInteger))
     # Queries and new users per (day, domain), summed into one upsert of the daily rows.
     changes = union_all(queries, users).subquery("changes")
-    return _add_to_daily(domain_daily, changes, ["domain"], ["queries", "users"], shard)
+    return add_to_daily(domain_daily, changes, ["domain"], ["queries", "users"], shard)
 
 
 async def connection_shard(conn: AsyncConnection, *, writer: bool = False) -> int:
@@ -348,156 +345,3 @@ async def connection_shard(conn: AsyncConnection, *, writer: bool = False) -> in
         columns.append(func.set_config(WRITER_SETTING, "on", True))
     result = await conn.execute(select(*columns))
     return int(result.one()[0])
-
-
-@dataclass(frozen=True, slots=True)
-class _Compiled:
-    """A rollup statement compiled once: its SQL and its positional parameters, whose
-    values are the ones it was built with except the ``identities`` and ``shard``."""
-
-    sql: str
-    names: tuple[str, ...]
-    values: dict[str, Any]
-
-    def arguments(self, identities: list[str], shard: int) -> list[Any]:
-        given = {"identities": identities, "shard": shard}
-        return [given[n] if n in given else self.values[n] for n in self.names]
-
-
-def _compile(statement: Insert, schema: str) -> _Compiled:
-    compiled = statement.compile(
-        dialect=_DIALECT,
-        schema_translate_map=schema_translate_map(schema),
-        render_schema_translate=True,
-        compile_kwargs={"render_postcompile": True},
-    )
-    assert compiled.positiontup is not None
-    return _Compiled(compiled.string, tuple(compiled.positiontup), dict(compiled.params))
-
-
-_DIALECT = asyncpg_dialect()  # type: ignore[no-untyped-call]
-
-
-@lru_cache(maxsize=16)
-def batch_statements(schema: str) -> tuple[_Compiled, _Compiled, _Compiled]:
-    """The tool, entity and domain rollup statements of a batch, compiled once per schema
-    (building them costs more than running them)."""
-    return (
-        _compile(tool_rollup([], 0), schema),
-        _compile(entity_rollup([]), schema),
-        _compile(domain_rollup([], 0), schema),
-    )
-
-
-async def write_rollup(
-    driver: Any, schema: str, shard: int, stored: Sequence[tuple[str, str]]
-) -> None:
-    """Fold the rows this transaction stored, given as (identity_id, type), into the
-    rollup, through ``driver`` (asyncpg, inside the transaction); one statement per kind
-    of observation present."""
-    types = {observation_type for _, observation_type in stored}
-    identities = sorted({identity_id for identity_id, _ in stored})
-    tools, entities, domains = batch_statements(schema)
-    # Tools, entities, domains: the order every writer (and forget) follows.
-    if types.intersection(TOOL_TYPES):
-        await driver.execute(tools.sql, *tools.arguments(identities, shard))
-    if ObservationType.ENTITY_ACCESS in types:
-        await driver.execute(entities.sql, *entities.arguments(identities, shard))
-    if ObservationType.QUERY_PATTERN in types:
-        await driver.execute(domains.sql, *domains.arguments(identities, shard))
-
-
-async def write_rollup_part(
-    conn: AsyncConnection, shard: int, stored: Sequence[tuple[str, str]], ids: Sequence[int]
-) -> None:
-    """:func:`write_rollup` for part of a batch being bisected: the rows given by
-    ``ids`` only, when the transaction stored other rows of the same identities too."""
-    types = {observation_type for _, observation_type in stored}
-    identities = sorted({identity_id for identity_id, _ in stored})
-    if types.intersection(TOOL_TYPES):
-        await conn.execute(tool_rollup(identities, shard, ids))
-    if ObservationType.ENTITY_ACCESS in types:
-        await conn.execute(entity_rollup(identities, ids))
-    if ObservationType.QUERY_PATTERN in types:
-        await conn.execute(domain_rollup(identities, shard, ids))
-
-
-def _forget_latest(
-    identity_id: str, users: Table, daily: Table, keys: Sequence[str], shard: int | None
-) -> Insert:
-    """Delete the identity's latest-day rows and take it out of their daily counters."""
-    gone = (
-        delete(users)
-        .where(users.c.identity_id == identity_id)
-        .returning(users.c.last_day.label("day"), *(users.c[k] for k in keys))
-        .cte("gone")
-    )
-    counts = [c.name for c in daily.c if c.name not in {"day", "shard", *keys}]
-    changes = select(
-        gone.c.day,
-        *(gone.c[k] for k in keys),
-        *(literal(-1 if name == "latest_users" else 0, BigInteger).label(name) for name in counts),
-    ).subquery("changes")
-    return _add_to_daily(daily, changes, keys, counts, shard)
-
-
-def _forget_domains(identity_id: str, shard: int) -> Insert:
-    gone = (
-        delete(domain_users)
-        .where(domain_users.c.identity_id == identity_id)
-        .returning(domain_users.c.day, domain_users.c.domain)
-        .cte("gone")
-    )
-    changes = select(
-        gone.c.day,
-        gone.c.domain,
-        literal(0, BigInteger).label("queries"),
-        literal(-1, BigInteger).label("users"),
-    ).subquery("changes")
-    return _add_to_daily(domain_daily, changes, ["domain"], ["queries", "users"], shard)
-
-
-async def forget_identity(conn: AsyncConnection, identity_id: str) -> None:
-    """Delete the identity's per-identity rollup rows and its place in the user counts;
-    the anonymous call, access and query counts stay."""
-    shard = await connection_shard(conn)
-    await conn.execute(_forget_latest(identity_id, tool_users, tool_daily, ["tool_name"], shard))
-    keys = ["entity_type", "entity_id"]
-    await conn.execute(_forget_latest(identity_id, entity_users, entity_daily, keys, None))
-    await conn.execute(_forget_domains(identity_id, shard))
-
-
-class _Truncate(ExecutableDDLElement):
-    """``TRUNCATE`` of tables, named like any table (``schema_translate_map`` applies)."""
-
-    inherit_cache = False
-
-    def __init__(self, *tables: Table) -> None:
-        self.tables = tables
-
-
-@compiles(_Truncate)
-def _compile_truncate(element: _Truncate, compiler: Any, **kw: Any) -> str:
-    return "TRUNCATE " + ", ".join(compiler.preparer.format_table(t) for t in element.tables)
-
-
-ROLLUP_TABLES = (
-    tool_daily,
-    tool_durations,
-    tool_users,
-    entity_daily,
-    entity_users,
-    domain_daily,
-    domain_users,
-)
-
-
-async def rebuild(conn: AsyncConnection) -> None:
-    """Empty the rollup and fold every stored observation into it, in the transaction
-    ``conn`` is in (the caller commits). History older than the stored observations is
-    lost; appends wait for the transaction, then add their own rows."""
-    shard = await connection_shard(conn)
-    await conn.execute(_Truncate(*ROLLUP_TABLES))
-    await conn.execute(tool_rollup(None, shard))
-    await conn.execute(entity_rollup(None))
-    await conn.execute(domain_rollup(None, shard))

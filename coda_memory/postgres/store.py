@@ -91,7 +91,8 @@ from coda_memory.postgres.repositories import (
     FactRepository,
     ObservationRepository,
 )
-from coda_memory.postgres.rollup import batch_statements, forget_identity
+from coda_memory.postgres.rollup_batch import batch_statements
+from coda_memory.postgres.rollup_upkeep import forget_identity
 from coda_memory.postgres.schema import DEFAULT_SCHEMA, redis_imports, validate_schema_name
 from coda_memory.postgres.tenancy import SET_TENANT, SET_TENANT_SESSION, set_tenant
 from coda_memory.postgres.unit import (

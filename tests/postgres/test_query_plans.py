@@ -29,7 +29,7 @@ from coda_memory.postgres.analytics import (
 )
 from coda_memory.postgres.engine import driver_connection
 from coda_memory.postgres.migrate import migrate_async
-from coda_memory.postgres.rollup import batch_statements
+from coda_memory.postgres.rollup_batch import batch_statements
 from tests.postgres.helpers import record
 
 NOW = datetime(2026, 3, 1, 12, 0, tzinfo=UTC)
@@ -246,7 +246,7 @@ async def test_the_rollup_reads_back_the_batch_by_index(loaded: PostgresStore) -
     ]
 
     await loaded.append(batch)
-    # The statements append runs, compiled once (rollup.batch_statements), with the batch's
+    # The statements append runs, compiled once (rollup_batch.batch_statements), with the batch's
     # identities; appends send them through the driver, so they are explained directly.
     plans: list[list[dict[str, Any]]] = []
     async with loaded.engine.connect() as conn:

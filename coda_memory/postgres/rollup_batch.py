@@ -1,0 +1,89 @@
+"""The rollup statements of an appended batch: compiled once per schema, run through the
+driver inside the append's transaction (see :mod:`.rollup` for the design)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any
+
+from sqlalchemy.dialects.postgresql.asyncpg import dialect as asyncpg_dialect
+from sqlalchemy.ext.asyncio import AsyncConnection
+from sqlalchemy.sql.dml import Insert
+
+from coda_memory.core.model import ObservationType
+from coda_memory.postgres.rollup import TOOL_TYPES, domain_rollup, entity_rollup, tool_rollup
+from coda_memory.postgres.schema import schema_translate_map
+
+
+@dataclass(frozen=True, slots=True)
+class _Compiled:
+    """A rollup statement compiled once: its SQL and its positional parameters, whose
+    values are the ones it was built with except the ``identities`` and ``shard``."""
+
+    sql: str
+    names: tuple[str, ...]
+    values: dict[str, Any]
+
+    def arguments(self, identities: list[str], shard: int) -> list[Any]:
+        given = {"identities": identities, "shard": shard}
+        return [given[n] if n in given else self.values[n] for n in self.names]
+
+
+def _compile(statement: Insert, schema: str) -> _Compiled:
+    compiled = statement.compile(
+        dialect=_DIALECT,
+        schema_translate_map=schema_translate_map(schema),
+        render_schema_translate=True,
+        compile_kwargs={"render_postcompile": True},
+    )
+    assert compiled.positiontup is not None
+    return _Compiled(compiled.string, tuple(compiled.positiontup), dict(compiled.params))
+
+
+_DIALECT = asyncpg_dialect()  # type: ignore[no-untyped-call]
+
+
+@lru_cache(maxsize=16)
+def batch_statements(schema: str) -> tuple[_Compiled, _Compiled, _Compiled]:
+    """The tool, entity and domain rollup statements of a batch, compiled once per schema
+    (building them costs more than running them)."""
+    return (
+        _compile(tool_rollup([], 0), schema),
+        _compile(entity_rollup([]), schema),
+        _compile(domain_rollup([], 0), schema),
+    )
+
+
+async def write_rollup(
+    driver: Any, schema: str, shard: int, stored: Sequence[tuple[str, str]]
+) -> None:
+    """Fold the rows this transaction stored, given as (identity_id, type), into the
+    rollup, through ``driver`` (asyncpg, inside the transaction); one statement per kind
+    of observation present."""
+    types = {observation_type for _, observation_type in stored}
+    identities = sorted({identity_id for identity_id, _ in stored})
+    tools, entities, domains = batch_statements(schema)
+    # Tools, entities, domains: the order every writer (and forget) follows.
+    if types.intersection(TOOL_TYPES):
+        await driver.execute(tools.sql, *tools.arguments(identities, shard))
+    if ObservationType.ENTITY_ACCESS in types:
+        await driver.execute(entities.sql, *entities.arguments(identities, shard))
+    if ObservationType.QUERY_PATTERN in types:
+        await driver.execute(domains.sql, *domains.arguments(identities, shard))
+
+
+async def write_rollup_part(
+    conn: AsyncConnection, shard: int, stored: Sequence[tuple[str, str]], ids: Sequence[int]
+) -> None:
+    """:func:`write_rollup` for part of a batch being bisected: the rows given by
+    ``ids`` only, when the transaction stored other rows of the same identities too."""
+    types = {observation_type for _, observation_type in stored}
+    identities = sorted({identity_id for identity_id, _ in stored})
+    if types.intersection(TOOL_TYPES):
+        await conn.execute(tool_rollup(identities, shard, ids))
+    if ObservationType.ENTITY_ACCESS in types:
+        await conn.execute(entity_rollup(identities, ids))
+    if ObservationType.QUERY_PATTERN in types:
+        await conn.execute(domain_rollup(identities, shard, ids))

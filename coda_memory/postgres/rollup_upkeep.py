@@ -1,0 +1,112 @@
+"""Rollup upkeep outside the append path: forgetting an identity's per-identity rows
+(and its place in the user counters), and rebuilding the whole rollup from the stored
+observations (see :mod:`.rollup` for the design)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from sqlalchemy import BigInteger, Table, delete, literal, select
+from sqlalchemy.ext.asyncio import AsyncConnection
+from sqlalchemy.ext.compiler import compiles
+from sqlalchemy.schema import ExecutableDDLElement
+from sqlalchemy.sql.dml import Insert
+
+from coda_memory.postgres.rollup import (
+    add_to_daily,
+    connection_shard,
+    domain_rollup,
+    entity_rollup,
+    tool_rollup,
+)
+from coda_memory.postgres.schema import (
+    domain_daily,
+    domain_users,
+    entity_daily,
+    entity_users,
+    tool_daily,
+    tool_durations,
+    tool_users,
+)
+
+
+def _forget_latest(
+    identity_id: str, users: Table, daily: Table, keys: Sequence[str], shard: int | None
+) -> Insert:
+    """Delete the identity's latest-day rows and take it out of their daily counters."""
+    gone = (
+        delete(users)
+        .where(users.c.identity_id == identity_id)
+        .returning(users.c.last_day.label("day"), *(users.c[k] for k in keys))
+        .cte("gone")
+    )
+    counts = [c.name for c in daily.c if c.name not in {"day", "shard", *keys}]
+    changes = select(
+        gone.c.day,
+        *(gone.c[k] for k in keys),
+        *(literal(-1 if name == "latest_users" else 0, BigInteger).label(name) for name in counts),
+    ).subquery("changes")
+    return add_to_daily(daily, changes, keys, counts, shard)
+
+
+def _forget_domains(identity_id: str, shard: int) -> Insert:
+    gone = (
+        delete(domain_users)
+        .where(domain_users.c.identity_id == identity_id)
+        .returning(domain_users.c.day, domain_users.c.domain)
+        .cte("gone")
+    )
+    changes = select(
+        gone.c.day,
+        gone.c.domain,
+        literal(0, BigInteger).label("queries"),
+        literal(-1, BigInteger).label("users"),
+    ).subquery("changes")
+    return add_to_daily(domain_daily, changes, ["domain"], ["queries", "users"], shard)
+
+
+async def forget_identity(conn: AsyncConnection, identity_id: str) -> None:
+    """Delete the identity's per-identity rollup rows and its place in the user counts;
+    the anonymous call, access and query counts stay."""
+    shard = await connection_shard(conn)
+    await conn.execute(_forget_latest(identity_id, tool_users, tool_daily, ["tool_name"], shard))
+    keys = ["entity_type", "entity_id"]
+    await conn.execute(_forget_latest(identity_id, entity_users, entity_daily, keys, None))
+    await conn.execute(_forget_domains(identity_id, shard))
+
+
+class _Truncate(ExecutableDDLElement):
+    """``TRUNCATE`` of tables, named like any table (``schema_translate_map`` applies)."""
+
+    inherit_cache = False
+
+    def __init__(self, *tables: Table) -> None:
+        self.tables = tables
+
+
+@compiles(_Truncate)
+def _compile_truncate(element: _Truncate, compiler: Any, **kw: Any) -> str:
+    return "TRUNCATE " + ", ".join(compiler.preparer.format_table(t) for t in element.tables)
+
+
+ROLLUP_TABLES = (
+    tool_daily,
+    tool_durations,
+    tool_users,
+    entity_daily,
+    entity_users,
+    domain_daily,
+    domain_users,
+)
+
+
+async def rebuild(conn: AsyncConnection) -> None:
+    """Empty the rollup and fold every stored observation into it, in the transaction
+    ``conn`` is in (the caller commits). History older than the stored observations is
+    lost; appends wait for the transaction, then add their own rows."""
+    shard = await connection_shard(conn)
+    await conn.execute(_Truncate(*ROLLUP_TABLES))
+    await conn.execute(tool_rollup(None, shard))
+    await conn.execute(entity_rollup(None))
+    await conn.execute(domain_rollup(None, shard))
