@@ -45,7 +45,12 @@ PROFILE_CATEGORIES: tuple[tuple[str, Callable[[str, str], bool]], ...] = (
     ("consolidation engine (plan, decay, model)", lambda f, p: _in_engine(p)),
     ("prompt section + affinities", lambda f, p: p.endswith(("prompt.py", "affinity.py"))),
     ("coda_memory Postgres store (statements, rows)", lambda f, p: "/coda_memory/postgres/" in p),
-    ("coda_memory service", lambda f, p: p.endswith("coda_memory/service.py")),
+    (
+        "coda_memory service",
+        lambda f, p: p.endswith(
+            tuple(f"coda_memory/{name}.py" for name in ("service", "writer", "stats", "stores"))
+        ),
+    ),
     ("greenlet bridge", lambda f, p: "greenlet" in p),
     ("asyncio event loop (task switches, callbacks)", lambda f, p: "/asyncio/" in p),
 )
@@ -53,7 +58,7 @@ PROFILE_CATEGORIES: tuple[tuple[str, Callable[[str, str], bool]], ...] = (
 
 def _in_engine(path: str) -> bool:
     return "/coda_memory/" in path and path.endswith(
-        ("consolidation.py", "decay.py", "model.py", "sanitize.py")
+        ("consolidation.py", "sessions.py", "decay.py", "model.py", "sanitize.py")
     )
 
 

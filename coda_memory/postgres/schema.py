@@ -218,7 +218,7 @@ redis_imports = Table(
     PrimaryKeyConstraint("identity_id", "source"),
 )
 
-# The rollup: usage counts that outlive the raw observations (see store/postgres/rollup.py).
+# The rollup: usage counts that outlive the raw observations (see postgres/rollup.py).
 
 #: Calls of each tool per UTC day, and the identities whose latest call of it was that day.
 tool_daily = Table(
