@@ -43,20 +43,32 @@ _ITEM_OVERHEAD = 512
 
 def _approximate_bytes(obs: NewObservation) -> int:
     """What a queued observation holds in memory, about: its text and its metadata's."""
-    return _ITEM_OVERHEAD + sys.getsizeof(obs.content) + _nested_bytes(obs.metadata, 0)
+    size = _ITEM_OVERHEAD + sys.getsizeof(obs.content)
+    metadata = obs.metadata
+    return size + _nested_bytes(metadata, 0) if metadata else size
+
+
+#: Scalar metadata values, counted flat (exact types, checked first: this is the emit path).
+_SCALARS = frozenset({int, float, bool, type(None)})
 
 
 def _nested_bytes(value: object, depth: int) -> int:
-    if isinstance(value, str | bytes):
+    kind = type(value)
+    if kind is str or kind is bytes:
         return sys.getsizeof(value)
+    if kind in _SCALARS:
+        return 32
     if depth > 16:  # far deeper than validation accepts: count it as big
         return 1 << 20
     if isinstance(value, dict):
-        return 64 + sum(
-            _nested_bytes(k, depth + 1) + _nested_bytes(v, depth + 1) for k, v in value.items()
-        )
+        size = 64
+        for key, item in value.items():
+            size += _nested_bytes(key, depth + 1) + _nested_bytes(item, depth + 1)
+        return size
     if isinstance(value, list | tuple | set | frozenset):
-        return 64 + sum(_nested_bytes(v, depth + 1) for v in value)
+        return 64 + sum(_nested_bytes(item, depth + 1) for item in value)
+    if isinstance(value, str | bytes):  # their subclasses
+        return sys.getsizeof(value)
     return 32
 
 
