@@ -144,9 +144,11 @@ def command_line() -> str:
                 argv[n] = make_url(arg).render_as_string(hide_password=True)
             except Exception:
                 argv[n] = "<url>"
+    if argv and argv[0].endswith("__main__.py"):
+        argv[0] = "-m benchmarks"  # the script's absolute path names the machine, not the run
     python = Path(sys.executable)
     try:
         shown = str(python.relative_to(Path.cwd()))
     except ValueError:
-        shown = str(python)
-    return shlex.join([shown, *argv])
+        shown = python.name
+    return " ".join([shown, *(a if a == "-m benchmarks" else shlex.quote(a) for a in argv)])
