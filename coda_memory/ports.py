@@ -28,6 +28,18 @@ class AppendOutcome:
     discarded: int = 0
 
 
+def check_plan_identity(plan: ConsolidationPlan, identity_id: str) -> None:
+    """Refuse a plan that touches any identity but the unit's own (every store's write)."""
+    owners = {plan.identity_id}
+    owners.update(f.identity_id for f in plan.upserts)
+    owners.update(e.identity_id for e in plan.events)
+    if owners != {identity_id}:
+        raise ValueError(
+            f"the plan touches identities {sorted(owners)!r}, "
+            f"but this unit consolidates {identity_id!r}"
+        )
+
+
 class ConsolidationUnit(Protocol):
     """A unit of work for consolidating one identity; it holds the identity's lock."""
 

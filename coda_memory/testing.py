@@ -21,7 +21,7 @@ from coda_memory.core.consolidation import (
     ConsolidationPlan,
 )
 from coda_memory.core.model import Fact, FactEvent, Observation
-from coda_memory.ports import AppendOutcome, ObservationRecord
+from coda_memory.ports import AppendOutcome, ObservationRecord, check_plan_identity
 
 
 @dataclass(slots=True)
@@ -73,7 +73,7 @@ class InMemoryConsolidationUnit:
         self._check_open()
         if self._loaded_upto is None:
             raise RuntimeError("write() needs load() first: the plan must come from this unit")
-        self._check_identity(plan)
+        check_plan_identity(plan, self.identity_id)
         self._plan = plan
 
     async def commit(self) -> None:
@@ -100,16 +100,6 @@ class InMemoryConsolidationUnit:
     def _check_open(self) -> None:
         if self._committed:
             raise RuntimeError("this unit of work is committed; open a new one")
-
-    def _check_identity(self, plan: ConsolidationPlan) -> None:
-        owners = {plan.identity_id}
-        owners.update(f.identity_id for f in plan.upserts)
-        owners.update(e.identity_id for e in plan.events)
-        if owners != {self.identity_id}:
-            raise ValueError(
-                f"the plan touches identities {sorted(owners)!r}, "
-                f"but this unit consolidates {self.identity_id!r}"
-            )
 
 
 class InMemoryStore:

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from coda_memory.core.model import Fact, gc_paused
-from coda_memory.ports import ConsolidationInput, ConsolidationPlan
+from coda_memory.ports import ConsolidationInput, ConsolidationPlan, check_plan_identity
 from coda_memory.postgres.rows import event_from_row, fact_from_row, observation_from_row
 from coda_memory.postgres.sql import Query, query
 
@@ -208,7 +208,7 @@ class PostgresConsolidationUnit:
         self._check_open()
         if self._snapshot is None:
             raise RuntimeError("write() needs load() first: the plan must come from this unit")
-        self._check_identity(plan)
+        check_plan_identity(plan, self.identity_id)
         write = self._sql.write
         await self._raw.fetchrow(write.text, *write_arguments(write, plan, self._snapshot))
 
@@ -220,16 +220,6 @@ class PostgresConsolidationUnit:
     def _check_open(self) -> None:
         if self._committed:
             raise RuntimeError("this unit of work is committed; open a new one")
-
-    def _check_identity(self, plan: ConsolidationPlan) -> None:
-        owners = {plan.identity_id}
-        owners.update(f.identity_id for f in plan.upserts)
-        owners.update(e.identity_id for e in plan.events)
-        if owners != {self.identity_id}:
-            raise ValueError(
-                f"the plan touches identities {sorted(owners)!r}, "
-                f"but this unit consolidates {self.identity_id!r}"
-            )
 
 
 @dataclass(frozen=True, slots=True)

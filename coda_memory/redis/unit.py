@@ -32,6 +32,7 @@ from typing import Any
 
 from coda_memory.core.consolidation import REINFORCING, ConsolidationInput, ConsolidationPlan
 from coda_memory.core.model import Fact, FactEvent, Observation, fact_id
+from coda_memory.ports import check_plan_identity
 from coda_memory.redis.codec import (
     BadRecord,
     dumps,
@@ -161,14 +162,7 @@ class RedisConsolidationUnit:
         self._check_open()
         if not self._loaded:
             raise RuntimeError("write() needs load() first: the plan must come from this unit")
-        owners = {plan.identity_id}
-        owners.update(f.identity_id for f in plan.upserts)
-        owners.update(e.identity_id for e in plan.events)
-        if owners != {self.identity_id}:
-            raise ValueError(
-                f"the plan touches identities {sorted(owners)!r}, "
-                f"but this unit consolidates {self.identity_id!r}"
-            )
+        check_plan_identity(plan, self.identity_id)
         self._plan = plan
 
     async def commit(self) -> None:
