@@ -162,8 +162,8 @@ class MemoryService(ObservationWriter):
         Extra keyword options go to the service (``retention``, ``queue_size``,
         ``batch_size``, ``prompt_budget_tokens``, ``max_clock_skew``, ``tool_catalog``,
         ``token_counter``, ``telemetry``, ``max_facts``, ``max_consolidations``) or to the store
-        (Postgres: ``schema``, ``pool_size``, ``lock_timeout``, …; Redis: ``prefix``,
-        ``lock_timeout``, ``history_limit``, …)."""
+        (Postgres: ``schema``, ``pool_size``, ``lock_timeout``, ``known_facts``, …; Redis:
+        ``prefix``, ``lock_timeout``, ``history_limit``, …)."""
         service_keys = {
             "retention",
             "queue_size",

@@ -17,6 +17,7 @@ _SIGNS: Mapping[FactCategory, float] = {
     FactCategory.TOOL_AFFINITY: 1.0,
     FactCategory.TOOL_AVOIDANCE: -1.0,
 }
+_PREFIXES: Mapping[FactCategory, str] = {category: f"{category.value}:" for category in _SIGNS}
 
 
 def extract_tool_affinities(facts: Iterable[Fact]) -> dict[str, float]:
@@ -29,8 +30,10 @@ def extract_tool_affinities(facts: Iterable[Fact]) -> dict[str, float]:
     affinities: dict[str, float] = {}
     for fact in facts:
         sign = _SIGNS.get(fact.category)
-        prefix = f"{fact.category.value}:"
-        if sign is None or not fact.subject.startswith(prefix):
+        if sign is None:
+            continue
+        prefix = _PREFIXES[fact.category]
+        if not fact.subject.startswith(prefix):
             continue
         tool = fact.subject.removeprefix(prefix)
         if not tool or not math.isfinite(fact.confidence):

@@ -36,7 +36,7 @@ from coda_memory.core.model import (
     Observation,
     fact_id,
     gc_paused,
-    trusted,
+    with_confidence,
 )
 from coda_memory.core.sessions import FactKey as FactKey
 from coda_memory.core.sessions import SessionGroup, group_by_session, prior_tool_counts
@@ -247,9 +247,7 @@ def _state_before(event: FactEvent, current: Fact) -> Fact | None:
 
 def view_at(fact: Fact, decay: DecayStrategy, now: datetime) -> Fact:
     """The fact as seen at ``now``: effective confidence, ``confidence_at = now``."""
-    return trusted(
-        Fact, **{**fact.__dict__, "confidence": decay.decayed(fact, now), "confidence_at": now}
-    )
+    return with_confidence(fact, decay.decayed(fact, now), now)
 
 
 def active_views(facts: Iterable[Fact], decay: DecayStrategy, now: datetime) -> list[Fact]:
@@ -261,11 +259,7 @@ def active_views(facts: Iterable[Fact], decay: DecayStrategy, now: datetime) -> 
             # Decay once per fact, and build a view only for a fact that is returned.
             confidence = decay.decayed(fact, now)
             if confidence >= threshold:
-                views.append(
-                    trusted(
-                        Fact, **{**fact.__dict__, "confidence": confidence, "confidence_at": now}
-                    )
-                )
+                views.append(with_confidence(fact, confidence, now))
     views.sort(key=_subject)
     return views
 
@@ -328,9 +322,7 @@ def plan_consolidation(
                 if subject in stored:
                     deletes.append(subject)
                 continue
-            active.append(
-                trusted(Fact, **{**fact.__dict__, "confidence": confidence, "confidence_at": now})
-            )
+            active.append(with_confidence(fact, confidence, now))
     # The cap: the best ranked facts stay, the others are deleted (no history event: they
     # did not expire, and a new observation starts them again like an expired fact).
     active, evicted = keep_by_rank(active, max_facts)

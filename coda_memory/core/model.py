@@ -208,13 +208,44 @@ def gc_paused() -> Iterator[None]:
             gc.enable()
 
 
+#: One "fields set" per frozen model class, shared by its trusted instances: every field
+#: is given, and pydantic changes a frozen model's set only on copies of it.
+_ALL_FIELDS: dict[type[BaseModel], set[str]] = {}
+
+
+def _fields_set(cls: type[BaseModel], values: dict[str, Any]) -> set[str]:
+    shared = _ALL_FIELDS.get(cls)
+    if shared is None:
+        if not cls.model_config.get("frozen"):
+            return set(values)
+        shared = _ALL_FIELDS.setdefault(cls, set(cls.model_fields))
+    return shared
+
+
 def trusted(cls: type[M], **values: Any) -> M:
     """A model from values that are already valid (rows we wrote, copies of models),
     without validation: the hot paths build thousands of these. Every field must be given.
     """
+    return trusted_from(cls, values)
+
+
+_set = object.__setattr__
+
+
+def trusted_from(cls: type[M], values: dict[str, Any]) -> M:
+    """:func:`trusted` with the values in a dict, which the model keeps (not copied)."""
     model = cls.__new__(cls)
-    object.__setattr__(model, "__dict__", values)
-    object.__setattr__(model, "__pydantic_fields_set__", set(values))
-    object.__setattr__(model, "__pydantic_extra__", None)
-    object.__setattr__(model, "__pydantic_private__", None)
+    _set(model, "__dict__", values)
+    _set(model, "__pydantic_fields_set__", _fields_set(cls, values))
+    _set(model, "__pydantic_extra__", None)
+    _set(model, "__pydantic_private__", None)
     return model
+
+
+def with_confidence(fact: Fact, confidence: float, at: datetime) -> Fact:
+    """``fact`` with ``confidence`` at ``at``: a view of it at that instant. The cheapest
+    copy of a fact (a dict copy, no validation), since loads build one per fact."""
+    values = fact.__dict__.copy()
+    values["confidence"] = confidence
+    values["confidence_at"] = at
+    return trusted_from(Fact, values)

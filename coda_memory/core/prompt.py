@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 
@@ -41,8 +42,10 @@ _GROUP_OF: dict[FactCategory, int] = {
 }
 
 
+@functools.lru_cache(maxsize=16_384)
 def _fact_line(content: str) -> str:
-    """The list item showing ``content`` as data, or "" when nothing of it is left."""
+    """The list item showing ``content`` as data, or "" when nothing of it is left
+    (remembered: a fact's content is the same from one load to the next)."""
     text = data_text(content, MAX_FACT_CHARS)
     return f"- {text}" if text else ""
 

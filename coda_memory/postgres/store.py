@@ -26,16 +26,14 @@ nothing, and its observations are read again by the next one.
 
 Facts read once
 ---------------
-A peek that finds observations waiting keeps the facts it read, with the checkpoint's
-snapshot they went with (one statement, one snapshot). The consolidation that follows
-locks the checkpoint row; if its snapshot is still the one the peek saw, the facts are
-those the peek read, and are not read again. Facts are written only by a consolidation,
-in the transaction that also stores on the checkpoint the snapshot it took after locking
-the row, and that snapshot differs from every one stored before it: either an xid was
-assigned since the earlier one was taken (a higher xmax), or the later consolidation's
-own xid was in progress in the earlier snapshot and is absent from its own. So an
-unchanged snapshot means unchanged facts. ``forget`` deletes the checkpoint: a peek that
-sees none keeps nothing.
+The store keeps each identity's facts as it last read or wrote them, with the version
+of the checkpoint row they go with (:mod:`~coda_memory.postgres.known`, bounded by
+``known_facts``). A peek sends the version it knows and gets the facts only when the
+row has another one; the consolidation that follows locks the row and reuses the kept
+facts when the locked row still has their version. After a commit the store keeps the
+facts the consolidation left, with the row version its write statement returned. So an
+identity that only this process consolidates has its facts read once, and each request
+reads one row to learn that nothing else changed them.
 
 Connection budgets
 ------------------
@@ -60,7 +58,6 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from datetime import timedelta
@@ -84,6 +81,7 @@ from coda_memory.postgres.connection import (
     run,
 )
 from coda_memory.postgres.engine import create_engine, driver_connection, schema_required
+from coda_memory.postgres.known import DEFAULT_KNOWN_FACTS, Known, KnownFacts
 from coda_memory.postgres.repositories import (
     Checkpoint,
     CheckpointRepository,
@@ -104,8 +102,6 @@ from coda_memory.postgres.unit import (
 )
 
 DEFAULT_LOCK_TIMEOUT = timedelta(seconds=5)
-#: Peeks kept for the consolidations that follow them (most recent first out last).
-_PEEKED_KEPT = 1024
 #: Every statement of a request (peek, consolidation); lock waits included.
 DEFAULT_STATEMENT_TIMEOUT = timedelta(seconds=1)
 #: How long an append waits for a lock before it fails and is retried.
@@ -159,15 +155,18 @@ class PostgresStore:
         lock_timeout: timedelta | None = DEFAULT_LOCK_TIMEOUT,
         request_engine: AsyncEngine | None = None,
         writer_engine: AsyncEngine | None = None,
+        known_facts: int = DEFAULT_KNOWN_FACTS,
     ) -> None:
         """Use ``engine`` (and ``request_engine`` for peeks and consolidations,
         ``writer_engine`` for appends; ``engine`` when None), whose
         ``schema_translate_map`` must place the tables in ``schema`` (:meth:`from_url`
-        builds such engines, with the pools and timeouts the module docstring describes)."""
+        builds such engines, with the pools and timeouts the module docstring describes).
+        ``known_facts``: how many facts, all identities together, the store keeps between
+        requests (0: none; see "Facts read once" above)."""
         self.engine = engine
         self.request_engine = request_engine if request_engine is not None else engine
         self.writer_engine = writer_engine if writer_engine is not None else engine
-        self._peeked: OrderedDict[str, Peeked] = OrderedDict()
+        self._known = KnownFacts(known_facts)
         self.schema = validate_schema_name(schema)
         self._statements = Statements.for_schema(self.schema)
         # The transaction of a consolidation and its settings, in one round trip (the
@@ -193,12 +192,14 @@ class PostgresStore:
         writer_lock_timeout: timedelta | None = DEFAULT_WRITER_LOCK_TIMEOUT,
         connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
         command_timeout: float | None = DEFAULT_COMMAND_TIMEOUT,
+        known_facts: int = DEFAULT_KNOWN_FACTS,
         **engine_kwargs: Any,
     ) -> PostgresStore:
         """A store on ``url`` (postgresql://, postgres:// or postgresql+asyncpg://), with
         a request pool of ``pool_size`` connections whose statements run under
         ``statement_timeout``, a writer pool of ``writer_pool_size`` whose lock waits end
-        after ``writer_lock_timeout`` (None: no limit), and an admin pool."""
+        after ``writer_lock_timeout`` (None: no limit), and an admin pool; it keeps up to
+        ``known_facts`` facts between requests."""
         if pool_size < 1 or writer_pool_size < 1:
             raise ValueError("pool_size and writer_pool_size must be at least 1")
         # A server that stops answering fails the work with a connection error instead of
@@ -226,6 +227,7 @@ class PostgresStore:
             lock_timeout=lock_timeout,
             request_engine=request_engine,
             writer_engine=writer_engine,
+            known_facts=known_facts,
         )
 
     @property
@@ -282,9 +284,12 @@ class PostgresStore:
                     self._statements,
                     identity_id,
                     partial(driver.execute, "COMMIT"),
-                    self._peeked.pop(identity_id, None),
+                    self._known.entry(identity_id),
                 )
             yield unit
+            # The facts as the unit left them (committed) or found them (not committed).
+            if unit.known is not None:
+                self._known.put(identity_id, unit.known)
 
     async def facts(self, identity_id: str) -> list[Fact]:
         return await self.run(
@@ -292,21 +297,21 @@ class PostgresStore:
         )
 
     async def peek(self, identity_id: str) -> tuple[list[Fact], bool]:
+        known = self._known.entry(identity_id)
+
         async def read(conn: AsyncConnection) -> Peeked:
             driver = await driver_connection(conn)
             # No transaction: the tenant is the session's, until the connection's next
             # transaction sets its own.
             await driver.execute(SET_TENANT_SESSION, identity_id)
-            return await peek(driver, self._statements, identity_id)
+            return await peek(driver, self._statements, identity_id, known)
 
         peeked = await run(self.request_engine, self.schema, read, idempotent=True)
-        if peeked.pending and peeked.snapshot is not None:
-            # The consolidation that follows reuses these facts if the checkpoint has not
-            # moved meanwhile (see "Facts read once" above).
-            self._peeked[identity_id] = peeked
-            self._peeked.move_to_end(identity_id)
-            while len(self._peeked) > _PEEKED_KEPT:
-                self._peeked.popitem(last=False)
+        if peeked.read:
+            # Kept for later peeks and the consolidation that follows (see "Facts read
+            # once" above).
+            kept = None if peeked.version is None else Known.of(peeked.version, peeked.facts)
+            self._known.put(identity_id, kept)
         return peeked.facts, peeked.pending
 
     async def history(self, identity_id: str, subject: str | None = None) -> list[FactEvent]:
@@ -354,6 +359,7 @@ class PostgresStore:
 
         # Forgetting twice forgets the same: retried on a dead connection.
         await self.run(forget)
+        self._known.discard(identity_id)
 
     async def run(
         self, work: Callable[[AsyncConnection], Awaitable[T]], *, idempotent: bool = True

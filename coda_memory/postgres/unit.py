@@ -6,8 +6,9 @@ statements that asyncpg prepares once per connection, and keeps round trips to a
 * lock: one ``SELECT … FOR UPDATE`` (plus an ``INSERT … ON CONFLICT DO NOTHING`` the first
   time an identity is seen);
 * load: the current snapshot and the new observations in one statement, the stored facts
-  in a second (unless the peek before read them), and the earlier fact events of the
-  sessions that have some in a third;
+  in a second (unless this process knows the facts of the checkpoint's version, see
+  :mod:`~coda_memory.postgres.known`), and the earlier fact events of the sessions that
+  have some in a third;
 * write: every write (fact upserts and deletes, history, checkpoint, prune) in one
   statement of data-modifying CTEs.
 
@@ -24,6 +25,7 @@ from typing import Any
 
 from coda_memory.core.model import Fact, gc_paused
 from coda_memory.ports import ConsolidationInput, ConsolidationPlan, check_plan_identity
+from coda_memory.postgres.known import Known, written
 from coda_memory.postgres.rows import event_from_row, fact_from_row, observation_from_row
 from coda_memory.postgres.sql import Query, query
 
@@ -73,16 +75,25 @@ class Statements:
         )
 
 
-async def lock_identity(raw: Any, statements: Statements, identity_id: str) -> str | None:
+@dataclass(frozen=True, slots=True)
+class Locked:
+    """The checkpoint row as its lock was granted."""
+
+    #: The cursor (None: never consolidated).
+    snapshot: str | None
+    #: The version of the identity's facts (:mod:`~coda_memory.postgres.known`).
+    version: str
+
+
+async def lock_identity(raw: Any, statements: Statements, identity_id: str) -> Locked:
     """Lock the identity's checkpoint row until the transaction ``raw`` (an asyncpg
-    connection) is in ends, creating the row first if needed; return its snapshot (None:
-    never consolidated). The transaction's ``lock_timeout`` bounds each wait."""
+    connection) is in ends, creating the row first if needed; return its snapshot and
+    version. The transaction's ``lock_timeout`` bounds each wait."""
     lock, ensure = statements.lock, statements.ensure
     for _ in range(LOCK_ATTEMPTS):
         row = await raw.fetchrow(lock.text, *lock.arguments(identity_id=identity_id))
         if row is not None:
-            snapshot: str | None = row["snapshot"]
-            return snapshot
+            return Locked(row["snapshot"], row["version"])
         # First consolidation (or a concurrent forget removed the row): create it.
         await raw.execute(ensure.text, *ensure.arguments(identity_id=identity_id))
     raise RuntimeError(f"could not lock the checkpoint of {identity_id!r}")
@@ -134,7 +145,7 @@ class PostgresConsolidationUnit:
         raw: Any,
         statements: Statements,
         identity_id: str,
-        stored_snapshot: str | None,
+        locked: Locked,
         commit: Callable[[], Awaitable[None]],
         known_facts: list[Fact] | None = None,
     ) -> None:
@@ -146,10 +157,16 @@ class PostgresConsolidationUnit:
         self._sql = statements
         self.identity_id = identity_id
         #: The cursor as it was when the lock was granted (None: never consolidated).
-        self.stored_snapshot = stored_snapshot
+        self.stored_snapshot = locked.snapshot
+        self._version = locked.version
         self._snapshot: str | None = None
         self._commit = commit
         self._committed = False
+        #: The stored facts with their version, as this transaction sees them; after a
+        #: commit, as it left them (None until known).
+        self.known: Known | None = None
+        self._stored: list[Fact] | None = None
+        self._written: Known | None = None
 
     @classmethod
     async def open(
@@ -158,16 +175,16 @@ class PostgresConsolidationUnit:
         statements: Statements,
         identity_id: str,
         commit: Callable[[], Awaitable[None]],
-        peeked: Peeked | None = None,
+        known: Known | None = None,
     ) -> PostgresConsolidationUnit:
         """Lock the identity's checkpoint row (creating it first if needed); ``raw`` must
-        already be inside the transaction that ``commit`` commits. The facts of
-        ``peeked`` are used when the checkpoint still has the snapshot they went with."""
-        stored_snapshot = await lock_identity(raw, statements, identity_id)
-        known = None
-        if peeked is not None and peeked.snapshot is not None:
-            known = peeked.facts if peeked.snapshot == stored_snapshot else None
-        return cls(raw, statements, identity_id, stored_snapshot, commit, known)
+        already be inside the transaction that ``commit`` commits. The facts ``known``
+        to the caller are used when they go with the locked row's version."""
+        locked = await lock_identity(raw, statements, identity_id)
+        facts = None
+        if known is not None and known.version == locked.version:
+            facts = known.facts()
+        return cls(raw, statements, identity_id, locked, commit, facts)
 
     async def load(self) -> ConsolidationInput:
         self._check_open()
@@ -187,6 +204,8 @@ class PostgresConsolidationUnit:
             fact_rows = await self._raw.fetch(facts.text, *facts.arguments(identity_id=identity_id))
             with gc_paused():
                 stored = [fact_from_row(identity_id, r) for r in fact_rows]
+        self._stored = stored
+        self.known = Known.of(self._version, stored)
         with gc_paused():
             observations = [
                 observation_from_row(identity_id, r) for r in rows if r["id"] is not None
@@ -210,12 +229,15 @@ class PostgresConsolidationUnit:
             raise RuntimeError("write() needs load() first: the plan must come from this unit")
         check_plan_identity(plan, self.identity_id)
         write = self._sql.write
-        await self._raw.fetchrow(write.text, *write_arguments(write, plan, self._snapshot))
+        row = await self._raw.fetchrow(write.text, *write_arguments(write, plan, self._snapshot))
+        if self._stored is not None:
+            self._written = written(row["version"], self._stored, plan.upserts, plan.deletes)
 
     async def commit(self) -> None:
         self._check_open()
         await self._commit()
         self._committed = True
+        self.known = self._written
 
     def _check_open(self) -> None:
         if self._committed:
@@ -228,17 +250,25 @@ class Peeked:
 
     facts: list[Fact]
     pending: bool
-    #: The checkpoint's snapshot the facts go with (None: no checkpoint).
-    snapshot: str | None
+    #: The version of the identity's facts (None: no checkpoint).
+    version: str | None
+    #: False when the facts are the ``known`` ones, not read again.
+    read: bool
 
 
-async def peek(raw: Any, statements: Statements, identity_id: str) -> Peeked:
-    """Stored facts, whether new observations wait, and the checkpoint's snapshot, in one
-    statement and without a lock."""
+async def peek(raw: Any, statements: Statements, identity_id: str, known: Known | None) -> Peeked:
+    """Whether new observations wait, the version of the identity's facts and the facts,
+    in one statement and without a lock; the facts are read only when ``known`` does not
+    hold those of the current version."""
     statement = statements.peek
-    rows = await raw.fetch(statement.text, *statement.arguments(identity_id=identity_id))
+    arguments = statement.arguments(
+        identity_id=identity_id, known_version=None if known is None else known.version
+    )
+    rows = await raw.fetch(statement.text, *arguments)
     pending = bool(rows[0]["pending"]) if rows else False
-    snapshot = rows[0]["snapshot"] if rows else None
+    version = rows[0]["version"] if rows else None
+    if known is not None and version == known.version:
+        return Peeked(known.facts(), pending, version, read=False)
     with gc_paused():
         facts = [fact_from_row(identity_id, r) for r in rows if r["subject"] is not None]
-    return Peeked(facts, pending, snapshot)
+    return Peeked(facts, pending, version, read=True)

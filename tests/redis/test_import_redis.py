@@ -275,3 +275,34 @@ def test_the_command_copies_reports_and_refuses_nothing_twice(
     assert second.exit_code == 0, second.output
     assert (json.loads(second.stdout)["copied"], json.loads(second.stdout)["skipped"]) == (0, 2)
     assert asyncio.run(row_counts(pg_url)) == counts
+
+
+async def test_a_server_that_knows_an_identity_sees_the_facts_an_import_adds(
+    redis_client: aioredis.Redis, redis_url: str, redis_prefix: str, pg_url: str
+) -> None:
+    """A live Postgres server consolidated the identity (and keeps its facts between
+    requests) before the copy from Redis added one it did not have."""
+    source = RedisStore.from_url(redis_url)
+    target = PostgresStore.from_url(pg_url)
+    try:
+        live = MemoryService(target, clock=FakeClock(NOW), load_timeout=5.0)
+        live.emit_observation("user-0001", tool_ok("live_tool"))
+        await live.drain()
+        assert [f.subject for f in await live.consolidate("user-0001")] == [
+            "tool_affinity:live_tool"
+        ]
+        await redis_client.hset(
+            f"{redis_prefix}facts:user-0001",
+            "fact:tool_affinity:old_tool",
+            fact("user-0001", "old_tool", 0.8, 4),
+        )
+        summary = await import_redis(source, target, now=now)
+        assert summary.copied == 1
+        facts, _ = await target.peek("user-0001")
+        assert sorted(f.subject for f in facts) == [
+            "tool_affinity:live_tool",
+            "tool_affinity:old_tool",
+        ]
+    finally:
+        await source.close()
+        await target.close()

@@ -26,6 +26,36 @@ def test_trusted_models_equal_validated_ones() -> None:
     assert fast == validated
     assert fast.model_dump() == validated.model_dump()
     assert fast.model_copy(update={"confidence": 0.7}).confidence == 0.7
+    assert fast.model_fields_set == validated.model_fields_set == set(Fact.model_fields)
+
+
+def test_trusted_models_share_one_fields_set_that_copies_do_not_change() -> None:
+    values = dict(
+        id="fact:tool_affinity:t",
+        identity_id="u",
+        category=FactCategory.TOOL_AFFINITY,
+        subject="tool_affinity:t",
+        content="Uses t successfully",
+        confidence=0.5,
+        reinforcement_count=1,
+        last_reinforced_at=T0,
+        created_at=T0,
+        updated_at=T0,
+        ease_factor=None,
+        confidence_at=T0,
+    )
+    first, second = trusted(Fact, **values), trusted(Fact, **values)
+    assert first.__pydantic_fields_set__ is second.__pydantic_fields_set__
+    shared = set(first.model_fields_set)
+    # Copies (with and without updates, shallow and deep) get sets of their own.
+    for copy in (
+        first.model_copy(update={"confidence": 0.7, "ease_factor": 2.5}),
+        first.model_copy(deep=True),
+        first.model_copy(),
+    ):
+        assert copy.__pydantic_fields_set__ is not first.__pydantic_fields_set__
+        copy.__pydantic_fields_set__.add("not_a_field")
+    assert second.model_fields_set == shared
 
 
 def test_subjects_use_the_category_value() -> None:

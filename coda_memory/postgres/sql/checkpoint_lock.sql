@@ -1,6 +1,7 @@
 -- Lock the identity's checkpoint row until the transaction ends: consolidations and
 -- forget of one identity are serialised on it. No row: the caller creates it first.
-SELECT snapshot
+-- The version tells whether facts known beforehand are still those stored.
+SELECT snapshot, {checkpoint_version(snapshot=snapshot, xmin=xmin)} AS version
 FROM {schema}.checkpoints
 WHERE identity_id = :identity_id
 FOR UPDATE

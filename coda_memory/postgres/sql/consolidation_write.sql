@@ -120,7 +120,8 @@ recorded AS (
     ORDER BY e.ord
     RETURNING 1
 ),
--- The cursor moves to this run's snapshot.
+-- The cursor moves to this run's snapshot; the row's new version is that of the facts
+-- this statement leaves (coda_memory.postgres.known).
 advanced AS (
     UPDATE {schema}.checkpoints
     SET snapshot = :snapshot,
@@ -128,7 +129,7 @@ advanced AS (
         runs = runs + 1,
         observations_consumed = observations_consumed + :consumed
     WHERE identity_id = :identity_id
-    RETURNING 1
+    RETURNING {checkpoint_version(snapshot=snapshot, xmin=xmin)} AS version
 ),
 -- Retention: only rows this run's snapshot saw.
 pruned AS (
@@ -143,4 +144,5 @@ SELECT
     (SELECT count(*) FROM deleted),
     (SELECT count(*) FROM recorded),
     (SELECT count(*) FROM advanced),
-    (SELECT count(*) FROM pruned)
+    (SELECT count(*) FROM pruned),
+    (SELECT version FROM advanced) AS version

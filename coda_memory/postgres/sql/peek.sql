@@ -1,9 +1,12 @@
--- Is anything committed that the stored snapshot did not see? Plus the stored snapshot
--- and the facts, in the same statement and snapshot. No lock is taken.
+-- Is anything committed that the stored snapshot did not see? Plus the version of the
+-- identity's facts and, unless the caller already knows that version, the facts, in the
+-- same statement and snapshot. No lock is taken.
 WITH
--- The identity's stored snapshot (no row: never consolidated).
+-- The identity's stored snapshot and facts' version (no row: never consolidated).
 cp AS (
-    SELECT snapshot::pg_snapshot AS s, snapshot
+    SELECT
+        snapshot::pg_snapshot AS s,
+        {checkpoint_version(snapshot=snapshot, xmin=xmin)} AS version
     FROM {schema}.checkpoints
     WHERE identity_id = :identity_id
 ),
@@ -20,7 +23,7 @@ pending AS (
 )
 SELECT
     pending.p AS pending,
-    (SELECT snapshot FROM cp) AS snapshot,
+    (SELECT version FROM cp) AS version,
     f.subject,
     f.category,
     f.content,
@@ -33,6 +36,8 @@ SELECT
     f.ease_factor
 FROM pending
 -- Facts even when observations wait: a late load answers from them, and the locked run
--- reuses them when the checkpoint has not moved since (see the store's docstring).
+-- reuses them when the checkpoint has not moved since (see the store's docstring). None
+-- when the caller knows this version's facts already (coda_memory.postgres.known).
 LEFT JOIN {schema}.facts f
     ON f.identity_id = :identity_id
+    AND (SELECT version FROM cp) IS DISTINCT FROM CAST(:known_version AS text)

@@ -116,6 +116,16 @@ cursor_set AS (
         AND :has_consumed::boolean
     RETURNING 1
 ),
+-- Every other checkpoint row of the identity gets a new row version, since its facts
+-- changed: a process that knows the facts of the earlier version reads them again
+-- (coda_memory.postgres.known). Disjoint from cursor_set, so no row is updated twice.
+versioned AS (
+    UPDATE {schema}.checkpoints
+    SET snapshot = snapshot
+    WHERE identity_id = :identity_id
+        AND NOT (snapshot IS NULL AND :has_consumed::boolean)
+    RETURNING 1
+),
 -- The ledger: committed with the copy, so a rerun (or a resumed run) skips the identity.
 ledger AS (
     INSERT INTO {schema}.redis_imports (

@@ -1,0 +1,136 @@
+"""The facts a store keeps between requests (coda_memory.postgres.known): always those
+stored for the version it keeps them with, read again whenever the version moves."""
+
+from __future__ import annotations
+
+import random
+from datetime import datetime, timedelta
+
+from coda_memory import MemoryService
+from coda_memory.core.model import Fact, ObservationType
+from coda_memory.postgres import PostgresStore
+from tests.postgres.helpers import NOW, fetch, record
+
+
+def _by_subject(facts: list[Fact]) -> list[Fact]:
+    return sorted(facts, key=lambda f: f.subject)
+
+
+def _kept(store: PostgresStore, identity_id: str) -> list[Fact] | None:
+    entry = store._known.entry(identity_id)
+    return None if entry is None else _by_subject(entry.facts())
+
+
+async def test_kept_facts_equal_the_stored_ones_after_every_consolidation(pg_url: str) -> None:
+    """Creations, reinforcements, extensions, expiries and cap evictions: after each
+    consolidation the facts kept are exactly those a read returns."""
+    store = PostgresStore.from_url(pg_url)
+    now = [NOW]
+    service = MemoryService(store, clock=lambda: now[0], max_facts=12)
+    rng = random.Random(7)
+    try:
+        for run in range(25):
+            # Days pass, sometimes enough for facts to expire.
+            now[0] += timedelta(days=rng.choice([0, 0.01, 1, 3, 60]))
+            batch = []
+            for n in range(rng.randint(1, 12)):
+                kind = rng.choice(list(ObservationType))
+                batch.append(
+                    record(
+                        f"run {run} #{n}",
+                        type=kind,
+                        metadata={
+                            "toolName": f"tool_{rng.randint(0, 6)}",
+                            "entityType": "account",
+                            "entityId": str(rng.randint(0, 6)),
+                            "domain": f"domain_{rng.randint(0, 3)}",
+                        },
+                        session_id=f"s{rng.randint(0, run + 1)}",
+                        created_at=now[0] - timedelta(seconds=rng.randint(0, 600)),
+                    )
+                )
+            await store.append(batch)
+            await service.consolidate("alice")
+            kept = _kept(store, "alice")
+            assert kept is not None
+            assert kept == _by_subject(await store.facts("alice"))
+        assert service.stats().facts_evicted > 0  # the cap applied along the way
+    finally:
+        await service.close()
+
+
+async def _checkpoint_version(url: str) -> str:
+    rows = await fetch(
+        url,
+        "SELECT concat(snapshot, '/', xmin) FROM coda_memory.checkpoints "
+        "WHERE identity_id = 'alice'",
+    )
+    return str(rows[0][0])
+
+
+async def _consolidated(url: str) -> PostgresStore:
+    store = PostgresStore.from_url(url)
+    await store.append([record("called get_account")])
+    service = MemoryService(store, clock=lambda: NOW)
+    await service.consolidate("alice")
+    return store
+
+
+async def test_a_peek_reads_the_facts_only_when_the_checkpoint_row_moved(pg_url: str) -> None:
+    store = await _consolidated(pg_url)
+    try:
+        facts, pending = await store.peek("alice")
+        assert [f.confidence for f in facts] == [0.5] and not pending
+        # A hand-made change of the facts that leaves the checkpoint row alone is not seen:
+        # the kept facts go with the row's version (the documented contract) ...
+        await fetch(pg_url, "UPDATE coda_memory.facts SET confidence = 0.25")
+        facts, _ = await store.peek("alice")
+        assert [f.confidence for f in facts] == [0.5]
+        # ... and a new version of the row makes the next peek read them.
+        before = await _checkpoint_version(pg_url)
+        await fetch(pg_url, "UPDATE coda_memory.checkpoints SET snapshot = snapshot")
+        assert await _checkpoint_version(pg_url) != before
+        facts, _ = await store.peek("alice")
+        assert [f.confidence for f in facts] == [0.25]
+    finally:
+        await store.close()
+
+
+async def test_a_consolidation_by_another_process_is_seen(pg_url: str) -> None:
+    first = await _consolidated(pg_url)
+    second = PostgresStore.from_url(pg_url)
+    later: datetime = NOW + timedelta(hours=1)
+    try:
+        await second.append([record("called get_account", session_id="s2", created_at=later)])
+        await MemoryService(second, clock=lambda: later).consolidate("alice")
+        facts, pending = await first.peek("alice")
+        assert not pending
+        assert [f.reinforcement_count for f in facts] == [2]
+        # The consolidation that follows in the first process uses what it just read.
+        assert _kept(first, "alice") == _by_subject(await second.facts("alice"))
+    finally:
+        await first.close()
+        await second.close()
+
+
+async def test_forget_drops_the_kept_facts(pg_url: str) -> None:
+    store = await _consolidated(pg_url)
+    try:
+        assert _kept(store, "alice") is not None
+        await store.forget("alice")
+        assert _kept(store, "alice") is None
+        assert await store.peek("alice") == ([], False)
+    finally:
+        await store.close()
+
+
+async def test_no_facts_are_kept_with_a_capacity_of_zero(pg_url: str) -> None:
+    store = PostgresStore.from_url(pg_url, known_facts=0)
+    try:
+        await store.append([record("called get_account")])
+        await MemoryService(store, clock=lambda: NOW).consolidate("alice")
+        assert _kept(store, "alice") is None
+        facts, _ = await store.peek("alice")
+        assert [f.subject for f in facts] == ["tool_affinity:get_account"]
+    finally:
+        await store.close()

@@ -1,0 +1,62 @@
+"""The bounded, least-recently-used keeping of facts by version (pure logic)."""
+
+from __future__ import annotations
+
+import pytest
+
+from coda_memory.postgres.known import Known, KnownFacts, written
+from tests.builders import NOW, fact
+
+
+def _known(version: str, count: int) -> Known:
+    return Known.of(version, [fact(f"tool_affinity:t{n}") for n in range(count)])
+
+
+def test_facts_are_kept_by_version_and_come_back_as_they_went_in() -> None:
+    known = KnownFacts(10)
+    facts = [fact("tool_affinity:a", confidence_at=NOW), fact("entity_frequency:b:1")]
+    known.put("alice", Known.of("v1", facts))
+    entry = known.entry("alice")
+    assert entry is not None and entry.version == "v1"
+    # confidence_at comes back as stored: the anchor, also when it was None.
+    assert entry.facts() == [
+        facts[0],
+        facts[1].model_copy(update={"confidence_at": facts[1].anchor}),
+    ]
+    known.put("alice", _known("v2", 3))
+    assert len(known) == 3
+    known.put("alice", None)
+    assert known.entry("alice") is None and len(known) == 0
+
+
+def test_the_least_recently_used_identities_go_first() -> None:
+    known = KnownFacts(5)
+    known.put("a", _known("v", 2))
+    known.put("b", _known("v", 2))
+    assert known.entry("a") is not None  # a is now the most recently used
+    known.put("c", _known("v", 2))
+    assert known.entry("b") is None
+    assert known.entry("a") is not None and known.entry("c") is not None
+    assert len(known) == 4
+
+
+def test_an_identity_above_the_capacity_is_not_kept() -> None:
+    known = KnownFacts(3)
+    known.put("a", _known("v", 2))
+    known.put("b", _known("v", 4))
+    assert known.entry("b") is None
+    assert known.entry("a") is not None
+
+
+def test_a_negative_capacity_is_refused() -> None:
+    with pytest.raises(ValueError, match="must not be negative"):
+        KnownFacts(-1)
+
+
+def test_written_applies_deletes_and_upserts() -> None:
+    stored = [fact("tool_affinity:a"), fact("tool_affinity:b")]
+    upsert = fact("tool_affinity:c", confidence=0.9)
+    after = written("v2", stored, [upsert], ["tool_affinity:a"]).facts()
+    assert sorted(f.subject for f in after) == ["tool_affinity:b", "tool_affinity:c"]
+    (c,) = [f for f in after if f.subject == "tool_affinity:c"]
+    assert c.confidence_at == NOW and c.confidence == 0.9
