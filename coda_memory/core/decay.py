@@ -86,8 +86,14 @@ class ExponentialDecay:
         return 1.0
 
     def decayed(self, fact: Fact, now: datetime) -> float:
-        days = elapsed_days(fact.anchor, now) / self._days_scale(fact)
-        return float(fact.confidence * self.base**days)
+        # Read from the fact's dict: a load decays every fact, so attribute and property
+        # lookups show up in its cost (same value as elapsed_days(fact.anchor, now)).
+        values = fact.__dict__
+        anchor = values["confidence_at"]
+        if anchor is None:
+            anchor = values["last_reinforced_at"]
+        days = abs((now - anchor).total_seconds()) / SECONDS_PER_DAY / self._days_scale(fact)
+        return float(values["confidence"] * self.base**days)
 
     def _next_ease(self, fact: Fact, quality: float) -> float | None:
         return fact.ease_factor

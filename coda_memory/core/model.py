@@ -248,4 +248,13 @@ def with_confidence(fact: Fact, confidence: float, at: datetime) -> Fact:
     values = fact.__dict__.copy()
     values["confidence"] = confidence
     values["confidence_at"] = at
-    return trusted_from(Fact, values)
+    view = _new_fact(Fact)
+    _set(view, "__dict__", values)
+    _set(view, "__pydantic_fields_set__", _FACT_FIELDS)
+    _set(view, "__pydantic_extra__", None)
+    _set(view, "__pydantic_private__", None)
+    return view
+
+
+_new_fact = Fact.__new__
+_FACT_FIELDS = _ALL_FIELDS.setdefault(Fact, set(Fact.model_fields))

@@ -101,9 +101,9 @@ def written(
 ) -> Known:
     """The facts stored after a write of ``upserts`` and ``deletes`` over ``stored``,
     with the ``version`` the write left."""
-    facts = {fact.subject: fact for fact in stored}
+    facts = {fact.subject: fact for fact in stored}  # read from rows: in stored form
     for subject in deletes:
         facts.pop(subject, None)
     for fact in upserts:
-        facts[fact.subject] = fact
-    return Known.of(version, facts.values())
+        facts[fact.subject] = _as_stored(fact)
+    return Known(version, tuple(facts.values()))

@@ -310,7 +310,7 @@ class PostgresStore:
         if peeked.read:
             # Kept for later peeks and the consolidation that follows (see "Facts read
             # once" above).
-            kept = None if peeked.version is None else Known.of(peeked.version, peeked.facts)
+            kept = None if peeked.version is None else Known(peeked.version, tuple(peeked.facts))
             self._known.put(identity_id, kept)
         return peeked.facts, peeked.pending
 

@@ -205,7 +205,7 @@ class PostgresConsolidationUnit:
             with gc_paused():
                 stored = [fact_from_row(identity_id, r) for r in fact_rows]
         self._stored = stored
-        self.known = Known.of(self._version, stored)
+        self.known = Known(self._version, tuple(stored))  # read from rows, or kept
         with gc_paused():
             observations = [
                 observation_from_row(identity_id, r) for r in rows if r["id"] is not None
