@@ -261,7 +261,9 @@ def prune(
 ) -> None:
     """Delete old observations that consolidation has already consumed.
 
-    Observations not yet consolidated are never deleted, however old. Identities are
+    Rollups owed by appends that met a locked rollup table are folded first.
+    Observations not yet consolidated are never deleted, however old (nor those whose
+    rollup is still owed). Identities are
     pruned in batches of their own short transactions; an identity being consolidated
     at that moment is skipped (its consolidation prunes it anyway).
     """
@@ -293,6 +295,8 @@ def prune(
 
     outcome = run_on_store(url, schema, work, prepare=prepare)
     busy = f", {outcome.busy} busy (skipped)" if outcome.busy else ""
+    if outcome.owed_folded:
+        typer.echo(f"folded {outcome.owed_folded} owed rollups first")
     typer.echo(
         f"pruned {outcome.deleted} consolidated observations older than {older_than} "
         f"({outcome.identities} identities{busy})"

@@ -6,7 +6,9 @@ analyst's ad-hoc SQL and these functions agree:
 * ``tool_effectiveness``, ``entity_popularity`` and ``domain_trends`` read the usage
   rollup (:mod:`coda_memory.postgres.rollup`, which explains its design), written
   with the observations it counts, so a 90-day trend still answers after raw observations
-  are pruned;
+  are pruned. They only read (a replica will do), so they do not fold the rollups that
+  appends owed while a rollup table was locked (:mod:`coda_memory.postgres.rollup_owed`):
+  the answers lag by those rows until a later append or ``coda-memory prune`` folds them;
 * ``fact_summary`` and the fact columns count active facts, as ``active_facts`` lists
   them: facts whose effective confidence is at least 0.1, decayed as the default
   ``ExponentialDecay`` and ``AdaptiveDecay`` do (``confidence * 0.95 ^ (days /

@@ -10,6 +10,13 @@ value, a constraint, an error raised by a trigger, in the insert or in the rollu
 the transaction back, and the batch is stored again in halves, each half with its rollup
 under a savepoint, until every refused row is isolated; the good rows, their rollup and
 the key commit together.
+
+A lock on a rollup table does not stop the append: the rollup waits at most
+:data:`~coda_memory.postgres.rollup_owed.ROLLUP_LOCK_TIMEOUT` for its table locks, and
+when one is held the batch records that it owes its rollup instead, in the same
+transaction; a later append folds it in (:mod:`~coda_memory.postgres.rollup_owed`, which
+the store's :class:`~coda_memory.postgres.rollup_owed.RollupDebt` tells when). The
+bisection path does not defer: a lock met there fails the append, which is retried.
 """
 
 from __future__ import annotations
@@ -24,8 +31,10 @@ from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from coda_memory.ports import AppendOutcome, ObservationRecord
+from coda_memory.postgres.connection import sqlstate
 from coda_memory.postgres.rollup import SHARDS
-from coda_memory.postgres.rollup_batch import write_rollup, write_rollup_part
+from coda_memory.postgres.rollup_batch import write_rollup_part
+from coda_memory.postgres.rollup_owed import Folded, RollupDebt, fold_owed, rollup_or_owe
 from coda_memory.postgres.sql import in_schema, query, source
 
 #: The parameters of ``observations_insert.sql``, one array per column of a row's values.
@@ -53,19 +62,6 @@ def _reason(exc: BaseException) -> str:
     cause = exc.__cause__ if orig is None else (orig.__cause__ or orig)
     lines = str(cause if cause is not None else exc).strip().splitlines()
     return lines[0][:200] if lines else type(exc).__name__
-
-
-def sqlstate(exc: BaseException) -> str | None:
-    """The SQLSTATE of a server error, raised by asyncpg or wrapped by SQLAlchemy."""
-    seen: BaseException | None = exc
-    for _ in range(4):
-        if seen is None:
-            break
-        state = getattr(seen, "sqlstate", None)
-        if isinstance(state, str):
-            return state
-        seen = getattr(seen, "orig", None) or seen.__cause__
-    return None
 
 
 def _is_row_error(exc: BaseException) -> bool:
@@ -171,6 +167,15 @@ async def _claim(
     return shard, AppendOutcome(stored=int(earlier.stored), refused=refused)
 
 
+@dataclass(frozen=True, slots=True)
+class _Stored:
+    outcome: AppendOutcome
+    #: The connection's rollup shard.
+    shard: int
+    #: The rollup of the stored rows is owed (a rollup table was locked).
+    owed: bool = False
+
+
 async def _store(
     conn: AsyncConnection,
     driver: Any,
@@ -179,32 +184,33 @@ async def _store(
     rows: list[_Row],
     refused: list[tuple[int, str]],
     total: int,
-) -> AppendOutcome:
-    """Store ``rows`` with their rollup and ``key`` in one transaction; the caller
-    commits. ``refused``: rows already refused before reaching the server."""
+) -> _Stored:
+    """Store ``rows`` with their rollup (or the record that it is owed) and ``key`` in one
+    transaction; the caller commits. ``refused``: rows already refused before reaching
+    the server."""
     expected = AppendOutcome(stored=len(rows), refused=sorted(refused))
     shard, earlier = await _claim(conn, schema, key, expected)
     if earlier is not None:
-        return earlier
+        return _Stored(earlier, shard)
     try:
         # The common case: one statement for the rows, then their rollup.
         await _insert(driver, schema, rows)
-        await write_rollup(driver, schema, shard, _pairs(rows))
-        return expected
+        owed = await rollup_or_owe(driver, schema, shard, _pairs(rows))
+        return _Stored(expected, shard, owed)
     except Exception as exc:
         if not _is_row_error(exc):
             raise
     await conn.rollback()
     shard, earlier = await _claim(conn, schema, key, expected)  # reopens the transaction
     if earlier is not None:  # pragma: no cover - the claim was rolled back just now
-        return earlier
+        return _Stored(earlier, shard)
     refused = sorted([*refused, *await _bisect(conn, driver, schema, shard, rows)])
     outcome = AppendOutcome(stored=total - len(refused), refused=refused)
     await conn.execute(
         _statement("ingest_record", schema),
         {"key": key, "stored": outcome.stored, "refused": json.dumps(outcome.refused)},
     )
-    return outcome
+    return _Stored(outcome, shard)
 
 
 async def append_observations(
@@ -214,18 +220,24 @@ async def append_observations(
     key: str,
     *,
     expire_keys: bool = False,
+    debt: RollupDebt | None = None,
 ) -> AppendOutcome:
     """Store ``records`` through ``conn``'s driver connection (asyncpg), in ``schema``,
     with their rollup and the batch's idempotency ``key``, and commit; a batch whose key
     is already stored is not stored again. ``expire_keys``: also delete the keys of
-    batches stored more than a day ago."""
+    batches stored more than a day ago. ``debt``: the caller's record of owed rollups;
+    when it says so, the append also folds owed rollups (none without it)."""
     rows, refused = _encode(records)
     if not rows:
         return AppendOutcome(stored=0, refused=refused)
     raw = await conn.get_raw_connection()
     driver: Any = raw.driver_connection  # asyncpg.Connection
+    due = debt is not None and debt.due()
+    folded: Folded | None = None
     try:
-        outcome = await _store(conn, driver, schema, key, rows, refused, len(records))
+        stored = await _store(conn, driver, schema, key, rows, refused, len(records))
+        if due and not stored.owed:  # when it owes, the rollup tables are locked
+            folded = await fold_owed(driver, schema, stored.shard)
         if expire_keys:
             await conn.execute(_statement("ingest_expire", schema))
         await conn.commit()
@@ -234,4 +246,6 @@ async def append_observations(
         if sqlstate(exc) is None or driver.is_closed():
             await conn.invalidate()
         raise
-    return outcome
+    if debt is not None:
+        debt.committed(stored.owed, folded)
+    return stored.outcome

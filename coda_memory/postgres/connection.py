@@ -74,6 +74,19 @@ def is_connection_error(error: BaseException) -> bool:
     return False
 
 
+def sqlstate(exc: BaseException) -> str | None:
+    """The SQLSTATE of a server error, raised by asyncpg or wrapped by SQLAlchemy."""
+    seen: BaseException | None = exc
+    for _ in range(4):
+        if seen is None:
+            break
+        state = getattr(seen, "sqlstate", None)
+        if isinstance(state, str):
+            return state
+        seen = getattr(seen, "orig", None) or seen.__cause__
+    return None
+
+
 def lock_timeout_clause(lock_timeout: timedelta | None) -> str:
     """``SET LOCAL lock_timeout`` for the current transaction (None or zero: no limit).
 

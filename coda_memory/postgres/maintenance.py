@@ -43,6 +43,9 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 from sqlalchemy.sql.elements import TextClause
 from sqlalchemy.sql.selectable import Select
 
+from coda_memory.postgres.engine import driver_connection
+from coda_memory.postgres.rollup import connection_shard
+from coda_memory.postgres.rollup_owed import FOLD_ROWS, fold_owed
 from coda_memory.postgres.schema import (
     DEFAULT_SCHEMA,
     PgSnapshot,
@@ -51,6 +54,7 @@ from coda_memory.postgres.schema import (
     facts,
     metadata,
     observations,
+    rollup_owed,
 )
 from coda_memory.postgres.sql import fragment
 from coda_memory.postgres.store import PostgresStore
@@ -216,10 +220,39 @@ async def identity_exists(store: PostgresStore, identity_id: str) -> bool:
     return bool(await _scalar(store, statement))
 
 
+async def fold_owed_rollups(store: PostgresStore, *, batch_size: int = FOLD_ROWS) -> int:
+    """Fold the rollups appends owe into the rollup (see :mod:`.rollup_owed`), up to
+    ``batch_size`` records per transaction, as the owner (every identity); returns the
+    owed transactions folded. Records still held back by a lock on a rollup table (or
+    being folded by an append right now) stay, for a later append or run."""
+    if batch_size < 1:
+        raise ValueError("batch_size must be at least 1")
+
+    async def batch(conn: AsyncConnection) -> tuple[int, bool]:
+        async with conn.begin():
+            shard = await connection_shard(conn)
+            folded = await fold_owed(
+                await driver_connection(conn), store.schema, shard, limit=batch_size
+            )
+        return folded.transactions, folded.full and not folded.blocked
+
+    total = 0
+    more = True
+    while more:
+        # A batch folds and deletes its records in one transaction: retried when its
+        # connection turns out to be dead.
+        transactions, more = await store.run(batch)
+        total += transactions
+    return total
+
+
 class PruneOutcome(BaseModel):
     """What :func:`prune_consolidated` did."""
 
     model_config = ConfigDict(frozen=True)
+
+    #: Owed rollup transactions folded first (see :func:`fold_owed_rollups`).
+    owed_folded: int = 0
 
     #: Observation rows deleted.
     deleted: int
@@ -250,9 +283,11 @@ async def prune_consolidated(
     consolidated (or forgotten) right now is skipped and counted as busy, so live traffic
     never waits on the prune for longer than one batch, and the consolidation prunes
     its own old rows anyway. ``on_batch`` gets (identities visited, rows deleted).
+    Owed rollups are folded first, and an observation whose rollup is still owed stays.
     """
     if batch_size < 1:
         raise ValueError("batch_size must be at least 1")
+    owed_folded = await fold_owed_rollups(store)
     deleted = visited = busy = 0
     after: str | None = None
     while True:
@@ -268,7 +303,7 @@ async def prune_consolidated(
         after = candidates[-1]
         if on_batch is not None:
             on_batch(len(candidates), rows)
-    return PruneOutcome(deleted=deleted, identities=visited, busy=busy)
+    return PruneOutcome(owed_folded=owed_folded, deleted=deleted, identities=visited, busy=busy)
 
 
 async def _prune_batch(
@@ -321,6 +356,11 @@ async def _delete_consumed(
         # Range bound on (identity_id, xid): everything visible is below xmax.
         observations.c.xid < func.pg_snapshot_xmax(snapshot),
         _visible(observations.c.xid, snapshot),
+        # Kept until its owed rollup is folded: the folding reads it back.
+        ~exists().where(
+            rollup_owed.c.identity_id == observations.c.identity_id,
+            rollup_owed.c.xid == observations.c.xid,
+        ),
     )
     result = await conn.execute(statement)
     return int(result.rowcount)

@@ -4,6 +4,9 @@ Raw observations are pruned a week after they are consolidated, but analytics an
 months, so every append also folds the rows it stored into a rollup, in the same
 transaction: the counts can never disagree with what was stored, and a refused row (see
 ``append``) is never counted because the rollup reads the rows back from the table.
+When a rollup table is locked, the append owes the rollup instead, and a later
+transaction folds it by running the same statements on the owed transaction's rows (by
+its ``xid``): :mod:`.rollup_owed`. Until then the counts lag by those rows.
 
 Design
 ------
@@ -41,7 +44,7 @@ Design
   back is counted afresh, once.
 * **Filling it.** Migration 0002 backfills the rollup from the observations stored when
   it runs; :func:`.rollup_upkeep.rebuild` recomputes it from them (for bulk loads that
-  bypass append).
+  bypass append), and drops the owed rollups, which it recomputes too.
   Per-identity rows are one per identity and tool or entity, and one per identity, domain
   and active day for domains; nothing prunes them but ``forget``.
 
@@ -50,7 +53,8 @@ Keys come from the stored metadata (``toolName``, ``entityType``/``entityId``,
 counted. Days are UTC days of ``created_at``.
 
 This module builds the statements; :mod:`.rollup_batch` compiles and runs them for each
-appended batch, :mod:`.rollup_upkeep` forgets an identity's rows and rebuilds the rollup.
+appended batch (and for owed ones), :mod:`.rollup_owed` defers and folds owed rollups,
+:mod:`.rollup_upkeep` forgets an identity's rows and rebuilds the rollup.
 """
 
 from __future__ import annotations
@@ -84,6 +88,7 @@ from sqlalchemy.sql.selectable import CTE, Select
 
 from coda_memory.core.model import ObservationType
 from coda_memory.postgres.schema import (
+    Xid8,
     domain_daily,
     domain_users,
     entity_daily,
@@ -139,21 +144,25 @@ def _stored(
     identities: Sequence[str] | None,
     types: Iterable[str],
     ids: Sequence[int] | None = None,
+    *,
+    owed: bool = False,
     **keys: Any,
 ) -> Select[Any]:
     """This transaction's observations of ``types`` whose ``keys`` are usable (every
-    stored one when ``identities`` is None: a rebuild).
+    stored one when ``identities`` is None: a rebuild); with ``owed``, those of the
+    earlier transaction given by the ``xid`` parameter, whose rollup was owed.
 
     A row refused by the server was never written, so it cannot be read back here;
     ``(identity_id, xid)`` is indexed, and subtransactions write the top-level xid.
     """
     o = observations
+    xid = bindparam("xid", 0, Xid8()) if owed else func.pg_current_xact_id()
     batch = (
         []
         if identities is None
         else [
             o.c.identity_id == any_(bindparam("identities", list(identities), ARRAY(Text))),
-            o.c.xid == func.pg_current_xact_id(),
+            o.c.xid == xid,
         ]
     )
     if ids is not None:
@@ -232,9 +241,14 @@ def add_to_daily(
 
 
 def tool_rollup(
-    identities: Sequence[str] | None, shard: int, ids: Sequence[int] | None = None
+    identities: Sequence[str] | None,
+    shard: int,
+    ids: Sequence[int] | None = None,
+    *,
+    owed: bool = False,
 ) -> Insert:
-    """Fold this transaction's tool observations into the tool rollup."""
+    """Fold this transaction's tool observations into the tool rollup (``owed``: those
+    of the transaction given by the ``xid`` parameter)."""
     metadata = observations.c.metadata
     duration = _duration_ms(metadata["durationMs"])
     # The batch as stored, read once and shared by the three writes below.
@@ -243,6 +257,7 @@ def tool_rollup(
             identities,
             [t.value for t in TOOL_TYPES],
             ids,
+            owed=owed,
             tool_name=metadata["toolName"].astext,
         )
         .add_columns(duration_bucket(duration).label("bucket"))
@@ -279,14 +294,18 @@ def tool_rollup(
     return daily.add_cte(durations.cte("durations"))
 
 
-def entity_rollup(identities: Sequence[str] | None, ids: Sequence[int] | None = None) -> Insert:
-    """Fold this transaction's entity accesses into the entity rollup."""
+def entity_rollup(
+    identities: Sequence[str] | None, ids: Sequence[int] | None = None, *, owed: bool = False
+) -> Insert:
+    """Fold this transaction's entity accesses into the entity rollup (``owed``: as in
+    :func:`tool_rollup`)."""
     metadata = observations.c.metadata
     keys = ["entity_type", "entity_id"]
     stored = _stored(
         identities,
         [ObservationType.ENTITY_ACCESS.value],
         ids,
+        owed=owed,
         entity_type=metadata["entityType"].astext,
         entity_id=metadata["entityId"].astext,
     ).cte("stored")
@@ -305,13 +324,19 @@ def entity_rollup(identities: Sequence[str] | None, ids: Sequence[int] | None = 
 
 
 def domain_rollup(
-    identities: Sequence[str] | None, shard: int, ids: Sequence[int] | None = None
+    identities: Sequence[str] | None,
+    shard: int,
+    ids: Sequence[int] | None = None,
+    *,
+    owed: bool = False,
 ) -> Insert:
-    """Fold this transaction's query patterns into the domain rollup."""
+    """Fold this transaction's query patterns into the domain rollup (``owed``: as in
+    :func:`tool_rollup`)."""
     stored = _stored(
         identities,
         [ObservationType.QUERY_PATTERN.value],
         ids,
+        owed=owed,
         domain=observations.c.metadata["domain"].astext,
     ).cte("stored")
     # An identity's first query of a domain on a day inserts a row; later ones conflict,

@@ -1,5 +1,6 @@
 """The rollup statements of an appended batch: compiled once per schema, run through the
-driver inside the append's transaction (see :mod:`.rollup` for the design)."""
+driver inside the append's transaction (see :mod:`.rollup` for the design), or later for
+a transaction whose rollup was owed (:mod:`.rollup_owed`)."""
 
 from __future__ import annotations
 
@@ -26,8 +27,10 @@ class _Compiled:
     names: tuple[str, ...]
     values: dict[str, Any]
 
-    def arguments(self, identities: list[str], shard: int) -> list[Any]:
-        given = {"identities": identities, "shard": shard}
+    def arguments(self, identities: list[str], shard: int, xid: int | None = None) -> list[Any]:
+        given: dict[str, Any] = {"identities": identities, "shard": shard}
+        if xid is not None:
+            given["xid"] = xid
         return [given[n] if n in given else self.values[n] for n in self.names]
 
 
@@ -45,6 +48,21 @@ def _compile(statement: Insert, schema: str) -> _Compiled:
 _DIALECT = asyncpg_dialect()  # type: ignore[no-untyped-call]
 
 
+#: The rollups a batch feeds, one bit each (``rollup_owed.kinds``).
+KIND_TOOLS, KIND_ENTITIES, KIND_DOMAINS = 1, 2, 4
+
+
+def kinds_of(stored: Sequence[tuple[str, str]]) -> int:
+    """The rollups that rows given as (identity_id, type) feed, as ``KIND_*`` bits."""
+    types = {observation_type for _, observation_type in stored}
+    kinds = KIND_TOOLS if types.intersection(TOOL_TYPES) else 0
+    if ObservationType.ENTITY_ACCESS in types:
+        kinds |= KIND_ENTITIES
+    if ObservationType.QUERY_PATTERN in types:
+        kinds |= KIND_DOMAINS
+    return kinds
+
+
 @lru_cache(maxsize=16)
 def batch_statements(schema: str) -> tuple[_Compiled, _Compiled, _Compiled]:
     """The tool, entity and domain rollup statements of a batch, compiled once per schema
@@ -56,22 +74,47 @@ def batch_statements(schema: str) -> tuple[_Compiled, _Compiled, _Compiled]:
     )
 
 
+@lru_cache(maxsize=16)
+def owed_statements(schema: str) -> tuple[_Compiled, _Compiled, _Compiled]:
+    """As :func:`batch_statements`, for the rows of an earlier transaction (``xid``)."""
+    return (
+        _compile(tool_rollup([], 0, owed=True), schema),
+        _compile(entity_rollup([], owed=True), schema),
+        _compile(domain_rollup([], 0, owed=True), schema),
+    )
+
+
+async def _run(
+    driver: Any,
+    statements: tuple[_Compiled, _Compiled, _Compiled],
+    kinds: int,
+    identities: list[str],
+    shard: int,
+    xid: int | None = None,
+) -> None:
+    # Tools, entities, domains: the order every writer (and forget) follows.
+    for kind, statement in zip((KIND_TOOLS, KIND_ENTITIES, KIND_DOMAINS), statements, strict=True):
+        if kinds & kind:
+            await driver.execute(statement.sql, *statement.arguments(identities, shard, xid))
+
+
 async def write_rollup(
     driver: Any, schema: str, shard: int, stored: Sequence[tuple[str, str]]
 ) -> None:
     """Fold the rows this transaction stored, given as (identity_id, type), into the
     rollup, through ``driver`` (asyncpg, inside the transaction); one statement per kind
     of observation present."""
-    types = {observation_type for _, observation_type in stored}
     identities = sorted({identity_id for identity_id, _ in stored})
-    tools, entities, domains = batch_statements(schema)
-    # Tools, entities, domains: the order every writer (and forget) follows.
-    if types.intersection(TOOL_TYPES):
-        await driver.execute(tools.sql, *tools.arguments(identities, shard))
-    if ObservationType.ENTITY_ACCESS in types:
-        await driver.execute(entities.sql, *entities.arguments(identities, shard))
-    if ObservationType.QUERY_PATTERN in types:
-        await driver.execute(domains.sql, *domains.arguments(identities, shard))
+    await _run(driver, batch_statements(schema), kinds_of(stored), identities, shard)
+
+
+async def fold_rollup(
+    driver: Any, schema: str, shard: int, xid: int, identities: list[str], kinds: int
+) -> None:
+    """Fold the rows that transaction ``xid`` stored for ``identities`` into the
+    ``kinds`` of rollup it owed (the transaction must be allowed to read them: see
+    :mod:`.rollup_owed`)."""
+    await _run(driver, owed_statements(schema), kinds, identities, shard, xid)
 
 
 async def write_rollup_part(

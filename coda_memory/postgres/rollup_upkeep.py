@@ -1,6 +1,7 @@
 """Rollup upkeep outside the append path: forgetting an identity's per-identity rows
-(and its place in the user counters), and rebuilding the whole rollup from the stored
-observations (see :mod:`.rollup` for the design)."""
+(and its place in the user counters, and its owed rollups), and rebuilding the whole
+rollup from the stored observations (see :mod:`.rollup` for the design, and
+:mod:`.rollup_owed` for owed rollups)."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from coda_memory.postgres.schema import (
     domain_users,
     entity_daily,
     entity_users,
+    rollup_owed,
     tool_daily,
     tool_durations,
     tool_users,
@@ -68,8 +70,10 @@ def _forget_domains(identity_id: str, shard: int) -> Insert:
 
 async def forget_identity(conn: AsyncConnection, identity_id: str) -> None:
     """Delete the identity's per-identity rollup rows and its place in the user counts;
-    the anonymous call, access and query counts stay."""
+    the anonymous call, access and query counts stay. Its owed rollups go first (the
+    order a folding append locks them in), so none is folded after the forget."""
     shard = await connection_shard(conn)
+    await conn.execute(delete(rollup_owed).where(rollup_owed.c.identity_id == identity_id))
     await conn.execute(_forget_latest(identity_id, tool_users, tool_daily, ["tool_name"], shard))
     keys = ["entity_type", "entity_id"]
     await conn.execute(_forget_latest(identity_id, entity_users, entity_daily, keys, None))
@@ -104,9 +108,11 @@ ROLLUP_TABLES = (
 async def rebuild(conn: AsyncConnection) -> None:
     """Empty the rollup and fold every stored observation into it, in the transaction
     ``conn`` is in (the caller commits). History older than the stored observations is
-    lost; appends wait for the transaction, then add their own rows."""
+    lost. Owed rollups are dropped too: their rows are among those recomputed. Appends
+    meanwhile owe their rollup (they wait for the transaction to record it), so their
+    rows, which it cannot see, are folded once it committed."""
     shard = await connection_shard(conn)
-    await conn.execute(_Truncate(*ROLLUP_TABLES))
+    await conn.execute(_Truncate(*ROLLUP_TABLES, rollup_owed))
     await conn.execute(tool_rollup(None, shard))
     await conn.execute(entity_rollup(None))
     await conn.execute(domain_rollup(None, shard))

@@ -304,6 +304,20 @@ ingest_batches = Table(
     Index(None, "committed_at"),
 )
 
+#: Appended transactions whose rollup is owed: a rollup table was locked when they
+#: stored their rows, so the rows of (identity_id, xid) are folded in later (see
+#: postgres/rollup_owed.py). ``kinds``: which rollups, a bit each (1 tools, 2 entities,
+#: 4 domains).
+rollup_owed = Table(
+    "rollup_owed",
+    metadata,
+    Column("identity_id", Text, nullable=False),
+    Column("xid", Xid8(), nullable=False),
+    Column("kinds", SmallInteger, nullable=False),
+    Column("owed_at", DateTime(timezone=True), nullable=False, server_default=text("now()")),
+    PrimaryKeyConstraint("identity_id", "xid"),
+)
+
 #: The UTC days on which each identity asked about each domain.
 domain_users = Table(
     "domain_users",

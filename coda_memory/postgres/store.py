@@ -90,6 +90,7 @@ from coda_memory.postgres.repositories import (
     ObservationRepository,
 )
 from coda_memory.postgres.rollup_batch import batch_statements
+from coda_memory.postgres.rollup_owed import RollupDebt
 from coda_memory.postgres.rollup_upkeep import forget_identity
 from coda_memory.postgres.schema import DEFAULT_SCHEMA, redis_imports, validate_schema_name
 from coda_memory.postgres.tenancy import SET_TENANT, SET_TENANT_SESSION, set_tenant
@@ -178,6 +179,8 @@ class PostgresStore:
         self._begin = f"BEGIN; {self._lock_timeout}; SET LOCAL synchronous_commit = off"
         self.lock_timeout = lock_timeout
         self._appends = 0
+        # When the appends fold rollups owed under a lock (see ``rollup_owed``).
+        self.rollup_debt = RollupDebt()
 
     @classmethod
     def from_url(
@@ -257,7 +260,9 @@ class PostgresStore:
         expire = self._appends % _EXPIRE_KEYS_EVERY == 0
 
         async def store(conn: AsyncConnection) -> AppendOutcome:
-            return await append_observations(conn, self.schema, records, key, expire_keys=expire)
+            return await append_observations(
+                conn, self.schema, records, key, expire_keys=expire, debt=self.rollup_debt
+            )
 
         try:
             return await run(self.writer_engine, self.schema, store, idempotent=True)

@@ -7,7 +7,9 @@ policies read three settings, which the library sets per transaction:
   path, the reads and ``forget`` set it; a connection without it sees no row.
 * ``coda_memory.writer = 'on'``: the background writer's append, whose batches mix
   identities: it may insert observations and upsert the rollup's per-identity rows of any
-  identity, and read back only the observations its own transaction inserted.
+  identity, and read back only the observations its own transaction inserted (or, when
+  it folds a rollup an earlier append owed, that transaction's: ``coda_memory.rollup_xid``
+  names it; see :mod:`~coda_memory.postgres.rollup_owed`).
 * ``coda_memory.all_identities = 'on'``: maintenance across identities. Only the role
   that ran the migrations (the owner) is allowed it; the command line sets it for its
   connections (:data:`ALL_IDENTITIES`), analytics for their transactions.
@@ -35,6 +37,8 @@ from coda_memory.postgres.sql import query
 TENANT_SETTING = "coda_memory.identity_id"
 WRITER_SETTING = "coda_memory.writer"
 ALL_IDENTITIES_SETTING = "coda_memory.all_identities"
+#: The owed transaction whose rows the writer folds into the rollup (migration 0006).
+ROLLUP_XID_SETTING = "coda_memory.rollup_xid"
 
 #: Server settings of a connection that works across identities (as the owner):
 #: ``PostgresStore.from_url(url, connect_args={"server_settings": ALL_IDENTITIES})``.

@@ -17,6 +17,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 
 from coda_memory import MemoryService
 from coda_memory.postgres import PostgresStore
+from coda_memory.postgres.connection import sqlstate
 from coda_memory.postgres.engine import driver_connection
 from tests.postgres.helpers import NOW, consolidate, engine, fact, fetch, record
 
@@ -90,10 +91,13 @@ async def test_a_locked_table_fails_an_append_within_the_writer_lock_timeout(
 ) -> None:
     store = PostgresStore.from_url(pg_url, writer_lock_timeout=timedelta(milliseconds=200))
     try:
-        async with locked(pg_url, "tool_daily"):
+        # The batch's key: without it no append goes on (a locked rollup table does not
+        # stop one: see test_rollup_owed).
+        async with locked(pg_url, "ingest_batches"):
             started = time.monotonic()
-            with pytest.raises(asyncpg.LockNotAvailableError):
+            with pytest.raises(sqlalchemy.exc.DBAPIError) as raised:
                 await asyncio.wait_for(store.append([record("observed")]), 0.2 + SLACK)
+            assert sqlstate(raised.value) == "55P03"  # lock_not_available
             assert time.monotonic() - started < 0.2 + SLACK
         assert (await store.append([record("observed")])).stored == 1
     finally:
@@ -105,8 +109,8 @@ async def test_a_blocked_writer_does_not_block_loads(pg_url: str, admin_url: str
     service = MemoryService(store, load_timeout=5.0, clock=lambda: NOW)
     try:
         await store.append([record("observed")])
-        async with locked(pg_url, "tool_daily"):
-            # Every writer connection waits for the rollup table.
+        async with locked(pg_url, "ingest_batches"):
+            # Every writer connection waits for the idempotency keys' table.
             appending = asyncio.create_task(store.append([record("stuck")]))
             await until_waiting(admin_url, store.engine.url.database, 1)
             loaded = await asyncio.wait_for(service.load_memory("alice"), SLACK)

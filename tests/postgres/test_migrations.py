@@ -37,13 +37,14 @@ TABLES = [
     "ingest_batches",
     "observations",
     "redis_imports",
+    "rollup_owed",
     "tool_daily",
     "tool_durations",
     "tool_users",
 ]
 
 #: The newest revision. A new migration updates this pin on purpose.
-HEAD = "0005"
+HEAD = "0006"
 
 
 def alembic(url: str, *args: str, schema: str | None = None) -> subprocess.CompletedProcess[str]:

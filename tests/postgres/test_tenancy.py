@@ -28,6 +28,7 @@ from coda_memory.postgres.migrate import alembic_config
 from coda_memory.postgres.schema import validate_schema_name
 from coda_memory.postgres.tenancy import ALL_IDENTITIES, apply_grants, grant_script, quote_role
 from tests.helpers import FakeClock, domain, entity, tool_failed, tool_ok
+from tests.postgres.test_analytics import D1, call
 
 SCHEMA = "tenancy"
 PER_IDENTITY = (
@@ -206,6 +207,26 @@ async def test_the_service_as_the_app_role_forgets_one_identity(tenancy: Tenancy
         await store.close()
 
 
+async def test_the_app_role_owes_the_rollup_under_a_lock_and_folds_it(tenancy: Tenancy) -> None:
+    store = PostgresStore.from_url(tenancy.url, schema=SCHEMA, **tenancy.as_role(tenancy.app))
+    owner = await tenancy.connect(tenancy.owner, **ALL_IDENTITIES)
+    try:
+        async with owner.transaction():
+            await owner.execute(f"LOCK TABLE {SCHEMA}.tool_daily IN ACCESS EXCLUSIVE MODE")
+            outcome = await store.append([call("alice", "t", True, D1), call("bob", "t", True, D1)])
+            assert outcome.stored == 2
+        owed = f"SELECT identity_id FROM {SCHEMA}.rollup_owed ORDER BY 1"
+        assert [r["identity_id"] for r in await owner.fetch(owed)] == ["alice", "bob"]
+        # The next append folds them: the writer reads the owed transaction's rows.
+        await store.append([call("alice", "t", False, D1)])
+        assert await owner.fetch(owed) == []
+        counts = f"SELECT sum(successes), sum(failures), sum(latest_users) FROM {SCHEMA}.tool_daily"
+        assert tuple(await owner.fetchrow(counts)) == (2, 1, 2)
+    finally:
+        await owner.close()
+        await store.close()
+
+
 async def test_the_analyst_role_reads_only_the_aggregate_views(tenancy: Tenancy) -> None:
     await _populate(tenancy)
     conn = await tenancy.connect(tenancy.analyst)
@@ -214,6 +235,7 @@ async def test_the_analyst_role_reads_only_the_aggregate_views(tenancy: Tenancy)
             *PER_IDENTITY,
             *LEDGER,
             *AGGREGATE_TABLES,
+            "rollup_owed",
             "active_facts",
             "alembic_version",
         ):

@@ -1,0 +1,235 @@
+"""Rollup deferral: an append stores its rows even when a rollup table is locked, and
+owes their rollup until a later append folds it in.
+
+A lock held on a rollup table (a ``LOCK TABLE``, a long ``ALTER``, a rollup rebuild) must
+not stop ingest. So the append takes the table locks its rollup needs first, in a
+savepoint and under :data:`ROLLUP_LOCK_TIMEOUT` (the writer's own lock timeout is put back
+right after, for the row locks of the statements themselves). When a lock is not
+granted in time (``lock_not_available``) or a deadlock picks the append
+(``deadlock_detected``), in that step or in the rollup statements, the savepoint is
+rolled back and the transaction records instead that it owes the rollup: one row of
+``rollup_owed`` per identity of the batch, with the transaction's id (``xid``) and the
+kinds of rollup (tools, entities, domains). The rollup statements read back "this
+transaction's rows" by ``(identity_id, xid)``, so the same statements, given that id,
+fold the owed rows later. The observations, the owed record and the batch's idempotency
+key commit together: nothing is lost, and a retry of the batch finds the key and stores
+(and owes) nothing again.
+
+Paying: an append whose own rollup went through folds owed records when its store knows
+it recorded one (:class:`RollupDebt`), and on every :data:`FOLD_EVERY`-th append anyway,
+for records of other processes (or of one that stopped). :func:`fold_owed` claims up to
+:data:`FOLD_ROWS` records with ``FOR UPDATE SKIP LOCKED`` (concurrent writers take
+different records, never the same twice), and folds each owed transaction in a savepoint
+of its own, deleting its records in the same savepoint: a record is folded exactly once,
+when the transaction that deletes it commits. The whole folding runs under
+:data:`ROLLUP_LOCK_TIMEOUT`: while the tables stay locked the records stay, and the
+append goes on. Reading another transaction's observations needs the writer policy
+``writer_owed_read`` (migration 0006), which allows the rows of the transaction named by
+the ``coda_memory.rollup_xid`` setting; the folding sets it for its own subtransaction.
+
+Until folded, the analytics lag by the owed rows (``coda-memory prune`` folds first, and
+never deletes an observation whose rollup is owed). ``forget`` deletes the identity's
+records; a rebuild empties the table, since it recomputes everything; and the folding
+tolerates rows that are gone (it counts what is still stored). The consolidation's own
+pruning (``retention``) does not look at the records, so a debt left unpaid for longer
+than the retention loses the counts of the rows pruned meanwhile.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+from coda_memory.core.caps import LogThrottle
+from coda_memory.postgres.connection import lock_timeout_clause, sqlstate
+from coda_memory.postgres.rollup_batch import (
+    KIND_DOMAINS,
+    KIND_ENTITIES,
+    KIND_TOOLS,
+    fold_rollup,
+    kinds_of,
+    write_rollup,
+)
+from coda_memory.postgres.schema import (
+    domain_daily,
+    domain_users,
+    entity_daily,
+    entity_users,
+    tool_daily,
+    tool_durations,
+    tool_users,
+)
+from coda_memory.postgres.sql import in_schema, query
+from coda_memory.postgres.tenancy import ROLLUP_XID_SETTING
+
+#: How long the rollup waits for a table lock before the append owes it instead. Short:
+#: a writer otherwise waits (and holds its connection) for ``writer_lock_timeout``.
+ROLLUP_LOCK_TIMEOUT = timedelta(milliseconds=50)
+#: Every this many appends, a store folds owed records even when it knows of none.
+FOLD_EVERY = 100
+#: Owed records one append claims at most (one per identity and owed transaction).
+FOLD_ROWS = 1_000
+
+#: lock_not_available (lock_timeout) and deadlock_detected: the rollup is owed.
+_DEFERRABLE = frozenset({"55P03", "40P01"})
+#: Where the writer's own lock timeout is kept while the rollup's applies.
+_SAVED = "coda_memory.saved_lock_timeout"
+_RESTORE = f"SELECT set_config('lock_timeout', current_setting('{_SAVED}'), true)"
+_SET_XID = f"SELECT set_config('{ROLLUP_XID_SETTING}', $1, true)"
+
+#: The tables each kind of rollup writes, in the order its statement locks them.
+_KIND_TABLES = (
+    (KIND_TOOLS, (tool_users, tool_daily, tool_durations)),
+    (KIND_ENTITIES, (entity_users, entity_daily)),
+    (KIND_DOMAINS, (domain_users, domain_daily)),
+)
+
+_log = LogThrottle(logging.getLogger("coda_memory"))
+
+
+def _short_locks(savepoint: str) -> str:
+    """Open ``savepoint``, keep the current lock timeout, and shorten it (one round trip;
+    rolling back to the savepoint restores it too)."""
+    return (
+        f"SAVEPOINT {savepoint}; "
+        f"SELECT set_config('{_SAVED}', current_setting('lock_timeout'), true); "
+        f"{lock_timeout_clause(ROLLUP_LOCK_TIMEOUT)}"
+    )
+
+
+def _undo(savepoint: str) -> str:
+    return f"ROLLBACK TO SAVEPOINT {savepoint}; RELEASE SAVEPOINT {savepoint}"
+
+
+@functools.cache
+def _lock_tables(schema: str, kinds: int) -> str:
+    """``LOCK TABLE`` of the rollup tables of ``kinds``, in the mode their upserts take
+    anyway (ROW EXCLUSIVE: writers never conflict with each other on it)."""
+    names = [f"{{schema}}.{t.name}" for kind, ts in _KIND_TABLES if kinds & kind for t in ts]
+    return in_schema(f"LOCK TABLE {', '.join(names)} IN ROW EXCLUSIVE MODE", schema)
+
+
+async def rollup_or_owe(
+    driver: Any, schema: str, shard: int, stored: list[tuple[str, str]]
+) -> bool:
+    """Fold the rows this transaction stored, given as (identity_id, type), into the
+    rollup; when a lock stands in the way, record the rollup as owed instead. True when
+    it is owed. Any other error propagates (the transaction is then unusable)."""
+    kinds = kinds_of(stored)
+    if not kinds:
+        return False
+    try:
+        # The table locks under the short timeout, then the writer's timeout again.
+        await driver.execute(
+            f"{_short_locks('coda_rollup')}; {_lock_tables(schema, kinds)}; {_RESTORE}"
+        )
+        await write_rollup(driver, schema, shard, stored)
+        await driver.execute("RELEASE SAVEPOINT coda_rollup")
+        return False
+    except Exception as exc:
+        if sqlstate(exc) not in _DEFERRABLE:
+            raise
+        _log.warning("rollup deferred", "coda-memory: rollup deferred: %s", _first_line(exc))
+    await driver.execute(_undo("coda_rollup"))
+    owe = query("rollup_owe", schema)
+    identities = sorted({identity_id for identity_id, _ in stored})
+    await driver.execute(owe.text, *owe.arguments(kinds=kinds, identities=identities))
+    return True
+
+
+@dataclass(frozen=True, slots=True)
+class Folded:
+    """What one :func:`fold_owed` did."""
+
+    #: Owed transactions folded (their records deleted).
+    transactions: int
+    #: Records claimed.
+    claimed: int
+    #: A lock or an error stopped it before every claimed record was folded.
+    blocked: bool
+    #: The claim was full: more records may wait.
+    full: bool
+
+    @property
+    def settled(self) -> bool:
+        """True when no record it could reach is left (records other transactions were
+        folding at the time are theirs)."""
+        return not self.blocked and not self.full
+
+
+async def fold_owed(driver: Any, schema: str, shard: int, *, limit: int = FOLD_ROWS) -> Folded:
+    """Fold up to ``limit`` owed records into the rollup, in the caller's transaction
+    (the writer's, or the owner's across identities), each owed transaction under a
+    savepoint of its own; every lock wait is bounded by :data:`ROLLUP_LOCK_TIMEOUT`.
+    Records whose folding meets a lock or an error stay. Connection errors propagate."""
+    await driver.execute(_short_locks("coda_owed"))
+    try:
+        claim = query("rollup_owed_claim", schema)
+        rows = await driver.fetch(claim.text, *claim.arguments(limit=limit))
+    except Exception as exc:
+        if sqlstate(exc) is None:
+            raise
+        await driver.execute(_undo("coda_owed"))
+        _log.warning("rollup owed", "coda-memory: owed rollups not folded: %s", _first_line(exc))
+        return Folded(0, 0, blocked=True, full=False)
+    owed: dict[int, tuple[list[str], int]] = {}
+    for row in rows:
+        identities, kinds = owed.get(row["xid"], ([], 0))
+        owed[row["xid"]] = ([*identities, row["identity_id"]], kinds | row["kinds"])
+    paid = query("rollup_owed_paid", schema)
+    folded, blocked = 0, False
+    for xid, (identities, kinds) in owed.items():
+        try:
+            await driver.execute("SAVEPOINT coda_owed_one")
+            await driver.execute(_SET_XID, str(xid))
+            await fold_rollup(driver, schema, shard, xid, identities, kinds)
+            await driver.execute(paid.text, *paid.arguments(xid=xid, identities=identities))
+            await driver.execute("RELEASE SAVEPOINT coda_owed_one")
+            folded += 1
+        except Exception as exc:
+            if sqlstate(exc) is None:
+                raise
+            await driver.execute(_undo("coda_owed_one"))
+            blocked = True
+            _log.warning(
+                "rollup owed", "coda-memory: owed rollups not folded: %s", _first_line(exc)
+            )
+            if sqlstate(exc) in _DEFERRABLE:
+                break  # still locked: the rest waits for a later append
+    await driver.execute(
+        f"{_RESTORE}, set_config('{ROLLUP_XID_SETTING}', '', true); RELEASE SAVEPOINT coda_owed"
+    )
+    return Folded(folded, len(rows), blocked=blocked, full=len(rows) >= limit)
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    return lines[0][:200] if lines else type(exc).__name__
+
+
+class RollupDebt:
+    """What one store knows of the rollup it owes, to fold only when worth it: whether it
+    recorded owed rollups that it has not seen folded since, and its appends, counted
+    for the periodic fold of :data:`FOLD_EVERY`."""
+
+    def __init__(self, every: int = FOLD_EVERY) -> None:
+        self.every = every
+        #: This store recorded owed rollups not known to be folded.
+        self.known = False
+        self._appends = 0
+
+    def due(self) -> bool:
+        """Count an append; True when it should fold owed records."""
+        self._appends += 1
+        return self.known or self._appends % self.every == 0
+
+    def committed(self, owed: bool, folded: Folded | None) -> None:
+        """After an append committed: it recorded owed rollups (``owed``), or folded
+        (``folded``, None when it did not try)."""
+        if owed:
+            self.known = True
+        elif folded is not None and folded.settled:
+            self.known = False

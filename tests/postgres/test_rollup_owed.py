@@ -1,0 +1,246 @@
+"""Rollup deferral on a real server: an append goes on while a rollup table is locked,
+owes the rollup of its rows, and a later append (or maintenance) folds it in exactly once:
+the rollup then equals what a rebuild computes from the stored observations."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import pytest
+
+from coda_memory.ports import ObservationRecord
+from coda_memory.postgres import PostgresStore, maintenance
+from coda_memory.postgres.analytics import rebuild_rollups
+from coda_memory.postgres.rollup_owed import ROLLUP_LOCK_TIMEOUT
+from tests.postgres.helpers import consolidate, fetch
+from tests.postgres.test_analytics import (
+    D1,
+    D2,
+    FIXTURE,
+    ROLLUP_COLUMNS,
+    access,
+    asked,
+    call,
+    rollup_rows,
+)
+from tests.postgres.test_isolation import locked
+
+ROLLUP_TABLES = tuple(ROLLUP_COLUMNS)
+#: The writer's lock timeout in these tests: an append that waited for it would show.
+WRITER_LOCK_TIMEOUT = timedelta(seconds=5)
+#: Generous on a busy machine, and still far below the writer's lock timeout.
+PROMPTLY = 2.5
+#: After everything the fixture holds.
+LATER = datetime(2100, 1, 1, tzinfo=UTC)
+#: A batch's idempotency key.
+KEY = "5b0d3c4e-2f61-4a8e-9c1d-7e3f0a6b8c9d"
+#: Every kind of rollup: tools (1), entities (2), domains (4).
+ALL_KINDS = 7
+
+
+def writer(url: str) -> PostgresStore:
+    return PostgresStore.from_url(url, writer_lock_timeout=WRITER_LOCK_TIMEOUT)
+
+
+async def rollup(store: PostgresStore) -> dict[str, list[tuple[Any, ...]]]:
+    """Every rollup table, shards summed away."""
+    return {table: await rollup_rows(store, table) for table in ROLLUP_TABLES}
+
+
+async def rebuilt(store: PostgresStore) -> dict[str, list[tuple[Any, ...]]]:
+    """The rollup as a rebuild computes it from the stored observations."""
+    await rebuild_rollups(store)
+    return await rollup(store)
+
+
+async def owed(url: str) -> list[tuple[Any, ...]]:
+    return await fetch(url, "SELECT identity_id, kinds FROM coda_memory.rollup_owed ORDER BY 1")
+
+
+async def stored(url: str) -> int:
+    return int((await fetch(url, "SELECT count(*) FROM coda_memory.observations"))[0][0])
+
+
+async def timed_append(store: PostgresStore, batch: list[ObservationRecord], **kw: Any) -> Any:
+    started = time.monotonic()
+    outcome = await asyncio.wait_for(store.append(batch, **kw), 10)
+    assert time.monotonic() - started < PROMPTLY
+    return outcome
+
+
+@pytest.mark.parametrize("table", ROLLUP_TABLES)
+async def test_an_append_goes_on_while_a_rollup_table_is_locked(pg_url: str, table: str) -> None:
+    store = writer(pg_url)
+    try:
+        await store.append(FIXTURE[:5])
+        async with locked(pg_url, table):
+            outcome = await timed_append(store, FIXTURE[5:])
+            assert (outcome.stored, outcome.refused) == (len(FIXTURE) - 5, [])
+            assert await stored(pg_url) == len(FIXTURE)
+            # One record per identity of the batch, for every kind it feeds.
+            assert await owed(pg_url) == [("ana", ALL_KINDS), ("ben", ALL_KINDS), ("cy", ALL_KINDS)]
+            assert store.rollup_debt.known
+        # Released: the store's next append folds what it owes.
+        await store.append([asked("dee", "royalty", D2)])
+        assert await owed(pg_url) == []
+        assert not store.rollup_debt.known
+        assert await rollup(store) == await rebuilt(store)
+    finally:
+        await store.close()
+
+
+async def test_only_the_kinds_a_batch_feeds_are_owed_and_locked(pg_url: str) -> None:
+    store = writer(pg_url)
+    try:
+        async with locked(pg_url, "entity_daily"):
+            # Tools and domains only: the entity rollup's lock is not in their way.
+            await timed_append(store, [call("ana", "t", True, D1), asked("ana", "royalty", D1)])
+            assert await owed(pg_url) == []
+            await timed_append(
+                store, [access("ben", "account", "1", D1), call("ben", "t", True, D1)]
+            )
+            assert await owed(pg_url) == [("ben", 1 | 2)]
+        await store.append([call("cy", "t", True, D2)])
+        assert await owed(pg_url) == []
+        assert await rollup(store) == await rebuilt(store)
+    finally:
+        await store.close()
+
+
+async def test_owed_records_stay_while_the_table_stays_locked(pg_url: str) -> None:
+    store = writer(pg_url)
+    try:
+        async with locked(pg_url, "tool_daily"):
+            await timed_append(store, [call("ana", "t", True, D1)])
+            # The next append owes as well (it does not try to fold behind the lock).
+            await timed_append(store, [call("ben", "t", True, D1)])
+            assert await owed(pg_url) == [("ana", 1), ("ben", 1)]
+            # Maintenance cannot fold either, and does not wait for the writer's timeout.
+            started = time.monotonic()
+            assert await maintenance.fold_owed_rollups(store) == 0
+            assert time.monotonic() - started < PROMPTLY
+            assert await owed(pg_url) == [("ana", 1), ("ben", 1)]
+        assert await maintenance.fold_owed_rollups(store) == 2
+        assert await owed(pg_url) == []
+        assert await rollup(store) == await rebuilt(store)
+    finally:
+        await store.close()
+
+
+async def test_a_second_fold_changes_nothing(pg_url: str) -> None:
+    store = writer(pg_url)
+    try:
+        async with locked(pg_url, "domain_users"):
+            await timed_append(store, FIXTURE)
+        assert await maintenance.fold_owed_rollups(store) == 1
+        folded = await rollup(store)
+        assert await maintenance.fold_owed_rollups(store) == 0
+        assert await rollup(store) == folded
+        # Nor does an append that folds (its store still believes it owes).
+        store.rollup_debt.known = True
+        await store.append([call("zed", "t", True, D2)])
+        assert not store.rollup_debt.known
+        assert await rollup(store) == await rebuilt(store)
+    finally:
+        await store.close()
+
+
+async def test_a_retried_batch_is_neither_stored_nor_counted_twice(pg_url: str) -> None:
+    store = writer(pg_url)
+    try:
+        async with locked(pg_url, "tool_users"):
+            first = await timed_append(store, FIXTURE, batch_key=KEY)
+            # The retry of a batch whose outcome was lost, while still locked.
+            again = await timed_append(store, FIXTURE, batch_key=KEY)
+            assert again == first
+            assert len(await owed(pg_url)) == 3
+        # And once released, when the retry's append folds the debt.
+        assert await store.append(FIXTURE, batch_key=KEY) == first
+        assert await owed(pg_url) == []
+        assert await stored(pg_url) == len(FIXTURE)
+        assert await rollup(store) == await rebuilt(store)
+    finally:
+        await store.close()
+
+
+async def test_forget_leaves_nothing_of_the_identity_in_owed_records(pg_url: str) -> None:
+    store = writer(pg_url)
+    try:
+        async with locked(pg_url, "entity_users"):
+            await timed_append(store, FIXTURE)
+        await store.forget("ana")
+        assert await owed(pg_url) == [("ben", ALL_KINDS), ("cy", ALL_KINDS)]
+        await store.append([call("ben", "t", True, D2)])
+        assert await owed(pg_url) == []
+        # ana's rows were never counted, and are gone: the rollup is the others'.
+        assert await rollup(store) == await rebuilt(store)
+    finally:
+        await store.close()
+
+
+async def test_a_rebuild_drops_the_owed_records_it_recomputes(pg_url: str) -> None:
+    store = writer(pg_url)
+    try:
+        async with locked(pg_url, "domain_daily"):
+            await timed_append(store, FIXTURE)
+        await rebuild_rollups(store)
+        assert await owed(pg_url) == []
+        # The store still believes it owes: its append finds nothing left to fold.
+        await store.append([call("ana", "t", True, D2)])
+        assert await rollup(store) == await rebuilt(store)
+    finally:
+        await store.close()
+
+
+async def test_prune_folds_first_and_never_deletes_an_observation_still_owed(
+    pg_url: str,
+) -> None:
+    store = writer(pg_url)
+    try:
+        async with locked(pg_url, "tool_daily"):
+            await timed_append(store, FIXTURE)
+            for identity in ("ana", "ben", "cy"):
+                await consolidate(store, identity)
+            # Every row is consumed, but its rollup is owed and cannot be folded yet.
+            outcome = await maintenance.prune_consolidated(store, before=LATER)
+            assert (outcome.owed_folded, outcome.deleted) == (0, 0)
+            assert await stored(pg_url) == len(FIXTURE)
+        outcome = await maintenance.prune_consolidated(store, before=LATER)
+        assert (outcome.owed_folded, outcome.deleted) == (1, len(FIXTURE))
+        assert await owed(pg_url) == []
+        # Every pruned row was counted first.
+        tools = await rollup_rows(store, "tool_daily")
+        assert sum(successes + failures for *_, successes, failures, _ in tools) == 9
+        assert sum(row[3] for row in await rollup_rows(store, "entity_daily")) == 7
+        assert sum(row[2] for row in await rollup_rows(store, "domain_daily")) == 5
+    finally:
+        await store.close()
+
+
+async def test_concurrent_folders_fold_each_record_once(pg_url: str) -> None:
+    stores = [writer(pg_url) for _ in range(3)]
+    try:
+        async with locked(pg_url, "tool_durations"):
+            for n in range(6):
+                batch = [call(f"user-{n % 4}", f"tool-{n % 3}", n % 2 == 0, D1, 10.0 * n)]
+                await timed_append(stores[n % 3], [*batch, *FIXTURE[n::6]])
+        transactions = await fetch(pg_url, "SELECT DISTINCT xid::text FROM coda_memory.rollup_owed")
+        assert len(transactions) == 6
+        # Three maintenance runs, one record per transaction, and three appends that fold
+        # what their store owes, all at once.
+        await asyncio.gather(
+            *(maintenance.fold_owed_rollups(s, batch_size=1) for s in stores),
+            *(s.append([asked(f"v{n}", "royalty", D2)]) for n, s in enumerate(stores)),
+        )
+        assert await owed(pg_url) == []
+        assert await rollup(stores[0]) == await rebuilt(stores[0])
+    finally:
+        for store in stores:
+            await store.close()
+
+
+def test_the_rollup_lock_timeout_is_short() -> None:
+    assert ROLLUP_LOCK_TIMEOUT < WRITER_LOCK_TIMEOUT / 10
