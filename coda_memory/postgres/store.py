@@ -127,6 +127,8 @@ def _with_settings(engine_kwargs: dict[str, Any], **settings: str) -> dict[str, 
 #: Seconds to open a connection, and to run one statement, before giving up on it.
 DEFAULT_CONNECT_TIMEOUT = 10.0
 DEFAULT_COMMAND_TIMEOUT = 60.0
+#: The same for the admin pool, whose rebuilds and analytics scan whole tables.
+DEFAULT_ADMIN_COMMAND_TIMEOUT = 3600.0
 #: Every so many appends, one also deletes the idempotency keys older than a day.
 _EXPIRE_KEYS_EVERY = 1_000
 
@@ -195,6 +197,7 @@ class PostgresStore:
         writer_lock_timeout: timedelta | None = DEFAULT_WRITER_LOCK_TIMEOUT,
         connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
         command_timeout: float | None = DEFAULT_COMMAND_TIMEOUT,
+        admin_command_timeout: float | None = DEFAULT_ADMIN_COMMAND_TIMEOUT,
         known_facts: int = DEFAULT_KNOWN_FACTS,
         **engine_kwargs: Any,
     ) -> PostgresStore:
@@ -202,16 +205,20 @@ class PostgresStore:
         a request pool of ``pool_size`` connections whose statements run under
         ``statement_timeout``, a writer pool of ``writer_pool_size`` whose lock waits end
         after ``writer_lock_timeout`` (None: no limit), and an admin pool; it keeps up to
-        ``known_facts`` facts between requests."""
+        ``known_facts`` facts between requests. A statement that gets no answer within
+        ``command_timeout`` seconds (``admin_command_timeout`` on the admin pool, whose
+        rollup rebuilds and analytics may scan whole tables) fails with a connection
+        error."""
         if pool_size < 1 or writer_pool_size < 1:
             raise ValueError("pool_size and writer_pool_size must be at least 1")
         # A server that stops answering fails the work with a connection error instead of
         # holding it (and ``close``) forever; explicit ``connect_args`` win.
         connect_args = dict(engine_kwargs.pop("connect_args", {}))
         connect_args.setdefault("timeout", connect_timeout)
+        admin_args = {"command_timeout": admin_command_timeout, **connect_args}
         connect_args.setdefault("command_timeout", command_timeout)
+        engine = create_engine(url, schema=schema, **{**engine_kwargs, "connect_args": admin_args})
         engine_kwargs["connect_args"] = connect_args
-        engine = create_engine(url, schema=schema, **engine_kwargs)
         request_kwargs = _with_settings(
             engine_kwargs, statement_timeout=_milliseconds(statement_timeout)
         )

@@ -133,3 +133,22 @@ async def test_every_path_recovers_from_a_dead_pooled_connection(
     await consolidate(pg_store)
     await kill_pooled_connections(pg_store, admin_url)
     await PATHS[path](pg_store)  # would raise if the dead connection were not replaced
+
+
+async def test_the_admin_pool_has_a_command_timeout_of_its_own(pg_url: str) -> None:
+    """A statement past command_timeout fails on the request and writer pools; the admin
+    pool, whose rebuilds and analytics scan whole tables, waits admin_command_timeout."""
+    store = PostgresStore.from_url(
+        pg_url, command_timeout=0.2, admin_command_timeout=5.0, statement_timeout=None
+    )
+
+    async def sleep(conn: AsyncConnection) -> None:
+        await (await driver_connection(conn)).execute("SELECT pg_sleep(0.5)")
+
+    try:
+        await run(store.engine, store.schema, sleep, idempotent=False)  # admin: fine
+        for engine in (store.request_engine, store.writer_engine):
+            with pytest.raises((TimeoutError, ConnectionLost)):
+                await run(engine, store.schema, sleep, idempotent=False)
+    finally:
+        await store.close()

@@ -372,3 +372,59 @@ def test_system_schemas_are_refused(name: str) -> None:
         validate_schema_name(name)
     with pytest.raises(ValueError):
         grant_script("app", "someone", name)
+
+
+def _upgrade_to(revision: str) -> Any:
+    def upgrade(connection: Connection) -> None:
+        config = alembic_config(schema=SCHEMA)
+        config.attributes["connection"] = connection
+        command.upgrade(config, revision)
+
+    return upgrade
+
+
+async def test_an_upgrade_grants_its_new_table_to_the_app_roles_granted_before(
+    pg_url: str,
+) -> None:
+    """``coda-memory grant app`` ran at revision 0005; 0006 adds ``rollup_owed``, which the
+    app role can use at once, and the analyst role cannot."""
+    suffix = secrets.token_hex(4)
+    owner, app_role, analyst = (f"coda_{kind}_{suffix}" for kind in ("owner", "app", "analyst"))
+    roles = (owner, app_role, analyst)
+    database = make_url(pg_url).database
+    await _superuser(
+        pg_url,
+        *(f'CREATE ROLE "{role}" NOLOGIN' for role in roles),
+        f'GRANT CREATE ON DATABASE "{database}" TO "{owner}"',
+    )
+    engine = create_async_engine(
+        pg_url, poolclass=pool.NullPool, connect_args={"server_settings": {"role": owner}}
+    )
+    try:
+        async with engine.connect() as conn:
+            await conn.run_sync(_upgrade_to("0005"))
+            await conn.commit()
+            driver: Any = (await conn.get_raw_connection()).driver_connection
+            # What grant_app.sql granted on the table the check looks at, at 0005.
+            await driver.execute(
+                f'GRANT USAGE ON SCHEMA {SCHEMA} TO "{app_role}", "{analyst}";'
+                f'GRANT SELECT, INSERT, UPDATE, DELETE ON {SCHEMA}.ingest_batches TO "{app_role}";'
+                f'GRANT SELECT ON {SCHEMA}.tool_daily TO "{analyst}"'
+            )
+            await conn.run_sync(_upgrade_to("head"))
+            await conn.commit()
+            granted = {
+                role: await driver.fetchval(
+                    "SELECT has_table_privilege($1, $2, 'INSERT')", role, f"{SCHEMA}.rollup_owed"
+                )
+                for role in (app_role, analyst)
+            }
+        assert granted == {app_role: True, analyst: False}
+    finally:
+        await engine.dispose()
+        await _superuser(
+            pg_url,
+            f'DROP SCHEMA IF EXISTS "{SCHEMA}" CASCADE',
+            *(f'DROP OWNED BY "{role}"' for role in roles),
+            *(f'DROP ROLE "{role}"' for role in roles),
+        )

@@ -10,7 +10,9 @@ tenant (``forget`` deletes the identity's records), the owner's maintenance, and
 writer, which records and folds any identity's. Folding reads the observations of an
 earlier transaction, so the writer also gets ``writer_owed_read`` on ``observations``:
 the rows of the transaction named by ``coda_memory.rollup_xid``, which the folding sets.
-The analyst role is granted nothing here.
+The roles that ``coda-memory grant app`` granted before (those that may insert into
+``ingest_batches``) get the app's privileges on the new table; the analyst role is
+granted nothing here.
 
 Revision ID: 0006
 Revises: 0005
@@ -59,6 +61,8 @@ def upgrade() -> None:
     for name in ("enable", "tenant_policy", "owner_policy", "writer_rollup_policy"):
         op.execute(tenancy_sql(name, schema, "rollup_owed"))
     op.execute(tenancy_sql("writer_owed_read_policy", schema, "observations"))
+    # The app roles granted before this migration may use the new table at once.
+    op.execute(tenancy_sql("grant_like_ingest", schema, "rollup_owed"))
 
 
 def downgrade() -> None:
