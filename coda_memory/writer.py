@@ -75,6 +75,9 @@ def _nested_bytes(value: object, depth: int) -> int:
 #: Seconds ``close`` waits for the writer to stop, and for the store to close, after its
 #: ``timeout``: a connection that never answers can't hold it up longer.
 CLOSE_GRACE = 2.0
+#: Observations the writer validates between two turns of the event loop (about a
+#: millisecond of work), so that a large batch does not hold up requests.
+VALIDATE_CHUNK = 64
 
 
 #: (identity id, observation, created_at, approximate bytes)
@@ -207,7 +210,7 @@ class ObservationWriter:
                 continue
             items = [self._queue.popleft() for _ in range(min(self._batch_size, len(self._queue)))]
             self._inflight = len(items)
-            records = self._validate(items)
+            records = await self._validate(items)
             # One key per batch, kept across retries: a retry after a lost COMMIT
             # acknowledgement stores nothing twice (the store records the key).
             key = str(uuid.uuid4())
@@ -248,11 +251,16 @@ class ObservationWriter:
     def _identities(records: list[ObservationRecord]) -> tuple[str, ...]:
         return tuple({record.identity_id for record in records})
 
-    def _validate(self, items: list[_Item]) -> list[ObservationRecord]:
+    async def _validate(self, items: list[_Item]) -> list[ObservationRecord]:
+        """Sanitise ``items``, letting the event loop run other work every
+        :data:`VALIDATE_CHUNK` observations: a batch that piled up while the store was
+        slow takes a moment to validate, and requests must not wait for all of it."""
         records: list[ObservationRecord] = []
         now = self.clock()
         latest = now + self.max_clock_skew
-        for identity_id, obs, created_at, _ in items:
+        for index, (identity_id, obs, created_at, _) in enumerate(items):
+            if index and index % VALIDATE_CHUNK == 0:
+                await asyncio.sleep(0)
             try:
                 record = sanitize_observation(identity_id, obs, created_at, self.tool_catalog)
                 if record.created_at > latest:

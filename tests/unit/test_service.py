@@ -240,3 +240,36 @@ async def test_a_host_passing_a_non_string_identity_gets_a_rejection_not_a_crash
     memory = await service.load_memory(None)  # type: ignore[arg-type]
     assert memory.prompt_section == ""
     await service.close()
+
+
+async def test_validating_a_large_batch_lets_the_event_loop_run_between_chunks() -> None:
+    """A batch that piled up is validated in chunks of VALIDATE_CHUNK, with a turn of the
+    loop between them: other tasks run before the batch reaches the store."""
+    from coda_memory.writer import VALIDATE_CHUNK
+
+    turns_before_append: list[int] = []
+    turns = 0
+
+    class CountingStore(InMemoryStore):
+        async def append(
+            self, records: Sequence[ObservationRecord], *, batch_key: str | None = None
+        ) -> AppendOutcome:
+            turns_before_append.append(turns)
+            return await super().append(records, batch_key=batch_key)
+
+    service = MemoryService(CountingStore(), batch_size=10 * VALIDATE_CHUNK)
+    for n in range(10 * VALIDATE_CHUNK):
+        service.emit_observation("alice", tool_ok(f"tool_{n % 7}"))
+
+    async def other_task() -> None:
+        nonlocal turns
+        while not turns_before_append:
+            turns += 1
+            await asyncio.sleep(0)
+
+    await asyncio.gather(service.drain(), other_task())
+    assert service.stats().stored == 10 * VALIDATE_CHUNK
+    # One batch, validated in ten chunks: the other task ran at least once per chunk.
+    assert len(turns_before_append) == 1
+    assert turns_before_append[0] >= 9
+    await service.close()
