@@ -2,25 +2,30 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from coda_memory.core.model import Fact, FactCategory, fact_subject, trusted
 from tests.helpers import T0
 
+#: Every field of a fact, valid.
+_VALUES: dict[str, Any] = dict(
+    id="fact:tool_affinity:t",
+    identity_id="u",
+    category=FactCategory.TOOL_AFFINITY,
+    subject="tool_affinity:t",
+    content="Uses t successfully",
+    confidence=0.5,
+    reinforcement_count=1,
+    last_reinforced_at=T0,
+    created_at=T0,
+    updated_at=T0,
+    ease_factor=None,
+    confidence_at=T0,
+)
+
 
 def test_trusted_models_equal_validated_ones() -> None:
-    values = dict(
-        id="fact:tool_affinity:t",
-        identity_id="u",
-        category=FactCategory.TOOL_AFFINITY,
-        subject="tool_affinity:t",
-        content="Uses t successfully",
-        confidence=0.5,
-        reinforcement_count=1,
-        last_reinforced_at=T0,
-        created_at=T0,
-        updated_at=T0,
-        ease_factor=None,
-        confidence_at=T0,
-    )
+    values = dict(_VALUES)
     validated = Fact.model_validate(values)
     fast = trusted(Fact, **values)
     assert fast == validated
@@ -30,20 +35,7 @@ def test_trusted_models_equal_validated_ones() -> None:
 
 
 def test_trusted_models_share_one_fields_set_that_copies_do_not_change() -> None:
-    values = dict(
-        id="fact:tool_affinity:t",
-        identity_id="u",
-        category=FactCategory.TOOL_AFFINITY,
-        subject="tool_affinity:t",
-        content="Uses t successfully",
-        confidence=0.5,
-        reinforcement_count=1,
-        last_reinforced_at=T0,
-        created_at=T0,
-        updated_at=T0,
-        ease_factor=None,
-        confidence_at=T0,
-    )
+    values = dict(_VALUES)
     first, second = trusted(Fact, **values), trusted(Fact, **values)
     assert first.__pydantic_fields_set__ is second.__pydantic_fields_set__
     shared = set(first.model_fields_set)
