@@ -73,6 +73,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     for path in write_results(args.out, result):
         log.info("wrote %s", path)
     log.info("done in %.1f min", result["duration_s"] / 60)
+    if result["failed_sections"]:
+        log.error("failed sections: %s", ", ".join(result["failed_sections"]))
+        return 1
     return 0
 
 

@@ -36,6 +36,8 @@ class Report:
     timings: dict[str, float] = field(default_factory=dict)
     #: Mean CPU cores used by other processes during each section.
     load: dict[str, float] = field(default_factory=dict)
+    #: Sections that raised (the run went on without them).
+    failed: list[str] = field(default_factory=list)
 
     def add(self, figure: Figure) -> Figure:
         self.figures.append(figure)

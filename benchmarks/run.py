@@ -14,7 +14,7 @@ from typing import Any
 from benchmarks.environment import LoadMonitor, command_line, git_commit, machine
 from benchmarks.pgbench import pgbench_again, pgbench_baselines
 from benchmarks.report import Report
-from benchmarks.section import Context
+from benchmarks.section import Context, Section
 from benchmarks.sections import OPTIONS, SECTIONS
 from benchmarks.server import start_server
 from benchmarks.sizes import Sizes
@@ -63,7 +63,7 @@ async def run(args: argparse.Namespace, sizes: Sizes, report: Report) -> dict[st
                     if section.database == database:
                         log.info("section: %s", section.title)
                         with monitor.section(report, section.name):
-                            await section.run(db, ctx)
+                            await _run_section(section, db, ctx)
             finally:
                 await db.close()
         log.info("baseline: pgbench again")
@@ -77,6 +77,17 @@ async def run(args: argparse.Namespace, sizes: Sizes, report: Report) -> dict[st
         monitor.foreign_seconds / monitor.elapsed if monitor.elapsed else 0.0
     )
     return info
+
+
+async def _run_section(section: Section, db: Database, ctx: Context) -> None:
+    """Run one section; one that fails is reported as failed (its figures so far kept)
+    and the run goes on, so a long run still writes what the other sections measured."""
+    try:
+        await section.run(db, ctx)
+    except Exception as error:
+        log.exception("section %s failed", section.name)
+        ctx.report.note(f"section {section.name} failed: {type(error).__name__}: {error}")
+        ctx.report.failed.append(section.name)
 
 
 def benchmark(args: argparse.Namespace, sizes: Sizes) -> dict[str, Any]:
@@ -97,6 +108,7 @@ def benchmark(args: argparse.Namespace, sizes: Sizes) -> dict[str, Any]:
         "figures": [asdict(f) for f in report.figures],
         "tables": report.tables,
         "notes": report.notes,
+        "failed_sections": report.failed,
         "timings": report.timings,
         "other_processes_cpu_cores": report.load,
     }

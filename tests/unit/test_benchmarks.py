@@ -103,3 +103,27 @@ def test_no_reflection_finds_the_library_api() -> None:
         if REFLECTION.search(line)
     ]
     assert offenders == []
+
+
+async def test_a_failing_section_is_reported_and_the_run_goes_on() -> None:
+    """A section that raises (a statement past a timeout, say) is noted as failed, its
+    figures so far kept; the sections after it still run and the report is written."""
+    from typing import Any, cast
+
+    from benchmarks.report import Figure, Report
+    from benchmarks.run import _run_section
+    from benchmarks.section import Context
+
+    async def partial(db: Any, ctx: Context) -> None:
+        ctx.report.add(Figure("x", "before the failure", 1.0, "ms"))
+        raise TimeoutError("the rebuild took too long")
+
+    section = Section(
+        name="broken", title="broken", database="main", run=partial, selected_by=frozenset()
+    )
+    report = Report()
+    ctx = cast(Context, type("Ctx", (), {"report": report})())
+    await _run_section(section, cast(Any, None), ctx)
+    assert report.failed == ["broken"]
+    assert [f.name for f in report.figures] == ["before the failure"]
+    assert report.notes == ["section broken failed: TimeoutError: the rebuild took too long"]
