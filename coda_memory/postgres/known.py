@@ -25,7 +25,7 @@ an identity with more facts than that is not kept.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from coda_memory.core.model import Fact
@@ -47,10 +47,6 @@ class Known:
 
     version: str
     stored: tuple[Fact, ...]
-
-    @classmethod
-    def of(cls, version: str, facts: Iterable[Fact]) -> Known:
-        return cls(version, tuple(_as_stored(fact) for fact in facts))
 
     def facts(self) -> list[Fact]:
         """The facts, as a read of the identity's rows would return them (a new list of

@@ -9,13 +9,13 @@ from tests.builders import NOW, fact
 
 
 def _known(version: str, count: int) -> Known:
-    return Known.of(version, [fact(f"tool_affinity:t{n}") for n in range(count)])
+    return Known(version, tuple(fact(f"tool_affinity:t{n}") for n in range(count)))
 
 
 def test_facts_are_kept_by_version_and_come_back_as_they_went_in() -> None:
     known = KnownFacts(10)
     facts = [fact("tool_affinity:a", confidence_at=NOW), fact("entity_frequency:b:1")]
-    known.put("alice", Known.of("v1", facts))
+    known.put("alice", written("v1", [], facts, []))
     entry = known.entry("alice")
     assert entry is not None and entry.version == "v1"
     # confidence_at comes back as stored: the anchor, also when it was None.
