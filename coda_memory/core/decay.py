@@ -26,6 +26,14 @@ def elapsed_days(since: datetime, until: datetime) -> float:
     return abs((until - since).total_seconds()) / SECONDS_PER_DAY
 
 
+def _check_amounts(reinforce_amount: float, expiry_threshold: float) -> None:
+    """Refuse a reinforcement outside [0, 1] or an expiry threshold outside [0, 1)."""
+    if not 0.0 <= reinforce_amount <= 1.0:
+        raise ValueError("reinforce_amount must be in [0, 1]")
+    if not 0.0 <= expiry_threshold < 1.0:
+        raise ValueError("expiry_threshold must be in [0, 1)")
+
+
 @runtime_checkable
 class DecayStrategy(Protocol):
     """How a fact's confidence evolves."""
@@ -67,10 +75,7 @@ class ExponentialDecay:
     ) -> None:
         if not 0.0 < base < 1.0:
             raise ValueError("base must be in (0, 1)")
-        if not 0.0 <= reinforce_amount <= 1.0:
-            raise ValueError("reinforce_amount must be in [0, 1]")
-        if not 0.0 <= expiry_threshold < 1.0:
-            raise ValueError("expiry_threshold must be in [0, 1)")
+        _check_amounts(reinforce_amount, expiry_threshold)
         self.base = base
         self.reinforce_amount = reinforce_amount
         self._expiry_threshold = expiry_threshold
@@ -200,10 +205,7 @@ class PowerLawDecay:
             raise ValueError("need 0 < min_stability <= initial_stability <= max_stability")
         if not 0.0 <= growth < 1.0:
             raise ValueError("growth must be in [0, 1)")
-        if not 0.0 <= reinforce_amount <= 1.0:
-            raise ValueError("reinforce_amount must be in [0, 1]")
-        if not 0.0 <= expiry_threshold < 1.0:
-            raise ValueError("expiry_threshold must be in [0, 1)")
+        _check_amounts(reinforce_amount, expiry_threshold)
         self.factor = factor
         self.power = power
         self.initial_stability = initial_stability
