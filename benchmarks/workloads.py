@@ -291,6 +291,39 @@ async def prepare_profile(
     await quiesce(db.conn)
 
 
+@dataclass(frozen=True)
+class TimedLoads:
+    """What ``load_memory`` did for identities loaded one after another."""
+
+    seconds: list[float]
+    empty: int
+    #: Loads whose answer had both a prompt section and tool affinities.
+    with_prompt_and_affinities: int
+    timeouts: int
+    errors: int
+
+
+async def timed_loads(service: MemoryService, identities: Sequence[str]) -> TimedLoads:
+    """``load_memory`` for each identity in turn, timed, with the service's counters."""
+    before = service.stats()
+    seconds: list[float] = []
+    empty = complete = 0
+    for identity in identities:
+        start = time.perf_counter()
+        loaded = await service.load_memory(identity)
+        seconds.append(time.perf_counter() - start)
+        empty += not loaded.facts
+        complete += bool(loaded.prompt_section and loaded.tool_affinities)
+    after = service.stats()
+    return TimedLoads(
+        seconds,
+        empty,
+        complete,
+        after.load_timeouts - before.load_timeouts,
+        after.load_errors - before.load_errors,
+    )
+
+
 async def timed_consolidations(db: Database, identities: Sequence[str]) -> list[float]:
     seconds: list[float] = []
     for identity in identities:

@@ -44,12 +44,11 @@ async def host_section(db: Database, ctx: Context) -> None:
     concurrent_mode = f"{sizes.host_concurrency} concurrent"
     try:
         await requests.run(service, 4 * sizes.host_concurrency, sizes.host_concurrency)
-        for mode, count, concurrency in (
-            (concurrent_mode, sizes.host_requests, sizes.host_concurrency),
-            ("1 at a time", sizes.host_sequential_requests, 1),
-            (f"{concurrent_mode}, gc.freeze()", sizes.host_requests, sizes.host_concurrency),
+        for mode, count, concurrency, frozen in (
+            (concurrent_mode, sizes.host_requests, sizes.host_concurrency, False),
+            ("1 at a time", sizes.host_sequential_requests, 1, False),
+            (f"{concurrent_mode}, gc.freeze()", sizes.host_requests, sizes.host_concurrency, True),
         ):
-            frozen = mode.endswith("gc.freeze()")
             if frozen:
                 gc.collect()
                 gc.freeze()

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import random
-import time
 
 from benchmarks.report import Figure
 from benchmarks.section import Context, Section
 from benchmarks.stats import latency_summary
-from benchmarks.workloads import Database, names, prepare_profile
+from benchmarks.workloads import Database, names, prepare_profile, timed_loads
 
 
 async def load_section(db: Database, ctx: Context) -> None:
@@ -21,24 +20,16 @@ async def load_section(db: Database, ctx: Context) -> None:
         await prepare_profile(db, [*warm, *identities], 200, new, 1, rng)
         for identity in warm:
             await db.service.load_memory(identity)
-        before = db.service.stats()
-        seconds: list[float] = []
-        sections = 0
-        for identity in identities:
-            start = time.perf_counter()
-            loaded = await db.service.load_memory(identity)
-            seconds.append(time.perf_counter() - start)
-            sections += bool(loaded.prompt_section and loaded.tool_affinities)
-        after = db.service.stats()
-        summary = latency_summary(seconds)
+        loads = await timed_loads(db.service, identities)
+        summary = latency_summary(loads.seconds)
         details = {
             **summary,
             "facts": 200,
             "new_observations": new,
             "identities": len(identities),
-            "timeouts": after.load_timeouts - before.load_timeouts,
-            "errors": after.load_errors - before.load_errors,
-            "with_prompt_and_affinities": sections,
+            "timeouts": loads.timeouts,
+            "errors": loads.errors,
+            "with_prompt_and_affinities": loads.with_prompt_and_affinities,
         }
         report.tables.setdefault("load_memory", []).append({"variant": variant, **details})
         report.add(

@@ -6,33 +6,24 @@ from __future__ import annotations
 
 import gc
 import random
-import time
 from typing import Any
 
 from benchmarks.report import Figure
 from benchmarks.section import Context, Section
 from benchmarks.stats import latency_summary
-from benchmarks.workloads import Database, names, prepare_profile
+from benchmarks.workloads import Database, names, prepare_profile, timed_loads
 
 
 async def _loads(db: Database, identities: list[str]) -> dict[str, Any]:
-    before = db.service.stats()
-    seconds: list[float] = []
-    empty = 0
-    for identity in identities:
-        start = time.perf_counter()
-        loaded = await db.service.load_memory(identity)
-        seconds.append(time.perf_counter() - start)
-        empty += not loaded.facts
-    after = db.service.stats()
+    loads = await timed_loads(db.service, identities)
     return {
-        **latency_summary(seconds),
+        **latency_summary(loads.seconds),
         "facts": 200,
         "new_observations": 50,
         "sessions": 5,
-        "empty": empty,
-        "timeouts": after.load_timeouts - before.load_timeouts,
-        "errors": after.load_errors - before.load_errors,
+        "empty": loads.empty,
+        "timeouts": loads.timeouts,
+        "errors": loads.errors,
     }
 
 
