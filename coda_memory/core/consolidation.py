@@ -34,8 +34,11 @@ from coda_memory.core.model import (
     FactEvent,
     FactEventKind,
     Observation,
+    as_utc,
     fact_id,
     gc_paused,
+    replaced,
+    trusted,
     with_confidence,
 )
 from coda_memory.core.sessions import FactKey as FactKey
@@ -98,8 +101,12 @@ class _Run:
     #: The latest reinforcing event per (subject, session id), from earlier runs and this one.
     reinforced_by: dict[tuple[str, str], FactEvent] = field(default_factory=dict)
 
+    # Facts and events below are built without validation (``trusted``): every value is
+    # a stored or validated one, or computed here (``now`` is made UTC by the plan).
+
     def fresh(self, group: SessionGroup, at: datetime) -> Fact:
-        return Fact(
+        return trusted(
+            Fact,
             id=fact_id(group.key.subject),
             identity_id=self.identity_id,
             category=group.key.category,
@@ -125,7 +132,7 @@ class _Run:
             when: datetime = exact(fact)
             return min(until, when)
         probe_days = 1.0
-        probe = fact.model_copy(update={"confidence_at": fact.anchor})
+        probe = replaced(fact, confidence_at=fact.anchor)
         one_day = self.decay.decayed(probe, fact.anchor + timedelta(days=probe_days))
         threshold = self.decay.expiry_threshold
         if not 0.0 < one_day < fact.confidence or threshold <= 0.0:
@@ -135,7 +142,8 @@ class _Run:
 
     def expire(self, fact: Fact, at: datetime) -> None:
         self.events.append(
-            FactEvent(
+            trusted(
+                FactEvent,
                 identity_id=self.identity_id,
                 subject=fact.subject,
                 category=fact.category,
@@ -147,6 +155,10 @@ class _Run:
                 count_before=fact.reinforcement_count,
                 count_after=None,
                 ease_before=fact.ease_factor,
+                ease_after=None,
+                quality=None,
+                hits=0,
+                trials=0,
             )
         )
 
@@ -168,10 +180,14 @@ class _Run:
             if kind is FactEventKind.REINFORCED:
                 kind = FactEventKind.CREATED
         else:
-            after = self.decay.reinforce(before, quality, at).model_copy(
-                update={"content": group.content, "updated_at": self.now, "confidence_at": at}
+            after = replaced(
+                self.decay.reinforce(before, quality, at),
+                content=group.content,
+                updated_at=self.now,
+                confidence_at=at,
             )
-        event = FactEvent(
+        event = trusted(
+            FactEvent,
             identity_id=self.identity_id,
             subject=group.key.subject,
             category=group.key.category,
@@ -234,14 +250,13 @@ def _state_before(event: FactEvent, current: Fact) -> Fact | None:
     """The fact as it was just before ``event``'s reinforcement (None: it did not exist)."""
     if event.confidence_before is None or event.count_before is None:
         return None
-    return current.model_copy(
-        update={
-            "confidence": event.confidence_before,
-            "confidence_at": event.at,
-            "last_reinforced_at": event.at,
-            "reinforcement_count": event.count_before,
-            "ease_factor": event.ease_before,
-        }
+    return replaced(
+        current,
+        confidence=event.confidence_before,
+        confidence_at=event.at,
+        last_reinforced_at=event.at,
+        reinforcement_count=event.count_before,
+        ease_factor=event.ease_before,
     )
 
 
@@ -297,6 +312,7 @@ def plan_consolidation(
 
     With ``max_facts``, at most that many facts stay active: the best ranked by
     :func:`rank_key`; the others are deleted and listed in ``evicted``."""
+    now = as_utc(now)  # the facts and events below take it unvalidated
     stored = {f.subject: f for f in batch.facts}
     run = _Run(identity_id, now, decay, dict(stored))
     for event in batch.session_events:

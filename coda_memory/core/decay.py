@@ -11,7 +11,7 @@ import math
 from datetime import datetime, timedelta
 from typing import Protocol, runtime_checkable
 
-from coda_memory.core.model import Fact
+from coda_memory.core.model import Fact, replaced
 
 SECONDS_PER_DAY = 86_400.0
 
@@ -105,15 +105,14 @@ class ExponentialDecay:
 
     def reinforce(self, fact: Fact, quality: float, now: datetime) -> Fact:
         confidence = min(1.0, self.decayed(fact, now) + self.reinforce_amount)
-        return fact.model_copy(
-            update={
-                "confidence": confidence,
-                "confidence_at": now,
-                "reinforcement_count": fact.reinforcement_count + 1,
-                "last_reinforced_at": now,
-                "updated_at": now,
-                "ease_factor": self._next_ease(fact, quality),
-            }
+        return replaced(
+            fact,
+            confidence=confidence,
+            confidence_at=now,
+            reinforcement_count=fact.reinforcement_count + 1,
+            last_reinforced_at=now,
+            updated_at=now,
+            ease_factor=self._next_ease(fact, quality),
         )
 
     def half_life_days(self, ease: float = 1.0) -> float:
@@ -242,15 +241,14 @@ class PowerLawDecay:
         quality = min(1.0, max(0.0, quality))
         confidence = min(1.0, self.decayed(fact, now) + self.reinforce_amount)
         stability = self.stability(fact) * (1.0 + self.growth * (2.0 * quality - 1.0))
-        return fact.model_copy(
-            update={
-                "confidence": confidence,
-                "confidence_at": now,
-                "reinforcement_count": fact.reinforcement_count + 1,
-                "last_reinforced_at": now,
-                "updated_at": now,
-                "ease_factor": min(self.max_stability, max(self.min_stability, stability)),
-            }
+        return replaced(
+            fact,
+            confidence=confidence,
+            confidence_at=now,
+            reinforcement_count=fact.reinforcement_count + 1,
+            last_reinforced_at=now,
+            updated_at=now,
+            ease_factor=min(self.max_stability, max(self.min_stability, stability)),
         )
 
     def expires_at(self, fact: Fact) -> datetime:

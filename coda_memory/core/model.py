@@ -242,6 +242,15 @@ def trusted_from(cls: type[M], values: dict[str, Any]) -> M:
     return model
 
 
+def replaced(model: M, **changes: Any) -> M:
+    """``model`` with ``changes``, like ``model.model_copy(update=changes)`` (which does not
+    validate either) at a third of its cost: consolidation copies every fact it
+    reinforces. The changes must be valid values of their fields."""
+    values = model.__dict__.copy()
+    values.update(changes)
+    return trusted_from(type(model), values)
+
+
 def with_confidence(fact: Fact, confidence: float, at: datetime) -> Fact:
     """``fact`` with ``confidence`` at ``at``: a view of it at that instant. The cheapest
     copy of a fact (a dict copy, no validation), since loads build one per fact."""

@@ -8,6 +8,7 @@ the groups into facts.
 
 from __future__ import annotations
 
+import functools
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -51,21 +52,10 @@ def fact_key(observation: Observation) -> FactKey | None:
         entity_type, entity_id = meta.get("entityType"), meta.get("entityId")
         if isinstance(entity_id, int) and not isinstance(entity_id, bool):
             entity_id = str(entity_id)
-        if not (is_identifier(entity_type) and is_identifier(entity_id)):
-            return None
-        assert isinstance(entity_type, str) and isinstance(entity_id, str)
         name = meta.get("entityName")
-        label = (
-            f"{quote_untrusted(name)} ({entity_id})"
-            if isinstance(name, str) and name and name != entity_id
-            else entity_id
-        )
-        category = FactCategory.ENTITY_FREQUENCY
-        return FactKey(
-            category,
-            fact_subject(category, entity_type, entity_id),
-            f"Works with {entity_type} {label}",
-        )
+        if not (isinstance(entity_type, str) and isinstance(entity_id, str)):
+            return None
+        return _entity_fact_key(entity_type, entity_id, name if isinstance(name, str) else None)
     if kind is ObservationType.QUERY_PATTERN:
         domain = meta.get("domain")
         if not is_identifier(domain):
@@ -96,6 +86,24 @@ class SessionGroup:
 ToolCounts = Mapping[tuple[str, str], tuple[int, int]]
 
 
+# The keys are remembered: the same tools and entities come back session after session,
+# and a consolidation maps each new observation to its key.
+
+
+@functools.lru_cache(maxsize=4_096)
+def _entity_fact_key(entity_type: str, entity_id: str, name: str | None) -> FactKey | None:
+    if not (is_identifier(entity_type) and is_identifier(entity_id)):
+        return None
+    label = f"{quote_untrusted(name)} ({entity_id})" if name and name != entity_id else entity_id
+    category = FactCategory.ENTITY_FREQUENCY
+    return FactKey(
+        category,
+        fact_subject(category, entity_type, entity_id),
+        f"Works with {entity_type} {label}",
+    )
+
+
+@functools.lru_cache(maxsize=4_096)
 def _tool_fact_key(category: FactCategory, tool: str) -> FactKey:
     content = (
         f"Uses {tool} successfully"

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta, timezone
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -172,3 +173,49 @@ def test_no_reinforcement_is_dated_after_now_even_from_a_stored_future_date() ->
     [fact] = plan.upserts
     assert (fact.confidence, fact.reinforcement_count) == (0.5, 1)
     assert fact.last_reinforced_at == fact.created_at == T0
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    history=histories(),
+    strategy=st.sampled_from([ExponentialDecay, AdaptiveDecay, PowerLawDecay]),
+)
+def test_planned_facts_and_events_are_what_validation_would_build(
+    history: list[Observation], strategy: type[DecayStrategy]
+) -> None:
+    # The plan builds its facts and events without validation; each must equal the
+    # validated model of the same values (types, UTC datetimes, every field set).
+    ledger = Ledger()
+    half = len(history) // 2
+    ledger.run(history[:half], T0 + timedelta(days=20), strategy())
+    end = T0 + timedelta(days=41)
+    batch = ConsolidationInput(history[half:], list(ledger.facts.values()), ledger.events)
+    plan = plan_consolidation("u", batch, end, strategy())
+    for model in [*plan.upserts, *plan.events, *plan.active]:
+        again = type(model).model_validate(model.model_dump())
+        assert again == model
+        assert {k: type(v) for k, v in again.__dict__.items()} == {
+            k: type(v) for k, v in model.__dict__.items()
+        }
+        assert model.model_fields_set == set(type(model).model_fields)
+
+
+def test_the_plan_takes_now_in_any_time_zone_and_refuses_a_naive_one() -> None:
+    observation = Observation(
+        id=1,
+        identity_id="u",
+        type=ObservationType.TOOL_SUCCESS,
+        content="",
+        metadata={"toolName": "get_account"},
+        session_id="s1",
+        created_at=T0,
+    )
+    batch = ConsolidationInput([observation], [], [])
+    later = T0 + timedelta(days=1)
+    in_utc = plan_consolidation("u", batch, later, ExponentialDecay())
+    elsewhere = later.astimezone(timezone(timedelta(hours=-5)))
+    shifted = plan_consolidation("u", batch, elsewhere, ExponentialDecay())
+    assert shifted.upserts == in_utc.upserts and shifted.events == in_utc.events
+    assert all(f.updated_at.tzinfo == UTC for f in shifted.upserts)
+    with pytest.raises(ValueError, match="timezone-aware"):
+        plan_consolidation("u", batch, later.replace(tzinfo=None), ExponentialDecay())
