@@ -15,6 +15,11 @@ class), the counters in :mod:`coda_memory.stats`, the choice of store for a URL 
   after the clock when the writer validates it is stored as made at that instant, and
   counted in ``stats().future_clamped``: a wrong or hostile date cannot keep a fact alive.
 
+Peeking. A load first reads, without a lock, whether anything new waits (``peek``), and
+answers from that read when nothing does. It skips the peek when this service stored
+observations of the identity since it last consolidated it there and the store keeps the
+identity's facts (``kept_facts``): then something new waits for sure.
+
 Keeping the loop responsive. Everything ``load_memory`` does in Python is proportional
 to the identity's facts, which ``max_facts`` caps (best ranked kept, the rest deleted by
 the next consolidation). Above :data:`OFFLOAD_FACTS` facts the planning, the views and
@@ -220,15 +225,23 @@ class MemoryService(ObservationWriter):
             return facts
 
     async def _consolidate(self, identity_id: str) -> list[Fact]:
-        async with self._slots:
-            stored, pending = await self.store.peek(identity_id)
-        if pending and stored and identity_id in self._loading:
+        # When this service stored observations of the identity since it last consolidated
+        # it, and the store keeps the identity's facts, there is no need to peek. (What is
+        # stored from here on marks the identity again.)
+        kept = self._kept_facts(identity_id) if identity_id in self.stored_for else None
+        self.stored_for.discard(identity_id)
+        if kept is not None:
+            stored = kept
+        else:
+            async with self._slots:
+                stored, pending = await self.store.peek(identity_id)
+            if not pending and (self.max_facts is None or len(stored) <= self.max_facts):
+                views = await _offload(len(stored), active_views, stored, self.decay, self.clock())
+                if len(views) == len(stored):  # else some expired: consolidating deletes them
+                    return views
+        if stored and identity_id in self._loading:
             # What a load that outlives its timeout answers with (see load_memory).
             self._stale[identity_id] = stored
-        if not pending and (self.max_facts is None or len(stored) <= self.max_facts):
-            views = await _offload(len(stored), active_views, stored, self.decay, self.clock())
-            if len(views) == len(stored):  # else some expired: the consolidation deletes them
-                return views
         async with self._slots, self.store.consolidation(identity_id) as unit:
             batch = await unit.load()
             plan = await _offload(len(batch.facts), self._plan, identity_id, batch)
@@ -242,6 +255,12 @@ class MemoryService(ObservationWriter):
                 f"{len(plan.evicted)} deleted",
             )
         return plan.active
+
+    def _kept_facts(self, identity_id: str) -> list[Fact] | None:
+        """The identity's stored facts as the store keeps them between requests (the
+        Postgres store does, see ``known_facts``), or None."""
+        kept: Callable[[str], list[Fact] | None] | None = getattr(self.store, "kept_facts", None)
+        return None if kept is None else kept(identity_id)
 
     def _plan(self, identity_id: str, batch: ConsolidationInput) -> ConsolidationPlan:
         return plan_consolidation(
@@ -359,6 +378,7 @@ class MemoryService(ObservationWriter):
         self._forget_queued(identity_id)
         await self.drain()
         await self.store.forget(identity_id)
+        self.stored_for.discard(identity_id)
 
     def stats(self) -> MemoryStats:
         """Counts of observations emitted, stored, rejected, dropped and pending."""

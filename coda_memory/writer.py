@@ -80,6 +80,11 @@ CLOSE_GRACE = 2.0
 VALIDATE_CHUNK = 64
 
 
+#: How many identities :attr:`ObservationWriter.stored_for` remembers (then it starts over:
+#: forgetting one only costs its next load a peek).
+STORED_FOR_LIMIT = 100_000
+
+
 #: (identity id, observation, created_at, approximate bytes)
 _Item = tuple[str, NewObservation, datetime, int]
 
@@ -112,6 +117,9 @@ class ObservationWriter:
         self._writer: asyncio.Task[None] | None = None
         self._wakeup: asyncio.Event | None = None
         self._progress: asyncio.Event | None = None
+        #: Identities this writer stored observations of since their last consolidation
+        #: here: their next load consolidates without peeking first.
+        self.stored_for: set[str] = set()
 
     def emit_observation(self, identity_id: str, obs: NewObservation) -> None:
         """Queue an observation for storage. Never raises and never waits on I/O."""
@@ -239,6 +247,10 @@ class ObservationWriter:
                     break
                 backoff = 0.05
                 self._stored += outcome.stored
+                if outcome.stored:
+                    if len(self.stored_for) > STORED_FOR_LIMIT:
+                        self.stored_for.clear()
+                    self.stored_for.update(record.identity_id for record in records)
                 self._discarded += outcome.discarded
                 for index, reason in outcome.refused:
                     self._reject(records[index].identity_id, reason)

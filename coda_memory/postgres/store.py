@@ -308,6 +308,12 @@ class PostgresStore:
             _as_tenant(identity_id, lambda conn: FactRepository(conn).stored(identity_id))
         )
 
+    def kept_facts(self, identity_id: str) -> list[Fact] | None:
+        """The identity's stored facts as this store last read or wrote them (None: not
+        kept); the service answers a load that times out with them."""
+        known = self._known.entry(identity_id)
+        return None if known is None else known.facts()
+
     async def peek(self, identity_id: str) -> tuple[list[Fact], bool]:
         known = self._known.entry(identity_id)
 

@@ -9,6 +9,7 @@ from datetime import datetime, timedelta
 from coda_memory import MemoryService
 from coda_memory.core.model import Fact, ObservationType
 from coda_memory.postgres import PostgresStore
+from tests.helpers import tool_ok
 from tests.postgres.helpers import NOW, fetch, record
 
 
@@ -134,3 +135,50 @@ async def test_no_facts_are_kept_with_a_capacity_of_zero(pg_url: str) -> None:
         assert [f.subject for f in facts] == ["tool_affinity:get_account"]
     finally:
         await store.close()
+
+
+async def test_a_load_after_this_service_stored_observations_skips_the_peek(
+    pg_url: str,
+) -> None:
+    """Observations this service stored since it last consolidated the identity make the
+    next load consolidate without peeking first (one round trip less); any other load
+    peeks, so what another process stored or consolidated is still seen."""
+    store = PostgresStore.from_url(pg_url)
+    peeks: list[str] = []
+    peek = store.peek
+
+    async def counted_peek(identity_id: str) -> tuple[list[Fact], bool]:
+        peeks.append(identity_id)
+        return await peek(identity_id)
+
+    store.peek = counted_peek  # type: ignore[method-assign]
+    service = MemoryService(store, clock=lambda: NOW + timedelta(hours=1))
+    other = PostgresStore.from_url(pg_url)
+    try:
+        service.emit_observation("alice", tool_ok("get_account", session="s1", at=NOW))
+        await service.drain()
+        # Nothing kept for alice yet: the first load peeks (and reads her facts).
+        assert [f.reinforcement_count for f in (await service.load_memory("alice")).facts] == [1]
+        assert peeks == ["alice"]
+        service.emit_observation("alice", tool_ok("get_account", session="s2", at=NOW))
+        await service.drain()
+        assert "alice" in service.stored_for
+        loaded = await service.load_memory("alice")
+        assert [f.reinforcement_count for f in loaded.facts] == [2]
+        assert peeks == ["alice"]  # consolidated without a peek
+        assert "alice" not in service.stored_for
+        # Nothing new from this service: the load peeks, and sees another process's work.
+        await other.append([record("called get_account", session_id="s3", created_at=NOW)])
+        loaded = await service.load_memory("alice")
+        assert [f.reinforcement_count for f in loaded.facts] == [3]
+        assert peeks == ["alice", "alice"]
+        # A forgotten identity is not consolidated again (no checkpoint row comes back).
+        service.emit_observation("alice", tool_ok("get_account", session="s4", at=NOW))
+        await service.drain()
+        await service.forget("alice")
+        assert "alice" not in service.stored_for
+        assert (await service.load_memory("alice")).facts == []
+        assert await fetch(pg_url, "SELECT count(*) FROM coda_memory.checkpoints") == [(0,)]
+    finally:
+        await service.close()
+        await other.close()
