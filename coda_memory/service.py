@@ -38,6 +38,7 @@ import threading
 import time
 from collections.abc import Callable, Collection
 from datetime import UTC, datetime, timedelta
+from functools import partial
 from typing import Any, ParamSpec, TypeVar
 
 from coda_memory.core import emitters
@@ -78,6 +79,10 @@ async def _offload(size: int, work: Callable[P, R], *args: P.args, **kwargs: P.k
     if size > OFFLOAD_FACTS:
         return await asyncio.to_thread(work, *args, **kwargs)
     return work(*args, **kwargs)
+
+
+def _same(facts: list[Fact]) -> list[Fact]:
+    return facts
 
 
 def system_clock() -> datetime:
@@ -147,7 +152,7 @@ class MemoryService(ObservationWriter):
         self._background: set[asyncio.Task[LoadedMemory]] = set()
         self._loading: dict[str, asyncio.Task[LoadedMemory]] = {}
         #: Facts as of the last consolidation, for the identities being consolidated.
-        self._stale: dict[str, list[Fact]] = {}
+        self._stale: dict[str, Callable[[], list[Fact]]] = {}
         self._load_stale = 0
         self._telemetry.observe(self.stats)
 
@@ -225,23 +230,25 @@ class MemoryService(ObservationWriter):
             return facts
 
     async def _consolidate(self, identity_id: str) -> list[Fact]:
+        kept = self._kept_facts(identity_id)
+        if kept is not None and identity_id in self._loading:
+            # What a load that outlives its timeout answers with (see load_memory), from
+            # before the peek: a load may time out waiting for a connection.
+            self._stale[identity_id] = kept
         # When this service stored observations of the identity since it last consolidated
         # it, and the store keeps the identity's facts, there is no need to peek. (What is
         # stored from here on marks the identity again.)
-        kept = self._kept_facts(identity_id) if identity_id in self.stored_for else None
+        skip_peek = kept is not None and identity_id in self.stored_for
         self.stored_for.discard(identity_id)
-        if kept is not None:
-            stored = kept
-        else:
+        if not skip_peek:
             async with self._slots:
                 stored, pending = await self.store.peek(identity_id)
             if not pending and (self.max_facts is None or len(stored) <= self.max_facts):
                 views = await _offload(len(stored), active_views, stored, self.decay, self.clock())
                 if len(views) == len(stored):  # else some expired: consolidating deletes them
                     return views
-        if stored and identity_id in self._loading:
-            # What a load that outlives its timeout answers with (see load_memory).
-            self._stale[identity_id] = stored
+            if identity_id in self._loading:
+                self._stale[identity_id] = partial(_same, stored)
         async with self._slots, self.store.consolidation(identity_id) as unit:
             batch = await unit.load()
             plan = await _offload(len(batch.facts), self._plan, identity_id, batch)
@@ -256,11 +263,15 @@ class MemoryService(ObservationWriter):
             )
         return plan.active
 
-    def _kept_facts(self, identity_id: str) -> list[Fact] | None:
-        """The identity's stored facts as the store keeps them between requests (the
-        Postgres store does, see ``known_facts``), or None."""
-        kept: Callable[[str], list[Fact] | None] | None = getattr(self.store, "kept_facts", None)
-        return None if kept is None else kept(identity_id)
+    def _kept_facts(self, identity_id: str) -> Callable[[], list[Fact]] | None:
+        """What gives the identity's stored facts as the store keeps them between
+        requests (the Postgres store does, see ``known_facts``), or None when it does
+        not keep them."""
+        keeps: Callable[[str], bool] | None = getattr(self.store, "keeps_facts", None)
+        kept: Callable[[str], list[Fact]] | None = getattr(self.store, "kept_facts", None)
+        if keeps is None or kept is None or not keeps(identity_id):
+            return None
+        return partial(kept, identity_id)
 
     def _plan(self, identity_id: str, batch: ConsolidationInput) -> ConsolidationPlan:
         return plan_consolidation(
@@ -280,8 +291,9 @@ class MemoryService(ObservationWriter):
         ``load_timeout``; never raises.
 
         When the consolidation outlives the timeout (it then finishes in the background),
-        the answer is built from the facts as of the last consolidation, read before it
-        started (``stats().load_stale``): only the newest observations are missing.
+        the answer is built from the facts at hand before it started, as the store keeps
+        them or the peek read them (``stats().load_stale``): only the newest observations
+        are missing.
         Without those, and on any error, the result is empty."""
         self._loads += 1
         started = time.perf_counter()
@@ -303,8 +315,8 @@ class MemoryService(ObservationWriter):
                 task.add_done_callback(lambda t: self._finished(identity_id, t))
             return await asyncio.wait_for(asyncio.shield(task), self.load_timeout), "ok"
         except TimeoutError:
-            stale = self._stale.get(identity_id)
-            if stale is not None:
+            stale = self._stale.get(identity_id, list)()
+            if stale:
                 self._load_stale += 1
                 self._log.warning(
                     "load stale",

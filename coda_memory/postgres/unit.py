@@ -147,12 +147,11 @@ class PostgresConsolidationUnit:
         identity_id: str,
         locked: Locked,
         commit: Callable[[], Awaitable[None]],
-        known_facts: list[Fact] | None = None,
+        known: Known | None = None,
     ) -> None:
         """Use :meth:`open`; ``raw`` is an asyncpg connection inside a transaction whose
         lock on the identity's checkpoint row is held, and ``commit`` commits it.
-        ``known_facts`` are the stored facts when already known (not read again)."""
-        self._known_facts = known_facts
+        ``known`` holds the stored facts when already known (not read again)."""
         self._raw = raw
         self._sql = statements
         self.identity_id = identity_id
@@ -164,8 +163,7 @@ class PostgresConsolidationUnit:
         self._committed = False
         #: The stored facts with their version, as this transaction sees them; after a
         #: commit, as it left them (None until known).
-        self.known: Known | None = None
-        self._stored: list[Fact] | None = None
+        self.known: Known | None = known
         self._written: Known | None = None
 
     @classmethod
@@ -181,10 +179,9 @@ class PostgresConsolidationUnit:
         already be inside the transaction that ``commit`` commits. The facts ``known``
         to the caller are used when they go with the locked row's version."""
         locked = await lock_identity(raw, statements, identity_id)
-        facts = None
-        if known is not None and known.version == locked.version:
-            facts = known.facts()
-        return cls(raw, statements, identity_id, locked, commit, facts)
+        if known is not None and known.version != locked.version:
+            known = None
+        return cls(raw, statements, identity_id, locked, commit, known)
 
     async def load(self) -> ConsolidationInput:
         self._check_open()
@@ -198,14 +195,14 @@ class PostgresConsolidationUnit:
             arguments = new.arguments(identity_id=identity_id, stored_snapshot=self.stored_snapshot)
             rows = await self._raw.fetch(new.text, *arguments)
         self._snapshot = rows[0]["snapshot"]
-        stored = self._known_facts
-        if stored is None:
+        if self.known is not None:
+            stored = self.known.facts()
+        else:
             facts = sql.facts
             fact_rows = await self._raw.fetch(facts.text, *facts.arguments(identity_id=identity_id))
             with gc_paused():
                 stored = [fact_from_row(identity_id, r) for r in fact_rows]
-        self._stored = stored
-        self.known = Known(self._version, tuple(stored))  # read from rows, or kept
+            self.known = Known.of(self._version, stored)
         with gc_paused():
             observations = [
                 observation_from_row(identity_id, r) for r in rows if r["id"] is not None
@@ -230,8 +227,8 @@ class PostgresConsolidationUnit:
         check_plan_identity(plan, self.identity_id)
         write = self._sql.write
         row = await self._raw.fetchrow(write.text, *write_arguments(write, plan, self._snapshot))
-        if self._stored is not None:
-            self._written = written(row["version"], self._stored, plan.upserts, plan.deletes)
+        if self.known is not None:
+            self._written = written(row["version"], self.known, plan.upserts, plan.deletes)
 
     async def commit(self) -> None:
         self._check_open()

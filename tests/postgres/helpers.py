@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any
 
 from sqlalchemy import pool, text
@@ -35,5 +37,17 @@ async def fetch(url: str, sql: str, **params: Any) -> list[tuple[Any, ...]]:
         async with own.begin() as conn:
             result = await conn.execute(text(sql), params)
             return [tuple(row) for row in result] if result.returns_rows else []
+    finally:
+        await own.dispose()
+
+
+@asynccontextmanager
+async def locked(url: str, table: str) -> AsyncIterator[None]:
+    """Hold an ACCESS EXCLUSIVE lock on ``table`` until the block ends."""
+    own = engine(url)
+    try:
+        async with own.begin() as conn:
+            await conn.execute(text(f"LOCK TABLE coda_memory.{table} IN ACCESS EXCLUSIVE MODE"))
+            yield
     finally:
         await own.dispose()

@@ -10,7 +10,7 @@ from coda_memory import MemoryService
 from coda_memory.core.model import Fact, ObservationType
 from coda_memory.postgres import PostgresStore
 from tests.helpers import tool_ok
-from tests.postgres.helpers import NOW, fetch, record
+from tests.postgres.helpers import NOW, fetch, locked, record
 
 
 def _by_subject(facts: list[Fact]) -> list[Fact]:
@@ -182,3 +182,19 @@ async def test_a_load_after_this_service_stored_observations_skips_the_peek(
     finally:
         await service.close()
         await other.close()
+
+
+async def test_a_load_stuck_before_its_peek_answers_from_the_kept_facts(pg_url: str) -> None:
+    """A load that times out before its peek returns (here the checkpoints table is
+    locked) answers from the facts the store keeps, not empty."""
+    store = await _consolidated(pg_url)
+    service = MemoryService(store, clock=lambda: NOW, load_timeout=0.2)
+    try:
+        async with locked(pg_url, "checkpoints"):
+            loaded = await service.load_memory("alice")
+        assert [f.subject for f in loaded.facts] == ["tool_affinity:get_account"]
+        assert "get_account" in loaded.tool_affinities
+        stats = service.stats()
+        assert (stats.load_stale, stats.load_timeouts) == (1, 0)
+    finally:
+        await service.close()

@@ -15,7 +15,7 @@ from coda_memory.ports import ObservationRecord
 from coda_memory.postgres import PostgresStore, maintenance
 from coda_memory.postgres.analytics import rebuild_rollups
 from coda_memory.postgres.rollup_owed import ROLLUP_LOCK_TIMEOUT
-from tests.postgres.helpers import consolidate, fetch
+from tests.postgres.helpers import consolidate, fetch, locked
 from tests.postgres.test_analytics import (
     D1,
     D2,
@@ -26,7 +26,6 @@ from tests.postgres.test_analytics import (
     call,
     rollup_rows,
 )
-from tests.postgres.test_isolation import locked
 
 ROLLUP_TABLES = tuple(ROLLUP_COLUMNS)
 #: The writer's lock timeout in these tests: an append that waited for it would show.

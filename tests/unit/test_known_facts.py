@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 
 from coda_memory.postgres.known import Known, KnownFacts, written
@@ -9,13 +11,13 @@ from tests.builders import NOW, fact
 
 
 def _known(version: str, count: int) -> Known:
-    return Known(version, tuple(fact(f"tool_affinity:t{n}") for n in range(count)))
+    return Known.of(version, [fact(f"tool_affinity:t{n}") for n in range(count)])
 
 
 def test_facts_are_kept_by_version_and_come_back_as_they_went_in() -> None:
     known = KnownFacts(10)
     facts = [fact("tool_affinity:a", confidence_at=NOW), fact("entity_frequency:b:1")]
-    known.put("alice", written("v1", [], facts, []))
+    known.put("alice", written("v1", Known.of("v0", []), facts, []))
     entry = known.entry("alice")
     assert entry is not None and entry.version == "v1"
     # confidence_at comes back as stored: the anchor, also when it was None.
@@ -54,9 +56,25 @@ def test_a_negative_capacity_is_refused() -> None:
 
 
 def test_written_applies_deletes_and_upserts() -> None:
-    stored = [fact("tool_affinity:a"), fact("tool_affinity:b")]
+    stored = Known.of("v1", [fact("tool_affinity:a"), fact("tool_affinity:b")])
     upsert = fact("tool_affinity:c", confidence=0.9)
     after = written("v2", stored, [upsert], ["tool_affinity:a"]).facts()
+    assert [f.subject for f in stored.facts()] == ["tool_affinity:a", "tool_affinity:b"]
     assert sorted(f.subject for f in after) == ["tool_affinity:b", "tool_affinity:c"]
     (c,) = [f for f in after if f.subject == "tool_affinity:c"]
     assert c.confidence_at == NOW and c.confidence == 0.9
+
+
+def test_kept_facts_are_out_of_the_garbage_collectors_sight() -> None:
+    # A full collection walks every tracked object: tens of thousands of kept facts
+    # would pause the event loop. Kept as dicts of untracked values, they are not walked.
+    facts = [fact(f"tool_affinity:t{n}", confidence_at=None) for n in range(50)]
+    facts.append(fact("entity_frequency:account:1", ease_factor=2.5))
+    known = written("v2", Known.of("v1", facts[:10]), facts[10:], [])
+    assert all(gc.is_tracked(f.__dict__) for f in facts)  # the models' dicts are
+    assert not any(gc.is_tracked(kept) for kept in known.kept.values())
+    # ... and they come back as equal models, confidence_at as stored.
+    assert known.facts() == [
+        f.model_copy(update={"confidence_at": f.anchor}) if f.confidence_at is None else f
+        for f in facts
+    ]
