@@ -1,0 +1,53 @@
+"""The writer's queue is bounded in bytes as well as in items: each queued observation is
+counted at about what it holds in memory (coda_memory.writer)."""
+
+from __future__ import annotations
+
+import sys
+
+from coda_memory import MemoryService
+from coda_memory.core.model import NewObservation, ObservationType
+from coda_memory.testing import InMemoryStore
+from coda_memory.writer import _ITEM_OVERHEAD, _approximate_bytes
+
+
+def _observation(content: str, metadata: dict[str, object]) -> NewObservation:
+    return NewObservation(type=ObservationType.TOOL_SUCCESS, content=content, metadata=metadata)
+
+
+def test_text_is_counted_at_its_size_in_memory_ascii_or_not() -> None:
+    for text in ("", "get_account ok", "déjà vu", "日本語の結果", "emoji 🎉" * 50, "x" * 10_000):
+        observation = _observation(text, {})
+        assert _approximate_bytes(observation) == _ITEM_OVERHEAD + sys.getsizeof(text)
+
+
+def test_metadata_is_counted_entry_by_entry_nested_or_flat() -> None:
+    flat: dict[str, object] = {
+        "toolName": "get_account",
+        "durationMs": 84.0,
+        "ok": True,
+        "note": None,
+    }
+    expected = 64 + sum(sys.getsizeof(key) for key in flat)
+    expected += sys.getsizeof("get_account") + 3 * 32
+    assert _approximate_bytes(_observation("", flat)) == (
+        _ITEM_OVERHEAD + sys.getsizeof("") + expected
+    )
+    nested: dict[str, object] = {"clé": "värde", "items": ["a", 1], "blob": b"raw"}
+    expected = 64 + sum(sys.getsizeof(key) for key in nested)
+    expected += sys.getsizeof("värde") + (64 + sys.getsizeof("a") + 32) + sys.getsizeof(b"raw")
+    assert _approximate_bytes(_observation("", nested)) == (
+        _ITEM_OVERHEAD + sys.getsizeof("") + expected
+    )
+
+
+def test_emits_beyond_queue_bytes_are_dropped_and_counted() -> None:
+    """No event loop runs, so nothing is stored: what fits in ``queue_bytes`` waits, the
+    rest is dropped."""
+    big = _observation("é" * 20_000, {"toolName": "t"})  # about 40 kB each
+    each = _approximate_bytes(big)
+    service = MemoryService(InMemoryStore(), queue_bytes=5 * each)
+    for _ in range(8):
+        service.emit_observation("u1", big)
+    stats = service.stats()
+    assert (stats.emitted, stats.pending, stats.dropped) == (8, 5, 3)
