@@ -41,6 +41,7 @@ from coda_memory.core.model import (
     trusted,
     with_confidence,
 )
+from coda_memory.core.rank import ranked_facts
 from coda_memory.core.sessions import FactKey as FactKey
 from coda_memory.core.sessions import SessionGroup, group_by_session, prior_tool_counts
 from coda_memory.core.sessions import fact_key as fact_key
@@ -283,18 +284,12 @@ def _subject(fact: Fact) -> str:
     return fact.subject
 
 
-def rank_key(fact: Fact) -> tuple[float, str]:
-    """The prompt's rank: ``confidence * reinforcement_count``, highest first, then subject."""
-    score = fact.confidence * fact.reinforcement_count
-    return (-score if math.isfinite(score) else math.inf, fact.subject)
-
-
 def keep_by_rank(views: list[Fact], max_facts: int | None) -> tuple[list[Fact], list[Fact]]:
     """Split ``views`` (sorted by subject) into the ``max_facts`` best ranked, still sorted
     by subject, and the rest (None: keep all)."""
     if max_facts is None or len(views) <= max_facts:
         return views, []
-    ranked = sorted(views, key=rank_key)
+    ranked = ranked_facts(views)
     kept, dropped = ranked[:max_facts], ranked[max_facts:]
     kept.sort(key=_subject)
     return kept, dropped
@@ -311,7 +306,7 @@ def plan_consolidation(
     """Decide what consolidating ``batch`` at ``now`` changes. Pure: no I/O.
 
     With ``max_facts``, at most that many facts stay active: the best ranked by
-    :func:`rank_key`; the others are deleted and listed in ``evicted``."""
+    :func:`~coda_memory.core.rank.rank_key`; the others are deleted and listed in ``evicted``."""
     now = as_utc(now)  # the facts and events below take it unvalidated
     stored = {f.subject: f for f in batch.facts}
     run = _Run(identity_id, now, decay, dict(stored))

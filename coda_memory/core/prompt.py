@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Sequence
 
 from coda_memory.core.model import Fact, FactCategory
+from coda_memory.core.rank import ranked_facts
 from coda_memory.core.tokens import TokenCounter, estimate_tokens
 from coda_memory.core.untrusted import data_text
 
@@ -32,11 +32,6 @@ GROUPS: tuple[tuple[str, frozenset[FactCategory]], ...] = (
 )
 
 
-def _rank_key(fact: Fact) -> tuple[float, str]:
-    score = fact.confidence * fact.reinforcement_count
-    return (-score if math.isfinite(score) else math.inf, fact.subject)
-
-
 _GROUP_OF: dict[FactCategory, int] = {
     category: index for index, (_, categories) in enumerate(GROUPS) for category in categories
 }
@@ -48,12 +43,6 @@ def _fact_line(content: str) -> str:
     (remembered: a fact's content is the same from one load to the next)."""
     text = data_text(content, MAX_FACT_CHARS)
     return f"- {text}" if text else ""
-
-
-def ranked_facts(facts: Sequence[Fact]) -> list[Fact]:
-    """``facts`` in the order the prompt section lists them: confidence times count, highest
-    first (ties by subject)."""
-    return sorted(facts, key=_rank_key)
 
 
 def _render(lines_by_group: list[list[str]]) -> str:
@@ -91,7 +80,7 @@ def format_memory_section(
     used = fixed
     chosen: list[tuple[int, int, str]] = []  # (rank, group, line)
     lines_by_group: list[list[str]] = [[] for _ in GROUPS]
-    for rank, fact in enumerate(sorted(facts, key=_rank_key)):
+    for rank, fact in enumerate(ranked_facts(facts)):
         if budget_tokens - used < 2:
             break  # not even "-" and a newline fit
         line = _fact_line(fact.content)

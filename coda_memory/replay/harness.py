@@ -17,7 +17,7 @@ from typing import Any
 
 from coda_memory.core.decay import DecayStrategy
 from coda_memory.core.model import Fact
-from coda_memory.core.prompt import ranked_facts
+from coda_memory.core.rank import ranked_facts
 from coda_memory.replay.events import event_observation
 from coda_memory.replay.metrics import Calibration, RankingScore
 from coda_memory.replay.timeline import Session, Timeline

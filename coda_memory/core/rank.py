@@ -1,0 +1,22 @@
+"""The rank of a fact: ``confidence * reinforcement_count``, highest first, then subject.
+
+The prompt section lists facts in this order, and the cap on facts per identity keeps the
+best ranked (:func:`~coda_memory.core.consolidation.keep_by_rank`)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+from coda_memory.core.model import Fact
+
+
+def rank_key(fact: Fact) -> tuple[float, str]:
+    """The sort key of the rank (a score that is not finite ranks last)."""
+    score = fact.confidence * fact.reinforcement_count
+    return (-score if math.isfinite(score) else math.inf, fact.subject)
+
+
+def ranked_facts(facts: Iterable[Fact]) -> list[Fact]:
+    """``facts`` best ranked first."""
+    return sorted(facts, key=rank_key)
