@@ -243,12 +243,12 @@ class MemoryService(ObservationWriter):
         if not skip_peek:
             async with self._slots:
                 stored, pending = await self.store.peek(identity_id)
+            if identity_id in self._loading:
+                self._stale[identity_id] = partial(_same, stored)
             if not pending and (self.max_facts is None or len(stored) <= self.max_facts):
                 views = await _offload(len(stored), active_views, stored, self.decay, self.clock())
                 if len(views) == len(stored):  # else some expired: consolidating deletes them
                     return views
-            if identity_id in self._loading:
-                self._stale[identity_id] = partial(_same, stored)
         async with self._slots, self.store.consolidation(identity_id) as unit:
             batch = await unit.load()
             plan = await _offload(len(batch.facts), self._plan, identity_id, batch)
@@ -306,6 +306,7 @@ class MemoryService(ObservationWriter):
         return loaded
 
     async def _answer(self, identity_id: str) -> tuple[LoadedMemory, str]:
+        task: asyncio.Task[LoadedMemory] | None = None
         try:
             task = self._loading.get(identity_id)
             if task is None or task.done():
@@ -315,6 +316,12 @@ class MemoryService(ObservationWriter):
                 task.add_done_callback(lambda t: self._finished(identity_id, t))
             return await asyncio.wait_for(asyncio.shield(task), self.load_timeout), "ok"
         except TimeoutError:
+            finished = task is not None and task.done() and not task.cancelled()
+            if finished and task is not None and task.exception() is None:
+                # It finished while wait_for was giving up on it (the loop ran it between
+                # the timeout and the cancellation of the wait): its answer is here, and
+                # the stale facts went with it.
+                return task.result(), "ok"
             stale = self._stale.get(identity_id, list)()
             if stale:
                 self._load_stale += 1

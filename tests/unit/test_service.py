@@ -11,6 +11,7 @@ import logging
 import threading
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
+from typing import Any
 
 import pytest
 
@@ -129,6 +130,36 @@ async def test_a_load_outliving_its_timeout_answers_with_the_last_consolidated_f
     await service.drain()
     subjects = [f.subject for f in (await service.load_memory("u1")).facts]
     assert subjects == ["tool_affinity:new", "tool_affinity:old"]
+
+
+async def test_a_load_that_finishes_as_its_timeout_fires_answers_with_its_result(
+    gated: tuple[MemoryService, GatedStore], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a busy loop the consolidation can finish between the timeout and the end of
+    wait_for's cancellation of the wait, which then still raises TimeoutError: the load
+    answers with the finished result, not empty."""
+    service, store = gated
+    service.emit_observation("u1", tool_ok("t"))
+    await service.drain()
+    real_wait_for = asyncio.wait_for
+
+    async def late_wait_for(awaitable: Any, timeout: float | None) -> Any:
+        try:
+            return await real_wait_for(awaitable, timeout)
+        except TimeoutError:
+            # What a busy loop does: the consolidation goes on and finishes before the
+            # timed-out wait is through.
+            (task,) = service._loading.values()
+            store.consolidation_gate.set()
+            await asyncio.gather(task)
+            raise
+
+    store.consolidation_gate.clear()
+    monkeypatch.setattr(asyncio, "wait_for", late_wait_for)
+    memory = await service.load_memory("u1")
+    assert [f.subject for f in memory.facts] == ["tool_affinity:t"]
+    stats = service.stats()
+    assert (stats.load_timeouts, stats.load_stale) == (0, 0)
 
 
 async def test_load_memory_returns_empty_on_store_errors(
