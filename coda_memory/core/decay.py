@@ -34,6 +34,19 @@ def _check_amounts(reinforce_amount: float, expiry_threshold: float) -> None:
         raise ValueError("expiry_threshold must be in [0, 1)")
 
 
+def _reinforced(fact: Fact, confidence: float, now: datetime, ease: float | None) -> Fact:
+    """``fact`` reinforced at ``now``: its new confidence, count and ease (one copy)."""
+    return replaced(
+        fact,
+        confidence=confidence,
+        confidence_at=now,
+        reinforcement_count=fact.reinforcement_count + 1,
+        last_reinforced_at=now,
+        updated_at=now,
+        ease_factor=ease,
+    )
+
+
 @runtime_checkable
 class DecayStrategy(Protocol):
     """How a fact's confidence evolves."""
@@ -105,15 +118,7 @@ class ExponentialDecay:
 
     def reinforce(self, fact: Fact, quality: float, now: datetime) -> Fact:
         confidence = min(1.0, self.decayed(fact, now) + self.reinforce_amount)
-        return replaced(
-            fact,
-            confidence=confidence,
-            confidence_at=now,
-            reinforcement_count=fact.reinforcement_count + 1,
-            last_reinforced_at=now,
-            updated_at=now,
-            ease_factor=self._next_ease(fact, quality),
-        )
+        return _reinforced(fact, confidence, now, self._next_ease(fact, quality))
 
     def half_life_days(self, ease: float = 1.0) -> float:
         """Days for confidence to halve without reinforcement."""
@@ -241,15 +246,8 @@ class PowerLawDecay:
         quality = min(1.0, max(0.0, quality))
         confidence = min(1.0, self.decayed(fact, now) + self.reinforce_amount)
         stability = self.stability(fact) * (1.0 + self.growth * (2.0 * quality - 1.0))
-        return replaced(
-            fact,
-            confidence=confidence,
-            confidence_at=now,
-            reinforcement_count=fact.reinforcement_count + 1,
-            last_reinforced_at=now,
-            updated_at=now,
-            ease_factor=min(self.max_stability, max(self.min_stability, stability)),
-        )
+        ease = min(self.max_stability, max(self.min_stability, stability))
+        return _reinforced(fact, confidence, now, ease)
 
     def expires_at(self, fact: Fact) -> datetime:
         """When the fact's confidence falls below the threshold, never reinforced again."""

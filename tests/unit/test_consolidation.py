@@ -158,15 +158,7 @@ def test_no_reinforcement_is_dated_after_now_even_from_a_stored_future_date() ->
         updated_at=future,
         confidence_at=future,
     )
-    observation = Observation(
-        id=1,
-        identity_id="u",
-        type=ObservationType.TOOL_SUCCESS,
-        content="",
-        metadata={"toolName": "get_account"},
-        session_id="s1",
-        created_at=T0 + timedelta(hours=1),
-    )
+    observation = _get_account_called(T0 + timedelta(hours=1))
     plan = plan_consolidation("u", ConsolidationInput([observation], [legacy], []), T0, decay)
     assert [e.kind for e in plan.events] == [FactEventKind.EXPIRED, FactEventKind.CREATED]
     assert all(e.at <= T0 for e in plan.events)
@@ -201,15 +193,7 @@ def test_planned_facts_and_events_are_what_validation_would_build(
 
 
 def test_the_plan_takes_now_in_any_time_zone_and_refuses_a_naive_one() -> None:
-    observation = Observation(
-        id=1,
-        identity_id="u",
-        type=ObservationType.TOOL_SUCCESS,
-        content="",
-        metadata={"toolName": "get_account"},
-        session_id="s1",
-        created_at=T0,
-    )
+    observation = _get_account_called(T0)
     batch = ConsolidationInput([observation], [], [])
     later = T0 + timedelta(days=1)
     in_utc = plan_consolidation("u", batch, later, ExponentialDecay())
@@ -219,3 +203,16 @@ def test_the_plan_takes_now_in_any_time_zone_and_refuses_a_naive_one() -> None:
     assert all(f.updated_at.tzinfo == UTC for f in shifted.upserts)
     with pytest.raises(ValueError, match="timezone-aware"):
         plan_consolidation("u", batch, later.replace(tzinfo=None), ExponentialDecay())
+
+
+def _get_account_called(at: datetime) -> Observation:
+    """One successful get_account call of session s1."""
+    return Observation(
+        id=1,
+        identity_id="u",
+        type=ObservationType.TOOL_SUCCESS,
+        content="",
+        metadata={"toolName": "get_account"},
+        session_id="s1",
+        created_at=at,
+    )
