@@ -38,7 +38,6 @@ import threading
 import time
 from collections.abc import Callable, Collection
 from datetime import UTC, datetime, timedelta
-from functools import partial
 from typing import Any, ParamSpec, TypeVar
 
 from coda_memory.core import emitters
@@ -79,10 +78,6 @@ async def _offload(size: int, work: Callable[P, R], *args: P.args, **kwargs: P.k
     if size > OFFLOAD_FACTS:
         return await asyncio.to_thread(work, *args, **kwargs)
     return work(*args, **kwargs)
-
-
-def _same(facts: list[Fact]) -> list[Fact]:
-    return facts
 
 
 def system_clock() -> datetime:
@@ -151,8 +146,8 @@ class MemoryService(ObservationWriter):
         self._telemetry: Telemetry | NoTelemetry = telemetry_for(telemetry)
         self._background: set[asyncio.Task[LoadedMemory]] = set()
         self._loading: dict[str, asyncio.Task[LoadedMemory]] = {}
-        #: Facts as of the last consolidation, for the identities being consolidated.
-        self._stale: dict[str, Callable[[], list[Fact]]] = {}
+        #: Facts the peek read, for the identities being consolidated.
+        self._stale: dict[str, list[Fact]] = {}
         self._load_stale = 0
         self._telemetry.observe(self.stats)
 
@@ -230,21 +225,17 @@ class MemoryService(ObservationWriter):
             return facts
 
     async def _consolidate(self, identity_id: str) -> list[Fact]:
-        kept = self._kept_facts(identity_id)
-        if kept is not None and identity_id in self._loading:
-            # What a load that outlives its timeout answers with (see load_memory), from
-            # before the peek: a load may time out waiting for a connection.
-            self._stale[identity_id] = kept
         # When this service stored observations of the identity since it last consolidated
         # it, and the store keeps the identity's facts, there is no need to peek. (What is
         # stored from here on marks the identity again.)
-        skip_peek = kept is not None and identity_id in self.stored_for
+        skip_peek = identity_id in self.stored_for and self._keeps_facts(identity_id)
         self.stored_for.discard(identity_id)
         if not skip_peek:
             async with self._slots:
                 stored, pending = await self.store.peek(identity_id)
             if identity_id in self._loading:
-                self._stale[identity_id] = partial(_same, stored)
+                # What a load that outlives its timeout answers with (see load_memory).
+                self._stale[identity_id] = stored
             if not pending and (self.max_facts is None or len(stored) <= self.max_facts):
                 views = await _offload(len(stored), active_views, stored, self.decay, self.clock())
                 if len(views) == len(stored):  # else some expired: consolidating deletes them
@@ -263,15 +254,17 @@ class MemoryService(ObservationWriter):
             )
         return plan.active
 
-    def _kept_facts(self, identity_id: str) -> Callable[[], list[Fact]] | None:
-        """What gives the identity's stored facts as the store keeps them between
-        requests (the Postgres store does, see ``known_facts``), or None when it does
-        not keep them."""
+    def _keeps_facts(self, identity_id: str) -> bool:
+        """Whether the store keeps the identity's facts between requests (the Postgres
+        store does, see ``known_facts``)."""
         keeps: Callable[[str], bool] | None = getattr(self.store, "keeps_facts", None)
+        return keeps is not None and keeps(identity_id)
+
+    def _kept_facts(self, identity_id: str) -> list[Fact]:
+        """The identity's facts as the store keeps them between requests (none when it
+        does not keep them)."""
         kept: Callable[[str], list[Fact]] | None = getattr(self.store, "kept_facts", None)
-        if keeps is None or kept is None or not keeps(identity_id):
-            return None
-        return partial(kept, identity_id)
+        return [] if kept is None else kept(identity_id)
 
     def _plan(self, identity_id: str, batch: ConsolidationInput) -> ConsolidationPlan:
         return plan_consolidation(
@@ -316,13 +309,17 @@ class MemoryService(ObservationWriter):
                 task.add_done_callback(lambda t: self._finished(identity_id, t))
             return await asyncio.wait_for(asyncio.shield(task), self.load_timeout), "ok"
         except TimeoutError:
-            finished = task is not None and task.done() and not task.cancelled()
+            running = task is not None and not task.done()
+            finished = task is not None and not running and not task.cancelled()
             if finished and task is not None and task.exception() is None:
                 # It finished while wait_for was giving up on it (the loop ran it between
                 # the timeout and the cancellation of the wait): its answer is here, and
                 # the stale facts went with it.
                 return task.result(), "ok"
-            stale = self._stale.get(identity_id, list)()
+            stale = self._stale.get(identity_id)
+            if stale is None and running:
+                # No peek yet (waiting for a connection, or skipped): the kept facts.
+                stale = self._kept_facts(identity_id)
             if stale:
                 self._load_stale += 1
                 self._log.warning(
