@@ -409,6 +409,12 @@ async def _warm(engine: AsyncEngine, schema: str, statements: list[str]) -> None
             for text in statements:
                 # asyncpg's public prepare() bypasses the cache that fetch() uses.
                 await driver._prepare(text, use_cache=True)
+            if statements:
+                # A prepare ends with a Flush, not a Sync: the implicit transaction it
+                # opened, with its tables' locks, would stay open in the pool until the
+                # connection's first request (a migration's lock would queue behind it).
+                # A simple query commits it.
+                await driver.execute("SELECT 1")
 
     with schema_required(schema):
         await asyncio.gather(*(one() for _ in range(count)))

@@ -10,13 +10,14 @@ from datetime import timedelta
 import asyncpg
 import pytest
 import sqlalchemy.exc
+from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from coda_memory import MemoryService
 from coda_memory.postgres import PostgresStore
 from coda_memory.postgres.connection import sqlstate
 from coda_memory.postgres.engine import driver_connection
-from tests.postgres.helpers import NOW, consolidate, fact, fetch, locked, record
+from tests.postgres.helpers import NOW, consolidate, engine, fact, fetch, locked, record
 
 #: Generous: the statements must fail within their timeout, not within this.
 SLACK = 2.0
@@ -181,6 +182,37 @@ async def test_start_opens_the_pools_and_prepares_the_statements(
             assert prepared >= 8
             await conn.close()
         assert await backends(admin_url, database) == 5
+    finally:
+        await service.close()
+
+
+async def test_start_leaves_no_transaction_open_and_no_table_locked(
+    pg_url: str, admin_url: str
+) -> None:
+    # Preparing a statement opens an implicit transaction that holds its tables' locks
+    # until the connection's next Sync: a connection left so in the pool would make a
+    # migration's ACCESS EXCLUSIVE lock wait for its first request, and all else queue
+    # behind the migration.
+    store = PostgresStore.from_url(pg_url, pool_size=3, writer_pool_size=2)
+    service = MemoryService(store)
+    try:
+        await service.start()
+        in_transaction = await fetch(
+            admin_url,
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = :db "
+            "AND pid <> pg_backend_pid() AND xact_start IS NOT NULL",
+            db=store.engine.url.database,
+        )
+        assert in_transaction[0][0] == 0
+        locker = engine(pg_url)
+        try:
+            async with locker.begin() as conn:
+                await conn.execute(text("SET LOCAL lock_timeout = '1s'"))
+                await conn.execute(
+                    text("LOCK TABLE coda_memory.observations IN ACCESS EXCLUSIVE MODE")
+                )
+        finally:
+            await locker.dispose()
     finally:
         await service.close()
 
