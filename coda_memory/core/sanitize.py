@@ -235,36 +235,60 @@ def _type_name(value: object) -> str:
     return clean_text(type(value).__name__, 40)
 
 
+def _child_path(parent: str, key: str | int) -> str:
+    """The path of a dict's value (``key`` a cleaned key) or a list's item (an index)."""
+    if isinstance(key, int):
+        return f"{parent}[{key}]"
+    return f"{parent}.{clean_text(key, 40)}"
+
+
+#: JSON bytes of one character of a string at most (``\u001f``), and of a number, bool or
+#: None at most (a float's repr, an int within ±(2**63 - 1)).
+_MAX_CHAR_BYTES = 6
+_MAX_SCALAR_BYTES = 32
+
+
 class _MetadataCleaner:
-    """One walk over a metadata tree: validates types and returns a cleaned copy."""
+    """One walk over a metadata tree: validates types and returns a cleaned copy.
+
+    A value's path (``metadata.x[1]``) is rendered only for an error message. The walk
+    also adds up a bound on the tree's JSON size, so that the exact size (a serialisation)
+    is measured only for a tree that may be over the limit.
+    """
 
     def __init__(self) -> None:
         # Every node costs at least one byte of JSON, so counting nodes bounds the
         # work on a huge tree before the exact size check.
         self.nodes = 0
+        self.max_bytes = 2
 
-    def clean(self, value: object, path: str, depth: int) -> Any:
+    def clean(self, value: object, parent: str, key: str | int, depth: int) -> Any:
         self.nodes += 1
         if self.nodes > MAX_METADATA_BYTES:
             raise ObservationRejected("metadata is larger than 16 KiB")
+        if isinstance(value, str):
+            self.max_bytes += _MAX_CHAR_BYTES * len(value) + 3  # quotes and a comma
+            if value.isascii() and value.isprintable() and len(value) <= MAX_METADATA_STRING_CHARS:
+                return value  # the common case: nothing to remove or cap
+            return _scrub(value, MAX_METADATA_STRING_CHARS, _value_drop)
+        self.max_bytes += _MAX_SCALAR_BYTES
         if value is None or isinstance(value, bool):
             return value
         if isinstance(value, int):
             if abs(value) > MAX_METADATA_INT:
-                raise ObservationRejected(f"{path} is an integer out of range")
+                raise ObservationRejected(f"{_child_path(parent, key)} is an integer out of range")
             return int(value)
         if isinstance(value, float):
             if math.isnan(value):
-                raise ObservationRejected(f"{path} is NaN")
+                raise ObservationRejected(f"{_child_path(parent, key)} is NaN")
             if math.isinf(value):
-                raise ObservationRejected(f"{path} is infinite")
+                raise ObservationRejected(f"{_child_path(parent, key)} is infinite")
             return float(value)
-        if isinstance(value, str):
-            return _scrub(value, MAX_METADATA_STRING_CHARS, _value_drop)
+        path = _child_path(parent, key)
         if isinstance(value, list | dict) and depth >= MAX_METADATA_DEPTH:
             raise ObservationRejected(f"metadata is nested deeper than {MAX_METADATA_DEPTH}")
         if isinstance(value, list):
-            return [self.clean(item, f"{path}[{i}]", depth + 1) for i, item in enumerate(value)]
+            return [self.clean(item, path, i, depth + 1) for i, item in enumerate(value)]
         if isinstance(value, dict):
             return self.clean_dict(value, path, depth + 1)
         raise ObservationRejected(f"{path} is {_type_name(value)}, not a JSON value")
@@ -275,18 +299,22 @@ class _MetadataCleaner:
             if not isinstance(key, str):
                 raise ObservationRejected(f"{path} has a key of type {_type_name(key)}")
             clean_key = _scrub(key, MAX_CONTENT_CHARS, _content_drop)
-            key_path = f"{path}.{clean_text(clean_key, 40)}"
             if clean_key in cleaned:
-                raise ObservationRejected(f"{key_path} appears twice after cleaning")
-            cleaned[clean_key] = self.clean(item, key_path, depth)
+                raise ObservationRejected(
+                    f"{_child_path(path, clean_key)} appears twice after cleaning"
+                )
+            self.max_bytes += _MAX_CHAR_BYTES * len(clean_key) + 3  # quotes and a colon
+            cleaned[clean_key] = self.clean(item, path, clean_key, depth)
         return cleaned
 
 
 def _clean_metadata(metadata: dict[Any, Any]) -> dict[str, Any]:
-    cleaned = _MetadataCleaner().clean_dict(metadata, "metadata", 1)
-    size = len(json.dumps(cleaned, separators=(",", ":"), ensure_ascii=False).encode())
-    if size > MAX_METADATA_BYTES:
-        raise ObservationRejected("metadata is larger than 16 KiB")
+    cleaner = _MetadataCleaner()
+    cleaned = cleaner.clean_dict(metadata, "metadata", 1)
+    if cleaner.max_bytes > MAX_METADATA_BYTES:
+        size = len(json.dumps(cleaned, separators=(",", ":"), ensure_ascii=False).encode())
+        if size > MAX_METADATA_BYTES:
+            raise ObservationRejected("metadata is larger than 16 KiB")
     return cleaned
 
 

@@ -15,6 +15,7 @@ from coda_memory.core.model import NewObservation, ObservationType
 from coda_memory.core.sanitize import (
     ObservationRecord,
     ObservationRejected,
+    _MetadataCleaner,
     clean_text,
     quote_untrusted,
     sanitize_observation,
@@ -459,3 +460,30 @@ def test_the_ascii_fast_path_of_scrubbing_matches_the_general_one(value: str, ca
         kept = "".join(c for c in value if not drop(c))
         assert sanitize._scrub(value, cap, drop) == sanitize._cap(kept, cap)
     assert sanitize._has_nul_or_surrogate(value) == ("\x00" in value)
+
+
+_JSON_TREES = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(min_value=-(2**63) + 1, max_value=2**63 - 1)
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(max_size=40),
+    lambda children: (
+        st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=8), children, max_size=4)
+    ),
+    max_leaves=20,
+)
+
+
+@given(st.dictionaries(st.text(max_size=8), _JSON_TREES, max_size=5))
+@settings(max_examples=300)
+def test_the_metadata_size_bound_is_never_below_the_exact_size(metadata: dict[str, Any]) -> None:
+    # The exact size is measured only when the bound is over the limit, so a bound below
+    # the exact size would let metadata over 16 KiB through.
+    cleaner = _MetadataCleaner()
+    try:
+        cleaned = cleaner.clean_dict(metadata, "metadata", 1)
+    except ObservationRejected:
+        return
+    exact = len(json.dumps(cleaned, separators=(",", ":"), ensure_ascii=False).encode())
+    assert cleaner.max_bytes >= exact
