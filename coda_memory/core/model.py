@@ -257,12 +257,18 @@ def with_confidence(fact: Fact, confidence: float, at: datetime) -> Fact:
     values = fact.__dict__.copy()
     values["confidence"] = confidence
     values["confidence_at"] = at
-    view = _new_fact(Fact)
-    _set(view, "__dict__", values)
-    _set(view, "__pydantic_fields_set__", _FACT_FIELDS)
-    _set(view, "__pydantic_extra__", None)
-    _set(view, "__pydantic_private__", None)
-    return view
+    return trusted_fact(values)
+
+
+def trusted_fact(values: dict[str, Any]) -> Fact:
+    """:func:`trusted_from` for a :class:`Fact` (the dict holds every field and is kept),
+    at half its cost: loads build one per fact."""
+    fact = _new_fact(Fact)
+    _set(fact, "__dict__", values)
+    _set(fact, "__pydantic_fields_set__", _FACT_FIELDS)
+    _set(fact, "__pydantic_extra__", None)
+    _set(fact, "__pydantic_private__", None)
+    return fact
 
 
 _new_fact = Fact.__new__

@@ -38,7 +38,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from coda_memory.core.model import Fact, FactCategory, trusted_from
+from coda_memory.core.model import Fact, FactCategory, trusted_fact
 
 #: Facts kept per store by default (about 1 kB each).
 DEFAULT_KNOWN_FACTS = 50_000
@@ -67,7 +67,7 @@ def _kept(fact: Fact) -> dict[str, Any]:
 def _fact(kept: dict[str, Any]) -> Fact:
     values = kept.copy()
     values["category"] = _CATEGORIES[values["category"]]
-    return trusted_from(Fact, values)
+    return trusted_fact(values)
 
 
 @dataclass(frozen=True, slots=True)
