@@ -35,6 +35,9 @@ class Spans(Protocol):
     def span(self, name: str, **attributes: Any) -> AbstractContextManager[Any]: ...
 
 
+#: Appends in flight at once, when a backlog of full batches waits (see ``_write_loop``).
+MAX_APPENDS = 2
+
 #: The default bound on the bytes of queued observations (see ``queue_bytes``).
 DEFAULT_QUEUE_BYTES = 64 * 1024 * 1024
 #: What an observation costs beyond its text: the tuple, the model, the timestamps.
@@ -232,55 +235,79 @@ class ObservationWriter:
         self._writer = loop.create_task(self._write_loop(), name="coda-memory-writer")
 
     async def _write_loop(self) -> None:
-        assert self._wakeup is not None and self._progress is not None
-        backoff = 0.05
-        while True:
-            if not self._queue:
-                self._wakeup.clear()
-                await self._wakeup.wait()
-                continue
-            items = [self._queue.popleft() for _ in range(min(self._batch_size, len(self._queue)))]
-            self._inflight = len(items)
-            records = await self._validate(items)
-            # One key per batch, kept across retries: a retry after a lost COMMIT
-            # acknowledgement stores nothing twice (the store records the key).
-            key = str(uuid.uuid4())
-            while records:
-                try:
-                    with self._telemetry.span("append", **{"coda_memory.batch": len(records)}):
-                        outcome = await self.store.append(records, batch_key=key)
-                except (ConnectionLost, OSError) as error:
-                    # Only a lost connection is worth retrying: the same batch, same key.
-                    self._log.warning(
-                        "store unavailable",
-                        "coda-memory: storing %d observation(s) failed (%s); retrying in %.2fs",
-                        len(records),
-                        short_error(error, self._identities(records), show=self.log_identities),
-                        backoff,
+        """Take batches off the queue and store them. One append at a time, and what
+        arrives meanwhile makes the next batch; when a full batch waits (a backlog), a
+        second append starts beside the first, so that the Python work of one batch
+        (validation, encoding) overlaps the server's work on the other."""
+        assert self._wakeup is not None
+        appends: set[asyncio.Task[None]] = set()
+        try:
+            while True:
+                backlog = len(self._queue) >= self._batch_size
+                if appends and (len(appends) >= MAX_APPENDS or not backlog):
+                    done, appends = await asyncio.wait(
+                        appends, return_when=asyncio.FIRST_COMPLETED
                     )
-                    await asyncio.sleep(backoff)
-                    backoff = min(backoff * 2, 2.0)
+                    for task in done:
+                        task.result()  # an unexpected error stops the writer, as before
                     continue
-                except Exception as error:
-                    # Permanent (the store blamed no single row, e.g. a missing table or
-                    # privilege): retrying can't help, so the batch is rejected, once.
-                    reason = short_error(error, self._identities(records), show=False)
-                    for record in records:
-                        self._reject(record.identity_id, f"not stored: {reason}")
-                    break
-                backoff = 0.05
-                self._stored += outcome.stored
-                if outcome.stored:
-                    if len(self.stored_for) > STORED_FOR_LIMIT:
-                        self.stored_for.clear()
-                    self.stored_for.update(record.identity_id for record in records)
-                self._discarded += outcome.discarded
-                for index, reason in outcome.refused:
-                    self._reject(records[index].identity_id, reason)
+                if not self._queue:
+                    self._wakeup.clear()
+                    await self._wakeup.wait()
+                    continue
+                count = min(self._batch_size, len(self._queue))
+                items = [self._queue.popleft() for _ in range(count)]
+                self._inflight += len(items)
+                records = await self._validate(items)
+                appends.add(asyncio.get_running_loop().create_task(self._append(items, records)))
+        finally:
+            for task in appends:
+                task.cancel()
+            if appends:
+                await asyncio.wait(appends)
+
+    async def _append(self, items: list[_Item], records: list[ObservationRecord]) -> None:
+        """Store one validated batch, retrying while the store is unreachable."""
+        assert self._progress is not None
+        backoff = 0.05
+        # One key per batch, kept across retries: a retry after a lost COMMIT
+        # acknowledgement stores nothing twice (the store records the key).
+        key = str(uuid.uuid4())
+        while records:
+            try:
+                with self._telemetry.span("append", **{"coda_memory.batch": len(records)}):
+                    outcome = await self.store.append(records, batch_key=key)
+            except (ConnectionLost, OSError) as error:
+                # Only a lost connection is worth retrying: the same batch, same key.
+                self._log.warning(
+                    "store unavailable",
+                    "coda-memory: storing %d observation(s) failed (%s); retrying in %.2fs",
+                    len(records),
+                    short_error(error, self._identities(records), show=self.log_identities),
+                    backoff,
+                )
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 2.0)
+                continue
+            except Exception as error:
+                # Permanent (the store blamed no single row, e.g. a missing table or
+                # privilege): retrying can't help, so the batch is rejected, once.
+                reason = short_error(error, self._identities(records), show=False)
+                for record in records:
+                    self._reject(record.identity_id, f"not stored: {reason}")
                 break
-            self._held_bytes = max(0, self._held_bytes - sum(item[3] for item in items))
-            self._inflight = 0
-            self._progress.set()
+            self._stored += outcome.stored
+            if outcome.stored:
+                if len(self.stored_for) > STORED_FOR_LIMIT:
+                    self.stored_for.clear()
+                self.stored_for.update(record.identity_id for record in records)
+            self._discarded += outcome.discarded
+            for index, reason in outcome.refused:
+                self._reject(records[index].identity_id, reason)
+            break
+        self._held_bytes = max(0, self._held_bytes - sum(item[3] for item in items))
+        self._inflight -= len(items)
+        self._progress.set()
 
     @staticmethod
     def _identities(records: list[ObservationRecord]) -> tuple[str, ...]:

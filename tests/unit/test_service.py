@@ -304,3 +304,73 @@ async def test_validating_a_large_batch_lets_the_event_loop_run_between_chunks()
     assert len(turns_before_append) == 1
     assert turns_before_append[0] >= 9
     await service.close()
+
+
+class OverlapStore(GatedStore):
+    """Records the size of each append and how many were in flight at once."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sizes: list[int] = []
+        self.in_flight = 0
+        self.most_in_flight = 0
+
+    async def append(
+        self, records: Sequence[ObservationRecord], *, batch_key: str | None = None
+    ) -> AppendOutcome:
+        self.sizes.append(len(records))
+        self.in_flight += 1
+        self.most_in_flight = max(self.most_in_flight, self.in_flight)
+        try:
+            return await super().append(records, batch_key=batch_key)
+        finally:
+            self.in_flight -= 1
+
+
+async def _until(condition: Any) -> None:
+    async with asyncio.timeout(5):
+        while not condition():
+            await asyncio.sleep(0)
+
+
+async def test_a_backlog_of_full_batches_is_stored_two_appends_at_a_time() -> None:
+    store = OverlapStore()
+    service = MemoryService(store, clock=FakeClock(), batch_size=10)
+    try:
+        store.gate.clear()
+        for n in range(35):
+            service.emit_observation("u1", tool_ok("get_account", f"s{n}"))
+        await _until(lambda: store.append_calls == 2)
+        for _ in range(100):  # the writer gets every chance to start a third
+            await asyncio.sleep(0)
+        assert store.append_calls == 2 and store.in_flight == 2
+        store.gate.set()
+        await service.drain()
+        assert store.sizes == [10, 10, 10, 5]
+        assert store.most_in_flight == 2
+        assert service.stats().stored == 35
+    finally:
+        store.gate.set()
+        await service.close()
+
+
+async def test_without_a_backlog_one_append_at_a_time_and_what_arrives_meanwhile_waits() -> None:
+    store = OverlapStore()
+    service = MemoryService(store, clock=FakeClock(), batch_size=10)
+    try:
+        store.gate.clear()
+        for n in range(3):
+            service.emit_observation("u1", tool_ok("get_account", f"s{n}"))
+        await _until(lambda: store.append_calls == 1)
+        for n in range(5):
+            service.emit_observation("u1", tool_ok("get_account", f"t{n}"))
+        for _ in range(100):
+            await asyncio.sleep(0)
+        assert store.append_calls == 1
+        store.gate.set()
+        await service.drain()
+        assert store.sizes == [3, 5]
+        assert store.most_in_flight == 1
+    finally:
+        store.gate.set()
+        await service.close()
