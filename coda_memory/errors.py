@@ -16,6 +16,12 @@ class ConnectionLost(CodaMemoryError):
     committed unless the commit itself had already been acknowledged."""
 
 
+class StoreBusy(CodaMemoryError):
+    """A lock or a timeout kept a write out for now (a table locked past the writer's lock
+    timeout, a deadlock, a cancelled statement): nothing of it was stored, and the same
+    write is worth retrying."""
+
+
 class ForeignAlembicHistory(CodaMemoryError):
     """The schema's Alembic version table holds revisions that are not coda-memory's:
     migrating there would mix two histories. Use a schema of coda-memory's own."""

@@ -68,7 +68,8 @@ class MemoryStore(Protocol):
         ``batch_key`` identifies the batch across retries: a store that records it stores
         a batch retried after an unknown outcome (a lost COMMIT acknowledgement) once, and
         returns the first outcome. A lost connection raises
-        :class:`~coda_memory.errors.ConnectionLost` (or an ``OSError``): the only errors
+        :class:`~coda_memory.errors.ConnectionLost` (or an ``OSError``), a batch that a
+        lock or a timeout kept out :class:`~coda_memory.errors.StoreBusy`: the only errors
         worth retrying."""
         ...
 

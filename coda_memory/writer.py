@@ -23,7 +23,7 @@ from coda_memory.core.caps import LogThrottle
 from coda_memory.core.logs import identity_label, short_error
 from coda_memory.core.model import NewObservation
 from coda_memory.core.sanitize import ObservationRejected, sanitize_observation
-from coda_memory.errors import ConnectionLost
+from coda_memory.errors import ConnectionLost, StoreBusy
 from coda_memory.ports import MemoryStore, ObservationRecord
 
 Clock = Callable[[], datetime]
@@ -34,6 +34,9 @@ class Spans(Protocol):
 
     def span(self, name: str, **attributes: Any) -> AbstractContextManager[Any]: ...
 
+
+#: Seconds between attempts of a batch that a lock or a timeout kept out (StoreBusy).
+BUSY_RETRY = 0.05
 
 #: Appends in flight at once, when a backlog of full batches waits (see ``_write_loop``).
 MAX_APPENDS = 2
@@ -245,9 +248,7 @@ class ObservationWriter:
             while True:
                 backlog = len(self._queue) >= self._batch_size
                 if appends and (len(appends) >= MAX_APPENDS or not backlog):
-                    done, appends = await asyncio.wait(
-                        appends, return_when=asyncio.FIRST_COMPLETED
-                    )
+                    done, appends = await asyncio.wait(appends, return_when=asyncio.FIRST_COMPLETED)
                     for task in done:
                         task.result()  # an unexpected error stops the writer, as before
                     continue
@@ -277,8 +278,20 @@ class ObservationWriter:
             try:
                 with self._telemetry.span("append", **{"coda_memory.batch": len(records)}):
                     outcome = await self.store.append(records, batch_key=key)
+            except StoreBusy as error:
+                # A lock or a timeout: the attempt already waited (the writer's lock
+                # timeout), so the same batch goes again at once, and goes in as soon as
+                # the lock is released.
+                self._log.warning(
+                    "store busy",
+                    "coda-memory: storing %d observation(s) waits (%s); retrying",
+                    len(records),
+                    short_error(error, self._identities(records), show=self.log_identities),
+                )
+                await asyncio.sleep(BUSY_RETRY)
+                continue
             except (ConnectionLost, OSError) as error:
-                # Only a lost connection is worth retrying: the same batch, same key.
+                # A lost connection is worth retrying too: the same batch, same key.
                 self._log.warning(
                     "store unavailable",
                     "coda-memory: storing %d observation(s) failed (%s); retrying in %.2fs",

@@ -68,7 +68,7 @@ from sqlalchemy import delete
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from coda_memory.core.model import Fact, FactEvent, Observation
-from coda_memory.errors import ConnectionLost
+from coda_memory.errors import ConnectionLost, StoreBusy
 from coda_memory.ports import (
     AppendOutcome,
     ObservationRecord,
@@ -79,6 +79,7 @@ from coda_memory.postgres.connection import (
     is_connection_error,
     lock_timeout_clause,
     run,
+    sqlstate,
 )
 from coda_memory.postgres.engine import create_engine, driver_connection, schema_required
 from coda_memory.postgres.known import DEFAULT_KNOWN_FACTS, Known, KnownFacts
@@ -131,6 +132,15 @@ DEFAULT_COMMAND_TIMEOUT = 60.0
 DEFAULT_ADMIN_COMMAND_TIMEOUT = 3600.0
 #: Every so many appends, one also deletes the idempotency keys older than a day.
 _EXPIRE_KEYS_EVERY = 1_000
+
+#: SQLSTATEs of an append that a lock or a timeout kept out, which the writer retries:
+#: nothing of the batch was stored.
+_BUSY = {
+    "55P03": "a lock held past the writer's lock timeout",
+    "40P01": "a deadlock",
+    "40001": "a serialization failure",
+    "57014": "a cancelled statement",
+}
 
 T = TypeVar("T")
 
@@ -280,6 +290,9 @@ class PostgresStore:
                 raise ConnectionLost(
                     f"the connection died while storing a batch ({type(error).__name__})"
                 ) from error
+            state = sqlstate(error)
+            if state in _BUSY:
+                raise StoreBusy(f"the batch was kept out by {_BUSY[state]} ({state})") from error
             raise
 
     @asynccontextmanager

@@ -14,9 +14,11 @@ from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from coda_memory import MemoryService
+from coda_memory.errors import StoreBusy
 from coda_memory.postgres import PostgresStore
 from coda_memory.postgres.connection import sqlstate
 from coda_memory.postgres.engine import driver_connection
+from tests.helpers import tool_ok
 from tests.postgres.helpers import NOW, consolidate, engine, fact, fetch, locked, record
 
 #: Generous: the statements must fail within their timeout, not within this.
@@ -81,13 +83,38 @@ async def test_a_locked_table_fails_an_append_within_the_writer_lock_timeout(
         # stop one: see test_rollup_owed).
         async with locked(pg_url, "ingest_batches"):
             started = time.monotonic()
-            with pytest.raises(sqlalchemy.exc.DBAPIError) as raised:
+            with pytest.raises(StoreBusy) as raised:
                 await asyncio.wait_for(store.append([record("observed")]), 0.2 + SLACK)
             assert sqlstate(raised.value) == "55P03"  # lock_not_available
             assert time.monotonic() - started < 0.2 + SLACK
         assert (await store.append([record("observed")])).stored == 1
     finally:
         await store.close()
+
+
+@pytest.mark.parametrize("table", ["ingest_batches", "observations"])
+async def test_observations_held_back_by_a_lock_are_stored_after_it_not_rejected(
+    pg_url: str, table: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Each attempt waits the writer's lock timeout and fails; the writer tries again
+    # until the lock goes, and then stores everything, once.
+    store = PostgresStore.from_url(pg_url, writer_lock_timeout=timedelta(milliseconds=100))
+    service = MemoryService(store, clock=lambda: NOW)
+    try:
+        async with locked(pg_url, table):
+            for n in range(5):
+                service.emit_observation("alice", tool_ok("get_account", f"s{n}"))
+            async with asyncio.timeout(10):
+                while sum("retrying" in r.getMessage() for r in caplog.records) < 2:
+                    await asyncio.sleep(0.01)
+            assert service.stats().stored == 0
+        await asyncio.wait_for(service.drain(), 10)
+        stats = service.stats()
+        assert (stats.stored, stats.rejected, stats.dropped) == (5, 0, 0)
+        rows = await fetch(pg_url, "SELECT count(*) FROM coda_memory.observations")
+        assert rows[0][0] == 5
+    finally:
+        await service.close()
 
 
 async def test_a_blocked_writer_does_not_block_loads(pg_url: str, admin_url: str) -> None:
