@@ -48,7 +48,11 @@ class NullStore:
         self.discarded = 0
 
     async def append(
-        self, records: Sequence[ObservationRecord], *, batch_key: str | None = None
+        self,
+        records: Sequence[ObservationRecord],
+        *,
+        batch_key: str | None = None,
+        first_attempt: bool = False,
     ) -> AppendOutcome:
         self.discarded += len(records)
         return AppendOutcome(stored=0, discarded=len(records))

@@ -61,13 +61,20 @@ class MemoryStore(Protocol):
     """Storage for observations, facts, checkpoints and fact history."""
 
     async def append(
-        self, records: Sequence[ObservationRecord], *, batch_key: str | None = None
+        self,
+        records: Sequence[ObservationRecord],
+        *,
+        batch_key: str | None = None,
+        first_attempt: bool = False,
     ) -> AppendOutcome:
         """Store a batch; a refused row never stops the good rows from being stored.
 
         ``batch_key`` identifies the batch across retries: a store that records it stores
         a batch retried after an unknown outcome (a lost COMMIT acknowledgement) once, and
-        returns the first outcome. A lost connection raises
+        returns the first outcome. ``first_attempt``: no earlier attempt of the batch can
+        have been stored (this is the first, or each earlier one raised
+        :class:`~coda_memory.errors.StoreBusy`), so a store may record the key without
+        looking for it first. A lost connection raises
         :class:`~coda_memory.errors.ConnectionLost` (or an ``OSError``), a batch that a
         lock or a timeout kept out :class:`~coda_memory.errors.StoreBusy`: the only errors
         worth retrying."""

@@ -113,7 +113,11 @@ class InMemoryStore:
         self._batches: dict[str, AppendOutcome] = {}
 
     async def append(
-        self, records: Sequence[ObservationRecord], *, batch_key: str | None = None
+        self,
+        records: Sequence[ObservationRecord],
+        *,
+        batch_key: str | None = None,
+        first_attempt: bool = False,
     ) -> AppendOutcome:
         if batch_key is not None and batch_key in self._batches:
             return self._batches[batch_key]

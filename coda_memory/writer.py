@@ -274,10 +274,14 @@ class ObservationWriter:
         # One key per batch, kept across retries: a retry after a lost COMMIT
         # acknowledgement stores nothing twice (the store records the key).
         key = str(uuid.uuid4())
+        # Until a connection is lost around an attempt, none of the batch can be stored.
+        first_attempt = True
         while records:
             try:
                 with self._telemetry.span("append", **{"coda_memory.batch": len(records)}):
-                    outcome = await self.store.append(records, batch_key=key)
+                    outcome = await self.store.append(
+                        records, batch_key=key, first_attempt=first_attempt
+                    )
             except StoreBusy as error:
                 # A lock or a timeout: the attempt already waited (the writer's lock
                 # timeout), so the same batch goes again at once, and goes in as soon as
@@ -292,6 +296,7 @@ class ObservationWriter:
                 continue
             except (ConnectionLost, OSError) as error:
                 # A lost connection is worth retrying too: the same batch, same key.
+                first_attempt = False
                 self._log.warning(
                     "store unavailable",
                     "coda-memory: storing %d observation(s) failed (%s); retrying in %.2fs",

@@ -2,7 +2,9 @@
 row is refused.
 
 The whole batch goes in one transaction, with the rollup of the rows it stored (see
-:mod:`~coda_memory.postgres.rollup`) and the batch's idempotency key (``ingest_batches``).
+:mod:`~coda_memory.postgres.rollup`) and the batch's idempotency key (see
+:mod:`~coda_memory.postgres.batch_keys`: a lock on one of its two tables does not stop
+the append either).
 A retry of a batch whose outcome the caller could not learn (the connection died around
 the COMMIT) finds the key and stores nothing again: it returns the outcome recorded with
 it. A connection error propagates; anything else the server blames on the data (a row's
@@ -27,15 +29,14 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from coda_memory.ports import AppendOutcome, ObservationRecord
+from coda_memory.postgres import batch_keys
 from coda_memory.postgres.connection import sqlstate
-from coda_memory.postgres.rollup import SHARDS
 from coda_memory.postgres.rollup_batch import write_rollup_part
 from coda_memory.postgres.rollup_owed import Folded, RollupDebt, fold_owed, rollup_or_owe
-from coda_memory.postgres.sql import in_schema, query, source
+from coda_memory.postgres.sql import query
 
 #: The parameters of ``observations_insert.sql``, one array per column of a row's values.
 _ARRAYS = ("identity_ids", "types", "contents", "metadata", "session_ids", "created_ats")
@@ -95,10 +96,6 @@ def _encode(records: Sequence[ObservationRecord]) -> tuple[list[_Row], list[tupl
     return rows, refused
 
 
-def _statement(name: str, schema: str) -> Any:
-    return text(in_schema(source(name), schema))
-
-
 async def _insert(driver: Any, schema: str, rows: Sequence[_Row]) -> None:
     statement = query("observations_insert", schema)
     columns = {name: [row.values[i] for row in rows] for i, name in enumerate(_ARRAYS)}
@@ -141,32 +138,6 @@ async def _bisect(
     return []
 
 
-async def _claim(
-    conn: AsyncConnection, schema: str, key: str, outcome: AppendOutcome
-) -> tuple[int, AppendOutcome | None]:
-    """Open the transaction and claim ``key`` with ``outcome``; return the rollup shard,
-    and the recorded outcome when an earlier attempt already stored the batch."""
-    row = (
-        await conn.execute(
-            _statement("ingest_claim", schema),
-            {
-                "key": key,
-                "stored": outcome.stored,
-                "refused": json.dumps(outcome.refused),
-                "shards": SHARDS,
-            },
-        )
-    ).one()
-    shard = int(row.shard)
-    if row.claimed:
-        return shard, None
-    earlier = (await conn.execute(_statement("ingest_outcome", schema), {"key": key})).one_or_none()
-    if earlier is None:  # pragma: no cover - a unique key conflicts only with a commit
-        raise RuntimeError(f"batch {key} conflicted but left no record")
-    refused = [(int(index), str(reason)) for index, reason in json.loads(earlier.refused)]
-    return shard, AppendOutcome(stored=int(earlier.stored), refused=refused)
-
-
 @dataclass(frozen=True, slots=True)
 class _Stored:
     outcome: AppendOutcome
@@ -184,33 +155,33 @@ async def _store(
     rows: list[_Row],
     refused: list[tuple[int, str]],
     total: int,
+    first_attempt: bool,
 ) -> _Stored:
     """Store ``rows`` with their rollup (or the record that it is owed) and ``key`` in one
     transaction; the caller commits. ``refused``: rows already refused before reaching
     the server."""
     expected = AppendOutcome(stored=len(rows), refused=sorted(refused))
-    shard, earlier = await _claim(conn, schema, key, expected)
-    if earlier is not None:
-        return _Stored(earlier, shard)
+    claimed = await batch_keys.claim(conn, schema, key, expected, first_attempt)
+    if claimed.earlier is not None:
+        return _Stored(claimed.earlier, claimed.shard)
     try:
         # The common case: one statement for the rows, then their rollup.
         await _insert(driver, schema, rows)
-        owed = await rollup_or_owe(driver, schema, shard, _pairs(rows))
-        return _Stored(expected, shard, owed)
+        owed = await rollup_or_owe(driver, schema, claimed.shard, _pairs(rows))
+        return _Stored(expected, claimed.shard, owed)
     except Exception as exc:
         if not _is_row_error(exc):
             raise
     await conn.rollback()
-    shard, earlier = await _claim(conn, schema, key, expected)  # reopens the transaction
-    if earlier is not None:  # pragma: no cover - the claim was rolled back just now
-        return _Stored(earlier, shard)
-    refused = sorted([*refused, *await _bisect(conn, driver, schema, shard, rows)])
+    # Reopens the transaction; nothing of this attempt was stored, so a first attempt
+    # is still one.
+    claimed = await batch_keys.claim(conn, schema, key, expected, first_attempt)
+    if claimed.earlier is not None:  # pragma: no cover - the claim was rolled back just now
+        return _Stored(claimed.earlier, claimed.shard)
+    refused = sorted([*refused, *await _bisect(conn, driver, schema, claimed.shard, rows)])
     outcome = AppendOutcome(stored=total - len(refused), refused=refused)
-    await conn.execute(
-        _statement("ingest_record", schema),
-        {"key": key, "stored": outcome.stored, "refused": json.dumps(outcome.refused)},
-    )
-    return _Stored(outcome, shard)
+    await batch_keys.record(conn, schema, key, claimed, outcome)
+    return _Stored(outcome, claimed.shard)
 
 
 async def append_observations(
@@ -221,12 +192,15 @@ async def append_observations(
     *,
     expire_keys: bool = False,
     debt: RollupDebt | None = None,
+    first_attempt: bool = False,
 ) -> AppendOutcome:
     """Store ``records`` through ``conn``'s driver connection (asyncpg), in ``schema``,
     with their rollup and the batch's idempotency ``key``, and commit; a batch whose key
     is already stored is not stored again. ``expire_keys``: also delete the keys of
     batches stored more than a day ago. ``debt``: the caller's record of owed rollups;
-    when it says so, the append also folds owed rollups (none without it)."""
+    when it says so, the append also folds owed rollups (none without it).
+    ``first_attempt``: no earlier attempt of the batch can have been stored, so the key
+    may be recorded without looking for it (see :mod:`~coda_memory.postgres.batch_keys`)."""
     rows, refused = _encode(records)
     if not rows:
         return AppendOutcome(stored=0, refused=refused)
@@ -235,11 +209,11 @@ async def append_observations(
     due = debt is not None and debt.due()
     folded: Folded | None = None
     try:
-        stored = await _store(conn, driver, schema, key, rows, refused, len(records))
+        stored = await _store(conn, driver, schema, key, rows, refused, len(records), first_attempt)
         if due and not stored.owed:  # when it owes, the rollup tables are locked
             folded = await fold_owed(driver, schema, stored.shard)
         if expire_keys:
-            await conn.execute(_statement("ingest_expire", schema))
+            await batch_keys.expire(driver, schema)
         await conn.commit()
     except BaseException as exc:
         # Anything but a server-reported error leaves the session in an unknown state.

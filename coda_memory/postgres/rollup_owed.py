@@ -44,7 +44,12 @@ from datetime import timedelta
 from typing import Any
 
 from coda_memory.core.caps import LogThrottle
-from coda_memory.postgres.connection import lock_timeout_clause, sqlstate
+from coda_memory.postgres.connection import (
+    RESTORE_LOCK_TIMEOUT,
+    short_locks,
+    sqlstate,
+    undo_savepoint,
+)
 from coda_memory.postgres.rollup_batch import (
     KIND_DOMAINS,
     KIND_ENTITIES,
@@ -75,9 +80,6 @@ FOLD_ROWS = 1_000
 
 #: lock_not_available (lock_timeout) and deadlock_detected: the rollup is owed.
 _DEFERRABLE = frozenset({"55P03", "40P01"})
-#: Where the writer's own lock timeout is kept while the rollup's applies.
-_SAVED = "coda_memory.saved_lock_timeout"
-_RESTORE = f"SELECT set_config('lock_timeout', current_setting('{_SAVED}'), true)"
 _SET_XID = f"SELECT set_config('{ROLLUP_XID_SETTING}', $1, true)"
 
 #: The tables each kind of rollup writes, in the order its statement locks them.
@@ -88,20 +90,6 @@ _KIND_TABLES = (
 )
 
 _log = LogThrottle(logging.getLogger("coda_memory"))
-
-
-def _short_locks(savepoint: str) -> str:
-    """Open ``savepoint``, keep the current lock timeout, and shorten it (one round trip;
-    rolling back to the savepoint restores it too)."""
-    return (
-        f"SAVEPOINT {savepoint}; "
-        f"SELECT set_config('{_SAVED}', current_setting('lock_timeout'), true); "
-        f"{lock_timeout_clause(ROLLUP_LOCK_TIMEOUT)}"
-    )
-
-
-def _undo(savepoint: str) -> str:
-    return f"ROLLBACK TO SAVEPOINT {savepoint}; RELEASE SAVEPOINT {savepoint}"
 
 
 @functools.cache
@@ -124,7 +112,8 @@ async def rollup_or_owe(
     try:
         # The table locks under the short timeout, then the writer's timeout again.
         await driver.execute(
-            f"{_short_locks('coda_rollup')}; {_lock_tables(schema, kinds)}; {_RESTORE}"
+            f"{short_locks('coda_rollup', ROLLUP_LOCK_TIMEOUT)}; "
+            f"{_lock_tables(schema, kinds)}; {RESTORE_LOCK_TIMEOUT}"
         )
         await write_rollup(driver, schema, shard, stored)
         await driver.execute("RELEASE SAVEPOINT coda_rollup")
@@ -133,7 +122,7 @@ async def rollup_or_owe(
         if sqlstate(exc) not in _DEFERRABLE:
             raise
         _log.warning("rollup deferred", "coda-memory: rollup deferred: %s", _first_line(exc))
-    await driver.execute(_undo("coda_rollup"))
+    await driver.execute(undo_savepoint("coda_rollup"))
     owe = query("rollup_owe", schema)
     identities = sorted({identity_id for identity_id, _ in stored})
     await driver.execute(owe.text, *owe.arguments(kinds=kinds, identities=identities))
@@ -165,14 +154,14 @@ async def fold_owed(driver: Any, schema: str, shard: int, *, limit: int = FOLD_R
     (the writer's, or the owner's across identities), each owed transaction under a
     savepoint of its own; every lock wait is bounded by :data:`ROLLUP_LOCK_TIMEOUT`.
     Records whose folding meets a lock or an error stay. Connection errors propagate."""
-    await driver.execute(_short_locks("coda_owed"))
+    await driver.execute(short_locks("coda_owed", ROLLUP_LOCK_TIMEOUT))
     try:
         claim = query("rollup_owed_claim", schema)
         rows = await driver.fetch(claim.text, *claim.arguments(limit=limit))
     except Exception as exc:
         if sqlstate(exc) is None:
             raise
-        await driver.execute(_undo("coda_owed"))
+        await driver.execute(undo_savepoint("coda_owed"))
         _log.warning("rollup owed", "coda-memory: owed rollups not folded: %s", _first_line(exc))
         return Folded(0, 0, blocked=True, full=False)
     owed: dict[int, tuple[list[str], int]] = {}
@@ -192,7 +181,7 @@ async def fold_owed(driver: Any, schema: str, shard: int, *, limit: int = FOLD_R
         except Exception as exc:
             if sqlstate(exc) is None:
                 raise
-            await driver.execute(_undo("coda_owed_one"))
+            await driver.execute(undo_savepoint("coda_owed_one"))
             blocked = True
             _log.warning(
                 "rollup owed", "coda-memory: owed rollups not folded: %s", _first_line(exc)
@@ -200,7 +189,8 @@ async def fold_owed(driver: Any, schema: str, shard: int, *, limit: int = FOLD_R
             if sqlstate(exc) in _DEFERRABLE:
                 break  # still locked: the rest waits for a later append
     await driver.execute(
-        f"{_RESTORE}, set_config('{ROLLUP_XID_SETTING}', '', true); RELEASE SAVEPOINT coda_owed"
+        f"{RESTORE_LOCK_TIMEOUT}, set_config('{ROLLUP_XID_SETTING}', '', true); "
+        "RELEASE SAVEPOINT coda_owed"
     )
     return Folded(folded, len(rows), blocked=blocked, full=len(rows) >= limit)
 

@@ -304,6 +304,19 @@ ingest_batches = Table(
     Index(None, "committed_at"),
 )
 
+#: The same keys, for a batch whose first attempt found ``ingest_batches`` locked (see
+#: postgres/batch_keys.py).
+ingest_batches_spill = Table(
+    "ingest_batches_spill",
+    metadata,
+    Column("key", Uuid, nullable=False),
+    Column("stored", Integer, nullable=False),
+    Column("refused", JSONB, nullable=False, server_default=text("'[]'::jsonb")),
+    Column("committed_at", DateTime(timezone=True), nullable=False, server_default=text("now()")),
+    PrimaryKeyConstraint("key"),
+    Index(None, "committed_at"),
+)
+
 #: Appended transactions whose rollup is owed: a rollup table was locked when they
 #: stored their rows, so the rows of (identity_id, xid) are folded in later (see
 #: postgres/rollup_owed.py). ``kinds``: which rollups, a bit each (1 tools, 2 entities,

@@ -266,7 +266,11 @@ class PostgresStore:
         )
 
     async def append(
-        self, records: Sequence[ObservationRecord], *, batch_key: str | None = None
+        self,
+        records: Sequence[ObservationRecord],
+        *,
+        batch_key: str | None = None,
+        first_attempt: bool = False,
     ) -> AppendOutcome:
         if not records:
             return AppendOutcome(stored=0)
@@ -275,10 +279,22 @@ class PostgresStore:
         key = batch_key if batch_key is not None else str(uuid.uuid4())
         self._appends += 1
         expire = self._appends % _EXPIRE_KEYS_EVERY == 0
+        # A key made here is new; a retry below (the connection died) may follow a
+        # COMMIT whose acknowledgement was lost.
+        attempts = 0
+        first = first_attempt or batch_key is None
 
         async def store(conn: AsyncConnection) -> AppendOutcome:
+            nonlocal attempts
+            attempts += 1
             return await append_observations(
-                conn, self.schema, records, key, expire_keys=expire, debt=self.rollup_debt
+                conn,
+                self.schema,
+                records,
+                key,
+                expire_keys=expire,
+                debt=self.rollup_debt,
+                first_attempt=first and attempts == 1,
             )
 
         try:

@@ -136,7 +136,11 @@ class RedisStore:
     # -- writes -------------------------------------------------------------------------
 
     async def append(
-        self, records: Sequence[ObservationRecord], *, batch_key: str | None = None
+        self,
+        records: Sequence[ObservationRecord],
+        *,
+        batch_key: str | None = None,
+        first_attempt: bool = False,
     ) -> AppendOutcome:
         """Store a batch (``batch_key`` is not recorded: a retried batch whose reply was
         lost is stored again); a lost connection raises ConnectionLost."""

@@ -79,9 +79,9 @@ async def test_a_locked_table_fails_an_append_within_the_writer_lock_timeout(
 ) -> None:
     store = PostgresStore.from_url(pg_url, writer_lock_timeout=timedelta(milliseconds=200))
     try:
-        # The batch's key: without it no append goes on (a locked rollup table does not
-        # stop one: see test_rollup_owed).
-        async with locked(pg_url, "ingest_batches"):
+        # A lock on a rollup table or on one table of keys does not stop an append (see
+        # test_rollup_owed and test_batch_keys); one on the observations does.
+        async with locked(pg_url, "observations"):
             started = time.monotonic()
             with pytest.raises(StoreBusy) as raised:
                 await asyncio.wait_for(store.append([record("observed")]), 0.2 + SLACK)
@@ -92,16 +92,15 @@ async def test_a_locked_table_fails_an_append_within_the_writer_lock_timeout(
         await store.close()
 
 
-@pytest.mark.parametrize("table", ["ingest_batches", "observations"])
 async def test_observations_held_back_by_a_lock_are_stored_after_it_not_rejected(
-    pg_url: str, table: str, caplog: pytest.LogCaptureFixture
+    pg_url: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     # Each attempt waits the writer's lock timeout and fails; the writer tries again
     # until the lock goes, and then stores everything, once.
     store = PostgresStore.from_url(pg_url, writer_lock_timeout=timedelta(milliseconds=100))
     service = MemoryService(store, clock=lambda: NOW)
     try:
-        async with locked(pg_url, table):
+        async with locked(pg_url, "observations"):
             for n in range(5):
                 service.emit_observation("alice", tool_ok("get_account", f"s{n}"))
             async with asyncio.timeout(10):
@@ -122,8 +121,8 @@ async def test_a_blocked_writer_does_not_block_loads(pg_url: str, admin_url: str
     service = MemoryService(store, load_timeout=5.0, clock=lambda: NOW)
     try:
         await store.append([record("observed")])
-        async with locked(pg_url, "ingest_batches"):
-            # Every writer connection waits for the idempotency keys' table.
+        async with locked(pg_url, "ingest_batches"), locked(pg_url, "ingest_batches_spill"):
+            # Every writer connection waits for the tables of idempotency keys.
             appending = asyncio.create_task(store.append([record("stuck")]))
             await until_waiting(admin_url, store.engine.url.database, 1)
             loaded = await asyncio.wait_for(service.load_memory("alice"), SLACK)

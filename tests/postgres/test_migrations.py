@@ -35,6 +35,7 @@ TABLES = [
     "fact_events",
     "facts",
     "ingest_batches",
+    "ingest_batches_spill",
     "observations",
     "redis_imports",
     "rollup_owed",
@@ -44,7 +45,7 @@ TABLES = [
 ]
 
 #: The newest revision. A new migration updates this pin on purpose.
-HEAD = "0006"
+HEAD = "0007"
 
 
 def alembic(url: str, *args: str, schema: str | None = None) -> subprocess.CompletedProcess[str]:

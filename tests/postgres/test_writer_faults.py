@@ -47,11 +47,14 @@ async def test_an_error_in_the_rollup_rejects_only_its_row(
     append = service.store.append
 
     async def counted(
-        records: Sequence[ObservationRecord], *, batch_key: str | None = None
+        records: Sequence[ObservationRecord],
+        *,
+        batch_key: str | None = None,
+        first_attempt: bool = False,
     ) -> AppendOutcome:
         nonlocal appends
         appends += 1
-        return await append(records, batch_key=batch_key)
+        return await append(records, batch_key=batch_key, first_attempt=first_attempt)
 
     service.store.append = counted  # type: ignore[method-assign]
     try:

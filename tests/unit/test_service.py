@@ -37,13 +37,17 @@ class GatedStore(InMemoryStore):
         self.append_calls = 0
 
     async def append(
-        self, records: Sequence[ObservationRecord], *, batch_key: str | None = None
+        self,
+        records: Sequence[ObservationRecord],
+        *,
+        batch_key: str | None = None,
+        first_attempt: bool = False,
     ) -> AppendOutcome:
         self.append_calls += 1
         await self.gate.wait()
         if self.failing:
             raise ConnectionError("database unavailable")
-        return await super().append(records, batch_key=batch_key)
+        return await super().append(records, batch_key=batch_key, first_attempt=first_attempt)
 
     async def peek(self, identity_id: str) -> tuple[list[Fact], bool]:
         await self.gate.wait()
@@ -283,10 +287,14 @@ async def test_validating_a_large_batch_lets_the_event_loop_run_between_chunks()
 
     class CountingStore(InMemoryStore):
         async def append(
-            self, records: Sequence[ObservationRecord], *, batch_key: str | None = None
+            self,
+            records: Sequence[ObservationRecord],
+            *,
+            batch_key: str | None = None,
+            first_attempt: bool = False,
         ) -> AppendOutcome:
             turns_before_append.append(turns)
-            return await super().append(records, batch_key=batch_key)
+            return await super().append(records, batch_key=batch_key, first_attempt=first_attempt)
 
     service = MemoryService(CountingStore(), batch_size=10 * VALIDATE_CHUNK)
     for n in range(10 * VALIDATE_CHUNK):
@@ -316,13 +324,17 @@ class OverlapStore(GatedStore):
         self.most_in_flight = 0
 
     async def append(
-        self, records: Sequence[ObservationRecord], *, batch_key: str | None = None
+        self,
+        records: Sequence[ObservationRecord],
+        *,
+        batch_key: str | None = None,
+        first_attempt: bool = False,
     ) -> AppendOutcome:
         self.sizes.append(len(records))
         self.in_flight += 1
         self.most_in_flight = max(self.most_in_flight, self.in_flight)
         try:
-            return await super().append(records, batch_key=batch_key)
+            return await super().append(records, batch_key=batch_key, first_attempt=first_attempt)
         finally:
             self.in_flight -= 1
 

@@ -1,6 +1,7 @@
 -- Opens the writer's transaction in one round trip: claims the batch's idempotency key,
 -- makes the transaction the writer's (row-level security: it stores rows of any
--- identity) and picks the rollup shard of this connection.
+-- identity), picks the rollup shard of this connection, and puts back the writer's lock
+-- timeout when a first attempt shortened it for the claim (batch_keys.py).
 WITH
 -- The key, with the outcome expected when every row is stored; nothing when an
 -- earlier attempt of the batch committed it (one still committing is waited for).
@@ -13,4 +14,12 @@ claimed AS (
 SELECT
     (SELECT count(*) FROM claimed) AS claimed,
     set_config('coda_memory.writer', 'on', true) AS writer,
-    pg_backend_pid() % :shards AS shard
+    pg_backend_pid() % :shards AS shard,
+    set_config(
+        'lock_timeout',
+        coalesce(
+            nullif(current_setting('coda_memory.saved_lock_timeout', true), ''),
+            current_setting('lock_timeout')
+        ),
+        true
+    ) AS lock_timeout

@@ -12,5 +12,7 @@ GRANT SELECT, INSERT, UPDATE
         {schema}.domain_daily
     TO {role};
 GRANT SELECT, DELETE ON {schema}.redis_imports TO {role};
-GRANT SELECT, INSERT, UPDATE, DELETE ON {schema}.ingest_batches, {schema}.rollup_owed TO {role};
+GRANT SELECT, INSERT, UPDATE, DELETE
+    ON {schema}.ingest_batches, {schema}.ingest_batches_spill, {schema}.rollup_owed
+    TO {role};
 GRANT SELECT ON {schema}.alembic_version TO {role};
