@@ -32,7 +32,11 @@ class StalledStore:
     The service only ever calls ``append`` and ``close`` on it."""
 
     async def append(
-        self, records: Sequence[ObservationRecord], *, batch_key: str | None = None
+        self,
+        records: Sequence[ObservationRecord],
+        *,
+        batch_key: str | None = None,
+        first_attempt: bool = False,
     ) -> AppendOutcome:
         await asyncio.Event().wait()
         raise AssertionError("unreachable")
