@@ -268,8 +268,6 @@ class _MetadataCleaner:
             raise ObservationRejected("metadata is larger than 16 KiB")
         if isinstance(value, str):
             self.max_bytes += _MAX_CHAR_BYTES * len(value) + 3  # quotes and a comma
-            if value.isascii() and value.isprintable() and len(value) <= MAX_METADATA_STRING_CHARS:
-                return value  # the common case: nothing to remove or cap
             return _scrub(value, MAX_METADATA_STRING_CHARS, _value_drop)
         self.max_bytes += _MAX_SCALAR_BYTES
         if value is None or isinstance(value, bool):

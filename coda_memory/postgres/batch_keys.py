@@ -36,7 +36,7 @@ from coda_memory.core.caps import LogThrottle
 from coda_memory.ports import AppendOutcome
 from coda_memory.postgres.connection import (
     RESTORE_LOCK_TIMEOUT,
-    SAVED_LOCK_TIMEOUT,
+    SAVE_LOCK_TIMEOUT,
     short_locks,
     sqlstate,
     undo_savepoint,
@@ -57,10 +57,7 @@ _LOCKED = "55P03"
 
 #: Keeps the writer's lock timeout and shortens it, for the claim of a first attempt (the
 #: claim statement puts it back).
-_SHORTEN = (
-    f"SELECT set_config('{SAVED_LOCK_TIMEOUT}', current_setting('lock_timeout'), true), "
-    "set_config('lock_timeout', :short, true)"
-)
+_SHORTEN = f"SELECT {SAVE_LOCK_TIMEOUT}, set_config('lock_timeout', :short, true)"
 
 _log = LogThrottle(logging.getLogger("coda_memory"))
 

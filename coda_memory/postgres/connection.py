@@ -98,6 +98,8 @@ def lock_timeout_clause(lock_timeout: timedelta | None) -> str:
 
 #: Where a transaction keeps its lock timeout while a shorter one applies (short_locks).
 SAVED_LOCK_TIMEOUT = "coda_memory.saved_lock_timeout"
+#: Keeps the current lock timeout there (an expression, for a select list).
+SAVE_LOCK_TIMEOUT = f"set_config('{SAVED_LOCK_TIMEOUT}', current_setting('lock_timeout'), true)"
 #: Puts back the lock timeout that short_locks kept.
 RESTORE_LOCK_TIMEOUT = (
     f"SELECT set_config('lock_timeout', current_setting('{SAVED_LOCK_TIMEOUT}'), true)"
@@ -108,11 +110,7 @@ def short_locks(savepoint: str, lock_timeout: timedelta) -> str:
     """Open ``savepoint``, keep the current lock timeout, and shorten it to
     ``lock_timeout`` (one round trip; rolling back to the savepoint restores it too):
     for a step that does something else when a table is locked, rather than wait."""
-    return (
-        f"SAVEPOINT {savepoint}; "
-        f"SELECT set_config('{SAVED_LOCK_TIMEOUT}', current_setting('lock_timeout'), true); "
-        f"{lock_timeout_clause(lock_timeout)}"
-    )
+    return f"SAVEPOINT {savepoint}; SELECT {SAVE_LOCK_TIMEOUT}; {lock_timeout_clause(lock_timeout)}"
 
 
 def undo_savepoint(savepoint: str) -> str:

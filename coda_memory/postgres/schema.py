@@ -292,30 +292,28 @@ domain_daily = Table(
     PrimaryKeyConstraint("day", "domain", "shard"),
 )
 
-#: The batches the writer stored, by idempotency key (exactly-once ingest); no identity.
-ingest_batches = Table(
-    "ingest_batches",
-    metadata,
-    Column("key", Uuid, nullable=False),
-    Column("stored", Integer, nullable=False),
-    Column("refused", JSONB, nullable=False, server_default=text("'[]'::jsonb")),
-    Column("committed_at", DateTime(timezone=True), nullable=False, server_default=text("now()")),
-    PrimaryKeyConstraint("key"),
-    Index(None, "committed_at"),
-)
 
+def _batch_keys(name: str) -> Table:
+    """A table of the batches the writer stored, by idempotency key; no identity."""
+    return Table(
+        name,
+        metadata,
+        Column("key", Uuid, nullable=False),
+        Column("stored", Integer, nullable=False),
+        Column("refused", JSONB, nullable=False, server_default=text("'[]'::jsonb")),
+        Column(
+            "committed_at", DateTime(timezone=True), nullable=False, server_default=text("now()")
+        ),
+        PrimaryKeyConstraint("key"),
+        Index(None, "committed_at"),
+    )
+
+
+#: The batches the writer stored, by idempotency key (exactly-once ingest).
+ingest_batches = _batch_keys("ingest_batches")
 #: The same keys, for a batch whose first attempt found ``ingest_batches`` locked (see
 #: postgres/batch_keys.py).
-ingest_batches_spill = Table(
-    "ingest_batches_spill",
-    metadata,
-    Column("key", Uuid, nullable=False),
-    Column("stored", Integer, nullable=False),
-    Column("refused", JSONB, nullable=False, server_default=text("'[]'::jsonb")),
-    Column("committed_at", DateTime(timezone=True), nullable=False, server_default=text("now()")),
-    PrimaryKeyConstraint("key"),
-    Index(None, "committed_at"),
-)
+ingest_batches_spill = _batch_keys("ingest_batches_spill")
 
 #: Appended transactions whose rollup is owed: a rollup table was locked when they
 #: stored their rows, so the rows of (identity_id, xid) are folded in later (see
