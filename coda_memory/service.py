@@ -36,7 +36,7 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Awaitable, Callable, Collection
 from datetime import UTC, datetime, timedelta
 from typing import Any, ParamSpec, TypeVar
 
@@ -48,13 +48,13 @@ from coda_memory.core.consolidation import (
     ConsolidationInput,
     ConsolidationPlan,
     active_views,
-    keep_by_rank,
     plan_consolidation,
 )
 from coda_memory.core.decay import DecayStrategy, ExponentialDecay
 from coda_memory.core.logs import short_error
 from coda_memory.core.model import Fact, FactEvent, LoadedMemory
 from coda_memory.core.prompt import format_memory_section
+from coda_memory.core.turns import collector_scope
 from coda_memory.ports import MemoryStore
 from coda_memory.slots import LifoSlots
 from coda_memory.stats import MemoryStats as MemoryStats
@@ -260,11 +260,13 @@ class MemoryService(ObservationWriter):
         keeps: Callable[[str], bool] | None = getattr(self.store, "keeps_facts", None)
         return keeps is not None and keeps(identity_id)
 
-    def _kept_facts(self, identity_id: str) -> list[Fact]:
+    async def _kept_facts(self, identity_id: str) -> list[Fact]:
         """The identity's facts as the store keeps them between requests (none when it
         does not keep them)."""
-        kept: Callable[[str], list[Fact]] | None = getattr(self.store, "kept_facts", None)
-        return [] if kept is None else kept(identity_id)
+        kept: Callable[[str], Awaitable[list[Fact]]] | None = getattr(
+            self.store, "kept_facts", None
+        )
+        return [] if kept is None else await kept(identity_id)
 
     def _plan(self, identity_id: str, batch: ConsolidationInput) -> ConsolidationPlan:
         return plan_consolidation(
@@ -316,20 +318,10 @@ class MemoryService(ObservationWriter):
                 # the timeout and the cancellation of the wait): its answer is here, and
                 # the stale facts went with it.
                 return task.result(), "ok"
-            stale = self._stale.get(identity_id)
-            if stale is None and running:
-                # No peek yet (waiting for a connection, or skipped): the kept facts.
-                stale = self._kept_facts(identity_id)
-            if stale:
-                self._load_stale += 1
-                self._log.warning(
-                    "load stale",
-                    "coda-memory: consolidating %s took over %.0f ms; answering with the "
-                    "facts of its last consolidation",
-                    self._label(identity_id),
-                    self.load_timeout * 1000,
-                )
-                return await self._loaded_as_of_last_consolidation(stale), "stale"
+            with collector_scope():
+                loaded = await self._stale_answer(identity_id, running)
+            if loaded is not None:
+                return loaded, "stale"
             self._load_timeouts += 1
             self._log.warning(
                 "load timeout",
@@ -350,15 +342,37 @@ class MemoryService(ObservationWriter):
             )
         return LoadedMemory.empty(), "error"
 
+    async def _stale_answer(self, identity_id: str, running: bool) -> LoadedMemory | None:
+        """The answer of a load that timed out, from the facts at hand (None: none)."""
+        stale = self._stale.get(identity_id)
+        if stale is None and running:
+            # No peek yet (waiting for a connection, or skipped): the kept facts.
+            stale = await self._kept_facts(identity_id)
+        if not stale:
+            return None
+        self._load_stale += 1
+        self._log.warning(
+            "load stale",
+            "coda-memory: consolidating %s took over %.0f ms; answering with the "
+            "facts of its last consolidation",
+            self._label(identity_id),
+            self.load_timeout * 1000,
+        )
+        return await self._loaded_as_of_last_consolidation(stale)
+
     async def _load(self, identity_id: str) -> LoadedMemory:
-        """One consolidation and its prompt section, shared by concurrent loads."""
-        facts = await self.consolidate(identity_id)
-        return await _offload(len(facts), self._loaded, facts)
+        """One consolidation and its prompt section, shared by concurrent loads. The
+        facts read for it are gone when it ends (see :func:`collector_scope`)."""
+        with collector_scope():
+            try:
+                facts = await self.consolidate(identity_id)
+                return await _offload(len(facts), self._loaded, facts)
+            finally:
+                self._stale.pop(identity_id, None)
 
     async def _loaded_as_of_last_consolidation(self, stored: list[Fact]) -> LoadedMemory:
         def build() -> LoadedMemory:
-            views = active_views(stored, self.decay, self.clock())
-            return self._loaded(keep_by_rank(views, self.max_facts)[0])
+            return self._loaded(active_views(stored, self.decay, self.clock(), self.max_facts))
 
         return await _offload(len(stored), build)
 

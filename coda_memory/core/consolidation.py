@@ -41,7 +41,7 @@ from coda_memory.core.model import (
     trusted,
     with_confidence,
 )
-from coda_memory.core.rank import ranked_facts
+from coda_memory.core.rank import score_key
 from coda_memory.core.sessions import FactKey as FactKey
 from coda_memory.core.sessions import SessionGroup, group_by_session, prior_tool_counts
 from coda_memory.core.sessions import fact_key as fact_key
@@ -266,33 +266,47 @@ def view_at(fact: Fact, decay: DecayStrategy, now: datetime) -> Fact:
     return with_confidence(fact, decay.decayed(fact, now), now)
 
 
-def active_views(facts: Iterable[Fact], decay: DecayStrategy, now: datetime) -> list[Fact]:
-    """Views at ``now`` of the facts that have not expired, sorted by subject."""
+def active_views(
+    facts: Iterable[Fact], decay: DecayStrategy, now: datetime, max_facts: int | None = None
+) -> list[Fact]:
+    """Views at ``now`` of the facts that have not expired, sorted by subject; with
+    ``max_facts``, of the best ranked that many only."""
     threshold = decay.expiry_threshold
-    views: list[Fact] = []
+    alive: list[tuple[Fact, float]] = []
+    for fact in facts:
+        # Decay once per fact, and build a view only for a fact that is returned.
+        confidence = decay.decayed(fact, now)
+        if confidence >= threshold:
+            alive.append((fact, confidence))
+    kept, _ = _best(alive, max_facts)
+    return _views(kept, now)
+
+
+def _best(
+    alive: list[tuple[Fact, float]], max_facts: int | None
+) -> tuple[list[tuple[Fact, float]], list[tuple[Fact, float]]]:
+    """Facts with their confidence: the ``max_facts`` best ranked (all when None) and the
+    others. No view is built, so a cap costs nothing for the facts it drops."""
+    if max_facts is None or len(alive) <= max_facts:
+        return alive, []
+    alive.sort(key=_pair_rank)
+    return alive[:max_facts], alive[max_facts:]
+
+
+def _pair_rank(pair: tuple[Fact, float]) -> tuple[float, str]:
+    return score_key(pair[1], pair[0])
+
+
+def _views(alive: list[tuple[Fact, float]], now: datetime) -> list[Fact]:
+    """Views of ``alive`` at ``now``, sorted by subject."""
     with gc_paused():
-        for fact in facts:
-            # Decay once per fact, and build a view only for a fact that is returned.
-            confidence = decay.decayed(fact, now)
-            if confidence >= threshold:
-                views.append(with_confidence(fact, confidence, now))
+        views = [with_confidence(fact, confidence, now) for fact, confidence in alive]
     views.sort(key=_subject)
     return views
 
 
 def _subject(fact: Fact) -> str:
     return fact.subject
-
-
-def keep_by_rank(views: list[Fact], max_facts: int | None) -> tuple[list[Fact], list[Fact]]:
-    """Split ``views`` (sorted by subject) into the ``max_facts`` best ranked, still sorted
-    by subject, and the rest (None: keep all)."""
-    if max_facts is None or len(views) <= max_facts:
-        return views, []
-    ranked = ranked_facts(views)
-    kept, dropped = ranked[:max_facts], ranked[max_facts:]
-    kept.sort(key=_subject)
-    return kept, dropped
 
 
 def plan_consolidation(
@@ -322,22 +336,22 @@ def plan_consolidation(
                 changed.add(subject)
 
     deletes: list[str] = []
-    active: list[Fact] = []
+    alive: list[tuple[Fact, float]] = []
     threshold = decay.expiry_threshold
-    with gc_paused():
-        for subject in sorted(run.current):
-            fact = run.current[subject]
-            confidence = decay.decayed(fact, now)
-            if confidence < threshold:
-                run.expire(fact, now)
-                if subject in stored:
-                    deletes.append(subject)
-                continue
-            active.append(with_confidence(fact, confidence, now))
+    for subject in sorted(run.current):
+        fact = run.current[subject]
+        confidence = decay.decayed(fact, now)
+        if confidence < threshold:
+            run.expire(fact, now)
+            if subject in stored:
+                deletes.append(subject)
+            continue
+        alive.append((fact, confidence))
     # The cap: the best ranked facts stay, the others are deleted (no history event: they
     # did not expire, and a new observation starts them again like an expired fact).
-    active, evicted = keep_by_rank(active, max_facts)
-    evicted_subjects = sorted(f.subject for f in evicted)
+    kept_pairs, dropped = _best(alive, max_facts)
+    active = _views(kept_pairs, now)
+    evicted_subjects = sorted(fact.subject for fact, _ in dropped)
     deletes.extend(s for s in evicted_subjects if s in stored)
     deletes.sort()
     kept = {f.subject for f in active}

@@ -1,7 +1,7 @@
 """The rank of a fact: ``confidence * reinforcement_count``, highest first, then subject.
 
 The prompt section lists facts in this order, and the cap on facts per identity keeps the
-best ranked (:func:`~coda_memory.core.consolidation.keep_by_rank`)."""
+best ranked (:func:`~coda_memory.core.consolidation.plan_consolidation`)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,12 @@ from coda_memory.core.model import Fact
 
 def rank_key(fact: Fact) -> tuple[float, str]:
     """The sort key of the rank (a score that is not finite ranks last)."""
-    score = fact.confidence * fact.reinforcement_count
+    return score_key(fact.confidence, fact)
+
+
+def score_key(confidence: float, fact: Fact) -> tuple[float, str]:
+    """:func:`rank_key` of ``fact`` seen with ``confidence`` (without building that view)."""
+    score = confidence * fact.reinforcement_count
     return (-score if math.isfinite(score) else math.inf, fact.subject)
 
 

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from coda_memory.core.model import Fact, FactCategory, trusted_fact
+from coda_memory.core.turns import mapped
 
 #: Facts kept per store by default (about 1 kB each).
 DEFAULT_KNOWN_FACTS = 50_000
@@ -83,12 +84,22 @@ class Known:
         """``facts`` (in stored form) with their version."""
         return cls(version, {fact.subject: _kept(fact) for fact in facts})
 
+    @classmethod
+    async def kept_from(cls, version: str, facts: Sequence[Fact]) -> Known:
+        """:meth:`of`, giving the event loop turns (:mod:`coda_memory.core.turns`)."""
+        kept = await mapped(facts, _kept)
+        return cls(version, {values["subject"]: values for values in kept})
+
     def __len__(self) -> int:
         return len(self.kept)
 
     def facts(self) -> list[Fact]:
         """The facts, as a read of the identity's rows would return them (new models)."""
         return [_fact(kept) for kept in self.kept.values()]
+
+    async def read(self) -> list[Fact]:
+        """:meth:`facts`, giving the event loop turns (:mod:`coda_memory.core.turns`)."""
+        return await mapped(list(self.kept.values()), _fact)
 
 
 class KnownFacts:

@@ -341,11 +341,11 @@ class PostgresStore:
         """Whether this store keeps the identity's facts between requests."""
         return self._known.entry(identity_id) is not None
 
-    def kept_facts(self, identity_id: str) -> list[Fact]:
+    async def kept_facts(self, identity_id: str) -> list[Fact]:
         """The identity's stored facts as this store last read or wrote them (none when
         not kept); the service answers a load that times out with them."""
         known = self._known.entry(identity_id)
-        return [] if known is None else known.facts()
+        return [] if known is None else await known.read()
 
     async def peek(self, identity_id: str) -> tuple[list[Fact], bool]:
         known = self._known.entry(identity_id)
@@ -361,7 +361,11 @@ class PostgresStore:
         if peeked.read:
             # Kept for later peeks and the consolidation that follows (see "Facts read
             # once" above).
-            kept = None if peeked.version is None else Known.of(peeked.version, peeked.facts)
+            kept = (
+                None
+                if peeked.version is None
+                else await Known.kept_from(peeked.version, peeked.facts)
+            )
             self._known.put(identity_id, kept)
         return peeked.facts, peeked.pending
 

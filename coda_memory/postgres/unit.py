@@ -21,9 +21,11 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from coda_memory.core.model import Fact, gc_paused
+from coda_memory.core.turns import mapped
 from coda_memory.ports import ConsolidationInput, ConsolidationPlan, check_plan_identity
 from coda_memory.postgres.known import Known, written
 from coda_memory.postgres.rows import event_from_row, fact_from_row, observation_from_row
@@ -32,6 +34,10 @@ from coda_memory.postgres.sql import Query, query
 #: How often to try locking a checkpoint that is missing (first consolidation) or that a
 #: concurrent ``forget`` deleted between creating and locking it.
 LOCK_ATTEMPTS = 3
+
+
+#: Facts deleted by one statement; a plan that deletes more sends them ahead in slices.
+DELETE_SLICE = 2_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,6 +52,7 @@ class Statements:
     session_events: Query
     write: Query
     peek: Query
+    delete: Query
 
     def all(self) -> list[Query]:
         """Every statement, to prepare on a new connection."""
@@ -58,6 +65,7 @@ class Statements:
             self.session_events,
             self.write,
             self.peek,
+            self.delete,
         ]
 
     @classmethod
@@ -72,6 +80,7 @@ class Statements:
             session_events=query("session_fact_events", schema),
             write=query("consolidation_write", schema),
             peek=query("peek", schema),
+            delete=query("facts_delete", schema),
         )
 
 
@@ -99,8 +108,11 @@ async def lock_identity(raw: Any, statements: Statements, identity_id: str) -> L
     raise RuntimeError(f"could not lock the checkpoint of {identity_id!r}")
 
 
-def write_arguments(statement: Query, plan: ConsolidationPlan, snapshot: str) -> list[Any]:
-    """The arguments of ``consolidation_write.sql`` for ``plan``, by parameter name."""
+def write_arguments(
+    statement: Query, plan: ConsolidationPlan, snapshot: str, deletes: list[str] | None = None
+) -> list[Any]:
+    """The arguments of ``consolidation_write.sql`` for ``plan``, by parameter name; the
+    facts it deletes are ``deletes`` when given (the others went ahead, in slices)."""
     upserts, events = plan.upserts, plan.events
     return statement.arguments(
         identity_id=plan.identity_id,
@@ -114,7 +126,7 @@ def write_arguments(statement: Query, plan: ConsolidationPlan, snapshot: str) ->
         fact_created_ats=[f.created_at for f in upserts],
         fact_updated_ats=[f.updated_at for f in upserts],
         fact_ease_factors=[f.ease_factor for f in upserts],
-        deleted_subjects=list(plan.deletes),
+        deleted_subjects=list(plan.deletes) if deletes is None else deletes,
         now=plan.now,
         event_subjects=[e.subject for e in events],
         event_categories=[e.category.value for e in events],
@@ -196,13 +208,12 @@ class PostgresConsolidationUnit:
             rows = await self._raw.fetch(new.text, *arguments)
         self._snapshot = rows[0]["snapshot"]
         if self.known is not None:
-            stored = self.known.facts()
+            stored = await self.known.read()
         else:
             facts = sql.facts
             fact_rows = await self._raw.fetch(facts.text, *facts.arguments(identity_id=identity_id))
-            with gc_paused():
-                stored = [fact_from_row(identity_id, r) for r in fact_rows]
-            self.known = Known.of(self._version, stored)
+            stored = await mapped(fact_rows, partial(fact_from_row, identity_id))
+            self.known = await Known.kept_from(self._version, stored)
         with gc_paused():
             observations = [
                 observation_from_row(identity_id, r) for r in rows if r["id"] is not None
@@ -225,8 +236,18 @@ class PostgresConsolidationUnit:
         if self._snapshot is None:
             raise RuntimeError("write() needs load() first: the plan must come from this unit")
         check_plan_identity(plan, self.identity_id)
+        deletes: list[str] | None = None
+        if len(plan.deletes) > DELETE_SLICE:
+            # A cap that drops many facts: their deletes go ahead in slices (see the SQL).
+            delete = self._sql.delete
+            for start in range(0, len(plan.deletes), DELETE_SLICE):
+                subjects = plan.deletes[start : start + DELETE_SLICE]
+                arguments = delete.arguments(identity_id=self.identity_id, subjects=subjects)
+                await self._raw.execute(delete.text, *arguments)
+            deletes = []
         write = self._sql.write
-        row = await self._raw.fetchrow(write.text, *write_arguments(write, plan, self._snapshot))
+        arguments = write_arguments(write, plan, self._snapshot, deletes)
+        row = await self._raw.fetchrow(write.text, *arguments)
         if self.known is not None:
             self._written = written(row["version"], self.known, plan.upserts, plan.deletes)
 
@@ -265,7 +286,7 @@ async def peek(raw: Any, statements: Statements, identity_id: str, known: Known 
     pending = bool(rows[0]["pending"]) if rows else False
     version = rows[0]["version"] if rows else None
     if known is not None and version == known.version:
-        return Peeked(known.facts(), pending, version, read=False)
-    with gc_paused():
-        facts = [fact_from_row(identity_id, r) for r in rows if r["subject"] is not None]
+        return Peeked(await known.read(), pending, version, read=False)
+    fact_rows = [r for r in rows if r["subject"] is not None]
+    facts = await mapped(fact_rows, partial(fact_from_row, identity_id))
     return Peeked(facts, pending, version, read=True)

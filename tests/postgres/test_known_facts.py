@@ -3,12 +3,16 @@ stored for the version it keeps them with, read again whenever the version moves
 
 from __future__ import annotations
 
+import gc
 import random
 from datetime import datetime, timedelta
 
+import pytest
+
 from coda_memory import MemoryService
+from coda_memory.core import turns
 from coda_memory.core.model import Fact, ObservationType
-from coda_memory.postgres import PostgresStore
+from coda_memory.postgres import PostgresStore, unit
 from tests.helpers import tool_ok
 from tests.postgres.helpers import NOW, fetch, locked, record
 
@@ -198,3 +202,44 @@ async def test_a_load_stuck_before_its_peek_answers_from_the_kept_facts(pg_url: 
         assert (stats.load_stale, stats.load_timeouts) == (1, 0)
     finally:
         await service.close()
+
+
+async def test_a_cap_that_drops_many_facts_deletes_them_in_slices_and_keeps_the_best(
+    pg_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A big identity: its facts are read in slices with turns of the loop, the collector
+    is held off for its load and given back, and a cap's deletes go ahead in slices."""
+    monkeypatch.setattr(turns, "SLICE", 10)
+    monkeypatch.setattr(unit, "DELETE_SLICE", 7)
+    store = PostgresStore.from_url(pg_url)
+    writer = MemoryService(store, clock=lambda: NOW, max_facts=None)
+    # tool_k is used in 1 + k % 4 sessions: the rank grows with that, then with the name.
+    batch = [
+        record(f"call {k}/{s}", metadata={"toolName": f"tool_{k:02}"}, session_id=f"s{s}")
+        for k in range(60)
+        for s in range(1 + k % 4)
+    ]
+    await store.append(batch)
+    assert len(await writer.consolidate("alice")) == 60
+    held: list[bool] = []
+    take = turns._HOLDS.take
+
+    def counted_take() -> None:
+        held.append(True)
+        take()
+
+    monkeypatch.setattr(turns._HOLDS, "take", counted_take)
+    service = MemoryService(store, clock=lambda: NOW, max_facts=8)
+    try:
+        loaded = await service.load_memory("alice")
+        stored = _by_subject(await store.facts("alice"))
+        # Of the fifteen used in four sessions, equally ranked, the first eight by subject.
+        expected = [f"tool_affinity:tool_{k:02}" for k in range(3, 60, 4)[:8]]
+        assert [f.subject for f in stored] == expected
+        assert [f.subject for f in loaded.facts] == expected
+        assert _kept(store, "alice") == stored
+        assert service.stats().facts_evicted == 52
+        assert held and gc.isenabled() and not turns.collector_held()
+    finally:
+        await service.close()
+        await writer.close()
