@@ -111,6 +111,7 @@ class MemoryService(ObservationWriter):
         max_consolidations: int | None = None,
         queue_bytes: int = DEFAULT_QUEUE_BYTES,
         log_identities: bool = False,
+        hold_gc: bool = True,
     ) -> None:
         if load_timeout <= 0:
             raise ValueError("load_timeout must be positive")
@@ -139,7 +140,9 @@ class MemoryService(ObservationWriter):
         self._slots = LifoSlots(max_consolidations)
         self._log = LogThrottle(logger)
         self._facts_cap = CapCounter(self._log, "facts per identity capped")
-        super().__init__(queue_size=queue_size, queue_bytes=queue_bytes, batch_size=batch_size)
+        super().__init__(
+            queue_size=queue_size, queue_bytes=queue_bytes, batch_size=batch_size, hold_gc=hold_gc
+        )
         self.log_identities = log_identities
         self._loads = self._load_timeouts = self._load_errors = 0
         # OpenTelemetry spans and metrics (coda_memory.telemetry); off by default.
@@ -166,7 +169,8 @@ class MemoryService(ObservationWriter):
         ``rediss://…``; needs the ``redis`` extra) or ``null://`` (memory switched off).
         Extra keyword options go to the service (``retention``, ``queue_size``,
         ``batch_size``, ``prompt_budget_tokens``, ``max_clock_skew``, ``tool_catalog``,
-        ``token_counter``, ``telemetry``, ``max_facts``, ``max_consolidations``) or to the store
+        ``token_counter``, ``telemetry``, ``max_facts``, ``max_consolidations``, ``hold_gc``)
+        or to the store
         (Postgres: ``schema``, ``pool_size``, ``lock_timeout``, ``known_facts``, …; Redis:
         ``prefix``, ``lock_timeout``, ``history_limit``, …)."""
         service_keys = {
@@ -182,6 +186,7 @@ class MemoryService(ObservationWriter):
             "telemetry",
             "max_facts",
             "max_consolidations",
+            "hold_gc",
         }
         service_options = {k: v for k, v in options.items() if k in service_keys}
         store_options = {k: v for k, v in options.items() if k not in service_keys}
@@ -318,7 +323,7 @@ class MemoryService(ObservationWriter):
                 # the timeout and the cancellation of the wait): its answer is here, and
                 # the stale facts went with it.
                 return task.result(), "ok"
-            with collector_scope():
+            with collector_scope(self.hold_gc):
                 loaded = await self._stale_answer(identity_id, running)
             if loaded is not None:
                 return loaded, "stale"
@@ -363,7 +368,7 @@ class MemoryService(ObservationWriter):
     async def _load(self, identity_id: str) -> LoadedMemory:
         """One consolidation and its prompt section, shared by concurrent loads. The
         facts read for it are gone when it ends (see :func:`collector_scope`)."""
-        with collector_scope():
+        with collector_scope(self.hold_gc):
             try:
                 facts = await self.consolidate(identity_id)
                 return await _offload(len(facts), self._loaded, facts)

@@ -23,6 +23,7 @@ from coda_memory.core.caps import LogThrottle
 from coda_memory.core.logs import identity_label, short_error
 from coda_memory.core.model import NewObservation
 from coda_memory.core.sanitize import ObservationRejected, sanitize_observation
+from coda_memory.core.turns import collector_scope
 from coda_memory.errors import ConnectionLost, StoreBusy
 from coda_memory.ports import MemoryStore, ObservationRecord
 
@@ -130,7 +131,12 @@ class ObservationWriter:
     _log: LogThrottle
     _telemetry: Spans
 
-    def __init__(self, *, queue_size: int, queue_bytes: int, batch_size: int) -> None:
+    def __init__(
+        self, *, queue_size: int, queue_bytes: int, batch_size: int, hold_gc: bool = True
+    ) -> None:
+        #: Whether validating and storing a batch holds the cyclic garbage collector off
+        #: (:func:`~coda_memory.core.turns.collector_scope`).
+        self.hold_gc = hold_gc
         self._queue_size = queue_size
         self._queue_bytes = queue_bytes
         #: Bytes of the observations queued or in the writer's hands (about).
@@ -259,7 +265,8 @@ class ObservationWriter:
                 count = min(self._batch_size, len(self._queue))
                 items = [self._queue.popleft() for _ in range(count)]
                 self._inflight += len(items)
-                records = await self._validate(items)
+                with collector_scope(self.hold_gc):
+                    records = await self._validate(items)
                 appends.add(asyncio.get_running_loop().create_task(self._append(items, records)))
         finally:
             for task in appends:
@@ -278,7 +285,10 @@ class ObservationWriter:
         first_attempt = True
         while records:
             try:
-                with self._telemetry.span("append", **{"coda_memory.batch": len(records)}):
+                with (
+                    collector_scope(self.hold_gc),
+                    self._telemetry.span("append", **{"coda_memory.batch": len(records)}),
+                ):
                     outcome = await self.store.append(
                         records, batch_key=key, first_attempt=first_attempt
                     )

@@ -1,22 +1,26 @@
-"""Turns of the event loop during long Python work, and the garbage collector held off
-while one load's big temporaries live.
+"""Turns of the event loop during long Python work, and CPython's cyclic garbage
+collector held off while loads are in flight.
 
-A coroutine that converts tens of thousands of rows in one go holds the event loop for
-as long: every other request of the process waits, and no timeout can fire. Work that
-grows with an identity's facts goes through :func:`mapped`, which gives the loop a turn
-after every :data:`SLICE` items. A worker thread would also free the loop, but under the
-GIL the loop then waits up to a switch interval (5 ms) each time it wakes up, so every
-other request pays for the big one; a turn costs the big one a few microseconds.
+Turns. A coroutine that converts tens of thousands of rows in one go holds the event
+loop for as long: every other request of the process waits, and no timeout can fire.
+Work that grows with an identity's facts goes through :func:`mapped`, which gives the
+loop a turn after every :data:`SLICE` items. A worker thread would also free the loop,
+but under the GIL the loop then waits up to a switch interval (5 ms) each time it wakes
+up, so every other request pays for the big one; a turn costs the big one microseconds.
 
-The collector. Tens of thousands of new models that live for a while (a load of an
-identity with 30,000 facts reads them, plans over them and drops them) make CPython run
-full collections, each walking every tracked object of the process: 30 to 50 ms of a
-stalled loop, several times per such load. Within a :func:`collector_scope` (the service
-opens one per load), a :func:`mapped` of more than :data:`SLICE` items turns the cyclic
-collector off until the scope ends, and the scope ends after the temporaries are gone:
-created and freed while it is off, they never reach a collection. Scopes of concurrent
-loads nest (the collector comes back when the last one ends, and only if it was on); a
-small load never touches it. Reference counting frees everything acyclic meanwhile.
+The collector. A load builds hundreds of models (thousands for a big identity) that
+live across its round trips to the store. Every 700 allocations CPython collects the
+young objects; the models of the loads in flight survive, are promoted, and every 25 %
+of growth of the old generation sets off a full collection, which walks every tracked
+object of the process with the event loop stalled: 30 to 50 ms on a 2-core machine,
+several times a second under 8 concurrent requests, 15 % of the loop's time. None of it
+finds anything: what a load builds holds no reference cycle, so reference counting frees
+it all. So while a :func:`collector_scope` is open (the service opens one per load and
+per stored batch) the cyclic collector is off: the temporaries are created and freed
+without a collection seeing them. It comes back when the last scope closes, and only if
+it was on (a host that switched it off itself is left alone). Under load without a gap,
+the scopes collect the young generations at least every :data:`YOUNG_EVERY` seconds and
+everything at least every :data:`FULL_EVERY`, so a host's own cyclic garbage still goes.
 """
 
 from __future__ import annotations
@@ -24,9 +28,9 @@ from __future__ import annotations
 import asyncio
 import gc
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from contextvars import ContextVar
 from typing import TypeVar
 
 from coda_memory.core.model import gc_paused
@@ -36,22 +40,44 @@ R = TypeVar("R")
 
 #: Items converted between two turns of the loop (about 0.5 ms of work).
 SLICE = 500
+#: While scopes keep the collector off without a gap: the young generations are
+#: collected at least this often (seconds; a millisecond or two each) …
+YOUNG_EVERY = 1.0
+#: … and every generation at least this often.
+FULL_EVERY = 60.0
 
 
 class _Holds:
     """How many scopes hold the collector off, and whether it was on before the first."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
         self.lock = threading.Lock()
         self.count = 0
         self.was_enabled = False
+        self.young_at = self.full_at = 0.0
+        #: Collections the scopes ran themselves (young, full).
+        self.collections = [0, 0]
 
     def take(self) -> None:
         with self.lock:
+            now = self.clock()
             if self.count == 0:
                 self.was_enabled = gc.isenabled()
                 gc.disable()
+                # The collector ran as usual until now.
+                self.young_at = self.full_at = now
             self.count += 1
+            if not self.was_enabled:
+                return
+            if now - self.full_at >= FULL_EVERY:
+                gc.collect()
+                self.collections[1] += 1
+                self.young_at = self.full_at = now
+            elif now - self.young_at >= YOUNG_EVERY:
+                gc.collect(1)
+                self.collections[0] += 1
+                self.young_at = now
 
     def give_back(self) -> None:
         with self.lock:
@@ -61,55 +87,37 @@ class _Holds:
 
 
 _HOLDS = _Holds()
-#: The scope of the running load: [whether it holds the collector off].
-_SCOPE: ContextVar[list[bool] | None] = ContextVar("coda_memory_collector_scope", default=None)
 
 
 @contextmanager
-def collector_scope() -> Iterator[None]:
-    """A span of work (one load) within which a big :func:`mapped` holds the cyclic
-    garbage collector off until the span ends (see above)."""
-    holds = [False]
-    token = _SCOPE.set(holds)
+def collector_scope(hold: bool = True) -> Iterator[None]:
+    """Hold the cyclic garbage collector off until the scope closes (see above); nothing
+    when ``hold`` is False."""
+    if not hold:
+        yield
+        return
+    _HOLDS.take()
     try:
         yield
     finally:
-        _SCOPE.reset(token)
-        if holds[0]:
-            _HOLDS.give_back()
+        _HOLDS.give_back()
 
 
 def collector_held() -> bool:
-    """Whether a scope holds the collector off (for tests)."""
+    """Whether a scope holds the collector off."""
     return _HOLDS.count > 0
-
-
-def _hold_in_scope() -> bool:
-    """Hold the collector off until the current scope ends; False outside a scope."""
-    holds = _SCOPE.get()
-    if holds is None:
-        return False
-    if not holds[0]:
-        holds[0] = True
-        _HOLDS.take()
-    return True
 
 
 async def mapped(items: Sequence[T], convert: Callable[[T], R]) -> list[R]:
     """``[convert(item) for item in items]``, with a turn of the event loop after every
-    :data:`SLICE` items; ``convert`` must build acyclic objects. The collector is off
-    within each slice (see :func:`~coda_memory.core.model.gc_paused`), or from the first
-    slice to the end of the current :func:`collector_scope`."""
+    :data:`SLICE` items; ``convert`` must build acyclic objects. Outside a scope the
+    collector is off within each slice (see :func:`~coda_memory.core.model.gc_paused`)."""
     if len(items) <= SLICE:
         with gc_paused():
             return [convert(item) for item in items]
-    held = _hold_in_scope()
     out: list[R] = []
     for start in range(0, len(items), SLICE):
-        if held:
+        with gc_paused():
             out.extend([convert(item) for item in items[start : start + SLICE]])
-        else:
-            with gc_paused():
-                out.extend([convert(item) for item in items[start : start + SLICE]])
         await asyncio.sleep(0)
     return out

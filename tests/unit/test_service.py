@@ -7,6 +7,7 @@ the same behaviours against Postgres are in tests/postgres.
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import threading
 from collections.abc import AsyncIterator, Sequence
@@ -386,3 +387,37 @@ async def test_without_a_backlog_one_append_at_a_time_and_what_arrives_meanwhile
     finally:
         store.gate.set()
         await service.close()
+
+
+class CollectorWatchingStore(InMemoryStore):
+    """Notes whether the cyclic collector is on while the service uses the store."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.enabled_during: list[bool] = []
+
+    async def peek(self, identity_id: str) -> tuple[list[Fact], bool]:
+        self.enabled_during.append(gc.isenabled())
+        return await super().peek(identity_id)
+
+    async def append(
+        self,
+        records: Sequence[ObservationRecord],
+        *,
+        batch_key: str | None = None,
+        first_attempt: bool = False,
+    ) -> AppendOutcome:
+        self.enabled_during.append(gc.isenabled())
+        return await super().append(records, batch_key=batch_key, first_attempt=first_attempt)
+
+
+@pytest.mark.parametrize("hold_gc", [True, False])
+async def test_loads_and_appends_hold_the_collector_off_unless_told_not_to(hold_gc: bool) -> None:
+    store = CollectorWatchingStore()
+    service = MemoryService(store, hold_gc=hold_gc)
+    service.emit_observation("u1", tool_ok("get_account"))
+    await service.drain()
+    await service.load_memory("u1")
+    await service.close()
+    assert store.enabled_during == [not hold_gc, not hold_gc]
+    assert gc.isenabled()

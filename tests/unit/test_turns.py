@@ -1,4 +1,4 @@
-"""Turns of the event loop in long conversions, and the collector held off in a scope."""
+"""Turns of the event loop in long conversions, and the collector held off in scopes."""
 
 from __future__ import annotations
 
@@ -23,13 +23,10 @@ async def test_a_long_conversion_gives_the_loop_a_turn_after_every_slice(
             ticks.append(1)
             await asyncio.sleep(0)
 
-    def convert(item: int) -> int:
-        return item * 2
-
     other = asyncio.get_running_loop().create_task(other_task())
     await asyncio.sleep(0)
     before = len(ticks)
-    assert await mapped(list(range(100)), convert) == [2 * n for n in range(100)]
+    assert await mapped(list(range(100)), lambda n: n * 2) == [2 * n for n in range(100)]
     ran = len(ticks) - before
     stop.set()
     await other
@@ -50,64 +47,50 @@ async def test_a_short_conversion_takes_no_turn(monkeypatch: pytest.MonkeyPatch)
     await other
 
 
-async def test_a_big_conversion_in_a_scope_holds_the_collector_until_the_scope_ends(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    monkeypatch.setattr(turns, "SLICE", 10)
+def test_a_scope_holds_the_collector_off_until_it_closes() -> None:
     assert gc.isenabled()
     with collector_scope():
-        await mapped(list(range(5)), str)
-        assert gc.isenabled() and not collector_held()  # small: untouched
-        await mapped(list(range(50)), str)
         assert not gc.isenabled() and collector_held()
     assert gc.isenabled() and not collector_held()
-    # Outside a scope, the collector is off within a slice only.
-    await mapped(list(range(50)), str)
-    assert gc.isenabled()
+    with collector_scope(hold=False):
+        assert gc.isenabled() and not collector_held()
 
 
-async def test_scopes_of_concurrent_loads_nest(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(turns, "SLICE", 10)
+async def test_scopes_of_concurrent_loads_nest() -> None:
     first_in, second_done = asyncio.Event(), asyncio.Event()
 
     async def first() -> None:
         with collector_scope():
-            await mapped(list(range(50)), str)
             first_in.set()
             await second_done.wait()
-            assert not gc.isenabled()  # the second scope ended: this one still holds
+            assert not gc.isenabled()  # the second scope closed: this one still holds
         assert gc.isenabled()
 
     async def second() -> None:
         await first_in.wait()
         with collector_scope():
-            await mapped(list(range(50)), str)
+            await asyncio.sleep(0)
         second_done.set()
 
     await asyncio.gather(first(), second())
     assert gc.isenabled() and not collector_held()
 
 
-async def test_a_collector_switched_off_by_the_host_stays_off(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    monkeypatch.setattr(turns, "SLICE", 10)
+def test_a_collector_switched_off_by_the_host_stays_off_and_is_never_run() -> None:
     gc.disable()
     try:
         with collector_scope():
-            await mapped(list(range(50)), str)
+            pass
         assert not gc.isenabled()
     finally:
         gc.enable()
 
 
-async def test_a_cancelled_load_gives_the_collector_back(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(turns, "SLICE", 10)
+async def test_a_cancelled_load_gives_the_collector_back() -> None:
     inside = asyncio.Event()
 
     async def load() -> None:
         with collector_scope():
-            await mapped(list(range(50)), str)
             inside.set()
             await asyncio.Event().wait()
 
@@ -118,3 +101,34 @@ async def test_a_cancelled_load_gives_the_collector_back(monkeypatch: pytest.Mon
     with pytest.raises(asyncio.CancelledError):
         await task
     assert gc.isenabled() and not collector_held()
+
+
+def test_scopes_without_a_gap_still_collect_young_then_everything(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    now = [1000.0]
+    monkeypatch.setattr(turns._HOLDS, "clock", lambda: now[0])
+    collected: list[int] = []
+    real_collect = gc.collect
+
+    def collect(generation: int = 2) -> int:
+        collected.append(generation)
+        return real_collect(generation)
+
+    monkeypatch.setattr(gc, "collect", collect)
+    with collector_scope():  # a load that stays in flight while others come and go
+        for _ in range(int(turns.FULL_EVERY * 4)):
+            now[0] += 0.25
+            with collector_scope():
+                pass
+        assert not gc.isenabled()
+    # One young collection per YOUNG_EVERY, one full per FULL_EVERY instead of a young one.
+    fulls = collected.count(2)
+    assert fulls == 1
+    assert collected.count(1) == int(turns.FULL_EVERY / turns.YOUNG_EVERY) - fulls
+    # With a gap (no scope open), the collector ran as usual: the clocks start again.
+    collected.clear()
+    now[0] += 0.5
+    with collector_scope():
+        pass
+    assert collected == []
