@@ -13,7 +13,10 @@ from coda_memory.core.model import Fact
 
 def rank_key(fact: Fact) -> tuple[float, str]:
     """The sort key of the rank (a score that is not finite ranks last)."""
-    return score_key(fact.confidence, fact)
+    # score_key(fact.confidence, fact), inline: the prompt section sorts every fact.
+    values = fact.__dict__
+    score = values["confidence"] * values["reinforcement_count"]
+    return (-score if math.isfinite(score) else math.inf, values["subject"])
 
 
 def score_key(confidence: float, fact: Fact) -> tuple[float, str]:
