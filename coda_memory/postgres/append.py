@@ -16,10 +16,9 @@ the key commit together.
 A lock on a rollup table does not stop the append: the rollup waits at most
 :data:`~coda_memory.postgres.rollup_owed.ROLLUP_LOCK_TIMEOUT` for its table locks, and
 when one is held the batch records that it owes its rollup instead, in the same
-transaction; the store folds it in later, apart from any batch
-(:mod:`~coda_memory.postgres.rollup_owed`, which the store's
-:class:`~coda_memory.postgres.rollup_owed.RollupDebt` tells when). The bisection path
-does not defer: a lock met there fails the append, which is retried.
+transaction; a later append folds it in (:mod:`~coda_memory.postgres.rollup_owed`, which
+the store's :class:`~coda_memory.postgres.rollup_owed.RollupDebt` tells when). The
+bisection path does not defer: a lock met there fails the append, which is retried.
 """
 
 from __future__ import annotations
@@ -36,7 +35,7 @@ from coda_memory.ports import AppendOutcome, ObservationRecord
 from coda_memory.postgres import batch_keys
 from coda_memory.postgres.connection import sqlstate
 from coda_memory.postgres.rollup_batch import write_rollup_part
-from coda_memory.postgres.rollup_owed import RollupDebt, rollup_or_owe
+from coda_memory.postgres.rollup_owed import Folded, RollupDebt, fold_owed, rollup_or_owe
 from coda_memory.postgres.sql import query
 
 #: The parameters of ``observations_insert.sql``, one array per column of a row's values.
@@ -194,22 +193,25 @@ async def append_observations(
     expire_keys: bool = False,
     debt: RollupDebt | None = None,
     first_attempt: bool = False,
-) -> tuple[AppendOutcome, bool]:
+) -> AppendOutcome:
     """Store ``records`` through ``conn``'s driver connection (asyncpg), in ``schema``,
     with their rollup and the batch's idempotency ``key``, and commit; a batch whose key
     is already stored is not stored again. ``expire_keys``: also delete the keys of
-    batches stored more than a day ago. ``debt``: the caller's record of owed rollups,
-    told of this append; returns with the outcome whether owed records should be folded
-    now (never without ``debt``).
+    batches stored more than a day ago. ``debt``: the caller's record of owed rollups;
+    when it says so, the append also folds owed rollups (none without it).
     ``first_attempt``: no earlier attempt of the batch can have been stored, so the key
     may be recorded without looking for it (see :mod:`~coda_memory.postgres.batch_keys`)."""
     rows, refused = _encode(records)
     if not rows:
-        return AppendOutcome(stored=0, refused=refused), False
+        return AppendOutcome(stored=0, refused=refused)
     raw = await conn.get_raw_connection()
     driver: Any = raw.driver_connection  # asyncpg.Connection
+    due = debt is not None and debt.due()
+    folded: Folded | None = None
     try:
         stored = await _store(conn, driver, schema, key, rows, refused, len(records), first_attempt)
+        if due and not stored.owed:  # when it owes, the rollup tables are locked
+            folded = await fold_owed(driver, schema, stored.shard)
         if expire_keys:
             await batch_keys.expire(driver, schema)
         await conn.commit()
@@ -218,5 +220,6 @@ async def append_observations(
         if sqlstate(exc) is None or driver.is_closed():
             await conn.invalidate()
         raise
-    fold = debt is not None and debt.appended(stored.owed)
-    return stored.outcome, fold
+    if debt is not None:
+        debt.committed(stored.owed, folded)
+    return stored.outcome

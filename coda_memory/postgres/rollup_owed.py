@@ -15,12 +15,9 @@ fold the owed rows later. The observations, the owed record and the batch's idem
 key commit together: nothing is lost, and a retry of the batch finds the key and stores
 (and owes) nothing again.
 
-Paying: after an append whose own rollup went through, its store folds owed records when
-it knows it recorded one (:class:`RollupDebt`), and after every :data:`FOLD_EVERY`-th
-append anyway, for records of other processes (or of one that stopped). It folds in the
-background, in transactions of their own (:func:`fold_apart`), one at a time, while the
-writer goes on: a ten-second lock leaves about a thousand owed transactions, a second of
-folding that no batch waits for. :func:`fold_owed` claims up to
+Paying: an append whose own rollup went through folds owed records when its store knows
+it recorded one (:class:`RollupDebt`), and on every :data:`FOLD_EVERY`-th append anyway,
+for records of other processes (or of one that stopped). :func:`fold_owed` claims up to
 :data:`FOLD_ROWS` records with ``FOR UPDATE SKIP LOCKED`` (concurrent writers take
 different records, never the same twice), and folds each owed transaction in a savepoint
 of its own, deleting its records in the same savepoint: a record is folded exactly once,
@@ -46,8 +43,6 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-from sqlalchemy.ext.asyncio import AsyncConnection
-
 from coda_memory.core.caps import LogThrottle
 from coda_memory.postgres.connection import (
     RESTORE_LOCK_TIMEOUT,
@@ -55,8 +50,6 @@ from coda_memory.postgres.connection import (
     sqlstate,
     undo_savepoint,
 )
-from coda_memory.postgres.engine import driver_connection
-from coda_memory.postgres.rollup import connection_shard
 from coda_memory.postgres.rollup_batch import (
     KIND_DOMAINS,
     KIND_ENTITIES,
@@ -217,35 +210,16 @@ class RollupDebt:
         #: This store recorded owed rollups not known to be folded.
         self.known = False
         self._appends = 0
-        #: Owed records this store recorded, counted (a fold that settles clears
-        #: ``known`` only when none was recorded while it ran).
-        self._recorded = 0
 
-    def appended(self, owed: bool) -> bool:
-        """Count an append that committed (and recorded owed rollups: ``owed``); True
-        when owed records should be folded now. Not right after an append that owed:
-        the rollup tables are locked."""
+    def due(self) -> bool:
+        """Count an append; True when it should fold owed records."""
         self._appends += 1
-        if owed:
-            self.known = True
-            self._recorded += 1
-            return False
         return self.known or self._appends % self.every == 0
 
-    def fold_started(self) -> int:
-        """A fold starts: the mark to give :meth:`fold_finished`."""
-        return self._recorded
-
-    def fold_finished(self, mark: int, folded: Folded) -> None:
-        """A fold that started at ``mark`` committed."""
-        if folded.settled and self._recorded == mark:
+    def committed(self, owed: bool, folded: Folded | None) -> None:
+        """After an append committed: it recorded owed rollups (``owed``), or folded
+        (``folded``, None when it did not try)."""
+        if owed:
+            self.known = True
+        elif folded is not None and folded.settled:
             self.known = False
-
-
-async def fold_apart(conn: AsyncConnection, schema: str) -> Folded:
-    """Fold up to :data:`FOLD_ROWS` owed records in a transaction of their own on a
-    writer's connection (``conn``), and commit: apart from any batch, so that a batch
-    is stored without waiting for a debt that a long lock left."""
-    async with conn.begin():
-        shard = await connection_shard(conn, writer=True)
-        return await fold_owed(await driver_connection(conn), schema, shard)

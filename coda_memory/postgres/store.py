@@ -57,7 +57,6 @@ request.
 from __future__ import annotations
 
 import asyncio
-import logging
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
@@ -68,8 +67,6 @@ from typing import Any, TypeVar
 from sqlalchemy import delete
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
-from coda_memory.core.caps import LogThrottle
-from coda_memory.core.logs import short_error
 from coda_memory.core.model import Fact, FactEvent, Observation
 from coda_memory.errors import ConnectionLost, StoreBusy
 from coda_memory.ports import (
@@ -94,7 +91,7 @@ from coda_memory.postgres.repositories import (
     ObservationRepository,
 )
 from coda_memory.postgres.rollup_batch import batch_statements
-from coda_memory.postgres.rollup_owed import RollupDebt, fold_apart
+from coda_memory.postgres.rollup_owed import RollupDebt
 from coda_memory.postgres.rollup_upkeep import forget_identity
 from coda_memory.postgres.schema import DEFAULT_SCHEMA, redis_imports, validate_schema_name
 from coda_memory.postgres.tenancy import SET_TENANT, SET_TENANT_SESSION, set_tenant
@@ -105,8 +102,6 @@ from coda_memory.postgres.unit import (
     lock_identity,
     peek,
 )
-
-_log = LogThrottle(logging.getLogger("coda_memory"))
 
 DEFAULT_LOCK_TIMEOUT = timedelta(seconds=5)
 #: Every statement of a request (peek, consolidation); lock waits included.
@@ -198,8 +193,6 @@ class PostgresStore:
         self._appends = 0
         # When the appends fold rollups owed under a lock (see ``rollup_owed``).
         self.rollup_debt = RollupDebt()
-        #: The background folding of owed rollups (one at a time), if any.
-        self._folding: asyncio.Task[None] | None = None
 
     @classmethod
     def from_url(
@@ -291,7 +284,7 @@ class PostgresStore:
         attempts = 0
         first = first_attempt or batch_key is None
 
-        async def store(conn: AsyncConnection) -> tuple[AppendOutcome, bool]:
+        async def store(conn: AsyncConnection) -> AppendOutcome:
             nonlocal attempts
             attempts += 1
             return await append_observations(
@@ -305,7 +298,7 @@ class PostgresStore:
             )
 
         try:
-            outcome, fold = await run(self.writer_engine, self.schema, store, idempotent=True)
+            return await run(self.writer_engine, self.schema, store, idempotent=True)
         except ConnectionLost:
             raise
         except Exception as error:
@@ -317,40 +310,6 @@ class PostgresStore:
             if state in _BUSY:
                 raise StoreBusy(f"the batch was kept out by {_BUSY[state]} ({state})") from error
             raise
-        if fold and (self._folding is None or self._folding.done()):
-            self._folding = asyncio.get_running_loop().create_task(self._fold_owed())
-        return outcome
-
-    async def _fold_owed(self) -> None:
-        """Fold owed rollups in the background, a claim at a time, until none is left
-        that a lock does not hold back (see :mod:`.rollup_owed`)."""
-        debt = self.rollup_debt
-        while True:
-            mark = debt.fold_started()
-            try:
-                folded = await run(
-                    self.writer_engine,
-                    self.schema,
-                    partial(fold_apart, schema=self.schema),
-                    idempotent=True,
-                )
-            except Exception as error:
-                # The debt stays known: a later append tries again.
-                _log.warning(
-                    "rollup owed",
-                    "coda-memory: owed rollups not folded (%s)",
-                    short_error(error, (), show=False),
-                )
-                return
-            debt.fold_finished(mark, folded)
-            if folded.blocked or not folded.full:
-                return
-
-    async def folded(self) -> None:
-        """Wait for the background folding of owed rollups, if it runs."""
-        task = self._folding
-        if task is not None:
-            await asyncio.wait([task])
 
     @asynccontextmanager
     async def consolidation(self, identity_id: str) -> AsyncIterator[PostgresConsolidationUnit]:
@@ -466,10 +425,6 @@ class PostgresStore:
         return await run(self.engine, self.schema, work, idempotent=idempotent)
 
     async def close(self) -> None:
-        if self._folding is not None and not self._folding.done():
-            # Folded records commit one claim at a time: what is cut short stays owed.
-            self._folding.cancel()
-            await asyncio.wait([self._folding])
         for engine in {self.request_engine, self.writer_engine, self.engine}:
             await engine.dispose()
 

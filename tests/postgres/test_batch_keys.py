@@ -110,7 +110,7 @@ async def test_expiry_deletes_old_keys_from_the_table_that_is_not_locked(
         )
     async with locked(pg_url, "ingest_batches"):
         async with store.writer_engine.connect() as conn:
-            outcome, _ = await append_observations(
+            outcome = await append_observations(
                 conn,
                 store.schema,
                 [record("c")],

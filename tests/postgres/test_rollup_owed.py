@@ -14,7 +14,7 @@ import pytest
 from coda_memory.ports import ObservationRecord
 from coda_memory.postgres import PostgresStore, maintenance
 from coda_memory.postgres.analytics import rebuild_rollups
-from coda_memory.postgres.rollup_owed import ROLLUP_LOCK_TIMEOUT, fold_apart
+from coda_memory.postgres.rollup_owed import ROLLUP_LOCK_TIMEOUT
 from tests.postgres.helpers import consolidate, fetch, locked
 from tests.postgres.test_analytics import (
     D1,
@@ -82,9 +82,8 @@ async def test_an_append_goes_on_while_a_rollup_table_is_locked(pg_url: str, tab
             # One record per identity of the batch, for every kind it feeds.
             assert await owed(pg_url) == [("ana", ALL_KINDS), ("ben", ALL_KINDS), ("cy", ALL_KINDS)]
             assert store.rollup_debt.known
-        # Released: after its next append, the store folds what it owes.
+        # Released: the store's next append folds what it owes.
         await store.append([asked("dee", "royalty", D2)])
-        await store.folded()
         assert await owed(pg_url) == []
         assert not store.rollup_debt.known
         assert await rollup(store) == await rebuilt(store)
@@ -104,7 +103,6 @@ async def test_only_the_kinds_a_batch_feeds_are_owed_and_locked(pg_url: str) -> 
             )
             assert await owed(pg_url) == [("ben", 1 | 2)]
         await store.append([call("cy", "t", True, D2)])
-        await store.folded()
         assert await owed(pg_url) == []
         assert await rollup(store) == await rebuilt(store)
     finally:
@@ -143,7 +141,6 @@ async def test_a_second_fold_changes_nothing(pg_url: str) -> None:
         # Nor does an append that folds (its store still believes it owes).
         store.rollup_debt.known = True
         await store.append([call("zed", "t", True, D2)])
-        await store.folded()
         assert not store.rollup_debt.known
         assert await rollup(store) == await rebuilt(store)
     finally:
@@ -161,7 +158,6 @@ async def test_a_retried_batch_is_neither_stored_nor_counted_twice(pg_url: str) 
             assert len(await owed(pg_url)) == 3
         # And once released, when the retry's append folds the debt.
         assert await store.append(FIXTURE, batch_key=KEY) == first
-        await store.folded()
         assert await owed(pg_url) == []
         assert await stored(pg_url) == len(FIXTURE)
         assert await rollup(store) == await rebuilt(store)
@@ -177,7 +173,6 @@ async def test_forget_leaves_nothing_of_the_identity_in_owed_records(pg_url: str
         await store.forget("ana")
         assert await owed(pg_url) == [("ben", ALL_KINDS), ("cy", ALL_KINDS)]
         await store.append([call("ben", "t", True, D2)])
-        await store.folded()
         assert await owed(pg_url) == []
         # ana's rows were never counted, and are gone: the rollup is the others'.
         assert await rollup(store) == await rebuilt(store)
@@ -239,7 +234,6 @@ async def test_concurrent_folders_fold_each_record_once(pg_url: str) -> None:
             *(maintenance.fold_owed_rollups(s, batch_size=1) for s in stores),
             *(s.append([asked(f"v{n}", "royalty", D2)]) for n, s in enumerate(stores)),
         )
-        await asyncio.gather(*(s.folded() for s in stores))
         assert await owed(pg_url) == []
         assert await rollup(stores[0]) == await rebuilt(stores[0])
     finally:
@@ -249,33 +243,3 @@ async def test_concurrent_folders_fold_each_record_once(pg_url: str) -> None:
 
 def test_the_rollup_lock_timeout_is_short() -> None:
     assert ROLLUP_LOCK_TIMEOUT < WRITER_LOCK_TIMEOUT / 10
-
-
-async def test_a_batch_does_not_wait_for_the_folding_of_a_debt(
-    pg_url: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The folding of what a lock left owed runs apart from the batches: the append
-    after the release returns while the folding waits, and the debt is folded after."""
-    gate = asyncio.Event()
-    real_fold = fold_apart
-
-    async def gated_fold(conn: Any, schema: str) -> Any:
-        await gate.wait()
-        return await real_fold(conn, schema)
-
-    monkeypatch.setattr("coda_memory.postgres.store.fold_apart", gated_fold)
-    store = writer(pg_url)
-    try:
-        async with locked(pg_url, "tool_users"):
-            for n in range(5):
-                await timed_append(store, [call(f"u{n}", "t", True, D1)])
-        assert len(await owed(pg_url)) == 5
-        outcome = await timed_append(store, [call("v", "t", True, D2)])
-        assert outcome.stored == 1 and len(await owed(pg_url)) == 5  # not folded yet
-        gate.set()
-        await store.folded()
-        assert await owed(pg_url) == []
-        assert not store.rollup_debt.known
-        assert await rollup(store) == await rebuilt(store)
-    finally:
-        await store.close()

@@ -217,10 +217,8 @@ async def test_the_app_role_owes_the_rollup_under_a_lock_and_folds_it(tenancy: T
             assert outcome.stored == 2
         owed = f"SELECT identity_id FROM {SCHEMA}.rollup_owed ORDER BY 1"
         assert [r["identity_id"] for r in await owner.fetch(owed)] == ["alice", "bob"]
-        # After the next append they are folded: the writer reads the owed
-        # transaction's rows.
+        # The next append folds them: the writer reads the owed transaction's rows.
         await store.append([call("alice", "t", False, D1)])
-        await store.folded()
         assert await owner.fetch(owed) == []
         counts = f"SELECT sum(successes), sum(failures), sum(latest_users) FROM {SCHEMA}.tool_daily"
         assert tuple(await owner.fetchrow(counts)) == (2, 1, 2)
