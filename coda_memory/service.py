@@ -42,7 +42,6 @@ from typing import Any, ParamSpec, TypeVar
 
 from coda_memory.core import emitters
 from coda_memory.core.affinity import extract_tool_affinities
-from coda_memory.core.answers import LastAnswers
 from coda_memory.core.caps import DEFAULT_MAX_FACTS, CapCounter, LogThrottle
 from coda_memory.core.consolidation import (
     DEFAULT_RETENTION,
@@ -152,8 +151,6 @@ class MemoryService(ObservationWriter):
         self._loading: dict[str, asyncio.Task[LoadedMemory]] = {}
         #: Facts the peek read, for the identities being consolidated.
         self._stale: dict[str, list[Fact]] = {}
-        #: Each identity's last answer, for a load that times out (core/answers.py).
-        self._answers = LastAnswers()
         self._load_stale = 0
         self._telemetry.observe(self.stats)
 
@@ -352,12 +349,7 @@ class MemoryService(ObservationWriter):
 
     async def _stale_answer(self, identity_id: str, running: bool) -> LoadedMemory | None:
         """The answer of a load that timed out, from the facts at hand (None: none):
-        the identity's last answer in this process, else the facts the peek read or the
-        store keeps."""
-        last = self._answers.get(identity_id)
-        if last is not None:
-            self._stale_logged(identity_id)
-            return last
+        those the peek read, else those the store keeps."""
         stale = self._stale.get(identity_id)
         if stale is None and running:
             # No peek yet (waiting for a connection, or skipped): the kept facts.
@@ -383,9 +375,7 @@ class MemoryService(ObservationWriter):
         with collector_scope(self.hold_gc):
             try:
                 facts = await self.consolidate(identity_id)
-                loaded = await _offload(len(facts), self._loaded, facts)
-                self._answers.put(identity_id, loaded)
-                return loaded
+                return await _offload(len(facts), self._loaded, facts)
             finally:
                 self._stale.pop(identity_id, None)
 
@@ -425,11 +415,9 @@ class MemoryService(ObservationWriter):
         """Delete every observation, fact, fact event and checkpoint of the identity,
         including observations of it still queued in this service."""
         self._forget_queued(identity_id)
-        self._answers.discard(identity_id)
         await self.drain()
         await self.store.forget(identity_id)
         self.stored_for.discard(identity_id)
-        self._answers.discard(identity_id)
 
     def stats(self) -> MemoryStats:
         """Counts of observations emitted, stored, rejected, dropped and pending."""

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from coda_memory import Fact, LoadedMemory, MemoryService
+from coda_memory import Fact, MemoryService
 from coda_memory.core.logs import identity_label
 from coda_memory.ports import AppendOutcome, ObservationRecord
 from coda_memory.testing import InMemoryConsolidationUnit, InMemoryStore
@@ -421,31 +421,3 @@ async def test_loads_and_appends_hold_the_collector_off_unless_told_not_to(hold_
     await service.close()
     assert store.enabled_during == [not hold_gc, not hold_gc]
     assert gc.isenabled()
-
-
-async def test_a_late_load_answers_with_the_last_answer_at_once_and_forget_drops_it(
-    gated: tuple[MemoryService, GatedStore], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    service, store = gated
-    service.emit_observation("u1", tool_ok("old"))
-    await service.drain()
-    first = await service.load_memory("u1")
-    assert [f.subject for f in first.facts] == ["tool_affinity:old"]
-    service.emit_observation("u1", tool_ok("new"))
-    await service.drain()
-    store.consolidation_gate.clear()
-
-    def rebuilt(*args: object) -> LoadedMemory:
-        raise AssertionError("the late answer was built again")
-
-    monkeypatch.setattr(service, "_loaded_as_of_last_consolidation", rebuilt)
-    late = await service.load_memory("u1")
-    assert late == first and late is not first
-    late.facts.clear()  # the caller's copy: the kept answer stays whole
-    assert (await service.load_memory("u1")).facts == first.facts
-    assert service.stats().load_stale == 2
-    store.consolidation_gate.set()
-    await service.forget("u1")
-    store.consolidation_gate.clear()
-    assert (await service.load_memory("u1")).facts == []
-    store.consolidation_gate.set()
