@@ -60,6 +60,7 @@ class _Holds:
         self.collections = [0, 0]
 
     def take(self) -> None:
+        generation = None
         with self.lock:
             now = self.clock()
             if self.count == 0:
@@ -71,13 +72,16 @@ class _Holds:
             if not self.was_enabled:
                 return
             if now - self.full_at >= FULL_EVERY:
-                gc.collect()
+                generation = 2
                 self.collections[1] += 1
                 self.young_at = self.full_at = now
             elif now - self.young_at >= YOUNG_EVERY:
-                gc.collect(1)
+                generation = 1
                 self.collections[0] += 1
                 self.young_at = now
+        if generation is not None:
+            # Outside the lock: a finalizer the collection runs may open a scope.
+            gc.collect(generation)
 
     def give_back(self) -> None:
         with self.lock:

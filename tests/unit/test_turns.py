@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import threading
 
 import pytest
 
@@ -132,3 +133,33 @@ def test_scopes_without_a_gap_still_collect_young_then_everything(
     with collector_scope():
         pass
     assert collected == []
+
+
+def test_a_finalizer_that_a_scopes_collection_runs_may_open_a_scope(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    now = [1000.0]
+    monkeypatch.setattr(turns._HOLDS, "clock", lambda: now[0])
+    opened: list[bool] = []
+
+    class Cyclic:
+        def __init__(self) -> None:
+            self.me = self
+
+        def __del__(self) -> None:
+            with collector_scope():
+                opened.append(True)
+
+    def load() -> None:
+        with collector_scope():
+            Cyclic()  # garbage in a cycle: only a collection frees it
+            now[0] += turns.YOUNG_EVERY
+            with collector_scope():  # due: the young collection runs the finalizer
+                pass
+
+    # In a thread, so that a deadlock fails the test instead of hanging it.
+    worker = threading.Thread(target=load, daemon=True)
+    worker.start()
+    worker.join(5)
+    assert not worker.is_alive() and opened == [True]
+    assert gc.isenabled() and not collector_held()
