@@ -290,11 +290,10 @@ class MemoryService(ObservationWriter):
         """Consolidate, then format the prompt section and tool affinities, all within
         ``load_timeout``; never raises.
 
-        When the consolidation outlives the timeout (it then finishes in the background),
-        the answer is built from the facts at hand before it started, as the store keeps
-        them or the peek read them (``stats().load_stale``): only the newest observations
-        are missing.
-        Without those, and on any error, the result is empty."""
+        When the consolidation outlives the timeout (it then finishes in the background)
+        or fails, the answer is built from the facts at hand before it started, as the
+        store keeps them or the peek read them (``stats().load_stale``): only the newest
+        observations are missing. Without those, the result is empty."""
         self._loads += 1
         started = time.perf_counter()
         with self._telemetry.span("load_memory") as span:
@@ -324,8 +323,15 @@ class MemoryService(ObservationWriter):
                 # the stale facts went with it.
                 return task.result(), "ok"
             with collector_scope(self.hold_gc):
-                loaded = await self._stale_answer(identity_id, running)
+                loaded = await self._stale_answer(identity_id)
             if loaded is not None:
+                self._log.warning(
+                    "load stale",
+                    "coda-memory: consolidating %s took over %.0f ms; answering with the "
+                    "facts of its last consolidation",
+                    self._label(identity_id),
+                    self.load_timeout * 1000,
+                )
                 return loaded, "stale"
             self._load_timeouts += 1
             self._log.warning(
@@ -339,35 +345,33 @@ class MemoryService(ObservationWriter):
             raise
         except Exception as error:
             self._load_errors += 1
+            with collector_scope(self.hold_gc):
+                loaded = await self._stale_answer(identity_id)
             self._log.warning(
                 f"load failed: {type(error).__name__}",
-                "coda-memory: load_memory for %s failed (%s); returning empty",
+                "coda-memory: load_memory for %s failed (%s); %s",
                 self._label(identity_id),
                 short_error(error, (identity_id,), show=self.log_identities),
+                "returning empty"
+                if loaded is None
+                else "answering with the facts of its last consolidation",
             )
+            if loaded is not None:
+                return loaded, "stale"
         return LoadedMemory.empty(), "error"
 
-    async def _stale_answer(self, identity_id: str, running: bool) -> LoadedMemory | None:
-        """The answer of a load that timed out, from the facts at hand (None: none):
-        those the peek read, else those the store keeps."""
+    async def _stale_answer(self, identity_id: str) -> LoadedMemory | None:
+        """The answer of a load that did not get its consolidation's, from the facts at
+        hand (None: none): those its peek read, else those the store keeps."""
         stale = self._stale.get(identity_id)
-        if stale is None and running:
-            # No peek yet (waiting for a connection, or skipped): the kept facts.
+        if stale is None:
+            # No peek yet (waiting for a connection, or skipped), or the consolidation
+            # failed: the kept facts.
             stale = await self._kept_facts(identity_id)
         if not stale:
             return None
-        self._stale_logged(identity_id)
-        return await self._loaded_as_of_last_consolidation(stale)
-
-    def _stale_logged(self, identity_id: str) -> None:
         self._load_stale += 1
-        self._log.warning(
-            "load stale",
-            "coda-memory: consolidating %s took over %.0f ms; answering with the "
-            "facts of its last consolidation",
-            self._label(identity_id),
-            self.load_timeout * 1000,
-        )
+        return await self._loaded_as_of_last_consolidation(stale)
 
     async def _load(self, identity_id: str) -> LoadedMemory:
         """One consolidation and its prompt section, shared by concurrent loads. The

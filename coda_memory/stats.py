@@ -21,7 +21,8 @@ class MemoryStats(BaseModel):
     dropped: int
     #: Observations emitted but not yet stored, rejected, dropped or discarded.
     pending: int
-    #: ``load_memory`` calls, and how many of them returned empty on timeout or error.
+    #: ``load_memory`` calls; those that returned empty on timeout; those whose
+    #: consolidation failed (empty, or answered from the facts at hand: ``load_stale``).
     loads: int = 0
     load_timeouts: int = 0
     load_errors: int = 0
@@ -30,8 +31,9 @@ class MemoryStats(BaseModel):
     #: Observations (also counted as stored or rejected) dated more than
     #: ``max_clock_skew`` after the service clock, stored as made at the clock's now.
     future_clamped: int = 0
-    #: Loads that outlived the timeout and answered with the facts of the identity's
-    #: last consolidation (not empty, and not counted in ``load_timeouts``).
+    #: Loads that outlived the timeout, or whose consolidation failed, and answered with
+    #: the facts of the identity's last consolidation (not empty, and not counted in
+    #: ``load_timeouts``).
     load_stale: int = 0
     #: Consolidations where the ``max_facts`` cap applied, and the facts it deleted.
     facts_capped: int = 0

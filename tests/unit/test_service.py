@@ -421,3 +421,36 @@ async def test_loads_and_appends_hold_the_collector_off_unless_told_not_to(hold_
     await service.close()
     assert store.enabled_during == [not hold_gc, not hold_gc]
     assert gc.isenabled()
+
+
+class KeepingStore(GatedStore):
+    """A gated store that keeps each identity's facts between requests, as the Postgres
+    store does."""
+
+    async def kept_facts(self, identity_id: str) -> list[Fact]:
+        return await InMemoryStore.facts(self, identity_id)
+
+
+async def test_a_load_whose_consolidation_fails_answers_from_the_facts_at_hand(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    store = KeepingStore()
+    service = MemoryService(store, clock=FakeClock(), load_timeout=0.05)
+    try:
+        service.emit_observation("u1", tool_ok("old"))
+        await service.drain()
+        await service.consolidate("u1")
+        store.failing = True
+        with caplog.at_level(logging.WARNING, "coda_memory"):
+            memory = await service.load_memory("u1")
+            assert [f.subject for f in memory.facts] == ["tool_affinity:old"]
+            assert "Uses old successfully" in memory.prompt_section
+            # Nothing at hand: empty.
+            assert (await service.load_memory("u2")).facts == []
+        stats = service.stats()
+        assert (stats.load_errors, stats.load_stale, stats.load_timeouts) == (2, 1, 0)
+        # One line per cause a second: the failure is logged once.
+        assert "failed (ConnectionError: database unavailable)" in caplog.text
+    finally:
+        store.failing = False
+        await service.close()
