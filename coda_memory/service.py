@@ -322,8 +322,7 @@ class MemoryService(ObservationWriter):
                 # the timeout and the cancellation of the wait): its answer is here, and
                 # the stale facts went with it.
                 return task.result(), "ok"
-            with collector_scope(self.hold_gc):
-                loaded = await self._stale_answer(identity_id)
+            loaded = await self._stale_answer(identity_id)
             if loaded is not None:
                 self._log.warning(
                     "load stale",
@@ -345,8 +344,7 @@ class MemoryService(ObservationWriter):
             raise
         except Exception as error:
             self._load_errors += 1
-            with collector_scope(self.hold_gc):
-                loaded = await self._stale_answer(identity_id)
+            loaded = await self._stale_answer(identity_id)
             self._log.warning(
                 f"load failed: {type(error).__name__}",
                 "coda-memory: load_memory for %s failed (%s); %s",
@@ -362,7 +360,21 @@ class MemoryService(ObservationWriter):
 
     async def _stale_answer(self, identity_id: str) -> LoadedMemory | None:
         """The answer of a load that did not get its consolidation's, from the facts at
-        hand (None: none): those its peek read, else those the store keeps."""
+        hand (None: none, or they could not be had: load_memory never raises)."""
+        try:
+            with collector_scope(self.hold_gc):
+                return await self._from_facts_at_hand(identity_id)
+        except Exception as error:
+            self._log.warning(
+                f"stale answer failed: {type(error).__name__}",
+                "coda-memory: the facts at hand for %s could not be read (%s)",
+                self._label(identity_id),
+                short_error(error, (identity_id,), show=self.log_identities),
+            )
+            return None
+
+    async def _from_facts_at_hand(self, identity_id: str) -> LoadedMemory | None:
+        """Those the peek read, else those the store keeps."""
         stale = self._stale.get(identity_id)
         if stale is None:
             # No peek yet (waiting for a connection, or skipped), or the consolidation

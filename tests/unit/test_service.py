@@ -454,3 +454,23 @@ async def test_a_load_whose_consolidation_fails_answers_from_the_facts_at_hand(
     finally:
         store.failing = False
         await service.close()
+
+
+class BrokenKeepingStore(KeepingStore):
+    async def kept_facts(self, identity_id: str) -> list[Fact]:
+        raise RuntimeError("the kept facts are unreadable")
+
+
+async def test_a_failing_load_whose_kept_facts_fail_too_still_returns_empty() -> None:
+    store = BrokenKeepingStore()
+    service = MemoryService(store, clock=FakeClock(), load_timeout=0.05)
+    try:
+        service.emit_observation("u1", tool_ok("old"))
+        await service.drain()
+        await service.consolidate("u1")
+        store.failing = True
+        assert (await service.load_memory("u1")).facts == []
+        assert (service.stats().load_errors, service.stats().load_stale) == (1, 0)
+    finally:
+        store.failing = False
+        await service.close()
