@@ -56,8 +56,6 @@ class _Holds:
         self.count = 0
         self.was_enabled = False
         self.young_at = self.full_at = 0.0
-        #: Collections the scopes ran themselves (young, full).
-        self.collections = [0, 0]
 
     def take(self) -> None:
         generation = None
@@ -73,11 +71,9 @@ class _Holds:
                 return
             if now - self.full_at >= FULL_EVERY:
                 generation = 2
-                self.collections[1] += 1
                 self.young_at = self.full_at = now
             elif now - self.young_at >= YOUNG_EVERY:
                 generation = 1
-                self.collections[0] += 1
                 self.young_at = now
         if generation is not None:
             # Outside the lock: a finalizer the collection runs may open a scope.

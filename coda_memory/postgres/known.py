@@ -34,7 +34,7 @@ each, for the request that needs them.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -80,25 +80,18 @@ class Known:
     kept: dict[str, dict[str, Any]]
 
     @classmethod
-    def of(cls, version: str, facts: Iterable[Fact]) -> Known:
-        """``facts`` (in stored form) with their version."""
-        return cls(version, {fact.subject: _kept(fact) for fact in facts})
-
-    @classmethod
-    async def kept_from(cls, version: str, facts: Sequence[Fact]) -> Known:
-        """:meth:`of`, giving the event loop turns (:mod:`coda_memory.core.turns`)."""
+    async def of(cls, version: str, facts: Sequence[Fact]) -> Known:
+        """``facts`` (in stored form) with their version, giving the event loop turns
+        (:mod:`coda_memory.core.turns`)."""
         kept = await mapped(facts, _kept)
         return cls(version, {values["subject"]: values for values in kept})
 
     def __len__(self) -> int:
         return len(self.kept)
 
-    def facts(self) -> list[Fact]:
-        """The facts, as a read of the identity's rows would return them (new models)."""
-        return [_fact(kept) for kept in self.kept.values()]
-
-    async def read(self) -> list[Fact]:
-        """:meth:`facts`, giving the event loop turns (:mod:`coda_memory.core.turns`)."""
+    async def facts(self) -> list[Fact]:
+        """The facts, as a read of the identity's rows would return them (new models),
+        giving the event loop turns (:mod:`coda_memory.core.turns`)."""
         return await mapped(list(self.kept.values()), _fact)
 
 

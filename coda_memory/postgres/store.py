@@ -345,7 +345,7 @@ class PostgresStore:
         """The identity's stored facts as this store last read or wrote them (none when
         not kept); the service answers a load that times out with them."""
         known = self._known.entry(identity_id)
-        return [] if known is None else await known.read()
+        return [] if known is None else await known.facts()
 
     async def peek(self, identity_id: str) -> tuple[list[Fact], bool]:
         known = self._known.entry(identity_id)
@@ -361,11 +361,7 @@ class PostgresStore:
         if peeked.read:
             # Kept for later peeks and the consolidation that follows (see "Facts read
             # once" above).
-            kept = (
-                None
-                if peeked.version is None
-                else await Known.kept_from(peeked.version, peeked.facts)
-            )
+            kept = None if peeked.version is None else await Known.of(peeked.version, peeked.facts)
             self._known.put(identity_id, kept)
         return peeked.facts, peeked.pending
 

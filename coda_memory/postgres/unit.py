@@ -19,7 +19,7 @@ argument is in the docstring of ``store``.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -109,10 +109,10 @@ async def lock_identity(raw: Any, statements: Statements, identity_id: str) -> L
 
 
 def write_arguments(
-    statement: Query, plan: ConsolidationPlan, snapshot: str, deletes: list[str] | None = None
+    statement: Query, plan: ConsolidationPlan, snapshot: str, deletes: Sequence[str]
 ) -> list[Any]:
     """The arguments of ``consolidation_write.sql`` for ``plan``, by parameter name; the
-    facts it deletes are ``deletes`` when given (the others went ahead, in slices)."""
+    facts it deletes are ``deletes`` (those of the plan not sent ahead in slices)."""
     upserts, events = plan.upserts, plan.events
     return statement.arguments(
         identity_id=plan.identity_id,
@@ -126,7 +126,7 @@ def write_arguments(
         fact_created_ats=[f.created_at for f in upserts],
         fact_updated_ats=[f.updated_at for f in upserts],
         fact_ease_factors=[f.ease_factor for f in upserts],
-        deleted_subjects=list(plan.deletes) if deletes is None else deletes,
+        deleted_subjects=list(deletes),
         now=plan.now,
         event_subjects=[e.subject for e in events],
         event_categories=[e.category.value for e in events],
@@ -208,12 +208,12 @@ class PostgresConsolidationUnit:
             rows = await self._raw.fetch(new.text, *arguments)
         self._snapshot = rows[0]["snapshot"]
         if self.known is not None:
-            stored = await self.known.read()
+            stored = await self.known.facts()
         else:
             facts = sql.facts
             fact_rows = await self._raw.fetch(facts.text, *facts.arguments(identity_id=identity_id))
             stored = await mapped(fact_rows, partial(fact_from_row, identity_id))
-            self.known = await Known.kept_from(self._version, stored)
+            self.known = await Known.of(self._version, stored)
         with gc_paused():
             observations = [
                 observation_from_row(identity_id, r) for r in rows if r["id"] is not None
@@ -236,12 +236,12 @@ class PostgresConsolidationUnit:
         if self._snapshot is None:
             raise RuntimeError("write() needs load() first: the plan must come from this unit")
         check_plan_identity(plan, self.identity_id)
-        deletes: list[str] | None = None
-        if len(plan.deletes) > DELETE_SLICE:
+        deletes = plan.deletes
+        if len(deletes) > DELETE_SLICE:
             # A cap that drops many facts: their deletes go ahead in slices (see the SQL).
             delete = self._sql.delete
-            for start in range(0, len(plan.deletes), DELETE_SLICE):
-                subjects = plan.deletes[start : start + DELETE_SLICE]
+            for start in range(0, len(deletes), DELETE_SLICE):
+                subjects = deletes[start : start + DELETE_SLICE]
                 arguments = delete.arguments(identity_id=self.identity_id, subjects=subjects)
                 await self._raw.execute(delete.text, *arguments)
             deletes = []
@@ -286,7 +286,7 @@ async def peek(raw: Any, statements: Statements, identity_id: str, known: Known 
     pending = bool(rows[0]["pending"]) if rows else False
     version = rows[0]["version"] if rows else None
     if known is not None and version == known.version:
-        return Peeked(await known.read(), pending, version, read=False)
+        return Peeked(await known.facts(), pending, version, read=False)
     fact_rows = [r for r in rows if r["subject"] is not None]
     facts = await mapped(fact_rows, partial(fact_from_row, identity_id))
     return Peeked(facts, pending, version, read=True)

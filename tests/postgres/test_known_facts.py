@@ -21,9 +21,9 @@ def _by_subject(facts: list[Fact]) -> list[Fact]:
     return sorted(facts, key=lambda f: f.subject)
 
 
-def _kept(store: PostgresStore, identity_id: str) -> list[Fact] | None:
+async def _kept(store: PostgresStore, identity_id: str) -> list[Fact] | None:
     entry = store._known.entry(identity_id)
-    return None if entry is None else _by_subject(entry.facts())
+    return None if entry is None else _by_subject(await entry.facts())
 
 
 async def test_kept_facts_equal_the_stored_ones_after_every_consolidation(pg_url: str) -> None:
@@ -56,7 +56,7 @@ async def test_kept_facts_equal_the_stored_ones_after_every_consolidation(pg_url
                 )
             await store.append(batch)
             await service.consolidate("alice")
-            kept = _kept(store, "alice")
+            kept = await _kept(store, "alice")
             assert kept is not None
             assert kept == _by_subject(await store.facts("alice"))
         assert service.stats().facts_evicted > 0  # the cap applied along the way
@@ -112,7 +112,7 @@ async def test_a_consolidation_by_another_process_is_seen(pg_url: str) -> None:
         assert not pending
         assert [f.reinforcement_count for f in facts] == [2]
         # The consolidation that follows in the first process uses what it just read.
-        assert _kept(first, "alice") == _by_subject(await second.facts("alice"))
+        assert await _kept(first, "alice") == _by_subject(await second.facts("alice"))
     finally:
         await first.close()
         await second.close()
@@ -121,9 +121,9 @@ async def test_a_consolidation_by_another_process_is_seen(pg_url: str) -> None:
 async def test_forget_drops_the_kept_facts(pg_url: str) -> None:
     store = await _consolidated(pg_url)
     try:
-        assert _kept(store, "alice") is not None
+        assert await _kept(store, "alice") is not None
         await store.forget("alice")
-        assert _kept(store, "alice") is None
+        assert await _kept(store, "alice") is None
         assert await store.peek("alice") == ([], False)
     finally:
         await store.close()
@@ -134,7 +134,7 @@ async def test_no_facts_are_kept_with_a_capacity_of_zero(pg_url: str) -> None:
     try:
         await store.append([record("called get_account")])
         await MemoryService(store, clock=lambda: NOW).consolidate("alice")
-        assert _kept(store, "alice") is None
+        assert await _kept(store, "alice") is None
         facts, _ = await store.peek("alice")
         assert [f.subject for f in facts] == ["tool_affinity:get_account"]
     finally:
@@ -237,7 +237,7 @@ async def test_a_cap_that_drops_many_facts_deletes_them_in_slices_and_keeps_the_
         expected = [f"tool_affinity:tool_{k:02}" for k in range(3, 60, 4)[:8]]
         assert [f.subject for f in stored] == expected
         assert [f.subject for f in loaded.facts] == expected
-        assert _kept(store, "alice") == stored
+        assert await _kept(store, "alice") == stored
         assert service.stats().facts_evicted == 52
         assert held and gc.isenabled() and not turns.collector_held()
     finally:

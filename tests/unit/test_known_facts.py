@@ -10,42 +10,42 @@ from coda_memory.postgres.known import Known, KnownFacts, written
 from tests.builders import NOW, fact
 
 
-def _known(version: str, count: int) -> Known:
-    return Known.of(version, [fact(f"tool_affinity:t{n}") for n in range(count)])
+async def _known(version: str, count: int) -> Known:
+    return await Known.of(version, [fact(f"tool_affinity:t{n}") for n in range(count)])
 
 
-def test_facts_are_kept_by_version_and_come_back_as_they_went_in() -> None:
+async def test_facts_are_kept_by_version_and_come_back_as_they_went_in() -> None:
     known = KnownFacts(10)
     facts = [fact("tool_affinity:a", confidence_at=NOW), fact("entity_frequency:b:1")]
-    known.put("alice", written("v1", Known.of("v0", []), facts, []))
+    known.put("alice", written("v1", await Known.of("v0", []), facts, []))
     entry = known.entry("alice")
     assert entry is not None and entry.version == "v1"
     # confidence_at comes back as stored: the anchor, also when it was None.
-    assert entry.facts() == [
+    assert await entry.facts() == [
         facts[0],
         facts[1].model_copy(update={"confidence_at": facts[1].anchor}),
     ]
-    known.put("alice", _known("v2", 3))
+    known.put("alice", await _known("v2", 3))
     assert len(known) == 3
     known.put("alice", None)
     assert known.entry("alice") is None and len(known) == 0
 
 
-def test_the_least_recently_used_identities_go_first() -> None:
+async def test_the_least_recently_used_identities_go_first() -> None:
     known = KnownFacts(5)
-    known.put("a", _known("v", 2))
-    known.put("b", _known("v", 2))
+    known.put("a", await _known("v", 2))
+    known.put("b", await _known("v", 2))
     assert known.entry("a") is not None  # a is now the most recently used
-    known.put("c", _known("v", 2))
+    known.put("c", await _known("v", 2))
     assert known.entry("b") is None
     assert known.entry("a") is not None and known.entry("c") is not None
     assert len(known) == 4
 
 
-def test_an_identity_above_the_capacity_is_not_kept() -> None:
+async def test_an_identity_above_the_capacity_is_not_kept() -> None:
     known = KnownFacts(3)
-    known.put("a", _known("v", 2))
-    known.put("b", _known("v", 4))
+    known.put("a", await _known("v", 2))
+    known.put("b", await _known("v", 4))
     assert known.entry("b") is None
     assert known.entry("a") is not None
 
@@ -55,26 +55,26 @@ def test_a_negative_capacity_is_refused() -> None:
         KnownFacts(-1)
 
 
-def test_written_applies_deletes_and_upserts() -> None:
-    stored = Known.of("v1", [fact("tool_affinity:a"), fact("tool_affinity:b")])
+async def test_written_applies_deletes_and_upserts() -> None:
+    stored = await Known.of("v1", [fact("tool_affinity:a"), fact("tool_affinity:b")])
     upsert = fact("tool_affinity:c", confidence=0.9)
-    after = written("v2", stored, [upsert], ["tool_affinity:a"]).facts()
-    assert [f.subject for f in stored.facts()] == ["tool_affinity:a", "tool_affinity:b"]
+    after = await written("v2", stored, [upsert], ["tool_affinity:a"]).facts()
+    assert [f.subject for f in await stored.facts()] == ["tool_affinity:a", "tool_affinity:b"]
     assert sorted(f.subject for f in after) == ["tool_affinity:b", "tool_affinity:c"]
     (c,) = [f for f in after if f.subject == "tool_affinity:c"]
     assert c.confidence_at == NOW and c.confidence == 0.9
 
 
-def test_kept_facts_are_out_of_the_garbage_collectors_sight() -> None:
+async def test_kept_facts_are_out_of_the_garbage_collectors_sight() -> None:
     # A full collection walks every tracked object: tens of thousands of kept facts
     # would pause the event loop. Kept as dicts of untracked values, they are not walked.
     facts = [fact(f"tool_affinity:t{n}", confidence_at=None) for n in range(50)]
     facts.append(fact("entity_frequency:account:1", ease_factor=2.5))
-    known = written("v2", Known.of("v1", facts[:10]), facts[10:], [])
+    known = written("v2", await Known.of("v1", facts[:10]), facts[10:], [])
     assert all(gc.is_tracked(f.__dict__) for f in facts)  # the models' dicts are
     assert not any(gc.is_tracked(kept) for kept in known.kept.values())
     # ... and they come back as equal models, confidence_at as stored.
-    assert known.facts() == [
+    assert await known.facts() == [
         f.model_copy(update={"confidence_at": f.anchor}) if f.confidence_at is None else f
         for f in facts
     ]

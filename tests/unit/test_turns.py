@@ -104,11 +104,17 @@ async def test_a_cancelled_load_gives_the_collector_back() -> None:
     assert gc.isenabled() and not collector_held()
 
 
+@pytest.fixture
+def now(monkeypatch: pytest.MonkeyPatch) -> list[float]:
+    """The scopes' clock, moved by hand: ``now[0]``."""
+    clock = [1000.0]
+    monkeypatch.setattr(turns._HOLDS, "clock", lambda: clock[0])
+    return clock
+
+
 def test_scopes_without_a_gap_still_collect_young_then_everything(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, now: list[float]
 ) -> None:
-    now = [1000.0]
-    monkeypatch.setattr(turns._HOLDS, "clock", lambda: now[0])
     collected: list[int] = []
     real_collect = gc.collect
 
@@ -135,11 +141,7 @@ def test_scopes_without_a_gap_still_collect_young_then_everything(
     assert collected == []
 
 
-def test_a_finalizer_that_a_scopes_collection_runs_may_open_a_scope(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    now = [1000.0]
-    monkeypatch.setattr(turns._HOLDS, "clock", lambda: now[0])
+def test_a_finalizer_that_a_scopes_collection_runs_may_open_a_scope(now: list[float]) -> None:
     opened: list[bool] = []
 
     class Cyclic:
