@@ -69,6 +69,10 @@ R = TypeVar("R")
 
 #: Above this many facts, Python work of a load runs in a worker thread (see above).
 OFFLOAD_FACTS = 300
+#: The share of ``load_timeout`` after which a load still waiting for its consolidation
+#: starts making its fallback answer from the facts at hand, so that the answer is ready
+#: when the timeout fires rather than made after it (see ``load_memory``).
+HEDGE_AT = 0.5
 #: Consolidations (and peeks) in flight at once, unless the store says otherwise.
 DEFAULT_MAX_CONSOLIDATIONS = 8
 
@@ -293,7 +297,10 @@ class MemoryService(ObservationWriter):
         When the consolidation outlives the timeout (it then finishes in the background)
         or fails, the answer is built from the facts at hand before it started, as the
         store keeps them or the peek read them (``stats().load_stale``): only the newest
-        observations are missing. Without those, the result is empty."""
+        observations are missing. Without those, the result is empty. That answer is
+        made from :data:`HEDGE_AT` of the timeout on, while the consolidation goes on, so
+        that it is ready when the timeout fires; it is dropped if the consolidation ends
+        in time."""
         self._loads += 1
         started = time.perf_counter()
         with self._telemetry.span("load_memory") as span:
@@ -305,24 +312,35 @@ class MemoryService(ObservationWriter):
         return loaded
 
     async def _answer(self, identity_id: str) -> tuple[LoadedMemory, str]:
+        loop = asyncio.get_running_loop()
+        started = loop.time()
         task: asyncio.Task[LoadedMemory] | None = None
+        fallback: asyncio.Task[LoadedMemory | None] | None = None
         try:
             task = self._loading.get(identity_id)
             if task is None or task.done():
-                task = asyncio.get_running_loop().create_task(self._load(identity_id))
+                task = loop.create_task(self._load(identity_id))
                 self._loading[identity_id] = task
                 self._background.add(task)
                 task.add_done_callback(lambda t: self._finished(identity_id, t))
-            return await asyncio.wait_for(asyncio.shield(task), self.load_timeout), "ok"
+            try:
+                hedge = self.load_timeout * HEDGE_AT
+                return await asyncio.wait_for(asyncio.shield(task), hedge), "ok"
+            except TimeoutError:
+                if task.done():  # finished as the wait gave up: its outcome is here
+                    return task.result(), "ok"
+            # Still running: the fallback answer is made now, while the consolidation
+            # goes on, so that it is ready when the timeout fires.
+            fallback = loop.create_task(self._stale_answer(identity_id))
+            remaining = max(0.0, self.load_timeout - (loop.time() - started))
+            return await asyncio.wait_for(asyncio.shield(task), remaining), "ok"
         except TimeoutError:
-            running = task is not None and not task.done()
-            finished = task is not None and not running and not task.cancelled()
+            finished = task is not None and task.done() and not task.cancelled()
             if finished and task is not None and task.exception() is None:
                 # It finished while wait_for was giving up on it (the loop ran it between
-                # the timeout and the cancellation of the wait): its answer is here, and
-                # the stale facts went with it.
+                # the timeout and the cancellation of the wait): its answer is here.
                 return task.result(), "ok"
-            loaded = await self._stale_answer(identity_id)
+            loaded = await self._fallback(fallback, identity_id)
             if loaded is not None:
                 self._log.warning(
                     "load stale",
@@ -344,7 +362,7 @@ class MemoryService(ObservationWriter):
             raise
         except Exception as error:
             self._load_errors += 1
-            loaded = await self._stale_answer(identity_id)
+            loaded = await self._fallback(fallback, identity_id)
             self._log.warning(
                 f"load failed: {type(error).__name__}",
                 "coda-memory: load_memory for %s failed (%s); %s",
@@ -356,7 +374,20 @@ class MemoryService(ObservationWriter):
             )
             if loaded is not None:
                 return loaded, "stale"
+        finally:
+            if fallback is not None and not fallback.done():
+                fallback.cancel()  # the consolidation's own answer came (or the caller left)
         return LoadedMemory.empty(), "error"
+
+    async def _fallback(
+        self, fallback: asyncio.Task[LoadedMemory | None] | None, identity_id: str
+    ) -> LoadedMemory | None:
+        """The answer from the facts at hand: the one started at the hedge, else made now;
+        counted in ``load_stale`` when there is one."""
+        loaded = await (fallback if fallback is not None else self._stale_answer(identity_id))
+        if loaded is not None:
+            self._load_stale += 1
+        return loaded
 
     async def _stale_answer(self, identity_id: str) -> LoadedMemory | None:
         """The answer of a load that did not get its consolidation's, from the facts at
@@ -382,7 +413,6 @@ class MemoryService(ObservationWriter):
             stale = await self._kept_facts(identity_id)
         if not stale:
             return None
-        self._load_stale += 1
         return await self._loaded_as_of_last_consolidation(stale)
 
     async def _load(self, identity_id: str) -> LoadedMemory:

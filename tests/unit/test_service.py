@@ -474,3 +474,62 @@ async def test_a_failing_load_whose_kept_facts_fail_too_still_returns_empty() ->
     finally:
         store.failing = False
         await service.close()
+
+
+class TimedKeepingStore(KeepingStore):
+    """A keeping store that notes, on the loop's clock, when its kept facts are read, and
+    can open its gate as it reads them (while the gate is shut the peek waits, so a
+    late load's answer comes from the kept facts)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.kept_read_at: list[float] = []
+        self.release_on_kept_read = False
+
+    async def kept_facts(self, identity_id: str) -> list[Fact]:
+        self.kept_read_at.append(asyncio.get_running_loop().time())
+        if self.release_on_kept_read:
+            self.gate.set()
+        return await super().kept_facts(identity_id)
+
+
+@pytest.fixture
+async def timed() -> AsyncIterator[tuple[MemoryService, TimedKeepingStore]]:
+    store = TimedKeepingStore()
+    service = MemoryService(store, clock=FakeClock(), load_timeout=0.2)
+    service.emit_observation("u1", tool_ok("old"))
+    await service.drain()
+    await service.consolidate("u1")
+    service.emit_observation("u1", tool_ok("new"))
+    await service.drain()
+    store.gate.clear()
+    yield service, store
+    store.gate.set()
+    await service.close()
+
+
+async def test_a_late_load_makes_its_fallback_before_the_timeout_fires(
+    timed: tuple[MemoryService, TimedKeepingStore],
+) -> None:
+    """The answer from the facts at hand is made while the consolidation still runs, so
+    the load returns at its timeout instead of the timeout plus the making."""
+    service, store = timed
+    started = asyncio.get_running_loop().time()
+    memory = await service.load_memory("u1")
+    assert [f.subject for f in memory.facts] == ["tool_affinity:old"]
+    (read_at,) = store.kept_read_at
+    assert read_at - started < service.load_timeout
+    assert (service.stats().load_stale, service.stats().load_timeouts) == (1, 0)
+
+
+async def test_a_load_whose_consolidation_ends_after_the_hedge_answers_with_it(
+    timed: tuple[MemoryService, TimedKeepingStore],
+) -> None:
+    """The consolidation ends after the fallback was started but within the timeout: the
+    load answers with the consolidation's facts, and counts nothing stale."""
+    service, store = timed
+    store.release_on_kept_read = True
+    memory = await service.load_memory("u1")
+    assert [f.subject for f in memory.facts] == ["tool_affinity:new", "tool_affinity:old"]
+    assert store.kept_read_at  # the fallback was started
+    assert (service.stats().load_stale, service.stats().load_timeouts) == (0, 0)
