@@ -5,8 +5,8 @@ months, so every append also folds the rows it stored into a rollup, in the same
 transaction: the counts can never disagree with what was stored, and a refused row (see
 ``append``) is never counted because the rollup reads the rows back from the table.
 When a rollup table is locked, the append owes the rollup instead, and a later
-transaction folds it by running the same statements on the owed transaction's rows (by
-its ``xid``): :mod:`.rollup_owed`. Until then the counts lag by those rows.
+transaction folds it by running the same statements on the owed transactions' rows (by
+their ``xid``): :mod:`.rollup_owed`. Until then the counts lag by those rows.
 
 Design
 ------
@@ -79,6 +79,7 @@ from sqlalchemy import (
     func,
     literal,
     select,
+    true,
     union_all,
 )
 from sqlalchemy.dialects.postgresql import ARRAY, insert
@@ -146,38 +147,48 @@ def _stored(
     ids: Sequence[int] | None = None,
     *,
     owed: bool = False,
+    extra: dict[str, ColumnElement[Any]] | None = None,
     **keys: Any,
 ) -> Select[Any]:
     """This transaction's observations of ``types`` whose ``keys`` are usable (every
-    stored one when ``identities`` is None: a rebuild); with ``owed``, those of the
-    earlier transaction given by the ``xid`` parameter, whose rollup was owed.
+    stored one when ``identities`` is None: a rebuild), with the ``extra`` columns too;
+    with ``owed``, those of earlier transactions whose rollup was owed, given as pairs by
+    the ``identities`` and ``xids`` parameters.
 
     A row refused by the server was never written, so it cannot be read back here;
     ``(identity_id, xid)`` is indexed, and subtransactions write the top-level xid.
     """
     o = observations
-    xid = bindparam("xid", 0, Xid8()) if owed else func.pg_current_xact_id()
-    batch = (
-        []
-        if identities is None
-        else [
-            o.c.identity_id == any_(bindparam("identities", list(identities), ARRAY(Text))),
-            o.c.xid == xid,
-        ]
-    )
-    if ids is not None:
-        # Part of the transaction's rows only: a part of a batch being bisected.
-        batch.append(o.c.id == any_(bindparam("ids", list(ids), ARRAY(BigInteger))))
-    return select(
+    columns = [
         o.c.identity_id,
         o.c.type,
         _utc_day(o.c.created_at).label("day"),
         *(value.label(name) for name, value in keys.items()),
-    ).where(
-        *batch,
-        o.c.type.in_(list(types)),
-        *(_is_key(value) for value in keys.values()),
-    )
+        *(value.label(name) for name, value in (extra or {}).items()),
+    ]
+    usable = [o.c.type.in_(list(types)), *(_is_key(value) for value in keys.values())]
+    if identities is not None and owed:
+        # The owed records being folded, as (identity_id, xid) pairs: of each owed
+        # transaction only the identities whose records this folding claimed (another
+        # folding may hold the others). Each pair's rows are read by a lateral subquery,
+        # one index probe per pair: as a plain join the planner, which cannot estimate
+        # the key filters, may pick a nested loop over a scan of the whole table (OFFSET
+        # 0 keeps the subquery from being flattened into such a join).
+        named = bindparam("identities", list(identities), ARRAY(Text))
+        xids = bindparam("xids", [], ARRAY(Xid8()))
+        pairs = func.unnest(named, xids).table_valued("identity_id", "xid")
+        pairs = pairs.render_derived(name="owed")
+        of_pair = [o.c.identity_id == pairs.c.identity_id, o.c.xid == pairs.c.xid]
+        rows = select(*columns).where(*of_pair, *usable).offset(0).lateral("owed_rows")
+        return select(*rows.c).select_from(pairs.join(rows, true()))
+    batch: list[ColumnElement[bool]] = []
+    if identities is not None:
+        named = bindparam("identities", list(identities), ARRAY(Text))
+        batch += [o.c.identity_id == any_(named), o.c.xid == func.pg_current_xact_id()]
+    if ids is not None:
+        # Part of the transaction's rows only: a part of a batch being bisected.
+        batch.append(o.c.id == any_(bindparam("ids", list(ids), ARRAY(BigInteger))))
+    return select(*columns).where(*batch, *usable)
 
 
 def _move_latest_day(stored: CTE, users: Table, keys: Sequence[str]) -> CTE:
@@ -248,21 +259,18 @@ def tool_rollup(
     owed: bool = False,
 ) -> Insert:
     """Fold this transaction's tool observations into the tool rollup (``owed``: those
-    of the transaction given by the ``xid`` parameter)."""
+    of the owed records given by the ``identities`` and ``xids`` parameters)."""
     metadata = observations.c.metadata
     duration = _duration_ms(metadata["durationMs"])
     # The batch as stored, read once and shared by the three writes below.
-    stored = (
-        _stored(
-            identities,
-            [t.value for t in TOOL_TYPES],
-            ids,
-            owed=owed,
-            tool_name=metadata["toolName"].astext,
-        )
-        .add_columns(duration_bucket(duration).label("bucket"))
-        .cte("stored")
-    )
+    stored = _stored(
+        identities,
+        [t.value for t in TOOL_TYPES],
+        ids,
+        owed=owed,
+        extra={"bucket": duration_bucket(duration)},
+        tool_name=metadata["toolName"].astext,
+    ).cte("stored")
     # Calls per day: the anonymous counts.
     calls = select(
         stored.c.day,

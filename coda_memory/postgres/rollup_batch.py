@@ -27,10 +27,12 @@ class _Compiled:
     names: tuple[str, ...]
     values: dict[str, Any]
 
-    def arguments(self, identities: list[str], shard: int, xid: int | None = None) -> list[Any]:
+    def arguments(
+        self, identities: list[str], shard: int, xids: list[int] | None = None
+    ) -> list[Any]:
         given: dict[str, Any] = {"identities": identities, "shard": shard}
-        if xid is not None:
-            given["xid"] = xid
+        if xids is not None:
+            given["xids"] = xids
         return [given[n] if n in given else self.values[n] for n in self.names]
 
 
@@ -84,18 +86,20 @@ def owed_statements(schema: str) -> tuple[_Compiled, _Compiled, _Compiled]:
     )
 
 
+#: The kinds of rollup in the order every writer (and ``forget``) takes their tables.
+_KINDS = (KIND_TOOLS, KIND_ENTITIES, KIND_DOMAINS)
+
+
 async def _run(
     driver: Any,
     statements: tuple[_Compiled, _Compiled, _Compiled],
     kinds: int,
     identities: list[str],
     shard: int,
-    xid: int | None = None,
 ) -> None:
-    # Tools, entities, domains: the order every writer (and forget) follows.
-    for kind, statement in zip((KIND_TOOLS, KIND_ENTITIES, KIND_DOMAINS), statements, strict=True):
+    for kind, statement in zip(_KINDS, statements, strict=True):
         if kinds & kind:
-            await driver.execute(statement.sql, *statement.arguments(identities, shard, xid))
+            await driver.execute(statement.sql, *statement.arguments(identities, shard))
 
 
 async def write_rollup(
@@ -109,12 +113,18 @@ async def write_rollup(
 
 
 async def fold_rollup(
-    driver: Any, schema: str, shard: int, xid: int, identities: list[str], kinds: int
+    driver: Any, schema: str, shard: int, owed: Sequence[tuple[str, int, int]]
 ) -> None:
-    """Fold the rows that transaction ``xid`` stored for ``identities`` into the
-    ``kinds`` of rollup it owed (the transaction must be allowed to read them: see
-    :mod:`.rollup_owed`)."""
-    await _run(driver, owed_statements(schema), kinds, identities, shard, xid)
+    """Fold the rows of the owed records given as (identity_id, xid, kinds), of one or
+    many earlier transactions, into the kinds of rollup each owes: one statement per kind,
+    for every record that owes it (the transaction must be allowed to read those rows:
+    see :mod:`.rollup_owed`)."""
+    for kind, statement in zip(_KINDS, owed_statements(schema), strict=True):
+        pairs = [(identity_id, xid) for identity_id, xid, kinds in owed if kinds & kind]
+        if pairs:
+            identities = [identity_id for identity_id, _ in pairs]
+            xids = [xid for _, xid in pairs]
+            await driver.execute(statement.sql, *statement.arguments(identities, shard, xids))
 
 
 async def write_rollup_part(

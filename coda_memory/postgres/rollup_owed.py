@@ -10,22 +10,26 @@ granted in time (``lock_not_available``) or a deadlock picks the append
 rolled back and the transaction records instead that it owes the rollup: one row of
 ``rollup_owed`` per identity of the batch, with the transaction's id (``xid``) and the
 kinds of rollup (tools, entities, domains). The rollup statements read back "this
-transaction's rows" by ``(identity_id, xid)``, so the same statements, given that id,
-fold the owed rows later. The observations, the owed record and the batch's idempotency
-key commit together: nothing is lost, and a retry of the batch finds the key and stores
-(and owes) nothing again.
+transaction's rows" by ``(identity_id, xid)``, so the same statements, given the owed
+``(identity_id, xid)`` pairs instead, fold the owed rows later. The observations, the
+owed record and the batch's idempotency key commit together: nothing is lost, and a retry
+of the batch finds the key and stores (and owes) nothing again.
 
 Paying: an append whose own rollup went through folds owed records when its store knows
 it recorded one (:class:`RollupDebt`), and on every :data:`FOLD_EVERY`-th append anyway,
 for records of other processes (or of one that stopped). :func:`fold_owed` claims up to
 :data:`FOLD_ROWS` records with ``FOR UPDATE SKIP LOCKED`` (concurrent writers take
-different records, never the same twice), and folds each owed transaction in a savepoint
-of its own, deleting its records in the same savepoint: a record is folded exactly once,
-when the transaction that deletes it commits. The whole folding runs under
+different records, never the same twice), and folds them all at once in a savepoint,
+deleting them in the same savepoint: one statement per kind of rollup and one delete,
+whatever the number of owed transactions (a 10 s lock leaves hundreds). A record is
+folded exactly once, when the transaction that deletes it commits. When that folding
+meets an error other than a lock, each owed transaction is folded in a savepoint of its
+own, so that one cannot hold the others back. The whole folding runs under
 :data:`ROLLUP_LOCK_TIMEOUT`: while the tables stay locked the records stay, and the
-append goes on. Reading another transaction's observations needs the writer policy
-``writer_owed_read`` (migration 0006), which allows the rows of the transaction named by
-the ``coda_memory.rollup_xid`` setting; the folding sets it for its own subtransaction.
+append goes on. Reading other transactions' observations needs the writer policy
+``writer_owed_read`` (migration 0006; 0008 lets it name several), which allows the rows
+of the transactions listed, comma-separated, in the ``coda_memory.rollup_xid`` setting;
+the folding sets it for its own subtransaction.
 
 Until folded, the analytics lag by the owed rows (``coda-memory prune`` folds first, and
 never deletes an observation whose rollup is owed). ``forget`` deletes the identity's
@@ -80,7 +84,8 @@ FOLD_ROWS = 1_000
 
 #: lock_not_available (lock_timeout) and deadlock_detected: the rollup is owed.
 _DEFERRABLE = frozenset({"55P03", "40P01"})
-_SET_XID = f"SELECT set_config('{ROLLUP_XID_SETTING}', $1, true)"
+#: Names the owed transactions whose rows the folding may read (comma-separated xids).
+_SET_XIDS = f"SELECT set_config('{ROLLUP_XID_SETTING}', $1, true)"
 
 #: The tables each kind of rollup writes, in the order its statement locks them.
 _KIND_TABLES = (
@@ -151,9 +156,10 @@ class Folded:
 
 async def fold_owed(driver: Any, schema: str, shard: int, *, limit: int = FOLD_ROWS) -> Folded:
     """Fold up to ``limit`` owed records into the rollup, in the caller's transaction
-    (the writer's, or the owner's across identities), each owed transaction under a
-    savepoint of its own; every lock wait is bounded by :data:`ROLLUP_LOCK_TIMEOUT`.
-    Records whose folding meets a lock or an error stay. Connection errors propagate."""
+    (the writer's, or the owner's across identities): all of them in one savepoint, and
+    when that meets an error other than a lock, each owed transaction in a savepoint of
+    its own. Every lock wait is bounded by :data:`ROLLUP_LOCK_TIMEOUT`. Records whose
+    folding meets a lock or an error stay. Connection errors propagate."""
     await driver.execute(short_locks("coda_owed", ROLLUP_LOCK_TIMEOUT))
     try:
         claim = query("rollup_owed_claim", schema)
@@ -164,35 +170,58 @@ async def fold_owed(driver: Any, schema: str, shard: int, *, limit: int = FOLD_R
         await driver.execute(undo_savepoint("coda_owed"))
         _log.warning("rollup owed", "coda-memory: owed rollups not folded: %s", _first_line(exc))
         return Folded(0, 0, blocked=True, full=False)
-    owed: dict[int, tuple[list[str], int]] = {}
-    for row in rows:
-        identities, kinds = owed.get(row["xid"], ([], 0))
-        owed[row["xid"]] = ([*identities, row["identity_id"]], kinds | row["kinds"])
-    paid = query("rollup_owed_paid", schema)
+    records = [(row["identity_id"], row["xid"], row["kinds"]) for row in rows]
+    by_xid: dict[int, list[tuple[str, int, int]]] = {}
+    for record in records:
+        by_xid.setdefault(record[1], []).append(record)
     folded, blocked = 0, False
-    for xid, (identities, kinds) in owed.items():
-        try:
-            await driver.execute("SAVEPOINT coda_owed_one")
-            await driver.execute(_SET_XID, str(xid))
-            await fold_rollup(driver, schema, shard, xid, identities, kinds)
-            await driver.execute(paid.text, *paid.arguments(xid=xid, identities=identities))
-            await driver.execute("RELEASE SAVEPOINT coda_owed_one")
-            folded += 1
-        except Exception as exc:
-            if sqlstate(exc) is None:
-                raise
-            await driver.execute(undo_savepoint("coda_owed_one"))
-            blocked = True
-            _log.warning(
-                "rollup owed", "coda-memory: owed rollups not folded: %s", _first_line(exc)
-            )
-            if sqlstate(exc) in _DEFERRABLE:
-                break  # still locked: the rest waits for a later append
+    if records:
+        failure = await _fold(driver, schema, shard, records)
+        if failure is None:
+            folded = len(by_xid)
+        elif failure in _DEFERRABLE:
+            blocked = True  # still locked: every record waits for a later append
+        else:
+            # One owed transaction's rows may be what fails: fold the others without it.
+            for owed in by_xid.values():
+                failure = await _fold(driver, schema, shard, owed)
+                if failure is None:
+                    folded += 1
+                    continue
+                blocked = True
+                if failure in _DEFERRABLE:
+                    break
     await driver.execute(
         f"{RESTORE_LOCK_TIMEOUT}, set_config('{ROLLUP_XID_SETTING}', '', true); "
         "RELEASE SAVEPOINT coda_owed"
     )
     return Folded(folded, len(rows), blocked=blocked, full=len(rows) >= limit)
+
+
+async def _fold(
+    driver: Any, schema: str, shard: int, owed: list[tuple[str, int, int]]
+) -> str | None:
+    """Fold the owed records given as (identity_id, xid, kinds) and delete them, in a
+    savepoint; None when done, else the SQLSTATE that undid it (the records stay).
+    Connection errors propagate."""
+    try:
+        await driver.execute("SAVEPOINT coda_owed_fold")
+        xids = sorted({xid for _, xid, _ in owed})
+        await driver.execute(_SET_XIDS, ",".join(map(str, xids)))
+        await fold_rollup(driver, schema, shard, owed)
+        paid = query("rollup_owed_paid", schema)
+        identities = [identity_id for identity_id, _, _ in owed]
+        paid_xids = [xid for _, xid, _ in owed]
+        await driver.execute(paid.text, *paid.arguments(identities=identities, xids=paid_xids))
+        await driver.execute("RELEASE SAVEPOINT coda_owed_fold")
+        return None
+    except Exception as exc:
+        state = sqlstate(exc)
+        if state is None:
+            raise
+        await driver.execute(undo_savepoint("coda_owed_fold"))
+        _log.warning("rollup owed", "coda-memory: owed rollups not folded: %s", _first_line(exc))
+        return state
 
 
 def _first_line(exc: BaseException) -> str:

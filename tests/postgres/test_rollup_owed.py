@@ -241,5 +241,27 @@ async def test_concurrent_folders_fold_each_record_once(pg_url: str) -> None:
             await store.close()
 
 
+async def test_a_folding_counts_the_records_it_claimed_and_no_other_of_their_transactions(
+    pg_url: str,
+) -> None:
+    """Two owed transactions of the same two identities, folded three records at a time:
+    the first folding takes one transaction whole and half of the other, and must not
+    count the rows of the record it did not claim (the second folding counts them)."""
+    store = writer(pg_url)
+    try:
+        async with locked(pg_url, "tool_daily"):
+            for n in range(2):
+                await timed_append(
+                    store, [call("ana", f"t{n}", True, D1), call("ben", "t", True, D1)]
+                )
+        assert len(await owed(pg_url)) == 4
+        # Transactions folded: two in the first folding (one of them in part), one after.
+        assert await maintenance.fold_owed_rollups(store, batch_size=3) == 3
+        assert await owed(pg_url) == []
+        assert await rollup(store) == await rebuilt(store)
+    finally:
+        await store.close()
+
+
 def test_the_rollup_lock_timeout_is_short() -> None:
     assert ROLLUP_LOCK_TIMEOUT < WRITER_LOCK_TIMEOUT / 10

@@ -8,6 +8,7 @@ role with the ``role`` server setting, as ``SET ROLE`` would.
 
 from __future__ import annotations
 
+import logging
 import secrets
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -207,7 +208,9 @@ async def test_the_service_as_the_app_role_forgets_one_identity(tenancy: Tenancy
         await store.close()
 
 
-async def test_the_app_role_owes_the_rollup_under_a_lock_and_folds_it(tenancy: Tenancy) -> None:
+async def test_the_app_role_owes_the_rollup_under_a_lock_and_folds_it(
+    tenancy: Tenancy, caplog: pytest.LogCaptureFixture
+) -> None:
     store = PostgresStore.from_url(tenancy.url, schema=SCHEMA, **tenancy.as_role(tenancy.app))
     owner = await tenancy.connect(tenancy.owner, **ALL_IDENTITIES)
     try:
@@ -215,13 +218,17 @@ async def test_the_app_role_owes_the_rollup_under_a_lock_and_folds_it(tenancy: T
             await owner.execute(f"LOCK TABLE {SCHEMA}.tool_daily IN ACCESS EXCLUSIVE MODE")
             outcome = await store.append([call("alice", "t", True, D1), call("bob", "t", True, D1)])
             assert outcome.stored == 2
-        owed = f"SELECT identity_id FROM {SCHEMA}.rollup_owed ORDER BY 1"
-        assert [r["identity_id"] for r in await owner.fetch(owed)] == ["alice", "bob"]
-        # The next append folds them: the writer reads the owed transaction's rows.
-        await store.append([call("alice", "t", False, D1)])
+            await store.append([call("bob", "t", True, D1)])
+        owed = f"SELECT identity_id, count(*) FROM {SCHEMA}.rollup_owed GROUP BY 1 ORDER BY 1"
+        assert [tuple(r) for r in await owner.fetch(owed)] == [("alice", 1), ("bob", 2)]
+        # The next append folds them: the writer reads both owed transactions' rows, in
+        # one folding (one that fails would be logged, then retried one by one).
+        with caplog.at_level(logging.WARNING, "coda_memory"):
+            await store.append([call("alice", "t", False, D1)])
+        assert "not folded" not in caplog.text
         assert await owner.fetch(owed) == []
         counts = f"SELECT sum(successes), sum(failures), sum(latest_users) FROM {SCHEMA}.tool_daily"
-        assert tuple(await owner.fetchrow(counts)) == (2, 1, 2)
+        assert tuple(await owner.fetchrow(counts)) == (3, 1, 2)
     finally:
         await owner.close()
         await store.close()

@@ -1,5 +1,7 @@
--- The records of one owed transaction whose rollup was just folded, in the same
--- (sub)transaction as the folding.
+-- The owed records whose rollup was just folded, given as (identity_id, xid) pairs, in
+-- the same (sub)transaction as the folding.
 DELETE FROM {schema}.rollup_owed
-WHERE xid = CAST(:xid AS xid8)
-    AND identity_id = ANY(CAST(:identities AS text[]))
+WHERE (identity_id, xid) IN (
+    SELECT identity_id, xid
+    FROM unnest(CAST(:identities AS text[]), CAST(:xids AS xid8[])) AS paid (identity_id, xid)
+)
