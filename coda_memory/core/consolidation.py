@@ -62,6 +62,10 @@ class ConsolidationInput:
     #: Reinforcing events (created/reinforced/extended) of the sessions in ``observations``,
     #: from earlier runs: they stop a session from reinforcing a fact twice.
     session_events: list[FactEvent]
+    #: True when ``facts`` were built for this consolidation and nothing else holds them
+    #: (the Postgres unit's): the plan then turns the facts it leaves unchanged into
+    #: their views in place, a copy fewer per fact. Never for facts a store keeps.
+    facts_owned: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -297,10 +301,25 @@ def _pair_rank(pair: tuple[Fact, float]) -> tuple[float, str]:
     return score_key(pair[1], pair[0])
 
 
-def _views(alive: list[tuple[Fact, float]], now: datetime) -> list[Fact]:
-    """Views of ``alive`` at ``now``, sorted by subject."""
-    with gc_paused():
-        views = [with_confidence(fact, confidence, now) for fact, confidence in alive]
+def _views(
+    alive: list[tuple[Fact, float]], now: datetime, owned: dict[str, Fact] | None = None
+) -> list[Fact]:
+    """Views of ``alive`` at ``now``, sorted by subject. The facts of ``owned`` (by
+    subject; nothing else may hold them) become their views in place."""
+    if owned is None:
+        with gc_paused():
+            views = [with_confidence(fact, confidence, now) for fact, confidence in alive]
+    else:
+        views = []
+        with gc_paused():
+            for fact, confidence in alive:
+                if owned.get(fact.subject) is fact:
+                    values = fact.__dict__
+                    values["confidence"] = confidence
+                    values["confidence_at"] = now
+                    views.append(fact)
+                else:
+                    views.append(with_confidence(fact, confidence, now))
     views.sort(key=_subject)
     return views
 
@@ -350,7 +369,9 @@ def plan_consolidation(
     # The cap: the best ranked facts stay, the others are deleted (no history event: they
     # did not expire, and a new observation starts them again like an expired fact).
     kept_pairs, dropped = _best(alive, max_facts)
-    active = _views(kept_pairs, now)
+    # Stored facts the run did not change, when nothing but this plan holds them.
+    owned = stored if batch.facts_owned else None
+    active = _views(kept_pairs, now, owned)
     evicted_subjects = sorted(fact.subject for fact, _ in dropped)
     deletes.extend(s for s in evicted_subjects if s in stored)
     deletes.sort()

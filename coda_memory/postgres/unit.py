@@ -229,7 +229,10 @@ class PostgresConsolidationUnit:
                 event_from_row(identity_id, r)
                 for r in await self._raw.fetch(earlier.text, *arguments)
             ]
-        return ConsolidationInput(observations=observations, facts=stored, session_events=events)
+        # The facts are new models (the kept ones are dicts): the plan may make them views.
+        return ConsolidationInput(
+            observations=observations, facts=stored, session_events=events, facts_owned=True
+        )
 
     async def write(self, plan: ConsolidationPlan) -> None:
         self._check_open()

@@ -216,3 +216,33 @@ def _get_account_called(at: datetime) -> Observation:
         session_id="s1",
         created_at=at,
     )
+
+
+@settings(max_examples=100, deadline=None)
+@given(history=histories(), cut=st.integers(0, 30), later=st.integers(0, 60 * 24 * 30))
+def test_a_plan_over_owned_facts_is_the_plan_over_shared_ones(
+    history: list[Observation], cut: int, later: int
+) -> None:
+    """Facts the plan may turn into views in place (``facts_owned``) give the same plan as
+    facts it must copy; and facts it must copy are left as they were."""
+    decay = ExponentialDecay()
+    ledger = Ledger()
+    cut = min(cut, len(history))
+    ledger.run(history[:cut], history[max(cut - 1, 0)].created_at, decay)
+    rest = history[cut:]
+    now = history[-1].created_at + timedelta(minutes=later)
+
+    def batch(owned: bool) -> ConsolidationInput:
+        facts = [f.model_copy() for f in ledger.facts.values()]
+        return ConsolidationInput(
+            observations=rest, facts=facts, session_events=list(ledger.events), facts_owned=owned
+        )
+
+    shared = batch(False)
+    before = [f.model_dump() for f in shared.facts]
+    copied = plan_consolidation("u", shared, now, decay)
+    assert [f.model_dump() for f in shared.facts] == before
+    in_place = plan_consolidation("u", batch(True), now, decay)
+    assert in_place == copied
+    # What is written stays in stored form: the anchor's confidence, not now's.
+    assert [f.model_dump() for f in in_place.upserts] == [f.model_dump() for f in copied.upserts]
