@@ -467,6 +467,8 @@ class MemoryService(ObservationWriter):
 
     def stats(self) -> MemoryStats:
         """Counts of observations emitted, stored, rejected, dropped and pending."""
+        # The store's counts of what its appends did around locks (Postgres only).
+        ingest = getattr(self.store, "ingest_counts", None)
         return MemoryStats(
             emitted=self._emitted,
             stored=self._stored,
@@ -482,6 +484,9 @@ class MemoryService(ObservationWriter):
             facts_capped=self._facts_cap.applied,
             facts_evicted=self._facts_cap.dropped,
             entity_results_capped=emitters.ENTITY_CAP.applied,
+            rollups_owed=getattr(ingest, "rollups_owed", 0),
+            rollups_folded=getattr(ingest, "rollups_folded", 0),
+            keys_spilled=getattr(ingest, "keys_spilled", 0),
         )
 
     async def close(self, timeout: float | None = 30.0) -> None:

@@ -40,3 +40,10 @@ class MemoryStats(BaseModel):
     facts_evicted: int = 0
     #: Tool results (in this process) whose entities were cut to ``max_entities``.
     entity_results_capped: int = 0
+    #: Postgres store: appends that stored their rows but owed their rollup (a rollup
+    #: table was locked); owed transactions this service's appends folded in later (any
+    #: process's: the analytics lag by the difference until it is paid); appends whose
+    #: idempotency key went to ``ingest_batches_spill`` (``ingest_batches`` was locked).
+    rollups_owed: int = 0
+    rollups_folded: int = 0
+    keys_spilled: int = 0

@@ -41,6 +41,10 @@ _COUNTERS = {
     "loads": ("coda_memory.loads", "load_memory calls"),
     "load_timeouts": ("coda_memory.load_timeouts", "load_memory calls that timed out"),
     "load_errors": ("coda_memory.load_errors", "load_memory calls that failed"),
+    "load_stale": ("coda_memory.load_stale", "load_memory calls answered from facts at hand"),
+    "rollups_owed": ("coda_memory.rollups.owed", "Appends that owed their rollup (lock)"),
+    "rollups_folded": ("coda_memory.rollups.folded", "Owed rollups folded in by appends"),
+    "keys_spilled": ("coda_memory.keys.spilled", "Batch keys recorded in the spill table"),
 }
 
 

@@ -138,6 +138,19 @@ async def _bisect(
     return []
 
 
+@dataclass(slots=True)
+class IngestCounts:
+    """What a store's appends did around locks, since the store was made (reported in
+    ``MemoryService.stats()``)."""
+
+    #: Appends whose rollup was owed (a rollup table was locked).
+    rollups_owed: int = 0
+    #: Owed transactions whose rollup an append of this store folded in.
+    rollups_folded: int = 0
+    #: Appends whose key went to ``ingest_batches_spill`` (``ingest_batches`` was locked).
+    keys_spilled: int = 0
+
+
 @dataclass(frozen=True, slots=True)
 class _Stored:
     outcome: AppendOutcome
@@ -145,6 +158,8 @@ class _Stored:
     shard: int
     #: The rollup of the stored rows is owed (a rollup table was locked).
     owed: bool = False
+    #: The key went to the spill table.
+    spilled: bool = False
 
 
 async def _store(
@@ -164,11 +179,12 @@ async def _store(
     claimed = await batch_keys.claim(conn, schema, key, expected, first_attempt)
     if claimed.earlier is not None:
         return _Stored(claimed.earlier, claimed.shard)
+    spilled = claimed.tables == (batch_keys.SPILL,)
     try:
         # The common case: one statement for the rows, then their rollup.
         await _insert(driver, schema, rows)
         owed = await rollup_or_owe(driver, schema, claimed.shard, _pairs(rows))
-        return _Stored(expected, claimed.shard, owed)
+        return _Stored(expected, claimed.shard, owed, spilled)
     except Exception as exc:
         if not _is_row_error(exc):
             raise
@@ -181,7 +197,7 @@ async def _store(
     refused = sorted([*refused, *await _bisect(conn, driver, schema, claimed.shard, rows)])
     outcome = AppendOutcome(stored=total - len(refused), refused=refused)
     await batch_keys.record(conn, schema, key, claimed, outcome)
-    return _Stored(outcome, claimed.shard)
+    return _Stored(outcome, claimed.shard, spilled=claimed.tables == (batch_keys.SPILL,))
 
 
 async def append_observations(
@@ -193,6 +209,7 @@ async def append_observations(
     expire_keys: bool = False,
     debt: RollupDebt | None = None,
     first_attempt: bool = False,
+    counts: IngestCounts | None = None,
 ) -> AppendOutcome:
     """Store ``records`` through ``conn``'s driver connection (asyncpg), in ``schema``,
     with their rollup and the batch's idempotency ``key``, and commit; a batch whose key
@@ -200,7 +217,8 @@ async def append_observations(
     batches stored more than a day ago. ``debt``: the caller's record of owed rollups;
     when it says so, the append also folds owed rollups (none without it).
     ``first_attempt``: no earlier attempt of the batch can have been stored, so the key
-    may be recorded without looking for it (see :mod:`~coda_memory.postgres.batch_keys`)."""
+    may be recorded without looking for it (see :mod:`~coda_memory.postgres.batch_keys`).
+    ``counts``: where a committed append counts what it owed, folded or spilled."""
     rows, refused = _encode(records)
     if not rows:
         return AppendOutcome(stored=0, refused=refused)
@@ -222,4 +240,8 @@ async def append_observations(
         raise
     if debt is not None:
         debt.committed(stored.owed, folded)
+    if counts is not None:
+        counts.rollups_owed += stored.owed
+        counts.rollups_folded += 0 if folded is None else folded.transactions
+        counts.keys_spilled += stored.spilled
     return stored.outcome

@@ -73,7 +73,7 @@ from coda_memory.ports import (
     AppendOutcome,
     ObservationRecord,
 )
-from coda_memory.postgres.append import append_observations
+from coda_memory.postgres.append import IngestCounts, append_observations
 from coda_memory.postgres.connection import (
     driver_transaction,
     is_connection_error,
@@ -193,6 +193,8 @@ class PostgresStore:
         self._appends = 0
         # When the appends fold rollups owed under a lock (see ``rollup_owed``).
         self.rollup_debt = RollupDebt()
+        #: What the appends did around locks (``MemoryService.stats()`` reports it).
+        self.ingest_counts = IngestCounts()
 
     @classmethod
     def from_url(
@@ -295,6 +297,7 @@ class PostgresStore:
                 expire_keys=expire,
                 debt=self.rollup_debt,
                 first_attempt=first and attempts == 1,
+                counts=self.ingest_counts,
             )
 
         try:

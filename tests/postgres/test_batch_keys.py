@@ -53,10 +53,12 @@ async def test_a_first_attempt_goes_on_while_ingest_batches_is_locked(
         assert outcome.stored == 2
     assert await keys(pg_url, "ingest_batches_spill", key) == 1
     assert await keys(pg_url, "ingest_batches", key) == 0
+    assert store.ingest_counts.keys_spilled == 1
     # Its retry (the acknowledgement was lost) finds the key there: nothing stored twice.
     again = await store.append([record("a"), record("b")], batch_key=key)
     assert again == outcome
     assert await observations(pg_url) == 2
+    assert store.ingest_counts.keys_spilled == 1
 
 
 async def test_a_first_attempt_records_its_key_in_ingest_batches_when_it_can(
@@ -67,6 +69,7 @@ async def test_a_first_attempt_records_its_key_in_ingest_batches_when_it_can(
         assert (await store.append([record("a")], batch_key=key, first_attempt=True)).stored == 1
     assert await keys(pg_url, "ingest_batches", key) == 1
     assert await keys(pg_url, "ingest_batches_spill", key) == 0
+    assert store.ingest_counts.keys_spilled == 0
     assert (await store.append([record("a")], batch_key=key)).stored == 1
     assert await observations(pg_url) == 1
 

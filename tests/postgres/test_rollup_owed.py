@@ -11,10 +11,12 @@ from typing import Any
 
 import pytest
 
+from coda_memory import MemoryService
 from coda_memory.ports import ObservationRecord
 from coda_memory.postgres import PostgresStore, maintenance
 from coda_memory.postgres.analytics import rebuild_rollups
 from coda_memory.postgres.rollup_owed import ROLLUP_LOCK_TIMEOUT
+from tests.helpers import FakeClock, tool_ok
 from tests.postgres.helpers import consolidate, fetch, locked
 from tests.postgres.test_analytics import (
     D1,
@@ -261,6 +263,25 @@ async def test_a_folding_counts_the_records_it_claimed_and_no_other_of_their_tra
         assert await rollup(store) == await rebuilt(store)
     finally:
         await store.close()
+
+
+async def test_the_service_counts_what_its_appends_owed_and_folded(pg_url: str) -> None:
+    service = MemoryService(writer(pg_url), clock=FakeClock(LATER))
+    try:
+        async with locked(pg_url, "tool_daily"):
+            service.emit_observation("ana", tool_ok("t"))
+            await service.drain()
+            service.emit_observation("ben", tool_ok("t"))
+            await service.drain()
+            stats = service.stats()
+            assert (stats.rollups_owed, stats.rollups_folded, stats.keys_spilled) == (2, 0, 0)
+        service.emit_observation("cy", tool_ok("t"))
+        await service.drain()
+        stats = service.stats()
+        assert (stats.rollups_owed, stats.rollups_folded) == (2, 2)
+        assert await owed(pg_url) == []
+    finally:
+        await service.close()
 
 
 def test_the_rollup_lock_timeout_is_short() -> None:
