@@ -5,6 +5,7 @@ the rollup then equals what a rebuild computes from the stored observations."""
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -15,6 +16,8 @@ from coda_memory import MemoryService
 from coda_memory.ports import ObservationRecord
 from coda_memory.postgres import PostgresStore, maintenance
 from coda_memory.postgres.analytics import rebuild_rollups
+from coda_memory.postgres.engine import driver_connection
+from coda_memory.postgres.rollup_batch import owed_statements
 from coda_memory.postgres.rollup_owed import ROLLUP_LOCK_TIMEOUT
 from tests.helpers import FakeClock, tool_ok
 from tests.postgres.helpers import consolidate, fetch, locked
@@ -282,6 +285,37 @@ async def test_the_service_counts_what_its_appends_owed_and_folded(pg_url: str) 
         assert await owed(pg_url) == []
     finally:
         await service.close()
+
+
+async def test_a_folding_reads_each_owed_record_by_index_not_by_scanning_the_table(
+    pg_url: str,
+) -> None:
+    """The planner cannot estimate the rollup's key filters (it guesses a row or two of
+    the whole table): as a plain join of the owed records to the observations, it chose
+    a scan of every observation, nested under the records, and a folding of 1,000
+    records took seconds. Each record's rows are read by an index probe instead."""
+    store = writer(pg_url)
+    try:
+        calls = [call(f"user-{n % 50}", f"tool-{n % 7}", n % 3 > 0, D1) for n in range(5_000)]
+        for start in range(0, len(calls), 500):  # ten transactions
+            await store.append(calls[start : start + 500])
+        await fetch(pg_url, "ANALYZE coda_memory.observations")
+        async with store.engine.connect() as conn:
+            driver = await driver_connection(conn)
+            pairs = await driver.fetch(
+                "SELECT DISTINCT identity_id, xid FROM coda_memory.observations LIMIT 100"
+            )
+            identities = [row["identity_id"] for row in pairs]
+            xids = [row["xid"] for row in pairs]
+            for statement in owed_statements("coda_memory"):
+                arguments = statement.arguments(identities, 0, xids)
+                plan = "\n".join(
+                    row[0] for row in await driver.fetch(f"EXPLAIN {statement.sql}", *arguments)
+                )
+                assert "Seq Scan on observations" not in plan
+                assert re.search(r"Index Scan (using|on) ix_observations_\w+", plan), plan
+    finally:
+        await store.close()
 
 
 def test_the_rollup_lock_timeout_is_short() -> None:
