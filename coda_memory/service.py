@@ -335,8 +335,12 @@ class MemoryService(ObservationWriter):
             remaining = max(0.0, self.load_timeout - (loop.time() - started))
             return await asyncio.wait_for(asyncio.shield(task), remaining), "ok"
         except TimeoutError:
-            finished = task is not None and task.done() and not task.cancelled()
-            if finished and task is not None and task.exception() is None:
+            if (
+                task is not None
+                and task.done()
+                and not task.cancelled()
+                and task.exception() is None
+            ):
                 # It finished while wait_for was giving up on it (the loop ran it between
                 # the timeout and the cancellation of the wait): its answer is here.
                 return task.result(), "ok"

@@ -306,20 +306,16 @@ def _views(
 ) -> list[Fact]:
     """Views of ``alive`` at ``now``, sorted by subject. The facts of ``owned`` (by
     subject; nothing else may hold them) become their views in place."""
-    if owned is None:
-        with gc_paused():
-            views = [with_confidence(fact, confidence, now) for fact, confidence in alive]
-    else:
-        views = []
-        with gc_paused():
-            for fact, confidence in alive:
-                if owned.get(fact.subject) is fact:
-                    values = fact.__dict__
-                    values["confidence"] = confidence
-                    values["confidence_at"] = now
-                    views.append(fact)
-                else:
-                    views.append(with_confidence(fact, confidence, now))
+    views: list[Fact] = []
+    with gc_paused():
+        for fact, confidence in alive:
+            if owned is not None and owned.get(fact.subject) is fact:
+                values = fact.__dict__
+                values["confidence"] = confidence
+                values["confidence_at"] = now
+                views.append(fact)
+            else:
+                views.append(with_confidence(fact, confidence, now))
     views.sort(key=_subject)
     return views
 

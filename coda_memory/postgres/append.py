@@ -179,12 +179,11 @@ async def _store(
     claimed = await batch_keys.claim(conn, schema, key, expected, first_attempt)
     if claimed.earlier is not None:
         return _Stored(claimed.earlier, claimed.shard)
-    spilled = claimed.tables == (batch_keys.SPILL,)
     try:
         # The common case: one statement for the rows, then their rollup.
         await _insert(driver, schema, rows)
         owed = await rollup_or_owe(driver, schema, claimed.shard, _pairs(rows))
-        return _Stored(expected, claimed.shard, owed, spilled)
+        return _Stored(expected, claimed.shard, owed, claimed.spilled)
     except Exception as exc:
         if not _is_row_error(exc):
             raise
@@ -197,7 +196,7 @@ async def _store(
     refused = sorted([*refused, *await _bisect(conn, driver, schema, claimed.shard, rows)])
     outcome = AppendOutcome(stored=total - len(refused), refused=refused)
     await batch_keys.record(conn, schema, key, claimed, outcome)
-    return _Stored(outcome, claimed.shard, spilled=claimed.tables == (batch_keys.SPILL,))
+    return _Stored(outcome, claimed.shard, spilled=claimed.spilled)
 
 
 async def append_observations(

@@ -73,6 +73,11 @@ class Claim:
     #: The tables where this attempt recorded the key.
     tables: tuple[str, ...]
 
+    @property
+    def spilled(self) -> bool:
+        """The key went to the spill table only (``ingest_batches`` was locked)."""
+        return self.tables == (SPILL,)
+
 
 def _statement(name: str, schema: str) -> Any:
     return text(in_schema(source(name), schema))
