@@ -100,9 +100,6 @@ class ExponentialDecay:
     def initial_ease(self) -> float | None:
         return None
 
-    def _days_scale(self, fact: Fact) -> float:
-        return 1.0
-
     def decayed(self, fact: Fact, now: datetime) -> float:
         # Read from the fact's dict: a load decays every fact, so attribute and property
         # lookups show up in its cost (same value as elapsed_days(fact.anchor, now)).
@@ -110,7 +107,7 @@ class ExponentialDecay:
         anchor = values["confidence_at"]
         if anchor is None:
             anchor = values["last_reinforced_at"]
-        days = abs((now - anchor).total_seconds()) / SECONDS_PER_DAY / self._days_scale(fact)
+        days = abs((now - anchor).total_seconds()) / SECONDS_PER_DAY
         return float(values["confidence"] * self.base**days)
 
     def _next_ease(self, fact: Fact, quality: float) -> float | None:
@@ -156,8 +153,17 @@ class AdaptiveDecay(ExponentialDecay):
     def _ease(self, fact: Fact) -> float:
         return fact.ease_factor if fact.ease_factor is not None else self.default_ease
 
-    def _days_scale(self, fact: Fact) -> float:
-        return self._ease(fact)
+    def decayed(self, fact: Fact, now: datetime) -> float:
+        # ExponentialDecay.decayed with the days divided by the ease (read in place too).
+        values = fact.__dict__
+        anchor = values["confidence_at"]
+        if anchor is None:
+            anchor = values["last_reinforced_at"]
+        ease = values["ease_factor"]
+        if ease is None:
+            ease = self.default_ease
+        days = abs((now - anchor).total_seconds()) / SECONDS_PER_DAY / ease
+        return float(values["confidence"] * self.base**days)
 
     def _next_ease(self, fact: Fact, quality: float) -> float | None:
         quality = min(1.0, max(0.0, quality))

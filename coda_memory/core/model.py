@@ -229,16 +229,19 @@ def trusted(cls: type[M], **values: Any) -> M:
     return trusted_from(cls, values)
 
 
-_set = object.__setattr__
+#: The setters of the slots every pydantic model has (``BaseModel.__slots__``): through
+#: them a set skips the attribute lookup that ``object.__setattr__`` makes.
+_SLOTS = ("__dict__", "__pydantic_fields_set__", "__pydantic_extra__", "__pydantic_private__")
+_set_dict, _set_fields_set, _set_extra, _set_private = (vars(BaseModel)[n].__set__ for n in _SLOTS)
 
 
 def trusted_from(cls: type[M], values: dict[str, Any]) -> M:
     """:func:`trusted` with the values in a dict, which the model keeps (not copied)."""
     model = cls.__new__(cls)
-    _set(model, "__dict__", values)
-    _set(model, "__pydantic_fields_set__", _fields_set(cls, values))
-    _set(model, "__pydantic_extra__", None)
-    _set(model, "__pydantic_private__", None)
+    _set_dict(model, values)
+    _set_fields_set(model, _fields_set(cls, values))
+    _set_extra(model, None)
+    _set_private(model, None)
     return model
 
 
@@ -262,12 +265,12 @@ def with_confidence(fact: Fact, confidence: float, at: datetime) -> Fact:
 
 def trusted_fact(values: dict[str, Any]) -> Fact:
     """:func:`trusted_from` for a :class:`Fact` (the dict holds every field and is kept),
-    at half its cost: loads build one per fact."""
+    at a third of its cost: loads build one per fact."""
     fact = _new_fact(Fact)
-    _set(fact, "__dict__", values)
-    _set(fact, "__pydantic_fields_set__", _FACT_FIELDS)
-    _set(fact, "__pydantic_extra__", None)
-    _set(fact, "__pydantic_private__", None)
+    _set_dict(fact, values)
+    _set_fields_set(fact, _FACT_FIELDS)
+    _set_extra(fact, None)
+    _set_private(fact, None)
     return fact
 
 

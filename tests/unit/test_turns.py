@@ -124,8 +124,8 @@ def test_scopes_without_a_gap_still_collect_young_then_everything(
 
     monkeypatch.setattr(gc, "collect", collect)
     with collector_scope():  # a load that stays in flight while others come and go
-        for _ in range(int(turns.FULL_EVERY * 4)):
-            now[0] += 0.25
+        for _ in range(int(turns.FULL_EVERY / turns.YOUNG_EVERY * 4)):
+            now[0] += turns.YOUNG_EVERY / 4
             with collector_scope():
                 pass
         assert not gc.isenabled()
