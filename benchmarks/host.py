@@ -5,10 +5,12 @@ event-loop lag ticker that measures what the library leaves of the loop meanwhil
 from __future__ import annotations
 
 import asyncio
+import gc
 import itertools
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -128,3 +130,39 @@ class LagTicker:
             "over_5_ms": sum(1 for lag in ms if lag > 5),
             "over_20_ms": sum(1 for lag in ms if lag > 20),
         }
+
+
+@dataclass
+class CollectorPauses:
+    """The cyclic garbage collector's runs while a :func:`collector_pauses` block ran:
+    (generation, milliseconds) each. A collection stalls the event loop for as long."""
+
+    runs: list[tuple[int, float]] = field(default_factory=list)
+
+    def summary(self) -> dict[str, Any]:
+        full = [ms for generation, ms in self.runs if generation == 2]
+        return {
+            "gc_runs": len(self.runs),
+            "gc_full_runs": len(full),
+            "gc_max_pause_ms": max((ms for _, ms in self.runs), default=0.0),
+            "gc_max_full_pause_ms": max(full, default=0.0),
+        }
+
+
+@contextmanager
+def collector_pauses() -> Iterator[CollectorPauses]:
+    """Record every collection of the garbage collector in the block (``gc.callbacks``)."""
+    pauses = CollectorPauses()
+    started: list[float] = []
+
+    def callback(phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            started.append(time.perf_counter())
+        elif started:
+            pauses.runs.append((info["generation"], (time.perf_counter() - started.pop()) * 1000))
+
+    gc.callbacks.append(callback)
+    try:
+        yield pauses
+    finally:
+        gc.callbacks.remove(callback)

@@ -10,7 +10,7 @@ import asyncio
 import time
 from typing import Any
 
-from benchmarks.host import HostRequests, seed_host
+from benchmarks.host import HostRequests, collector_pauses, seed_host
 from benchmarks.logcount import counted_logs
 from benchmarks.report import Figure
 from benchmarks.section import Context, Section
@@ -53,7 +53,8 @@ async def _hold(
                 empty += was_empty
 
         with counted_logs() as logs:
-            await asyncio.gather(*(client() for _ in range(ctx.sizes.host_concurrency)))
+            with collector_pauses() as pauses:
+                await asyncio.gather(*(client() for _ in range(ctx.sizes.host_concurrency)))
             during = service.stats()
             await transaction.rollback()
             released = time.perf_counter()
@@ -75,6 +76,8 @@ async def _hold(
         "log_lines": logs.lines,
         "max_lines_per_s_per_cause": logs.max_per_second_per_cause,
         "recovery_s": recovery,
+        # Collections of the garbage collector while the lock was held (loop stalls).
+        **pauses.summary(),
         "top_causes": logs.causes(),
     }
 
