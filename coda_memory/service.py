@@ -33,6 +33,7 @@ most one in flight (single flight).
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import threading
 import time
@@ -73,6 +74,9 @@ OFFLOAD_FACTS = 300
 #: starts making its fallback answer from the facts at hand, so that the answer is ready
 #: when the timeout fires rather than made after it (see ``load_memory``).
 HEDGE_AT = 0.5
+#: The share of ``load_timeout`` past which a load in flight keeps a full collection of
+#: the garbage collector from starting (``_may_collect_fully``).
+FULL_COLLECTION_BEFORE = 1 / 3
 #: Consolidations (and peeks) in flight at once, unless the store says otherwise.
 DEFAULT_MAX_CONSOLIDATIONS = 8
 
@@ -156,6 +160,9 @@ class MemoryService(ObservationWriter):
         #: Facts the peek read, for the identities being consolidated.
         self._stale: dict[str, list[Fact]] = {}
         self._load_stale = 0
+        #: When each load_memory call in flight started (time.monotonic()), by call.
+        self._answering: dict[int, float] = {}
+        self._answers = itertools.count()
         self._telemetry.observe(self.stats)
 
     @classmethod
@@ -316,6 +323,8 @@ class MemoryService(ObservationWriter):
         started = loop.time()
         task: asyncio.Task[LoadedMemory] | None = None
         fallback: asyncio.Task[LoadedMemory | None] | None = None
+        answering = next(self._answers)
+        self._answering[answering] = time.monotonic()
         try:
             task = self._loading.get(identity_id)
             if task is None or task.done():
@@ -379,9 +388,19 @@ class MemoryService(ObservationWriter):
             if loaded is not None:
                 return loaded, "stale"
         finally:
+            del self._answering[answering]
             if fallback is not None and not fallback.done():
                 fallback.cancel()  # the consolidation's own answer came (or the caller left)
         return LoadedMemory.empty(), "error"
+
+    def _may_collect_fully(self) -> bool:
+        """A full collection stalls the loop for tens of milliseconds: let it run only
+        while no load in flight is past :data:`FULL_COLLECTION_BEFORE` of its timeout, so
+        that none is made late by it (see :mod:`~coda_memory.core.turns`)."""
+        if not self._answering:
+            return True
+        oldest = min(self._answering.values())
+        return time.monotonic() - oldest < self.load_timeout * FULL_COLLECTION_BEFORE
 
     async def _fallback(
         self, fallback: asyncio.Task[LoadedMemory | None] | None, identity_id: str
@@ -397,7 +416,7 @@ class MemoryService(ObservationWriter):
         """The answer of a load that did not get its consolidation's, from the facts at
         hand (None: none, or they could not be had: load_memory never raises)."""
         try:
-            with collector_scope(self.hold_gc):
+            with collector_scope(self.hold_gc, self._may_collect_fully):
                 return await self._from_facts_at_hand(identity_id)
         except Exception as error:
             self._log.warning(
@@ -422,7 +441,7 @@ class MemoryService(ObservationWriter):
     async def _load(self, identity_id: str) -> LoadedMemory:
         """One consolidation and its prompt section, shared by concurrent loads. The
         facts read for it are gone when it ends (see :func:`collector_scope`)."""
-        with collector_scope(self.hold_gc):
+        with collector_scope(self.hold_gc, self._may_collect_fully):
             try:
                 facts = await self.consolidate(identity_id)
                 return await _offload(len(facts), self._loaded, facts)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gc
 import random
+from collections.abc import Callable
 from datetime import datetime, timedelta
 
 import pytest
@@ -224,9 +225,9 @@ async def test_a_cap_that_drops_many_facts_deletes_them_in_slices_and_keeps_the_
     held: list[bool] = []
     take = turns._HOLDS.take
 
-    def counted_take() -> None:
+    def counted_take(full_ok: Callable[[], bool] | None = None) -> None:
         held.append(True)
-        take()
+        take(full_ok)
 
     monkeypatch.setattr(turns._HOLDS, "take", counted_take)
     service = MemoryService(store, clock=lambda: NOW, max_facts=8)

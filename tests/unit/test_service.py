@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 
 from coda_memory import Fact, MemoryService
+from coda_memory.core import turns
 from coda_memory.core.logs import identity_label
 from coda_memory.ports import AppendOutcome, ObservationRecord
 from coda_memory.testing import InMemoryConsolidationUnit, InMemoryStore
@@ -533,3 +534,42 @@ async def test_a_load_whose_consolidation_ends_after_the_hedge_answers_with_it(
     assert [f.subject for f in memory.facts] == ["tool_affinity:new", "tool_affinity:old"]
     assert store.kept_read_at  # the fallback was started
     assert (service.stats().load_stale, service.stats().load_timeouts) == (0, 0)
+
+
+async def test_no_full_collection_starts_while_a_load_is_past_a_third_of_its_timeout(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A full collection stalls the loop for tens of milliseconds: one that is due waits
+    while a load in flight could be made late by it, and runs once none is."""
+    clock = [1000.0]
+    monkeypatch.setattr(turns._HOLDS, "clock", lambda: clock[0])
+    collected: list[int] = []
+    real_collect = gc.collect
+
+    def collect(generation: int = 2) -> int:
+        collected.append(generation)
+        return real_collect(generation)
+
+    monkeypatch.setattr(gc, "collect", collect)
+    store = GatedStore()
+    service = MemoryService(store, clock=FakeClock(), load_timeout=0.3)
+    # Work without a deadline keeps the collector held throughout (as under steady load).
+    with turns.collector_scope():
+        try:
+            store.gate.clear()  # the first load waits in its peek, its scope open
+            first = asyncio.get_running_loop().create_task(service.load_memory("u1"))
+            await _until(lambda: store.gate._waiters)
+            assert service._may_collect_fully()  # it has just started
+            await _until(lambda: not service._may_collect_fully())  # past 0.1 s
+            clock[0] += turns.FULL_EVERY
+            second = asyncio.get_running_loop().create_task(service.load_memory("u2"))
+            await _until(lambda: len(store.gate._waiters) == 2)  # its scope opened
+            assert 2 not in collected
+            store.gate.set()
+            await asyncio.gather(first, second)
+            assert service._may_collect_fully()
+            await service.load_memory("u3")  # no load past a third: the due one runs
+            assert collected.count(2) == 1
+        finally:
+            store.gate.set()
+            await service.close()

@@ -165,3 +165,38 @@ def test_a_finalizer_that_a_scopes_collection_runs_may_open_a_scope(now: list[fl
     worker.join(5)
     assert not worker.is_alive() and opened == [True]
     assert gc.isenabled() and not collector_held()
+
+
+def test_a_due_full_collection_waits_for_its_gate_but_not_past_another_period(
+    monkeypatch: pytest.MonkeyPatch, now: list[float]
+) -> None:
+    collected: list[int] = []
+    real_collect = gc.collect
+
+    def collect(generation: int = 2) -> int:
+        collected.append(generation)
+        return real_collect(generation)
+
+    monkeypatch.setattr(gc, "collect", collect)
+    gate = [False]
+    with collector_scope():  # a load in flight throughout
+        now[0] += turns.FULL_EVERY
+        with collector_scope(full_ok=lambda: gate[0]):
+            pass
+        assert collected == [1]  # due, but the gate is shut: the young ones only
+        now[0] += turns.YOUNG_EVERY
+        gate[0] = True
+        with collector_scope(full_ok=lambda: gate[0]):
+            pass
+        assert collected == [1, 2]
+        # Overdue by another period: it runs whatever the gate says.
+        collected.clear()
+        gate[0] = False
+        now[0] += turns.FULL_EVERY
+        with collector_scope(full_ok=lambda: gate[0]):
+            pass
+        assert collected == [1]
+        now[0] += turns.FULL_EVERY
+        with collector_scope(full_ok=lambda: gate[0]):
+            pass
+        assert collected == [1, 2]
