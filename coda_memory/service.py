@@ -74,9 +74,9 @@ OFFLOAD_FACTS = 300
 #: starts making its fallback answer from the facts at hand, so that the answer is ready
 #: when the timeout fires rather than made after it (see ``load_memory``).
 HEDGE_AT = 0.5
-#: The share of ``load_timeout`` past which a load in flight keeps a full collection of
-#: the garbage collector from starting (``_may_collect_fully``).
-FULL_COLLECTION_BEFORE = 1 / 3
+#: The share of ``load_timeout`` past which a load in flight keeps the garbage collector's
+#: collections from starting (``_may_collect``).
+COLLECTION_BEFORE = 1 / 3
 #: Consolidations (and peeks) in flight at once, unless the store says otherwise.
 DEFAULT_MAX_CONSOLIDATIONS = 8
 
@@ -393,14 +393,15 @@ class MemoryService(ObservationWriter):
                 fallback.cancel()  # the consolidation's own answer came (or the caller left)
         return LoadedMemory.empty(), "error"
 
-    def _may_collect_fully(self) -> bool:
-        """A full collection stalls the loop for tens of milliseconds: let it run only
-        while no load in flight is past :data:`FULL_COLLECTION_BEFORE` of its timeout, so
-        that none is made late by it (see :mod:`~coda_memory.core.turns`)."""
+    def _may_collect(self) -> bool:
+        """A collection of the garbage collector stalls the loop (a full one for tens of
+        milliseconds): let one run only while no load in flight is past
+        :data:`COLLECTION_BEFORE` of its timeout, so that none is made late by it (see
+        :mod:`~coda_memory.core.turns`)."""
         if not self._answering:
             return True
         oldest = min(self._answering.values())
-        return time.monotonic() - oldest < self.load_timeout * FULL_COLLECTION_BEFORE
+        return time.monotonic() - oldest < self.load_timeout * COLLECTION_BEFORE
 
     async def _fallback(
         self, fallback: asyncio.Task[LoadedMemory | None] | None, identity_id: str
@@ -416,7 +417,7 @@ class MemoryService(ObservationWriter):
         """The answer of a load that did not get its consolidation's, from the facts at
         hand (None: none, or they could not be had: load_memory never raises)."""
         try:
-            with collector_scope(self.hold_gc, self._may_collect_fully):
+            with collector_scope(self.hold_gc, self._may_collect):
                 return await self._from_facts_at_hand(identity_id)
         except Exception as error:
             self._log.warning(
@@ -441,7 +442,7 @@ class MemoryService(ObservationWriter):
     async def _load(self, identity_id: str) -> LoadedMemory:
         """One consolidation and its prompt section, shared by concurrent loads. The
         facts read for it are gone when it ends (see :func:`collector_scope`)."""
-        with collector_scope(self.hold_gc, self._may_collect_fully):
+        with collector_scope(self.hold_gc, self._may_collect):
             try:
                 facts = await self.consolidate(identity_id)
                 return await _offload(len(facts), self._loaded, facts)

@@ -181,9 +181,9 @@ class ObservationWriter:
                 short_error(error),
             )
 
-    def _may_collect_fully(self) -> bool:
-        """Whether a full collection of the garbage collector, which stalls the event loop,
-        may run now (:func:`~coda_memory.core.turns.collector_scope`)."""
+    def _may_collect(self) -> bool:
+        """Whether a collection of the garbage collector, which stalls the event loop, may
+        run now (:func:`~coda_memory.core.turns.collector_scope`)."""
         return True
 
     def _label(self, identity_id: object) -> str:
@@ -270,7 +270,7 @@ class ObservationWriter:
                 count = min(self._batch_size, len(self._queue))
                 items = [self._queue.popleft() for _ in range(count)]
                 self._inflight += len(items)
-                with collector_scope(self.hold_gc, self._may_collect_fully):
+                with collector_scope(self.hold_gc, self._may_collect):
                     records = await self._validate(items)
                 appends.add(asyncio.get_running_loop().create_task(self._append(items, records)))
         finally:
@@ -291,7 +291,7 @@ class ObservationWriter:
         while records:
             try:
                 with (
-                    collector_scope(self.hold_gc, self._may_collect_fully),
+                    collector_scope(self.hold_gc, self._may_collect),
                     self._telemetry.span("append", **{"coda_memory.batch": len(records)}),
                 ):
                     outcome = await self.store.append(

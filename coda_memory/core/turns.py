@@ -22,11 +22,12 @@ it was on (a host that switched it off itself is left alone). Under load without
 the scopes collect the young generations at least every :data:`YOUNG_EVERY` seconds and
 everything at least every :data:`FULL_EVERY`, so a host's own cyclic garbage still goes.
 
-A full collection stalls the loop for as long as it walks every object of the process:
-30 to 80 ms under load on a 2-core machine. A load that is near its timeout when one
-starts returns that much late. So a scope may say when a full collection that is due may
-run (``full_ok``): the service lets it run only while no load in flight is past a third
-of its timeout. It waits at most another :data:`FULL_EVERY`, then runs anyway.
+These collections stall the loop: a full one for as long as it walks every object of the
+process, 30 to 80 ms under load on a 2-core machine, a young one up to 10 ms. A load
+that is near its timeout when one starts returns that much late. So a scope may say when
+a collection that is due may run (``may_collect``): the service lets one run only while
+no load in flight is past a third of its timeout. A collection waits at most another of
+its periods, then runs anyway.
 """
 
 from __future__ import annotations
@@ -65,8 +66,7 @@ class _Holds:
         self.was_enabled = False
         self.young_at = self.full_at = 0.0
 
-    def take(self, full_ok: Callable[[], bool] | None = None) -> None:
-        generation = None
+    def take(self, may_collect: Callable[[], bool] | None = None) -> None:
         with self.lock:
             now = self.clock()
             if self.count == 0:
@@ -77,18 +77,25 @@ class _Holds:
             self.count += 1
             if not self.was_enabled:
                 return
-            since_full = now - self.full_at
-            if since_full >= FULL_EVERY and (
-                since_full >= 2 * FULL_EVERY or full_ok is None or full_ok()
-            ):
-                generation = 2
+            generation = self._due(now, may_collect)
+            if generation == 2:
                 self.young_at = self.full_at = now
-            elif now - self.young_at >= YOUNG_EVERY:
-                generation = 1
+            elif generation == 1:
                 self.young_at = now
         if generation is not None:
             # Outside the lock: a finalizer the collection runs may open a scope.
             gc.collect(generation)
+
+    def _due(self, now: float, may_collect: Callable[[], bool] | None) -> int | None:
+        """The generation to collect now, if any. One that is due waits while
+        ``may_collect`` says no, for at most another of its periods."""
+        for generation, since, every in (
+            (2, now - self.full_at, FULL_EVERY),
+            (1, now - self.young_at, YOUNG_EVERY),
+        ):
+            if since >= every and (since >= 2 * every or may_collect is None or may_collect()):
+                return generation
+        return None
 
     def give_back(self) -> None:
         with self.lock:
@@ -101,14 +108,16 @@ _HOLDS = _Holds()
 
 
 @contextmanager
-def collector_scope(hold: bool = True, full_ok: Callable[[], bool] | None = None) -> Iterator[None]:
+def collector_scope(
+    hold: bool = True, may_collect: Callable[[], bool] | None = None
+) -> Iterator[None]:
     """Hold the cyclic garbage collector off until the scope closes (see above); nothing
-    when ``hold`` is False. ``full_ok``: whether a full collection that is due may run
-    now (see above); it is not asked once one is overdue by FULL_EVERY."""
+    when ``hold`` is False. ``may_collect``: whether a collection that is due may stall
+    the loop now (see above); it is not asked once one is overdue by another period."""
     if not hold:
         yield
         return
-    _HOLDS.take(full_ok)
+    _HOLDS.take(may_collect)
     try:
         yield
     finally:

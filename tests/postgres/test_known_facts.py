@@ -225,9 +225,9 @@ async def test_a_cap_that_drops_many_facts_deletes_them_in_slices_and_keeps_the_
     held: list[bool] = []
     take = turns._HOLDS.take
 
-    def counted_take(full_ok: Callable[[], bool] | None = None) -> None:
+    def counted_take(may_collect: Callable[[], bool] | None = None) -> None:
         held.append(True)
-        take(full_ok)
+        take(may_collect)
 
     monkeypatch.setattr(turns._HOLDS, "take", counted_take)
     service = MemoryService(store, clock=lambda: NOW, max_facts=8)

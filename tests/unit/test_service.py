@@ -559,15 +559,15 @@ async def test_no_full_collection_starts_while_a_load_is_past_a_third_of_its_tim
             store.gate.clear()  # the first load waits in its peek, its scope open
             first = asyncio.get_running_loop().create_task(service.load_memory("u1"))
             await _until(lambda: store.gate._waiters)
-            assert service._may_collect_fully()  # it has just started
-            await _until(lambda: not service._may_collect_fully())  # past 0.1 s
+            assert service._may_collect()  # it has just started
+            await _until(lambda: not service._may_collect())  # past 0.1 s
             clock[0] += turns.FULL_EVERY
             second = asyncio.get_running_loop().create_task(service.load_memory("u2"))
             await _until(lambda: len(store.gate._waiters) == 2)  # its scope opened
             assert 2 not in collected
             store.gate.set()
             await asyncio.gather(first, second)
-            assert service._may_collect_fully()
+            assert service._may_collect()
             await service.load_memory("u3")  # no load past a third: the due one runs
             assert collected.count(2) == 1
         finally:

@@ -181,22 +181,49 @@ def test_a_due_full_collection_waits_for_its_gate_but_not_past_another_period(
     gate = [False]
     with collector_scope():  # a load in flight throughout
         now[0] += turns.FULL_EVERY
-        with collector_scope(full_ok=lambda: gate[0]):
+        with collector_scope(may_collect=lambda: gate[0]):
             pass
         assert collected == [1]  # due, but the gate is shut: the young ones only
         now[0] += turns.YOUNG_EVERY
         gate[0] = True
-        with collector_scope(full_ok=lambda: gate[0]):
+        with collector_scope(may_collect=lambda: gate[0]):
             pass
         assert collected == [1, 2]
         # Overdue by another period: it runs whatever the gate says.
         collected.clear()
         gate[0] = False
         now[0] += turns.FULL_EVERY
-        with collector_scope(full_ok=lambda: gate[0]):
+        with collector_scope(may_collect=lambda: gate[0]):
             pass
         assert collected == [1]
         now[0] += turns.FULL_EVERY
-        with collector_scope(full_ok=lambda: gate[0]):
+        with collector_scope(may_collect=lambda: gate[0]):
             pass
         assert collected == [1, 2]
+
+
+def test_a_due_young_collection_waits_for_its_gate_but_not_past_another_period(
+    monkeypatch: pytest.MonkeyPatch, now: list[float]
+) -> None:
+    collected: list[int] = []
+
+    def collect(generation: int = 2) -> int:
+        collected.append(generation)
+        return 0
+
+    monkeypatch.setattr(gc, "collect", collect)
+    gate = [False]
+    with collector_scope():  # a load in flight throughout
+        now[0] += turns.YOUNG_EVERY
+        with collector_scope(may_collect=lambda: gate[0]):
+            pass
+        assert collected == []  # due, but the gate is shut
+        gate[0] = True
+        with collector_scope(may_collect=lambda: gate[0]):
+            pass
+        assert collected == [1]
+        gate[0] = False
+        now[0] += 2 * turns.YOUNG_EVERY  # overdue by another period: it runs anyway
+        with collector_scope(may_collect=lambda: gate[0]):
+            pass
+        assert collected == [1, 1]
