@@ -74,6 +74,11 @@ OFFLOAD_FACTS = 300
 #: starts making its fallback answer from the facts at hand, so that the answer is ready
 #: when the timeout fires rather than made after it (see ``load_memory``).
 HEDGE_AT = 0.5
+#: The share of ``load_timeout`` at which a load still waiting for its consolidation stops
+#: waiting and answers from the facts at hand: the rest of the timeout is left for that
+#: answer to reach the caller through a busy event loop (a timer fires as late as the
+#: loop is busy), so that load_memory returns within load_timeout.
+ANSWER_BY = 0.95
 #: The share of ``load_timeout`` past which a load in flight keeps the garbage collector's
 #: collections from starting (``_may_collect``).
 COLLECTION_BEFORE = 1 / 3
@@ -341,7 +346,7 @@ class MemoryService(ObservationWriter):
             # Still running: the fallback answer is made now, while the consolidation
             # goes on, so that it is ready when the timeout fires.
             fallback = loop.create_task(self._stale_answer(identity_id))
-            remaining = max(0.0, self.load_timeout - (loop.time() - started))
+            remaining = max(0.0, self.load_timeout * ANSWER_BY - (loop.time() - started))
             return await asyncio.wait_for(asyncio.shield(task), remaining), "ok"
         except TimeoutError:
             if (

@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 
 from coda_memory import Fact, MemoryService
+from coda_memory import service as service_module
 from coda_memory.core import turns
 from coda_memory.core.logs import identity_label
 from coda_memory.ports import AppendOutcome, ObservationRecord
@@ -521,6 +522,22 @@ async def test_a_late_load_makes_its_fallback_before_the_timeout_fires(
     (read_at,) = store.kept_read_at
     assert read_at - started < service.load_timeout
     assert (service.stats().load_stale, service.stats().load_timeouts) == (1, 0)
+
+
+async def test_a_late_load_stops_waiting_before_its_timeout_to_answer_within_it(
+    timed: tuple[MemoryService, TimedKeepingStore], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """It gives up on its consolidation at ANSWER_BY of the timeout, so that the answer
+    reaches the caller before the timeout even when the loop is busy."""
+    service, _ = timed
+    monkeypatch.setattr(service_module, "HEDGE_AT", 0.25)
+    monkeypatch.setattr(service_module, "ANSWER_BY", 0.5)
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    memory = await service.load_memory("u1")
+    assert loop.time() - started < service.load_timeout
+    assert [f.subject for f in memory.facts] == ["tool_affinity:old"]
+    assert service.stats().load_stale == 1
 
 
 async def test_a_load_whose_consolidation_ends_after_the_hedge_answers_with_it(
