@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import gc
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+import pytest
+
 from coda_memory import NewObservation, ObservationType
+from coda_memory.core import turns
 
 T0 = datetime(2026, 1, 1, 9, 0, tzinfo=UTC)
 
@@ -73,3 +77,24 @@ def domain(name: str, session: str | None = "s1", at: datetime | None = None) ->
         session_id=session,
         created_at=at,
     )
+
+
+def held_collector_clock(monkeypatch: pytest.MonkeyPatch) -> list[float]:
+    """The clock of the scopes that hold the garbage collector off, moved by hand:
+    ``clock[0]`` (see :mod:`coda_memory.core.turns`)."""
+    clock = [1000.0]
+    monkeypatch.setattr(turns._HOLDS, "clock", lambda: clock[0])
+    return clock
+
+
+def recorded_collections(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The generations of the collections the scopes run from now on (each still runs)."""
+    collected: list[int] = []
+    real_collect = gc.collect
+
+    def collect(generation: int = 2) -> int:
+        collected.append(generation)
+        return real_collect(generation)
+
+    monkeypatch.setattr(gc, "collect", collect)
+    return collected

@@ -22,7 +22,14 @@ from coda_memory.core import turns
 from coda_memory.core.logs import identity_label
 from coda_memory.ports import AppendOutcome, ObservationRecord
 from coda_memory.testing import InMemoryConsolidationUnit, InMemoryStore
-from tests.helpers import FakeClock, entity, tool_failed, tool_ok
+from tests.helpers import (
+    FakeClock,
+    entity,
+    held_collector_clock,
+    recorded_collections,
+    tool_failed,
+    tool_ok,
+)
 
 
 class GatedStore(InMemoryStore):
@@ -558,16 +565,8 @@ async def test_no_full_collection_starts_while_a_load_is_past_a_third_of_its_tim
 ) -> None:
     """A full collection stalls the loop for tens of milliseconds: one that is due waits
     while a load in flight could be made late by it, and runs once none is."""
-    clock = [1000.0]
-    monkeypatch.setattr(turns._HOLDS, "clock", lambda: clock[0])
-    collected: list[int] = []
-    real_collect = gc.collect
-
-    def collect(generation: int = 2) -> int:
-        collected.append(generation)
-        return real_collect(generation)
-
-    monkeypatch.setattr(gc, "collect", collect)
+    clock = held_collector_clock(monkeypatch)
+    collected = recorded_collections(monkeypatch)
     store = GatedStore()
     service = MemoryService(store, clock=FakeClock(), load_timeout=0.3)
     # Work without a deadline keeps the collector held throughout (as under steady load).

@@ -10,6 +10,7 @@ import pytest
 
 from coda_memory.core import turns
 from coda_memory.core.turns import collector_held, collector_scope, mapped
+from tests.helpers import held_collector_clock, recorded_collections
 
 
 async def test_a_long_conversion_gives_the_loop_a_turn_after_every_slice(
@@ -107,22 +108,13 @@ async def test_a_cancelled_load_gives_the_collector_back() -> None:
 @pytest.fixture
 def now(monkeypatch: pytest.MonkeyPatch) -> list[float]:
     """The scopes' clock, moved by hand: ``now[0]``."""
-    clock = [1000.0]
-    monkeypatch.setattr(turns._HOLDS, "clock", lambda: clock[0])
-    return clock
+    return held_collector_clock(monkeypatch)
 
 
 def test_scopes_without_a_gap_still_collect_young_then_everything(
     monkeypatch: pytest.MonkeyPatch, now: list[float]
 ) -> None:
-    collected: list[int] = []
-    real_collect = gc.collect
-
-    def collect(generation: int = 2) -> int:
-        collected.append(generation)
-        return real_collect(generation)
-
-    monkeypatch.setattr(gc, "collect", collect)
+    collected = recorded_collections(monkeypatch)
     with collector_scope():  # a load that stays in flight while others come and go
         for _ in range(int(turns.FULL_EVERY / turns.YOUNG_EVERY * 4)):
             now[0] += turns.YOUNG_EVERY / 4
@@ -170,14 +162,7 @@ def test_a_finalizer_that_a_scopes_collection_runs_may_open_a_scope(now: list[fl
 def test_a_due_full_collection_waits_for_its_gate_but_not_past_another_period(
     monkeypatch: pytest.MonkeyPatch, now: list[float]
 ) -> None:
-    collected: list[int] = []
-    real_collect = gc.collect
-
-    def collect(generation: int = 2) -> int:
-        collected.append(generation)
-        return real_collect(generation)
-
-    monkeypatch.setattr(gc, "collect", collect)
+    collected = recorded_collections(monkeypatch)
     gate = [False]
     with collector_scope():  # a load in flight throughout
         now[0] += turns.FULL_EVERY
@@ -205,13 +190,7 @@ def test_a_due_full_collection_waits_for_its_gate_but_not_past_another_period(
 def test_a_due_young_collection_waits_for_its_gate_but_not_past_another_period(
     monkeypatch: pytest.MonkeyPatch, now: list[float]
 ) -> None:
-    collected: list[int] = []
-
-    def collect(generation: int = 2) -> int:
-        collected.append(generation)
-        return 0
-
-    monkeypatch.setattr(gc, "collect", collect)
+    collected = recorded_collections(monkeypatch)
     gate = [False]
     with collector_scope():  # a load in flight throughout
         now[0] += turns.YOUNG_EVERY
