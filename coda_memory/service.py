@@ -165,7 +165,7 @@ class MemoryService(ObservationWriter):
         #: Facts the peek read, for the identities being consolidated.
         self._stale: dict[str, list[Fact]] = {}
         self._load_stale = 0
-        #: When each load_memory call in flight started (time.monotonic()), by call.
+        #: When each load_memory call in flight started (the loop's time), by call.
         self._answering: dict[int, float] = {}
         self._answers = itertools.count()
         self._telemetry.observe(self.stats)
@@ -329,7 +329,7 @@ class MemoryService(ObservationWriter):
         task: asyncio.Task[LoadedMemory] | None = None
         fallback: asyncio.Task[LoadedMemory | None] | None = None
         answering = next(self._answers)
-        self._answering[answering] = time.monotonic()
+        self._answering[answering] = started
         try:
             task = self._loading.get(identity_id)
             if task is None or task.done():
@@ -406,7 +406,8 @@ class MemoryService(ObservationWriter):
         if not self._answering:
             return True
         oldest = min(self._answering.values())
-        return time.monotonic() - oldest < self.load_timeout * COLLECTION_BEFORE
+        now = asyncio.get_running_loop().time()
+        return now - oldest < self.load_timeout * COLLECTION_BEFORE
 
     async def _fallback(
         self, fallback: asyncio.Task[LoadedMemory | None] | None, identity_id: str
