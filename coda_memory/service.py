@@ -71,7 +71,8 @@ R = TypeVar("R")
 #: Above this many facts, Python work of a load runs in a worker thread (see above).
 OFFLOAD_FACTS = 300
 #: The share of ``load_timeout`` after which a load still waiting for its consolidation
-#: starts making its fallback answer from the facts at hand, so that the answer is ready
+#: starts making its fallback answer from the facts at hand, when that answer takes a
+#: worker thread to make (more than OFFLOAD_FACTS facts), so that the answer is ready
 #: when the timeout fires rather than made after it (see ``load_memory``).
 HEDGE_AT = 0.5
 #: The share of ``load_timeout`` at which a load still waiting for its consolidation stops
@@ -84,6 +85,14 @@ ANSWER_BY = 0.95
 COLLECTION_BEFORE = 1 / 3
 #: Consolidations (and peeks) in flight at once, unless the store says otherwise.
 DEFAULT_MAX_CONSOLIDATIONS = 8
+
+
+def _answered(loaded: LoadedMemory | None) -> LoadedMemory:
+    """A consolidation's answer, read by a load that waited for it: one is made whenever
+    a load waits (see ``MemoryService._load``)."""
+    if loaded is None:  # pragma: no cover - a load waits for every answer it reads
+        raise RuntimeError("a consolidation made no answer for a load that waited for it")
+    return loaded
 
 
 async def _offload(size: int, work: Callable[P, R], *args: P.args, **kwargs: P.kwargs) -> R:
@@ -160,8 +169,10 @@ class MemoryService(ObservationWriter):
         self._loads = self._load_timeouts = self._load_errors = 0
         # OpenTelemetry spans and metrics (coda_memory.telemetry); off by default.
         self._telemetry: Telemetry | NoTelemetry = telemetry_for(telemetry)
-        self._background: set[asyncio.Task[LoadedMemory]] = set()
-        self._loading: dict[str, asyncio.Task[LoadedMemory]] = {}
+        self._background: set[asyncio.Task[LoadedMemory | None]] = set()
+        self._loading: dict[str, asyncio.Task[LoadedMemory | None]] = {}
+        #: How many load_memory calls wait for each identity's consolidation's answer.
+        self._waiting: dict[str, int] = {}
         #: Facts the peek read, for the identities being consolidated.
         self._stale: dict[str, list[Fact]] = {}
         self._load_stale = 0
@@ -310,9 +321,11 @@ class MemoryService(ObservationWriter):
         or fails, the answer is built from the facts at hand before it started, as the
         store keeps them or the peek read them (``stats().load_stale``): only the newest
         observations are missing. Without those, the result is empty. That answer is
-        made from :data:`HEDGE_AT` of the timeout on, while the consolidation goes on, so
-        that it is ready when the timeout fires; it is dropped if the consolidation ends
-        in time."""
+        made on the loop when the load gives up on its consolidation, at
+        :data:`ANSWER_BY` of the timeout; one that takes a worker thread to make (more
+        than :data:`OFFLOAD_FACTS` facts) is started from :data:`HEDGE_AT` on, while the
+        consolidation goes on, so that it is ready in time, and dropped if the
+        consolidation ends first."""
         self._loads += 1
         started = time.perf_counter()
         with self._telemetry.span("load_memory") as span:
@@ -326,10 +339,11 @@ class MemoryService(ObservationWriter):
     async def _answer(self, identity_id: str) -> tuple[LoadedMemory, str]:
         loop = asyncio.get_running_loop()
         started = loop.time()
-        task: asyncio.Task[LoadedMemory] | None = None
+        task: asyncio.Task[LoadedMemory | None] | None = None
         fallback: asyncio.Task[LoadedMemory | None] | None = None
         answering = next(self._answers)
         self._answering[answering] = started
+        waiting = False
         try:
             task = self._loading.get(identity_id)
             if task is None or task.done():
@@ -337,17 +351,22 @@ class MemoryService(ObservationWriter):
                 self._loading[identity_id] = task
                 self._background.add(task)
                 task.add_done_callback(lambda t: self._finished(identity_id, t))
+            self._waiting[identity_id] = self._waiting.get(identity_id, 0) + 1
+            waiting = True
             try:
                 hedge = self.load_timeout * HEDGE_AT
-                return await asyncio.wait_for(asyncio.shield(task), hedge), "ok"
+                return _answered(await asyncio.wait_for(asyncio.shield(task), hedge)), "ok"
             except TimeoutError:
                 if task.done():  # finished as the wait gave up: its outcome is here
-                    return task.result(), "ok"
-            # Still running: the fallback answer is made now, while the consolidation
-            # goes on, so that it is ready when the timeout fires.
-            fallback = loop.create_task(self._stale_answer(identity_id))
+                    return _answered(task.result()), "ok"
+            # Still running. A fallback answer that takes a worker thread to make is
+            # started now, while the consolidation goes on, so that it is ready when the
+            # load gives up; a smaller one is made then, on the loop, in one step (and
+            # not at all when the consolidation ends first, as it mostly does).
+            if self._at_hand(identity_id) > OFFLOAD_FACTS:
+                fallback = loop.create_task(self._stale_answer(identity_id))
             remaining = max(0.0, self.load_timeout * ANSWER_BY - (loop.time() - started))
-            return await asyncio.wait_for(asyncio.shield(task), remaining), "ok"
+            return _answered(await asyncio.wait_for(asyncio.shield(task), remaining)), "ok"
         except TimeoutError:
             if (
                 task is not None
@@ -357,7 +376,9 @@ class MemoryService(ObservationWriter):
             ):
                 # It finished while wait_for was giving up on it (the loop ran it between
                 # the timeout and the cancellation of the wait): its answer is here.
-                return task.result(), "ok"
+                return _answered(task.result()), "ok"
+            # From here on the consolidation's answer is not read by this load.
+            waiting = self._stop_waiting(identity_id, waiting)
             loaded = await self._fallback(fallback, identity_id)
             if loaded is not None:
                 self._log.warning(
@@ -380,6 +401,7 @@ class MemoryService(ObservationWriter):
             raise
         except Exception as error:
             self._load_errors += 1
+            waiting = self._stop_waiting(identity_id, waiting)
             loaded = await self._fallback(fallback, identity_id)
             self._log.warning(
                 f"load failed: {type(error).__name__}",
@@ -393,10 +415,22 @@ class MemoryService(ObservationWriter):
             if loaded is not None:
                 return loaded, "stale"
         finally:
+            self._stop_waiting(identity_id, waiting)
             del self._answering[answering]
             if fallback is not None and not fallback.done():
                 fallback.cancel()  # the consolidation's own answer came (or the caller left)
         return LoadedMemory.empty(), "error"
+
+    def _stop_waiting(self, identity_id: str, waiting: bool) -> bool:
+        """Count a load that waited for the identity's consolidation (``waiting``) as
+        waiting no more; False, the load's ``waiting`` from then on."""
+        if waiting:
+            left = self._waiting[identity_id] - 1
+            if left:
+                self._waiting[identity_id] = left
+            else:
+                del self._waiting[identity_id]
+        return False
 
     def _may_collect(self) -> bool:
         """A collection of the garbage collector stalls the loop (a full one for tens of
@@ -408,6 +442,14 @@ class MemoryService(ObservationWriter):
         oldest = min(self._answering.values())
         now = asyncio.get_running_loop().time()
         return now - oldest < self.load_timeout * COLLECTION_BEFORE
+
+    def _at_hand(self, identity_id: str) -> int:
+        """How many facts a fallback answer would be made from (without making them)."""
+        stale = self._stale.get(identity_id)
+        if stale is not None:
+            return len(stale)
+        kept: Callable[[str], int] | None = getattr(self.store, "kept_count", None)
+        return 0 if kept is None else kept(identity_id)
 
     async def _fallback(
         self, fallback: asyncio.Task[LoadedMemory | None] | None, identity_id: str
@@ -445,12 +487,19 @@ class MemoryService(ObservationWriter):
             return None
         return await self._loaded_as_of_last_consolidation(stale)
 
-    async def _load(self, identity_id: str) -> LoadedMemory:
+    async def _load(self, identity_id: str) -> LoadedMemory | None:
         """One consolidation and its prompt section, shared by concurrent loads. The
-        facts read for it are gone when it ends (see :func:`collector_scope`)."""
+        facts read for it are gone when it ends (see :func:`collector_scope`).
+
+        When every load that waited for it has answered already (from the facts at hand,
+        after its timeout), the consolidation still finishes but makes no answer (None):
+        nobody would read it, and on a loop that is too busy to finish consolidations in
+        time, making it would only delay the next loads."""
         with collector_scope(self.hold_gc, self._may_collect):
             try:
                 facts = await self.consolidate(identity_id)
+                if identity_id not in self._waiting:
+                    return None
                 return await _offload(len(facts), self._loaded, facts)
             finally:
                 self._stale.pop(identity_id, None)
@@ -470,7 +519,7 @@ class MemoryService(ObservationWriter):
             tool_affinities=extract_tool_affinities(facts),
         )
 
-    def _finished(self, identity_id: str, task: asyncio.Task[LoadedMemory]) -> None:
+    def _finished(self, identity_id: str, task: asyncio.Task[LoadedMemory | None]) -> None:
         self._background.discard(task)
         if self._loading.get(identity_id) is task:
             del self._loading[identity_id]

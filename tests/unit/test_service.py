@@ -439,6 +439,10 @@ class KeepingStore(GatedStore):
     async def kept_facts(self, identity_id: str) -> list[Fact]:
         return await InMemoryStore.facts(self, identity_id)
 
+    def kept_count(self, identity_id: str) -> int:
+        kept = self._identities.get(identity_id)
+        return 0 if kept is None else len(kept.facts)
+
 
 async def test_a_load_whose_consolidation_fails_answers_from_the_facts_at_hand(
     caplog: pytest.LogCaptureFixture,
@@ -518,16 +522,43 @@ async def timed() -> AsyncIterator[tuple[MemoryService, TimedKeepingStore]]:
 
 
 async def test_a_late_load_makes_its_fallback_before_the_timeout_fires(
-    timed: tuple[MemoryService, TimedKeepingStore],
+    timed: tuple[MemoryService, TimedKeepingStore], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The answer from the facts at hand is made while the consolidation still runs, so
-    the load returns at its timeout instead of the timeout plus the making."""
+    """An answer from the facts at hand that takes a worker thread to make (here every
+    one does) is made from HEDGE_AT on, while the consolidation still runs, so the load
+    returns at its timeout instead of the timeout plus the making."""
+    monkeypatch.setattr(service_module, "OFFLOAD_FACTS", 0)
     service, store = timed
     started = asyncio.get_running_loop().time()
     memory = await service.load_memory("u1")
     assert [f.subject for f in memory.facts] == ["tool_affinity:old"]
     (read_at,) = store.kept_read_at
-    assert read_at - started < service.load_timeout
+    assert read_at - started < service.load_timeout * service_module.ANSWER_BY
+    assert (service.stats().load_stale, service.stats().load_timeouts) == (1, 0)
+
+
+async def test_a_small_late_load_makes_its_fallback_only_when_it_gives_up(
+    timed: tuple[MemoryService, TimedKeepingStore],
+) -> None:
+    """A fallback made on the loop in one step is made at ANSWER_BY only: a
+    consolidation that ends after HEDGE_AT but in time costs no fallback answer."""
+    service, store = timed
+    loop = asyncio.get_running_loop()
+    # The consolidation takes 60 % of the timeout: past the hedge, before ANSWER_BY.
+    loop.call_later(service.load_timeout * 0.6, store.gate.set)
+    memory = await service.load_memory("u1")
+    assert [f.subject for f in memory.facts] == ["tool_affinity:new", "tool_affinity:old"]
+    assert store.kept_read_at == []
+    assert (service.stats().load_stale, service.stats().load_timeouts) == (0, 0)
+    # One that does not end in time answers from the facts at hand, made when it gives up.
+    service.emit_observation("u1", tool_ok("newer"))
+    await service.drain()
+    store.gate.clear()
+    started = loop.time()
+    memory = await service.load_memory("u1")
+    assert [f.subject for f in memory.facts] == ["tool_affinity:new", "tool_affinity:old"]
+    (read_at,) = store.kept_read_at
+    assert read_at - started >= service.load_timeout * service_module.ANSWER_BY
     assert (service.stats().load_stale, service.stats().load_timeouts) == (1, 0)
 
 
@@ -548,16 +579,79 @@ async def test_a_late_load_stops_waiting_before_its_timeout_to_answer_within_it(
 
 
 async def test_a_load_whose_consolidation_ends_after_the_hedge_answers_with_it(
-    timed: tuple[MemoryService, TimedKeepingStore],
+    timed: tuple[MemoryService, TimedKeepingStore], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The consolidation ends after the fallback was started but within the timeout: the
-    load answers with the consolidation's facts, and counts nothing stale."""
+    """The consolidation ends after the fallback was started (one that takes a worker
+    thread) but within the timeout: the load answers with the consolidation's facts, and
+    counts nothing stale."""
+    monkeypatch.setattr(service_module, "OFFLOAD_FACTS", 0)
     service, store = timed
     store.release_on_kept_read = True
     memory = await service.load_memory("u1")
     assert [f.subject for f in memory.facts] == ["tool_affinity:new", "tool_affinity:old"]
     assert store.kept_read_at  # the fallback was started
     assert (service.stats().load_stale, service.stats().load_timeouts) == (0, 0)
+
+
+@pytest.fixture
+async def counted() -> AsyncIterator[tuple[MemoryService, TimedKeepingStore, list[str]]]:
+    """Like ``timed``, with a token counter that records what it counts: every prompt
+    section made counts its lines."""
+    counted: list[str] = []
+
+    def count(text: str) -> int:
+        counted.append(text)
+        return len(text) // 4 + 1
+
+    store = TimedKeepingStore()
+    service = MemoryService(store, clock=FakeClock(), load_timeout=0.1, token_counter=count)
+    service.emit_observation("u1", tool_ok("old"))
+    await service.drain()
+    await service.consolidate("u1")
+    service.emit_observation("u1", tool_ok("new"))
+    await service.drain()
+    store.gate.clear()
+    yield service, store, counted
+    store.gate.set()
+    await service.close()
+
+
+async def test_a_consolidation_no_load_waits_for_any_more_makes_no_answer(
+    counted: tuple[MemoryService, TimedKeepingStore, list[str]],
+) -> None:
+    """The load answered from the facts at hand after its timeout: the consolidation
+    still finishes and stores its facts, but makes no prompt section nobody would read
+    (on a loop too busy to finish consolidations in time, that work would only delay
+    the next loads)."""
+    service, store, counts = counted
+    memory = await service.load_memory("u1")
+    assert [f.subject for f in memory.facts] == ["tool_affinity:old"]
+    assert counts  # the stale answer's prompt section
+    counts.clear()
+    store.gate.set()
+    await service.drain()
+    assert counts == []
+    assert [f.subject for f in await service.facts("u1")] == [
+        "tool_affinity:new",
+        "tool_affinity:old",
+    ]
+
+
+async def test_a_load_that_joins_a_late_consolidation_gets_its_answer(
+    counted: tuple[MemoryService, TimedKeepingStore, list[str]],
+) -> None:
+    """The first load gave up on the consolidation; a second one that waits for the same
+    consolidation still gets its answer, with the newest facts."""
+    service, store, _ = counted
+    first = await service.load_memory("u1")
+    assert [f.subject for f in first.facts] == ["tool_affinity:old"]
+    second = asyncio.get_running_loop().create_task(service.load_memory("u1"))
+    await _until(lambda: len(service._answering) == 1)  # it waits for the consolidation
+    store.gate.set()
+    memory = await second
+    assert [f.subject for f in memory.facts] == ["tool_affinity:new", "tool_affinity:old"]
+    assert "Uses new successfully" in memory.prompt_section
+    assert service.stats().load_stale == 1
 
 
 async def test_no_full_collection_starts_while_a_load_is_past_a_third_of_its_timeout(
