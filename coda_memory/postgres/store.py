@@ -344,11 +344,6 @@ class PostgresStore:
         """Whether this store keeps the identity's facts between requests."""
         return self._known.entry(identity_id) is not None
 
-    def kept_count(self, identity_id: str) -> int:
-        """How many of the identity's facts this store keeps (0: none kept)."""
-        known = self._known.entry(identity_id)
-        return 0 if known is None else len(known)
-
     async def kept_facts(self, identity_id: str) -> list[Fact]:
         """The identity's stored facts as this store last read or wrote them (none when
         not kept); the service answers a load that times out with them."""

@@ -439,10 +439,6 @@ class KeepingStore(GatedStore):
     async def kept_facts(self, identity_id: str) -> list[Fact]:
         return await InMemoryStore.facts(self, identity_id)
 
-    def kept_count(self, identity_id: str) -> int:
-        kept = self._identities.get(identity_id)
-        return 0 if kept is None else len(kept.facts)
-
 
 async def test_a_load_whose_consolidation_fails_answers_from_the_facts_at_hand(
     caplog: pytest.LogCaptureFixture,
@@ -522,43 +518,16 @@ async def timed() -> AsyncIterator[tuple[MemoryService, TimedKeepingStore]]:
 
 
 async def test_a_late_load_makes_its_fallback_before_the_timeout_fires(
-    timed: tuple[MemoryService, TimedKeepingStore], monkeypatch: pytest.MonkeyPatch
+    timed: tuple[MemoryService, TimedKeepingStore],
 ) -> None:
-    """An answer from the facts at hand that takes a worker thread to make (here every
-    one does) is made from HEDGE_AT on, while the consolidation still runs, so the load
-    returns at its timeout instead of the timeout plus the making."""
-    monkeypatch.setattr(service_module, "OFFLOAD_FACTS", 0)
+    """The answer from the facts at hand is made while the consolidation still runs, so
+    the load returns at its timeout instead of the timeout plus the making."""
     service, store = timed
     started = asyncio.get_running_loop().time()
     memory = await service.load_memory("u1")
     assert [f.subject for f in memory.facts] == ["tool_affinity:old"]
     (read_at,) = store.kept_read_at
     assert read_at - started < service.load_timeout * service_module.ANSWER_BY
-    assert (service.stats().load_stale, service.stats().load_timeouts) == (1, 0)
-
-
-async def test_a_small_late_load_makes_its_fallback_only_when_it_gives_up(
-    timed: tuple[MemoryService, TimedKeepingStore],
-) -> None:
-    """A fallback made on the loop in one step is made at ANSWER_BY only: a
-    consolidation that ends after HEDGE_AT but in time costs no fallback answer."""
-    service, store = timed
-    loop = asyncio.get_running_loop()
-    # The consolidation takes 60 % of the timeout: past the hedge, before ANSWER_BY.
-    loop.call_later(service.load_timeout * 0.6, store.gate.set)
-    memory = await service.load_memory("u1")
-    assert [f.subject for f in memory.facts] == ["tool_affinity:new", "tool_affinity:old"]
-    assert store.kept_read_at == []
-    assert (service.stats().load_stale, service.stats().load_timeouts) == (0, 0)
-    # One that does not end in time answers from the facts at hand, made when it gives up.
-    service.emit_observation("u1", tool_ok("newer"))
-    await service.drain()
-    store.gate.clear()
-    started = loop.time()
-    memory = await service.load_memory("u1")
-    assert [f.subject for f in memory.facts] == ["tool_affinity:new", "tool_affinity:old"]
-    (read_at,) = store.kept_read_at
-    assert read_at - started >= service.load_timeout * service_module.ANSWER_BY
     assert (service.stats().load_stale, service.stats().load_timeouts) == (1, 0)
 
 
@@ -579,12 +548,10 @@ async def test_a_late_load_stops_waiting_before_its_timeout_to_answer_within_it(
 
 
 async def test_a_load_whose_consolidation_ends_after_the_hedge_answers_with_it(
-    timed: tuple[MemoryService, TimedKeepingStore], monkeypatch: pytest.MonkeyPatch
+    timed: tuple[MemoryService, TimedKeepingStore],
 ) -> None:
-    """The consolidation ends after the fallback was started (one that takes a worker
-    thread) but within the timeout: the load answers with the consolidation's facts, and
-    counts nothing stale."""
-    monkeypatch.setattr(service_module, "OFFLOAD_FACTS", 0)
+    """The consolidation ends after the fallback was started but within the timeout: the
+    load answers with the consolidation's facts, and counts nothing stale."""
     service, store = timed
     store.release_on_kept_read = True
     memory = await service.load_memory("u1")
