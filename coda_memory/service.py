@@ -443,9 +443,12 @@ class MemoryService(ObservationWriter):
     async def _fallback(
         self, fallback: asyncio.Task[LoadedMemory | None] | None, identity_id: str
     ) -> LoadedMemory | None:
-        """The answer from the facts at hand: the one started at the hedge, else made now;
+        """The answer from the facts at hand: the one started at the hedge, else made now
+        (also when none was at hand at the hedge: the peek may have read them since);
         counted in ``load_stale`` when there is one."""
-        loaded = await (fallback if fallback is not None else self._stale_answer(identity_id))
+        loaded = None if fallback is None else await fallback
+        if loaded is None:
+            loaded = await self._stale_answer(identity_id)
         if loaded is not None:
             self._load_stale += 1
         return loaded

@@ -531,6 +531,32 @@ async def test_a_late_load_makes_its_fallback_before_the_timeout_fires(
     assert (service.stats().load_stale, service.stats().load_timeouts) == (1, 0)
 
 
+async def test_a_late_load_answers_from_facts_its_peek_read_after_the_hedge() -> None:
+    """Nothing was at hand at the hedge (the identity's facts are not kept, and its peek
+    had not returned); the peek read them before the load gave up: the load answers from
+    them rather than empty."""
+    store = GatedStore()
+    service = MemoryService(store, clock=FakeClock(), load_timeout=0.2)
+    try:
+        service.emit_observation("u1", tool_ok("old"))
+        await service.drain()
+        await service.consolidate("u1")
+        service.emit_observation("u1", tool_ok("new"))
+        await service.drain()
+        store.gate.clear()  # the peek waits
+        store.consolidation_gate.clear()  # and then the consolidation
+        loop = asyncio.get_running_loop()
+        # The peek returns at 60 % of the timeout: after the hedge, before ANSWER_BY.
+        loop.call_later(service.load_timeout * 0.6, store.gate.set)
+        memory = await service.load_memory("u1")
+        assert [f.subject for f in memory.facts] == ["tool_affinity:old"]
+        assert (service.stats().load_stale, service.stats().load_timeouts) == (1, 0)
+    finally:
+        store.gate.set()
+        store.consolidation_gate.set()
+        await service.close()
+
+
 async def test_a_late_load_stops_waiting_before_its_timeout_to_answer_within_it(
     timed: tuple[MemoryService, TimedKeepingStore], monkeypatch: pytest.MonkeyPatch
 ) -> None:
