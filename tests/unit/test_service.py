@@ -85,6 +85,16 @@ async def gated() -> AsyncIterator[tuple[MemoryService, GatedStore]]:
     await service.close()
 
 
+async def _old_consolidated_new_stored(service: MemoryService) -> None:
+    """u1 with the fact of a consolidated observation (tool "old") and a newer one
+    (tool "new") stored, waiting for the next consolidation."""
+    service.emit_observation("u1", tool_ok("old"))
+    await service.drain()
+    await service.consolidate("u1")
+    service.emit_observation("u1", tool_ok("new"))
+    await service.drain()
+
+
 async def test_load_memory_gives_facts_prompt_and_affinities() -> None:
     service = MemoryService.from_url("memory://", clock=FakeClock())
     for session in ("s1", "s2"):
@@ -128,11 +138,7 @@ async def test_a_load_outliving_its_timeout_answers_with_the_last_consolidated_f
     gated: tuple[MemoryService, GatedStore],
 ) -> None:
     service, store = gated
-    service.emit_observation("u1", tool_ok("old"))
-    await service.drain()
-    await service.consolidate("u1")
-    service.emit_observation("u1", tool_ok("new"))
-    await service.drain()
+    await _old_consolidated_new_stored(service)
     store.consolidation_gate.clear()
     memory = await service.load_memory("u1")
     assert [f.subject for f in memory.facts] == ["tool_affinity:old"]
@@ -506,11 +512,7 @@ class TimedKeepingStore(KeepingStore):
 async def timed() -> AsyncIterator[tuple[MemoryService, TimedKeepingStore]]:
     store = TimedKeepingStore()
     service = MemoryService(store, clock=FakeClock(), load_timeout=0.2)
-    service.emit_observation("u1", tool_ok("old"))
-    await service.drain()
-    await service.consolidate("u1")
-    service.emit_observation("u1", tool_ok("new"))
-    await service.drain()
+    await _old_consolidated_new_stored(service)
     store.gate.clear()
     yield service, store
     store.gate.set()
@@ -538,11 +540,7 @@ async def test_a_late_load_answers_from_facts_its_peek_read_after_the_hedge() ->
     store = GatedStore()
     service = MemoryService(store, clock=FakeClock(), load_timeout=0.2)
     try:
-        service.emit_observation("u1", tool_ok("old"))
-        await service.drain()
-        await service.consolidate("u1")
-        service.emit_observation("u1", tool_ok("new"))
-        await service.drain()
+        await _old_consolidated_new_stored(service)
         store.gate.clear()  # the peek waits
         store.consolidation_gate.clear()  # and then the consolidation
         loop = asyncio.get_running_loop()
@@ -598,11 +596,7 @@ async def counted() -> AsyncIterator[tuple[MemoryService, TimedKeepingStore, lis
 
     store = TimedKeepingStore()
     service = MemoryService(store, clock=FakeClock(), load_timeout=0.1, token_counter=count)
-    service.emit_observation("u1", tool_ok("old"))
-    await service.drain()
-    await service.consolidate("u1")
-    service.emit_observation("u1", tool_ok("new"))
-    await service.drain()
+    await _old_consolidated_new_stored(service)
     store.gate.clear()
     yield service, store, counted
     store.gate.set()
