@@ -26,7 +26,7 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC
 from typing import Any
 
 from sqlalchemy.ext.asyncio import AsyncConnection
@@ -38,8 +38,14 @@ from coda_memory.postgres.rollup_batch import write_rollup_part
 from coda_memory.postgres.rollup_owed import Folded, RollupDebt, fold_owed, rollup_or_owe
 from coda_memory.postgres.sql import query
 
-#: The parameters of ``observations_insert.sql``, one array per column of a row's values.
-_ARRAYS = ("identity_ids", "types", "contents", "metadata", "session_ids", "created_ats")
+#: The batch's JSON document (``observations_insert.sql``): one encoder for every batch,
+#: since ``json.dumps`` with options builds a new one per call.
+_JSON = json.JSONEncoder(allow_nan=False, separators=(",", ":"), ensure_ascii=False)
+#: A document longer than this (characters) is sent in parts: the server's jsonb holds at
+#: most 256 MB, and a batch of large observations with a large ``batch_size`` could reach it.
+MAX_DOCUMENT_CHARS = 32 * 1024 * 1024
+#: How JSON writes NUL, which no Postgres text or jsonb string can hold.
+_NUL_ESCAPE = "\\u0000"
 
 #: SQLSTATE classes that blame the system rather than a batch's rows: connection,
 #: operator intervention, resources, syntax or access (a missing table, a privilege),
@@ -54,7 +60,9 @@ _SYSTEM_ERROR_CLASSES = frozenset(
 @dataclass(frozen=True, slots=True)
 class _Row:
     index: int
-    values: tuple[str, str, str, str, str | None, datetime]
+    #: identity_id, type, content, metadata, session_id and created_at (ISO 8601): one
+    #: element of the batch's JSON document.
+    values: tuple[str, str, str, dict[str, Any], str | None, str]
 
 
 def _reason(exc: BaseException) -> str:
@@ -75,40 +83,86 @@ def _is_row_error(exc: BaseException) -> bool:
     return isinstance(exc, ValueError | TypeError | OverflowError)
 
 
-def _encode(records: Sequence[ObservationRecord]) -> tuple[list[_Row], list[tuple[int, str]]]:
-    rows: list[_Row] = []
+def _values(record: ObservationRecord) -> tuple[str, str, str, Any, str | None, str]:
+    at = record.created_at
+    if at.tzinfo is None:  # a naive time is local time, as the driver took it
+        at = at.astimezone(UTC)
+    return (
+        record.identity_id,
+        str(record.type),  # a StrEnum; anything else meets the CHECK constraint
+        record.content,
+        record.metadata,
+        record.session_id,
+        at.isoformat(),
+    )
+
+
+def _has_nul(value: object) -> bool:
+    if isinstance(value, str):
+        return "\x00" in value
+    if isinstance(value, dict):
+        return any(_has_nul(key) or _has_nul(item) for key, item in value.items())
+    if isinstance(value, list | tuple):
+        return any(_has_nul(item) for item in value)
+    return False
+
+
+def _encode(
+    records: Sequence[ObservationRecord],
+) -> tuple[list[_Row], list[tuple[int, str]], str]:
+    """The records as rows, those refused before the server sees them (metadata that is
+    not JSON, text holding NUL), and the JSON document of the rows. The batch is encoded
+    at once; only a batch that fails or holds an escaped NUL is encoded row by row."""
+    rows = [_Row(index, _values(record)) for index, record in enumerate(records)]
+    try:
+        document = _JSON.encode([row.values for row in rows])
+    except (TypeError, ValueError):
+        document = _NUL_ESCAPE  # find the culprits below
+    if _NUL_ESCAPE not in document:
+        return rows, [], document
+    kept: list[_Row] = []
+    parts: list[str] = []
     refused: list[tuple[int, str]] = []
-    for index, record in enumerate(records):
+    for row in rows:
         try:
-            metadata = json.dumps(record.metadata, allow_nan=False, separators=(",", ":"))
+            part = _JSON.encode(row.values)
         except (TypeError, ValueError) as exc:
-            refused.append((index, f"metadata is not JSON: {_reason(exc)}"))
+            refused.append((row.index, f"metadata is not JSON: {_reason(exc)}"))
             continue
-        values = (
-            record.identity_id,
-            str(record.type),  # a StrEnum; anything else meets the CHECK constraint
-            record.content,
-            metadata,
-            record.session_id,
-            record.created_at,
-        )
-        rows.append(_Row(index, values))
-    return rows, refused
+        if _NUL_ESCAPE in part and _has_nul(row.values):
+            refused.append((row.index, "text holds NUL (0x00), which Postgres can't store"))
+            continue
+        kept.append(row)
+        parts.append(part)
+    return kept, refused, f"[{','.join(parts)}]"
 
 
-async def _insert(driver: Any, schema: str, rows: Sequence[_Row]) -> None:
+def _documents(rows: Sequence[_Row], document: str | None = None) -> list[str]:
+    """The JSON document of ``rows`` (given when already made), in parts of at most
+    :data:`MAX_DOCUMENT_CHARS` characters unless a single row is longer."""
+    if document is None:
+        document = _JSON.encode([row.values for row in rows])
+    if len(document) <= MAX_DOCUMENT_CHARS or len(rows) == 1:
+        return [document]
+    middle = len(rows) // 2
+    return [*_documents(rows[:middle]), *_documents(rows[middle:])]
+
+
+async def _insert(driver: Any, schema: str, rows: Sequence[_Row], document: str) -> None:
     statement = query("observations_insert", schema)
-    columns = {name: [row.values[i] for row in rows] for i, name in enumerate(_ARRAYS)}
-    await driver.execute(statement.text, *statement.arguments_from(columns))
+    for part in _documents(rows, document):
+        await driver.execute(statement.text, *statement.arguments(rows=part))
 
 
 async def _insert_returning_ids(driver: Any, schema: str, rows: Sequence[_Row]) -> list[int]:
     statement = query("observations_insert", schema)
-    columns = {name: [row.values[i] for row in rows] for i, name in enumerate(_ARRAYS)}
-    returned = await driver.fetch(
-        statement.text + " RETURNING id", *statement.arguments_from(columns)
-    )
-    return [int(r["id"]) for r in returned]
+    ids: list[int] = []
+    for part in _documents(rows):
+        returned = await driver.fetch(
+            statement.text + " RETURNING id", *statement.arguments(rows=part)
+        )
+        ids.extend(int(r["id"]) for r in returned)
+    return ids
 
 
 def _pairs(rows: Sequence[_Row]) -> list[tuple[str, str]]:
@@ -168,20 +222,21 @@ async def _store(
     schema: str,
     key: str,
     rows: list[_Row],
+    document: str,
     refused: list[tuple[int, str]],
     total: int,
     first_attempt: bool,
 ) -> _Stored:
-    """Store ``rows`` with their rollup (or the record that it is owed) and ``key`` in one
-    transaction; the caller commits. ``refused``: rows already refused before reaching
-    the server."""
+    """Store ``rows`` (``document``, see ``observations_insert.sql``) with their rollup (or
+    the record that it is owed) and ``key`` in one transaction; the caller commits.
+    ``refused``: rows already refused before reaching the server."""
     expected = AppendOutcome(stored=len(rows), refused=sorted(refused))
     claimed = await batch_keys.claim(conn, schema, key, expected, first_attempt)
     if claimed.earlier is not None:
         return _Stored(claimed.earlier, claimed.shard)
     try:
         # The common case: one statement for the rows, then their rollup.
-        await _insert(driver, schema, rows)
+        await _insert(driver, schema, rows, document)
         owed = await rollup_or_owe(driver, schema, claimed.shard, _pairs(rows))
         return _Stored(expected, claimed.shard, owed, claimed.spilled)
     except Exception as exc:
@@ -218,7 +273,7 @@ async def append_observations(
     ``first_attempt``: no earlier attempt of the batch can have been stored, so the key
     may be recorded without looking for it (see :mod:`~coda_memory.postgres.batch_keys`).
     ``counts``: where a committed append counts what it owed, folded or spilled."""
-    rows, refused = _encode(records)
+    rows, refused, document = _encode(records)
     if not rows:
         return AppendOutcome(stored=0, refused=refused)
     raw = await conn.get_raw_connection()
@@ -226,7 +281,9 @@ async def append_observations(
     due = debt is not None and debt.due()
     folded: Folded | None = None
     try:
-        stored = await _store(conn, driver, schema, key, rows, refused, len(records), first_attempt)
+        stored = await _store(
+            conn, driver, schema, key, rows, document, refused, len(records), first_attempt
+        )
         if due and not stored.owed:  # when it owes, the rollup tables are locked
             folded = await fold_owed(driver, schema, stored.shard)
         if expire_keys:

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 from datetime import UTC, timedelta
-from typing import cast
+from typing import Any, cast
 
 import pytest
 
 from coda_memory.core.model import ObservationType
 from coda_memory.errors import SchemaNotMigrated
 from coda_memory.postgres import PostgresStore
+from coda_memory.postgres import append as append_module
 from coda_memory.postgres.engine import asyncpg_url
 from coda_memory.postgres.migrate import migrate_async
 from coda_memory.postgres.schema import metadata
@@ -43,6 +44,44 @@ async def test_append_stores_the_batch_in_order(pg_store: PostgresStore) -> None
     assert stored[1].type is ObservationType.QUERY_PATTERN
     assert stored[2].created_at == NOW - timedelta(hours=1)
     assert all(o.created_at.tzinfo is UTC for o in stored)
+
+
+async def test_text_that_only_reads_like_an_escaped_nul_is_stored_as_it_is(
+    pg_store: PostgresStore,
+) -> None:
+    # JSON writes a NUL as \\u0000; a backslash followed by "u0000" is not one.
+    literal = "a \\u0000 and a \\\\u0000"
+    batch = [record(literal, metadata={"toolName": "get_account", literal: literal})]
+
+    outcome = await pg_store.append(batch)
+
+    assert (outcome.stored, outcome.refused) == (1, [])
+    [stored] = await pg_store.observations("alice")
+    assert stored.content == literal
+    assert stored.metadata == {"toolName": "get_account", literal: literal}
+
+
+async def test_a_batch_larger_than_one_document_goes_in_parts_in_order(
+    pg_store: PostgresStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    sent: list[str] = []
+    documents = append_module._documents
+
+    def recorded(rows: Any, document: str | None = None) -> list[str]:
+        parts = documents(rows, document)
+        sent.extend(parts)
+        return parts
+
+    monkeypatch.setattr(append_module, "MAX_DOCUMENT_CHARS", 1_000)
+    monkeypatch.setattr(append_module, "_documents", recorded)
+    batch = [record(f"observation {i:02} " + "x" * 200) for i in range(20)]
+
+    outcome = await pg_store.append(batch)
+
+    assert (outcome.stored, outcome.refused) == (20, [])
+    assert len(sent) > 4
+    assert all(len(part) <= 1_000 for part in sent)
+    assert contents(await pg_store.observations("alice")) == [r.content for r in batch]
 
 
 async def test_append_of_nothing_stores_nothing(pg_store: PostgresStore) -> None:
