@@ -23,10 +23,8 @@ bisection path does not defer: a lock met there fails the append, which is retri
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass
-from datetime import UTC
 from typing import Any
 
 from sqlalchemy.ext.asyncio import AsyncConnection
@@ -34,13 +32,11 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 from coda_memory.ports import AppendOutcome, ObservationRecord
 from coda_memory.postgres import batch_keys
 from coda_memory.postgres.connection import sqlstate
+from coda_memory.postgres.documents import ENCODER, document, instant
 from coda_memory.postgres.rollup_batch import write_rollup_part
 from coda_memory.postgres.rollup_owed import Folded, RollupDebt, fold_owed, rollup_or_owe
 from coda_memory.postgres.sql import query
 
-#: The batch's JSON document (``observations_insert.sql``): one encoder for every batch,
-#: since ``json.dumps`` with options builds a new one per call.
-_JSON = json.JSONEncoder(allow_nan=False, separators=(",", ":"), ensure_ascii=False)
 #: A document longer than this (characters) is sent in parts: the server's jsonb holds at
 #: most 256 MB, and a batch of large observations with a large ``batch_size`` could reach it.
 MAX_DOCUMENT_CHARS = 32 * 1024 * 1024
@@ -84,16 +80,13 @@ def _is_row_error(exc: BaseException) -> bool:
 
 
 def _values(record: ObservationRecord) -> tuple[str, str, str, Any, str | None, str]:
-    at = record.created_at
-    if at.tzinfo is None:  # a naive time is local time, as the driver took it
-        at = at.astimezone(UTC)
     return (
         record.identity_id,
         str(record.type),  # a StrEnum; anything else meets the CHECK constraint
         record.content,
         record.metadata,
         record.session_id,
-        at.isoformat(),
+        instant(record.created_at),
     )
 
 
@@ -115,17 +108,17 @@ def _encode(
     at once; only a batch that fails or holds an escaped NUL is encoded row by row."""
     rows = [_Row(index, _values(record)) for index, record in enumerate(records)]
     try:
-        document = _JSON.encode([row.values for row in rows])
+        text = document([row.values for row in rows])
     except (TypeError, ValueError):
-        document = _NUL_ESCAPE  # find the culprits below
-    if _NUL_ESCAPE not in document:
-        return rows, [], document
+        text = _NUL_ESCAPE  # find the culprits below
+    if _NUL_ESCAPE not in text:
+        return rows, [], text
     kept: list[_Row] = []
     parts: list[str] = []
     refused: list[tuple[int, str]] = []
     for row in rows:
         try:
-            part = _JSON.encode(row.values)
+            part = ENCODER.encode(row.values)
         except (TypeError, ValueError) as exc:
             refused.append((row.index, f"metadata is not JSON: {_reason(exc)}"))
             continue
@@ -137,20 +130,20 @@ def _encode(
     return kept, refused, f"[{','.join(parts)}]"
 
 
-def _documents(rows: Sequence[_Row], document: str | None = None) -> list[str]:
-    """The JSON document of ``rows`` (given when already made), in parts of at most
+def _documents(rows: Sequence[_Row], text: str | None = None) -> list[str]:
+    """The JSON document of ``rows`` (``text`` when already made), in parts of at most
     :data:`MAX_DOCUMENT_CHARS` characters unless a single row is longer."""
-    if document is None:
-        document = _JSON.encode([row.values for row in rows])
-    if len(document) <= MAX_DOCUMENT_CHARS or len(rows) == 1:
-        return [document]
+    if text is None:
+        text = document([row.values for row in rows])
+    if len(text) <= MAX_DOCUMENT_CHARS or len(rows) == 1:
+        return [text]
     middle = len(rows) // 2
     return [*_documents(rows[:middle]), *_documents(rows[middle:])]
 
 
-async def _insert(driver: Any, schema: str, rows: Sequence[_Row], document: str) -> None:
+async def _insert(driver: Any, schema: str, rows: Sequence[_Row], text: str) -> None:
     statement = query("observations_insert", schema)
-    for part in _documents(rows, document):
+    for part in _documents(rows, text):
         await driver.execute(statement.text, *statement.arguments(rows=part))
 
 
@@ -222,21 +215,21 @@ async def _store(
     schema: str,
     key: str,
     rows: list[_Row],
-    document: str,
+    text: str,
     refused: list[tuple[int, str]],
     total: int,
     first_attempt: bool,
 ) -> _Stored:
-    """Store ``rows`` (``document``, see ``observations_insert.sql``) with their rollup (or
-    the record that it is owed) and ``key`` in one transaction; the caller commits.
-    ``refused``: rows already refused before reaching the server."""
+    """Store ``rows`` (their JSON document ``text``) with their rollup (or the record that
+    it is owed) and ``key`` in one transaction; the caller commits. ``refused``: rows
+    already refused before reaching the server."""
     expected = AppendOutcome(stored=len(rows), refused=sorted(refused))
     claimed = await batch_keys.claim(conn, schema, key, expected, first_attempt)
     if claimed.earlier is not None:
         return _Stored(claimed.earlier, claimed.shard)
     try:
         # The common case: one statement for the rows, then their rollup.
-        await _insert(driver, schema, rows, document)
+        await _insert(driver, schema, rows, text)
         owed = await rollup_or_owe(driver, schema, claimed.shard, _pairs(rows))
         return _Stored(expected, claimed.shard, owed, claimed.spilled)
     except Exception as exc:
@@ -273,7 +266,7 @@ async def append_observations(
     ``first_attempt``: no earlier attempt of the batch can have been stored, so the key
     may be recorded without looking for it (see :mod:`~coda_memory.postgres.batch_keys`).
     ``counts``: where a committed append counts what it owed, folded or spilled."""
-    rows, refused, document = _encode(records)
+    rows, refused, text = _encode(records)
     if not rows:
         return AppendOutcome(stored=0, refused=refused)
     raw = await conn.get_raw_connection()
@@ -282,7 +275,7 @@ async def append_observations(
     folded: Folded | None = None
     try:
         stored = await _store(
-            conn, driver, schema, key, rows, document, refused, len(records), first_attempt
+            conn, driver, schema, key, rows, text, refused, len(records), first_attempt
         )
         if due and not stored.owed:  # when it owes, the rollup tables are locked
             folded = await fold_owed(driver, schema, stored.shard)

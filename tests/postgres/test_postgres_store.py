@@ -67,8 +67,8 @@ async def test_a_batch_larger_than_one_document_goes_in_parts_in_order(
     sent: list[str] = []
     documents = append_module._documents
 
-    def recorded(rows: Any, document: str | None = None) -> list[str]:
-        parts = documents(rows, document)
+    def recorded(rows: Any, text: str | None = None) -> list[str]:
+        parts = documents(rows, text)
         sent.extend(parts)
         return parts
 
