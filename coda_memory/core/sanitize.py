@@ -211,16 +211,22 @@ def _check_session(session_id: object) -> str | None:
     return str(session_id)
 
 
+#: The observation types by value; a member hashes and compares as its value, so it finds
+#: itself (what ``ObservationType(value)`` looks up first, at a fifth of its cost).
+_TYPES = {member.value: member for member in ObservationType}
+
+
 def _check_type(value: object) -> ObservationType:
     if isinstance(value, str):
-        try:
-            return ObservationType(value)
-        except ValueError:
-            pass
+        member = _TYPES.get(value)
+        if member is not None:
+            return member
     raise ObservationRejected("type is not a known observation type")
 
 
 def _check_created_at(value: object) -> datetime:
+    if type(value) is datetime and value.tzinfo is UTC:
+        return value  # the common case: the service's clock, already in UTC
     if not isinstance(value, datetime):
         raise ObservationRejected("created_at is not a datetime")
     if value.tzinfo is None or value.utcoffset() is None:
