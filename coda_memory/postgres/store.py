@@ -48,6 +48,24 @@ Three pools, so that what blocks one kind of work cannot take the connections of
 * the admin pool (the ``engine``; history, forget, maintenance, analytics) opens
   connections only when such work runs.
 
+Tables held
+-----------
+DDL and some maintenance hold a whole table (``ACCESS EXCLUSIVE`` for most ``ALTER
+TABLE``, ``VACUUM FULL`` or ``LOCK TABLE``; ``SHARE`` for ``CREATE INDEX``). A request
+does not wait for such a lock longer than ``table_lock_timeout`` (25 ms):
+
+* the peek's statements run under it (the request connections' ``lock_timeout``); when
+  a table it reads is held, the store reads the facts alone (or takes the kept ones)
+  and says that nothing waits, so the load answers from the stored facts at once and
+  the new observations wait, unconsumed, for a load that can consolidate them;
+* a consolidation first locks the four tables it writes in ``ROW EXCLUSIVE`` mode (the
+  mode its statements take anyway, which no other consolidation, append or prune
+  conflicts with) under it, in the round trip of its ``BEGIN``; a held table fails the
+  consolidation at once, and the load answers from the facts at hand, instead of
+  holding a slot and a connection for the statement timeout while every other load
+  waits for a slot. Only then does it wait for the checkpoint row (``lock_timeout``),
+  which another process consolidating the identity holds for milliseconds.
+
 The service runs at most ``request_slots`` consolidations at once, so requests queue in
 the event loop rather than on the pool. :meth:`PostgresStore.start` opens the request
 and writer connections and prepares the hot-path statements on each before the first
@@ -101,9 +119,16 @@ from coda_memory.postgres.unit import (
     Statements,
     lock_identity,
     peek,
+    stored_facts,
 )
 
 DEFAULT_LOCK_TIMEOUT = timedelta(seconds=5)
+#: How long a request waits for a table that DDL or maintenance holds (see "Tables held").
+DEFAULT_TABLE_LOCK_TIMEOUT = timedelta(milliseconds=25)
+#: The tables a consolidation writes, in the order it locks them.
+_CONSOLIDATION_TABLES = ("checkpoints", "observations", "facts", "fact_events")
+#: lock_not_available: a lock wait ended by ``lock_timeout``.
+_LOCK_NOT_AVAILABLE = "55P03"
 #: Every statement of a request (peek, consolidation); lock waits included.
 DEFAULT_STATEMENT_TIMEOUT = timedelta(seconds=1)
 #: How long an append waits for a lock before it fails and is retried.
@@ -169,13 +194,15 @@ class PostgresStore:
         request_engine: AsyncEngine | None = None,
         writer_engine: AsyncEngine | None = None,
         known_facts: int = DEFAULT_KNOWN_FACTS,
+        table_lock_timeout: timedelta | None = DEFAULT_TABLE_LOCK_TIMEOUT,
     ) -> None:
         """Use ``engine`` (and ``request_engine`` for peeks and consolidations,
         ``writer_engine`` for appends; ``engine`` when None), whose
         ``schema_translate_map`` must place the tables in ``schema`` (:meth:`from_url`
         builds such engines, with the pools and timeouts the module docstring describes).
         ``known_facts``: how many facts, all identities together, the store keeps between
-        requests (0: none; see "Facts read once" above)."""
+        requests (0: none; see "Facts read once" above). ``table_lock_timeout``: how long
+        a consolidation waits for its tables (see "Tables held" above; None: no limit)."""
         self.engine = engine
         self.request_engine = request_engine if request_engine is not None else engine
         self.writer_engine = writer_engine if writer_engine is not None else engine
@@ -188,7 +215,14 @@ class PostgresStore:
         # and checkpoint are lost together and the next run redoes it from the same
         # (durably stored) observations.
         self._lock_timeout = lock_timeout_clause(lock_timeout)
-        self._begin = f"BEGIN; {self._lock_timeout}; SET LOCAL synchronous_commit = off"
+        # Its tables first, in the mode its statements take them anyway, waiting at most
+        # table_lock_timeout; then the checkpoint row, waiting at most lock_timeout.
+        tables = ", ".join(f'"{self.schema}".{table}' for table in _CONSOLIDATION_TABLES)
+        self._begin = (
+            f"BEGIN; {lock_timeout_clause(table_lock_timeout)}; "
+            f"LOCK TABLE {tables} IN ROW EXCLUSIVE MODE; "
+            f"{self._lock_timeout}; SET LOCAL synchronous_commit = off"
+        )
         self.lock_timeout = lock_timeout
         self._appends = 0
         # When the appends fold rollups owed under a lock (see ``rollup_owed``).
@@ -207,6 +241,7 @@ class PostgresStore:
         writer_pool_size: int = DEFAULT_WRITER_POOL_SIZE,
         statement_timeout: timedelta | None = DEFAULT_STATEMENT_TIMEOUT,
         writer_lock_timeout: timedelta | None = DEFAULT_WRITER_LOCK_TIMEOUT,
+        table_lock_timeout: timedelta | None = DEFAULT_TABLE_LOCK_TIMEOUT,
         connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
         command_timeout: float | None = DEFAULT_COMMAND_TIMEOUT,
         admin_command_timeout: float | None = DEFAULT_ADMIN_COMMAND_TIMEOUT,
@@ -216,7 +251,8 @@ class PostgresStore:
         """A store on ``url`` (postgresql://, postgres:// or postgresql+asyncpg://), with
         a request pool of ``pool_size`` connections whose statements run under
         ``statement_timeout``, a writer pool of ``writer_pool_size`` whose lock waits end
-        after ``writer_lock_timeout`` (None: no limit), and an admin pool; it keeps up to
+        after ``writer_lock_timeout`` (None: no limit), and an admin pool; a request waits
+        ``table_lock_timeout`` at most for a table (see "Tables held"); it keeps up to
         ``known_facts`` facts between requests. A statement that gets no answer within
         ``command_timeout`` seconds (``admin_command_timeout`` on the admin pool, whose
         rollup rebuilds and analytics may scan whole tables) fails with a connection
@@ -231,8 +267,12 @@ class PostgresStore:
         connect_args.setdefault("command_timeout", command_timeout)
         engine = create_engine(url, schema=schema, **{**engine_kwargs, "connect_args": admin_args})
         engine_kwargs["connect_args"] = connect_args
+        # The peek's lock waits end after table_lock_timeout (a consolidation sets its
+        # own in its transaction).
         request_kwargs = _with_settings(
-            engine_kwargs, statement_timeout=_milliseconds(statement_timeout)
+            engine_kwargs,
+            statement_timeout=_milliseconds(statement_timeout),
+            lock_timeout=_milliseconds(table_lock_timeout),
         )
         request_engine = create_engine(
             url, schema=schema, pool_size=pool_size, max_overflow=0, **request_kwargs
@@ -250,6 +290,7 @@ class PostgresStore:
             request_engine=request_engine,
             writer_engine=writer_engine,
             known_facts=known_facts,
+            table_lock_timeout=table_lock_timeout,
         )
 
     @property
@@ -351,6 +392,10 @@ class PostgresStore:
         return [] if known is None else await known.facts()
 
     async def peek(self, identity_id: str) -> tuple[list[Fact], bool]:
+        """The identity's stored facts and whether new observations wait. When a table the
+        peek reads is held (see "Tables held"), the facts alone, read without the
+        checkpoint or the observations, with nothing said to wait: the load answers from
+        them, and the new observations wait for a load that can consolidate them."""
         known = self._known.entry(identity_id)
 
         async def read(conn: AsyncConnection) -> Peeked:
@@ -360,13 +405,32 @@ class PostgresStore:
             await driver.execute(SET_TENANT_SESSION, identity_id)
             return await peek(driver, self._statements, identity_id, known)
 
-        peeked = await run(self.request_engine, self.schema, read, idempotent=True)
+        try:
+            peeked = await run(self.request_engine, self.schema, read, idempotent=True)
+        except Exception as error:
+            if sqlstate(error) != _LOCK_NOT_AVAILABLE:
+                raise
+            return await self._facts_alone(identity_id, known), False
         if peeked.read:
             # Kept for later peeks and the consolidation that follows (see "Facts read
             # once" above).
             kept = None if peeked.version is None else await Known.of(peeked.version, peeked.facts)
             self._known.put(identity_id, kept)
         return peeked.facts, peeked.pending
+
+    async def _facts_alone(self, identity_id: str, known: Known | None) -> list[Fact]:
+        """The identity's stored facts, read from ``facts`` only (the kept ones when
+        kept: without the checkpoint, their version can't be checked, and they are as
+        good as any)."""
+        if known is not None:
+            return await known.facts()
+
+        async def read(conn: AsyncConnection) -> list[Fact]:
+            driver = await driver_connection(conn)
+            await driver.execute(SET_TENANT_SESSION, identity_id)
+            return await stored_facts(driver, self._statements, identity_id)
+
+        return await run(self.request_engine, self.schema, read, idempotent=True)
 
     async def history(self, identity_id: str, subject: str | None = None) -> list[FactEvent]:
         return await self.run(

@@ -94,6 +94,13 @@ class Locked:
     version: str
 
 
+async def stored_facts(raw: Any, statements: Statements, identity_id: str) -> list[Fact]:
+    """The identity's stored facts (``stored_facts.sql``), read through ``raw``."""
+    facts = statements.facts
+    rows = await raw.fetch(facts.text, *facts.arguments(identity_id=identity_id))
+    return await mapped(rows, partial(fact_from_row, identity_id))
+
+
 async def lock_identity(raw: Any, statements: Statements, identity_id: str) -> Locked:
     """Lock the identity's checkpoint row until the transaction ``raw`` (an asyncpg
     connection) is in ends, creating the row first if needed; return its snapshot and
@@ -210,9 +217,7 @@ class PostgresConsolidationUnit:
         if self.known is not None:
             stored = await self.known.facts()
         else:
-            facts = sql.facts
-            fact_rows = await self._raw.fetch(facts.text, *facts.arguments(identity_id=identity_id))
-            stored = await mapped(fact_rows, partial(fact_from_row, identity_id))
+            stored = await stored_facts(self._raw, sql, identity_id)
             self.known = await Known.of(self._version, stored)
         with gc_paused():
             observations = [

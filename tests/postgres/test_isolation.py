@@ -50,21 +50,34 @@ async def until_waiting(admin_url: str, database: str | None, count: int) -> Non
             await asyncio.sleep(0.01)
 
 
-@pytest.mark.parametrize("table", ["checkpoints", "facts", "observations"])
-async def test_a_locked_table_fails_peek_and_consolidation_within_the_statement_timeout(
+@pytest.mark.parametrize("table", ["checkpoints", "facts", "observations", "fact_events"])
+async def test_a_held_table_keeps_peek_and_consolidation_waiting_at_most_the_table_lock_timeout(
     pg_url: str, table: str
 ) -> None:
     timeout = 0.2
-    store = PostgresStore.from_url(pg_url, statement_timeout=timedelta(seconds=timeout))
+    # The statement timeout is far longer: only the table lock timeout ends the waits.
+    store = PostgresStore.from_url(
+        pg_url,
+        statement_timeout=timedelta(seconds=30),
+        table_lock_timeout=timedelta(seconds=timeout),
+    )
     try:
         await store.append([record("observed")])
         async with locked(pg_url, table):
             started = time.monotonic()
-            with pytest.raises(asyncpg.QueryCanceledError):
-                await asyncio.wait_for(store.peek("alice"), timeout + SLACK)
-            assert timeout <= time.monotonic() - started < timeout + SLACK
+            if table == "facts":
+                # Neither the peek nor the facts alone can be read: both wait, then fail.
+                with pytest.raises(asyncpg.LockNotAvailableError):
+                    await asyncio.wait_for(store.peek("alice"), 2 * timeout + SLACK)
+                assert 2 * timeout <= time.monotonic() - started < 2 * timeout + SLACK
+            elif table == "fact_events":  # the peek does not read it
+                assert await store.peek("alice") == ([], True)
+            else:
+                # The facts alone (none yet), and nothing said to wait.
+                assert await asyncio.wait_for(store.peek("alice"), timeout + SLACK) == ([], False)
+                assert timeout <= time.monotonic() - started < timeout + SLACK
             started = time.monotonic()
-            with pytest.raises(asyncpg.QueryCanceledError):
+            with pytest.raises(asyncpg.LockNotAvailableError):
                 await asyncio.wait_for(consolidate(store), timeout + SLACK)
             assert timeout <= time.monotonic() - started < timeout + SLACK
         # Released: both work again on the same pool.
@@ -135,7 +148,9 @@ async def test_a_blocked_writer_does_not_block_loads(pg_url: str, admin_url: str
 
 
 async def test_blocked_consolidations_do_not_block_the_writer(pg_url: str, admin_url: str) -> None:
-    store = PostgresStore.from_url(pg_url, pool_size=2, statement_timeout=None)
+    store = PostgresStore.from_url(
+        pg_url, pool_size=2, statement_timeout=None, table_lock_timeout=None
+    )
     try:
         async with locked(pg_url, "checkpoints"):
             # Every request connection waits for the checkpoint table.
@@ -173,7 +188,9 @@ async def test_the_pools_have_the_sizes_configured_and_no_overflow(pg_url: str) 
 async def test_the_service_runs_no_more_consolidations_than_request_connections(
     pg_url: str, admin_url: str
 ) -> None:
-    store = PostgresStore.from_url(pg_url, pool_size=2, statement_timeout=None)
+    store = PostgresStore.from_url(
+        pg_url, pool_size=2, statement_timeout=None, table_lock_timeout=None
+    )
     service = MemoryService(store, load_timeout=0.05)
     try:
         assert store.request_slots == 2

@@ -7,6 +7,7 @@ import gc
 import random
 from collections.abc import Callable
 from datetime import datetime, timedelta
+from typing import Any
 
 import pytest
 
@@ -74,8 +75,8 @@ async def _checkpoint_version(url: str) -> str:
     return str(rows[0][0])
 
 
-async def _consolidated(url: str) -> PostgresStore:
-    store = PostgresStore.from_url(url)
+async def _consolidated(url: str, **options: Any) -> PostgresStore:
+    store = PostgresStore.from_url(url, **options)
     await store.append([record("called get_account")])
     service = MemoryService(store, clock=lambda: NOW)
     await service.consolidate("alice")
@@ -191,8 +192,9 @@ async def test_a_load_after_this_service_stored_observations_skips_the_peek(
 
 async def test_a_load_stuck_before_its_peek_answers_from_the_kept_facts(pg_url: str) -> None:
     """A load that times out before its peek returns (here the checkpoints table is
-    locked) answers from the facts the store keeps, not empty."""
-    store = await _consolidated(pg_url)
+    locked, and the peek waits for it without limit) answers from the facts the store
+    keeps, not empty."""
+    store = await _consolidated(pg_url, table_lock_timeout=None)
     service = MemoryService(store, clock=lambda: NOW, load_timeout=0.2)
     try:
         async with locked(pg_url, "checkpoints"):
