@@ -1,8 +1,9 @@
 """13. Lock isolation: an ACCESS EXCLUSIVE lock held on each table of the schema in turn
 (10 s in full mode, 2 s in quick) while host-shaped requests keep coming, 8 in flight,
 through a service with the library's defaults. Per table: the slowest load against the
-timeout + 10 ms, the observations stored while the lock was held, pool exhaustion, log
-lines per second per cause, and the time to recover after the release."""
+timeout + 10 ms, the loads that came back empty, the observations stored while the lock
+was held, pool exhaustion, log lines per second per cause, and the time to recover after
+the release."""
 
 from __future__ import annotations
 
@@ -129,6 +130,20 @@ async def locks_section(db: Database, ctx: Context) -> None:
             target="0",
             met=not stalled,
             details={"tables": stalled},
+        )
+    )
+    emptiest = max(rows, key=lambda r: r["empty"])
+    report.add(
+        Figure(
+            section,
+            f"{held}: empty loads while a table was held, most for one table",
+            emptiest["empty"],
+            "",
+            details={
+                "table": emptiest["table"],
+                "of_loads": emptiest["loads"],
+                "all_tables": sum(r["empty"] for r in rows),
+            },
         )
     )
     exhausted = sum(r["pool_exhausted_lines"] for r in rows)
