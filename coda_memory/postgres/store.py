@@ -75,6 +75,7 @@ request.
 from __future__ import annotations
 
 import asyncio
+import logging
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
@@ -85,6 +86,7 @@ from typing import Any, TypeVar
 from sqlalchemy import delete
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
+from coda_memory.core.caps import LogThrottle
 from coda_memory.core.model import Fact, FactEvent, Observation
 from coda_memory.errors import ConnectionLost, StoreBusy
 from coda_memory.ports import (
@@ -129,6 +131,7 @@ DEFAULT_TABLE_LOCK_TIMEOUT = timedelta(milliseconds=25)
 _CONSOLIDATION_TABLES = ("checkpoints", "observations", "facts", "fact_events")
 #: lock_not_available: a lock wait ended by ``lock_timeout``.
 _LOCK_NOT_AVAILABLE = "55P03"
+_log = LogThrottle(logging.getLogger("coda_memory"))
 #: Every statement of a request (peek, consolidation); lock waits included.
 DEFAULT_STATEMENT_TIMEOUT = timedelta(seconds=1)
 #: How long an append waits for a lock before it fails and is retried.
@@ -410,6 +413,11 @@ class PostgresStore:
         except Exception as error:
             if sqlstate(error) != _LOCK_NOT_AVAILABLE:
                 raise
+            _log.warning(
+                "peek held out",
+                "coda-memory: a table the peek reads is held (lock timeout); loads answer "
+                "from the stored facts, and new observations wait, meanwhile",
+            )
             return await self._facts_alone(identity_id, known), False
         if peeked.read:
             # Kept for later peeks and the consolidation that follows (see "Facts read

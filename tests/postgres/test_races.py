@@ -4,6 +4,7 @@ killed connections and locks. Every test uses real separate connections."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import random
 from collections.abc import AsyncIterator
 from datetime import timedelta
@@ -12,6 +13,8 @@ import asyncpg
 import pytest
 
 from coda_memory import Fact, FactEventKind, MemoryService
+from coda_memory.core.caps import LogThrottle
+from coda_memory.postgres import store as store_module
 from tests.helpers import T0, FakeClock, domain, entity, tool_failed, tool_ok
 
 pytestmark = pytest.mark.postgres
@@ -241,8 +244,15 @@ async def test_load_memory_under_an_access_exclusive_lock_answers_at_once_and_re
 
 @pytest.mark.parametrize("table", ["checkpoints", "observations"])
 async def test_under_a_held_table_a_load_answers_from_the_stored_facts_at_once(
-    pg_url: str, clock: FakeClock, admin: asyncpg.Connection, table: str
+    pg_url: str,
+    clock: FakeClock,
+    admin: asyncpg.Connection,
+    table: str,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    # A throttle of its own: the one-line-a-second limit of an earlier test can't hide it.
+    monkeypatch.setattr(store_module, "_log", LogThrottle(logging.getLogger("coda_memory")))
     # u1's facts were made by another process: this one does not keep them.
     other = MemoryService.from_url(pg_url, clock=clock)
     try:
@@ -264,6 +274,8 @@ async def test_under_a_held_table_a_load_answers_from_the_stored_facts_at_once(
         assert [f.subject for f in memory.facts] == ["tool_affinity:t"]
         assert list(memory.tool_affinities) == ["t"]
         assert (service.stats().load_timeouts, service.stats().load_errors) == (0, 0)
+        said = [r.getMessage() for r in caplog.records if r.name == "coda_memory"]
+        assert any("a table the peek reads is held" in line for line in said)
         await asyncio.wait_for(service.drain(), 4)
         await lock.rollback()
         # The observation that waited is consolidated by the next load.
