@@ -11,6 +11,7 @@ from datetime import timedelta
 
 import asyncpg
 import pytest
+from asyncpg.transaction import Transaction
 
 from coda_memory import Fact, FactEventKind, MemoryService
 from coda_memory.core.caps import LogThrottle
@@ -202,20 +203,40 @@ async def test_connections_killed_mid_consolidation_never_leave_partial_state(
     await expected.close()
 
 
+def patient_service(pg_url: str, clock: FakeClock) -> MemoryService:
+    """A service whose statement timeout is far beyond the tests' patience: only the table
+    lock timeout can bring one of its loads back early."""
+    return MemoryService.from_url(
+        pg_url, clock=clock, load_timeout=5.0, statement_timeout=timedelta(seconds=60)
+    )
+
+
+async def consolidated_then_more(service: MemoryService, identity: str) -> None:
+    """``identity`` consolidated with one fact (tool t), then one more observation stored."""
+    service.emit_observation(identity, tool_ok("t"))
+    await service.drain()
+    await service.consolidate(identity)
+    service.emit_observation(identity, tool_ok("u", session="s2"))
+    await service.drain()
+
+
+async def hold(admin: asyncpg.Connection, table: str) -> Transaction:
+    """An ACCESS EXCLUSIVE lock on ``table`` in a transaction of ``admin``, held until
+    the returned transaction is rolled back."""
+    lock = admin.transaction()
+    await lock.start()
+    await admin.execute(f"LOCK TABLE coda_memory.{table} IN ACCESS EXCLUSIVE MODE")
+    return lock
+
+
 async def test_load_memory_under_an_access_exclusive_lock_answers_at_once_and_recovers(
     pg_url: str, clock: FakeClock, admin: asyncpg.Connection
 ) -> None:
-    # A statement timeout far beyond the test's patience: only the table lock timeout can
-    # bring the load back early.
-    service = MemoryService.from_url(
-        pg_url, clock=clock, load_timeout=5.0, statement_timeout=timedelta(seconds=60)
-    )
+    service = patient_service(pg_url, clock)
     try:
         service.emit_observation("u1", tool_ok("t"))
         await service.drain()
-        lock = admin.transaction()
-        await lock.start()
-        await admin.execute("LOCK TABLE coda_memory.checkpoints IN ACCESS EXCLUSIVE MODE")
+        lock = await hold(admin, "checkpoints")
         memory = await asyncio.wait_for(service.load_memory("u1"), 4)
         # Nothing consolidated yet, so no facts; the observation waits, unconsumed.
         assert (memory.facts, memory.prompt_section) == ([], "")
@@ -256,20 +277,12 @@ async def test_under_a_held_table_a_load_answers_from_the_stored_facts_at_once(
     # u1's facts were made by another process: this one does not keep them.
     other = MemoryService.from_url(pg_url, clock=clock)
     try:
-        other.emit_observation("u1", tool_ok("t"))
-        await other.drain()
-        await other.consolidate("u1")
-        other.emit_observation("u1", tool_ok("u", session="s2"))
-        await other.drain()
+        await consolidated_then_more(other, "u1")
     finally:
         await other.close()
-    service = MemoryService.from_url(
-        pg_url, clock=clock, load_timeout=5.0, statement_timeout=timedelta(seconds=60)
-    )
+    service = patient_service(pg_url, clock)
     try:
-        lock = admin.transaction()
-        await lock.start()
-        await admin.execute(f"LOCK TABLE coda_memory.{table} IN ACCESS EXCLUSIVE MODE")
+        lock = await hold(admin, table)
         memory = await asyncio.wait_for(service.load_memory("u1"), 4)
         assert [f.subject for f in memory.facts] == ["tool_affinity:t"]
         assert list(memory.tool_affinities) == ["t"]
@@ -288,18 +301,10 @@ async def test_under_a_held_table_a_load_answers_from_the_stored_facts_at_once(
 async def test_a_consolidation_fails_at_once_on_a_held_table_and_the_load_answers_stale(
     pg_url: str, clock: FakeClock, admin: asyncpg.Connection
 ) -> None:
-    service = MemoryService.from_url(
-        pg_url, clock=clock, load_timeout=5.0, statement_timeout=timedelta(seconds=60)
-    )
+    service = patient_service(pg_url, clock)
     try:
-        service.emit_observation("u1", tool_ok("t"))
-        await service.drain()
-        await service.consolidate("u1")  # kept: the next load skips its peek
-        service.emit_observation("u1", tool_ok("u", session="s2"))
-        await service.drain()
-        lock = admin.transaction()
-        await lock.start()
-        await admin.execute("LOCK TABLE coda_memory.fact_events IN ACCESS EXCLUSIVE MODE")
+        await consolidated_then_more(service, "u1")  # kept: the next load skips its peek
+        lock = await hold(admin, "fact_events")
         memory = await asyncio.wait_for(service.load_memory("u1"), 4)
         assert [f.subject for f in memory.facts] == ["tool_affinity:t"]
         # Counted as failed (the consolidation failed), answered from the kept facts.
