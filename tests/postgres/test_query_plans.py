@@ -1,4 +1,4 @@
-"""Plan regressions: the analytics and rollup statements use the indexes they rely on.
+"""Plan regressions: the analytics, rollup and peek statements use the indexes they rely on.
 
 The database gets enough rows (a year of rollup, tens of thousands of facts and
 observations) and fresh statistics for the planner to choose the indexes on its own; no
@@ -30,7 +30,8 @@ from coda_memory.postgres.analytics import (
 from coda_memory.postgres.engine import driver_connection
 from coda_memory.postgres.migrate import migrate_async
 from coda_memory.postgres.rollup_batch import batch_statements
-from tests.postgres.helpers import record
+from coda_memory.postgres.unit import Statements
+from tests.postgres.helpers import consolidate, record
 
 NOW = datetime(2026, 3, 1, 12, 0, tzinfo=UTC)
 
@@ -274,3 +275,39 @@ async def test_forget_deletes_the_rollup_rows_by_primary_key(loaded: PostgresSto
         *(indexes(nodes) for nodes in plans)
     )
     assert "tool_users" not in set().union(*(scanned(nodes) for nodes in plans))
+
+
+def rows_read(nodes: list[dict[str, Any]], relation: str) -> int:
+    """Rows the scans of ``relation`` (and their index scans) produced or filtered out."""
+    read = 0
+    for node in nodes:
+        if node.get("Relation Name") != relation and not str(node.get("Index Name", "")).startswith(
+            f"ix_{relation}_"
+        ):
+            continue
+        read += int(node.get("Actual Rows", 0)) * int(node.get("Actual Loops", 1))
+        read += int(node.get("Rows Removed by Filter", 0))
+        read += int(node.get("Rows Removed by Index Recheck", 0))
+    return read
+
+
+async def test_the_peek_reads_the_unconsumed_tail_not_the_identitys_history(
+    loaded: PostgresStore,
+) -> None:
+    # user-11 has 50 observations; a consolidation consumes them all.
+    assert len((await consolidate(loaded, "user-11", now=NOW)).observations) == 50
+    peek = Statements.for_schema(loaded.schema).peek
+    async with loaded.engine.connect() as conn:
+        driver = await driver_connection(conn)
+        raw = await driver.fetchval(
+            f"EXPLAIN (ANALYZE, FORMAT JSON) {peek.text}",
+            *peek.arguments(identity_id="user-11", known_version=None),
+        )
+        await conn.rollback()
+    explained = json.loads(raw) if isinstance(raw, str) else raw
+    nodes = list(plan_nodes(explained[0]["Plan"]))
+
+    # Nothing waits, so the check reads nothing: the stored snapshot bounds the
+    # (identity_id, xid) range instead of filtering each of the 50 rows.
+    assert "ix_observations_identity_id_xid" in indexes(nodes)
+    assert rows_read(nodes, "observations") == 0

@@ -10,16 +10,25 @@ cp AS (
     FROM {schema}.checkpoints
     WHERE identity_id = :identity_id
 ),
--- Whether an observation waits: none consolidated yet, or one the stored snapshot did
--- not consume (fragments/unconsumed.sql).
+-- Whether an observation waits: any at all when nothing was consolidated yet, else one
+-- the stored snapshot did not consume (fragments/unconsumed.sql). Two branches, not one
+-- predicate with OR: the snapshot then reaches the (identity_id, xid) index as a bound,
+-- and the check reads the unconsumed tail instead of the identity's whole history.
 pending AS (
-    SELECT EXISTS (
-        SELECT 1
-        FROM {schema}.observations o
-        LEFT JOIN cp ON true
-        WHERE o.identity_id = :identity_id
-            AND (cp.s IS NULL OR {unconsumed(xid=o.xid, snapshot=cp.s)})
-    ) AS p
+    SELECT CASE
+        WHEN (SELECT s FROM cp) IS NULL THEN EXISTS (
+            SELECT 1
+            FROM {schema}.observations o
+            WHERE o.identity_id = :identity_id
+        )
+        ELSE EXISTS (
+            SELECT 1
+            FROM cp
+            JOIN {schema}.observations o
+                ON o.identity_id = :identity_id
+                AND {unconsumed(xid=o.xid, snapshot=cp.s)}
+        )
+    END AS p
 )
 SELECT
     pending.p AS pending,
