@@ -541,8 +541,10 @@ class MemoryService(ObservationWriter):
 
     def stats(self) -> MemoryStats:
         """Counts of observations emitted, stored, rejected, dropped and pending."""
-        # The store's counts of what its appends did around locks (Postgres only).
+        # The store's counts of what its appends, peeks and consolidations did around
+        # locks (Postgres only).
         ingest = getattr(self.store, "ingest_counts", None)
+        held_out = getattr(self.store, "held_out", None)
         return MemoryStats(
             emitted=self._emitted,
             stored=self._stored,
@@ -561,6 +563,8 @@ class MemoryService(ObservationWriter):
             rollups_owed=getattr(ingest, "rollups_owed", 0),
             rollups_folded=getattr(ingest, "rollups_folded", 0),
             keys_spilled=getattr(ingest, "keys_spilled", 0),
+            peeks_held_out=getattr(held_out, "peeks", 0),
+            consolidations_held_out=getattr(held_out, "consolidations", 0),
         )
 
     async def close(self, timeout: float | None = 30.0) -> None:

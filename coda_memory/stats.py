@@ -47,3 +47,9 @@ class MemoryStats(BaseModel):
     rollups_owed: int = 0
     rollups_folded: int = 0
     keys_spilled: int = 0
+    #: Postgres store: peeks that a held table stopped (their loads answered from the
+    #: stored facts, and the new observations waited); consolidations that a lock wait
+    #: kept out (a held table, or the identity's checkpoint row past ``lock_timeout``;
+    #: a load's also counts in ``load_errors``). See "Tables held" in the README.
+    peeks_held_out: int = 0
+    consolidations_held_out: int = 0

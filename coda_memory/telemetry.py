@@ -45,6 +45,11 @@ _COUNTERS = {
     "rollups_owed": ("coda_memory.rollups.owed", "Appends that owed their rollup (lock)"),
     "rollups_folded": ("coda_memory.rollups.folded", "Owed rollups folded in by appends"),
     "keys_spilled": ("coda_memory.keys.spilled", "Batch keys recorded in the spill table"),
+    "peeks_held_out": ("coda_memory.peeks.held_out", "Peeks a held table stopped"),
+    "consolidations_held_out": (
+        "coda_memory.consolidations.held_out",
+        "Consolidations a lock wait kept out",
+    ),
 }
 
 

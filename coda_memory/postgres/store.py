@@ -79,6 +79,7 @@ import logging
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from datetime import timedelta
 from functools import partial
 from typing import Any, TypeVar
@@ -173,6 +174,19 @@ _BUSY = {
 T = TypeVar("T")
 
 
+@dataclass(slots=True)
+class HeldOut:
+    """Requests that a lock wait kept out, since the store was made (reported in
+    ``MemoryService.stats()``)."""
+
+    #: Peeks that a held table stopped: their loads answered from the stored facts.
+    peeks: int = 0
+    #: Consolidations whose lock wait timed out: a held table (``table_lock_timeout``),
+    #: or the identity's checkpoint row past ``lock_timeout``. A load's also counts in
+    #: ``load_errors``.
+    consolidations: int = 0
+
+
 def _as_tenant(
     identity_id: str, work: Callable[[AsyncConnection], Awaitable[T]]
 ) -> Callable[[AsyncConnection], Awaitable[T]]:
@@ -232,6 +246,8 @@ class PostgresStore:
         self.rollup_debt = RollupDebt()
         #: What the appends did around locks (``MemoryService.stats()`` reports it).
         self.ingest_counts = IngestCounts()
+        #: Peeks and consolidations that a lock kept out (the same).
+        self.held_out = HeldOut()
 
     @classmethod
     def from_url(
@@ -361,23 +377,29 @@ class PostgresStore:
     @asynccontextmanager
     async def consolidation(self, identity_id: str) -> AsyncIterator[PostgresConsolidationUnit]:
         doing = f"while consolidating {identity_id!r}"
-        async with driver_transaction(
-            self.request_engine, self.schema, self._begin, doing
-        ) as driver:
-            with schema_required(self.schema):
-                # The tenant of the transaction (row-level security).
-                await driver.execute(SET_TENANT, identity_id)
-                unit = await PostgresConsolidationUnit.open(
-                    driver,
-                    self._statements,
-                    identity_id,
-                    partial(driver.execute, "COMMIT"),
-                    self._known.entry(identity_id),
-                )
-            yield unit
-            # The facts as the unit left them (committed) or found them (not committed).
-            if unit.known is not None:
-                self._known.put(identity_id, unit.known)
+        try:
+            async with driver_transaction(
+                self.request_engine, self.schema, self._begin, doing
+            ) as driver:
+                with schema_required(self.schema):
+                    # The tenant of the transaction (row-level security).
+                    await driver.execute(SET_TENANT, identity_id)
+                    unit = await PostgresConsolidationUnit.open(
+                        driver,
+                        self._statements,
+                        identity_id,
+                        partial(driver.execute, "COMMIT"),
+                        self._known.entry(identity_id),
+                    )
+                yield unit
+                # The facts as the unit left them (committed) or found them (not
+                # committed).
+                if unit.known is not None:
+                    self._known.put(identity_id, unit.known)
+        except Exception as error:
+            if sqlstate(error) == _LOCK_NOT_AVAILABLE:
+                self.held_out.consolidations += 1
+            raise
 
     async def facts(self, identity_id: str) -> list[Fact]:
         return await self.run(
@@ -413,6 +435,7 @@ class PostgresStore:
         except Exception as error:
             if sqlstate(error) != _LOCK_NOT_AVAILABLE:
                 raise
+            self.held_out.peeks += 1
             _log.warning(
                 "peek held out",
                 "coda-memory: a table the peek reads is held (lock timeout); loads answer "

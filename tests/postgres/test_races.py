@@ -287,6 +287,10 @@ async def test_under_a_held_table_a_load_answers_from_the_stored_facts_at_once(
         assert [f.subject for f in memory.facts] == ["tool_affinity:t"]
         assert list(memory.tool_affinities) == ["t"]
         assert (service.stats().load_timeouts, service.stats().load_errors) == (0, 0)
+        assert (service.stats().peeks_held_out, service.stats().consolidations_held_out) == (
+            1,
+            0,
+        )
         said = [r.getMessage() for r in caplog.records if r.name == "coda_memory"]
         assert any("a table the peek reads is held" in line for line in said)
         await asyncio.wait_for(service.drain(), 4)
@@ -309,6 +313,10 @@ async def test_a_consolidation_fails_at_once_on_a_held_table_and_the_load_answer
         assert [f.subject for f in memory.facts] == ["tool_affinity:t"]
         # Counted as failed (the consolidation failed), answered from the kept facts.
         assert (service.stats().load_errors, service.stats().load_stale) == (1, 1)
+        assert (service.stats().peeks_held_out, service.stats().consolidations_held_out) == (
+            0,
+            1,
+        )
         await asyncio.wait_for(service.drain(), 4)  # the consolidation is over, failed
         await lock.rollback()
         memory = await service.load_memory("u1")
