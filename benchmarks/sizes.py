@@ -44,8 +44,11 @@ class Sizes:
     host_requests: int
     host_sequential_requests: int
     host_concurrency: int
-    #: Typical load_memory with 50 new observations: identities measured.
+    #: Typical load_memory with 50 new observations: identities measured; then
+    #: identities that also have a long consumed history (observations each).
     typical_load_identities: int
+    history_identities: int
+    history_observations: int
     #: The noisy neighbour's facts, and the other identities' measured loads.
     neighbour_facts: int
     neighbour_loads: int
@@ -83,6 +86,8 @@ FULL = Sizes(
     host_sequential_requests=400,
     host_concurrency=8,
     typical_load_identities=200,
+    history_identities=60,
+    history_observations=10_000,
     neighbour_facts=30_000,
     neighbour_loads=200,
     lock_seconds=10.0,
@@ -117,6 +122,8 @@ QUICK = Sizes(
     host_sequential_requests=100,
     host_concurrency=8,
     typical_load_identities=60,
+    history_identities=20,
+    history_observations=2_000,
     neighbour_facts=30_000,
     neighbour_loads=60,
     lock_seconds=2.0,

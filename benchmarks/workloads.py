@@ -170,6 +170,30 @@ async def seed_identities(
     )
 
 
+async def seed_history(
+    conn: Any, identities: Sequence[str], per_identity: int, at: datetime
+) -> None:
+    """Give each identity ``per_identity`` observations that its checkpoint has consumed
+    (as consolidations before ``at`` would have), made within the retention window so no
+    consolidation prunes them: the history a long-lived identity keeps."""
+    await conn.execute(
+        f"INSERT INTO {SCHEMA}.observations "
+        "(identity_id, type, content, metadata, session_id, created_at) "
+        "SELECT i, 'tool_success', 'ok', jsonb_build_object('toolName', 'tool_' || n % 40), "
+        "i || '-h' || n / 10, $3::timestamptz - n * interval '1 second' "
+        "FROM unnest($1::text[]) AS i, generate_series(1, $2) AS n",
+        list(identities),
+        per_identity,
+        at - timedelta(hours=2),
+    )
+    # Consumed: the checkpoints' snapshot is taken after those rows committed.
+    await conn.execute(
+        f"UPDATE {SCHEMA}.checkpoints SET snapshot = pg_current_snapshot()::text "
+        "WHERE identity_id = ANY($1::text[])",
+        list(identities),
+    )
+
+
 def new_observations(
     identity: str,
     facts: int,
@@ -270,8 +294,10 @@ async def prepare_profile(
     new: int,
     sessions: int,
     rng: random.Random,
+    history: int = 0,
 ) -> None:
-    """Seed ``facts`` facts per identity, then emit and store ``new`` observations each.
+    """Seed ``facts`` facts per identity (and ``history`` consumed observations: see
+    :func:`seed_history`), then emit and store ``new`` observations each.
 
     Ends with VACUUM ANALYZE, as autovacuum would by the time such data is read: the
     measured runs then see planner statistics and hint bits, and no autovacuum worker
@@ -279,6 +305,8 @@ async def prepare_profile(
     """
     now = db.clock.now
     await seed_identities(db.conn, identities, facts, now - timedelta(hours=1), rng)
+    if history:
+        await seed_history(db.conn, identities, history, now)
     if new:
         await emit_all(
             db.service,

@@ -1,6 +1,8 @@
 """10. load_memory on the typical profile of issue 9: 200 facts and 50 new observations
-from 5 sessions, one client; then the same on other identities in a host that froze its
-garbage collector after startup (``gc.freeze()``, see the README)."""
+from 5 sessions, one client; then the same for identities that also keep a long history
+of consumed observations (a load's work must not grow with it); then the same on other
+identities in a host that froze its garbage collector after startup (``gc.freeze()``,
+see the README)."""
 
 from __future__ import annotations
 
@@ -32,23 +34,29 @@ async def typical_load_section(db: Database, ctx: Context) -> None:
     identities = names("tl", sizes.typical_load_identities)
     frozen_identities = names("tl-frozen", sizes.typical_load_identities)
     warm = names("tl-warm", 3)
+    long_lived = names("tl-history", sizes.history_identities)
     await prepare_profile(
         db, [*warm, *identities, *frozen_identities], 200, 50, 5, random.Random(93)
+    )
+    await prepare_profile(
+        db, long_lived, 200, 50, 5, random.Random(94), history=sizes.history_observations
     )
     for identity in warm:
         await db.service.load_memory(identity)
     details = await _loads(db, identities)
+    history = await _loads(db, long_lived) | {"consumed_observations": sizes.history_observations}
     gc.collect()
     gc.freeze()
     try:
         frozen = await _loads(db, frozen_identities)
     finally:
         gc.unfreeze()
+    name = "typical, 50 new observations in 5 sessions"
     report.tables["typical_load"] = [
         {"gc": "default", **details},
+        {"gc": "default, long history", **history},
         {"gc": "gc.freeze() after start", **frozen},
     ]
-    name = "typical, 50 new observations in 5 sessions"
     for key, pgbench, label in (
         ("p50_ms", baseline.p50_ms, "pgbench -c1 p50"),
         ("p99_ms", baseline.p99_ms, "pgbench -c1 p99"),
@@ -78,6 +86,21 @@ async def typical_load_section(db: Database, ctx: Context) -> None:
                 label,
                 frozen[key] / pgbench,
                 details=frozen,
+            )
+        )
+
+    with_history = f"{name}, {sizes.history_observations:,} consumed observations each"
+    for key in ("p50_ms", "p99_ms"):
+        report.add(
+            Figure(
+                "10 load_memory",
+                f"{with_history}: {key[:3]}",
+                history[key],
+                "ms",
+                details[key],
+                f"the same without the history: {key[:3]}",
+                history[key] / details[key],
+                details=history,
             )
         )
 
