@@ -45,7 +45,7 @@ TABLES = [
 ]
 
 #: The newest revision. A new migration updates this pin on purpose.
-HEAD = "0008"
+HEAD = "0009"
 
 
 def alembic(url: str, *args: str, schema: str | None = None) -> subprocess.CompletedProcess[str]:
@@ -112,6 +112,31 @@ def test_upgrade_downgrade_upgrade_and_no_drift(empty_pg_url: str) -> None:
     check = alembic(empty_pg_url, "check")
     assert check.returncode == 0, check.stderr
     assert "No new upgrade operations detected" in check.stdout + check.stderr
+
+
+def vacuum_truncate_off(url: str, schema: str) -> list[str]:
+    """The tables of ``schema`` that vacuum does not truncate."""
+    rows = asyncio.run(
+        fetch(
+            url,
+            "SELECT c.relname FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace "
+            "WHERE n.nspname = :schema AND 'vacuum_truncate=false' = ANY(c.reloptions) "
+            "ORDER BY c.relname",
+            schema=schema,
+        )
+    )
+    return [row[0] for row in rows]
+
+
+def test_vacuum_never_truncates_the_request_paths_tables(empty_pg_url: str) -> None:
+    upgraded = alembic(empty_pg_url, "upgrade", "head", schema="tenant_four")
+    assert upgraded.returncode == 0, upgraded.stderr
+    request_tables = ["checkpoints", "fact_events", "facts", "observations"]
+    assert vacuum_truncate_off(empty_pg_url, "tenant_four") == request_tables
+
+    downgraded = alembic(empty_pg_url, "downgrade", "0008", schema="tenant_four")
+    assert downgraded.returncode == 0, downgraded.stderr
+    assert vacuum_truncate_off(empty_pg_url, "tenant_four") == []
 
 
 def test_check_reports_drift(empty_pg_url: str) -> None:
