@@ -1,6 +1,7 @@
 """13. Lock isolation: an ACCESS EXCLUSIVE lock held on each table of the schema in turn
 (10 s in full mode, 2 s in quick) while host-shaped requests keep coming, 8 in flight,
-through a service with the library's defaults. Per table: the slowest load against the
+through a service with the library's defaults, for identities seeded afresh for each
+table. Per table: the slowest load against the
 timeout + 10 ms, the loads that came back empty, the observations stored while the lock
 was held, pool exhaustion, log lines per second per cause, and the time to recover after
 the release."""
@@ -23,11 +24,17 @@ RECOVERY_LIMIT = 30.0
 
 
 async def _recovery(service: MemoryService, requests: HostRequests, released: float) -> float:
-    """Seconds from the release until nothing is pending and a load returns its facts
-    within the timeout (RECOVERY_LIMIT if that never happens)."""
+    """Seconds from the release until every observation emitted before it is stored (or
+    otherwise done with) and a load returns its facts within the timeout
+    (RECOVERY_LIMIT if that never happens). The observations that the requests made
+    since are not waited for: each request emits its own right before its load, and
+    whether the writer stores them before that load returns is a race, not recovery."""
+    backlog = service.stats().emitted
     while time.perf_counter() - released < RECOVERY_LIMIT:
         seconds, empty = await requests.one(service)
-        if not empty and seconds <= service.load_timeout and service.stats().pending == 0:
+        stats = service.stats()
+        caught_up = stats.emitted - stats.pending >= backlog
+        if caught_up and not empty and seconds <= service.load_timeout:
             return time.perf_counter() - released
         await asyncio.sleep(0.005)
     return RECOVERY_LIMIT
@@ -83,9 +90,33 @@ async def _hold(
     }
 
 
+async def _fresh_requests(
+    db: Database, n: int, service: MemoryService, ctx: Context
+) -> HostRequests:
+    """Requests for 50 newly seeded identities with 200 facts each, each loaded once, as
+    a host that served them for a while would have (the store keeps their facts). Each
+    table gets its own: the requests' new entities grow an identity's facts toward the
+    ``max_facts`` cap, and identities that served the earlier tables would make each later
+    table's loads costlier than the first's."""
+    identities = await seed_host(db, f"lk{n:02d}", 50, 200)
+    requests = HostRequests(identities, 200, seed=100 + n)
+    for identity in identities:
+        await service.load_memory(identity)
+    await requests.run(service, 32, ctx.sizes.host_concurrency)
+    return requests
+
+
+async def _facts_per_identity(db: Database, requests: HostRequests) -> float:
+    value = await db.conn.fetchval(
+        f"SELECT count(*)::float8 / cardinality($1::text[]) FROM {SCHEMA}.facts "
+        "WHERE identity_id = ANY($1::text[])",
+        requests.identities,
+    )
+    return float(value)
+
+
 async def locks_section(db: Database, ctx: Context) -> None:
     report = ctx.report
-    identities = await seed_host(db, "lk", 50, 200)
     tables = [
         r["table_name"]
         for r in await db.conn.fetch(
@@ -94,13 +125,13 @@ async def locks_section(db: Database, ctx: Context) -> None:
             SCHEMA,
         )
     ]
-    requests = HostRequests(identities, 200, seed=100)
     service = MemoryService.from_url(db.url)
     rows: list[dict[str, Any]] = []
     try:
-        await requests.run(service, 32, ctx.sizes.host_concurrency)
-        for table in tables:
-            rows.append(await _hold(db, ctx, service, requests, table))
+        for n, table in enumerate(tables):
+            requests = await _fresh_requests(db, n, service, ctx)
+            row = await _hold(db, ctx, service, requests, table)
+            rows.append(row | {"facts_per_identity": await _facts_per_identity(db, requests)})
         await service.drain(DRAIN_TIMEOUT)
     finally:
         await service.close()
