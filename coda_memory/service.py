@@ -296,7 +296,8 @@ class MemoryService(ObservationWriter):
 
     async def _kept_facts(self, identity_id: str) -> list[Fact]:
         """The identity's facts as the store keeps them between requests (none when it
-        does not keep them)."""
+        does not keep them), as new models each time: the caller's own, which it may turn
+        into views in place."""
         kept: Callable[[str], Awaitable[list[Fact]]] | None = getattr(
             self.store, "kept_facts", None
         )
@@ -474,13 +475,16 @@ class MemoryService(ObservationWriter):
     async def _from_facts_at_hand(self, identity_id: str) -> LoadedMemory | None:
         """Those the peek read, else those the store keeps."""
         stale = self._stale.get(identity_id)
+        # The peek's facts are shared (with concurrent loads and the consolidation); the
+        # kept ones are read as new models, this answer's own.
+        owned = stale is None
         if stale is None:
             # No peek yet (waiting for a connection, or skipped), or the consolidation
             # failed: the kept facts.
             stale = await self._kept_facts(identity_id)
         if not stale:
             return None
-        return await self._loaded_as_of_last_consolidation(stale)
+        return await self._loaded_as_of_last_consolidation(stale, owned=owned)
 
     async def _load(self, identity_id: str) -> LoadedMemory | None:
         """One consolidation and its prompt section, shared by concurrent loads. The
@@ -499,9 +503,15 @@ class MemoryService(ObservationWriter):
             finally:
                 self._stale.pop(identity_id, None)
 
-    async def _loaded_as_of_last_consolidation(self, stored: list[Fact]) -> LoadedMemory:
+    async def _loaded_as_of_last_consolidation(
+        self, stored: list[Fact], *, owned: bool = False
+    ) -> LoadedMemory:
+        """The answer from ``stored`` (``owned``: new models that nothing else holds,
+        which become their views in place)."""
+
         def build() -> LoadedMemory:
-            return self._loaded(active_views(stored, self.decay, self.clock(), self.max_facts))
+            views = active_views(stored, self.decay, self.clock(), self.max_facts, owned=owned)
+            return self._loaded(views)
 
         return await _offload(len(stored), build)
 

@@ -272,10 +272,16 @@ def view_at(fact: Fact, decay: DecayStrategy, now: datetime) -> Fact:
 
 
 def active_views(
-    facts: Iterable[Fact], decay: DecayStrategy, now: datetime, max_facts: int | None = None
+    facts: Iterable[Fact],
+    decay: DecayStrategy,
+    now: datetime,
+    max_facts: int | None = None,
+    *,
+    owned: bool = False,
 ) -> list[Fact]:
     """Views at ``now`` of the facts that have not expired, sorted by subject; with
-    ``max_facts``, of the best ranked that many only."""
+    ``max_facts``, of the best ranked that many only. ``owned``: nothing else holds the
+    facts, which become their views in place (a copy fewer per fact)."""
     threshold = decay.expiry_threshold
     alive: list[tuple[Fact, float]] = []
     for fact in facts:
@@ -284,7 +290,7 @@ def active_views(
         if confidence >= threshold:
             alive.append((fact, confidence))
     kept, _ = _best(alive, max_facts)
-    return _views(kept, now)
+    return _views(kept, now, in_place=owned)
 
 
 def _best(
@@ -314,14 +320,15 @@ def _views(
     owned: dict[str, Fact] | None = None,
     *,
     by_subject: bool = False,
+    in_place: bool = False,
 ) -> list[Fact]:
     """Views of ``alive`` at ``now``, sorted by subject (``by_subject``: ``alive`` already
-    is). The facts of ``owned`` (by subject; nothing else may hold them) become their
-    views in place."""
+    is). The facts of ``owned`` (by subject; nothing else may hold them), or all of them
+    when ``in_place``, become their views in place."""
     views: list[Fact] = []
     with gc_paused():
         for fact, confidence in alive:
-            if owned is not None and owned.get(fact.subject) is fact:
+            if in_place or (owned is not None and owned.get(fact.subject) is fact):
                 values = fact.__dict__
                 values["confidence"] = confidence
                 values["confidence_at"] = now

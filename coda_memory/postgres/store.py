@@ -412,7 +412,8 @@ class PostgresStore:
 
     async def kept_facts(self, identity_id: str) -> list[Fact]:
         """The identity's stored facts as this store last read or wrote them (none when
-        not kept); the service answers a load that times out with them."""
+        not kept), as new models each call (the caller's own); the service answers a load
+        that times out with them."""
         known = self._known.entry(identity_id)
         return [] if known is None else await known.facts()
 

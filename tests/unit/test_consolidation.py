@@ -8,7 +8,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from coda_memory.core.consolidation import ConsolidationInput, fact_key, plan_consolidation
+from coda_memory.core.consolidation import (
+    ConsolidationInput,
+    active_views,
+    fact_key,
+    plan_consolidation,
+)
 from coda_memory.core.decay import (
     AdaptiveDecay,
     DecayStrategy,
@@ -23,6 +28,7 @@ from coda_memory.core.model import (
     Observation,
     ObservationType,
 )
+from tests.builders import fact as made_fact
 from tests.helpers import T0
 
 TOOLS = ["get_account", "run_query"]
@@ -246,3 +252,28 @@ def test_a_plan_over_owned_facts_is_the_plan_over_shared_ones(
     assert in_place == copied
     # What is written stays in stored form: the anchor's confidence, not now's.
     assert [f.model_dump() for f in in_place.upserts] == [f.model_dump() for f in copied.upserts]
+
+
+def test_owned_facts_become_their_views_in_place_with_the_same_values() -> None:
+    decay = ExponentialDecay()
+    later = T0 + timedelta(days=3)
+
+    def made() -> list[Fact]:
+        return [
+            made_fact("tool_affinity:b", at=T0, confidence_at=T0, confidence=0.8),
+            made_fact("tool_affinity:a", at=T0, confidence_at=T0, confidence=0.6, count=3),
+            made_fact("entity_frequency:x:1", at=T0 - timedelta(days=60), confidence=0.3),
+        ]
+
+    copied_from = made()
+    copied = active_views(copied_from, decay, later)
+    owned_facts = made()
+    owned = active_views(owned_facts, decay, later, owned=True)
+
+    assert [f.model_dump() for f in owned] == [f.model_dump() for f in copied]
+    assert [f.subject for f in owned] == ["tool_affinity:a", "tool_affinity:b"]  # x expired
+    assert all(f.confidence_at == later for f in owned)
+    # The owned facts are the views; facts that are not owned are left as they were.
+    assert {id(f) for f in owned} <= {id(f) for f in owned_facts}
+    assert [f.confidence_at for f in copied_from] == [T0, T0, None]
+    assert not {id(f) for f in copied} & {id(f) for f in copied_from}

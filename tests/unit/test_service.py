@@ -443,7 +443,8 @@ class KeepingStore(GatedStore):
     store does."""
 
     async def kept_facts(self, identity_id: str) -> list[Fact]:
-        return await InMemoryStore.facts(self, identity_id)
+        # New models each call, as the Postgres store's: the service may change them.
+        return [fact.model_copy() for fact in await InMemoryStore.facts(self, identity_id)]
 
 
 async def test_a_load_whose_consolidation_fails_answers_from_the_facts_at_hand(
