@@ -472,6 +472,38 @@ async def test_a_load_whose_consolidation_fails_answers_from_the_facts_at_hand(
         await service.close()
 
 
+async def test_a_failed_load_leaves_no_reference_cycle_for_the_collector() -> None:
+    store = KeepingStore()
+    service = MemoryService(store, clock=FakeClock(), load_timeout=5.0)
+    try:
+        for identity in ("u1", "u2"):
+            service.emit_observation(identity, tool_ok("old"))
+        await service.drain()
+        await service.consolidate("u1")
+        store.failing = True
+        gc.collect()
+        gc.disable()
+        gc.set_debug(gc.DEBUG_SAVEALL)  # what a collection finds is kept in gc.garbage
+        try:
+            for _ in range(10):
+                assert (await service.load_memory("u1")).facts  # stale, from the kept facts
+                assert (await service.load_memory("u2")).facts == []  # nothing at hand
+            await service.drain()
+            assert service.stats().load_errors == 20
+            gc.collect()
+            # Each failed load's error, traceback and frames were freed as soon as they
+            # were done with, not left in a cycle for a (full) collection to find.
+            cyclic = [o for o in gc.garbage if isinstance(o, ConnectionError)]
+            assert cyclic == []
+        finally:
+            gc.set_debug(0)
+            gc.garbage.clear()
+            gc.enable()
+    finally:
+        store.failing = False
+        await service.close()
+
+
 class BrokenKeepingStore(KeepingStore):
     async def kept_facts(self, identity_id: str) -> list[Fact]:
         raise RuntimeError("the kept facts are unreadable")
