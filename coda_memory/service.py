@@ -108,8 +108,9 @@ def _drop_traceback(error: BaseException) -> None:
     """Forget where ``error`` was raised, once it is logged (in one line, without its
     traceback). The traceback holds the frames it went through, and their locals the
     task or future that holds ``error``: a reference cycle that only the garbage
-    collector frees, some 30 objects per failed load, whose full collections pause the
-    event loop for longer the more of them an outage leaves."""
+    collector frees, tens to hundreds of objects per failed load (the facts of its
+    fallback answer among them), whose collections pause the event loop for longer the
+    more of them an outage leaves."""
     error.__traceback__ = None
 
 
