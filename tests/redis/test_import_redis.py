@@ -169,6 +169,7 @@ class Killed(Exception):
     """Stands for the process dying: raised in the middle of an identity's copy."""
 
 
+@pytest.mark.slow
 async def test_a_deployment_of_1000_identities_moves_to_postgres(
     redis_url: str, redis_client: aioredis.Redis, redis_prefix: str, pg_url: str
 ) -> None:
