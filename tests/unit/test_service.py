@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import itertools
 import logging
 import threading
 from collections.abc import AsyncIterator, Sequence
@@ -359,6 +360,65 @@ async def _until(condition: Any) -> None:
     async with asyncio.timeout(5):
         while not condition():
             await asyncio.sleep(0)
+
+
+async def test_a_consolidating_load_gives_the_loop_a_turn_between_its_steps() -> None:
+    """Reading the batch, planning, writing and making the answer run in turns of their
+    own, so concurrent loads do not add their Python up into one long stall of the loop:
+    another task runs between each step and the next, even when the store never waits."""
+    steps: list[tuple[str, int]] = []
+    turns = 0
+
+    class RecordingStore(InMemoryStore):
+        @asynccontextmanager
+        async def consolidation(self, identity_id: str) -> AsyncIterator[InMemoryConsolidationUnit]:
+            async with super().consolidation(identity_id) as unit:
+                load, write = unit.load, unit.write
+
+                async def recorded_load() -> Any:
+                    batch = await load()
+                    steps.append(("loaded", turns))
+                    return batch
+
+                async def recorded_write(plan: Any) -> None:
+                    steps.append(("write", turns))
+                    await write(plan)
+
+                unit.load = recorded_load  # type: ignore[method-assign]
+                unit.write = recorded_write  # type: ignore[method-assign]
+                yield unit
+
+    service = MemoryService(RecordingStore(), clock=FakeClock(), load_timeout=5.0)
+    plan, answer = service._plan, service._loaded
+
+    def recorded_plan(*args: Any) -> Any:
+        steps.append(("plan", turns))
+        return plan(*args)
+
+    def recorded_answer(*args: Any) -> Any:
+        steps.append(("answer", turns))
+        return answer(*args)
+
+    service._plan = recorded_plan  # type: ignore[method-assign,assignment]
+    service._loaded = recorded_answer  # type: ignore[method-assign,assignment]
+    service.emit_observation("alice", tool_ok("search"))
+    await service.drain()
+
+    async def other_task() -> None:
+        nonlocal turns
+        while not any(step == "answer" for step, _ in steps):
+            turns += 1
+            await asyncio.sleep(0)
+
+    other = asyncio.ensure_future(other_task())
+    loaded = await service.load_memory("alice")
+    await other
+    assert loaded.tool_affinities == {"search": pytest.approx(loaded.facts[0].confidence)}
+    names = [step for step, _ in steps]
+    assert names == ["loaded", "plan", "write", "answer"]
+    at = [turn for _, turn in steps]
+    assert all(later > earlier for earlier, later in itertools.pairwise(at)), steps
+    await service.close()
 
 
 async def test_a_backlog_of_full_batches_is_stored_two_appends_at_a_time() -> None:
