@@ -17,12 +17,13 @@ from collections import deque
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from datetime import datetime, timedelta
+from itertools import chain
 from typing import Any, Protocol
 
 from coda_memory.core.caps import LogThrottle
 from coda_memory.core.logs import identity_label, short_error
-from coda_memory.core.model import NewObservation
-from coda_memory.core.sanitize import ObservationRejected, sanitize_observation
+from coda_memory.core.model import NewObservation, ObservationType
+from coda_memory.core.sanitize import ObservationRejected, sanitize_fields, sanitize_observation
 from coda_memory.core.turns import collector_scope
 from coda_memory.errors import ConnectionLost, StoreBusy
 from coda_memory.ports import MemoryStore, ObservationRecord
@@ -115,8 +116,47 @@ VALIDATE_CHUNK = 64
 STORED_FOR_LIMIT = 100_000
 
 
-#: (identity id, observation, created_at, approximate bytes)
-_Item = tuple[str, NewObservation, datetime, int]
+#: A queued observation, one flat tuple: identity id, type, content, session id,
+#: created_at, approximate bytes, the emitted object when it is not a plain
+#: NewObservation (else None), then the metadata's keys and values in turn (see
+#: :func:`_queued`).
+_Item = tuple[Any, ...]
+#: Where an item's metadata begins.
+_METADATA = 7
+
+#: The plain value of each observation type (a member is an object the collector tracks).
+_TYPE_VALUES: dict[object, str] = {member: member.value for member in ObservationType}
+
+
+def _queued(identity_id: str, obs: NewObservation, created_at: datetime, size: int) -> _Item:
+    """The queue's form of an observation: its fields in one flat tuple, without the
+    model, the metadata as its keys and values.
+
+    The queue holds many observations when the store keeps them out (a lock on
+    ``observations`` held for 10 s queues about 25,000). Kept as models, each is a few
+    objects that the cyclic garbage collector tracks: a full collection walks them with
+    the event loop stalled, and their growth sets one off. CPython stops tracking a tuple
+    that holds only untracked values (strings, numbers, datetimes, None, not a dict) at
+    the first collection that sees it; nested, the outer one would wait for another. So
+    an observation with scalar metadata waits out of the collector's sight. An object
+    that is not a plain NewObservation is kept as it is and validated so."""
+    if type(obs) is NewObservation:
+        values = obs.__dict__
+        kind = values.get("type")
+        plain = _TYPE_VALUES.get(kind) if type(kind) is ObservationType else None
+        metadata = values.get("metadata")
+        if plain is not None and type(metadata) is dict:
+            return (
+                identity_id,
+                plain,
+                values.get("content"),
+                values.get("session_id"),
+                created_at,
+                size,
+                None,
+                *chain.from_iterable(metadata.items()),
+            )
+    return (identity_id, None, None, None, created_at, size, obs)
 
 
 class ObservationWriter:
@@ -169,7 +209,7 @@ class ObservationWriter:
                 self._drop(1, "service closed" if self._closed else "queue full")
                 return
             created_at = obs.created_at if obs.created_at is not None else self.clock()
-            self._queue.append((identity_id, obs, created_at, size))
+            self._queue.append(_queued(identity_id, obs, created_at, size))
             self._held_bytes += size
             self._wake()
         except Exception as error:  # the fire-and-forget boundary: log, count, carry on
@@ -338,7 +378,7 @@ class ObservationWriter:
             for index, reason in outcome.refused:
                 self._reject(records[index].identity_id, reason)
             break
-        self._held_bytes = max(0, self._held_bytes - sum(item[3] for item in items))
+        self._held_bytes = max(0, self._held_bytes - sum(item[5] for item in items))  # bytes
         self._inflight -= len(items)
         self._progress.set()
 
@@ -353,11 +393,19 @@ class ObservationWriter:
         records: list[ObservationRecord] = []
         now = self.clock()
         latest = now + self.max_clock_skew
-        for index, (identity_id, obs, created_at, _) in enumerate(items):
+        catalog = self.tool_catalog
+        for index, item in enumerate(items):
             if index and index % VALIDATE_CHUNK == 0:
                 await asyncio.sleep(0)
+            identity_id, kind, content, session_id, created_at, _, emitted = item[:_METADATA]
             try:
-                record = sanitize_observation(identity_id, obs, created_at, self.tool_catalog)
+                if emitted is None:
+                    metadata = dict(zip(item[_METADATA::2], item[_METADATA + 1 :: 2], strict=True))
+                    record = sanitize_fields(
+                        identity_id, kind, content, metadata, session_id, created_at, catalog
+                    )
+                else:
+                    record = sanitize_observation(identity_id, emitted, created_at, catalog)
                 if record.created_at > latest:
                     record = dataclasses.replace(record, created_at=now)
                     self._future_clamped += 1
@@ -401,7 +449,7 @@ class ObservationWriter:
         """Drop (and count) the identity's observations still in the queue."""
         kept = deque(item for item in self._queue if item[0] != identity_id)
         if len(kept) != len(self._queue):
-            self._held_bytes -= sum(item[3] for item in self._queue if item[0] == identity_id)
+            self._held_bytes -= sum(item[5] for item in self._queue if item[0] == identity_id)
             self._drop(len(self._queue) - len(kept), "identity forgotten")
             self._queue = kept
 

@@ -404,26 +404,47 @@ def sanitize_observation(
     Returns the storable form, or raises :class:`ObservationRejected` with a specific
     reason; no other exception escapes, whatever the input.
     """
+    return sanitize_fields(
+        identity_id,
+        getattr(obs, "type", None),
+        getattr(obs, "content", None),
+        getattr(obs, "metadata", None),
+        getattr(obs, "session_id", None),
+        created_at,
+        tool_catalog,
+    )
+
+
+def sanitize_fields(
+    identity_id: str,
+    obs_type: object,
+    content: object,
+    metadata: object,
+    session_id: object,
+    created_at: datetime,
+    tool_catalog: Collection[str] | None = None,
+) -> ObservationRecord:
+    """:func:`sanitize_observation` of an observation given by its fields (the type as
+    an :class:`ObservationType` or its value): the writer's queue keeps them so."""
     identity = _check_identity(identity_id)
-    obs_type = _check_type(getattr(obs, "type", None))
-    content = getattr(obs, "content", None)
+    kind = _check_type(obs_type)
     if not isinstance(content, str):
         raise ObservationRejected("content is not a string")
-    session = _check_session(getattr(obs, "session_id", None))
+    session = _check_session(session_id)
     at = _check_created_at(created_at)
-    raw = getattr(obs, "metadata", None)
+    raw = metadata
     if not isinstance(raw, dict):
         raise ObservationRejected(f"metadata is {_type_name(raw)}, not a dict")
     cleaned = _clean_metadata(raw)
-    if obs_type in (ObservationType.TOOL_SUCCESS, ObservationType.TOOL_FAILURE):
+    if kind in (ObservationType.TOOL_SUCCESS, ObservationType.TOOL_FAILURE):
         _check_tool(raw, tool_catalog)
-    elif obs_type is ObservationType.ENTITY_ACCESS:
+    elif kind is ObservationType.ENTITY_ACCESS:
         _check_entity(raw, cleaned)
     else:
         _check_query(raw)
     return ObservationRecord(
         identity_id=identity,
-        type=obs_type,
+        type=kind,
         content=_scrub(content, MAX_CONTENT_CHARS, _content_drop),
         metadata=cleaned,
         session_id=session,
