@@ -91,7 +91,10 @@ class MemoryStore(Protocol):
 
     async def peek(self, identity_id: str) -> tuple[list[Fact], bool]:
         """Without locking: the stored facts, and whether observations committed since the
-        last consolidation wait. Lets a consolidation with nothing to do skip the lock."""
+        last consolidation wait. Lets a consolidation with nothing to do skip the lock.
+        When observations wait, a store may leave the facts out (an empty list): the
+        consolidation that follows reads them, and a store that keeps them between
+        requests answers ``kept_facts`` with them meanwhile."""
         ...
 
     async def history(self, identity_id: str, subject: str | None = None) -> list[FactEvent]:

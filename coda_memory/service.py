@@ -277,8 +277,9 @@ class MemoryService(ObservationWriter):
         if not skip_peek:
             async with self._slots:
                 stored, pending = await self.store.peek(identity_id)
-            if identity_id in self._loading:
-                # What a load that outlives its timeout answers with (see load_memory).
+            if identity_id in self._loading and (stored or not pending):
+                # What a load that outlives its timeout answers with (see load_memory);
+                # when the store left the facts out, the ones it keeps.
                 self._stale[identity_id] = stored
             if not pending and (self.max_facts is None or len(stored) <= self.max_facts):
                 views = await _offload(len(stored), active_views, stored, self.decay, self.clock())

@@ -36,9 +36,10 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
-from coda_memory.core.model import Fact, FactCategory, trusted_fact
+from coda_memory.core.model import Fact, FactCategory, fact_id, trusted_fact
 from coda_memory.core.turns import mapped
 
 #: Facts kept per store by default (about 1 kB each).
@@ -65,6 +66,28 @@ def _kept(fact: Fact) -> dict[str, Any]:
     return kept
 
 
+def kept_from_row(identity_id: str, row: Any) -> dict[str, Any]:
+    """A stored fact's row as kept: the values of ``_kept(fact_from_row(identity_id,
+    row))``, without building the model between (a read keeps what it reads)."""
+    subject = row["subject"]
+    last_reinforced_at = row["last_reinforced_at"]
+    confidence_at = row["confidence_at"]
+    return {
+        "id": fact_id(subject),
+        "identity_id": identity_id,
+        "subject": subject,
+        "content": row["content"],
+        "confidence": row["confidence"],
+        "reinforcement_count": row["reinforcement_count"],
+        "last_reinforced_at": last_reinforced_at,
+        "created_at": row["created_at"],
+        "updated_at": row["updated_at"],
+        "ease_factor": row["ease_factor"],
+        "confidence_at": last_reinforced_at if confidence_at is None else confidence_at,
+        "category": row["category"],
+    }
+
+
 def _fact(kept: dict[str, Any]) -> Fact:
     values = kept.copy()
     values["category"] = _CATEGORIES[values["category"]]
@@ -84,6 +107,13 @@ class Known:
         """``facts`` (in stored form) with their version, giving the event loop turns
         (:mod:`coda_memory.core.turns`)."""
         kept = await mapped(facts, _kept)
+        return cls(version, {values["subject"]: values for values in kept})
+
+    @classmethod
+    async def read(cls, version: str, identity_id: str, rows: Sequence[Any]) -> Known:
+        """The facts of the stored ``rows`` (``stored_facts.sql``'s columns) with their
+        version, giving the event loop turns."""
+        kept = await mapped(rows, partial(kept_from_row, identity_id))
         return cls(version, {values["subject"]: values for values in kept})
 
     def __len__(self) -> int:
@@ -116,16 +146,18 @@ class KnownFacts:
             self._entries.move_to_end(identity_id)
         return entry
 
-    def put(self, identity_id: str, known: Known | None) -> None:
-        """Keep ``known`` as the identity's facts (None: keep none)."""
+    def put(self, identity_id: str, known: Known | None) -> bool:
+        """Keep ``known`` as the identity's facts (None: keep none); whether it is kept
+        (not when it holds more facts than the capacity)."""
         self.discard(identity_id)
         if known is None or len(known) > self.capacity:
-            return
+            return False
         self._entries[identity_id] = known
         self._size += len(known)
         while self._size > self.capacity:
             _, evicted = self._entries.popitem(last=False)
             self._size -= len(evicted)
+        return True
 
     def discard(self, identity_id: str) -> None:
         entry = self._entries.pop(identity_id, None)

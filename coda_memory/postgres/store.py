@@ -29,9 +29,11 @@ Facts read once
 The store keeps each identity's facts as it last read or wrote them, with the version
 of the checkpoint row they go with (:mod:`~coda_memory.postgres.known`, bounded by
 ``known_facts``). A peek sends the version it knows and gets the facts only when the
-row has another one; the consolidation that follows locks the row and reuses the kept
-facts when the locked row still has their version. After a commit the store keeps the
-facts the consolidation left, with the row version its write statement returned. So an
+row has another one, and keeps them as it reads them (no model between: when new
+observations wait, it builds none); the consolidation that follows locks the row and
+reuses the kept facts when the locked row still has their version. After a commit the
+store keeps the facts the consolidation left, with the row version its write statement
+returned. So an
 identity that only this process consolidates has its facts read once, and each request
 reads one row to learn that nothing else changed them.
 
@@ -418,7 +420,9 @@ class PostgresStore:
         return [] if known is None else await known.facts()
 
     async def peek(self, identity_id: str) -> tuple[list[Fact], bool]:
-        """The identity's stored facts and whether new observations wait. When a table the
+        """The identity's stored facts (none when new observations wait: the kept ones are
+        the consolidation's, and the late load's, see ``kept_facts``) and whether new
+        observations wait. When a table the
         peek reads is held (see "Tables held"), the facts alone, read without the
         checkpoint or the observations, with nothing said to wait: the load answers from
         them, and the new observations wait for a load that can consolidate them."""
@@ -446,8 +450,10 @@ class PostgresStore:
         if peeked.read:
             # Kept for later peeks and the consolidation that follows (see "Facts read
             # once" above).
-            kept = None if peeked.version is None else await Known.of(peeked.version, peeked.facts)
-            self._known.put(identity_id, kept)
+            kept = self._known.put(identity_id, peeked.known)
+            if not kept and peeked.pending and peeked.known is not None:
+                # Too many to keep: the facts the peek left out are the caller's only.
+                return await peeked.known.facts(), True
         return peeked.facts, peeked.pending
 
     async def _facts_alone(self, identity_id: str, known: Known | None) -> list[Fact]:

@@ -214,11 +214,12 @@ class PostgresConsolidationUnit:
             arguments = new.arguments(identity_id=identity_id, stored_snapshot=self.stored_snapshot)
             rows = await self._raw.fetch(new.text, *arguments)
         self._snapshot = rows[0]["snapshot"]
-        if self.known is not None:
-            stored = await self.known.facts()
-        else:
-            stored = await stored_facts(self._raw, sql, identity_id)
-            self.known = await Known.of(self._version, stored)
+        if self.known is None:
+            fact_rows = await self._raw.fetch(
+                sql.facts.text, *sql.facts.arguments(identity_id=identity_id)
+            )
+            self.known = await Known.read(self._version, identity_id, fact_rows)
+        stored = await self.known.facts()
         with gc_paused():
             observations = [
                 observation_from_row(identity_id, r) for r in rows if r["id"] is not None
@@ -274,18 +275,22 @@ class PostgresConsolidationUnit:
 class Peeked:
     """What :func:`peek` read, in one statement and snapshot."""
 
+    #: The stored facts; none when observations wait (``pending``): the consolidation
+    #: that follows uses the known ones, and building them here would be work lost.
     facts: list[Fact]
     pending: bool
     #: The version of the identity's facts (None: no checkpoint).
     version: str | None
     #: False when the facts are the ``known`` ones, not read again.
     read: bool
+    #: The facts read, with their version, to keep (None: not read, or no version).
+    known: Known | None = None
 
 
 async def peek(raw: Any, statements: Statements, identity_id: str, known: Known | None) -> Peeked:
-    """Whether new observations wait, the version of the identity's facts and the facts,
-    in one statement and without a lock; the facts are read only when ``known`` does not
-    hold those of the current version."""
+    """Whether new observations wait, the version of the identity's facts and the facts
+    (left out when observations wait), in one statement and without a lock; the facts
+    are read only when ``known`` does not hold those of the current version."""
     statement = statements.peek
     arguments = statement.arguments(
         identity_id=identity_id, known_version=None if known is None else known.version
@@ -294,7 +299,11 @@ async def peek(raw: Any, statements: Statements, identity_id: str, known: Known 
     pending = bool(rows[0]["pending"]) if rows else False
     version = rows[0]["version"] if rows else None
     if known is not None and version == known.version:
-        return Peeked(await known.facts(), pending, version, read=False)
+        return Peeked([] if pending else await known.facts(), pending, version, read=False)
     fact_rows = [r for r in rows if r["subject"] is not None]
-    facts = await mapped(fact_rows, partial(fact_from_row, identity_id))
-    return Peeked(facts, pending, version, read=True)
+    if version is None:  # no checkpoint row: nothing to keep the facts with
+        facts = await mapped(fact_rows, partial(fact_from_row, identity_id))
+        return Peeked(facts, pending, version, read=True)
+    read = await Known.read(version, identity_id, fact_rows)
+    facts = [] if pending else await read.facts()
+    return Peeked(facts, pending, version, read=True, known=read)

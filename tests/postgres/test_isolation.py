@@ -282,7 +282,9 @@ async def test_a_consolidation_reads_facts_again_when_another_moved_the_checkpoi
         await consolidate(first, upserts=[fact("tool_affinity:old")])
         await first.append([record("observed")])
         facts, pending = await first.peek("alice")
-        assert pending and [f.subject for f in facts] == ["tool_affinity:old"]
+        # Observations wait: the peek leaves the facts out and keeps them.
+        assert pending and facts == []
+        assert [f.subject for f in await first.kept_facts("alice")] == ["tool_affinity:old"]
         # Another process consolidates between the peek and the lock.
         await consolidate(second, upserts=[fact("tool_affinity:new")])
         async with first.consolidation("alice") as unit:
@@ -294,7 +296,8 @@ async def test_a_consolidation_reads_facts_again_when_another_moved_the_checkpoi
         # Nothing moved since this peek: the same facts, without reading them again (a
         # hand-made change that leaves the checkpoint row alone is not seen).
         await first.append([record("observed again")])
-        facts, pending = await first.peek("alice")
+        assert (await first.peek("alice"))[1]
+        facts = await first.kept_facts("alice")
         await fetch(pg_url, "UPDATE coda_memory.facts SET confidence = 0.25")
         async with first.consolidation("alice") as unit:
             loaded = await unit.load()

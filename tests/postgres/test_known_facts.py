@@ -10,13 +10,14 @@ from datetime import datetime, timedelta
 from typing import Any
 
 import pytest
+from sqlalchemy import text
 
 from coda_memory import MemoryService
 from coda_memory.core import turns
 from coda_memory.core.model import Fact, ObservationType
 from coda_memory.postgres import PostgresStore, unit
 from tests.helpers import tool_ok
-from tests.postgres.helpers import NOW, fetch, locked, record
+from tests.postgres.helpers import NOW, engine, fetch, locked, record
 
 
 def _by_subject(facts: list[Fact]) -> list[Fact]:
@@ -118,6 +119,45 @@ async def test_a_consolidation_by_another_process_is_seen(pg_url: str) -> None:
     finally:
         await first.close()
         await second.close()
+
+
+async def test_a_peek_that_finds_observations_waiting_leaves_the_facts_to_the_kept_ones(
+    pg_url: str,
+) -> None:
+    """The consolidation that follows uses the facts the store keeps, so the peek builds
+    none; a load that outlives its timeout meanwhile answers with the kept ones."""
+    store = await _consolidated(pg_url)
+    service = MemoryService(store, clock=lambda: NOW, load_timeout=0.2)
+    holder = engine(pg_url)
+    try:
+        await store.append([record("called get_account again", session_id="s2")])
+        assert await store.peek("alice") == ([], True)
+        assert [f.subject for f in await store.kept_facts("alice")] == ["tool_affinity:get_account"]
+        # The consolidation waits for the checkpoint row: the load answers late, from
+        # the facts at hand.
+        async with holder.begin() as conn:
+            await conn.execute(
+                text("SELECT 1 FROM coda_memory.checkpoints WHERE identity_id = 'alice' FOR UPDATE")
+            )
+            loaded = await service.load_memory("alice")
+        assert [f.subject for f in loaded.facts] == ["tool_affinity:get_account"]
+        assert service.stats().load_stale == 1
+    finally:
+        await holder.dispose()
+        await service.close()
+
+
+async def test_a_peek_gives_the_facts_it_cannot_keep_even_when_observations_wait(
+    pg_url: str,
+) -> None:
+    store = await _consolidated(pg_url, known_facts=0)
+    try:
+        await store.append([record("called get_account again", session_id="s2")])
+        facts, pending = await store.peek("alice")
+        assert pending and [f.subject for f in facts] == ["tool_affinity:get_account"]
+        assert await store.kept_facts("alice") == []
+    finally:
+        await store.close()
 
 
 async def test_forget_drops_the_kept_facts(pg_url: str) -> None:

@@ -78,3 +78,23 @@ async def test_kept_facts_are_out_of_the_garbage_collectors_sight() -> None:
         f.model_copy(update={"confidence_at": f.anchor}) if f.confidence_at is None else f
         for f in facts
     ]
+
+
+@pytest.mark.parametrize("confidence_at", [None, NOW])
+def test_a_row_is_kept_as_the_model_read_from_it_would_be(confidence_at: object) -> None:
+    from coda_memory.postgres.known import _kept, kept_from_row
+    from coda_memory.postgres.rows import fact_from_row
+
+    row = {
+        "subject": "entity_frequency:account:42",
+        "category": "entity_frequency",
+        "content": "Works with account 42",
+        "confidence": 0.7,
+        "reinforcement_count": 3,
+        "last_reinforced_at": NOW,
+        "created_at": NOW,
+        "updated_at": NOW,
+        "ease_factor": 2.5,
+        "confidence_at": confidence_at,
+    }
+    assert kept_from_row("alice", row) == _kept(fact_from_row("alice", row))
