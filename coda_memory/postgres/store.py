@@ -33,9 +33,8 @@ row has another one, and keeps them as it reads them (no model between: when new
 observations wait, it builds none); the consolidation that follows locks the row and
 reuses the kept facts when the locked row still has their version. After a commit the
 store keeps the facts the consolidation left, with the row version its write statement
-returned. So an
-identity that only this process consolidates has its facts read once, and each request
-reads one row to learn that nothing else changed them.
+returned. So an identity that only this process consolidates has its facts read once,
+and each request reads one row to learn that nothing else changed them.
 
 Connection budgets
 ------------------
