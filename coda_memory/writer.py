@@ -45,7 +45,8 @@ MAX_APPENDS = 2
 
 #: The default bound on the bytes of queued observations (see ``queue_bytes``).
 DEFAULT_QUEUE_BYTES = 64 * 1024 * 1024
-#: What an observation costs beyond its text: the tuple, the model, the timestamps.
+#: What an observation costs beyond its text: the queue's tuple, the timestamps (and the
+#: model, for one kept as it is).
 _ITEM_OVERHEAD = 512
 
 
