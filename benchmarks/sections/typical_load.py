@@ -10,6 +10,7 @@ import gc
 import random
 from typing import Any
 
+from benchmarks.host import collector_pauses
 from benchmarks.report import Figure
 from benchmarks.section import Context, Section
 from benchmarks.stats import latency_summary
@@ -17,9 +18,12 @@ from benchmarks.workloads import Database, names, prepare_profile, timed_loads
 
 
 async def _loads(db: Database, identities: list[str]) -> dict[str, Any]:
-    loads = await timed_loads(db.service, identities)
+    # The collector's runs meanwhile: a collection that falls in a load adds to it.
+    with collector_pauses() as pauses:
+        loads = await timed_loads(db.service, identities)
     return {
         **latency_summary(loads.seconds),
+        **pauses.summary(),
         "facts": 200,
         "new_observations": 50,
         "sessions": 5,
