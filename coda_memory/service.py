@@ -43,7 +43,7 @@ from typing import Any, ParamSpec, TypeVar
 
 from coda_memory.core import emitters
 from coda_memory.core.affinity import extract_tool_affinities
-from coda_memory.core.caps import DEFAULT_MAX_FACTS, CapCounter, LogThrottle
+from coda_memory.core.caps import DEFAULT_MAX_FACTS, CapCounter, FactCap, LogThrottle
 from coda_memory.core.consolidation import (
     DEFAULT_RETENTION,
     ConsolidationInput,
@@ -51,7 +51,7 @@ from coda_memory.core.consolidation import (
     active_views,
     plan_consolidation,
 )
-from coda_memory.core.decay import DecayStrategy, ExponentialDecay
+from coda_memory.core.decay import DecayStrategy, ExponentialDecay, decay_formula
 from coda_memory.core.logs import short_error
 from coda_memory.core.model import Fact, FactEvent, LoadedMemory
 from coda_memory.core.prompt import format_memory_section
@@ -174,6 +174,11 @@ class MemoryService(ObservationWriter):
         self._slots = LifoSlots(max_consolidations)
         self._log = LogThrottle(logger)
         self._facts_cap = CapCounter(self._log, "facts per identity capped")
+        cap_facts: Callable[[FactCap], None] | None = getattr(store, "cap_facts", None)
+        formula = decay_formula(self.decay)
+        if cap_facts is not None and max_facts is not None and formula is not None:
+            # A store that can apply the cap where the facts are (FactCap says when).
+            cap_facts(FactCap(max_facts, formula, self._now, self._capped_in_store))
         super().__init__(
             queue_size=queue_size, queue_bytes=queue_bytes, batch_size=batch_size, hold_gc=hold_gc
         )
@@ -304,6 +309,16 @@ class MemoryService(ObservationWriter):
                 f"{len(plan.evicted)} deleted",
             )
         return plan.active
+
+    def _now(self) -> datetime:
+        return self.clock()
+
+    def _capped_in_store(self, identity_id: str, deleted: int) -> None:
+        self._facts_cap.hit(
+            deleted,
+            f"{self._label(identity_id)} keeps its best ranked facts, {deleted} deleted "
+            "by the store",
+        )
 
     def _keeps_facts(self, identity_id: str) -> bool:
         """Whether the store keeps the identity's facts between requests (the Postgres

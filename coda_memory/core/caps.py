@@ -11,7 +11,11 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
+
+from coda_memory.core.decay import DecayFormula
 
 #: Facts kept per identity (the best ranked by ``confidence * reinforcement_count``).
 DEFAULT_MAX_FACTS = 500
@@ -74,3 +78,39 @@ class CapCounter:
         self.applied += 1
         self.dropped += dropped
         self.throttle.warning(self.cause, "coda-memory: %s: %s", self.cause, detail)
+
+
+@dataclass(frozen=True, slots=True)
+class FactCap:
+    """The cap on facts per identity, for a store that can apply it where the facts are.
+
+    A consolidation applies the cap to the facts it reads, exactly (the plan keeps the
+    ``keep`` best ranked). An identity far over it (facts stored before the cap, an
+    import, a lowered ``max_facts``) would make its first load read, decode and rank all
+    of them in the application: 30,000 facts hold the event loop and a connection for
+    most of a second. A store given a ``FactCap`` reads an identity's facts only when
+    they are at most :attr:`read_limit`; beyond that, when no observation waits, it
+    deletes on the server the live facts that rank beyond :attr:`kept_on_server` at
+    ``clock()`` (the same rank, computed by ``formula``), then reads the rest, whose
+    consolidation applies the cap exactly. The margin between ``kept_on_server`` and
+    ``keep`` holds any fact whose rank a float rounding could move by a few places. An
+    expired fact is left to the consolidation, which records its expiry; so is an
+    identity whose observations wait, since they may raise a fact's rank.
+    """
+
+    #: The facts kept per identity (``MemoryService.max_facts``).
+    keep: int
+    formula: DecayFormula
+    clock: Callable[[], datetime]
+    #: Called with the identity and how many facts the store deleted.
+    applied: Callable[[str, int], None]
+
+    @property
+    def read_limit(self) -> int:
+        """The most facts of an identity read into the application before the cap."""
+        return 2 * self.keep
+
+    @property
+    def kept_on_server(self) -> int:
+        """The facts left by a cap applied on the server: ``keep`` and a margin."""
+        return self.keep + max(10, self.keep // 10)

@@ -8,6 +8,7 @@ from a previous decayed value, so how often consolidation runs does not matter.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Protocol, runtime_checkable
 
@@ -172,6 +173,29 @@ class AdaptiveDecay(ExponentialDecay):
 
 FSRS_FACTOR = 19.0 / 81.0
 """FSRS-4.5's ``F``: with ``d = 0.5``, retrievability is 0.9 when ``t = S``."""
+
+
+@dataclass(frozen=True, slots=True)
+class DecayFormula:
+    """The ``decayed`` of :class:`ExponentialDecay` and :class:`AdaptiveDecay` as data, so
+    that a store can compute it where the facts are (the cap on facts per identity, see
+    :class:`~coda_memory.core.caps.FactCap`): ``confidence * base ** (days / ease)``, days
+    the distance from the fact's anchor."""
+
+    base: float
+    expiry_threshold: float
+    #: The ease of a fact that has none; None: the formula has no ease (it is 1).
+    default_ease: float | None
+
+
+def decay_formula(decay: DecayStrategy) -> DecayFormula | None:
+    """``decay``'s formula as data; None for any other strategy (a subclass too, which
+    may decay otherwise)."""
+    if type(decay) is AdaptiveDecay:
+        return DecayFormula(decay.base, decay.expiry_threshold, decay.default_ease)
+    if type(decay) is ExponentialDecay:
+        return DecayFormula(decay.base, decay.expiry_threshold, None)
+    return None
 
 
 class PowerLawDecay:

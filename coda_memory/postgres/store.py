@@ -88,7 +88,7 @@ from typing import Any, TypeVar
 from sqlalchemy import delete
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
-from coda_memory.core.caps import LogThrottle
+from coda_memory.core.caps import FactCap, LogThrottle
 from coda_memory.core.model import Fact, FactEvent, Observation
 from coda_memory.errors import ConnectionLost, StoreBusy
 from coda_memory.ports import (
@@ -249,6 +249,7 @@ class PostgresStore:
         self.ingest_counts = IngestCounts()
         #: Peeks and consolidations that a lock kept out (the same).
         self.held_out = HeldOut()
+        self._fact_cap: FactCap | None = None
 
     @classmethod
     def from_url(
@@ -418,24 +419,38 @@ class PostgresStore:
         known = self._known.entry(identity_id)
         return [] if known is None else await known.facts()
 
+    def cap_facts(self, cap: FactCap | None) -> None:
+        """Apply ``cap`` on the server to an identity found far over it (see
+        :class:`~coda_memory.core.caps.FactCap`; None: never). The service sets it."""
+        self._fact_cap = cap
+
     async def peek(self, identity_id: str) -> tuple[list[Fact], bool]:
         """The identity's stored facts (none when new observations wait: the kept ones are
         the consolidation's, and the late load's, see ``kept_facts``) and whether new
         observations wait. When a table the
         peek reads is held (see "Tables held"), the facts alone, read without the
         checkpoint or the observations, with nothing said to wait: the load answers from
-        them, and the new observations wait for a load that can consolidate them."""
+        them, and the new observations wait for a load that can consolidate them. With a
+        cap on facts (:meth:`cap_facts`), an identity that has more than its read limit
+        is first brought down to the cap on the server, when nothing waits."""
         known = self._known.entry(identity_id)
+        cap = self._fact_cap
 
-        async def read(conn: AsyncConnection) -> Peeked:
+        async def read(conn: AsyncConnection, read_limit: int | None) -> Peeked:
             driver = await driver_connection(conn)
             # No transaction: the tenant is the session's, until the connection's next
             # transaction sets its own.
             await driver.execute(SET_TENANT_SESSION, identity_id)
-            return await peek(driver, self._statements, identity_id, known)
+            return await peek(driver, self._statements, identity_id, known, read_limit)
 
         try:
-            peeked = await run(self.request_engine, self.schema, read, idempotent=True)
+            limit = None if cap is None else cap.read_limit
+            peeked = await self._read(partial(read, read_limit=limit))
+            if peeked.over and cap is not None:
+                if not peeked.pending:
+                    await self._apply_cap(identity_id, cap)
+                    known = None
+                peeked = await self._read(partial(read, read_limit=None))
         except Exception as error:
             if sqlstate(error) != _LOCK_NOT_AVAILABLE:
                 raise
@@ -454,6 +469,37 @@ class PostgresStore:
                 # Too many to keep: the facts the peek left out are the caller's only.
                 return await peeked.known.facts(), True
         return peeked.facts, peeked.pending
+
+    async def _read(self, work: Callable[[AsyncConnection], Awaitable[T]]) -> T:
+        """``work`` on a request connection, retried once on a dead one."""
+        return await run(self.request_engine, self.schema, work, idempotent=True)
+
+    async def _apply_cap(self, identity_id: str, cap: FactCap) -> None:
+        """Delete on the server the identity's live facts ranked beyond
+        ``cap.kept_on_server`` (``facts_cap.sql``), holding its checkpoint row, in a
+        transaction of its own; the facts kept here for it are dropped."""
+        statement, formula = self._statements.cap, cap.formula
+        doing = f"while capping the facts of {identity_id!r}"
+        async with driver_transaction(self.request_engine, self.schema, self._begin, doing) as raw:
+            with schema_required(self.schema):
+                await raw.execute(SET_TENANT, identity_id)
+                await lock_identity(raw, self._statements, identity_id)
+                row = await raw.fetchrow(
+                    statement.text,
+                    *statement.arguments(
+                        identity_id=identity_id,
+                        now=cap.clock(),
+                        base=formula.base,
+                        with_ease=formula.default_ease is not None,
+                        default_ease=formula.default_ease,
+                        expiry_threshold=formula.expiry_threshold,
+                        kept=cap.kept_on_server,
+                    ),
+                )
+                await raw.execute("COMMIT")
+        self._known.discard(identity_id)
+        if row["dropped"]:
+            cap.applied(identity_id, row["dropped"])
 
     async def _facts_alone(self, identity_id: str, known: Known | None) -> list[Fact]:
         """The identity's stored facts, read from ``facts`` only (the kept ones when

@@ -53,6 +53,7 @@ class Statements:
     write: Query
     peek: Query
     delete: Query
+    cap: Query
 
     def all(self) -> list[Query]:
         """Every statement, to prepare on a new connection."""
@@ -81,6 +82,7 @@ class Statements:
             write=query("consolidation_write", schema),
             peek=query("peek", schema),
             delete=query("facts_delete", schema),
+            cap=query("facts_cap", schema),
         )
 
 
@@ -285,19 +287,32 @@ class Peeked:
     read: bool
     #: The facts read, with their version, to keep (None: not read, or no version).
     known: Known | None = None
+    #: The facts were not read: they are more than the ``read_limit`` of the peek.
+    over: bool = False
 
 
-async def peek(raw: Any, statements: Statements, identity_id: str, known: Known | None) -> Peeked:
+async def peek(
+    raw: Any,
+    statements: Statements,
+    identity_id: str,
+    known: Known | None,
+    read_limit: int | None = None,
+) -> Peeked:
     """Whether new observations wait, the version of the identity's facts and the facts
     (left out when observations wait), in one statement and without a lock; the facts
-    are read only when ``known`` does not hold those of the current version."""
+    are read only when ``known`` does not hold those of the current version, and when
+    they are at most ``read_limit`` (None: any number; more: ``over``, nothing read)."""
     statement = statements.peek
     arguments = statement.arguments(
-        identity_id=identity_id, known_version=None if known is None else known.version
+        identity_id=identity_id,
+        known_version=None if known is None else known.version,
+        read_limit=read_limit,
     )
     rows = await raw.fetch(statement.text, *arguments)
     pending = bool(rows[0]["pending"]) if rows else False
     version = rows[0]["version"] if rows else None
+    if rows and rows[0]["over"]:
+        return Peeked([], pending, version, read=False, over=True)
     if known is not None and version == known.version:
         return Peeked([] if pending else await known.facts(), pending, version, read=False)
     fact_rows = [r for r in rows if r["subject"] is not None]

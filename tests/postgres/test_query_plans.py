@@ -300,7 +300,7 @@ async def test_the_peek_reads_the_unconsumed_tail_not_the_identitys_history(
         driver = await driver_connection(conn)
         raw = await driver.fetchval(
             f"EXPLAIN (ANALYZE, FORMAT JSON) {peek.text}",
-            *peek.arguments(identity_id="user-11", known_version=None),
+            *peek.arguments(identity_id="user-11", known_version=None, read_limit=None),
         )
         await conn.rollback()
     explained = json.loads(raw) if isinstance(raw, str) else raw

@@ -1,6 +1,7 @@
 -- Is anything committed that the stored snapshot did not see? Plus the version of the
--- identity's facts and, unless the caller already knows that version, the facts, in the
--- same statement and snapshot. No lock is taken.
+-- identity's facts and, unless the caller already knows that version or the identity has
+-- more than :read_limit facts, the facts, in the same statement and snapshot. No lock is
+-- taken.
 WITH
 -- The identity's stored snapshot and facts' version (no row: never consolidated).
 cp AS (
@@ -29,9 +30,29 @@ pending AS (
                 AND {unconsumed(xid=o.xid, snapshot=cp.s)}
         )
     END AS p
+),
+-- Whether the facts, to be read, are more than the caller reads before it applies its cap
+-- (coda_memory.core.caps.FactCap; no limit when NULL): then none are sent. Counted up to
+-- one past the limit only, and only when the facts are to be read.
+over AS (
+    SELECT CASE
+        WHEN CAST(:read_limit AS bigint) IS NULL
+            OR (SELECT version FROM cp) IS NOT DISTINCT FROM CAST(:known_version AS text)
+            THEN false
+        ELSE (
+            SELECT count(*)
+            FROM (
+                SELECT 1
+                FROM {schema}.facts
+                WHERE identity_id = :identity_id
+                LIMIT CAST(:read_limit AS bigint) + 1
+            ) AS counted
+        ) > CAST(:read_limit AS bigint)
+    END AS o
 )
 SELECT
     pending.p AS pending,
+    over.o AS over,
     (SELECT version FROM cp) AS version,
     f.subject,
     f.category,
@@ -44,9 +65,12 @@ SELECT
     f.updated_at,
     f.ease_factor
 FROM pending
+CROSS JOIN over
 -- Facts even when observations wait: a late load answers from them, and the locked run
 -- reuses them when the checkpoint has not moved since (see the store's docstring). None
--- when the caller knows this version's facts already (coda_memory.postgres.known).
+-- when the caller knows this version's facts already (coda_memory.postgres.known), or
+-- when they are over the limit.
 LEFT JOIN {schema}.facts f
     ON f.identity_id = :identity_id
     AND (SELECT version FROM cp) IS DISTINCT FROM CAST(:known_version AS text)
+    AND NOT over.o

@@ -1,0 +1,67 @@
+-- The cap on an identity's facts, applied where they are (coda_memory.core.caps.FactCap):
+-- deletes the identity's live facts that rank beyond :kept at :now, so that an identity
+-- far over the cap is brought down without sending its facts to the application. Runs in
+-- a transaction that holds the identity's checkpoint row (no consolidation of it runs
+-- meanwhile). Returns how many facts it deleted.
+WITH
+-- Each fact's distance in days from its anchor, and the ease that divides it: the
+-- fact's own, or the formula's default (none: 1), as coda_memory.core.decay computes them.
+seen AS (
+    SELECT
+        subject,
+        confidence,
+        reinforcement_count,
+        abs(
+            extract(epoch FROM CAST(:now AS timestamptz)) - extract(epoch FROM confidence_at)
+        )::float8 / 86400 AS days,
+        CASE
+            WHEN CAST(:with_ease AS boolean)
+                THEN coalesce(ease_factor, CAST(:default_ease AS float8))
+            ELSE 1
+        END AS ease
+    FROM {schema}.facts
+    WHERE identity_id = :identity_id
+),
+-- Each fact's confidence at :now (decayed from its anchor, never compounded). A fact
+-- with an ease the formula cannot divide by is left out, for the consolidation.
+decayed AS (
+    SELECT
+        subject,
+        reinforcement_count,
+        confidence * power(CAST(:base AS float8), days / ease) AS confidence
+    FROM seen
+    WHERE ease > 0
+),
+-- The live ones in rank order (coda_memory.core.rank: confidence * count, highest first,
+-- then subject by code point). An expired fact is left out: the consolidation deletes it
+-- and records its expiry.
+ranked AS (
+    SELECT
+        subject,
+        row_number() OVER (
+            ORDER BY confidence * reinforcement_count DESC, subject COLLATE "C"
+        ) AS rank
+    FROM decayed
+    WHERE confidence >= CAST(:expiry_threshold AS float8)
+),
+-- Those beyond the cap, with no history event (as when a consolidation drops them).
+dropped AS (
+    DELETE FROM {schema}.facts f
+    USING ranked r
+    WHERE f.identity_id = :identity_id
+        AND f.subject = r.subject
+        AND r.rank > CAST(:kept AS bigint)
+    RETURNING 1
+),
+-- A new version of the identity's facts (coda_memory.postgres.known) when any went: the
+-- checkpoint row written again, its cursor unchanged.
+touched AS (
+    UPDATE {schema}.checkpoints
+    SET snapshot = snapshot
+    WHERE identity_id = :identity_id
+        AND EXISTS (SELECT 1 FROM dropped)
+    RETURNING 1
+)
+SELECT
+    (SELECT count(*) FROM dropped) AS dropped,
+    (SELECT count(*) FROM touched) AS touched
