@@ -15,7 +15,7 @@ from coda_memory import MemoryService
 from coda_memory.core.caps import FactCap
 from coda_memory.core.decay import AdaptiveDecay, DecayStrategy, ExponentialDecay
 from coda_memory.core.model import Fact
-from coda_memory.postgres import PostgresStore, known, unit
+from coda_memory.postgres import PostgresStore, known, rows, unit
 from tests.helpers import tool_ok
 from tests.postgres.helpers import NOW, fetch
 
@@ -83,7 +83,7 @@ async def _seed(url: str, identities: list[str], seed: int) -> list[str]:
 def _decoded(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """Counts the stored fact rows the store decodes into the application."""
     seen = [0]
-    keep_row, fact_row = known.kept_from_row, unit.fact_from_row
+    keep_row, fact_row = known.kept_from_row, rows.fact_from_row
 
     def kept_from_row(identity_id: str, row: Any) -> dict[str, Any]:
         seen[0] += 1
