@@ -22,9 +22,13 @@ identity's facts (``kept_facts``): then something new waits for sure.
 
 Keeping the loop responsive. Everything ``load_memory`` does in Python is proportional
 to the identity's facts, which ``max_facts`` caps (best ranked kept, the rest deleted by
-the next consolidation). Above :data:`OFFLOAD_FACTS` facts the planning, the views and
-the prompt section are computed in a worker thread, so the loop keeps serving other
-requests and ``load_timeout`` can fire. At most ``max_consolidations`` consolidations
+the next consolidation, or by the store, see :class:`~coda_memory.core.caps.FactCap`).
+Up to :data:`OFFLOAD_FACTS` facts, twice the default cap, the planning, the views and the
+prompt section run on the loop, each a step of a millisecond or two between two turns.
+Above it they run in a worker thread, so the loop keeps serving other requests and
+``load_timeout`` can fire; but under the GIL the loop then waits up to a switch interval
+(5 ms) each time it wakes up, so a thread costs every other request more than a short
+step on the loop does. At most ``max_consolidations`` consolidations
 (and peeks) talk to the store at once; the others wait in the loop, not on a
 connection pool, newest first (see :mod:`coda_memory.slots`), and an identity has at
 most one in flight (single flight).
@@ -69,7 +73,7 @@ P = ParamSpec("P")
 R = TypeVar("R")
 
 #: Above this many facts, Python work of a load runs in a worker thread (see above).
-OFFLOAD_FACTS = 300
+OFFLOAD_FACTS = 2 * DEFAULT_MAX_FACTS
 #: The share of ``load_timeout`` after which a load still waiting for its consolidation
 #: starts making its fallback answer from the facts at hand, so that the answer is ready
 #: when the timeout fires rather than made after it (see ``load_memory``). Every such

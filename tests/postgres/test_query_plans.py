@@ -310,3 +310,40 @@ async def test_the_peek_reads_the_unconsumed_tail_not_the_identitys_history(
     # (identity_id, xid) range instead of filtering each of the 50 rows.
     assert "ix_observations_identity_id_xid" in indexes(nodes)
     assert rows_read(nodes, "observations") == 0
+
+
+async def _peek_plan(
+    store: PostgresStore, identity_id: str, known_version: str | None, read_limit: int | None
+) -> tuple[list[dict[str, Any]], list[Any]]:
+    """The peek's executed plan nodes, and its rows."""
+    peek = Statements.for_schema(store.schema).peek
+    arguments = peek.arguments(
+        identity_id=identity_id, known_version=known_version, read_limit=read_limit
+    )
+    async with store.engine.connect() as conn:
+        driver = await driver_connection(conn)
+        raw = await driver.fetchval(f"EXPLAIN (ANALYZE, FORMAT JSON) {peek.text}", *arguments)
+        rows = await driver.fetch(peek.text, *arguments)
+        await conn.rollback()
+    explained = json.loads(raw) if isinstance(raw, str) else raw
+    return list(plan_nodes(explained[0]["Plan"])), rows
+
+
+async def test_the_peek_reads_no_fact_when_the_caller_knows_their_version(
+    loaded: PostgresStore,
+) -> None:
+    # user-12 has 8 facts; a consolidation gives it a checkpoint, hence a version.
+    await consolidate(loaded, "user-12", now=NOW)
+    facts = len(await loaded.facts("user-12"))
+    assert facts == 8
+    nodes, rows = await _peek_plan(loaded, "user-12", None, None)
+    assert rows_read(nodes, "facts") >= facts and len(rows) == facts
+    version = rows[0]["version"]
+    # The version known: the scan of the facts is gated off before it runs.
+    nodes, rows = await _peek_plan(loaded, "user-12", version, None)
+    assert rows_read(nodes, "facts") == 0
+    assert [r["subject"] for r in rows] == [None]
+    # Over the read limit: the facts are counted up to one past it, and none is sent.
+    nodes, rows = await _peek_plan(loaded, "user-12", None, 5)
+    assert rows_read(nodes, "facts") <= 6
+    assert [(r["over"], r["subject"]) for r in rows] == [(True, None)]

@@ -69,8 +69,13 @@ CROSS JOIN over
 -- Facts even when observations wait: a late load answers from them, and the locked run
 -- reuses them when the checkpoint has not moved since (see the store's docstring). None
 -- when the caller knows this version's facts already (coda_memory.postgres.known), or
--- when they are over the limit.
-LEFT JOIN {schema}.facts f
-    ON f.identity_id = :identity_id
-    AND (SELECT version FROM cp) IS DISTINCT FROM CAST(:known_version AS text)
-    AND NOT over.o
+-- when they are over the limit. Those two conditions are in the subquery's WHERE, not
+-- in the join's ON: there they gate the scan (a one-time filter, evaluated before it),
+-- where in ON the scan would run and its rows be filtered out after.
+LEFT JOIN (
+    SELECT *
+    FROM {schema}.facts
+    WHERE identity_id = :identity_id
+        AND (SELECT version FROM cp) IS DISTINCT FROM CAST(:known_version AS text)
+        AND NOT (SELECT o FROM over)
+) AS f ON true
