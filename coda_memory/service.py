@@ -47,6 +47,7 @@ from typing import Any, ParamSpec, TypeVar
 
 from coda_memory.core import emitters
 from coda_memory.core.affinity import extract_tool_affinities
+from coda_memory.core.answers import RecentAnswers
 from coda_memory.core.caps import DEFAULT_MAX_FACTS, CapCounter, FactCap, LogThrottle
 from coda_memory.core.consolidation import (
     DEFAULT_RETENTION,
@@ -197,6 +198,9 @@ class MemoryService(ObservationWriter):
         #: Facts the peek read, for the identities being consolidated.
         self._stale: dict[str, list[Fact]] = {}
         self._load_stale = 0
+        #: Answers given again while nothing changed (coda_memory.core.answers).
+        self._recent = RecentAnswers()
+        self._loads_reused = 0
         #: When each load_memory call in flight started (the loop's time), by call.
         self._answering: dict[int, float] = {}
         self._answers = itertools.count()
@@ -533,13 +537,44 @@ class MemoryService(ObservationWriter):
         time, making it would only delay the next loads."""
         with collector_scope(self.hold_gc, self._may_collect):
             try:
+                reused = await self._reused(identity_id)
+                if reused is not None:
+                    return reused
                 facts = await self.consolidate(identity_id)
+                # The version of these facts (nothing ran since the consolidation ended).
+                version, made_at = self._facts_version(identity_id), self.clock()
                 if identity_id not in self._waiting:
                     return None
                 await asyncio.sleep(0)  # as between the consolidation's steps
-                return await _offload(len(facts), self._loaded, facts)
+                loaded = await _offload(len(facts), self._loaded, facts)
+                if version is not None:
+                    self._recent.put(identity_id, version, made_at, loaded)
+                return loaded
             finally:
                 self._stale.pop(identity_id, None)
+
+    async def _reused(self, identity_id: str) -> LoadedMemory | None:
+        """The identity's last answer, when it is recent and its facts' version is still
+        the stored one with nothing waiting (see :mod:`~coda_memory.core.answers`)."""
+        unchanged: Callable[[str, str], Awaitable[bool]] | None = getattr(
+            self.store, "unchanged", None
+        )
+        if unchanged is None or identity_id in self.stored_for:
+            return None  # (stored_for: something new waits for sure)
+        answer = self._recent.fresh(identity_id, self.clock())
+        if answer is None:
+            return None
+        async with self._slots:
+            same = await unchanged(identity_id, answer.version)
+        if not same:
+            self._recent.discard(identity_id)
+            return None
+        self._loads_reused += 1
+        return self._recent.given(answer)
+
+    def _facts_version(self, identity_id: str) -> str | None:
+        version: Callable[[str], str | None] | None = getattr(self.store, "facts_version", None)
+        return None if version is None else version(identity_id)
 
     async def _loaded_as_of_last_consolidation(
         self, stored: list[Fact], *, owned: bool = False
@@ -587,6 +622,7 @@ class MemoryService(ObservationWriter):
         await self.drain()
         await self.store.forget(identity_id)
         self.stored_for.discard(identity_id)
+        self._recent.discard(identity_id)
 
     def stats(self) -> MemoryStats:
         """Counts of observations emitted, stored, rejected, dropped and pending."""
@@ -606,6 +642,7 @@ class MemoryService(ObservationWriter):
             discarded=self._discarded,
             future_clamped=self._future_clamped,
             load_stale=self._load_stale,
+            loads_reused=self._loads_reused,
             facts_capped=self._facts_cap.applied,
             facts_evicted=self._facts_cap.dropped,
             entity_results_capped=emitters.ENTITY_CAP.applied,

@@ -35,6 +35,9 @@ class MemoryStats(BaseModel):
     #: the facts of the identity's last consolidation (not empty, and not counted in
     #: ``load_timeouts``).
     load_stale: int = 0
+    #: Loads answered with the identity's answer of less than a second before, its facts
+    #: unchanged and nothing waiting (``coda_memory.core.answers``); also in ``loads``.
+    loads_reused: int = 0
     #: Consolidations where the ``max_facts`` cap applied, and the facts it deleted.
     facts_capped: int = 0
     facts_evicted: int = 0

@@ -124,6 +124,7 @@ from coda_memory.postgres.unit import (
     lock_identity,
     peek,
     stored_facts,
+    unchanged,
 )
 
 DEFAULT_LOCK_TIMEOUT = timedelta(seconds=5)
@@ -411,6 +412,23 @@ class PostgresStore:
     def keeps_facts(self, identity_id: str) -> bool:
         """Whether this store keeps the identity's facts between requests."""
         return self._known.entry(identity_id) is not None
+
+    def facts_version(self, identity_id: str) -> str | None:
+        """The version of the identity's facts as this store keeps them (None: not kept):
+        the facts of its last peek or consolidation here."""
+        known = self._known.entry(identity_id)
+        return None if known is None else known.version
+
+    async def unchanged(self, identity_id: str, version: str) -> bool:
+        """Whether the identity's facts still have ``version`` and no observation waits,
+        in one round trip that reads no fact."""
+
+        async def check(conn: AsyncConnection) -> bool:
+            driver = await driver_connection(conn)
+            await driver.execute(SET_TENANT_SESSION, identity_id)
+            return await unchanged(driver, self._statements, identity_id, version)
+
+        return await self._read(check)
 
     async def kept_facts(self, identity_id: str) -> list[Fact]:
         """The identity's stored facts as this store last read or wrote them (none when

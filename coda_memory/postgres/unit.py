@@ -322,3 +322,13 @@ async def peek(
     read = await Known.read(version, identity_id, fact_rows)
     facts = [] if pending else await read.facts()
     return Peeked(facts, pending, version, read=True, known=read)
+
+
+async def unchanged(raw: Any, statements: Statements, identity_id: str, version: str) -> bool:
+    """Whether the identity's facts still have ``version`` and no observation waits: the
+    peek's statement, which then sends no fact (with a read limit of 0, neither when the
+    version moved)."""
+    statement = statements.peek
+    arguments = statement.arguments(identity_id=identity_id, known_version=version, read_limit=0)
+    rows = await raw.fetch(statement.text, *arguments)
+    return bool(rows) and rows[0]["version"] == version and not rows[0]["pending"]

@@ -1,0 +1,99 @@
+"""Answers of ``load_memory`` given again while nothing changed.
+
+A load whose identity's facts have the version of an answer made less than
+:data:`REUSE_FOR` ago, with no observation waiting, gets that answer again: one round
+trip to learn that nothing changed, and no fact built, decayed, ranked or formatted. An
+agent server that loads one identity many times a second (a burst of requests, a retry
+loop, an identity far over its fair share) then costs the other requests a round trip
+per load instead of the Python of a whole load.
+
+What a reused answer says is what a new one would say, but for time: its confidences are
+those of up to :data:`REUSE_FOR` ago (under the default decay, a relative difference
+below one in a million per second), and its prompt section and affinities are made from
+them. Anything that changes the facts changes their version (a consolidation in any
+process, ``forget``, an import), and an answer of another version is not reused.
+
+The answers are kept per identity, most recently used last, at most
+:data:`CAPACITY_FACTS` facts in all: their models are objects that the cyclic garbage
+collector walks (see :mod:`~coda_memory.core.turns`), so few are kept.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+
+from coda_memory.core.model import LoadedMemory
+
+#: How long an answer may be given again while its identity's facts keep their version.
+REUSE_FOR = timedelta(seconds=1)
+#: Facts of all kept answers together.
+CAPACITY_FACTS = 5_000
+
+
+@dataclass(frozen=True, slots=True)
+class Answer:
+    """An answer, the version of the facts it was made from, and when it was made."""
+
+    version: str
+    made_at: datetime
+    loaded: LoadedMemory
+
+
+def _copy(loaded: LoadedMemory) -> LoadedMemory:
+    """``loaded`` with lists and dicts of its own (the facts are frozen models, shared)."""
+    return LoadedMemory.model_construct(
+        facts=list(loaded.facts),
+        prompt_section=loaded.prompt_section,
+        tool_affinities=dict(loaded.tool_affinities),
+    )
+
+
+class RecentAnswers:
+    """Each identity's last answer, for :data:`REUSE_FOR`."""
+
+    def __init__(
+        self, reuse_for: timedelta = REUSE_FOR, capacity_facts: int = CAPACITY_FACTS
+    ) -> None:
+        self.reuse_for = reuse_for
+        self.capacity_facts = capacity_facts
+        self._answers: OrderedDict[str, Answer] = OrderedDict()
+        self._facts = 0
+
+    def __len__(self) -> int:
+        return len(self._answers)
+
+    def fresh(self, identity_id: str, now: datetime) -> Answer | None:
+        """The identity's answer if it was made within ``reuse_for`` of ``now`` (an older
+        one is dropped)."""
+        answer = self._answers.get(identity_id)
+        if answer is None:
+            return None
+        if abs(now - answer.made_at) > self.reuse_for:
+            self.discard(identity_id)
+            return None
+        self._answers.move_to_end(identity_id)
+        return answer
+
+    def put(self, identity_id: str, version: str, made_at: datetime, loaded: LoadedMemory) -> None:
+        """Keep a copy of ``loaded`` (the caller's stays its own) as the identity's answer
+        for ``version``; none when it alone is over the capacity."""
+        self.discard(identity_id)
+        size = len(loaded.facts)
+        if size > self.capacity_facts:
+            return
+        self._answers[identity_id] = Answer(version, made_at, _copy(loaded))
+        self._facts += size
+        while self._facts > self.capacity_facts:
+            _, evicted = self._answers.popitem(last=False)
+            self._facts -= len(evicted.loaded.facts)
+
+    def given(self, answer: Answer) -> LoadedMemory:
+        """``answer``'s answer as the caller's own (lists and dicts of its own)."""
+        return _copy(answer.loaded)
+
+    def discard(self, identity_id: str) -> None:
+        answer = self._answers.pop(identity_id, None)
+        if answer is not None:
+            self._facts -= len(answer.loaded.facts)

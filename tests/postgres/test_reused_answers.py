@@ -1,0 +1,94 @@
+"""Answers given again while nothing changed (coda_memory.core.answers): only while the
+facts keep their version, nothing waits and the answer is recent; always the caller's own."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+from coda_memory import MemoryService
+from coda_memory.core.answers import RecentAnswers
+from coda_memory.core.model import LoadedMemory
+from coda_memory.postgres import PostgresStore
+from tests.helpers import FakeClock, tool_failed, tool_ok
+from tests.postgres.helpers import NOW
+
+
+async def test_a_load_of_an_unchanged_identity_gives_its_recent_answer_again(
+    pg_url: str,
+) -> None:
+    clock = FakeClock(NOW)
+    service = MemoryService(PostgresStore.from_url(pg_url), clock=clock, load_timeout=5)
+    other = MemoryService(PostgresStore.from_url(pg_url), clock=clock, load_timeout=5)
+    try:
+        for tool in ("get_account", "get_contract"):
+            service.emit_observation("alice", tool_ok(tool))
+        await service.drain()
+        first = await service.load_memory("alice")
+        assert len(first.facts) == 2 and service.stats().loads_reused == 0
+        second = await service.load_memory("alice")
+        assert service.stats().loads_reused == 1
+        assert second == first
+        # The caller's own lists: what one caller does to its answer, the next won't see.
+        kept = second.model_copy(deep=True)
+        for answer in (first, second):
+            answer.facts.clear()
+            answer.tool_affinities.clear()
+        third = await service.load_memory("alice")
+        assert service.stats().loads_reused == 2
+        assert third == kept and len(third.facts) == 2
+
+        # Another process consolidates new observations: the version moved.
+        other.emit_observation("alice", tool_failed("get_invoice"))
+        await other.drain()
+        await other.consolidate("alice")
+        moved = await service.load_memory("alice")
+        assert service.stats().loads_reused == 2
+        assert len(moved.facts) == 3
+
+        # Observations waiting (stored by another process, not consolidated yet).
+        other.emit_observation("alice", tool_ok("get_payment"))
+        await other.drain()
+        waited = await service.load_memory("alice")
+        assert service.stats().loads_reused == 2
+        assert len(waited.facts) == 4
+
+        # Recent only: a second later, the answer is made anew, its facts decayed.
+        assert (await service.load_memory("alice")) == waited
+        assert service.stats().loads_reused == 3
+        clock.advance(seconds=1.5)
+        later = await service.load_memory("alice")
+        assert service.stats().loads_reused == 3
+        assert [f.confidence for f in later.facts] < [f.confidence for f in waited.facts]
+
+        # Observations this service stored: consolidated, never answered from before.
+        service.emit_observation("alice", tool_ok("get_payment", session="s2"))
+        await service.drain()
+        reinforced = await service.load_memory("alice")
+        assert service.stats().loads_reused == 3
+        assert reinforced != later
+
+        await service.forget("alice")
+        assert (await service.load_memory("alice")).facts == []
+    finally:
+        await service.close()
+        await other.close()
+
+
+def test_recent_answers_hold_few_facts_in_all_and_only_for_a_while() -> None:
+    def answer(facts: int) -> LoadedMemory:
+        return LoadedMemory.model_construct(
+            facts=[object()] * facts, prompt_section="", tool_affinities={}
+        )
+
+    recent = RecentAnswers(reuse_for=timedelta(seconds=1), capacity_facts=10)
+    recent.put("a", "v1", NOW, answer(4))
+    recent.put("b", "v1", NOW, answer(4))
+    assert recent.fresh("a", NOW) is not None  # a is now the most recently used
+    recent.put("c", "v1", NOW, answer(4))  # 12 facts: b, the least recent, goes
+    assert recent.fresh("b", NOW) is None
+    assert recent.fresh("a", NOW) is not None and recent.fresh("c", NOW) is not None
+    recent.put("d", "v1", NOW, answer(11))  # over the capacity alone: not kept
+    assert recent.fresh("d", NOW) is None and len(recent) == 2
+    assert recent.fresh("a", NOW + timedelta(seconds=1)) is not None
+    assert recent.fresh("a", NOW + timedelta(seconds=1.001)) is None
+    assert len(recent) == 1
