@@ -10,7 +10,7 @@ from coda_memory.core.answers import RecentAnswers
 from coda_memory.core.model import LoadedMemory
 from coda_memory.postgres import PostgresStore
 from tests.helpers import FakeClock, tool_failed, tool_ok
-from tests.postgres.helpers import NOW
+from tests.postgres.helpers import NOW, fact
 
 
 async def test_a_load_of_an_unchanged_identity_gives_its_recent_answer_again(
@@ -76,9 +76,7 @@ async def test_a_load_of_an_unchanged_identity_gives_its_recent_answer_again(
 
 def test_recent_answers_hold_few_facts_in_all_and_only_for_a_while() -> None:
     def answer(facts: int) -> LoadedMemory:
-        return LoadedMemory.model_construct(
-            facts=[object()] * facts, prompt_section="", tool_affinities={}
-        )
+        return LoadedMemory.model_construct(facts=[fact()] * facts)
 
     recent = RecentAnswers(reuse_for=timedelta(seconds=1), capacity_facts=10)
     recent.put("a", "v1", NOW, answer(4))
