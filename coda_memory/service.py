@@ -564,8 +564,14 @@ class MemoryService(ObservationWriter):
         answer = self._recent.fresh(identity_id, self.clock())
         if answer is None:
             return None
-        async with self._slots:
-            same = await unchanged(identity_id, answer.version)
+        try:
+            async with self._slots:
+                same = await unchanged(identity_id, answer.version)
+        except Exception as error:
+            # A held table, a lost connection: the load goes the usual way, which
+            # answers from the facts at hand when it can.
+            _drop_traceback(error)
+            same = False
         if not same:
             self._recent.discard(identity_id)
             return None

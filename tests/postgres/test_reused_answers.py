@@ -10,7 +10,7 @@ from coda_memory.core.answers import RecentAnswers
 from coda_memory.core.model import LoadedMemory
 from coda_memory.postgres import PostgresStore
 from tests.helpers import FakeClock, tool_failed, tool_ok
-from tests.postgres.helpers import NOW, fact
+from tests.postgres.helpers import NOW, fact, locked
 
 
 async def test_a_load_of_an_unchanged_identity_gives_its_recent_answer_again(
@@ -90,3 +90,18 @@ def test_recent_answers_hold_few_facts_in_all_and_only_for_a_while() -> None:
     assert recent.fresh("a", NOW + timedelta(seconds=1)) is not None
     assert recent.fresh("a", NOW + timedelta(seconds=1.001)) is None
     assert len(recent) == 1
+
+
+async def test_a_held_table_during_the_check_sends_the_load_the_usual_way(pg_url: str) -> None:
+    service = MemoryService(PostgresStore.from_url(pg_url), clock=FakeClock(NOW), load_timeout=5)
+    try:
+        service.emit_observation("alice", tool_ok("get_account"))
+        await service.drain()
+        first = await service.load_memory("alice")
+        async with locked(pg_url, "observations"):
+            held = await service.load_memory("alice")
+        stats = service.stats()
+        assert held == first
+        assert (stats.loads_reused, stats.load_errors, stats.peeks_held_out) == (0, 0, 1)
+    finally:
+        await service.close()
