@@ -271,17 +271,25 @@ class MemoryService(ObservationWriter):
     async def consolidate(self, identity_id: str) -> list[Fact]:
         """Consolidate the identity's new observations now (no timeout) and return its
         active facts; raises on storage errors."""
+        facts, _ = await self._consolidated(identity_id)
+        return facts
+
+    async def _consolidated(self, identity_id: str) -> tuple[list[Fact], str | None]:
+        """:meth:`consolidate`, with the version of the facts (see ``_consolidate``)."""
         loop = self._check_loop()
         if self._loop is None:  # the store's connections will belong to this loop
             self._loop, self._loop_thread = loop, threading.get_ident()
         # Most requests find nothing new: answer those from one read, without the lock.
         with self._telemetry.span("consolidate") as span:
-            facts = await self._consolidate(identity_id)
+            facts, version = await self._consolidate(identity_id)
             if span is not None:
                 span.set_attribute("coda_memory.facts", len(facts))
-            return facts
+            return facts, version
 
-    async def _consolidate(self, identity_id: str) -> list[Fact]:
+    async def _consolidate(self, identity_id: str) -> tuple[list[Fact], str | None]:
+        """The identity's active facts and, when the store tells it, the version of the
+        stored facts they were made from (read where they were, not after: another
+        consolidation of the identity may end meanwhile)."""
         # When this service stored observations of the identity since it last consolidated
         # it, and the store keeps the identity's facts, there is no need to peek. (What is
         # stored from here on marks the identity again.)
@@ -289,7 +297,7 @@ class MemoryService(ObservationWriter):
         self.stored_for.discard(identity_id)
         if not skip_peek:
             async with self._slots:
-                stored, pending = await self.store.peek(identity_id)
+                stored, pending, version = await self._peek(identity_id)
             if identity_id in self._loading and (stored or not pending):
                 # What a load that outlives its timeout answers with (see load_memory);
                 # when the store left the facts out, the ones it keeps.
@@ -297,7 +305,7 @@ class MemoryService(ObservationWriter):
             if not pending and (self.max_facts is None or len(stored) <= self.max_facts):
                 views = await _offload(len(stored), active_views, stored, self.decay, self.clock())
                 if len(views) == len(stored):  # else some expired: consolidating deletes them
-                    return views
+                    return views, version
         async with self._slots, self.store.consolidation(identity_id) as unit:
             batch = await unit.load()
             # A turn of the loop between the steps (reading the batch, planning, writing)
@@ -310,13 +318,14 @@ class MemoryService(ObservationWriter):
             if plan.writes_anything:
                 await unit.write(plan)
                 await unit.commit()
+            version = getattr(unit, "facts_version", None)
         if plan.evicted:
             self._facts_cap.hit(
                 len(plan.evicted),
                 f"{self._label(identity_id)} keeps its {len(plan.active)} best ranked facts, "
                 f"{len(plan.evicted)} deleted",
             )
-        return plan.active
+        return plan.active, version
 
     def _now(self) -> datetime:
         return self.clock()
@@ -540,9 +549,8 @@ class MemoryService(ObservationWriter):
                 reused = await self._reused(identity_id)
                 if reused is not None:
                     return reused
-                facts = await self.consolidate(identity_id)
-                # The version of these facts (nothing ran since the consolidation ended).
-                version, made_at = self._facts_version(identity_id), self.clock()
+                facts, version = await self._consolidated(identity_id)
+                made_at = self.clock()
                 if identity_id not in self._waiting:
                     return None
                 await asyncio.sleep(0)  # as between the consolidation's steps
@@ -578,9 +586,16 @@ class MemoryService(ObservationWriter):
         self._loads_reused += 1
         return self._recent.given(answer)
 
-    def _facts_version(self, identity_id: str) -> str | None:
-        version: Callable[[str], str | None] | None = getattr(self.store, "facts_version", None)
-        return None if version is None else version(identity_id)
+    async def _peek(self, identity_id: str) -> tuple[list[Fact], bool, str | None]:
+        """The store's peek, with the version of the facts when the store tells it (the
+        Postgres store: ``peek_versioned``)."""
+        versioned: Callable[[str], Awaitable[tuple[list[Fact], bool, str | None]]] | None = getattr(
+            self.store, "peek_versioned", None
+        )
+        if versioned is not None:
+            return await versioned(identity_id)
+        stored, pending = await self.store.peek(identity_id)
+        return stored, pending, None
 
     async def _loaded_as_of_last_consolidation(
         self, stored: list[Fact], *, owned: bool = False

@@ -413,12 +413,6 @@ class PostgresStore:
         """Whether this store keeps the identity's facts between requests."""
         return self._known.entry(identity_id) is not None
 
-    def facts_version(self, identity_id: str) -> str | None:
-        """The version of the identity's facts as this store keeps them (None: not kept):
-        the facts of its last peek or consolidation here."""
-        known = self._known.entry(identity_id)
-        return None if known is None else known.version
-
     async def unchanged(self, identity_id: str, version: str) -> bool:
         """Whether the identity's facts still have ``version`` and no observation waits,
         in one round trip that reads no fact."""
@@ -443,7 +437,14 @@ class PostgresStore:
         self._fact_cap = cap
 
     async def peek(self, identity_id: str) -> tuple[list[Fact], bool]:
-        """The identity's stored facts (none when new observations wait: the kept ones are
+        facts, pending, _ = await self.peek_versioned(identity_id)
+        return facts, pending
+
+    async def peek_versioned(self, identity_id: str) -> tuple[list[Fact], bool, str | None]:
+        """:meth:`peek`, with the version of the facts it returns (None: not known, when
+        a held table kept the checkpoint from being read).
+
+        The identity's stored facts (none when new observations wait: the kept ones are
         the consolidation's, and the late load's, see ``kept_facts``) and whether new
         observations wait. When a table the
         peek reads is held (see "Tables held"), the facts alone, read without the
@@ -478,15 +479,15 @@ class PostgresStore:
                 "coda-memory: a table the peek reads is held (lock timeout); loads answer "
                 "from the stored facts, and new observations wait, meanwhile",
             )
-            return await self._facts_alone(identity_id, known), False
+            return await self._facts_alone(identity_id, known), False, None
         if peeked.read:
             # Kept for later peeks and the consolidation that follows (see "Facts read
             # once" above).
             kept = self._known.put(identity_id, peeked.known)
             if not kept and peeked.pending and peeked.known is not None:
                 # Too many to keep: the facts the peek left out are the caller's only.
-                return await peeked.known.facts(), True
-        return peeked.facts, peeked.pending
+                return await peeked.known.facts(), True, peeked.version
+        return peeked.facts, peeked.pending, peeked.version
 
     async def _read(self, work: Callable[[AsyncConnection], Awaitable[T]]) -> T:
         """``work`` on a request connection, retried once on a dead one."""

@@ -191,13 +191,13 @@ async def test_a_load_after_this_service_stored_observations_skips_the_peek(
     peeks, so what another process stored or consolidated is still seen."""
     store = PostgresStore.from_url(pg_url)
     peeks: list[str] = []
-    peek = store.peek
+    peek = store.peek_versioned
 
-    async def counted_peek(identity_id: str) -> tuple[list[Fact], bool]:
+    async def counted_peek(identity_id: str) -> tuple[list[Fact], bool, str | None]:
         peeks.append(identity_id)
         return await peek(identity_id)
 
-    store.peek = counted_peek  # type: ignore[method-assign]
+    store.peek_versioned = counted_peek  # type: ignore[method-assign]
     service = MemoryService(store, clock=lambda: NOW + timedelta(hours=1))
     other = PostgresStore.from_url(pg_url)
     try:

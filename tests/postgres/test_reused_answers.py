@@ -4,11 +4,15 @@ facts keep their version, nothing waits and the answer is recent; always the cal
 from __future__ import annotations
 
 from datetime import timedelta
+from typing import Any
+
+import pytest
 
 from coda_memory import MemoryService
 from coda_memory.core.answers import RecentAnswers
 from coda_memory.core.model import LoadedMemory
-from coda_memory.postgres import PostgresStore
+from coda_memory.postgres import PostgresStore, unit
+from coda_memory.postgres import store as store_module
 from tests.helpers import FakeClock, tool_failed, tool_ok
 from tests.postgres.helpers import NOW, fact, locked
 
@@ -105,3 +109,44 @@ async def test_a_held_table_during_the_check_sends_the_load_the_usual_way(pg_url
         assert (stats.loads_reused, stats.load_errors, stats.peeks_held_out) == (0, 0, 1)
     finally:
         await service.close()
+
+
+async def test_an_answer_is_kept_with_the_version_of_the_facts_it_was_made_from(
+    pg_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A consolidation of the identity that ends while a load's peek is on its way back
+    moves the version the store keeps; the load's answer is still of the version its
+    peek read, and is not given again for the new one."""
+    clock = FakeClock(NOW)
+    store = PostgresStore.from_url(pg_url)
+    service = MemoryService(store, clock=clock, load_timeout=5)
+    other = MemoryService(PostgresStore.from_url(pg_url), clock=clock, load_timeout=5)
+    raced = False
+
+    async def racing_peek(*args: Any, **kwargs: Any) -> Any:
+        nonlocal raced
+        peeked = await unit.peek(*args, **kwargs)
+        if not raced:
+            raced = True
+            other.emit_observation("alice", tool_ok("get_invoice"))
+            await other.drain()
+            await service.consolidate("alice")  # while the load's peek is in flight
+        return peeked
+
+    try:
+        service.emit_observation("alice", tool_ok("get_account"))
+        await service.drain()
+        await service.load_memory("alice")
+        clock.advance(seconds=2)  # the first answer is no longer recent
+        monkeypatch.setattr(store_module, "peek", racing_peek)
+        during = await service.load_memory("alice")
+        assert raced and [f.subject for f in during.facts] == ["tool_affinity:get_account"]
+        after = await service.load_memory("alice")
+        assert service.stats().loads_reused == 0
+        assert [f.subject for f in after.facts] == [
+            "tool_affinity:get_account",
+            "tool_affinity:get_invoice",
+        ]
+    finally:
+        await service.close()
+        await other.close()
