@@ -70,12 +70,14 @@ CROSS JOIN over
 -- reuses them when the checkpoint has not moved since (see the store's docstring). None
 -- when the caller knows this version's facts already (coda_memory.postgres.known), or
 -- when they are over the limit. Those two conditions are in the subquery's WHERE, not
--- in the join's ON: there they gate the scan (a one-time filter, evaluated before it),
--- where in ON the scan would run and its rows be filtered out after.
+-- in the join's ON, and OFFSET 0 keeps the planner from pulling the subquery up into the
+-- join: so they gate the scan (a one-time filter, evaluated before it), where as a join
+-- filter the scan would run and its rows be thrown away after.
 LEFT JOIN (
     SELECT *
     FROM {schema}.facts
     WHERE identity_id = :identity_id
         AND (SELECT version FROM cp) IS DISTINCT FROM CAST(:known_version AS text)
         AND NOT (SELECT o FROM over)
+    OFFSET 0
 ) AS f ON true
