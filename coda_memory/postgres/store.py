@@ -36,6 +36,12 @@ store keeps the facts the consolidation left, with the row version its write sta
 returned. So an identity that only this process consolidates has its facts read once,
 and each request reads one row to learn that nothing else changed them.
 
+An identity far over the service's cap on facts is not read by the peek: the store
+first deletes on the server the facts the cap would drop (``facts_cap.sql``; when and
+why in :class:`~coda_memory.core.caps.FactCap`). A load that may reuse its last answer
+asks :meth:`PostgresStore.unchanged` whether the version it was made from is still the
+stored one, in one round trip that reads no fact (:mod:`coda_memory.core.answers`).
+
 Connection budgets
 ------------------
 Three pools, so that what blocks one kind of work cannot take the connections of another:
