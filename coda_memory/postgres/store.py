@@ -124,7 +124,6 @@ from coda_memory.postgres.rollup_upkeep import forget_identity
 from coda_memory.postgres.schema import DEFAULT_SCHEMA, redis_imports, validate_schema_name
 from coda_memory.postgres.tenancy import SET_TENANT, SET_TENANT_SESSION, set_tenant
 from coda_memory.postgres.unit import (
-    Peeked,
     PostgresConsolidationUnit,
     Statements,
     lock_identity,
@@ -422,13 +421,9 @@ class PostgresStore:
     async def unchanged(self, identity_id: str, version: str) -> bool:
         """Whether the identity's facts still have ``version`` and no observation waits,
         in one round trip that reads no fact."""
-
-        async def check(conn: AsyncConnection) -> bool:
-            driver = await driver_connection(conn)
-            await driver.execute(SET_TENANT_SESSION, identity_id)
-            return await unchanged(driver, self._statements, identity_id, version)
-
-        return await self._read(check)
+        return await self._read(
+            identity_id, lambda raw: unchanged(raw, self._statements, identity_id, version)
+        )
 
     async def kept_facts(self, identity_id: str) -> list[Fact]:
         """The identity's stored facts as this store last read or wrote them (none when
@@ -460,22 +455,19 @@ class PostgresStore:
         is first brought down to the cap on the server, when nothing waits."""
         known = self._known.entry(identity_id)
         cap = self._fact_cap
-
-        async def read(conn: AsyncConnection, read_limit: int | None) -> Peeked:
-            driver = await driver_connection(conn)
-            # No transaction: the tenant is the session's, until the connection's next
-            # transaction sets its own.
-            await driver.execute(SET_TENANT_SESSION, identity_id)
-            return await peek(driver, self._statements, identity_id, known, read_limit)
-
+        statements = self._statements
         try:
             limit = None if cap is None else cap.read_limit
-            peeked = await self._read(partial(read, read_limit=limit))
+            peeked = await self._read(
+                identity_id, lambda raw: peek(raw, statements, identity_id, known, limit)
+            )
             if peeked.over and cap is not None:
                 if not peeked.pending:
                     await self._apply_cap(identity_id, cap)
-                    known = None
-                peeked = await self._read(partial(read, read_limit=None))
+                    known = None  # its facts are gone: read what the cap left
+                peeked = await self._read(
+                    identity_id, lambda raw: peek(raw, statements, identity_id, known)
+                )
         except Exception as error:
             if sqlstate(error) != _LOCK_NOT_AVAILABLE:
                 raise
@@ -495,9 +487,19 @@ class PostgresStore:
                 return await peeked.known.facts(), True, peeked.version
         return peeked.facts, peeked.pending, peeked.version
 
-    async def _read(self, work: Callable[[AsyncConnection], Awaitable[T]]) -> T:
-        """``work`` on a request connection, retried once on a dead one."""
-        return await run(self.request_engine, self.schema, work, idempotent=True)
+    async def _read(self, identity_id: str, work: Callable[[Any], Awaitable[T]]) -> T:
+        """``work(raw)`` on a request connection (its asyncpg connection), outside a
+        transaction, with ``identity_id`` the session's tenant; retried once on a dead
+        connection."""
+
+        async def read(conn: AsyncConnection) -> T:
+            raw = await driver_connection(conn)
+            # No transaction: the tenant is the session's, until the connection's next
+            # transaction sets its own.
+            await raw.execute(SET_TENANT_SESSION, identity_id)
+            return await work(raw)
+
+        return await run(self.request_engine, self.schema, read, idempotent=True)
 
     async def _apply_cap(self, identity_id: str, cap: FactCap) -> None:
         """Delete on the server the identity's live facts ranked beyond
@@ -532,13 +534,9 @@ class PostgresStore:
         good as any)."""
         if known is not None:
             return await known.facts()
-
-        async def read(conn: AsyncConnection) -> list[Fact]:
-            driver = await driver_connection(conn)
-            await driver.execute(SET_TENANT_SESSION, identity_id)
-            return await stored_facts(driver, self._statements, identity_id)
-
-        return await run(self.request_engine, self.schema, read, idempotent=True)
+        return await self._read(
+            identity_id, lambda raw: stored_facts(raw, self._statements, identity_id)
+        )
 
     async def history(self, identity_id: str, subject: str | None = None) -> list[FactEvent]:
         return await self.run(

@@ -54,14 +54,13 @@ dropped AS (
     RETURNING 1
 ),
 -- A new version of the identity's facts (coda_memory.postgres.known) when any went: the
--- checkpoint row written again, its cursor unchanged.
+-- checkpoint row written again, its cursor unchanged. (A data-modifying CTE runs whether
+-- or not the query reads it.)
 touched AS (
     UPDATE {schema}.checkpoints
     SET snapshot = snapshot
     WHERE identity_id = :identity_id
         AND EXISTS (SELECT 1 FROM dropped)
-    RETURNING 1
 )
-SELECT
-    (SELECT count(*) FROM dropped) AS dropped,
-    (SELECT count(*) FROM touched) AS touched
+SELECT count(*) AS dropped
+FROM dropped
