@@ -25,14 +25,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from datetime import datetime
+from typing import Any, NamedTuple
 
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from coda_memory.ports import AppendOutcome, ObservationRecord
 from coda_memory.postgres import batch_keys
 from coda_memory.postgres.connection import sqlstate
-from coda_memory.postgres.documents import ENCODER, document, instant
+from coda_memory.postgres.documents import NotJson, document, instant
 from coda_memory.postgres.rollup_batch import write_rollup_part
 from coda_memory.postgres.rollup_owed import Folded, RollupDebt, fold_owed, rollup_or_owe
 from coda_memory.postgres.sql import query
@@ -53,12 +54,16 @@ _SYSTEM_ERROR_CLASSES = frozenset(
 )
 
 
-@dataclass(frozen=True, slots=True)
-class _Row:
-    index: int
-    #: identity_id, type, content, metadata, session_id and created_at (ISO 8601): one
-    #: element of the batch's JSON document.
-    values: tuple[str, str, str, dict[str, Any], str | None, str]
+class _Row(NamedTuple):
+    """One row of a batch (a tuple: a frozen dataclass took longer to make than orjson
+    takes to write the row)."""
+
+    #: Its place in the batch.
+    position: int
+    #: identity_id, type, content, metadata, session_id and created_at (see
+    #: :func:`~coda_memory.postgres.documents.instant`): one element of the batch's JSON
+    #: document.
+    values: tuple[str, str, str, dict[str, Any], str | None, str | datetime]
 
 
 def _reason(exc: BaseException) -> str:
@@ -79,10 +84,10 @@ def _is_row_error(exc: BaseException) -> bool:
     return isinstance(exc, ValueError | TypeError | OverflowError)
 
 
-def _values(record: ObservationRecord) -> tuple[str, str, str, Any, str | None, str]:
+def _values(record: ObservationRecord) -> tuple[str, str, str, Any, str | None, str | datetime]:
     return (
         record.identity_id,
-        str(record.type),  # a StrEnum; anything else meets the CHECK constraint
+        record.type,  # a StrEnum, written as its value; anything else meets the CHECK
         record.content,
         record.metadata,
         record.session_id,
@@ -109,7 +114,7 @@ def _encode(
     rows = [_Row(index, _values(record)) for index, record in enumerate(records)]
     try:
         text = document([row.values for row in rows])
-    except (TypeError, ValueError):
+    except NotJson:
         text = _NUL_ESCAPE  # find the culprits below
     if _NUL_ESCAPE not in text:
         return rows, [], text
@@ -118,12 +123,12 @@ def _encode(
     refused: list[tuple[int, str]] = []
     for row in rows:
         try:
-            part = ENCODER.encode(row.values)
-        except (TypeError, ValueError) as exc:
-            refused.append((row.index, f"metadata is not JSON: {_reason(exc)}"))
+            part = document(row.values)
+        except NotJson as exc:
+            refused.append((row.position, f"not JSON: {_reason(exc)}"))
             continue
         if _NUL_ESCAPE in part and _has_nul(row.values):
-            refused.append((row.index, "text holds NUL (0x00), which Postgres can't store"))
+            refused.append((row.position, "text holds NUL (0x00), which Postgres can't store"))
             continue
         kept.append(row)
         parts.append(part)
@@ -176,7 +181,7 @@ async def _bisect(
         if not _is_row_error(exc):
             raise
         if len(rows) == 1:
-            return [(rows[0].index, _reason(exc))]
+            return [(rows[0].position, _reason(exc))]
         middle = len(rows) // 2
         return [
             *await _bisect(conn, driver, schema, shard, rows[:middle]),

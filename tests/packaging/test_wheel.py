@@ -32,7 +32,7 @@ pytestmark = pytest.mark.wheel
 
 REPOSITORY = Path(__file__).resolve().parents[2]
 
-#: What `pip install coda-memory` brings: the four core dependencies and theirs.
+#: What `pip install coda-memory` brings: the five core dependencies and theirs.
 CORE = {
     "alembic",
     "annotated-types",
@@ -41,6 +41,7 @@ CORE = {
     "greenlet",
     "mako",
     "markupsafe",
+    "orjson",
     "pydantic",
     "pydantic-core",
     "sqlalchemy",

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from datetime import UTC, timedelta
+from datetime import UTC, datetime, timedelta, timezone
 from typing import Any, cast
 
 import pytest
@@ -44,6 +44,35 @@ async def test_append_stores_the_batch_in_order(pg_store: PostgresStore) -> None
     assert stored[1].type is ObservationType.QUERY_PATTERN
     assert stored[2].created_at == NOW - timedelta(hours=1)
     assert all(o.created_at.tzinfo is UTC for o in stored)
+
+
+async def test_values_travel_exactly_and_a_hidden_nan_is_refused(
+    pg_store: PostgresStore,
+) -> None:
+    # The batch's JSON document writes NaN and the infinities as null: the rows holding
+    # one are refused, while a real null (a None value, no session) is stored as one.
+    plus_two = timezone(timedelta(hours=2))
+    naive = datetime(2026, 3, 1, 12, 30, 15, 123456)  # local time, as the driver takes it
+    exact = {"toolName": "get_account", "durationMs": 0.1 + 0.2, "big": 2**63 - 1}
+    batch = [
+        record("exact", metadata=exact, created_at=NOW.astimezone(plus_two)),
+        record("inf", metadata={"toolName": "t", "x": [1, {"y": float("inf")}]}),
+        record("none", metadata={"toolName": "t", "error": None}, session_id=None),
+        record("naive", created_at=naive),
+        record("minus inf", metadata={"toolName": "t", "durationMs": float("-inf")}),
+    ]
+
+    outcome = await pg_store.append(batch)
+
+    assert outcome.stored == 3
+    assert [index for index, _ in outcome.refused] == [1, 4]
+    assert all("NaN" in reason for _, reason in outcome.refused)
+    stored = {o.content: o for o in await pg_store.observations("alice")}
+    assert stored["exact"].metadata == exact
+    assert stored["exact"].created_at == NOW
+    assert stored["none"].metadata == {"toolName": "t", "error": None}
+    assert stored["none"].session_id is None
+    assert stored["naive"].created_at == naive.astimezone(UTC)
 
 
 async def test_text_that_only_reads_like_an_escaped_nul_is_stored_as_it_is(
