@@ -146,10 +146,23 @@ DEFAULT_STATEMENT_TIMEOUT = timedelta(seconds=1)
 DEFAULT_WRITER_LOCK_TIMEOUT = timedelta(seconds=1)
 DEFAULT_POOL_SIZE = 8
 DEFAULT_WRITER_POOL_SIZE = 2
+#: Facts one statement of the cap applied on the server deletes, in a transaction of its
+#: own: this many, or a quarter of those beyond the cap when that is more
+#: (``facts_cap.sql``).
+CAP_CHUNK = 10_000
+#: The statement timeout of the cap's statements, which rank all the identity's facts
+#: (about 3 µs a fact on a slow machine: 400,000 facts outlived the request timeout of
+#: 1 s, and the identity was never capped). They run in the load's background work, on
+#: one request connection, once per identity.
+CAP_STATEMENT_TIMEOUT = timedelta(seconds=30)
 
 
 def _milliseconds(value: timedelta | None) -> str:
     return f"{0 if value is None else max(0, round(value.total_seconds() * 1000))}ms"
+
+
+#: Sets :data:`CAP_STATEMENT_TIMEOUT` for the rest of a transaction.
+_CAP_TIMEOUT = f"SET LOCAL statement_timeout = '{_milliseconds(CAP_STATEMENT_TIMEOUT)}'"
 
 
 def _with_settings(engine_kwargs: dict[str, Any], **settings: str) -> dict[str, Any]:
@@ -503,13 +516,30 @@ class PostgresStore:
 
     async def _apply_cap(self, identity_id: str, cap: FactCap) -> None:
         """Delete on the server the identity's live facts ranked beyond
-        ``cap.kept_on_server`` (``facts_cap.sql``), holding its checkpoint row, in a
-        transaction of its own; the facts kept here for it are dropped."""
+        ``cap.kept_on_server`` (``facts_cap.sql``), the lowest ranked first, in
+        transactions of :data:`CAP_CHUNK` facts (or a quarter of those beyond the cap),
+        each holding its checkpoint row; the facts kept here for it are dropped. What a
+        transaction deleted stays deleted when a later one fails."""
+        dropped = 0
+        try:
+            while True:
+                row = await self._cap_chunk(identity_id, cap)
+                dropped += row["dropped"]
+                if not row["dropped"] or row["beyond"] <= row["dropped"]:
+                    break
+        finally:
+            self._known.discard(identity_id)
+            if dropped:
+                cap.applied(identity_id, dropped)
+
+    async def _cap_chunk(self, identity_id: str, cap: FactCap) -> Any:
+        """One transaction of :meth:`_apply_cap`: its row (``dropped``, ``beyond``)."""
         statement, formula = self._statements.cap, cap.formula
         doing = f"while capping the facts of {identity_id!r}"
         async with driver_transaction(self.request_engine, self.schema, self._begin, doing) as raw:
             with schema_required(self.schema):
                 await raw.execute(SET_TENANT, identity_id)
+                await raw.execute(_CAP_TIMEOUT)
                 await lock_identity(raw, self._statements, identity_id)
                 row = await raw.fetchrow(
                     statement.text,
@@ -521,12 +551,11 @@ class PostgresStore:
                         default_ease=formula.default_ease,
                         expiry_threshold=formula.expiry_threshold,
                         kept=cap.kept_on_server,
+                        chunk=CAP_CHUNK,
                     ),
                 )
                 await raw.execute("COMMIT")
-        self._known.discard(identity_id)
-        if row["dropped"]:
-            cap.applied(identity_id, row["dropped"])
+        return row
 
     async def _facts_alone(self, identity_id: str, known: Known | None) -> list[Fact]:
         """The identity's stored facts, read from ``facts`` only (the kept ones when

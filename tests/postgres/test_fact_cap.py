@@ -16,6 +16,7 @@ from coda_memory.core.caps import FactCap
 from coda_memory.core.decay import AdaptiveDecay, DecayStrategy, ExponentialDecay
 from coda_memory.core.model import Fact
 from coda_memory.postgres import PostgresStore, known, rows, unit
+from coda_memory.postgres import store as store_module
 from tests.helpers import tool_ok
 from tests.postgres.helpers import NOW, fetch
 
@@ -102,6 +103,24 @@ def _summary(facts: list[Fact]) -> list[tuple[str, float, int]]:
     return [(f.subject, f.confidence, f.reinforcement_count) for f in facts]
 
 
+def _chunks(monkeypatch: pytest.MonkeyPatch, size: int | None) -> list[tuple[int, int]]:
+    """Sets the cap's chunk (None: the default) and records each transaction's
+    (dropped, beyond)."""
+    if size is not None:
+        monkeypatch.setattr(store_module, "CAP_CHUNK", size)
+    seen: list[tuple[int, int]] = []
+    chunk = PostgresStore._cap_chunk
+
+    async def recorded(self: PostgresStore, identity_id: str, cap: FactCap) -> Any:
+        row = await chunk(self, identity_id, cap)
+        seen.append((row["dropped"], row["beyond"]))
+        return row
+
+    monkeypatch.setattr(PostgresStore, "_cap_chunk", recorded)
+    return seen
+
+
+@pytest.mark.parametrize("chunk", [None, 50], ids=["one statement", "chunks of 50"])
 @pytest.mark.parametrize(
     ("decay", "python_only"),
     [(ExponentialDecay(), PythonOnlyDecay()), (AdaptiveDecay(), PythonOnlyAdaptive())],
@@ -113,8 +132,12 @@ async def test_an_identity_far_over_the_cap_keeps_what_the_consolidation_would_k
     caplog: pytest.LogCaptureFixture,
     decay: DecayStrategy,
     python_only: DecayStrategy,
+    chunk: int | None,
 ) -> None:
+    """Also in chunks: each transaction deletes the lowest ranked, and those left are
+    the same."""
     expired = await _seed(pg_url, ["alice", "bob"], seed=3)
+    chunks = _chunks(monkeypatch, chunk)
     # bob: the same facts, capped by the consolidation in the application only.
     reference = MemoryService(
         PostgresStore.from_url(pg_url), clock=lambda: NOW, max_facts=KEEP, decay=python_only
@@ -141,12 +164,91 @@ async def test_an_identity_far_over_the_cap_keeps_what_the_consolidation_would_k
         assert decoded[0] <= cap.kept_on_server + len(gone)
         assert service.stats().facts_evicted == evicted
         assert "deleted by the store" in caplog.text
+        # Live facts beyond what the server keeps, deleted 50 at a time when so set.
+        beyond = FACTS - len(gone) - cap.kept_on_server
+        size = chunk or store_module.CAP_CHUNK
+        expected_chunks = []
+        while beyond:
+            expected_chunks.append((min(beyond, max(size, beyond // 4)), beyond))
+            beyond -= expected_chunks[-1][0]
+        assert chunks == expected_chunks
         # The expired facts went through the consolidation, which recorded their expiry.
         history = await service.history("alice")
         assert sorted(e.subject for e in history if e.kind == "expired") == gone
     finally:
         await service.close()
         await reference.close()
+
+
+@pytest.mark.parametrize("chunk", [None, 7], ids=["one statement", "chunks of 7"])
+async def test_facts_tied_on_their_rank_are_kept_by_subject_in_code_point_order(
+    pg_url: str, monkeypatch: pytest.MonkeyPatch, chunk: int | None
+) -> None:
+    """Every fact tied: the subject alone decides which are kept, at the server's cut and
+    at the consolidation's, in chunks too."""
+    chunks = _chunks(monkeypatch, chunk)
+    subjects = [f"entity_frequency:account:{c}{n}" for n in range(12) for c in "aAbB_zZé"]
+    for identity in ("alice", "bob"):
+        await fetch(
+            pg_url,
+            "INSERT INTO coda_memory.facts (identity_id, subject, category, content, confidence,"
+            " reinforcement_count, last_reinforced_at, confidence_at, created_at, updated_at)"
+            " SELECT :identity, s, 'entity_frequency', 'Works with ' || s, 0.7, 4, :at, :at,"
+            " :at, :at FROM unnest(CAST(:s AS text[])) AS t(s)",
+            identity=identity,
+            s=subjects,
+            at=NOW - timedelta(days=1),
+        )
+        await fetch(
+            pg_url,
+            "INSERT INTO coda_memory.checkpoints (identity_id, snapshot, consolidated_at, runs)"
+            " VALUES (:identity, CAST(pg_current_snapshot() AS text), :at, 1)",
+            identity=identity,
+            at=NOW,
+        )
+    reference = MemoryService(
+        PostgresStore.from_url(pg_url), clock=lambda: NOW, max_facts=KEEP, decay=PythonOnlyDecay()
+    )
+    service = MemoryService(PostgresStore.from_url(pg_url), clock=lambda: NOW, max_facts=KEEP)
+    try:
+        expected = await reference.consolidate("bob")
+        facts = await service.consolidate("alice")
+        assert [f.subject for f in facts] == [f.subject for f in expected]
+        assert sorted(f.subject for f in facts) == sorted(subjects, key=str.encode)[:KEEP]
+        assert sum(dropped for dropped, _ in chunks) == len(subjects) - (KEEP + 10)
+        # 66 beyond the cap: 16, 12, 9, 7 (a quarter, at least 7), 7, 7, 7, 1.
+        assert [d for d, _ in chunks] == ([66] if chunk is None else [16, 12, 9, 7, 7, 7, 7, 1])
+    finally:
+        await service.close()
+        await reference.close()
+
+
+async def test_the_cap_runs_under_its_own_statement_timeout(pg_url: str) -> None:
+    """The cap's statements rank all the identity's facts, so they run under
+    CAP_STATEMENT_TIMEOUT, not the request's: under that one an identity with very many
+    facts was never capped, and every load of it came back empty."""
+    await _seed(pg_url, ["alice"], seed=5)
+    # Here a delete of more than 100 facts takes 0.3 s (what the cap's statement does,
+    # not the consolidation's), over the store's statement timeout of 0.2 s.
+    await fetch(
+        pg_url,
+        "CREATE FUNCTION coda_memory.slow_delete() RETURNS trigger LANGUAGE plpgsql AS"
+        " 'BEGIN IF (SELECT count(*) FROM gone) > 100 THEN PERFORM pg_sleep(0.3); END IF;"
+        " RETURN NULL; END'",
+    )
+    await fetch(
+        pg_url,
+        "CREATE TRIGGER slow_delete AFTER DELETE ON coda_memory.facts REFERENCING OLD TABLE"
+        " AS gone FOR EACH STATEMENT EXECUTE FUNCTION coda_memory.slow_delete()",
+    )
+    store = PostgresStore.from_url(pg_url, statement_timeout=timedelta(milliseconds=200))
+    service = MemoryService(store, clock=lambda: NOW, max_facts=KEEP)
+    try:
+        facts = await service.consolidate("alice")
+        assert len(facts) == KEEP
+        assert service.stats().facts_capped == 2  # on the server, then exactly
+    finally:
+        await service.close()
 
 
 async def test_an_identity_whose_observations_wait_is_capped_by_its_consolidation(

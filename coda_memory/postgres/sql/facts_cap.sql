@@ -1,8 +1,10 @@
 -- The cap on an identity's facts, applied where they are (coda_memory.core.caps.FactCap):
--- deletes the identity's live facts that rank beyond :kept at :now, so that an identity
--- far over the cap is brought down without sending its facts to the application. Runs in
--- a transaction that holds the identity's checkpoint row (no consolidation of it runs
--- meanwhile). Returns how many facts it deleted.
+-- deletes the identity's live facts that rank beyond :kept at :now, the lowest ranked
+-- first and a bounded number of them (see lowest), so that an identity far over the cap
+-- is brought down without sending its facts to the application, by statements of
+-- bounded size (the caller runs it again while some remain beyond the cap). Runs in a transaction that holds the identity's checkpoint row
+-- (no consolidation of it runs meanwhile). Returns how many facts it deleted, and how
+-- many ranked beyond the cap before it did.
 WITH
 -- Each fact's distance in days from its anchor, and the ease that divides it: the
 -- fact's own, or the formula's default (none: 1), as coda_memory.core.decay computes them.
@@ -32,25 +34,40 @@ decayed AS (
     FROM seen
     WHERE ease > 0
 ),
--- The live ones in rank order (coda_memory.core.rank: confidence * count, highest first,
--- then subject by code point). An expired fact is left out: the consolidation deletes it
--- and records its expiry.
-ranked AS (
+-- The live ones with their score (coda_memory.core.rank: confidence * count, highest
+-- first, then subject by code point). An expired fact is left out: the consolidation
+-- deletes it and records its expiry. Read twice below, so computed once.
+live AS MATERIALIZED (
     SELECT
         subject,
-        row_number() OVER (
-            ORDER BY confidence * reinforcement_count DESC, subject COLLATE "C"
-        ) AS rank
+        confidence * reinforcement_count AS score
     FROM decayed
     WHERE confidence >= CAST(:expiry_threshold AS float8)
 ),
--- Those beyond the cap, with no history event (as when a consolidation drops them).
+-- How many rank beyond the cap.
+beyond AS (
+    SELECT greatest(count(*) - CAST(:kept AS bigint), 0) AS facts
+    FROM live
+),
+-- The lowest ranked of those: :chunk of them, or a quarter when that is more (every
+-- statement reads all the identity's facts, so an identity with very many is brought
+-- down in a few statements, not in thousands). The rank's order reversed, whose LIMIT
+-- makes a bounded sort (the lowest are kept while reading), not a sort of all.
+lowest AS (
+    SELECT subject
+    FROM live
+    ORDER BY score ASC, subject COLLATE "C" DESC
+    LIMIT (
+        SELECT least(facts, greatest(CAST(:chunk AS bigint), facts / 4))
+        FROM beyond
+    )
+),
+-- Deleted with no history event (as when a consolidation drops them).
 dropped AS (
     DELETE FROM {schema}.facts f
-    USING ranked r
+    USING lowest l
     WHERE f.identity_id = :identity_id
-        AND f.subject = r.subject
-        AND r.rank > CAST(:kept AS bigint)
+        AND f.subject = l.subject
     RETURNING 1
 ),
 -- A new version of the identity's facts (coda_memory.postgres.known) when any went: the
@@ -62,5 +79,6 @@ touched AS (
     WHERE identity_id = :identity_id
         AND EXISTS (SELECT 1 FROM dropped)
 )
-SELECT count(*) AS dropped
-FROM dropped
+SELECT
+    (SELECT count(*) FROM dropped) AS dropped,
+    (SELECT facts FROM beyond) AS beyond
