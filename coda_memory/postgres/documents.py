@@ -61,13 +61,13 @@ def instant(at: datetime) -> str | datetime:
 
 
 def _has_non_finite(value: object) -> bool:
-    if type(value) is float:
+    if isinstance(value, float):
         return not math.isfinite(value)
     if isinstance(value, dict):
         return any(_has_non_finite(item) for item in value.values())
     if isinstance(value, list | tuple):
         return any(_has_non_finite(item) for item in value)
-    return isinstance(value, float) and not math.isfinite(value)
+    return False
 
 
 def document(rows: Sequence[Any]) -> str:

@@ -161,10 +161,6 @@ def _milliseconds(value: timedelta | None) -> str:
     return f"{0 if value is None else max(0, round(value.total_seconds() * 1000))}ms"
 
 
-#: Sets :data:`CAP_STATEMENT_TIMEOUT` for the rest of a transaction.
-_CAP_TIMEOUT = f"SET LOCAL statement_timeout = '{_milliseconds(CAP_STATEMENT_TIMEOUT)}'"
-
-
 def _with_settings(engine_kwargs: dict[str, Any], **settings: str) -> dict[str, Any]:
     """``engine_kwargs`` with server ``settings`` added to every connection it opens."""
     connect_args = dict(engine_kwargs.get("connect_args", {}))
@@ -259,6 +255,10 @@ class PostgresStore:
             f"BEGIN; {lock_timeout_clause(table_lock_timeout)}; "
             f"LOCK TABLE {tables} IN ROW EXCLUSIVE MODE; "
             f"{self._lock_timeout}; SET LOCAL synchronous_commit = off"
+        )
+        # The cap's transactions: the same, under CAP_STATEMENT_TIMEOUT.
+        self._cap_begin = (
+            f"{self._begin}; SET LOCAL statement_timeout = '{_milliseconds(CAP_STATEMENT_TIMEOUT)}'"
         )
         self.lock_timeout = lock_timeout
         self._appends = 0
@@ -536,10 +536,10 @@ class PostgresStore:
         """One transaction of :meth:`_apply_cap`: its row (``dropped``, ``beyond``)."""
         statement, formula = self._statements.cap, cap.formula
         doing = f"while capping the facts of {identity_id!r}"
-        async with driver_transaction(self.request_engine, self.schema, self._begin, doing) as raw:
+        begin = self._cap_begin
+        async with driver_transaction(self.request_engine, self.schema, begin, doing) as raw:
             with schema_required(self.schema):
                 await raw.execute(SET_TENANT, identity_id)
-                await raw.execute(_CAP_TIMEOUT)
                 await lock_identity(raw, self._statements, identity_id)
                 row = await raw.fetchrow(
                     statement.text,

@@ -164,7 +164,8 @@ async def test_an_identity_far_over_the_cap_keeps_what_the_consolidation_would_k
         assert decoded[0] <= cap.kept_on_server + len(gone)
         assert service.stats().facts_evicted == evicted
         assert "deleted by the store" in caplog.text
-        # Live facts beyond what the server keeps, deleted 50 at a time when so set.
+        # Live facts beyond what the server keeps, deleted CAP_CHUNK (50 when so set) or
+        # a quarter of those left at a time, whichever is more.
         beyond = FACTS - len(gone) - cap.kept_on_server
         size = chunk or store_module.CAP_CHUNK
         expected_chunks = []

@@ -2,9 +2,10 @@
 -- deletes the identity's live facts that rank beyond :kept at :now, the lowest ranked
 -- first and a bounded number of them (see lowest), so that an identity far over the cap
 -- is brought down without sending its facts to the application, by statements of
--- bounded size (the caller runs it again while some remain beyond the cap). Runs in a transaction that holds the identity's checkpoint row
--- (no consolidation of it runs meanwhile). Returns how many facts it deleted, and how
--- many ranked beyond the cap before it did.
+-- bounded size (the caller runs it again while some remain beyond the cap). Runs in a
+-- transaction that holds the identity's checkpoint row (no consolidation of it runs
+-- meanwhile). Returns how many facts it deleted, and how many ranked beyond the cap
+-- before it did.
 WITH
 -- Each fact's distance in days from its anchor, and the ease that divides it: the
 -- fact's own, or the formula's default (none: 1), as coda_memory.core.decay computes them.
