@@ -89,13 +89,15 @@ class FactCap:
     import, a lowered ``max_facts``) would make its first load read, decode and rank all
     of them in the application: 30,000 facts hold the event loop and a connection for
     most of a second. A store given a ``FactCap`` reads an identity's facts only when
-    they are at most :attr:`read_limit`; beyond that, when no observation waits, it
-    deletes on the server the live facts that rank beyond :attr:`kept_on_server` at
-    ``clock()`` (the same rank, computed by ``formula``), then reads the rest, whose
-    consolidation applies the cap exactly. The margin between ``kept_on_server`` and
-    ``keep`` holds any fact whose rank a float rounding could move by a few places. An
-    expired fact is left to the consolidation, which records its expiry; so is an
-    identity whose observations wait, since they may raise a fact's rank.
+    they are at most :attr:`read_limit`; beyond that, it deletes on the server the live
+    facts that rank beyond :attr:`kept_on_server` at ``clock()`` (the same rank, computed
+    by ``formula``), then reads the rest, whose consolidation applies the cap exactly.
+    The margin between ``kept_on_server`` and ``keep`` holds any fact whose rank a float
+    rounding could move by a few places. An expired fact is left to the consolidation,
+    which records its expiry; so are the facts that observations waiting for the
+    consolidation may change (:func:`~coda_memory.core.sessions.subjects_reached`), which
+    are neither ranked nor deleted: the others keep their stored state, so one ranked
+    beyond the cap among them stays beyond it.
     """
 
     #: The facts kept per identity (``MemoryService.max_facts``).

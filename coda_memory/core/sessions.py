@@ -169,6 +169,24 @@ def group_by_session(
     return by_subject
 
 
+def subjects_reached(observations: Iterable[Observation]) -> set[str]:
+    """Every subject whose fact consolidating ``observations`` may change: each one's fact
+    key, and for a tool call both of the tool's facts (a session's calls of a tool
+    requalify its affinity and its avoidance, see :func:`group_by_session`). A fact whose
+    subject is not here keeps its stored state whatever the observations (only time moves
+    it), so its rank among such facts is known without them."""
+    subjects: set[str] = set()
+    for obs in observations:
+        key = fact_key(obs)
+        if key is None:
+            continue
+        subjects.add(key.subject)
+        if key.tool is not None:
+            subjects.add(_tool_fact_key(FactCategory.TOOL_AFFINITY, key.tool).subject)
+            subjects.add(_tool_fact_key(FactCategory.TOOL_AVOIDANCE, key.tool).subject)
+    return subjects
+
+
 def prior_tool_counts(events: Iterable[FactEvent]) -> dict[tuple[str, str], tuple[int, int]]:
     """(successes, failures) per (session, tool) recorded by earlier runs' events.
 

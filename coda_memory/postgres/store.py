@@ -37,7 +37,8 @@ returned. So an identity that only this process consolidates has its facts read 
 and each request reads one row to learn that nothing else changed them.
 
 An identity far over the service's cap on facts is not read by the peek: the store
-first deletes on the server the facts the cap would drop (``facts_cap.sql``; when and
+first deletes on the server the facts the cap would drop, sparing those that waiting
+observations may change (``facts_cap.sql``, :meth:`PostgresStore._apply_cap`; when and
 why in :class:`~coda_memory.core.caps.FactCap`). A load that may reuse its last answer
 asks :meth:`PostgresStore.unchanged` whether the version it was made from is still the
 stored one, in one round trip that reads no fact (:mod:`coda_memory.core.answers`).
@@ -129,6 +130,7 @@ from coda_memory.postgres.unit import (
     lock_identity,
     peek,
     stored_facts,
+    subjects_waiting,
     unchanged,
 )
 
@@ -465,7 +467,8 @@ class PostgresStore:
         checkpoint or the observations, with nothing said to wait: the load answers from
         them, and the new observations wait for a load that can consolidate them. With a
         cap on facts (:meth:`cap_facts`), an identity that has more than its read limit
-        is first brought down to the cap on the server, when nothing waits."""
+        is first brought down to the cap on the server, sparing the facts that waiting
+        observations may change."""
         known = self._known.entry(identity_id)
         cap = self._fact_cap
         statements = self._statements
@@ -475,9 +478,8 @@ class PostgresStore:
                 identity_id, lambda raw: peek(raw, statements, identity_id, known, limit)
             )
             if peeked.over and cap is not None:
-                if not peeked.pending:
-                    await self._apply_cap(identity_id, cap)
-                    known = None  # its facts are gone: read what the cap left
+                await self._apply_cap(identity_id, cap)
+                known = None  # its facts are gone: read what the cap left
                 peeked = await self._read(
                     identity_id, lambda raw: peek(raw, statements, identity_id, known)
                 )
@@ -519,7 +521,16 @@ class PostgresStore:
         ``cap.kept_on_server`` (``facts_cap.sql``), the lowest ranked first, in
         transactions of :data:`CAP_CHUNK` facts (or a quarter of those beyond the cap),
         each holding its checkpoint row; the facts kept here for it are dropped. What a
-        transaction deleted stays deleted when a later one fails."""
+        transaction deleted stays deleted when a later one fails.
+
+        Each transaction first reads the observations waiting for the identity's next
+        consolidation, under that lock, and spares the facts they may change: they are
+        neither ranked nor deleted. The others keep their stored state whatever the
+        observations, so one ranked beyond the cap among them is beyond it after the
+        consolidation too, and the consolidation would delete it: the cap on the server
+        deletes only what the consolidation would, and an identity far over the cap
+        is brought down whether or not observations wait (its consolidation would
+        otherwise read every fact)."""
         dropped = 0
         try:
             while True:
@@ -540,7 +551,8 @@ class PostgresStore:
         async with driver_transaction(self.request_engine, self.schema, begin, doing) as raw:
             with schema_required(self.schema):
                 await raw.execute(SET_TENANT, identity_id)
-                await lock_identity(raw, self._statements, identity_id)
+                locked = await lock_identity(raw, self._statements, identity_id)
+                spared = await subjects_waiting(raw, self._statements, identity_id, locked)
                 row = await raw.fetchrow(
                     statement.text,
                     *statement.arguments(
@@ -552,6 +564,7 @@ class PostgresStore:
                         expiry_threshold=formula.expiry_threshold,
                         kept=cap.kept_on_server,
                         chunk=CAP_CHUNK,
+                        spared=spared,
                     ),
                 )
                 await raw.execute("COMMIT")

@@ -25,6 +25,7 @@ from functools import partial
 from typing import Any
 
 from coda_memory.core.model import Fact, gc_paused
+from coda_memory.core.sessions import subjects_reached
 from coda_memory.core.turns import mapped
 from coda_memory.ports import ConsolidationInput, ConsolidationPlan, check_plan_identity
 from coda_memory.postgres.known import Known, written
@@ -115,6 +116,33 @@ async def lock_identity(raw: Any, statements: Statements, identity_id: str) -> L
         # First consolidation (or a concurrent forget removed the row): create it.
         await raw.execute(ensure.text, *ensure.arguments(identity_id=identity_id))
     raise RuntimeError(f"could not lock the checkpoint of {identity_id!r}")
+
+
+async def waiting_rows(
+    raw: Any, statements: Statements, identity_id: str, stored_snapshot: str | None
+) -> list[Any]:
+    """The identity's observations that the stored snapshot (the cursor; None: never
+    consolidated) did not consume and the transaction's snapshot sees, read through
+    ``raw`` under the checkpoint row's lock; the first row carries that snapshot
+    (``new_observations_first.sql``, ``new_observations_since.sql``)."""
+    if stored_snapshot is None:
+        new = statements.new_first
+        return list(await raw.fetch(new.text, *new.arguments(identity_id=identity_id)))
+    new = statements.new_since
+    arguments = new.arguments(identity_id=identity_id, stored_snapshot=stored_snapshot)
+    return list(await raw.fetch(new.text, *arguments))
+
+
+async def subjects_waiting(
+    raw: Any, statements: Statements, identity_id: str, locked: Locked
+) -> list[str]:
+    """The subjects whose facts the observations waiting for the identity's next
+    consolidation may change (:func:`~coda_memory.core.sessions.subjects_reached`), read
+    under the checkpoint row's lock ``locked``."""
+    rows = await waiting_rows(raw, statements, identity_id, locked.snapshot)
+    with gc_paused():
+        waiting = [observation_from_row(identity_id, r) for r in rows if r["id"] is not None]
+    return sorted(subjects_reached(waiting))
 
 
 def write_arguments(
@@ -208,13 +236,7 @@ class PostgresConsolidationUnit:
         self._check_open()
         identity_id = self.identity_id
         sql = self._sql
-        if self.stored_snapshot is None:
-            new = sql.new_first
-            rows = await self._raw.fetch(new.text, *new.arguments(identity_id=identity_id))
-        else:
-            new = sql.new_since
-            arguments = new.arguments(identity_id=identity_id, stored_snapshot=self.stored_snapshot)
-            rows = await self._raw.fetch(new.text, *arguments)
+        rows = await waiting_rows(self._raw, sql, identity_id, self.stored_snapshot)
         self._snapshot = rows[0]["snapshot"]
         if self.known is None:
             fact_rows = await self._raw.fetch(

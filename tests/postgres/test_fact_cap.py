@@ -17,7 +17,7 @@ from coda_memory.core.decay import AdaptiveDecay, DecayStrategy, ExponentialDeca
 from coda_memory.core.model import Fact
 from coda_memory.postgres import PostgresStore, known, rows, unit
 from coda_memory.postgres import store as store_module
-from tests.helpers import tool_ok
+from tests.helpers import entity, tool_ok
 from tests.postgres.helpers import NOW, fetch
 
 KEEP = 20
@@ -252,27 +252,52 @@ async def test_the_cap_runs_under_its_own_statement_timeout(pg_url: str) -> None
         await service.close()
 
 
-async def test_an_identity_whose_observations_wait_is_capped_by_its_consolidation(
-    pg_url: str, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("chunk", [None, 50], ids=["one statement", "chunks of 50"])
+async def test_the_cap_spares_the_facts_that_waiting_observations_may_change(
+    pg_url: str, monkeypatch: pytest.MonkeyPatch, chunk: int | None
 ) -> None:
-    """Observations may raise a fact's rank: the store leaves the cap to the consolidation,
-    which reads every fact."""
-    await _seed(pg_url, ["alice", "bob"], seed=4)
+    """Observations wait, and 30 sessions of them reach one of the lowest ranked facts,
+    raising it into the cap, and a tool call reaches a fact not stored: the store
+    caps the rest on the server (it does not read every fact) and spares what they
+    reach, so the consolidation keeps what one that read every fact keeps."""
+    expired = await _seed(pg_url, ["alice", "bob"], seed=4)
+    chunks = _chunks(monkeypatch, chunk)
+    # The lowest scored of the facts reinforced in the last day, more than once (far from
+    # expiry, ranked by about their stored score), whose name is an identifier.
+    [lowest] = await fetch(
+        pg_url,
+        "SELECT subject, reinforcement_count FROM coda_memory.facts WHERE identity_id = 'bob'"
+        " AND confidence_at > :recent AND reinforcement_count > 1"
+        " AND subject ~ ':[A-Za-z][0-9]+$'"
+        " ORDER BY confidence * reinforcement_count, subject LIMIT 1",
+        recent=NOW - timedelta(days=1),
+    )
+    entity_id = lowest[0].rsplit(":", 1)[1]
     reference = MemoryService(
         PostgresStore.from_url(pg_url), clock=lambda: NOW, max_facts=KEEP, decay=PythonOnlyDecay()
     )
     service = MemoryService(PostgresStore.from_url(pg_url), clock=lambda: NOW, max_facts=KEEP)
     try:
-        for who in (reference, service):
-            who.emit_observation(
-                "bob" if who is reference else "alice", tool_ok("get_account", at=NOW)
-            )
+        for who, identity in ((reference, "bob"), (service, "alice")):
+            for n in range(30):
+                at = NOW - timedelta(minutes=60 - n)
+                who.emit_observation(identity, entity("account", entity_id, session=f"w{n}", at=at))
+            who.emit_observation(identity, tool_ok("get_account", at=NOW))
             await who.drain()
         expected = await reference.consolidate("bob")
+        # The fact the observations reached is among those kept, reinforced 30 times: a
+        # cap that deleted it would have it start again at a count of 1.
+        raised = {f.subject: f.reinforcement_count for f in expected}
+        assert raised[lowest[0]] == lowest[1] + 30
+        gone = [e.subject for e in await reference.history("bob") if e.kind == "expired"]
+        assert set(expired) <= set(gone)
         decoded = _decoded(monkeypatch)
         facts = await service.consolidate("alice")
         assert _summary(facts) == _summary(expected)
-        assert decoded[0] == FACTS
+        # Capped on the server first: read into the application, the cap, its margin, the
+        # expired facts and the one spared fact that was stored, not the 400.
+        assert chunks and sum(dropped for dropped, _ in chunks) > 0
+        assert decoded[0] <= KEEP + max(10, KEEP // 10) + len(gone) + 1
     finally:
         await service.close()
         await reference.close()

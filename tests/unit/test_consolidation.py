@@ -28,6 +28,7 @@ from coda_memory.core.model import (
     Observation,
     ObservationType,
 )
+from coda_memory.core.sessions import subjects_reached
 from tests.builders import fact as made_fact
 from tests.helpers import T0
 
@@ -130,6 +131,32 @@ def test_counts_never_exceed_sessions_and_confidence_stays_in_bounds(
         runs_without_session = 1 if any(o.session_id is None for o in keyed) else 0
         assert 1 <= fact.reinforcement_count <= len(sessions) + runs_without_session
         assert 0.1 <= fact.confidence <= 1.0
+
+
+@settings(max_examples=150, deadline=None)
+@given(history=histories(), cut=st.integers(0, 40))
+def test_a_run_changes_only_the_facts_of_the_subjects_its_observations_reach(
+    history: list[Observation], cut: int
+) -> None:
+    """What the cap applied on the server relies on to spare only some facts: a run
+    upserts, and records a reinforcement of, no fact outside ``subjects_reached`` of its
+    observations (a session's later calls of a tool requalify both of the tool's facts,
+    also the one no new call of the run reached)."""
+    decay = ExponentialDecay()
+    earlier, later = history[:cut], history[cut:]
+    ledger = Ledger()
+    if earlier:
+        ledger.run(earlier, earlier[-1].created_at, decay)
+    sessions = {o.session_id for o in later}
+    batch = ConsolidationInput(
+        observations=later,
+        facts=list(ledger.facts.values()),
+        session_events=[e for e in ledger.events if e.session_id in sessions],
+    )
+    plan = plan_consolidation("u", batch, history[-1].created_at + timedelta(hours=1), decay)
+    reached = subjects_reached(later)
+    assert {f.subject for f in plan.upserts} <= reached
+    assert {e.subject for e in plan.events if e.kind is not FactEventKind.EXPIRED} <= reached
 
 
 def test_observations_with_unusable_metadata_are_consumed_without_a_fact() -> None:

@@ -4,9 +4,17 @@
 -- is brought down without sending its facts to the application, by statements of
 -- bounded size (the caller runs it again while some remain beyond the cap). Runs in a
 -- transaction that holds the identity's checkpoint row (no consolidation of it runs
--- meanwhile). Returns how many facts it deleted, and how many ranked beyond the cap
--- before it did.
+-- meanwhile). The facts of :spared (those the observations waiting for the next
+-- consolidation may change) are neither ranked nor deleted: that consolidation ranks
+-- them. Returns how many facts it deleted, and how many ranked beyond the cap before it
+-- did.
 WITH
+-- The subjects spared, as a relation: anti-joined by hash below, where a
+-- subject <> ALL (array) would compare every fact with every spared subject.
+spared AS (
+    SELECT s.subject
+    FROM unnest(CAST(:spared AS text[])) AS s (subject)
+),
 -- Each fact's distance in days from its anchor, and the ease that divides it: the
 -- fact's own, or the formula's default (none: 1), as coda_memory.core.decay computes them.
 seen AS (
@@ -22,8 +30,9 @@ seen AS (
                 THEN coalesce(ease_factor, CAST(:default_ease AS float8))
             ELSE 1
         END AS ease
-    FROM {schema}.facts
-    WHERE identity_id = :identity_id
+    FROM {schema}.facts f
+    WHERE f.identity_id = :identity_id
+        AND NOT EXISTS (SELECT 1 FROM spared WHERE spared.subject = f.subject)
 ),
 -- Each fact's confidence at :now (decayed from its anchor, never compounded). A fact
 -- with an ease the formula cannot divide by is left out, for the consolidation.
