@@ -52,6 +52,8 @@ class Sizes:
     #: The noisy neighbour's facts, and the other identities' measured loads.
     neighbour_facts: int
     neighbour_loads: int
+    #: Facts of the identities far over the cap (one size after the other).
+    cap_facts: tuple[int, ...]
     #: Seconds each table is held ACCESS EXCLUSIVE in the lock-isolation section.
     lock_seconds: float
     #: Fresh services started in the cold-start section (10 requests each).
@@ -90,6 +92,7 @@ FULL = Sizes(
     history_observations=10_000,
     neighbour_facts=30_000,
     neighbour_loads=200,
+    cap_facts=(150_000, 400_000),
     lock_seconds=10.0,
     cold_starts=5,
 )
@@ -126,6 +129,7 @@ QUICK = Sizes(
     history_observations=2_000,
     neighbour_facts=30_000,
     neighbour_loads=60,
+    cap_facts=(60_000,),
     lock_seconds=2.0,
     cold_starts=2,
 )

@@ -126,12 +126,14 @@ async def seed_identities(
     at: datetime,
     rng: random.Random,
     max_age: timedelta = timedelta(days=4),
+    sessions: int = 1,
 ) -> None:
     """Give each identity ``facts`` stored facts, a 'created' event per fact and a
     checkpoint, as consolidations before ``at`` would have left them; bulk-loaded with
-    COPY. Facts were last reinforced up to ``max_age`` before ``at``. The checkpoint's
-    snapshot is taken after the facts commit, so observations emitted later are new to
-    the next consolidation."""
+    COPY. Facts were last reinforced up to ``max_age`` before ``at``; their events fall
+    in ``sessions`` sessions per identity, in turn. The checkpoint's snapshot is taken
+    after the facts commit, so observations emitted later are new to the next
+    consolidation."""
     shape = list(FactShape(facts).rows())
     chunk = max(1, 200_000 // max(1, facts))
     span = max_age.total_seconds()
@@ -139,7 +141,7 @@ async def seed_identities(
         fact_rows: list[tuple[Any, ...]] = []
         event_rows: list[tuple[Any, ...]] = []
         for identity in identities[start : start + chunk]:
-            for subject, category, content in shape:
+            for n, (subject, category, content) in enumerate(shape):
                 last = at - timedelta(seconds=rng.uniform(span / 50, span))
                 created = last - timedelta(days=rng.uniform(0, 30))
                 confidence = round(rng.uniform(0.45, 0.95), 4)
@@ -148,7 +150,16 @@ async def seed_identities(
                     (identity, subject, category, content, confidence, count, last, last, created)
                 )
                 event_rows.append(
-                    (identity, subject, category, "created", f"{identity}-s0", created, 0.5, 1)
+                    (
+                        identity,
+                        subject,
+                        category,
+                        "created",
+                        f"{identity}-s{n % sessions}",
+                        created,
+                        0.5,
+                        1,
+                    )
                 )
         await conn.copy_records_to_table(
             "facts",

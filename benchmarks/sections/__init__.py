@@ -9,6 +9,7 @@ from benchmarks.sections import (
     analytics,
     cold_start,
     consolidation,
+    far_over_cap,
     host,
     ingest,
     load,
@@ -39,6 +40,7 @@ SECTIONS: tuple[Section, ...] = (
     neighbour.SECTION,
     locks.SECTION,
     cold_start.SECTION,
+    far_over_cap.SECTION,
 )
 
 #: The names ``--only`` accepts.

@@ -35,6 +35,7 @@ DOCUMENTED_OPTIONS = {
     "typical_load",
     "replay",
     "neighbour",
+    "cap",
     "locks",
     "cold_start",
 }
@@ -54,7 +55,7 @@ def section_modules() -> list[str]:
 
 def test_every_section_module_is_registered_once() -> None:
     modules = section_modules()
-    assert len(modules) == len(SECTIONS) == 15
+    assert len(modules) == len(SECTIONS) == 16
     for name in modules:
         module = importlib.import_module(f"benchmarks.sections.{name}")
         assert isinstance(module.SECTION, Section)
