@@ -140,8 +140,9 @@ async def subjects_waiting(
     consolidation may change (:func:`~coda_memory.core.sessions.subjects_reached`), read
     under the checkpoint row's lock ``locked``."""
     rows = await waiting_rows(raw, statements, identity_id, locked.snapshot)
-    with gc_paused():
-        waiting = [observation_from_row(identity_id, r) for r in rows if r["id"] is not None]
+    # In slices with turns of the loop between them: thousands may wait.
+    read = [r for r in rows if r["id"] is not None]
+    waiting = await mapped(read, partial(observation_from_row, identity_id))
     return sorted(subjects_reached(waiting))
 
 

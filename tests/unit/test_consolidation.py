@@ -159,6 +159,33 @@ def test_a_run_changes_only_the_facts_of_the_subjects_its_observations_reach(
     assert {e.subject for e in plan.events if e.kind is not FactEventKind.EXPIRED} <= reached
 
 
+def test_the_subjects_reached_are_each_fact_key_and_both_facts_of_a_called_tool() -> None:
+    def observed(kind: ObservationType, metadata: dict[str, object]) -> Observation:
+        return Observation(
+            id=1,
+            identity_id="u",
+            type=kind,
+            content="",
+            metadata=metadata,
+            session_id="s",
+            created_at=T0,
+        )
+
+    assert subjects_reached(
+        [
+            observed(ObservationType.TOOL_FAILURE, {"toolName": "run_query"}),
+            observed(ObservationType.ENTITY_ACCESS, {"entityType": "account", "entityId": 7}),
+            observed(ObservationType.QUERY_PATTERN, {"domain": "billing"}),
+            observed(ObservationType.TOOL_SUCCESS, {"toolName": "not a tool name!"}),
+        ]
+    ) == {
+        "tool_affinity:run_query",
+        "tool_avoidance:run_query",
+        "entity_frequency:account:7",
+        "domain_preference:billing",
+    }
+
+
 def test_observations_with_unusable_metadata_are_consumed_without_a_fact() -> None:
     junk = Observation(
         id=1,
