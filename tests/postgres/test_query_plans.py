@@ -37,7 +37,8 @@ NOW = datetime(2026, 3, 1, 12, 0, tzinfo=UTC)
 
 #: A year of rollup (40 tools, 400 entities, 6 domains, 8 shards) and its per-identity rows
 #: for 5,000 identities; 40,000 facts over 5,000 identities (30 % entities, 20 % affinities,
-#: 10 % avoidances, 40 % domains); 100,000 observations over 2,000 identities.
+#: 10 % avoidances, 40 % domains); 100,000 observations over 2,000 identities; and one
+#: identity with 60,000 fact events in one session.
 LOAD = [
     """
     INSERT INTO coda_memory.tool_daily
@@ -83,6 +84,23 @@ LOAD = [
            jsonb_build_object('toolName', 'tool_' || (n % 40)),
            TIMESTAMPTZ '2026-03-01 12:00+00' - (n % 7) * INTERVAL '1 day'
     FROM generate_series(1, 100000) n
+    """,
+    # One identity whose 60,000 fact events all fall in one session, so that the sampled
+    # statistics see a single session in the table; 20 of its observations from new
+    # sessions wait.
+    """
+    INSERT INTO coda_memory.fact_events (identity_id, subject, category, kind, session_id,
+        at, hits, trials, recorded_at)
+    SELECT 'user-skew', 'domain_preference:domain_' || n, 'domain_preference', 'created',
+           'skew-s0', TIMESTAMPTZ '2026-02-01 12:00+00', 1, 1, TIMESTAMPTZ '2026-02-01 12:00+00'
+    FROM generate_series(1, 60000) n
+    """,
+    """
+    INSERT INTO coda_memory.observations (identity_id, type, content, metadata, session_id,
+        created_at)
+    SELECT 'user-skew', 'query_pattern', 'asked', jsonb_build_object('domain', 'domain_1'),
+           'skew-new-' || n, TIMESTAMPTZ '2026-03-01 11:00+00'
+    FROM generate_series(1, 20) n
     """,
     """
     INSERT INTO coda_memory.tool_users
@@ -310,6 +328,27 @@ async def test_the_peek_reads_the_unconsumed_tail_not_the_identitys_history(
     # (identity_id, xid) range instead of filtering each of the 50 rows.
     assert "ix_observations_identity_id_xid" in indexes(nodes)
     assert rows_read(nodes, "observations") == 0
+
+
+async def test_the_check_for_earlier_sessions_probes_the_index_however_skewed_they_are(
+    loaded: PostgresStore,
+) -> None:
+    """The events of one session are nearly all the table's, and the planner is told
+    (migration 0010) that a session holds few events: the check for each waiting
+    observation's session is an index probe, not a scan of the identity's 60,000 events
+    for each of them."""
+    new = Statements.for_schema(loaded.schema).new_first
+    async with loaded.engine.connect() as conn:
+        driver = await driver_connection(conn)
+        raw = await driver.fetchval(
+            f"EXPLAIN (ANALYZE, FORMAT JSON) {new.text}", *new.arguments(identity_id="user-skew")
+        )
+        await conn.rollback()
+    explained = json.loads(raw) if isinstance(raw, str) else raw
+    nodes = list(plan_nodes(explained[0]["Plan"]))
+    assert "fact_events" not in scanned(nodes)
+    assert rows_read(nodes, "fact_events") == 0
+    assert rows_read(nodes, "observations") == 20
 
 
 async def _peek_plan(
