@@ -66,7 +66,6 @@ async def _until_capped(db: Database, identity: str, facts: int, waiting: bool) 
         ticker.start()
         with collector_pauses() as pauses:
             capped, loads, empty, slowest = await _loads(db, service, identity)
-        await ticker.stop()
         stats = service.stats()
     finally:
         await ticker.stop()
