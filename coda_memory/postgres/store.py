@@ -102,7 +102,7 @@ from coda_memory.ports import (
     AppendOutcome,
     ObservationRecord,
 )
-from coda_memory.postgres.append import IngestCounts, append_observations
+from coda_memory.postgres.append import IngestCounts, append_observations, encode
 from coda_memory.postgres.connection import (
     driver_transaction,
     is_connection_error,
@@ -368,6 +368,8 @@ class PostgresStore:
         # COMMIT whose acknowledgement was lost.
         attempts = 0
         first = first_attempt or batch_key is None
+        # Encoded once, before a connection is taken, in slices with turns of the loop.
+        encoded = await encode(records)
 
         async def store(conn: AsyncConnection) -> AppendOutcome:
             nonlocal attempts
@@ -375,7 +377,7 @@ class PostgresStore:
             return await append_observations(
                 conn,
                 self.schema,
-                records,
+                encoded,
                 key,
                 expire_keys=expire,
                 debt=self.rollup_debt,

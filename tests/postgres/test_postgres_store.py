@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from datetime import UTC, datetime, timedelta, timezone
 from typing import Any, cast
 
@@ -117,9 +118,13 @@ async def test_append_of_nothing_stores_nothing(pg_store: PostgresStore) -> None
     assert (await pg_store.append([])).stored == 0
 
 
+@pytest.mark.parametrize("slice_size", [None, 3, 2], ids=["one slice", "slices of 3", "of 2"])
 async def test_poison_rows_are_refused_and_every_good_row_is_stored(
-    pg_store: PostgresStore,
+    pg_store: PostgresStore, monkeypatch: pytest.MonkeyPatch, slice_size: int | None
 ) -> None:
+    if slice_size is not None:
+        # Encoded in slices: with 2, the rows 4 and 5 make a slice of refused rows only.
+        monkeypatch.setattr(append_module, "SLICE", slice_size)
     poison = {
         1: record("nul \x00 byte"),  # the server refuses NUL in text
         4: record("lone \udc80 surrogate"),  # cannot be encoded as UTF-8
@@ -145,6 +150,33 @@ async def test_poison_rows_are_refused_and_every_good_row_is_stored(
     # Rows written under the bisection's savepoints carry the top-level transaction id.
     assert contents((await consolidate(pg_store)).observations) == good
     assert (await consolidate(pg_store)).observations == []
+
+
+async def test_a_large_batch_is_encoded_in_slices_with_turns_of_the_loop() -> None:
+    # The same rows, places, refusals and document as encoded at once, and other tasks
+    # run between the slices (a batch of 5,000 takes about 10 ms to encode).
+    batch = [record(f"row {i}", metadata={"toolName": "t", "n": i}) for i in range(2_000)]
+    batch[700] = record("nul \x00 byte")
+    batch[1_499] = record("not json", metadata={"value": float("nan")})
+    turns = 0
+
+    async def ticker() -> None:
+        nonlocal turns
+        while True:
+            turns += 1
+            await asyncio.sleep(0)
+
+    task = asyncio.get_running_loop().create_task(ticker())
+    await asyncio.sleep(0)
+    before = turns
+    encoded = await append_module.encode(batch)
+    task.cancel()
+
+    assert turns - before >= len(batch) // append_module.SLICE - 1
+    rows, refused, text = append_module._encode(batch)
+    assert (encoded.rows, encoded.refused, encoded.text) == (rows, refused, text)
+    assert encoded.total == 2_000
+    assert [index for index, _ in encoded.refused] == [700, 1_499]
 
 
 async def test_a_batch_of_only_poison_stores_nothing(pg_store: PostgresStore) -> None:
