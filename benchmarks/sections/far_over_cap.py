@@ -19,6 +19,7 @@ from benchmarks.section import Context, Section
 from benchmarks.server import quiesce
 from benchmarks.workloads import DRAIN_TIMEOUT, SCHEMA, Database, new_observations, seed_identities
 from coda_memory import MemoryService
+from coda_memory.core.caps import kept_on_server
 
 #: How often the identity is loaded, and for how long at most.
 LOAD_EVERY = 0.2
@@ -43,7 +44,7 @@ async def _loads(
         stored = await db.conn.fetchval(
             f"SELECT count(*) FROM {SCHEMA}.facts WHERE identity_id = $1", identity
         )
-        if loaded.facts and stored <= cap + max(10, cap // 10) + OBSERVATIONS_PER_REQUEST:
+        if loaded.facts and stored <= kept_on_server(cap) + OBSERVATIONS_PER_REQUEST:
             return time.perf_counter() - start, loads, empty, slowest
         await asyncio.sleep(LOAD_EVERY)
     return None, loads, empty, slowest

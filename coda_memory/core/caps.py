@@ -80,6 +80,12 @@ class CapCounter:
         self.throttle.warning(self.cause, "coda-memory: %s: %s", self.cause, detail)
 
 
+def kept_on_server(keep: int) -> int:
+    """The facts a cap of ``keep`` applied on the server leaves (:class:`FactCap`):
+    ``keep`` and a margin for the rank's float rounding."""
+    return keep + max(10, keep // 10)
+
+
 @dataclass(frozen=True, slots=True)
 class FactCap:
     """The cap on facts per identity, for a store that can apply it where the facts are.
@@ -115,4 +121,4 @@ class FactCap:
     @property
     def kept_on_server(self) -> int:
         """The facts left by a cap applied on the server: ``keep`` and a margin."""
-        return self.keep + max(10, self.keep // 10)
+        return kept_on_server(self.keep)

@@ -9,6 +9,7 @@ from typing import Any, cast
 import pytest
 
 from coda_memory.core.model import ObservationType
+from coda_memory.core.turns import SLICE
 from coda_memory.errors import SchemaNotMigrated
 from coda_memory.postgres import PostgresStore
 from coda_memory.postgres import append as append_module
@@ -172,7 +173,7 @@ async def test_a_large_batch_is_encoded_in_slices_with_turns_of_the_loop() -> No
     encoded = await append_module.encode(batch)
     task.cancel()
 
-    assert turns - before >= len(batch) // append_module.SLICE - 1
+    assert turns - before >= len(batch) // SLICE - 1
     rows, refused, text = append_module._encode(batch)
     assert (encoded.rows, encoded.refused, encoded.text) == (rows, refused, text)
     assert encoded.total == 2_000
