@@ -99,10 +99,11 @@ class FactCap:
     facts that rank beyond :attr:`kept_on_server` at ``clock()`` (the same rank, computed
     by ``formula``), then reads the rest, whose consolidation applies the cap exactly.
     The margin between ``kept_on_server`` and ``keep`` holds any fact whose rank a float
-    rounding could move by a few places. An expired fact is left to the consolidation,
-    which records its expiry; so are the facts that observations waiting for the
-    consolidation may change (:func:`~coda_memory.core.sessions.subjects_reached`), which
-    are neither ranked nor deleted: the others keep their stored state, so one ranked
+    rounding could move by a few places. A fact expired at ``clock()`` is not ranked:
+    the store deletes it too, with the event the consolidation would record for it. The
+    facts that observations waiting for the consolidation may change
+    (:func:`~coda_memory.core.sessions.subjects_reached`) are left to it: neither
+    ranked, expired nor deleted. The others keep their stored state, so one ranked
     beyond the cap among them stays beyond it.
     """
 

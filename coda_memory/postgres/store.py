@@ -37,11 +37,12 @@ returned. So an identity that only this process consolidates has its facts read 
 and each request reads one row to learn that nothing else changed them.
 
 An identity far over the service's cap on facts is not read by the peek: the store
-first deletes on the server the facts the cap would drop, sparing those that waiting
-observations may change (``facts_cap.sql``, :meth:`PostgresStore._apply_cap`; when and
-why in :class:`~coda_memory.core.caps.FactCap`). A load that may reuse its last answer
-asks :meth:`PostgresStore.unchanged` whether the version it was made from is still the
-stored one, in one round trip that reads no fact (:mod:`coda_memory.core.answers`).
+first deletes on the server the facts the cap would drop and those expired (with
+their events), sparing those that waiting observations may change (``facts_cap.sql``,
+:meth:`PostgresStore._apply_cap`; when and why in :class:`~coda_memory.core.caps.FactCap`).
+A load that may reuse its last answer asks :meth:`PostgresStore.unchanged` whether the
+version it was made from is still the stored one, in one round trip that reads no fact
+(:mod:`coda_memory.core.answers`).
 
 Connection budgets
 ------------------
@@ -532,13 +533,18 @@ class PostgresStore:
         consolidation too, and the consolidation would delete it: the cap on the server
         deletes only what the consolidation would, and an identity far over the cap
         is brought down whether or not observations wait (its consolidation would
-        otherwise read every fact)."""
+        otherwise read every fact). The facts expired at the cap's instant go in the
+        same transactions, with the events the consolidation would record for them:
+        they count in the identity's facts but not in the rank, and a dormant identity
+        far over the cap may hold nearly nothing else."""
         dropped = 0
         try:
             while True:
                 row = await self._cap_chunk(identity_id, cap)
                 dropped += row["dropped"]
-                if not row["dropped"] or row["beyond"] <= row["dropped"]:
+                more_ranked = row["dropped"] and row["beyond"] > row["dropped"]
+                more_expired = row["expired"] and row["expiring"] > row["expired"]
+                if not (more_ranked or more_expired):
                     break
         finally:
             self._known.discard(identity_id)

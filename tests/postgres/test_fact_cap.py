@@ -6,15 +6,15 @@ from __future__ import annotations
 
 import logging
 import random
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
 import pytest
 
 from coda_memory import MemoryService
-from coda_memory.core.caps import FactCap
+from coda_memory.core.caps import FactCap, kept_on_server
 from coda_memory.core.decay import AdaptiveDecay, DecayStrategy, ExponentialDecay
-from coda_memory.core.model import Fact
+from coda_memory.core.model import Fact, FactEvent
 from coda_memory.postgres import PostgresStore, known, rows, unit
 from coda_memory.postgres import store as store_module
 from tests.helpers import entity, tool_ok
@@ -99,6 +99,13 @@ def _decoded(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return seen
 
 
+def _expiry(event: FactEvent) -> tuple[str, datetime, tuple[Any, ...]]:
+    """An expiry event: its subject, its instant, and every other field but its identity
+    and the instant it was recorded."""
+    fields = event.model_dump(exclude={"identity_id", "subject", "at"})
+    return event.subject, event.at, tuple(sorted(fields.items()))
+
+
 def _summary(facts: list[Fact]) -> list[tuple[str, float, int]]:
     return [(f.subject, f.confidence, f.reinforcement_count) for f in facts]
 
@@ -157,11 +164,11 @@ async def test_an_identity_far_over_the_cap_keeps_what_the_consolidation_would_k
         assert _summary(facts) == _summary(expected)
         stored = sorted(await store.facts("alice"), key=lambda f: f.subject)
         assert [f.subject for f in stored] == [f.subject for f in expected]
-        # Read into the application: what the server left (the cap, a margin and the
-        # expired facts), not the 400.
+        # Read into the application: what the server left (the cap and a margin), not
+        # the 400.
         cap = store._fact_cap
         assert isinstance(cap, FactCap) and cap.keep == KEEP
-        assert decoded[0] <= cap.kept_on_server + len(gone)
+        assert decoded[0] <= cap.kept_on_server
         assert service.stats().facts_evicted == evicted
         assert "deleted by the store" in caplog.text
         # Live facts beyond what the server keeps, deleted CAP_CHUNK (50 when so set) or
@@ -173,12 +180,70 @@ async def test_an_identity_far_over_the_cap_keeps_what_the_consolidation_would_k
             expected_chunks.append((min(beyond, max(size, beyond // 4)), beyond))
             beyond -= expected_chunks[-1][0]
         assert chunks == expected_chunks
-        # The expired facts went through the consolidation, which recorded their expiry.
-        history = await service.history("alice")
-        assert sorted(e.subject for e in history if e.kind == "expired") == gone
+        # The expired facts went on the server, each with the event the consolidation
+        # recorded for it (the instant it expired within a microsecond: the server
+        # rounds the days to microseconds as it adds them, Python as it makes them).
+        expiries = [_expiry(e) for e in await service.history("alice") if e.kind == "expired"]
+        reference_expiries = [
+            _expiry(e) for e in await reference.history("bob") if e.kind == "expired"
+        ]
+        assert [e[0] for e in expiries] == gone
+        assert [e[0] for e in reference_expiries] == gone
+        for (subject, at, rest), (_, expected_at, expected_rest) in zip(
+            expiries, reference_expiries, strict=True
+        ):
+            assert rest == expected_rest, subject
+            assert abs(at - expected_at) <= timedelta(microseconds=1), subject
     finally:
         await service.close()
         await reference.close()
+
+
+async def test_a_dormant_identity_far_over_the_cap_has_its_expired_facts_expired_on_the_server(
+    pg_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every fact expired (an identity imported, or far over the cap, then idle for a
+    year): none ranks, so none is capped, but none is read into the application either;
+    they expire on the server, 64 a transaction, each with its event."""
+    monkeypatch.setattr(store_module, "CAP_CHUNK", 64)
+    subjects = [f"entity_frequency:account:x{n:03}" for n in range(FACTS)]
+    await fetch(
+        pg_url,
+        "INSERT INTO coda_memory.facts (identity_id, subject, category, content, confidence,"
+        " reinforcement_count, last_reinforced_at, confidence_at, created_at, updated_at)"
+        " SELECT 'alice', s, 'entity_frequency', 'Works with ' || s, 0.8, 3, :at, :at,"
+        " :at, :at FROM unnest(CAST(:s AS text[])) AS t(s)",
+        s=subjects,
+        at=NOW - timedelta(days=365),
+    )
+    await fetch(
+        pg_url,
+        "INSERT INTO coda_memory.checkpoints (identity_id, snapshot, consolidated_at, runs)"
+        " VALUES ('alice', CAST(pg_current_snapshot() AS text), :at, 1)",
+        at=NOW - timedelta(days=365),
+    )
+    statements: list[tuple[int, int]] = []
+    chunk = PostgresStore._cap_chunk
+
+    async def recorded(self: PostgresStore, identity_id: str, cap: FactCap) -> Any:
+        row = await chunk(self, identity_id, cap)
+        statements.append((row["expired"], row["expiring"]))
+        return row
+
+    monkeypatch.setattr(PostgresStore, "_cap_chunk", recorded)
+    decoded = _decoded(monkeypatch)
+    service = MemoryService(PostgresStore.from_url(pg_url), clock=lambda: NOW, max_facts=KEEP)
+    try:
+        assert await service.consolidate("alice") == []
+        assert decoded[0] == 0
+        # 400 expired: 64 at a time, counted before each statement.
+        assert statements == [(64, 400 - 64 * n) for n in range(6)] + [(16, 16)]
+        history = await service.history("alice")
+        assert [e.subject for e in history if e.kind == "expired"] == subjects
+        assert service.stats().facts_capped == 0  # expired, not capped
+        assert await fetch(pg_url, "SELECT count(*) FROM coda_memory.facts") == [(0,)]
+    finally:
+        await service.close()
 
 
 @pytest.mark.parametrize("chunk", [None, 7], ids=["one statement", "chunks of 7"])
@@ -294,10 +359,10 @@ async def test_the_cap_spares_the_facts_that_waiting_observations_may_change(
         decoded = _decoded(monkeypatch)
         facts = await service.consolidate("alice")
         assert _summary(facts) == _summary(expected)
-        # Capped on the server first: read into the application, the cap, its margin, the
-        # expired facts and the one spared fact that was stored, not the 400.
+        # Capped on the server first: read into the application, the cap, its margin
+        # and the one spared fact that was stored, not the 400 (nor the expired ones).
         assert chunks and sum(dropped for dropped, _ in chunks) > 0
-        assert decoded[0] <= KEEP + max(10, KEEP // 10) + len(gone) + 1
+        assert decoded[0] <= kept_on_server(KEEP) + 1
     finally:
         await service.close()
         await reference.close()

@@ -2,12 +2,14 @@
 -- deletes the identity's live facts that rank beyond :kept at :now, the lowest ranked
 -- first and a bounded number of them (see lowest), so that an identity far over the cap
 -- is brought down without sending its facts to the application, by statements of
--- bounded size (the caller runs it again while some remain beyond the cap). Runs in a
--- transaction that holds the identity's checkpoint row (no consolidation of it runs
--- meanwhile). The facts of :spared (those the observations waiting for the next
--- consolidation may change) are neither ranked nor deleted: that consolidation ranks
--- them. Returns how many facts it deleted, and how many ranked beyond the cap before it
--- did.
+-- bounded size (the caller runs it again while some remain beyond the cap). The facts
+-- expired at :now go too, :chunk of them a statement, each with the event the
+-- consolidation would record for it. Runs in a transaction that holds the identity's
+-- checkpoint row (no consolidation of it runs meanwhile). The facts of :spared (those
+-- the observations waiting for the next consolidation may change) are neither ranked,
+-- expired nor deleted: that consolidation takes them. Returns how many facts it
+-- deleted as ranked beyond the cap and as expired, and how many of each there were
+-- before it did.
 WITH
 -- The subjects spared, as a relation: anti-joined by hash below, where a
 -- subject <> ALL (array) would compare every fact with every spared subject.
@@ -20,8 +22,11 @@ spared AS (
 seen AS (
     SELECT
         subject,
+        category,
         confidence,
         reinforcement_count,
+        confidence_at,
+        ease_factor,
         abs(
             extract(epoch FROM CAST(:now AS timestamptz)) - extract(epoch FROM confidence_at)
         )::float8 / 86400 AS days,
@@ -43,6 +48,77 @@ decayed AS (
         confidence * power(CAST(:base AS float8), days / ease) AS confidence
     FROM seen
     WHERE ease > 0
+),
+-- The expired ones (below the threshold at :now), :chunk of them in subject order (a
+-- bounded sort), as the consolidation expires them (coda_memory.core.consolidation,
+-- _Run.expire and expired_at): the event's instant is when the confidence crossed the
+-- threshold, from the curve through the anchor and one day later, never after :now.
+expiring AS (
+    SELECT
+        s.subject,
+        s.category,
+        s.reinforcement_count,
+        s.ease_factor,
+        d.confidence AS confidence_now,
+        s.confidence_at,
+        s.confidence,
+        s.confidence * power(CAST(:base AS float8), 1 / s.ease) AS one_day
+    FROM decayed d
+    JOIN seen s USING (subject)
+    WHERE d.confidence < CAST(:expiry_threshold AS float8)
+    ORDER BY s.subject COLLATE "C"
+    LIMIT CAST(:chunk AS bigint)
+),
+expired AS (
+    DELETE FROM {schema}.facts f
+    USING expiring e
+    WHERE f.identity_id = :identity_id
+        AND f.subject = e.subject
+    RETURNING f.subject
+),
+-- Their history, in subject order as the consolidation writes it.
+expiry_recorded AS (
+    INSERT INTO {schema}.fact_events (
+        identity_id,
+        recorded_at,
+        subject,
+        category,
+        kind,
+        at,
+        confidence_before,
+        count_before,
+        ease_before,
+        hits,
+        trials
+    )
+    SELECT
+        :identity_id,
+        CAST(:now AS timestamptz),
+        e.subject,
+        e.category,
+        'expired',
+        CASE
+            WHEN NOT (0 < e.one_day AND e.one_day < e.confidence)
+                OR CAST(:expiry_threshold AS float8) <= 0
+                THEN CAST(:now AS timestamptz)
+            ELSE least(
+                CAST(:now AS timestamptz),
+                e.confidence_at + make_interval(
+                    secs => greatest(
+                        0,
+                        ln(CAST(:expiry_threshold AS float8) / e.confidence)
+                            / ln(e.one_day / e.confidence)
+                    ) * 86400
+                )
+            )
+        END,
+        e.confidence_now,
+        e.reinforcement_count,
+        e.ease_factor,
+        0,
+        0
+    FROM expiring e
+    ORDER BY e.subject COLLATE "C"
 ),
 -- The live ones with their score (coda_memory.core.rank: confidence * count, highest
 -- first, then subject by code point). An expired fact is left out: the consolidation
@@ -87,8 +163,14 @@ touched AS (
     UPDATE {schema}.checkpoints
     SET snapshot = snapshot
     WHERE identity_id = :identity_id
-        AND EXISTS (SELECT 1 FROM dropped)
+        AND (EXISTS (SELECT 1 FROM dropped) OR EXISTS (SELECT 1 FROM expired))
 )
 SELECT
     (SELECT count(*) FROM dropped) AS dropped,
-    (SELECT facts FROM beyond) AS beyond
+    (SELECT facts FROM beyond) AS beyond,
+    (SELECT count(*) FROM expired) AS expired,
+    (
+        SELECT count(*)
+        FROM decayed
+        WHERE confidence < CAST(:expiry_threshold AS float8)
+    ) AS expiring
