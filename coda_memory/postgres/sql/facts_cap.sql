@@ -3,7 +3,7 @@
 -- first and a bounded number of them (see lowest), so that an identity far over the cap
 -- is brought down without sending its facts to the application, by statements of
 -- bounded size (the caller runs it again while some remain beyond the cap). The facts
--- expired at :now go too, :chunk of them a statement, each with the event the
+-- expired at :now go too, as many a statement by the same rule, each with the event the
 -- consolidation would record for it. Runs in a transaction that holds the identity's
 -- checkpoint row (no consolidation of it runs meanwhile). The facts of :spared (those
 -- the observations waiting for the next consolidation may change) are neither ranked,
@@ -22,11 +22,8 @@ spared AS (
 seen AS (
     SELECT
         subject,
-        category,
         confidence,
         reinforcement_count,
-        confidence_at,
-        ease_factor,
         abs(
             extract(epoch FROM CAST(:now AS timestamptz)) - extract(epoch FROM confidence_at)
         )::float8 / 86400 AS days,
@@ -40,34 +37,49 @@ seen AS (
         AND NOT EXISTS (SELECT 1 FROM spared WHERE spared.subject = f.subject)
 ),
 -- Each fact's confidence at :now (decayed from its anchor, never compounded). A fact
--- with an ease the formula cannot divide by is left out, for the consolidation.
-decayed AS (
+-- with an ease the formula cannot divide by is left out, for the consolidation. Read
+-- three times below (the live, the expired, their count), so computed once.
+decayed AS MATERIALIZED (
     SELECT
         subject,
         reinforcement_count,
+        ease,
         confidence * power(CAST(:base AS float8), days / ease) AS confidence
     FROM seen
     WHERE ease > 0
 ),
--- The expired ones (below the threshold at :now), :chunk of them in subject order (a
--- bounded sort), as the consolidation expires them (coda_memory.core.consolidation,
--- _Run.expire and expired_at): the event's instant is when the confidence crossed the
--- threshold, from the curve through the anchor and one day later, never after :now.
+-- How many have expired (below the threshold at :now).
+expirable AS (
+    SELECT count(*) AS facts
+    FROM decayed
+    WHERE confidence < CAST(:expiry_threshold AS float8)
+),
+-- The expired ones, :chunk of them or a quarter when that is more (as for the ranked,
+-- below), in subject order, with what their events need of the stored row (read by its
+-- key for those only), as the consolidation expires them
+-- (coda_memory.core.consolidation, _Run.expire and expired_at): the event's instant is
+-- when the confidence crossed the threshold, from the curve through the anchor and one
+-- day later, never after :now.
 expiring AS (
     SELECT
-        s.subject,
-        s.category,
-        s.reinforcement_count,
-        s.ease_factor,
+        f.subject,
+        f.category,
+        f.reinforcement_count,
+        f.ease_factor,
         d.confidence AS confidence_now,
-        s.confidence_at,
-        s.confidence,
-        s.confidence * power(CAST(:base AS float8), 1 / s.ease) AS one_day
-    FROM decayed d
-    JOIN seen s USING (subject)
-    WHERE d.confidence < CAST(:expiry_threshold AS float8)
-    ORDER BY s.subject COLLATE "C"
-    LIMIT CAST(:chunk AS bigint)
+        f.confidence_at,
+        f.confidence,
+        f.confidence * power(CAST(:base AS float8), 1 / d.ease) AS one_day
+    FROM (
+        SELECT subject, ease, confidence
+        FROM decayed
+        WHERE confidence < CAST(:expiry_threshold AS float8)
+        ORDER BY subject COLLATE "C"
+        LIMIT (SELECT greatest(CAST(:chunk AS bigint), facts / 4) FROM expirable)
+    ) AS d
+    JOIN {schema}.facts f
+        ON f.identity_id = :identity_id
+        AND f.subject = d.subject
 ),
 expired AS (
     DELETE FROM {schema}.facts f
@@ -121,9 +133,8 @@ expiry_recorded AS (
     ORDER BY e.subject COLLATE "C"
 ),
 -- The live ones with their score (coda_memory.core.rank: confidence * count, highest
--- first, then subject by code point). An expired fact is left out: the consolidation
--- deletes it and records its expiry. Read twice below, so computed once.
-live AS MATERIALIZED (
+-- first, then subject by code point); the expired ones are not ranked.
+live AS (
     SELECT
         subject,
         confidence * reinforcement_count AS score
@@ -169,8 +180,4 @@ SELECT
     (SELECT count(*) FROM dropped) AS dropped,
     (SELECT facts FROM beyond) AS beyond,
     (SELECT count(*) FROM expired) AS expired,
-    (
-        SELECT count(*)
-        FROM decayed
-        WHERE confidence < CAST(:expiry_threshold AS float8)
-    ) AS expiring
+    (SELECT facts FROM expirable) AS expiring
