@@ -81,6 +81,7 @@ expiring AS (
         ON f.identity_id = :identity_id
         AND f.subject = d.subject
 ),
+-- Deleted, as the consolidation deletes an expired fact.
 expired AS (
     DELETE FROM {schema}.facts f
     USING expiring e
