@@ -543,7 +543,7 @@ class PostgresStore:
                 row = await self._cap_chunk(identity_id, cap)
                 dropped += row["dropped"]
                 more_ranked = row["dropped"] and row["beyond"] > row["dropped"]
-                more_expired = row["expired"] and row["expiring"] > row["expired"]
+                more_expired = row["expired"] and row["expirable"] > row["expired"]
                 if not (more_ranked or more_expired):
                     break
         finally:

@@ -71,14 +71,45 @@ async def _seed(url: str, identities: list[str], seed: int) -> list[str]:
             a=[r[3] for r in rows],
             e=[r[4] for r in rows],
         )
-        await fetch(
-            url,
-            "INSERT INTO coda_memory.checkpoints (identity_id, snapshot, consolidated_at, runs)"
-            " VALUES (:identity, CAST(pg_current_snapshot() AS text), :at, 1)",
-            identity=identity,
-            at=NOW,
-        )
+        await _checkpoint(url, identity, NOW)
     return expired
+
+
+async def _checkpoint(url: str, identity: str, at: datetime) -> None:
+    """A checkpoint for ``identity`` that has consumed everything stored so far."""
+    await fetch(
+        url,
+        "INSERT INTO coda_memory.checkpoints (identity_id, snapshot, consolidated_at, runs)"
+        " VALUES (:identity, CAST(pg_current_snapshot() AS text), :at, 1)",
+        identity=identity,
+        at=at,
+    )
+
+
+async def _seed_alike(
+    url: str,
+    identity: str,
+    subjects: list[str],
+    confidence: float,
+    count: int,
+    at: datetime,
+    checkpoint_at: datetime,
+) -> None:
+    """Facts of ``subjects`` for ``identity``, all with the same confidence, count and
+    anchor (``at``), and a checkpoint made at ``checkpoint_at``."""
+    await fetch(
+        url,
+        "INSERT INTO coda_memory.facts (identity_id, subject, category, content, confidence,"
+        " reinforcement_count, last_reinforced_at, confidence_at, created_at, updated_at)"
+        " SELECT :identity, s, 'entity_frequency', 'Works with ' || s, :c, :n, :at, :at,"
+        " :at, :at FROM unnest(CAST(:s AS text[])) AS t(s)",
+        identity=identity,
+        s=subjects,
+        c=confidence,
+        n=count,
+        at=at,
+    )
+    await _checkpoint(url, identity, checkpoint_at)
 
 
 def _decoded(monkeypatch: pytest.MonkeyPatch) -> list[int]:
@@ -110,9 +141,13 @@ def _summary(facts: list[Fact]) -> list[tuple[str, float, int]]:
     return [(f.subject, f.confidence, f.reinforcement_count) for f in facts]
 
 
-def _chunks(monkeypatch: pytest.MonkeyPatch, size: int | None) -> list[tuple[int, int]]:
+def _chunks(
+    monkeypatch: pytest.MonkeyPatch,
+    size: int | None,
+    fields: tuple[str, str] = ("dropped", "beyond"),
+) -> list[tuple[int, int]]:
     """Sets the cap's chunk (None: the default) and records each transaction's
-    (dropped, beyond)."""
+    ``fields`` (by default, how many it dropped and how many ranked beyond the cap)."""
     if size is not None:
         monkeypatch.setattr(store_module, "CAP_CHUNK", size)
     seen: list[tuple[int, int]] = []
@@ -120,7 +155,7 @@ def _chunks(monkeypatch: pytest.MonkeyPatch, size: int | None) -> list[tuple[int
 
     async def recorded(self: PostgresStore, identity_id: str, cap: FactCap) -> Any:
         row = await chunk(self, identity_id, cap)
-        seen.append((row["dropped"], row["beyond"]))
+        seen.append((row[fields[0]], row[fields[1]]))
         return row
 
     monkeypatch.setattr(PostgresStore, "_cap_chunk", recorded)
@@ -206,32 +241,10 @@ async def test_a_dormant_identity_far_over_the_cap_has_its_expired_facts_expired
     year): none ranks, so none is capped, but none is read into the application either;
     they expire on the server, 64 a transaction or a quarter of those left when that is
     more, each with its event."""
-    monkeypatch.setattr(store_module, "CAP_CHUNK", 64)
     subjects = [f"entity_frequency:account:x{n:03}" for n in range(FACTS)]
-    await fetch(
-        pg_url,
-        "INSERT INTO coda_memory.facts (identity_id, subject, category, content, confidence,"
-        " reinforcement_count, last_reinforced_at, confidence_at, created_at, updated_at)"
-        " SELECT 'alice', s, 'entity_frequency', 'Works with ' || s, 0.8, 3, :at, :at,"
-        " :at, :at FROM unnest(CAST(:s AS text[])) AS t(s)",
-        s=subjects,
-        at=NOW - timedelta(days=365),
-    )
-    await fetch(
-        pg_url,
-        "INSERT INTO coda_memory.checkpoints (identity_id, snapshot, consolidated_at, runs)"
-        " VALUES ('alice', CAST(pg_current_snapshot() AS text), :at, 1)",
-        at=NOW - timedelta(days=365),
-    )
-    statements: list[tuple[int, int]] = []
-    chunk = PostgresStore._cap_chunk
-
-    async def recorded(self: PostgresStore, identity_id: str, cap: FactCap) -> Any:
-        row = await chunk(self, identity_id, cap)
-        statements.append((row["expired"], row["expiring"]))
-        return row
-
-    monkeypatch.setattr(PostgresStore, "_cap_chunk", recorded)
+    year_ago = NOW - timedelta(days=365)
+    await _seed_alike(pg_url, "alice", subjects, 0.8, 3, year_ago, year_ago)
+    statements = _chunks(monkeypatch, 64, ("expired", "expirable"))
     decoded = _decoded(monkeypatch)
     service = MemoryService(PostgresStore.from_url(pg_url), clock=lambda: NOW, max_facts=KEEP)
     try:
@@ -256,23 +269,7 @@ async def test_facts_tied_on_their_rank_are_kept_by_subject_in_code_point_order(
     chunks = _chunks(monkeypatch, chunk)
     subjects = [f"entity_frequency:account:{c}{n}" for n in range(12) for c in "aAbB_zZé"]
     for identity in ("alice", "bob"):
-        await fetch(
-            pg_url,
-            "INSERT INTO coda_memory.facts (identity_id, subject, category, content, confidence,"
-            " reinforcement_count, last_reinforced_at, confidence_at, created_at, updated_at)"
-            " SELECT :identity, s, 'entity_frequency', 'Works with ' || s, 0.7, 4, :at, :at,"
-            " :at, :at FROM unnest(CAST(:s AS text[])) AS t(s)",
-            identity=identity,
-            s=subjects,
-            at=NOW - timedelta(days=1),
-        )
-        await fetch(
-            pg_url,
-            "INSERT INTO coda_memory.checkpoints (identity_id, snapshot, consolidated_at, runs)"
-            " VALUES (:identity, CAST(pg_current_snapshot() AS text), :at, 1)",
-            identity=identity,
-            at=NOW,
-        )
+        await _seed_alike(pg_url, identity, subjects, 0.7, 4, NOW - timedelta(days=1), NOW)
     reference = MemoryService(
         PostgresStore.from_url(pg_url), clock=lambda: NOW, max_facts=KEEP, decay=PythonOnlyDecay()
     )

@@ -181,4 +181,4 @@ SELECT
     (SELECT count(*) FROM dropped) AS dropped,
     (SELECT facts FROM beyond) AS beyond,
     (SELECT count(*) FROM expired) AS expired,
-    (SELECT facts FROM expirable) AS expiring
+    (SELECT facts FROM expirable) AS expirable
