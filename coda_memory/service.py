@@ -287,9 +287,11 @@ class MemoryService(ObservationWriter):
             return facts, version
 
     async def _consolidate(self, identity_id: str) -> tuple[list[Fact], str | None]:
-        """The identity's active facts and, when the store tells it, the version of the
-        stored facts they were made from (read where they were, not after: another
-        consolidation of the identity may end meanwhile)."""
+        """The identity's active facts and, when they are the stored ones (nothing waited
+        to be consolidated) and the store tells it, the version of the stored facts they
+        were made from (read where they were, not after: another consolidation of the
+        identity may end meanwhile). A load keeps an answer only with a version (see
+        ``_load``)."""
         # When this service stored observations of the identity since it last consolidated
         # it, and the store keeps the identity's facts, there is no need to peek. (What is
         # stored from here on marks the identity again.)
@@ -318,14 +320,13 @@ class MemoryService(ObservationWriter):
             if plan.writes_anything:
                 await unit.write(plan)
                 await unit.commit()
-            version = getattr(unit, "facts_version", None)
         if plan.evicted:
             self._facts_cap.hit(
                 len(plan.evicted),
                 f"{self._label(identity_id)} keeps its {len(plan.active)} best ranked facts, "
                 f"{len(plan.evicted)} deleted",
             )
-        return plan.active, version
+        return plan.active, None
 
     def _now(self) -> datetime:
         return self.clock()
@@ -555,7 +556,7 @@ class MemoryService(ObservationWriter):
                     return None
                 await asyncio.sleep(0)  # as between the consolidation's steps
                 loaded = await _offload(len(facts), self._loaded, facts)
-                if version is not None:
+                if version is not None:  # not after a consolidation (see answers)
                     self._recent.put(identity_id, version, made_at, loaded)
                 return loaded
             finally:

@@ -16,6 +16,15 @@ process, ``forget``, an import), and an answer of another version is not reused.
 The answers are kept per identity, most recently used last, at most
 :data:`CAPACITY_FACTS` facts in all: their models are objects that the cyclic garbage
 collector walks (see :mod:`~coda_memory.core.turns`), so few are kept.
+
+Only the answer of a load that found nothing to consolidate is kept. A load that
+consolidated found its identity writing, and the next load of such an identity most
+often finds new observations again, so its answer would seldom be given again; but kept,
+every fact of it would outlive the next young collection, which walks it. In the
+host-shaped run of the benchmark (every request emits, then loads), keeping them made the
+collector's pauses 260 ms per 1,600 requests instead of 76 ms, and the event loop's lag
+p99 12.8 ms instead of 9.4 ms (the medians of four interleaved runs each). A burst of
+loads of an unchanged identity gets the answer of its second load again.
 """
 
 from __future__ import annotations

@@ -291,11 +291,6 @@ class PostgresConsolidationUnit:
         self._committed = True
         self.known = self._written
 
-    @property
-    def facts_version(self) -> str | None:
-        """The version of the facts as this unit left them (committed) or found them."""
-        return None if self.known is None else self.known.version
-
     def _check_open(self) -> None:
         if self._committed:
             raise RuntimeError("this unit of work is committed; open a new one")

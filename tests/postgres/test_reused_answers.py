@@ -27,19 +27,23 @@ async def test_a_load_of_an_unchanged_identity_gives_its_recent_answer_again(
         for tool in ("get_account", "get_contract"):
             service.emit_observation("alice", tool_ok(tool))
         await service.drain()
+        # A load that consolidates keeps no answer; one that finds nothing new does.
         first = await service.load_memory("alice")
-        assert len(first.facts) == 2 and service.stats().loads_reused == 0
+        assert len(first.facts) == 2
         second = await service.load_memory("alice")
-        assert service.stats().loads_reused == 1
+        assert service.stats().loads_reused == 0
         assert second == first
+        third = await service.load_memory("alice")
+        assert service.stats().loads_reused == 1
+        assert third == first
         # The caller's own lists: what one caller does to its answer, the next won't see.
-        kept = second.model_copy(deep=True)
-        for answer in (first, second):
+        kept = third.model_copy(deep=True)
+        for answer in (second, third):
             answer.facts.clear()
             answer.tool_affinities.clear()
-        third = await service.load_memory("alice")
+        fourth = await service.load_memory("alice")
         assert service.stats().loads_reused == 2
-        assert third == kept and len(third.facts) == 2
+        assert fourth == kept and len(fourth.facts) == 2
 
         # Another process consolidates new observations: the version moved.
         other.emit_observation("alice", tool_failed("get_invoice"))
@@ -48,27 +52,32 @@ async def test_a_load_of_an_unchanged_identity_gives_its_recent_answer_again(
         moved = await service.load_memory("alice")
         assert service.stats().loads_reused == 2
         assert len(moved.facts) == 3
+        assert (await service.load_memory("alice")) == moved
+        assert service.stats().loads_reused == 3
 
-        # Observations waiting (stored by another process, not consolidated yet).
+        # Observations waiting (stored by another process, not consolidated yet): the
+        # load consolidates them and keeps no answer, the next one keeps its own.
         other.emit_observation("alice", tool_ok("get_payment"))
         await other.drain()
         waited = await service.load_memory("alice")
-        assert service.stats().loads_reused == 2
+        assert service.stats().loads_reused == 3
         assert len(waited.facts) == 4
+        assert (await service.load_memory("alice")) == waited
+        assert service.stats().loads_reused == 3
 
         # Recent only: a second later, the answer is made anew, its facts decayed.
         assert (await service.load_memory("alice")) == waited
-        assert service.stats().loads_reused == 3
+        assert service.stats().loads_reused == 4
         clock.advance(seconds=1.5)
         later = await service.load_memory("alice")
-        assert service.stats().loads_reused == 3
+        assert service.stats().loads_reused == 4
         assert [f.confidence for f in later.facts] < [f.confidence for f in waited.facts]
 
         # Observations this service stored: consolidated, never answered from before.
         service.emit_observation("alice", tool_ok("get_payment", session="s2"))
         await service.drain()
         reinforced = await service.load_memory("alice")
-        assert service.stats().loads_reused == 3
+        assert service.stats().loads_reused == 4
         assert reinforced != later
 
         await service.forget("alice")
@@ -102,6 +111,7 @@ async def test_a_held_table_during_the_check_sends_the_load_the_usual_way(pg_url
         service.emit_observation("alice", tool_ok("get_account"))
         await service.drain()
         first = await service.load_memory("alice")
+        await service.load_memory("alice")  # nothing new: this answer is kept
         async with locked(pg_url, "observations"):
             held = await service.load_memory("alice")
         stats = service.stats()
