@@ -87,6 +87,15 @@ def held_collector_clock(monkeypatch: pytest.MonkeyPatch) -> list[float]:
     return clock
 
 
+def held_collector_heap(monkeypatch: pytest.MonkeyPatch, noted: int | None = None) -> list[int]:
+    """The heap the scopes measure, set by hand: ``heap[0]`` (1,000 to begin with);
+    ``noted``: the heap of the last full collection (None: not looked at yet)."""
+    heap = [1000]
+    monkeypatch.setattr(turns, "heap_size", lambda: heap[0])
+    monkeypatch.setattr(turns._HOLDS, "heap", noted)
+    return heap
+
+
 def recorded_collections(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """The generations of the collections the scopes run from now on (each still runs)."""
     collected: list[int] = []

@@ -10,7 +10,7 @@ import pytest
 
 from coda_memory.core import turns
 from coda_memory.core.turns import collector_held, collector_scope, mapped
-from tests.helpers import held_collector_clock, recorded_collections
+from tests.helpers import held_collector_clock, held_collector_heap, recorded_collections
 
 
 async def test_a_long_conversion_gives_the_loop_a_turn_after_every_slice(
@@ -111,20 +111,37 @@ def now(monkeypatch: pytest.MonkeyPatch) -> list[float]:
     return held_collector_clock(monkeypatch)
 
 
-def test_scopes_without_a_gap_still_collect_young_then_everything(
+def test_scopes_without_a_gap_collect_young_and_everything_once_the_heap_grew(
     monkeypatch: pytest.MonkeyPatch, now: list[float]
 ) -> None:
     collected = recorded_collections(monkeypatch)
-    with collector_scope():  # a load that stays in flight while others come and go
-        for _ in range(int(turns.FULL_EVERY / turns.YOUNG_EVERY * 4)):
+    heap = held_collector_heap(monkeypatch)
+    young_per_full = int(turns.FULL_EVERY / turns.YOUNG_EVERY)
+
+    def one_full_period() -> None:
+        for _ in range(young_per_full * 4):
             now[0] += turns.YOUNG_EVERY / 4
             with collector_scope():
                 pass
+
+    with collector_scope():  # a load that stays in flight while others come and go
+        # One young collection per YOUNG_EVERY; a full one is due after FULL_EVERY, but
+        # the first look notes the heap, and the second finds it no bigger.
+        one_full_period()
+        one_full_period()
+        assert collected == [1] * (2 * young_per_full)
+        collected.clear()
+        heap[0] = 1249  # not yet a quarter more
+        one_full_period()
+        assert collected == [1] * young_per_full
+        collected.clear()
+        heap[0] = 1250
+        one_full_period()  # the full one instead of a young one
+        assert collected.count(2) == 1 and collected.count(1) == young_per_full - 1
+        collected.clear()
+        one_full_period()  # the heap it left is the one noted: no growth since
+        assert collected == [1] * young_per_full
         assert not gc.isenabled()
-    # One young collection per YOUNG_EVERY, one full per FULL_EVERY instead of a young one.
-    fulls = collected.count(2)
-    assert fulls == 1
-    assert collected.count(1) == int(turns.FULL_EVERY / turns.YOUNG_EVERY) - fulls
     # With a gap (no scope open), the collector ran as usual: the clocks start again.
     collected.clear()
     now[0] += 0.5
@@ -163,6 +180,7 @@ def test_a_due_full_collection_waits_for_its_gate_but_not_past_another_period(
     monkeypatch: pytest.MonkeyPatch, now: list[float]
 ) -> None:
     collected = recorded_collections(monkeypatch)
+    heap = held_collector_heap(monkeypatch, noted=500)  # it grew since the last one
     gate = [False]
     with collector_scope():  # a load in flight throughout
         now[0] += turns.FULL_EVERY
@@ -176,6 +194,7 @@ def test_a_due_full_collection_waits_for_its_gate_but_not_past_another_period(
         assert collected == [1, 2]
         # Overdue by another period: it runs whatever the gate says.
         collected.clear()
+        heap[0] = 2000  # grew again
         gate[0] = False
         now[0] += turns.FULL_EVERY
         with collector_scope(may_collect=lambda: gate[0]):
