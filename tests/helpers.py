@@ -87,12 +87,16 @@ def held_collector_clock(monkeypatch: pytest.MonkeyPatch) -> list[float]:
     return clock
 
 
-def held_collector_heap(monkeypatch: pytest.MonkeyPatch, noted: int | None = None) -> list[int]:
-    """The heap the scopes measure, set by hand: ``heap[0]`` (1,000 to begin with);
-    ``noted``: the heap of the last full collection (None: not looked at yet)."""
-    heap = [1000]
+def held_collector_heap(
+    monkeypatch: pytest.MonkeyPatch, noted: tuple[int, int] | None = None
+) -> list[int]:
+    """The heap the scopes measure, set by hand: ``heap[0]``, its blocks, and ``heap[1]``,
+    the collector's objects (1,000 each to begin with); ``noted``: the two as the last
+    full collection left them (None: not looked at yet)."""
+    heap = [1000, 1000]
     monkeypatch.setattr(turns, "heap_size", lambda: heap[0])
-    monkeypatch.setattr(turns._HOLDS, "heap", noted)
+    monkeypatch.setattr(turns, "tracked_objects", lambda: heap[1])
+    monkeypatch.setattr(turns._HOLDS, "heap", None if noted is None else turns.Heap(*noted))
     return heap
 
 

@@ -21,11 +21,16 @@ without a collection seeing them. It comes back when the last scope closes, and 
 it was on (a host that switched it off itself is left alone). Under load without a gap,
 the scopes collect the young generations at least every :data:`YOUNG_EVERY` seconds, so a
 host's own cyclic garbage still goes; and everything every :data:`FULL_EVERY` seconds at
-most, when the heap grew by :data:`FULL_GROWTH` since the last full collection. That is
-CPython's own rule, on the heap that remains rather than on what young collections moved
-to the old generation: they move the models of the loads in flight there every time,
-and those are freed soon after. A heap that does not grow is not walked again; cyclic
-garbage stays and grows it, so it still goes.
+most, when the objects the collector walks grew by :data:`FULL_GROWTH` since the last
+full collection. That is CPython's own rule, on the objects that remain rather than on
+what young collections moved to the old generation: they move the models of the loads
+in flight there every time, and those are freed soon after. Objects that do not grow are
+not walked again; cyclic garbage stays and grows them, so it still goes. Counting them
+takes milliseconds (10 ms for 110,000 on the benchmark machine, a sixth of a full
+collection of them), so they are counted only once the heap grew by as much
+(``sys.getallocatedblocks``, tens of microseconds): a heap that grows with what the
+collector does not walk (the flat tuples of observations queued while a table is held)
+costs a count, not a full collection.
 
 These collections stall the loop: a full one for as long as it walks every object of the
 process, 30 to 120 ms under load on a 2-core machine, a young one up to 25 ms. A load
@@ -44,6 +49,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import TypeVar
 
 from coda_memory.core.model import gc_paused
@@ -58,18 +64,44 @@ SLICE = 500
 #: as it walks what was made since the one before and still lives: often enough to keep
 #: that to a millisecond or two (at 1 s, 3 to 6 ms under 8 concurrent requests).
 YOUNG_EVERY = 0.25
-#: … and every generation at most this often, when the heap grew by FULL_GROWTH since
-#: the last full collection.
+#: … and every generation at most this often, when the objects the collector walks
+#: grew by FULL_GROWTH since the last full collection.
 FULL_EVERY = 60.0
 FULL_GROWTH = 0.25
 
 
 def heap_size() -> int:
-    """The memory blocks the interpreter has allocated (``sys.getallocatedblocks``): a
-    measure of the heap that takes tens of microseconds, where counting the collector's
-    objects takes milliseconds (10 ms for 110,000 on the benchmark machine, a sixth of a
-    full collection of them)."""
+    """The memory blocks the interpreter has allocated (tens of microseconds)."""
     return sys.getallocatedblocks()
+
+
+def tracked_objects() -> int:
+    """The objects the collector walks in a full collection (milliseconds)."""
+    return len(gc.get_objects())
+
+
+@dataclass(slots=True)
+class Heap:
+    """The heap and the collector's objects, as noted after a full collection."""
+
+    blocks: int
+    objects: int
+
+    @classmethod
+    def now(cls) -> Heap:
+        return cls(heap_size(), tracked_objects())
+
+    def grown(self) -> bool:
+        """Whether the collector's objects grew by FULL_GROWTH since noted; counted only
+        once the heap grew by as much (what it did otherwise is noted, not counted
+        again)."""
+        blocks = heap_size()
+        if blocks < self.blocks * (1 + FULL_GROWTH):
+            return False
+        if tracked_objects() >= self.objects * (1 + FULL_GROWTH):
+            return True
+        self.blocks = blocks
+        return False
 
 
 class _Holds:
@@ -83,7 +115,7 @@ class _Holds:
         self.young_at = self.full_at = 0.0
         #: The heap after the last full collection (None: not known yet; the first look
         #: counts from then on).
-        self.heap: int | None = None
+        self.heap: Heap | None = None
 
     def take(self, may_collect: Callable[[], bool] | None = None) -> None:
         with self.lock:
@@ -107,16 +139,15 @@ class _Holds:
             # Outside the lock: a finalizer the collection runs may open a scope.
             gc.collect(generation)
             if generation == 2:
-                self.heap = heap_size()
+                self.heap = Heap.now()
 
     def _grown(self) -> bool:
-        """Whether the heap grew by FULL_GROWTH since the last full collection (the first
-        time, never: its size is noted)."""
-        size = heap_size()
+        """Whether the heap grew since the last full collection (see ``Heap``; the first
+        time, never: it is noted)."""
         if self.heap is None:
-            self.heap = size
+            self.heap = Heap.now()
             return False
-        return size >= self.heap * (1 + FULL_GROWTH)
+        return self.heap.grown()
 
     def _due(self, now: float, may_collect: Callable[[], bool] | None) -> int | None:
         """The generation to collect now, if any. One that is due waits while

@@ -741,7 +741,7 @@ async def test_no_full_collection_starts_while_a_load_is_past_a_third_of_its_tim
     """A full collection stalls the loop for tens of milliseconds: one that is due waits
     while a load in flight could be made late by it, and runs once none is."""
     clock = held_collector_clock(monkeypatch)
-    held_collector_heap(monkeypatch, noted=500)  # it grew since the last one
+    held_collector_heap(monkeypatch, noted=(500, 500))  # it grew since the last one
     collected = recorded_collections(monkeypatch)
     store = GatedStore()
     service = MemoryService(store, clock=FakeClock(), load_timeout=0.3)

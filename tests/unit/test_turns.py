@@ -131,15 +131,23 @@ def test_scopes_without_a_gap_collect_young_and_everything_once_the_heap_grew(
         one_full_period()
         assert collected == [1] * (2 * young_per_full)
         collected.clear()
-        heap[0] = 1249  # not yet a quarter more
+        heap[:] = [1249, 2000]  # the heap not yet a quarter bigger: objects not counted
         one_full_period()
         assert collected == [1] * young_per_full
         collected.clear()
-        heap[0] = 1250
+        heap[:] = [1250, 1249]  # the heap grew, the collector's objects not as much
+        one_full_period()
+        assert collected == [1] * young_per_full
+        collected.clear()
+        heap[:] = [1250, 1250]  # that heap was noted: its objects are not counted again
+        one_full_period()
+        assert collected == [1] * young_per_full
+        collected.clear()
+        heap[:] = [1563, 1250]  # a quarter more again: counted, and they grew too
         one_full_period()  # the full one instead of a young one
         assert collected.count(2) == 1 and collected.count(1) == young_per_full - 1
         collected.clear()
-        one_full_period()  # the heap it left is the one noted: no growth since
+        one_full_period()  # what it left is the heap noted: no growth since
         assert collected == [1] * young_per_full
         assert not gc.isenabled()
     # With a gap (no scope open), the collector ran as usual: the clocks start again.
@@ -180,7 +188,7 @@ def test_a_due_full_collection_waits_for_its_gate_but_not_past_another_period(
     monkeypatch: pytest.MonkeyPatch, now: list[float]
 ) -> None:
     collected = recorded_collections(monkeypatch)
-    heap = held_collector_heap(monkeypatch, noted=500)  # it grew since the last one
+    heap = held_collector_heap(monkeypatch, noted=(500, 500))  # it grew since the last
     gate = [False]
     with collector_scope():  # a load in flight throughout
         now[0] += turns.FULL_EVERY
@@ -194,7 +202,7 @@ def test_a_due_full_collection_waits_for_its_gate_but_not_past_another_period(
         assert collected == [1, 2]
         # Overdue by another period: it runs whatever the gate says.
         collected.clear()
-        heap[0] = 2000  # grew again
+        heap[:] = [2000, 2000]  # grew again
         gate[0] = False
         now[0] += turns.FULL_EVERY
         with collector_scope(may_collect=lambda: gate[0]):
