@@ -24,7 +24,9 @@ Keeping the loop responsive. Everything ``load_memory`` does in Python is propor
 to the identity's facts, which ``max_facts`` caps (best ranked kept, the rest deleted by
 the next consolidation, or by the store, see :class:`~coda_memory.core.caps.FactCap`).
 Up to :data:`OFFLOAD_FACTS` facts, twice the default cap, the planning, the views and the
-prompt section run on the loop, each a step of a millisecond or two between two turns.
+prompt section run on the loop in steps of at most :data:`~coda_memory.core.turns.SLICE`
+facts (a few tenths of a millisecond), with a turn of the loop between two
+(:func:`~coda_memory.core.turns.stepped`).
 Above it they run in a worker thread, so the loop keeps serving other requests and
 ``load_timeout`` can fire; but under the GIL the loop then waits up to a switch interval
 (5 ms) each time it wakes up, so a thread costs every other request more than a short
@@ -43,7 +45,7 @@ import threading
 import time
 from collections.abc import Awaitable, Callable, Collection
 from datetime import UTC, datetime, timedelta
-from typing import Any, ParamSpec, TypeVar
+from typing import Any, TypeVar
 
 from coda_memory.core import emitters
 from coda_memory.core.affinity import extract_tool_affinities
@@ -54,13 +56,15 @@ from coda_memory.core.consolidation import (
     ConsolidationInput,
     ConsolidationPlan,
     active_views,
-    plan_consolidation,
+    planning,
+    viewing,
 )
 from coda_memory.core.decay import DecayStrategy, ExponentialDecay, decay_formula
 from coda_memory.core.logs import short_error
 from coda_memory.core.model import Fact, FactEvent, LoadedMemory
-from coda_memory.core.prompt import format_memory_section
-from coda_memory.core.turns import collector_scope
+from coda_memory.core.prompt import memory_section
+from coda_memory.core.rank import ranked_facts
+from coda_memory.core.turns import Steps, collector_scope, finished, stepped
 from coda_memory.ports import MemoryStore
 from coda_memory.slots import LifoSlots
 from coda_memory.stats import MemoryStats as MemoryStats
@@ -70,7 +74,6 @@ from coda_memory.writer import CLOSE_GRACE, DEFAULT_QUEUE_BYTES, Clock, Observat
 
 logger = logging.getLogger("coda_memory")
 
-P = ParamSpec("P")
 R = TypeVar("R")
 
 #: Above this many facts, Python work of a load runs in a worker thread (see above).
@@ -102,11 +105,12 @@ def _answered(loaded: LoadedMemory | None) -> LoadedMemory:
     return loaded
 
 
-async def _offload(size: int, work: Callable[P, R], *args: P.args, **kwargs: P.kwargs) -> R:
-    """``work(*args)``, in a worker thread when ``size`` (facts) is above OFFLOAD_FACTS."""
+async def _offload_steps(size: int, steps: Steps[R]) -> R:
+    """The result of ``steps``: in a worker thread when ``size`` (facts) is above
+    OFFLOAD_FACTS, else on the loop with a turn between two steps."""
     if size > OFFLOAD_FACTS:
-        return await asyncio.to_thread(work, *args, **kwargs)
-    return work(*args, **kwargs)
+        return await asyncio.to_thread(finished, steps)
+    return await stepped(steps)
 
 
 def _drop_traceback(error: BaseException) -> None:
@@ -305,7 +309,7 @@ class MemoryService(ObservationWriter):
                 # when the store left the facts out, the ones it keeps.
                 self._stale[identity_id] = stored
             if not pending and (self.max_facts is None or len(stored) <= self.max_facts):
-                views = await _offload(len(stored), active_views, stored, self.decay, self.clock())
+                views = await _offload_steps(len(stored), viewing(stored, self.decay, self.clock()))
                 if len(views) == len(stored):  # else some expired: consolidating deletes them
                     return views, version
         async with self._slots, self.store.consolidation(identity_id) as unit:
@@ -315,7 +319,7 @@ class MemoryService(ObservationWriter):
             # then runs one step of each in a turn, not all of a load's Python at once,
             # and other tasks wait less (event-loop lag p99 -0.8 ms on 8 requests).
             await asyncio.sleep(0)
-            plan = await _offload(len(batch.facts), self._plan, identity_id, batch)
+            plan = await _offload_steps(len(batch.facts), self._planning(identity_id, batch))
             await asyncio.sleep(0)
             if plan.writes_anything:
                 await unit.write(plan)
@@ -353,8 +357,8 @@ class MemoryService(ObservationWriter):
         )
         return [] if kept is None else await kept(identity_id)
 
-    def _plan(self, identity_id: str, batch: ConsolidationInput) -> ConsolidationPlan:
-        return plan_consolidation(
+    def _planning(self, identity_id: str, batch: ConsolidationInput) -> Steps[ConsolidationPlan]:
+        return planning(
             identity_id, batch, self.clock(), self.decay, self.retention, self.max_facts
         )
 
@@ -555,7 +559,7 @@ class MemoryService(ObservationWriter):
                 if identity_id not in self._waiting:
                     return None
                 await asyncio.sleep(0)  # as between the consolidation's steps
-                loaded = await _offload(len(facts), self._loaded, facts)
+                loaded = await _offload_steps(len(facts), self._answer_steps(facts))
                 if version is not None:  # not after a consolidation (see answers)
                     self._recent.put(identity_id, version, made_at, loaded)
                 return loaded
@@ -604,17 +608,24 @@ class MemoryService(ObservationWriter):
         """The answer from ``stored`` (``owned``: new models that nothing else holds,
         which become their views in place)."""
 
-        def build() -> LoadedMemory:
-            views = active_views(stored, self.decay, self.clock(), self.max_facts, owned=owned)
-            return self._loaded(views)
+        def building() -> Steps[LoadedMemory]:
+            views = yield from viewing(
+                stored, self.decay, self.clock(), self.max_facts, owned=owned
+            )
+            yield
+            return (yield from self._answer_steps(views))
 
-        return await _offload(len(stored), build)
+        return await _offload_steps(len(stored), building())
 
-    def _loaded(self, facts: list[Fact]) -> LoadedMemory:
+    def _answer_steps(self, facts: list[Fact]) -> Steps[LoadedMemory]:
+        """The answer from ``facts`` (views at now) as two steps: ranking them, then the
+        prompt section of the ranked facts and the tool affinities."""
+        ranked = ranked_facts(facts)
+        yield
         return LoadedMemory(
             facts=facts,
-            prompt_section=format_memory_section(
-                facts, self.prompt_budget_tokens, token_counter=self.token_counter
+            prompt_section=memory_section(
+                ranked, self.prompt_budget_tokens, token_counter=self.token_counter
             ),
             tool_affinities=extract_tool_affinities(facts),
         )

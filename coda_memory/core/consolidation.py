@@ -46,6 +46,7 @@ from coda_memory.core.rank import score_key
 from coda_memory.core.sessions import FactKey as FactKey
 from coda_memory.core.sessions import SessionGroup, group_by_session, prior_tool_counts
 from coda_memory.core.sessions import fact_key as fact_key
+from coda_memory.core.turns import SLICE, Steps, finished
 
 NEW_FACT_CONFIDENCE = 0.5
 DEFAULT_RETENTION = timedelta(days=7)
@@ -282,9 +283,24 @@ def active_views(
     """Views at ``now`` of the facts that have not expired, sorted by subject; with
     ``max_facts``, of the best ranked that many only. ``owned``: nothing else holds the
     facts, which become their views in place (a copy fewer per fact)."""
+    return finished(viewing(facts, decay, now, max_facts, owned=owned))
+
+
+def viewing(
+    facts: Iterable[Fact],
+    decay: DecayStrategy,
+    now: datetime,
+    max_facts: int | None = None,
+    *,
+    owned: bool = False,
+) -> Steps[list[Fact]]:
+    """:func:`active_views` as steps (see :mod:`~coda_memory.core.turns`): it yields after
+    every :data:`~coda_memory.core.turns.SLICE` facts it decays."""
     threshold = decay.expiry_threshold
     alive: list[tuple[Fact, float]] = []
-    for fact in facts:
+    for done, fact in enumerate(facts, 1):
+        if done % SLICE == 0:
+            yield
         # Decay once per fact, and build a view only for a fact that is returned.
         confidence = decay.decayed(fact, now)
         if confidence >= threshold:
@@ -356,6 +372,20 @@ def plan_consolidation(
 
     With ``max_facts``, at most that many facts stay active: the best ranked by
     :func:`~coda_memory.core.rank.rank_key`; the others are deleted and listed in ``evicted``."""
+    return finished(planning(identity_id, batch, now, decay, retention, max_facts))
+
+
+def planning(
+    identity_id: str,
+    batch: ConsolidationInput,
+    now: datetime,
+    decay: DecayStrategy,
+    retention: timedelta = DEFAULT_RETENTION,
+    max_facts: int | None = None,
+) -> Steps[ConsolidationPlan]:
+    """:func:`plan_consolidation` as steps (see :mod:`~coda_memory.core.turns`): it yields
+    after folding the observations and after every :data:`~coda_memory.core.turns.SLICE`
+    facts it decays, so a service can give the event loop turns in between."""
     now = as_utc(now)  # the facts and events below take it unvalidated
     stored = {f.subject: f for f in batch.facts}
     run = _Run(identity_id, now, decay, dict(stored))
@@ -370,10 +400,13 @@ def plan_consolidation(
             if run.fold_group(group):
                 changed.add(subject)
 
+    yield
     deletes: list[str] = []
     alive: list[tuple[Fact, float]] = []
     threshold = decay.expiry_threshold
-    for subject in sorted(run.current):
+    for done, subject in enumerate(sorted(run.current), 1):
+        if done % SLICE == 0:
+            yield
         fact = run.current[subject]
         confidence = decay.decayed(fact, now)
         if confidence < threshold:

@@ -73,6 +73,18 @@ def format_memory_section(
     ``budget_tokens`` by ``token_counter``, or by the conservative
     :func:`~coda_memory.core.tokens.estimate_tokens` when it is None.
     """
+    return memory_section(ranked_facts(facts), budget_tokens, token_counter=token_counter)
+
+
+def memory_section(
+    ranked: Sequence[Fact],
+    budget_tokens: int = 300,
+    *,
+    token_counter: TokenCounter | None = None,
+) -> str:
+    """:func:`format_memory_section` of facts already in rank order
+    (:func:`~coda_memory.core.rank.ranked_facts`), so that a caller can rank them in a
+    step of its own."""
     count = estimate_tokens if token_counter is None else token_counter
     # The section is its lines joined by newlines: each line costs its own tokens plus
     # one for its newline (the estimate is exactly additive over lines).
@@ -80,7 +92,7 @@ def format_memory_section(
     used = fixed
     chosen: list[tuple[int, int, str]] = []  # (rank, group, line)
     lines_by_group: list[list[str]] = [[] for _ in GROUPS]
-    for rank, fact in enumerate(ranked_facts(facts)):
+    for rank, fact in enumerate(ranked):
         if budget_tokens - used < 2:
             break  # not even "-" and a newline fit
         line = _fact_line(fact.content)

@@ -4,9 +4,18 @@ collector held off while loads are in flight.
 Turns. A coroutine that converts tens of thousands of rows in one go holds the event
 loop for as long: every other request of the process waits, and no timeout can fire.
 Work that grows with an identity's facts goes through :func:`mapped`, which gives the
-loop a turn after every :data:`SLICE` items. A worker thread would also free the loop,
-but under the GIL the loop then waits up to a switch interval (5 ms) each time it wakes
-up, so every other request pays for the big one; a turn costs the big one microseconds.
+loop a turn after every :data:`SLICE` items, or is written as steps: a generator that
+yields between them, every :data:`SLICE` facts at most, which :func:`stepped` runs with
+a turn of the loop at each yield. The pure core stays pure (its steps know nothing of
+the loop, and :func:`finished` runs them in one go where no loop waits). A worker
+thread would also free the loop, but under the GIL the loop then waits up to a switch
+interval (5 ms) each time it wakes up, so every other request pays for the big one; a
+turn costs the big one microseconds.
+
+Under concurrent requests every turn of the loop runs the next step of each request
+that is ready, so a turn lasts as long as their steps together, and that is how late a
+timer fires or a new request starts: the smaller the steps, the less they wait (see the
+README, "Latency tails").
 
 The collector. A load builds hundreds of models (thousands for a big identity) that
 live across its round trips to the store. Every 700 allocations CPython collects the
@@ -47,7 +56,7 @@ import gc
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TypeVar
@@ -57,8 +66,11 @@ from coda_memory.core.model import gc_paused
 T = TypeVar("T")
 R = TypeVar("R")
 
-#: Items converted between two turns of the loop (about 0.5 ms of work).
-SLICE = 500
+#: Work written as steps: a generator that yields between them and returns the result.
+Steps = Generator[None, None, R]
+
+#: Items converted between two turns of the loop (about 0.2 ms of work).
+SLICE = 200
 #: While scopes keep the collector off without a gap: the young generations are
 #: collected at least this often (seconds). Each collection stalls the loop for as long
 #: as it walks what was made since the one before and still lives, mostly the models of
@@ -206,3 +218,24 @@ async def mapped(items: Sequence[T], convert: Callable[[T], R]) -> list[R]:
             out.extend([convert(item) for item in items[start : start + SLICE]])
         await asyncio.sleep(0)
     return out
+
+
+async def stepped(steps: Steps[R]) -> R:
+    """The result of ``steps``, with a turn of the event loop at each of its yields."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            result: R = done.value
+            return result
+        await asyncio.sleep(0)
+
+
+def finished(steps: Steps[R]) -> R:
+    """The result of ``steps``, run in one go (where no event loop waits for a turn)."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            result: R = done.value
+            return result

@@ -2,17 +2,22 @@
 
 from __future__ import annotations
 
+from collections.abc import Generator
 from datetime import UTC, datetime, timedelta, timezone
+from typing import TypeVar
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from coda_memory.core import consolidation
 from coda_memory.core.consolidation import (
     ConsolidationInput,
     active_views,
     fact_key,
     plan_consolidation,
+    planning,
+    viewing,
 )
 from coda_memory.core.decay import (
     AdaptiveDecay,
@@ -33,6 +38,7 @@ from tests.builders import fact as made_fact
 from tests.helpers import T0
 
 TOOLS = ["get_account", "run_query"]
+R = TypeVar("R")
 
 
 class Ledger:
@@ -331,3 +337,35 @@ def test_owned_facts_become_their_views_in_place_with_the_same_values() -> None:
     assert {id(f) for f in owned} <= {id(f) for f in owned_facts}
     assert [f.confidence_at for f in copied_from] == [T0, T0, None]
     assert not {id(f) for f in copied} & {id(f) for f in copied_from}
+
+
+def _run_counting(steps: Generator[None, None, R]) -> tuple[R, int]:
+    """The result of ``steps`` and how many times they yielded."""
+    yields = 0
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            result: R = done.value
+            return result, yields
+        yields += 1
+
+
+@pytest.mark.parametrize("stored", [0, 9, 10, 35])
+def test_the_plan_yields_after_folding_and_every_slice_of_facts_it_decays(
+    monkeypatch: pytest.MonkeyPatch, stored: int
+) -> None:
+    """A service gives the event loop a turn at each yield: the plan's Python work comes
+    in steps of at most SLICE facts, and its steps make the plan made in one go."""
+    monkeypatch.setattr(consolidation, "SLICE", 10)
+    decay = ExponentialDecay()
+    later = T0 + timedelta(days=1)
+    facts = [made_fact(f"tool_affinity:t{n:02}", at=T0) for n in range(stored)]
+    batch = ConsolidationInput([_get_account_called(T0)], facts, [])
+    plan, yields = _run_counting(planning("u", batch, later, decay))
+    # One after folding; then one before each tenth fact decayed (the new fact is one).
+    assert yields == 1 + (stored + 1) // 10
+    assert plan == plan_consolidation("u", batch, later, decay)
+    views, yields = _run_counting(viewing(facts, decay, later))
+    assert yields == stored // 10
+    assert views == active_views(facts, decay, later)

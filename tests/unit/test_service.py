@@ -19,7 +19,7 @@ import pytest
 
 from coda_memory import Fact, MemoryService
 from coda_memory import service as service_module
-from coda_memory.core import turns
+from coda_memory.core import consolidation, turns
 from coda_memory.core.logs import identity_label
 from coda_memory.ports import AppendOutcome, ObservationRecord
 from coda_memory.testing import InMemoryConsolidationUnit, InMemoryStore
@@ -390,18 +390,18 @@ async def test_a_consolidating_load_gives_the_loop_a_turn_between_its_steps() ->
                 yield unit
 
     service = MemoryService(RecordingStore(), clock=FakeClock(), load_timeout=5.0)
-    plan, answer = service._plan, service._loaded
+    plan, answer = service._planning, service._answer_steps
 
     def recorded_plan(*args: Any) -> Any:
         steps.append(("plan", turns))
-        return plan(*args)
+        return (yield from plan(*args))
 
     def recorded_answer(*args: Any) -> Any:
         steps.append(("answer", turns))
-        return answer(*args)
+        return (yield from answer(*args))
 
-    service._plan = recorded_plan  # type: ignore[method-assign,assignment]
-    service._loaded = recorded_answer  # type: ignore[method-assign,assignment]
+    service._planning = recorded_plan  # type: ignore[method-assign,assignment]
+    service._answer_steps = recorded_answer  # type: ignore[method-assign,assignment]
     service.emit_observation("alice", tool_ok("search"))
     await service.drain()
 
@@ -419,6 +419,51 @@ async def test_a_consolidating_load_gives_the_loop_a_turn_between_its_steps() ->
     assert names == ["loaded", "plan", "write", "answer"]
     at = [turn for _, turn in steps]
     assert all(later > earlier for earlier, later in itertools.pairwise(at)), steps
+    await service.close()
+
+
+async def test_the_plan_and_the_answer_of_a_load_run_in_steps_with_turns_between(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A load of many facts plans them and makes its answer in steps of at most SLICE
+    facts, another task running between two: under concurrent loads, a turn of the loop
+    then lasts one small step of each, not a whole plan of each."""
+    monkeypatch.setattr(consolidation, "SLICE", 10)
+    service = MemoryService(InMemoryStore(), clock=FakeClock(), load_timeout=5.0)
+    for n in range(30):
+        service.emit_observation("alice", tool_ok(f"tool_{n:02}", "s1"))
+    await service.drain()
+    await service.consolidate("alice")
+    service.emit_observation("alice", tool_ok("tool_30", "s2"))
+    await service.drain()
+    turns_seen = 0
+    inside: dict[str, list[int]] = {}
+    plan, answer = service._planning, service._answer_steps
+
+    def counted(name: str, steps: Any) -> Any:
+        start = turns_seen
+        result = yield from steps
+        inside[name] = [start, turns_seen]
+        return result
+
+    service._planning = lambda *a: counted("plan", plan(*a))  # type: ignore[method-assign]
+    service._answer_steps = lambda *a: counted("answer", answer(*a))  # type: ignore[method-assign]
+
+    async def other_task() -> None:
+        nonlocal turns_seen
+        while "answer" not in inside:
+            turns_seen += 1
+            await asyncio.sleep(0)
+
+    other = asyncio.ensure_future(other_task())
+    loaded = await service.load_memory("alice")
+    await other
+    assert len(loaded.facts) == 31
+    # The plan: a step for the folding, then one per ten facts decayed (31 of them).
+    start, end = inside["plan"]
+    assert end - start >= 1 + 3
+    start, end = inside["answer"]  # ranking, then the prompt section
+    assert end - start >= 1
     await service.close()
 
 
