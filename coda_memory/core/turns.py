@@ -15,7 +15,7 @@ turn costs the big one microseconds.
 Under concurrent requests every turn of the loop runs the next step of each request
 that is ready, so a turn lasts as long as their steps together, and that is how late a
 timer fires or a new request starts: the smaller the steps, the less they wait (see the
-README, "Latency tails").
+README, "Latency tails and the steps of a load").
 
 The collector. A load builds hundreds of models (thousands for a big identity) that
 live across its round trips to the store. Every 700 allocations CPython collects the
