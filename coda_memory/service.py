@@ -62,7 +62,7 @@ from coda_memory.core.consolidation import (
 from coda_memory.core.decay import DecayStrategy, ExponentialDecay, decay_formula
 from coda_memory.core.logs import short_error
 from coda_memory.core.model import Fact, FactEvent, LoadedMemory
-from coda_memory.core.prompt import memory_section
+from coda_memory.core.prompt import section_steps
 from coda_memory.core.rank import ranked_facts
 from coda_memory.core.turns import Steps, collector_scope, finished, stepped
 from coda_memory.ports import MemoryStore
@@ -618,15 +618,17 @@ class MemoryService(ObservationWriter):
         return await _offload_steps(len(stored), building())
 
     def _answer_steps(self, facts: list[Fact]) -> Steps[LoadedMemory]:
-        """The answer from ``facts`` (views at now) as two steps: ranking them, then the
-        prompt section of the ranked facts and the tool affinities."""
+        """The answer from ``facts`` (views at now) as steps: ranking them, then the
+        prompt section of the ranked facts (every SLICE facts a step) and the tool
+        affinities."""
         ranked = ranked_facts(facts)
         yield
+        section = yield from section_steps(
+            ranked, self.prompt_budget_tokens, token_counter=self.token_counter
+        )
         return LoadedMemory(
             facts=facts,
-            prompt_section=memory_section(
-                ranked, self.prompt_budget_tokens, token_counter=self.token_counter
-            ),
+            prompt_section=section,
             tool_affinities=extract_tool_affinities(facts),
         )
 

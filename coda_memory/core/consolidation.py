@@ -306,7 +306,7 @@ def viewing(
         if confidence >= threshold:
             alive.append((fact, confidence))
     kept, _ = _best(alive, max_facts)
-    return _views(kept, now, in_place=owned)
+    return (yield from _views(kept, now, in_place=owned))
 
 
 def _best(
@@ -337,11 +337,29 @@ def _views(
     *,
     by_subject: bool = False,
     in_place: bool = False,
-) -> list[Fact]:
+) -> Steps[list[Fact]]:
     """Views of ``alive`` at ``now``, sorted by subject (``by_subject``: ``alive`` already
-    is). The facts of ``owned`` (by subject; nothing else may hold them), or all of them
-    when ``in_place``, become their views in place."""
+    is), as steps of :data:`~coda_memory.core.turns.SLICE` facts. The facts of ``owned``
+    (by subject; nothing else may hold them), or all of them when ``in_place``, become
+    their views in place."""
     views: list[Fact] = []
+    for start in range(0, len(alive), SLICE):
+        if start:
+            yield
+        _view_slice(alive[start : start + SLICE], now, owned, in_place, views)
+    if not by_subject:
+        views.sort(key=_subject)
+    return views
+
+
+def _view_slice(
+    alive: list[tuple[Fact, float]],
+    now: datetime,
+    owned: dict[str, Fact] | None,
+    in_place: bool,
+    views: list[Fact],
+) -> None:
+    """:func:`_views` of one slice, appended to ``views``."""
     with gc_paused():
         for fact, confidence in alive:
             if in_place or (owned is not None and owned.get(fact.subject) is fact):
@@ -351,9 +369,6 @@ def _views(
                 views.append(fact)
             else:
                 views.append(with_confidence(fact, confidence, now))
-    if not by_subject:
-        views.sort(key=_subject)
-    return views
 
 
 def _subject(fact: Fact) -> str:
@@ -421,7 +436,7 @@ def planning(
     # Stored facts the run did not change, when nothing but this plan holds them.
     owned = stored if batch.facts_owned else None
     # Both in subject order, as taken above.
-    active = _views(kept_pairs, now, owned, by_subject=True)
+    active = yield from _views(kept_pairs, now, owned, by_subject=True)
     evicted_subjects = [fact.subject for fact, _ in dropped]
     deletes.extend(s for s in evicted_subjects if s in stored)
     deletes.sort()

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from coda_memory.core.model import Fact, FactCategory
 from coda_memory.core.rank import ranked_facts
 from coda_memory.core.tokens import TokenCounter, estimate_tokens
+from coda_memory.core.turns import SLICE, Steps, finished
 from coda_memory.core.untrusted import data_text
 
 __all__ = ["CLOSING", "FRAMING", "GROUPS", "HEADER", "estimate_tokens", "format_memory_section"]
@@ -73,18 +74,20 @@ def format_memory_section(
     ``budget_tokens`` by ``token_counter``, or by the conservative
     :func:`~coda_memory.core.tokens.estimate_tokens` when it is None.
     """
-    return memory_section(ranked_facts(facts), budget_tokens, token_counter=token_counter)
+    return finished(section_steps(ranked_facts(facts), budget_tokens, token_counter=token_counter))
 
 
-def memory_section(
+def section_steps(
     ranked: Sequence[Fact],
     budget_tokens: int = 300,
     *,
     token_counter: TokenCounter | None = None,
-) -> str:
+) -> Steps[str]:
     """:func:`format_memory_section` of facts already in rank order
-    (:func:`~coda_memory.core.rank.ranked_facts`), so that a caller can rank them in a
-    step of its own."""
+    (:func:`~coda_memory.core.rank.ranked_facts`), as steps (see
+    :mod:`~coda_memory.core.turns`): it yields after every
+    :data:`~coda_memory.core.turns.SLICE` facts it goes through, and a caller can rank
+    the facts in a step of its own."""
     count = estimate_tokens if token_counter is None else token_counter
     # The section is its lines joined by newlines: each line costs its own tokens plus
     # one for its newline (the estimate is exactly additive over lines).
@@ -93,6 +96,8 @@ def memory_section(
     chosen: list[tuple[int, int, str]] = []  # (rank, group, line)
     lines_by_group: list[list[str]] = [[] for _ in GROUPS]
     for rank, fact in enumerate(ranked):
+        if rank and rank % SLICE == 0:
+            yield
         if budget_tokens - used < 2:
             break  # not even "-" and a newline fit
         line = _fact_line(fact.content)

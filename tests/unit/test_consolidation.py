@@ -352,7 +352,7 @@ def _run_counting(steps: Generator[None, None, R]) -> tuple[R, int]:
 
 
 @pytest.mark.parametrize("stored", [0, 9, 10, 35])
-def test_the_plan_yields_after_folding_and_every_slice_of_facts_it_decays(
+def test_the_plan_yields_after_folding_and_every_slice_of_facts_it_decays_or_views(
     monkeypatch: pytest.MonkeyPatch, stored: int
 ) -> None:
     """A service gives the event loop a turn at each yield: the plan's Python work comes
@@ -363,9 +363,11 @@ def test_the_plan_yields_after_folding_and_every_slice_of_facts_it_decays(
     facts = [made_fact(f"tool_affinity:t{n:02}", at=T0) for n in range(stored)]
     batch = ConsolidationInput([_get_account_called(T0)], facts, [])
     plan, yields = _run_counting(planning("u", batch, later, decay))
-    # One after folding; then one before each tenth fact decayed (the new fact is one).
-    assert yields == 1 + (stored + 1) // 10
+    # One after folding; then one before each tenth fact decayed (the new fact is one),
+    # and one before each further ten views.
+    facts_planned = stored + 1
+    assert yields == 1 + facts_planned // 10 + (facts_planned - 1) // 10
     assert plan == plan_consolidation("u", batch, later, decay)
     views, yields = _run_counting(viewing(facts, decay, later))
-    assert yields == stored // 10
+    assert yields == stored // 10 + max(0, stored - 1) // 10
     assert views == active_views(facts, decay, later)

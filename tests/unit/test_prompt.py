@@ -8,8 +8,17 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from coda_memory.core import prompt
 from coda_memory.core.model import Fact, FactCategory, fact_id, fact_subject
-from coda_memory.core.prompt import CLOSING, FRAMING, HEADER, estimate_tokens, format_memory_section
+from coda_memory.core.prompt import (
+    CLOSING,
+    FRAMING,
+    HEADER,
+    estimate_tokens,
+    format_memory_section,
+    section_steps,
+)
+from coda_memory.core.rank import ranked_facts
 
 AT = datetime(2025, 3, 1, tzinfo=UTC)
 #: Estimated tokens of header 8 + framing 34 + closing 20, and their two newlines.
@@ -213,3 +222,28 @@ def test_the_budget_is_never_exceeded_and_the_structure_holds(
     assert headings == [f"### {label}" for label in labels if f"### {label}" in headings]
     assert all(line.startswith("- ") and len(line) <= 162 for line in items)
     assert len(items) <= len(facts)
+
+
+@pytest.mark.parametrize("facts", [0, 10, 11, 35])
+def test_the_section_of_ranked_facts_yields_every_slice_and_is_the_same_section(
+    monkeypatch: pytest.MonkeyPatch, facts: int
+) -> None:
+    """A service makes the section in steps of SLICE facts with a turn of the event loop
+    between two; the steps make the section that is made in one go."""
+    monkeypatch.setattr(prompt, "SLICE", 10)
+    made = [
+        fact(FactCategory.TOOL_AFFINITY, f"t{n:02}", f"Uses t{n:02} well", count=n + 1)
+        for n in range(facts)
+    ]
+    steps = section_steps(ranked_facts(made), 10_000)
+    yields = 0
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            section = done.value
+            break
+        yields += 1
+    assert yields == max(0, facts - 1) // 10
+    assert section == format_memory_section(made, 10_000)
+    assert section.count("\n- ") == facts

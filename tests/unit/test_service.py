@@ -19,7 +19,7 @@ import pytest
 
 from coda_memory import Fact, MemoryService
 from coda_memory import service as service_module
-from coda_memory.core import consolidation, turns
+from coda_memory.core import consolidation, prompt, turns
 from coda_memory.core.logs import identity_label
 from coda_memory.ports import AppendOutcome, ObservationRecord
 from coda_memory.testing import InMemoryConsolidationUnit, InMemoryStore
@@ -429,6 +429,7 @@ async def test_the_plan_and_the_answer_of_a_load_run_in_steps_with_turns_between
     facts, another task running between two: under concurrent loads, a turn of the loop
     then lasts one small step of each, not a whole plan of each."""
     monkeypatch.setattr(consolidation, "SLICE", 10)
+    monkeypatch.setattr(prompt, "SLICE", 10)
     service = MemoryService(InMemoryStore(), clock=FakeClock(), load_timeout=5.0)
     for n in range(30):
         service.emit_observation("alice", tool_ok(f"tool_{n:02}", "s1"))
@@ -462,8 +463,8 @@ async def test_the_plan_and_the_answer_of_a_load_run_in_steps_with_turns_between
     # The plan: a step for the folding, then one per ten facts decayed (31 of them).
     start, end = inside["plan"]
     assert end - start >= 1 + 3
-    start, end = inside["answer"]  # ranking, then the prompt section
-    assert end - start >= 1
+    start, end = inside["answer"]  # ranking, then the prompt section ten facts a step
+    assert end - start >= 1 + 3
     await service.close()
 
 
