@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import gc
+from collections.abc import Generator
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
 
@@ -12,6 +13,7 @@ from coda_memory import NewObservation, ObservationType
 from coda_memory.core import turns
 
 T0 = datetime(2026, 1, 1, 9, 0, tzinfo=UTC)
+R = TypeVar("R")
 
 
 class FakeClock:
@@ -111,3 +113,16 @@ def recorded_collections(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 
     monkeypatch.setattr(gc, "collect", collect)
     return collected
+
+
+def run_counting(steps: Generator[None, None, R]) -> tuple[R, int]:
+    """The result of ``steps`` (see :mod:`coda_memory.core.turns`) and how many times they
+    yielded, that is, how many turns of the event loop a service would give between them."""
+    yields = 0
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            result: R = done.value
+            return result, yields
+        yields += 1

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Generator
 from datetime import UTC, datetime, timedelta, timezone
-from typing import TypeVar
 
 import pytest
 from hypothesis import given, settings
@@ -35,10 +33,9 @@ from coda_memory.core.model import (
 )
 from coda_memory.core.sessions import subjects_reached
 from tests.builders import fact as made_fact
-from tests.helpers import T0
+from tests.helpers import T0, run_counting
 
 TOOLS = ["get_account", "run_query"]
-R = TypeVar("R")
 
 
 class Ledger:
@@ -339,18 +336,6 @@ def test_owned_facts_become_their_views_in_place_with_the_same_values() -> None:
     assert not {id(f) for f in copied} & {id(f) for f in copied_from}
 
 
-def _run_counting(steps: Generator[None, None, R]) -> tuple[R, int]:
-    """The result of ``steps`` and how many times they yielded."""
-    yields = 0
-    while True:
-        try:
-            next(steps)
-        except StopIteration as done:
-            result: R = done.value
-            return result, yields
-        yields += 1
-
-
 @pytest.mark.parametrize("stored", [0, 9, 10, 35])
 def test_the_plan_yields_after_folding_and_every_slice_of_facts_it_decays_or_views(
     monkeypatch: pytest.MonkeyPatch, stored: int
@@ -362,12 +347,12 @@ def test_the_plan_yields_after_folding_and_every_slice_of_facts_it_decays_or_vie
     later = T0 + timedelta(days=1)
     facts = [made_fact(f"tool_affinity:t{n:02}", at=T0) for n in range(stored)]
     batch = ConsolidationInput([_get_account_called(T0)], facts, [])
-    plan, yields = _run_counting(planning("u", batch, later, decay))
+    plan, yields = run_counting(planning("u", batch, later, decay))
     # One after folding; then one before each tenth fact decayed (the new fact is one),
     # and one before each further ten views.
     facts_planned = stored + 1
     assert yields == 1 + facts_planned // 10 + (facts_planned - 1) // 10
     assert plan == plan_consolidation("u", batch, later, decay)
-    views, yields = _run_counting(viewing(facts, decay, later))
+    views, yields = run_counting(viewing(facts, decay, later))
     assert yields == stored // 10 + max(0, stored - 1) // 10
     assert views == active_views(facts, decay, later)

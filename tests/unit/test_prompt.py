@@ -19,6 +19,7 @@ from coda_memory.core.prompt import (
     section_steps,
 )
 from coda_memory.core.rank import ranked_facts
+from tests.helpers import run_counting
 
 AT = datetime(2025, 3, 1, tzinfo=UTC)
 #: Estimated tokens of header 8 + framing 34 + closing 20, and their two newlines.
@@ -235,15 +236,7 @@ def test_the_section_of_ranked_facts_yields_every_slice_and_is_the_same_section(
         fact(FactCategory.TOOL_AFFINITY, f"t{n:02}", f"Uses t{n:02} well", count=n + 1)
         for n in range(facts)
     ]
-    steps = section_steps(ranked_facts(made), 10_000)
-    yields = 0
-    while True:
-        try:
-            next(steps)
-        except StopIteration as done:
-            section = done.value
-            break
-        yields += 1
+    section, yields = run_counting(section_steps(ranked_facts(made), 10_000))
     assert yields == max(0, facts - 1) // 10
     assert section == format_memory_section(made, 10_000)
     assert section.count("\n- ") == facts
