@@ -10,6 +10,7 @@ import pytest
 
 from coda_memory import MemoryService
 from coda_memory.core.answers import RecentAnswers
+from coda_memory.core.caps import DEFAULT_MAX_FACTS
 from coda_memory.core.model import LoadedMemory
 from coda_memory.postgres import PostgresStore, unit
 from coda_memory.postgres import store as store_module
@@ -103,6 +104,19 @@ def test_recent_answers_hold_few_facts_in_all_and_only_for_a_while() -> None:
     assert recent.fresh("a", NOW + timedelta(seconds=1)) is not None
     assert recent.fresh("a", NOW + timedelta(seconds=1.001)) is None
     assert len(recent) == 1
+
+
+def test_by_default_two_answers_at_the_fact_cap_are_kept_and_no_more() -> None:
+    """Kept answers are walked by the collector while they live (see core/answers.py):
+    the default keeps an identity loading in a loop at the cap, and another."""
+    at_cap = LoadedMemory.model_construct(facts=[fact()] * DEFAULT_MAX_FACTS)
+    recent = RecentAnswers()
+    recent.put("a", "v1", NOW, at_cap)
+    recent.put("b", "v1", NOW, at_cap)
+    assert recent.fresh("a", NOW) is not None and recent.fresh("b", NOW) is not None
+    recent.put("c", "v1", NOW, LoadedMemory.model_construct(facts=[fact()]))
+    assert recent.fresh("a", NOW) is None  # the least recently used went
+    assert len(recent) == 2
 
 
 async def test_a_held_table_during_the_check_sends_the_load_the_usual_way(pg_url: str) -> None:
