@@ -422,6 +422,49 @@ async def test_a_consolidating_load_gives_the_loop_a_turn_between_its_steps() ->
     await service.close()
 
 
+async def test_one_load_at_a_time_runs_its_steps(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Concurrent loads take turns for their steps: each runs its plan, or its answer, to
+    the end before another's steps run, so a turn of the loop runs one load's step, not a
+    step of every load in flight."""
+    monkeypatch.setattr(consolidation, "SLICE", 10)
+    monkeypatch.setattr(prompt, "SLICE", 10)
+    service = MemoryService(InMemoryStore(), clock=FakeClock(), load_timeout=5.0)
+    identities = ["alice", "bob", "carol"]
+    for identity in identities:
+        for n in range(30):
+            service.emit_observation(identity, tool_ok(f"tool_{n:02}", "s1"))
+    await service.drain()
+    for identity in identities:
+        await service.consolidate(identity)
+        service.emit_observation(identity, tool_ok("tool_30", "s2"))
+    await service.drain()
+    ran: list[tuple[str, str]] = []
+    plan, answer = service._planning, service._answer_steps
+
+    def recorded(tag: tuple[str, str], steps: Any) -> Any:
+        while True:
+            ran.append(tag)  # a step of this load's plan or answer runs
+            try:
+                next(steps)
+            except StopIteration as done:
+                return done.value
+            yield
+
+    service._planning = lambda identity, batch: recorded(  # type: ignore[method-assign,assignment]
+        ("plan", identity), plan(identity, batch)
+    )
+    service._answer_steps = lambda facts: recorded(  # type: ignore[method-assign]
+        ("answer", facts[0].identity_id), answer(facts)
+    )
+    loaded = await asyncio.gather(*(service.load_memory(i) for i in identities))
+    assert [len(memory.facts) for memory in loaded] == [31, 31, 31]
+    # Every plan and answer ran in several steps, none of them between another's.
+    runs = [tag for n, tag in enumerate(ran) if n == 0 or ran[n - 1] != tag]
+    assert sorted(runs) == sorted({*runs}) and len(runs) == 6
+    assert all(ran.count(tag) >= 4 for tag in runs)
+    await service.close()
+
+
 async def test_the_plan_and_the_answer_of_a_load_run_in_steps_with_turns_between(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
