@@ -11,7 +11,7 @@ from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from benchmarks.host import HostRequests, seed_host
+from benchmarks.host import HostRequests, collector_pauses, seed_host
 from benchmarks.logcount import counted_logs
 from benchmarks.report import Figure
 from benchmarks.section import Context, Section
@@ -31,7 +31,7 @@ async def _measure(
     before = service.stats()
     seconds: list[float] = []
     empty = 0
-    with counted_logs() as logs:
+    with counted_logs() as logs, collector_pauses() as pauses:
         for _ in range(count):
             elapsed, was_empty = await requests.one(service)
             seconds.append(elapsed)
@@ -42,6 +42,8 @@ async def _measure(
         "empty": empty,
         "timeouts_all_identities": after.load_timeouts - before.load_timeouts,
         "warnings_logged": logs.lines,
+        # Collections of the garbage collector meanwhile (loop stalls).
+        **pauses.summary(),
     }, empty
 
 
