@@ -15,7 +15,10 @@ turn costs the big one microseconds.
 Under concurrent requests every turn of the loop runs the next step of each request
 that is ready, so a turn lasts as long as their steps together, and that is how late a
 timer fires or a new request starts: the smaller the steps, the less they wait (see the
-README, "Latency tails and the steps of a load").
+README, "Latency tails and the steps of a load"). So tasks may also take turns
+(:func:`taking_turns`): within the block, a task's steps and conversions run only while
+it holds a place of a semaphore that the others share, so a turn of the loop runs the
+next step of as many of them as it has places.
 
 The collector. A load builds hundreds of models (thousands for a big identity) that
 live across its round trips to the store. Every 700 allocations CPython collects the
@@ -70,6 +73,7 @@ import threading
 import time
 from collections.abc import Callable, Generator, Iterator, Sequence
 from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -230,10 +234,36 @@ def collector_held() -> bool:
     return _HOLDS.count > 0
 
 
+#: The semaphore whose places the current task's steps and conversions take turns for
+#: (see :func:`taking_turns`; None: they don't).
+_TURNS: ContextVar[asyncio.Semaphore | None] = ContextVar("coda_memory_turns", default=None)
+
+
+@contextmanager
+def taking_turns(turns: asyncio.Semaphore) -> Iterator[None]:
+    """Within the block, this task's :func:`stepped` and :func:`mapped` run only while it
+    holds a place of ``turns``, which other tasks share (tasks it creates meanwhile too).
+    Both hold it without waiting for anything else, so taking turns cannot deadlock."""
+    token = _TURNS.set(turns)
+    try:
+        yield
+    finally:
+        _TURNS.reset(token)
+
+
 async def mapped(items: Sequence[T], convert: Callable[[T], R]) -> list[R]:
     """``[convert(item) for item in items]``, with a turn of the event loop after every
-    :data:`SLICE` items; ``convert`` must build acyclic objects. Outside a scope the
-    collector is off within each slice (see :func:`~coda_memory.core.model.gc_paused`)."""
+    :data:`SLICE` items, and in the task's turn when it takes turns (:func:`taking_turns`);
+    ``convert`` must build acyclic objects. Outside a scope the collector is off within
+    each slice (see :func:`~coda_memory.core.model.gc_paused`)."""
+    turns = _TURNS.get()
+    if turns is None:
+        return await _mapped(items, convert)
+    async with turns:
+        return await _mapped(items, convert)
+
+
+async def _mapped(items: Sequence[T], convert: Callable[[T], R]) -> list[R]:
     if len(items) <= SLICE:
         with gc_paused():
             return [convert(item) for item in items]
@@ -246,7 +276,16 @@ async def mapped(items: Sequence[T], convert: Callable[[T], R]) -> list[R]:
 
 
 async def stepped(steps: Steps[R]) -> R:
-    """The result of ``steps``, with a turn of the event loop at each of its yields."""
+    """The result of ``steps``, with a turn of the event loop at each of its yields, in
+    the task's turn when it takes turns (:func:`taking_turns`)."""
+    turns = _TURNS.get()
+    if turns is None:
+        return await _stepped(steps)
+    async with turns:
+        return await _stepped(steps)
+
+
+async def _stepped(steps: Steps[R]) -> R:
     while True:
         try:
             next(steps)

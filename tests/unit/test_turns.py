@@ -49,6 +49,35 @@ async def test_a_short_conversion_takes_no_turn(monkeypatch: pytest.MonkeyPatch)
     await other
 
 
+async def test_tasks_taking_turns_convert_one_at_a_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Conversions of tasks that take turns on one place run one after another, each
+    whole; a task that takes no turns runs beside them (a load's answer from the facts at
+    hand does not wait)."""
+    monkeypatch.setattr(turns, "SLICE", 2)
+    ran: list[str] = []
+    place = asyncio.Semaphore(1)
+
+    async def converting(name: str, take_turns: bool) -> list[int]:
+        def convert(item: int) -> int:
+            ran.append(name)
+            return item * 2
+
+        if not take_turns:
+            return await mapped(range(6), convert)
+        with turns.taking_turns(place):
+            return await mapped(range(6), convert)
+
+    results = await asyncio.gather(
+        converting("a", True), converting("b", True), converting("free", False)
+    )
+    assert list(results) == [[0, 2, 4, 6, 8, 10]] * 3
+    in_turn = [name for name in ran if name != "free"]
+    assert in_turn == ["a"] * 6 + ["b"] * 6  # whole, one after the other
+    # The free task's slices ran while "a" held the place.
+    last_a = len(ran) - 1 - ran[::-1].index("a")
+    assert ran.index("free") < last_a
+
+
 def test_a_scope_holds_the_collector_off_until_it_closes() -> None:
     assert gc.isenabled()
     with collector_scope():
