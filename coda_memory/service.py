@@ -48,7 +48,9 @@ against 9.0 ms in another such A/B. The store's conversions taking the same turn
 lowered the lag p99 again, from 4.96 to 3.40 ms, and its max from 11.3 to 7.6 ms, at the
 same CPU (six windows each way). The answer from the facts at hand (after
 :data:`HEDGE_AT` of the timeout) does not wait for the turn: it is what keeps a load
-within its timeout. At most ``max_consolidations`` consolidations
+within its timeout. A consolidation waits for its turn inside its transaction (the
+identity's checkpoint row locked, a connection held), for the steps of the loads ahead
+of it: a few milliseconds under 8 loads in flight. At most ``max_consolidations`` consolidations
 (and peeks) talk to the store at once; the others wait in the loop, not on a
 connection pool, newest first (see :mod:`coda_memory.slots`), and an identity has at
 most one in flight (single flight).
