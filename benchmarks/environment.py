@@ -33,6 +33,9 @@ class LoadMonitor:
         self._thread = threading.Thread(target=self._run, name="load-monitor", daemon=True)
         self._last: dict[int, float] = {}
         self.foreign_seconds = 0.0
+        #: CPU time the hypervisor gave other machines while this one wanted it (Linux's
+        #: "steal"; 0 where the system does not count it): a slow spell of a shared host.
+        self.stolen_seconds = 0.0
         self.elapsed = 0.0
 
     def _ours(self) -> dict[int, float]:
@@ -58,14 +61,21 @@ class LoadMonitor:
         values = times._asdict()
         return float(sum(values.get(name, 0.0) for name in fields))
 
+    @staticmethod
+    def _stolen() -> float:
+        return float(psutil.cpu_times()._asdict().get("steal", 0.0))
+
     def _run(self) -> None:
         busy, self._last, clock = self._busy(), self._ours(), time.perf_counter()
+        stolen = self._stolen()
         while not self._stop.wait(self._interval):
             now_busy, ours, now = self._busy(), self._ours(), time.perf_counter()
+            now_stolen = self._stolen()
             used = sum(cpu - self._last.get(pid, 0.0) for pid, cpu in ours.items())
             self.foreign_seconds += max(0.0, (now_busy - busy) - used)
+            self.stolen_seconds += max(0.0, now_stolen - stolen)
             self.elapsed += now - clock
-            busy, self._last, clock = now_busy, ours, now
+            busy, self._last, clock, stolen = now_busy, ours, now, now_stolen
 
     def start(self) -> None:
         self._thread.start()
@@ -76,8 +86,10 @@ class LoadMonitor:
 
     @contextlib.contextmanager
     def section(self, report: Report, name: str) -> Iterator[None]:
-        """Record the section's duration and the other processes' mean CPU use in it."""
+        """Record the section's duration, the other processes' mean CPU use in it and the
+        CPU time the hypervisor took (steal)."""
         start, foreign, elapsed = time.perf_counter(), self.foreign_seconds, self.elapsed
+        stolen = self.stolen_seconds
         try:
             yield
         finally:
@@ -89,6 +101,14 @@ class LoadMonitor:
                 report.note(
                     f"{name}: other processes on this machine used {cores:.2f} of its "
                     f"{os.cpu_count()} cores meanwhile; figures of this section are pessimistic"
+                )
+            taken = (self.stolen_seconds - stolen) / span if span > 0 else 0.0
+            report.steal[name] = taken
+            if taken > 0.1:
+                report.note(
+                    f"{name}: the hypervisor took {taken:.2f} of this machine's "
+                    f"{os.cpu_count()} cores meanwhile (steal); figures of this section are "
+                    "pessimistic"
                 )
 
 

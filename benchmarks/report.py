@@ -36,6 +36,8 @@ class Report:
     timings: dict[str, float] = field(default_factory=dict)
     #: Mean CPU cores used by other processes during each section.
     load: dict[str, float] = field(default_factory=dict)
+    #: Mean CPU cores the hypervisor took from this machine during each section (steal).
+    steal: dict[str, float] = field(default_factory=dict)
     #: Sections that raised (the run went on without them).
     failed: list[str] = field(default_factory=list)
 
@@ -108,6 +110,14 @@ def markdown(result: dict[str, Any]) -> str:
         f"(this machine has {m['cores']}): {load}.",
         "",
     ]
+    stolen = result.get("stolen_cpu_cores")
+    if stolen:  # runs from before 2026-12-03 17:00 did not count it
+        taken = ", ".join(f"{k} {v:.2f}" for k, v in stolen.items())
+        lines += [
+            "CPU cores the hypervisor took from this machine during each section "
+            f"(steal: a slow spell of a shared host): {taken}.",
+            "",
+        ]
     return "\n".join(lines)
 
 

@@ -111,4 +111,5 @@ def benchmark(args: argparse.Namespace, sizes: Sizes) -> dict[str, Any]:
         "failed_sections": report.failed,
         "timings": report.timings,
         "other_processes_cpu_cores": report.load,
+        "stolen_cpu_cores": report.steal,
     }
