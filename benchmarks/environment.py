@@ -95,21 +95,42 @@ class LoadMonitor:
         finally:
             report.timings[f"{name}_s"] = time.perf_counter() - start
             span = self.elapsed - elapsed
-            cores = (self.foreign_seconds - foreign) / span if span > 0 else 0.0
-            report.load[name] = cores
-            if cores > 0.25:
-                report.note(
-                    f"{name}: other processes on this machine used {cores:.2f} of its "
-                    f"{os.cpu_count()} cores meanwhile; figures of this section are pessimistic"
-                )
-            taken = (self.stolen_seconds - stolen) / span if span > 0 else 0.0
-            report.steal[name] = taken
-            if taken > 0.1:
-                report.note(
-                    f"{name}: the hypervisor took {taken:.2f} of this machine's "
-                    f"{os.cpu_count()} cores meanwhile (steal); figures of this section are "
-                    "pessimistic"
-                )
+            _share(
+                report,
+                report.load,
+                name,
+                self.foreign_seconds - foreign,
+                span,
+                0.25,
+                "other processes on this machine used {cores} of its {count} cores meanwhile",
+            )
+            _share(
+                report,
+                report.steal,
+                name,
+                self.stolen_seconds - stolen,
+                span,
+                0.1,
+                "the hypervisor took {cores} of this machine's {count} cores meanwhile (steal)",
+            )
+
+
+def _share(
+    report: Report,
+    shares: dict[str, float],
+    name: str,
+    seconds: float,
+    span: float,
+    limit: float,
+    what: str,
+) -> None:
+    """Record ``seconds`` of CPU over a section's ``span`` as mean cores in ``shares``,
+    with a note (``what``, given ``{cores}`` and ``{count}``) when over ``limit``."""
+    cores = seconds / span if span > 0 else 0.0
+    shares[name] = cores
+    if cores > limit:
+        said = what.format(cores=f"{cores:.2f}", count=os.cpu_count())
+        report.note(f"{name}: {said}; figures of this section are pessimistic")
 
 
 def machine(info: dict[str, Any]) -> dict[str, Any]:
