@@ -71,7 +71,7 @@ import gc
 import sys
 import threading
 import time
-from collections.abc import Callable, Generator, Iterator, Sequence
+from collections.abc import Callable, Coroutine, Generator, Iterator, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -251,16 +251,25 @@ def taking_turns(turns: asyncio.Semaphore) -> Iterator[None]:
         _TURNS.reset(token)
 
 
+async def _in_turn(work: Coroutine[None, None, R]) -> R:
+    """``work``'s result, awaited in the task's turn when it takes turns (closed unrun
+    when the task is cancelled while it waits for its turn)."""
+    turns = _TURNS.get()
+    try:
+        if turns is None:
+            return await work
+        async with turns:
+            return await work
+    finally:
+        work.close()  # nothing once it ran
+
+
 async def mapped(items: Sequence[T], convert: Callable[[T], R]) -> list[R]:
     """``[convert(item) for item in items]``, with a turn of the event loop after every
     :data:`SLICE` items, and in the task's turn when it takes turns (:func:`taking_turns`);
     ``convert`` must build acyclic objects. Outside a scope the collector is off within
     each slice (see :func:`~coda_memory.core.model.gc_paused`)."""
-    turns = _TURNS.get()
-    if turns is None:
-        return await _mapped(items, convert)
-    async with turns:
-        return await _mapped(items, convert)
+    return await _in_turn(_mapped(items, convert))
 
 
 async def _mapped(items: Sequence[T], convert: Callable[[T], R]) -> list[R]:
@@ -278,11 +287,7 @@ async def _mapped(items: Sequence[T], convert: Callable[[T], R]) -> list[R]:
 async def stepped(steps: Steps[R]) -> R:
     """The result of ``steps``, with a turn of the event loop at each of its yields, in
     the task's turn when it takes turns (:func:`taking_turns`)."""
-    turns = _TURNS.get()
-    if turns is None:
-        return await _stepped(steps)
-    async with turns:
-        return await _stepped(steps)
+    return await _in_turn(_stepped(steps))
 
 
 async def _stepped(steps: Steps[R]) -> R:
