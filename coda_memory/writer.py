@@ -42,6 +42,11 @@ BUSY_RETRY = 0.05
 
 #: Appends in flight at once, when a backlog of full batches waits (see ``_write_loop``).
 MAX_APPENDS = 2
+#: Full batches the writer validates ahead while an append waits to be retried (a lock,
+#: an unreachable server), so that once the store answers again only the appends remain.
+#: They count against ``queue_size``, as queued observations do. (Not otherwise: records
+#: validated ahead live longer, which made a steady ingest slower.)
+MAX_AHEAD = 4
 
 #: The default bound on the bytes of queued observations (see ``queue_bytes``).
 DEFAULT_QUEUE_BYTES = 64 * 1024 * 1024
@@ -185,6 +190,10 @@ class ObservationWriter:
         self._batch_size = batch_size
         self._queue: deque[_Item] = deque()
         self._inflight = 0
+        #: Batches validated ahead, waiting for an append (see MAX_AHEAD), and their
+        #: observations' count.
+        self._ahead_batches: deque[tuple[list[_Item], list[ObservationRecord]]] = deque()
+        self._ahead = 0
         self._emitted = self._stored = self._rejected = self._dropped = self._discarded = 0
         self._future_clamped = 0
         self._closed = False
@@ -192,6 +201,12 @@ class ObservationWriter:
         self._loop_thread: int | None = None
         self._writer: asyncio.Task[None] | None = None
         self._wakeup: asyncio.Event | None = None
+        #: Set when the queue holds a full batch, and when an append starts to retry
+        #: (what the writer waits for beside its appends).
+        self._filled: asyncio.Event | None = None
+        self._retry_started: asyncio.Event | None = None
+        #: Appends waiting to be retried (see MAX_AHEAD).
+        self._retrying = 0
         self._progress: asyncio.Event | None = None
         #: Identities this writer stored observations of since their last consolidation
         #: here: their next load consolidates without peeking first.
@@ -204,7 +219,7 @@ class ObservationWriter:
             size = _approximate_bytes(obs)
             if (
                 self._closed
-                or len(self._queue) >= self._queue_size
+                or len(self._queue) + self._ahead >= self._queue_size
                 or self._held_bytes + size > self._queue_bytes
             ):
                 self._drop(1, "service closed" if self._closed else "queue full")
@@ -273,13 +288,22 @@ class ObservationWriter:
             return
         if loop is not None and (self._loop is None or self._loop is loop):
             self._ensure_writer(loop)
-            assert self._wakeup is not None
-            self._wakeup.set()
-        elif self._loop is not None and self._loop_thread != threading.get_ident():
-            wakeup = self._wakeup
-            if wakeup is not None and not self._loop.is_closed():
-                self._loop.call_soon_threadsafe(wakeup.set)
+            self._signal()
+        elif (
+            self._loop is not None
+            and self._loop_thread != threading.get_ident()
+            and self._wakeup is not None
+            and not self._loop.is_closed()
+        ):
+            self._loop.call_soon_threadsafe(self._signal)
         # Otherwise no loop runs yet: the items wait until the writer starts.
+
+    def _signal(self) -> None:
+        """Tell the writer that the queue grew (and whether it holds a full batch)."""
+        assert self._wakeup is not None and self._filled is not None
+        self._wakeup.set()
+        if len(self._queue) >= self._batch_size:
+            self._filled.set()
 
     def _ensure_writer(self, loop: asyncio.AbstractEventLoop) -> None:
         if self._writer is not None and not self._writer.done():
@@ -287,38 +311,72 @@ class ObservationWriter:
         self._loop, self._loop_thread = loop, threading.get_ident()
         if self._wakeup is None:
             self._wakeup, self._progress = asyncio.Event(), asyncio.Event()
+            self._filled, self._retry_started = asyncio.Event(), asyncio.Event()
         self._writer = loop.create_task(self._write_loop(), name="coda-memory-writer")
 
     async def _write_loop(self) -> None:
         """Take batches off the queue and store them. One append at a time, and what
         arrives meanwhile makes the next batch; when a full batch waits (a backlog), a
         second append starts beside the first, so that the Python work of one batch
-        (validation, encoding) overlaps the server's work on the other."""
+        (validation, encoding) overlaps the server's work on the other. While an append
+        waits to be retried (a lock, an unreachable server), the full batches that keep
+        arriving are validated ahead, up to :data:`MAX_AHEAD`, and go as soon as an
+        append is done."""
         assert self._wakeup is not None
+        assert self._filled is not None and self._retry_started is not None
         appends: set[asyncio.Task[None]] = set()
+        ahead = self._ahead_batches  # kept by the writer, should it be started again
+        waiters: dict[asyncio.Event, asyncio.Task[Any]] = {}
+        loop = asyncio.get_running_loop()
         try:
             while True:
+                while ahead and len(appends) < MAX_APPENDS:
+                    items, records = ahead.popleft()
+                    self._ahead -= len(items)
+                    appends.add(loop.create_task(self._append(items, records)))
                 backlog = len(self._queue) >= self._batch_size
-                if appends and (len(appends) >= MAX_APPENDS or not backlog):
-                    done, appends = await asyncio.wait(appends, return_when=asyncio.FIRST_COMPLETED)
-                    for task in done:
-                        task.result()  # an unexpected error stops the writer, as before
+                room = len(appends) < MAX_APPENDS or (self._retrying > 0 and len(ahead) < MAX_AHEAD)
+                if (backlog and room) or (self._queue and not appends):
+                    batch = await self._take()
+                    if len(appends) < MAX_APPENDS:
+                        appends.add(loop.create_task(self._append(*batch)))
+                    else:
+                        ahead.append(batch)
+                        self._ahead += len(batch[0])
                     continue
-                if not self._queue:
+                if not appends:
                     self._wakeup.clear()
                     await self._wakeup.wait()
                     continue
-                count = min(self._batch_size, len(self._queue))
-                items = [self._queue.popleft() for _ in range(count)]
-                self._inflight += len(items)
-                with collector_scope(self.hold_gc, self._may_collect):
-                    records = await self._validate(items)
-                appends.add(asyncio.get_running_loop().create_task(self._append(items, records)))
+                # Wait for an append, or for what would let the next batch go: the queue
+                # filling a batch, an append starting to retry.
+                waits: set[asyncio.Future[Any]] = set(appends)
+                for event, wanted in (
+                    (self._filled, not backlog),
+                    (self._retry_started, not self._retrying),
+                ):
+                    if wanted:
+                        event.clear()
+                        if event not in waiters or waiters[event].done():
+                            waiters[event] = loop.create_task(event.wait())
+                        waits.add(waiters[event])
+                done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+                for task in done & appends:
+                    appends.discard(task)
+                    task.result()  # an unexpected error stops the writer, as before
         finally:
-            for task in appends:
+            for task in (*appends, *waiters.values()):
                 task.cancel()
             if appends:
                 await asyncio.wait(appends)
+
+    async def _take(self) -> tuple[list[_Item], list[ObservationRecord]]:
+        """The next batch off the queue (a full one, or what there is), validated."""
+        count = min(self._batch_size, len(self._queue))
+        items = [self._queue.popleft() for _ in range(count)]
+        self._inflight += len(items)
+        with collector_scope(self.hold_gc, self._may_collect):
+            return items, await self._validate(items)
 
     async def _append(self, items: list[_Item], records: list[ObservationRecord]) -> None:
         """Store one validated batch, retrying while the store is unreachable."""
@@ -329,59 +387,73 @@ class ObservationWriter:
         key = str(uuid.uuid4())
         # Until a connection is lost around an attempt, none of the batch can be stored.
         first_attempt = True
-        while records:
-            try:
-                with (
-                    collector_scope(self.hold_gc, self._may_collect),
-                    self._telemetry.span("append", **{"coda_memory.batch": len(records)}),
-                ):
-                    outcome = await self.store.append(
-                        records, batch_key=key, first_attempt=first_attempt
+        retried = False
+        try:
+            while records:
+                try:
+                    with (
+                        collector_scope(self.hold_gc, self._may_collect),
+                        self._telemetry.span("append", **{"coda_memory.batch": len(records)}),
+                    ):
+                        outcome = await self.store.append(
+                            records, batch_key=key, first_attempt=first_attempt
+                        )
+                except StoreBusy as error:
+                    # A lock or a timeout: the attempt already waited (the writer's lock
+                    # timeout), so the same batch goes again at once, and goes in as soon as
+                    # the lock is released.
+                    self._log.warning(
+                        "store busy",
+                        "coda-memory: storing %d observation(s) waits (%s); retrying",
+                        len(records),
+                        short_error(error, self._identities(records), show=self.log_identities),
                     )
-            except StoreBusy as error:
-                # A lock or a timeout: the attempt already waited (the writer's lock
-                # timeout), so the same batch goes again at once, and goes in as soon as
-                # the lock is released.
-                self._log.warning(
-                    "store busy",
-                    "coda-memory: storing %d observation(s) waits (%s); retrying",
-                    len(records),
-                    short_error(error, self._identities(records), show=self.log_identities),
-                )
-                await asyncio.sleep(BUSY_RETRY)
-                continue
-            except (ConnectionLost, OSError) as error:
-                # A lost connection is worth retrying too: the same batch, same key.
-                first_attempt = False
-                self._log.warning(
-                    "store unavailable",
-                    "coda-memory: storing %d observation(s) failed (%s); retrying in %.2fs",
-                    len(records),
-                    short_error(error, self._identities(records), show=self.log_identities),
-                    backoff,
-                )
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, 2.0)
-                continue
-            except Exception as error:
-                # Permanent (the store blamed no single row, e.g. a missing table or
-                # privilege): retrying can't help, so the batch is rejected, once.
-                reason = short_error(error, self._identities(records), show=False)
-                for record in records:
-                    self._reject(record.identity_id, f"not stored: {reason}")
+                    retried = retried or self._retry_begins()
+                    await asyncio.sleep(BUSY_RETRY)
+                    continue
+                except (ConnectionLost, OSError) as error:
+                    # A lost connection is worth retrying too: the same batch, same key.
+                    first_attempt = False
+                    self._log.warning(
+                        "store unavailable",
+                        "coda-memory: storing %d observation(s) failed (%s); retrying in %.2fs",
+                        len(records),
+                        short_error(error, self._identities(records), show=self.log_identities),
+                        backoff,
+                    )
+                    retried = retried or self._retry_begins()
+                    await asyncio.sleep(backoff)
+                    backoff = min(backoff * 2, 2.0)
+                    continue
+                except Exception as error:
+                    # Permanent (the store blamed no single row, e.g. a missing table or
+                    # privilege): retrying can't help, so the batch is rejected, once.
+                    reason = short_error(error, self._identities(records), show=False)
+                    for record in records:
+                        self._reject(record.identity_id, f"not stored: {reason}")
+                    break
+                self._stored += outcome.stored
+                if outcome.stored:
+                    if len(self.stored_for) > STORED_FOR_LIMIT:
+                        self.stored_for.clear()
+                    self.stored_for.update(record.identity_id for record in records)
+                self._discarded += outcome.discarded
+                for index, reason in outcome.refused:
+                    self._reject(records[index].identity_id, reason)
                 break
-            self._stored += outcome.stored
-            if outcome.stored:
-                if len(self.stored_for) > STORED_FOR_LIMIT:
-                    self.stored_for.clear()
-                self.stored_for.update(record.identity_id for record in records)
-            self._discarded += outcome.discarded
-            for index, reason in outcome.refused:
-                self._reject(records[index].identity_id, reason)
-            break
+        finally:
+            if retried:
+                self._retrying -= 1
         self._held_bytes = max(0, self._held_bytes - sum(item[5] for item in items))  # bytes
         self._inflight -= len(items)
         self._progress.set()
+
+    def _retry_begins(self) -> bool:
+        """Count an append that waits to be retried, and tell the writer (see MAX_AHEAD)."""
+        assert self._retry_started is not None
+        self._retrying += 1
+        self._retry_started.set()
+        return True
 
     @staticmethod
     def _identities(records: list[ObservationRecord]) -> tuple[str, ...]:
@@ -463,6 +535,7 @@ class ObservationWriter:
         leftover = len(self._queue) + self._inflight
         if leftover:
             self._queue.clear()
-            self._inflight = 0
+            self._ahead_batches.clear()
+            self._inflight = self._ahead = 0
             self._held_bytes = 0
             self._drop(leftover, "service closed before they were stored")

@@ -11,7 +11,7 @@ import gc
 import itertools
 import logging
 import threading
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -21,8 +21,10 @@ from coda_memory import Fact, MemoryService
 from coda_memory import service as service_module
 from coda_memory.core import consolidation, prompt, turns
 from coda_memory.core.logs import identity_label
+from coda_memory.errors import StoreBusy
 from coda_memory.ports import AppendOutcome, ObservationRecord
 from coda_memory.testing import InMemoryConsolidationUnit, InMemoryStore
+from coda_memory.writer import MAX_AHEAD
 from tests.helpers import (
     FakeClock,
     entity,
@@ -551,6 +553,142 @@ async def test_without_a_backlog_one_append_at_a_time_and_what_arrives_meanwhile
         assert store.most_in_flight == 1
     finally:
         store.gate.set()
+        await service.close()
+
+
+async def test_a_batch_that_fills_while_the_first_append_waits_starts_a_second() -> None:
+    store = OverlapStore()
+    service = MemoryService(store, clock=FakeClock(), batch_size=10)
+    try:
+        store.gate.clear()
+        for n in range(3):
+            service.emit_observation("u1", tool_ok("get_account", f"s{n}"))
+        await _until(lambda: store.append_calls == 1)
+        for n in range(10):  # a full batch arrives while the first append waits
+            service.emit_observation("u1", tool_ok("get_account", f"t{n}"))
+        await _until(lambda: store.append_calls == 2)
+        assert store.in_flight == 2
+        store.gate.set()
+        await service.drain()
+        assert store.sizes == [3, 10]
+    finally:
+        store.gate.set()
+        await service.close()
+
+
+class BusyStore(OverlapStore):
+    """Refuses every append with StoreBusy (a lock) while ``busy``; records the sizes of
+    the appends that went through."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.busy = True
+        self.stored_sizes: list[int] = []
+        #: The batches it was given (one key each, whatever the attempts).
+        self.batch_keys: set[str | None] = set()
+
+    async def append(
+        self,
+        records: Sequence[ObservationRecord],
+        *,
+        batch_key: str | None = None,
+        first_attempt: bool = False,
+    ) -> AppendOutcome:
+        self.batch_keys.add(batch_key)
+        if self.busy:
+            await asyncio.sleep(0)
+            raise StoreBusy("a table is locked")
+        outcome = await super().append(records, batch_key=batch_key, first_attempt=first_attempt)
+        self.stored_sizes.append(len(records))
+        return outcome
+
+
+def _counting_validations(service: MemoryService) -> list[int]:
+    """The sizes of the batches the writer validates, in order."""
+    validated: list[int] = []
+    validate = service._validate
+
+    async def counted(items: list[Any]) -> list[ObservationRecord]:
+        records = await validate(items)
+        validated.append(len(records))
+        return records
+
+    service._validate = counted  # type: ignore[method-assign]
+    return validated
+
+
+async def _two_appends_then(service: MemoryService, appends: Callable[[], int], more: int) -> None:
+    """3 observations, which the first append takes, then 10, which the second takes,
+    then ``more``; ``appends`` counts the appends started."""
+    for count, started in ((3, 1), (10, 2)):
+        for n in range(count):
+            service.emit_observation("u1", tool_ok("get_account", f"s{count}-{n}"))
+        await _until(lambda: appends() == started)  # noqa: B023
+    for n in range(more):
+        service.emit_observation("u1", tool_ok("get_account", f"t{n}"))
+
+
+async def test_while_appends_are_merely_slow_no_batch_is_validated_ahead() -> None:
+    store = OverlapStore()
+    service = MemoryService(store, clock=FakeClock(), batch_size=10)
+    validated = _counting_validations(service)
+    try:
+        store.gate.clear()
+        await _two_appends_then(service, lambda: store.append_calls, 10 * (MAX_AHEAD + 1))
+        for _ in range(100):  # the writer gets every chance to validate ahead
+            await asyncio.sleep(0)
+        assert validated == [3, 10]
+        store.gate.set()
+        await service.drain()
+        assert store.sizes == [3] + [10] * (MAX_AHEAD + 2)
+    finally:
+        store.gate.set()
+        await service.close()
+
+
+async def test_while_an_append_waits_to_be_retried_full_batches_are_validated_ahead() -> None:
+    store = BusyStore()
+    service = MemoryService(store, clock=FakeClock(), batch_size=10)
+    validated = _counting_validations(service)
+    try:
+        # A backlog from the start: two appends take a batch each, and the rest waits
+        # until an append is refused and waits to be retried.
+        for n in range(10 * (2 + MAX_AHEAD + 1) + 3):
+            service.emit_observation("u1", tool_ok("get_account", f"s{n}"))
+        await _until(lambda: len(validated) == 2 + MAX_AHEAD)
+        for _ in range(100):  # the writer gets every chance to validate one more
+            await asyncio.sleep(0)
+        # MAX_AHEAD full batches are validated behind the two appends; the rest (a full
+        # batch and 3) stays queued.
+        assert validated == [10] * (2 + MAX_AHEAD)
+        assert len(store.batch_keys) == 2
+        assert service._ahead == 10 * MAX_AHEAD
+        assert service.stats().pending == 10 * (2 + MAX_AHEAD + 1) + 3
+        store.busy = False
+        await service.drain()
+        assert store.stored_sizes == [10] * (2 + MAX_AHEAD + 1) + [3]
+        assert validated == [10] * (2 + MAX_AHEAD + 1) + [3]  # each batch validated once
+        assert service.stats().stored == 10 * (2 + MAX_AHEAD + 1) + 3
+        assert service._retrying == 0
+    finally:
+        store.busy = False
+        await service.close()
+
+
+async def test_batches_validated_ahead_count_against_the_queue_size() -> None:
+    store = BusyStore()
+    service = MemoryService(store, clock=FakeClock(), batch_size=10, queue_size=25)
+    try:
+        await _two_appends_then(service, lambda: len(store.batch_keys), 10)
+        await _until(lambda: service._ahead == 10)  # validated ahead, off the queue
+        for n in range(16):  # 15 more fill the queue's 25 with the 10 ahead
+            service.emit_observation("u1", tool_ok("get_account", f"u{n}"))
+        assert service.stats().dropped == 1
+        store.busy = False
+        await service.drain()
+        assert service.stats().stored == 23 + 15
+    finally:
+        store.busy = False
         await service.close()
 
 
