@@ -21,6 +21,12 @@ from benchmarks.report import Report
 from benchmarks.server import ROOT
 
 
+def stolen_seconds() -> float:
+    """CPU seconds the hypervisor gave other machines while this one wanted them, since
+    boot, all cores together (Linux's "steal"; 0 where the system does not count it)."""
+    return float(psutil.cpu_times()._asdict().get("steal", 0.0))
+
+
 class LoadMonitor:
     """Samples how much CPU processes other than this run's use meanwhile: this machine
     is shared, and a busy neighbour slows every figure down. "Ours" is this process, its
@@ -61,16 +67,12 @@ class LoadMonitor:
         values = times._asdict()
         return float(sum(values.get(name, 0.0) for name in fields))
 
-    @staticmethod
-    def _stolen() -> float:
-        return float(psutil.cpu_times()._asdict().get("steal", 0.0))
-
     def _run(self) -> None:
         busy, self._last, clock = self._busy(), self._ours(), time.perf_counter()
-        stolen = self._stolen()
+        stolen = stolen_seconds()
         while not self._stop.wait(self._interval):
             now_busy, ours, now = self._busy(), self._ours(), time.perf_counter()
-            now_stolen = self._stolen()
+            now_stolen = stolen_seconds()
             used = sum(cpu - self._last.get(pid, 0.0) for pid, cpu in ours.items())
             self.foreign_seconds += max(0.0, (now_busy - busy) - used)
             self.stolen_seconds += max(0.0, now_stolen - stolen)

@@ -12,6 +12,7 @@ import asyncio
 import time
 from typing import Any
 
+from benchmarks.environment import stolen_seconds
 from benchmarks.host import HostRequests, collector_pauses, seed_host
 from benchmarks.logcount import counted_logs
 from benchmarks.report import Figure
@@ -61,8 +62,10 @@ async def _hold(
                 empty += was_empty
 
         with counted_logs() as logs:
+            stolen, started = stolen_seconds(), time.perf_counter()
             with collector_pauses() as pauses:
                 await asyncio.gather(*(client() for _ in range(ctx.sizes.host_concurrency)))
+            stolen_cores = (stolen_seconds() - stolen) / (time.perf_counter() - started)
             during = service.stats()
             await transaction.rollback()
             released = time.perf_counter()
@@ -86,6 +89,8 @@ async def _hold(
         "recovery_s": recovery,
         # Collections of the garbage collector while the lock was held (loop stalls).
         **pauses.summary(),
+        # The CPU the hypervisor took meanwhile (a slow spell of a shared host), in cores.
+        "stolen_cpu_cores": stolen_cores,
         "top_causes": logs.causes(),
     }
 
