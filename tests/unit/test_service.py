@@ -358,6 +358,22 @@ class OverlapStore(GatedStore):
         finally:
             self.in_flight -= 1
 
+    def release(self) -> None:
+        """Let every append through."""
+        self.gate.set()
+
+
+@asynccontextmanager
+async def _writing(store: OverlapStore, **options: Any) -> AsyncIterator[MemoryService]:
+    """A service storing into ``store`` in batches of 10, closed with the store released
+    however the test ends."""
+    service = MemoryService(store, clock=FakeClock(), batch_size=10, **options)
+    try:
+        yield service
+    finally:
+        store.release()
+        await service.close()
+
 
 async def _until(condition: Any) -> None:
     async with asyncio.timeout(5):
@@ -515,8 +531,7 @@ async def test_the_plan_and_the_answer_of_a_load_run_in_steps_with_turns_between
 
 async def test_a_backlog_of_full_batches_is_stored_two_appends_at_a_time() -> None:
     store = OverlapStore()
-    service = MemoryService(store, clock=FakeClock(), batch_size=10)
-    try:
+    async with _writing(store) as service:
         store.gate.clear()
         for n in range(35):
             service.emit_observation("u1", tool_ok("get_account", f"s{n}"))
@@ -529,15 +544,11 @@ async def test_a_backlog_of_full_batches_is_stored_two_appends_at_a_time() -> No
         assert store.sizes == [10, 10, 10, 5]
         assert store.most_in_flight == 2
         assert service.stats().stored == 35
-    finally:
-        store.gate.set()
-        await service.close()
 
 
 async def test_without_a_backlog_one_append_at_a_time_and_what_arrives_meanwhile_waits() -> None:
     store = OverlapStore()
-    service = MemoryService(store, clock=FakeClock(), batch_size=10)
-    try:
+    async with _writing(store) as service:
         store.gate.clear()
         for n in range(3):
             service.emit_observation("u1", tool_ok("get_account", f"s{n}"))
@@ -551,29 +562,6 @@ async def test_without_a_backlog_one_append_at_a_time_and_what_arrives_meanwhile
         await service.drain()
         assert store.sizes == [3, 5]
         assert store.most_in_flight == 1
-    finally:
-        store.gate.set()
-        await service.close()
-
-
-async def test_a_batch_that_fills_while_the_first_append_waits_starts_a_second() -> None:
-    store = OverlapStore()
-    service = MemoryService(store, clock=FakeClock(), batch_size=10)
-    try:
-        store.gate.clear()
-        for n in range(3):
-            service.emit_observation("u1", tool_ok("get_account", f"s{n}"))
-        await _until(lambda: store.append_calls == 1)
-        for n in range(10):  # a full batch arrives while the first append waits
-            service.emit_observation("u1", tool_ok("get_account", f"t{n}"))
-        await _until(lambda: store.append_calls == 2)
-        assert store.in_flight == 2
-        store.gate.set()
-        await service.drain()
-        assert store.sizes == [3, 10]
-    finally:
-        store.gate.set()
-        await service.close()
 
 
 class BusyStore(OverlapStore):
@@ -602,6 +590,10 @@ class BusyStore(OverlapStore):
         self.stored_sizes.append(len(records))
         return outcome
 
+    def release(self) -> None:
+        super().release()
+        self.busy = False
+
 
 def _counting_validations(service: MemoryService) -> list[int]:
     """The sizes of the batches the writer validates, in order."""
@@ -628,11 +620,22 @@ async def _two_appends_then(service: MemoryService, appends: Callable[[], int], 
         service.emit_observation("u1", tool_ok("get_account", f"t{n}"))
 
 
+async def test_a_batch_that_fills_while_the_first_append_waits_starts_a_second() -> None:
+    store = OverlapStore()
+    async with _writing(store) as service:
+        store.gate.clear()
+        # The second append starts while the first waits: this waits for it.
+        await _two_appends_then(service, lambda: store.append_calls, 0)
+        assert store.in_flight == 2
+        store.gate.set()
+        await service.drain()
+        assert store.sizes == [3, 10]
+
+
 async def test_while_appends_are_merely_slow_no_batch_is_validated_ahead() -> None:
     store = OverlapStore()
-    service = MemoryService(store, clock=FakeClock(), batch_size=10)
-    validated = _counting_validations(service)
-    try:
+    async with _writing(store) as service:
+        validated = _counting_validations(service)
         store.gate.clear()
         await _two_appends_then(service, lambda: store.append_calls, 10 * (MAX_AHEAD + 1))
         for _ in range(100):  # the writer gets every chance to validate ahead
@@ -641,16 +644,12 @@ async def test_while_appends_are_merely_slow_no_batch_is_validated_ahead() -> No
         store.gate.set()
         await service.drain()
         assert store.sizes == [3] + [10] * (MAX_AHEAD + 2)
-    finally:
-        store.gate.set()
-        await service.close()
 
 
 async def test_while_an_append_waits_to_be_retried_full_batches_are_validated_ahead() -> None:
     store = BusyStore()
-    service = MemoryService(store, clock=FakeClock(), batch_size=10)
-    validated = _counting_validations(service)
-    try:
+    async with _writing(store) as service:
+        validated = _counting_validations(service)
         # A backlog from the start: two appends take a batch each, and the rest waits
         # until an append is refused and waits to be retried.
         for n in range(10 * (2 + MAX_AHEAD + 1) + 3):
@@ -670,15 +669,11 @@ async def test_while_an_append_waits_to_be_retried_full_batches_are_validated_ah
         assert validated == [10] * (2 + MAX_AHEAD + 1) + [3]  # each batch validated once
         assert service.stats().stored == 10 * (2 + MAX_AHEAD + 1) + 3
         assert service._retrying == 0
-    finally:
-        store.busy = False
-        await service.close()
 
 
 async def test_batches_validated_ahead_count_against_the_queue_size() -> None:
     store = BusyStore()
-    service = MemoryService(store, clock=FakeClock(), batch_size=10, queue_size=25)
-    try:
+    async with _writing(store, queue_size=25) as service:
         await _two_appends_then(service, lambda: len(store.batch_keys), 10)
         await _until(lambda: service._ahead == 10)  # validated ahead, off the queue
         for n in range(16):  # 15 more fill the queue's 25 with the 10 ahead
@@ -687,9 +682,6 @@ async def test_batches_validated_ahead_count_against_the_queue_size() -> None:
         store.busy = False
         await service.drain()
         assert service.stats().stored == 23 + 15
-    finally:
-        store.busy = False
-        await service.close()
 
 
 class CollectorWatchingStore(InMemoryStore):
