@@ -3,14 +3,21 @@
 ``make_service`` builds MemoryServices over every store: the tests that use it run once
 against the in-memory store, once against a fresh Postgres database and once against
 Redis under a key prefix of its own.
+
+The tests marked ``both_loops`` run once on the standard library's event loop and once
+on uvloop, the loop uvicorn picks by itself when it is installed (``uvicorn[standard]``):
+they hold the service's timeouts, hedges, turns and its writer's threads and retries.
+The others run on the standard library's loop.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any
 
 import pytest
+import uvloop
 
 from coda_memory import MemoryService
 from tests.helpers import FakeClock
@@ -18,6 +25,18 @@ from tests.helpers import FakeClock
 pytest_plugins = ["tests.pg_fixtures", "tests.redis_fixtures"]
 
 ServiceFactory = Callable[..., Awaitable[MemoryService]]
+
+LoopFactories = Mapping[str, Callable[[], asyncio.AbstractEventLoop]]
+
+#: The event loop of every async test (one factory: pytest-asyncio hides its id).
+STANDARD_LOOP: LoopFactories = {"asyncio": asyncio.new_event_loop}
+#: The event loops a ``both_loops`` test runs on.
+BOTH_LOOPS: LoopFactories = {**STANDARD_LOOP, "uvloop": uvloop.new_event_loop}
+
+
+def pytest_asyncio_loop_factories(config: pytest.Config, item: pytest.Item) -> LoopFactories:
+    """Both loops for a test marked ``both_loops``; the standard library's for the others."""
+    return BOTH_LOOPS if item.get_closest_marker("both_loops") else STANDARD_LOOP
 
 
 @pytest.fixture(params=["memory", "postgres", "redis"])

@@ -4,6 +4,9 @@ The server runs as its own process with ``-W error``: a warning anywhere in it (
 lifespan, the service, the drivers, uvicorn) is an error that fails the test. It binds
 port 0; the test reads the port from uvicorn's "running on" line, which uvicorn prints
 only after the lifespan's startup has finished.
+
+It runs on both event loops uvicorn offers: the standard library's, and uvloop, which
+uvicorn picks by itself when it is installed (``uvicorn[standard]``).
 """
 
 from __future__ import annotations
@@ -25,12 +28,14 @@ REPOSITORY = Path(__file__).resolve().parents[2]
 RUNNING = re.compile(rb"Uvicorn running on (http://127\.0\.0\.1:\d+)")
 
 
-@pytest.fixture
-async def server(pg_url: str) -> AsyncIterator[tuple[str, asyncio.subprocess.Process]]:
+@pytest.fixture(params=["asyncio", "uvloop"])
+async def server(
+    pg_url: str, request: pytest.FixtureRequest
+) -> AsyncIterator[tuple[str, asyncio.subprocess.Process]]:
     env = {**os.environ, "CODA_MEMORY_DATABASE_URL": pg_url, "MEMORY_LOAD_TIMEOUT": "10"}
     process = await asyncio.create_subprocess_exec(
         sys.executable, "-W", "error", "-m", "uvicorn", "examples.fastapi_app:app",
-        "--host", "127.0.0.1", "--port", "0", "--no-access-log",
+        "--host", "127.0.0.1", "--port", "0", "--no-access-log", "--loop", request.param,
         cwd=REPOSITORY, env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
     )  # fmt: skip
     assert process.stderr is not None

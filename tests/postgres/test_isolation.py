@@ -21,6 +21,9 @@ from coda_memory.postgres.engine import driver_connection
 from tests.helpers import tool_ok
 from tests.postgres.helpers import NOW, consolidate, engine, fact, fetch, locked, record
 
+#: On both event loops (see tests/conftest.py).
+pytestmark = pytest.mark.both_loops
+
 #: Generous: the statements must fail within their timeout, not within this.
 SLACK = 2.0
 

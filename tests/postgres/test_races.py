@@ -18,7 +18,8 @@ from coda_memory.core.caps import LogThrottle
 from coda_memory.postgres import store as store_module
 from tests.helpers import T0, FakeClock, domain, entity, tool_failed, tool_ok
 
-pytestmark = pytest.mark.postgres
+#: On both event loops (see tests/conftest.py).
+pytestmark = [pytest.mark.postgres, pytest.mark.both_loops]
 
 
 def dsn(url: str) -> str:

@@ -16,6 +16,9 @@ from coda_memory.ports import AppendOutcome, ObservationRecord
 from tests.helpers import FakeClock, tool_ok
 from tests.postgres.helpers import fetch
 
+#: On both event loops (see tests/conftest.py).
+pytestmark = pytest.mark.both_loops
+
 POISON = "poison_tool"
 
 

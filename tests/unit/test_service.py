@@ -16,6 +16,7 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 import pytest
+import uvloop
 
 from coda_memory import Fact, MemoryService
 from coda_memory import service as service_module
@@ -34,6 +35,9 @@ from tests.helpers import (
     tool_failed,
     tool_ok,
 )
+
+#: On both event loops (see tests/conftest.py).
+pytestmark = pytest.mark.both_loops
 
 
 class GatedStore(InMemoryStore):
@@ -984,3 +988,12 @@ async def test_no_full_collection_starts_while_a_load_is_past_a_third_of_its_tim
         finally:
             store.gate.set()
             await service.close()
+
+
+async def test_a_test_on_both_loops_runs_on_the_loop_its_name_says(
+    request: pytest.FixtureRequest,
+) -> None:
+    """The ``both_loops`` tests do run on uvloop too (see tests/conftest.py)."""
+    name = request.node.name
+    assert name.endswith(("[uvloop]", "[asyncio]"))
+    assert name.endswith("[uvloop]") == isinstance(asyncio.get_running_loop(), uvloop.Loop)
