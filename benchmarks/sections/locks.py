@@ -87,6 +87,9 @@ async def _hold(
         "log_lines": logs.lines,
         "max_lines_per_s_per_cause": logs.max_per_second_per_cause,
         "recovery_s": recovery,
+        # The writer's pace after the release: what was queued then, over the recovery
+        # (which also waits for a load in time, so this is a lower bound).
+        "stored_per_s_after_release": during.pending / recovery if recovery else 0.0,
         # Collections of the garbage collector while the lock was held (loop stalls).
         **pauses.summary(),
         # The CPU the hypervisor took meanwhile (a slow spell of a shared host), in cores.
@@ -215,6 +218,22 @@ async def locks_section(db: Database, ctx: Context) -> None:
             target="<= 1 s",
             met=slowest_recovery["recovery_s"] <= 1.0,
             details={"table": slowest_recovery["table"]},
+        )
+    )
+    # The recovery depends on what was queued, so on the pace of the requests meanwhile:
+    # the pace at which the backlog went is comparable from one run to the next.
+    backlog = max(rows, key=lambda r: r["pending_at_release"])
+    report.add(
+        Figure(
+            section,
+            f"{held}: observations queued at the release, most: stored per second after it",
+            backlog["stored_per_s_after_release"],
+            "/s",
+            details={
+                "table": backlog["table"],
+                "queued": backlog["pending_at_release"],
+                "recovery_s": backlog["recovery_s"],
+            },
         )
     )
 
