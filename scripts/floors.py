@@ -13,8 +13,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 EXTRAS = ("cli", "plot", "otel", "redis")
-#: Test tools, at their locked versions; the OpenTelemetry SDK at the API's floor.
-TOOLS = ("pytest", "pytest-asyncio", "hypothesis", "bpe-openai")
+#: Test tools (uvloop: the second loop of the tests marked both_loops), at their locked
+#: versions; the OpenTelemetry SDK at the API's floor.
+TOOLS = ("pytest", "pytest-asyncio", "hypothesis", "bpe-openai", "uvloop")
 
 
 def floors() -> list[str]:
