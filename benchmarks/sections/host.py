@@ -38,6 +38,29 @@ def _row(mode: str, seen: Requests, timeouts: int, errors: int) -> dict[str, Any
     }
 
 
+async def _measured(
+    service: MemoryService,
+    requests: HostRequests,
+    ticker: LagTicker,
+    mode: str,
+    count: int,
+    concurrency: int,
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``count`` requests, ``concurrency`` in flight: the mode's row, and the ticker's lag
+    meanwhile (it ticks only with requests in flight together; {} otherwise)."""
+    before = service.stats()
+    if concurrency > 1:
+        ticker.start()
+    with counted_logs() as logs:
+        seen = await requests.run(service, count, concurrency)
+    lag = ticker.summary() if concurrency > 1 else {}
+    await ticker.stop()
+    after = service.stats()
+    timeouts = after.load_timeouts - before.load_timeouts
+    errors = after.load_errors - before.load_errors
+    return _row(mode, seen, timeouts, errors) | {"warnings_logged": logs.lines}, lag
+
+
 def _on_uvloop(
     url: str, requests: HostRequests, count: int, concurrency: int, mode: str
 ) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -49,21 +72,12 @@ def _on_uvloop(
         ticker = LagTicker()
         try:
             await requests.run(service, 4 * concurrency, concurrency)  # as on the other loop
-            before = service.stats()
-            ticker.start()
-            with counted_logs() as logs:
-                seen = await requests.run(service, count, concurrency)
-            await ticker.stop()
-            after = service.stats()
+            measured = await _measured(service, requests, ticker, mode, count, concurrency)
             await service.drain(DRAIN_TIMEOUT)
+            return measured
         finally:
             await ticker.stop()
             await service.close()
-        timeouts = after.load_timeouts - before.load_timeouts
-        errors = after.load_errors - before.load_errors
-        return _row(mode, seen, timeouts, errors) | {"warnings_logged": logs.lines}, (
-            ticker.summary()
-        )
 
     return uvloop.run(run())
 
@@ -88,27 +102,13 @@ async def host_section(db: Database, ctx: Context) -> None:
             if frozen:
                 gc.collect()
                 gc.freeze()
-            before = service.stats()
-            if concurrency > 1:
-                ticker.start()
-            with counted_logs() as logs:
-                seen = await requests.run(service, count, concurrency)
+            row, seen_lag = await _measured(service, requests, ticker, mode, count, concurrency)
             if frozen:
                 gc.unfreeze()
-                frozen_lag = ticker.summary()
+                frozen_lag = seen_lag
             elif concurrency > 1:
-                lag = ticker.summary()
-            await ticker.stop()
-            after = service.stats()
-            rows.append(
-                _row(
-                    mode,
-                    seen,
-                    after.load_timeouts - before.load_timeouts,
-                    after.load_errors - before.load_errors,
-                )
-                | {"warnings_logged": logs.lines}
-            )
+                lag = seen_lag
+            rows.append(row)
         await service.drain(DRAIN_TIMEOUT)
     finally:
         await ticker.stop()
