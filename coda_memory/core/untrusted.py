@@ -26,8 +26,8 @@ line of plain data that cannot steer the model, in this order:
    pattern cannot join its neighbours into another.
 5. **Capped** at ``max_chars`` characters, ending in "…" when cut.
 
-Printable ASCII without ``<>[]#&:`` or ``www`` skips all of this but the whitespace
-collapsing: that is the common case, and it stays fast.
+Printable ASCII without ``<>[]#&:``, ``www``, ``//`` or a ``.tld/`` skips all of this but
+the whitespace collapsing: that is the common case, and it stays fast.
 """
 
 from __future__ import annotations
@@ -126,8 +126,9 @@ _ROLE = re.compile(
 #: What makes brackets a markdown link, image or reference: ``](``, ``][``, ``]:``, ``![``.
 _LINK_SYNTAX = re.compile(r"\](?=[(\[:])|!\[")
 _HASHES_OR_ENTITY = re.compile(r"#{2,}|&#?[a-z0-9]{1,10};", re.IGNORECASE)
-#: Printable ASCII that may hold any of the structures above.
-_SUSPICIOUS_ASCII = re.compile(r"[<>\[\]#&:]|www|//", re.IGNORECASE)
+#: Printable ASCII that may hold any of the structures above (``.tld/`` for the
+#: ``host.tld/path`` links; with a port, the colon already is).
+_SUSPICIOUS_ASCII = re.compile(r"[<>\[\]#&:]|www|//|\.[a-z]{2,24}/", re.IGNORECASE)
 
 _Pair = tuple[str, str]
 
