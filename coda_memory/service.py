@@ -418,6 +418,14 @@ class MemoryService(ObservationWriter):
         return loaded
 
     async def _answer(self, identity_id: str) -> tuple[LoadedMemory, str]:
+        if not isinstance(identity_id, str):  # a UUID or an int from a host: no store is asked
+            self._load_errors += 1
+            self._log.warning(
+                "load failed: identity not a string",
+                "coda-memory: load_memory got an identity of type %s, not str; returning empty",
+                type(identity_id).__name__,
+            )
+            return LoadedMemory.empty(), "error"
         loop = asyncio.get_running_loop()
         started = loop.time()
         task: asyncio.Task[LoadedMemory | None] | None = None

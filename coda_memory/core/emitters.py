@@ -209,9 +209,10 @@ class EntityExtractors:
         data = unwrap_result(result)
         try:
             refs = list(extractor(data))
-        except Exception:
-            # Extractors are host code run on untrusted data; memory is best-effort.
-            logger.debug("entity extractor for %r failed", tool_name, exc_info=True)
+        except Exception as error:
+            # Extractors are host code run on untrusted data; memory is best-effort. The
+            # error's text and traceback may quote that data: only its class is logged.
+            logger.debug("entity extractor for %r failed (%s)", tool_name, type(error).__name__)
             return []
         return [ref for ref in refs if isinstance(ref, EntityRef)]
 

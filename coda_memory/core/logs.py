@@ -34,7 +34,7 @@ def short_error(
     message = lines[0] if lines else ""
     if not show:
         for identity in identities:
-            if identity:
+            if identity and isinstance(identity, str):
                 message = message.replace(repr(identity), identity_label(identity))
                 message = message.replace(identity, identity_label(identity))
     message = message[:MAX_MESSAGE_CHARS]

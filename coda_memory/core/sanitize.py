@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import unicodedata
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
@@ -241,11 +242,16 @@ def _type_name(value: object) -> str:
     return clean_text(type(value).__name__, 40)
 
 
+#: A metadata key that an error message (and so a log line) may show: a field name. Other
+#: keys may be data (an e-mail address keying a dict) and show as ``<key>``.
+_SHOWN_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,39}")
+
+
 def _child_path(parent: str, key: str | int) -> str:
     """The path of a dict's value (``key`` a cleaned key) or a list's item (an index)."""
     if isinstance(key, int):
         return f"{parent}[{key}]"
-    return f"{parent}.{clean_text(key, 40)}"
+    return f"{parent}.{key if _SHOWN_KEY.fullmatch(key) else '<key>'}"
 
 
 #: JSON bytes of one character of a string at most (``\u001f``), and of a number, bool or

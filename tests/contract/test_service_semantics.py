@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import logging
 import math
+import uuid
 from collections.abc import Callable
 from datetime import datetime, timedelta
 
@@ -293,6 +295,23 @@ async def test_identity_ids_are_opaque(make_service: ServiceFactory) -> None:
         assert [f.subject for f in await service.consolidate(identity)] == [
             f"tool_affinity:tool{i}"
         ]
+
+
+@pytest.mark.parametrize("identity", [uuid.UUID(int=7), 42, ["u1"], b"u1"], ids=repr)
+async def test_load_memory_with_an_identity_that_is_no_string_is_empty_and_raises_nothing(
+    make_service: ServiceFactory, identity: object, caplog: pytest.LogCaptureFixture
+) -> None:
+    service = await make_service()
+    service.emit_observation("u1", tool_ok("get_account"))
+    await service.drain()
+    loaded = await service.load_memory(identity)  # type: ignore[arg-type]
+    assert not loaded.facts and loaded.prompt_section == ""
+    assert service.stats().load_errors == 1
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == [
+        f"coda-memory: load_memory got an identity of type {type(identity).__name__}, "
+        "not str; returning empty"
+    ]
+    assert (await service.load_memory("u1")).facts  # the service still works
 
 
 async def test_history_records_confidence_before_and_after(

@@ -281,7 +281,7 @@ def test_a_raising_extractor_gives_nothing_and_logs_at_debug(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     def broken(data: Any) -> list[EntityRef]:
-        raise KeyError("missing")
+        raise KeyError(f"cannot parse {data}")
 
     def broken_midway(data: Any) -> Iterator[EntityRef]:
         yield EntityRef("account", "1")
@@ -289,10 +289,15 @@ def test_a_raising_extractor_gives_nothing_and_logs_at_debug(
 
     extractors = EntityExtractors({"broken": broken, "midway": broken_midway})
     with caplog.at_level(logging.DEBUG, logger="coda_memory.core.emitters"):
-        assert entity_observations("broken", {}, extractors=extractors) == []
+        assert (
+            entity_observations("broken", {"email": "alice@example.com"}, extractors=extractors)
+            == []
+        )
         assert entity_observations("midway", {}, extractors=extractors) == []
     assert [r.levelno for r in caplog.records] == [logging.DEBUG, logging.DEBUG]
-    assert "'broken'" in caplog.records[0].getMessage()
+    # The class only: the message and the traceback may quote the tool result.
+    assert caplog.records[0].getMessage() == "entity extractor for 'broken' failed (KeyError)"
+    assert [r.exc_info for r in caplog.records] == [None, None]
 
 
 def test_bad_refs_from_a_custom_extractor_are_skipped() -> None:

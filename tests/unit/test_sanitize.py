@@ -266,6 +266,10 @@ def test_rejects_bad_timestamps(at: Any, reason: str) -> None:
         ({"x": 2**63}, "metadata.x is an integer out of range"),
         ({"x": {1: "a"}}, "metadata.x has a key of type int"),
         ({"a\x00": 1, "a": 2}, "metadata.a appears twice after cleaning"),
+        # Keys that are not field names may be personal data: the reason (logged) hides them.
+        ({"x": {"alice@example.com": math.nan}}, "metadata.x.<key> is NaN"),
+        ({"SSN-123-45-6789": b"b"}, "metadata.<key> is bytes, not a JSON value"),
+        ({"x": {"my key": {1: "a"}}}, "metadata.x.<key> has a key of type int"),
     ],
 )
 def test_rejects_bad_tool_metadata(extra: dict[str, Any], reason: str) -> None:
