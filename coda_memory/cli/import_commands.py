@@ -10,7 +10,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from coda_memory.cli.app import FormatOption, OutputFormat, SchemaOption, UrlOption, app
 from coda_memory.cli.output import add_row, make_console, new_table, print_json
-from coda_memory.cli.runtime import CliError, open_store, resolve_target, run
+from coda_memory.cli.runtime import CliError, masked_url, open_store, resolve_target, run
 from coda_memory.postgres.schema import DEFAULT_SCHEMA
 
 #: Bad records listed one by one; past this many, the rest are only counted.
@@ -48,7 +48,9 @@ def import_redis(
             try:
                 await source.client.ping()
             except Exception as exc:
-                raise CliError(f"cannot connect to Redis at {redis_url}: {exc}") from exc
+                raise CliError(
+                    f"cannot connect to Redis at {masked_url(redis_url)}: {exc}"
+                ) from exc
             progress = Progress(
                 TextColumn("checking" if dry_run else "copying"),
                 BarColumn(),

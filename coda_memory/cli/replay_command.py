@@ -26,7 +26,15 @@ from coda_memory.cli.output import (
     new_table,
     note,
 )
-from coda_memory.cli.runtime import CliError, Target, fail, run, run_on_store
+from coda_memory.cli.runtime import (
+    CliError,
+    Target,
+    describe,
+    fail,
+    masked_url,
+    run,
+    run_on_store,
+)
 from coda_memory.postgres.schema import DEFAULT_SCHEMA
 from coda_memory.postgres.store import PostgresStore
 from coda_memory.replay import (
@@ -107,6 +115,10 @@ def replay(
             return await compare(timeline, families=FAMILIES, tuned=tune, url=store)
         except ValueError as exc:
             raise CliError(str(exc)) from exc
+        except Exception as exc:  # the events are read: what fails now is the store
+            raise CliError(
+                f"the replay's store {masked_url(store)} failed: {describe(exc)}"
+            ) from exc
 
     comparison = run(main)
     held_out = sum(1 for s in timeline.sessions if timeline.held_out(s))

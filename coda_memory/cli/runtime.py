@@ -145,7 +145,8 @@ class Target:
     embedded: bool
 
 
-def _masked(url: str) -> str:
+def masked_url(url: str) -> str:
+    """``url`` with its password shown as ``***``."""
     try:
         return make_url(url).render_as_string(hide_password=True)
     except (ArgumentError, ValueError, TypeError):
@@ -172,8 +173,8 @@ def resolve_target(url: str | None, schema: str, *, announce: bool = True) -> Ta
             reason = _first_line(exc)
             if reason.startswith("invalid literal for int()"):
                 reason = "the port is not a number"
-            raise CliError(f"invalid database URL {_masked(url)!r}: {reason}") from exc
-        return Target(url, schema, _masked(url), embedded=False)
+            raise CliError(f"invalid database URL {masked_url(url)!r}: {reason}") from exc
+        return Target(url, schema, masked_url(url), embedded=False)
     from coda_memory.postgres.embedded import DEFAULT_DATA_DIR, embedded_url
 
     data_dir = os.environ.get("CODA_MEMORY_DATA_DIR") or str(DEFAULT_DATA_DIR)

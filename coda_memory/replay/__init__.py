@@ -7,7 +7,13 @@ same sessions, and ``tune`` searches each strategy's constants on the fitting pe
 """
 
 from coda_memory.replay.events import Event, observation_event, read_events, write_events
-from coda_memory.replay.harness import PeriodScores, ReplayResult, replay_baselines, replay_decay
+from coda_memory.replay.harness import (
+    PeriodScores,
+    ReplayResult,
+    StoreNotScratch,
+    replay_baselines,
+    replay_decay,
+)
 from coda_memory.replay.metrics import Calibration, RankingScore, hit_at, ndcg_at
 from coda_memory.replay.report import markdown_table, plot_reliability
 from coda_memory.replay.timeline import Session, Timeline, build_timeline
@@ -22,6 +28,7 @@ __all__ = [
     "RankingScore",
     "ReplayResult",
     "Session",
+    "StoreNotScratch",
     "Timeline",
     "Tuned",
     "build_timeline",

@@ -86,14 +86,19 @@ async def replay_decay(
     """Replay the scored identities' sessions through a MemoryService using ``decay``.
 
     ``url`` is the store the replay writes to (any store; ``memory://`` by default, a
-    fresh one per replay). Give it a scratch schema or prefix: the replay writes the
-    identities' observations and facts there. ``options`` go to ``MemoryService.from_url``.
+    fresh one per replay). Give it a scratch schema, database or prefix: the replay
+    refuses a store that holds memory of any identity it replays
+    (:class:`StoreNotScratch`), writes the identities' observations and facts there, and
+    erases them when it ends, so that the next method replayed starts from nothing.
+    ``options`` go to ``MemoryService.from_url``.
     """
     result = ReplayResult(name or repr(decay), calibrated=True)
     clock = _Clock(timeline.sessions[0].start)
     service = MemoryService.from_url(url, decay=decay, clock=clock, **options)
     seen: set[str] = set()
     try:
+        if not url.startswith("memory:"):  # a memory:// store is new, so empty
+            await _check_scratch(service, sorted(timeline.scored))
         for session in timeline.sessions:
             identity = session.identity
             if identity not in timeline.scored:
@@ -107,9 +112,32 @@ async def replay_decay(
                 clock.now = event.time
                 service.emit_observation(identity, event_observation(event, session.key))
         await service.drain()
+        for identity in sorted(seen):
+            await service.forget(identity)
     finally:
         await service.close()
     return result
+
+
+class StoreNotScratch(ValueError):
+    """The replay's store already holds memory of an identity the replay would write."""
+
+
+async def _check_scratch(service: MemoryService, identities: Sequence[str]) -> None:
+    """Raise :class:`StoreNotScratch` unless no identity of ``identities`` has facts,
+    observations waiting or history in ``service``'s store: the replay would mix its
+    writes with that memory, and then erase it."""
+    held = 0
+    for identity in identities:
+        facts, waiting = await service.store.peek(identity)
+        if facts or waiting or await service.history(identity):
+            held += 1
+    if held:
+        raise StoreNotScratch(
+            f"the replay's store already holds memory of {held} of the {len(identities)} "
+            "identities it replays (is it the live database?): give it an empty schema, "
+            "database or prefix, since the replay writes there and erases what it wrote"
+        )
 
 
 class _Popularity:

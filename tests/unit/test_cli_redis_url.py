@@ -18,3 +18,13 @@ def test_a_redis_url_gets_one_line_saying_postgres_only(command: list[str]) -> N
     assert len(lines) == 1, result.stderr
     assert lines[0].startswith("error: analytics and the other commands need Postgres")
     assert "import-redis" in lines[0]
+
+
+def test_an_unreachable_redis_shows_its_url_without_the_password() -> None:
+    result = CliRunner().invoke(
+        app,
+        ["import-redis", "redis://:s3cret@127.0.0.1:1/13", "--url", "postgresql://u@127.0.0.1:1/x"],
+    )
+    assert result.exit_code == 1, result.output
+    assert "s3cret" not in result.output
+    assert "redis://:***@127.0.0.1:1/13" in result.stderr, result.stderr

@@ -1,0 +1,90 @@
+"""The replay's --store: never the live memory, left as it was found, and an unreachable
+one fails at once."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from sqlalchemy.engine import URL
+
+from tests.pg_fixtures import _RUN, _counter, _create_database, _drop_database, _render
+from tests.postgres.helpers import fetch
+from tests.postgres.test_cli import assert_one_line_error, run, seed_alice
+
+
+@pytest.fixture
+def scratch_url(_pg_server: URL, _pg_template: str) -> Iterator[str]:
+    """A second migrated database, for the replay to write to."""
+    name = f"{_RUN}_{next(_counter)}"
+    url = _create_database(_pg_server, name, template=_pg_template)
+    try:
+        yield _render(url)
+    finally:
+        _drop_database(_pg_server, name)
+
+
+def _counts(url: str) -> tuple[int, int, int, int]:
+    rows = asyncio.run(
+        fetch(
+            url,
+            "SELECT (SELECT count(*) FROM coda_memory.observations),"
+            " (SELECT count(*) FROM coda_memory.facts),"
+            " (SELECT count(*) FROM coda_memory.fact_events),"
+            " (SELECT count(*) FROM coda_memory.checkpoints)",
+        )
+    )
+    return tuple(rows[0])
+
+
+def test_replay_refuses_a_store_that_holds_the_memory_it_replays(pg_url: str) -> None:
+    seed_alice(pg_url)
+    seed_alice(pg_url, "bob")
+    before = _counts(pg_url)
+    result = run("replay", "--url", pg_url, "--store", pg_url, "--split", "0.2")
+    assert_one_line_error(
+        result, 1, "the replay's store already holds memory of 2 of the 2 identities"
+    )
+    assert _counts(pg_url) == before
+
+
+def test_a_scratch_postgres_store_scores_as_memory_does_and_is_left_empty(
+    pg_url: str, scratch_url: str
+) -> None:
+    seed_alice(pg_url)
+    seed_alice(pg_url, "bob")
+    arguments = ("replay", "--url", pg_url, "--split", "0.2", "--format", "json")
+    in_memory = run(*arguments)
+    in_postgres = run(*arguments, "--store", scratch_url)
+    assert in_memory.exit_code == in_postgres.exit_code == 0, in_postgres.output
+    assert json.loads(in_postgres.stdout) == json.loads(in_memory.stdout)
+    assert _counts(scratch_url) == (0, 0, 0, 0)
+
+
+@pytest.mark.parametrize(
+    "store", ["postgresql://postgres@127.0.0.1:1/scratch", "redis://127.0.0.1:1/13"]
+)
+def test_replay_into_an_unreachable_store_fails_at_once(pg_url: str, store: str) -> None:
+    seed_alice(pg_url)
+    seed_alice(pg_url, "bob")
+    script = Path(sys.executable).parent / "coda-memory"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CODA_MEMORY_")}
+    # Before, the writer retried the store every two seconds, for ever.
+    done = subprocess.run(
+        [str(script), "replay", "--url", pg_url, "--store", store, "--split", "0.2"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 1, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), done.stderr
+    assert "127.0.0.1" in lines[0] or "onnect" in lines[0], lines[0]
