@@ -22,6 +22,7 @@ from coda_memory.cli.app import (
     SchemaOption,
     UrlOption,
     app,
+    checked_identity,
     decay_strategy,
 )
 from coda_memory.cli.output import (
@@ -116,7 +117,8 @@ def demo(
 @app.command()
 def consolidate(
     identity: Annotated[
-        str | None, typer.Argument(help="The identity to consolidate (or --all).")
+        str | None,
+        typer.Argument(help="The identity to consolidate (or --all).", callback=checked_identity),
     ] = None,
     all_identities: Annotated[
         bool, typer.Option("--all", help="Every identity with pending observations.")

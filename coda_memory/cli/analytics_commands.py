@@ -93,6 +93,12 @@ class AnalyticsQuery:
                 "(100 years)",
                 2,
             )
+        if window % timedelta(days=1):
+            fail(
+                f"invalid duration {self.since!r} for --since: analytics count whole UTC "
+                "days, so give a number of days or weeks (e.g. 30d, 2w)",
+                2,
+            )
         return window
 
     def at_least(self) -> str:

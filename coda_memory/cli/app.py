@@ -137,7 +137,19 @@ PlotOption = Annotated[
     Path | None,
     typer.Option("--plot", help="Also draw a chart into this PNG file.", dir_okay=False),
 ]
-IdentityArgument = Annotated[str, typer.Argument(help="The identity (user) id.")]
+
+
+def checked_identity(value: str | None) -> str | None:
+    """An identity argument that the database can take: UTF-8 text (an argument that is
+    not arrives with lone surrogates) without NUL; a usage error otherwise."""
+    if value is not None and ("\x00" in value or any("\ud800" <= c <= "\udfff" for c in value)):
+        raise typer.BadParameter("an identity must be UTF-8 text without NUL")
+    return value
+
+
+IdentityArgument = Annotated[
+    str, typer.Argument(help="The identity (user) id.", callback=checked_identity)
+]
 
 
 def decay_strategy(name: DecayName) -> DecayStrategy:

@@ -112,14 +112,20 @@ def prompt(
 ) -> None:
     """The memory section the agent gets in its system prompt, exactly (no consolidation)."""
 
-    async def work(store: PostgresStore, target: Target) -> str:
+    async def work(store: PostgresStore, target: Target) -> tuple[str, int]:
         await require_identity(store, identity)
         service = MemoryService(store, decay=decay_strategy(decay))
-        return format_memory_section(await service.facts(identity), budget)
+        facts = await service.facts(identity)
+        return format_memory_section(facts, budget), len(facts)
 
-    section = run_on_store(url, schema, work)
+    section, facts = run_on_store(url, schema, work)
     if section:
         typer.echo(section)
+    elif facts:
+        note(
+            f"{identity!r} has {facts} active fact{'' if facts == 1 else 's'}, but a budget of "
+            f"{budget} tokens holds not even the section's framing: the memory section is empty"
+        )
     else:
         note(f"{identity!r} has no active facts: the memory section is empty")
 

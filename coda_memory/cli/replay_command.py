@@ -83,10 +83,14 @@ def replay(
         float, typer.Option("--horizon-days", help="Calibration: used again within N days.")
     ] = 30.0,
     sample: Annotated[
-        int | None, typer.Option("--sample", help="Score this many identities, drawn at random.")
+        int | None,
+        typer.Option("--sample", min=1, help="Score this many identities, drawn at random."),
     ] = None,
     min_sessions: Annotated[
-        int, typer.Option("--min-sessions", help="Score only identities with this many sessions.")
+        int,
+        typer.Option(
+            "--min-sessions", min=1, help="Score only identities with this many sessions."
+        ),
     ] = 2,
     tune: Annotated[
         bool, typer.Option("--tune", help="Also search each strategy's constants on the fit.")
@@ -100,6 +104,8 @@ def replay(
     checked_plot_path(plot)
     if not 0.0 < split < 1.0:
         raise typer.BadParameter("--split must be between 0 and 1")
+    if not horizon > 0.0:
+        raise typer.BadParameter("--horizon-days must be a positive number of days")
     stream = read_events(events) if events is not None else _stored_events(url, schema)
     if not stream:
         fail("no events to replay")

@@ -309,6 +309,14 @@ def test_prompt_of_an_identity_without_facts_is_empty(pg_url: str) -> None:
     assert "the memory section is empty" in result.stderr
 
 
+def test_prompt_with_a_budget_too_small_for_the_section_says_so(pg_url: str) -> None:
+    seed_alice(pg_url)
+    result = run("prompt", "alice", "--url", pg_url, "--budget", "20")
+    assert result.exit_code == 0, result.output
+    assert result.stdout == ""
+    assert "alice' has 4 active facts, but a budget of 20 tokens holds not even" in result.stderr
+
+
 def test_history_as_a_table_as_json_and_as_a_plot(pg_url: str, tmp_path: Path) -> None:
     seed_alice(pg_url)
     plot = tmp_path / "history.png"

@@ -124,6 +124,19 @@ def test_a_bad_window_is_a_usage_error_before_any_work(seen: Seen) -> None:
     assert seen == {}
 
 
+@pytest.mark.parametrize("since", ["12h", "1.5d", "90m"])
+def test_a_window_of_part_of_a_day_is_a_usage_error_before_any_work(seen: Seen, since: str) -> None:
+    result = CliRunner().invoke(app, ["analytics", "tools", "--since", since])
+
+    assert result.exit_code == 2, result.output
+    lines = result.stderr.strip().splitlines()
+    assert lines == [
+        f"error: invalid duration {since!r} for --since: analytics count whole UTC days, "
+        "so give a number of days or weeks (e.g. 30d, 2w)"
+    ]
+    assert seen == {}
+
+
 def test_help_lists_the_commands_own_options_between_the_shared_ones() -> None:
     result = CliRunner().invoke(app, ["analytics", "entities", "--help"], env={"COLUMNS": "100"})
 
