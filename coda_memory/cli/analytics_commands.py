@@ -38,6 +38,7 @@ from coda_memory.cli.output import (
 )
 from coda_memory.cli.runtime import (
     CliError,
+    StoreOptions,
     fail,
     parse_duration,
     run_on_store,
@@ -168,8 +169,10 @@ def _analytics(
 ) -> None:
     plot, output = query.plot, query.output
 
-    def prepare() -> None:
+    def prepare() -> StoreOptions:
         checked_plot_path(plot)
+        # An analyst's role reads the aggregate views, not every identity's rows.
+        return StoreOptions(across=False)
 
     rows = run_on_store(query.url, query.schema, lambda store, _: fetch(store), prepare=prepare)
     if plot is not None and not rows:

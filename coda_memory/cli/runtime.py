@@ -23,12 +23,16 @@ from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
 from coda_memory.errors import ForeignAlembicHistory, SchemaNotMigrated
 from coda_memory.postgres import maintenance
+from coda_memory.postgres.connection import sqlstate
 from coda_memory.postgres.engine import asyncpg_url
 from coda_memory.postgres.schema import DEFAULT_SCHEMA, validate_schema_name
 from coda_memory.postgres.store import PostgresStore
 from coda_memory.postgres.tenancy import ALL_IDENTITIES
 
 T = TypeVar("T")
+
+#: SQLSTATE of "permission denied".
+INSUFFICIENT_PRIVILEGE = "42501"
 
 #: Seconds to wait for a connection before reporting the database as unreachable.
 CONNECT_TIMEOUT = 10.0
@@ -218,9 +222,13 @@ async def open_store(
     migrated: bool = True,
     pool_size: int = 2,
     lock_timeout: timedelta | None = None,
+    across: bool = True,
 ) -> AsyncIterator[PostgresStore]:
     """A store on the target, connected and (when ``migrated``) checked to be migrated;
-    the embedded database is migrated here, any other only by ``migrate``."""
+    the embedded database is migrated here, any other only by ``migrate``. With
+    ``across`` (every command but analytics, which read the aggregate views), the role
+    must read every identity's rows: row-level security would otherwise hide them, and
+    the command answer as if there were none."""
     options: dict[str, Any] = {}
     if lock_timeout is not None:
         options["lock_timeout"] = lock_timeout
@@ -240,11 +248,28 @@ async def open_store(
             from coda_memory.postgres.migrate import migrate_async
 
             await migrate_async(target.url, schema=target.schema)
-        if migrated and await maintenance.schema_revision(store) is None:
+        if migrated and await _revision(store) is None:
             raise CliError(_not_migrated(target.schema))
+        if across and not await maintenance.sees_every_identity(store):
+            raise CliError(
+                f"the role of {target.display} cannot read every identity's rows (row-level "
+                "security): run this command as the schema's owner (the role that ran the "
+                "migrations), a superuser or a role with BYPASSRLS"
+            )
         yield store
     finally:
         await store.close()
+
+
+async def _revision(store: PostgresStore) -> str | None:
+    """The schema's revision; "unknown" for a role that may not read it (an analyst, who
+    is granted the aggregate views only)."""
+    try:
+        return await maintenance.schema_revision(store)
+    except Exception as exc:
+        if sqlstate(exc) == INSUFFICIENT_PRIVILEGE:
+            return "unknown"
+        raise
 
 
 @dataclass(frozen=True)
@@ -254,6 +279,7 @@ class StoreOptions:
     migrated: bool = True
     pool_size: int = 2
     lock_timeout: timedelta | None = None
+    across: bool = True
 
 
 def run_on_store(
@@ -275,6 +301,7 @@ def run_on_store(
             migrated=options.migrated,
             pool_size=options.pool_size,
             lock_timeout=options.lock_timeout,
+            across=options.across,
         ) as store:
             return await work(store, target)
 

@@ -397,6 +397,28 @@ async def schema_revision(store: PostgresStore) -> str | None:
     return await store.run(read)
 
 
+#: Whether the connected role reads every identity's rows through row-level security:
+#: a superuser, a ``BYPASSRLS`` role, or the owner of the tables (whose policy lets it
+#: ask for every identity, migration 0004); NULL before the schema exists.
+_SEES_EVERY_IDENTITY = text(
+    "SELECT r.rolsuper OR r.rolbypassrls OR pg_has_role(c.relowner, 'USAGE')"
+    " FROM pg_catalog.pg_roles r, pg_catalog.pg_class c"
+    " WHERE r.rolname = current_user AND c.oid = to_regclass(:facts)"
+)
+
+
+async def sees_every_identity(store: PostgresStore) -> bool:
+    """Whether the store's role reads every identity's rows when it asks for all
+    identities (the command line's maintenance needs it); True before the schema exists."""
+    name = f"{store.schema}.{facts.name}"
+
+    async def read(conn: AsyncConnection) -> bool:
+        result = await conn.execute(_SEES_EVERY_IDENTITY, {"facts": name})
+        return result.scalar() is not False
+
+    return await store.run(read)
+
+
 async def store_stats(store: PostgresStore) -> StoreStats:
     """Identities, observations (all and pending), facts, events, table sizes, revision."""
     revision = await schema_revision(store)

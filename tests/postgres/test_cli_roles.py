@@ -1,0 +1,83 @@
+"""The command line run as a role that row-level security limits: the app role's
+maintenance fails with one line instead of answering as if no identity existed, and an
+analyst's analytics work."""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+from collections.abc import Iterator
+
+import asyncpg
+import pytest
+from sqlalchemy.engine import make_url
+
+from tests.postgres.test_cli import assert_one_line_error, run, seed_alice
+
+
+def _dsn(url: str) -> str:
+    return make_url(url).set(drivername="postgresql").render_as_string(False)
+
+
+async def _superuser(url: str, *statements: str) -> None:
+    conn = await asyncpg.connect(_dsn(url))
+    try:
+        for statement in statements:
+            await conn.execute(statement)
+    finally:
+        await conn.close()
+
+
+@pytest.fixture
+def roles(pg_url: str) -> Iterator[tuple[str, str]]:
+    """URLs of an app role and an analyst role (LOGIN), granted with coda-memory grant."""
+    suffix = secrets.token_hex(4)
+    app_role, analyst = f"coda_cli_app_{suffix}", f"coda_cli_analyst_{suffix}"
+    asyncio.run(_superuser(pg_url, *(f'CREATE ROLE "{r}" LOGIN' for r in (app_role, analyst))))
+    try:
+        for kind, role in (("app", app_role), ("analyst", analyst)):
+            granted = run("grant", kind, role, "--url", pg_url)
+            assert granted.exit_code == 0, granted.output
+        as_role = (
+            make_url(pg_url).set(username=role).render_as_string(False)
+            for role in (app_role, analyst)
+        )
+        yield next(as_role), next(as_role)
+    finally:
+        asyncio.run(
+            _superuser(
+                pg_url,
+                *(f'DROP OWNED BY "{r}"' for r in (app_role, analyst)),
+                *(f'DROP ROLE "{r}"' for r in (app_role, analyst)),
+            )
+        )
+
+
+@pytest.mark.parametrize(
+    "command",
+    [["stats"], ["consolidate", "--all"], ["facts", "alice"], ["prune"], ["prompt", "alice"]],
+)
+def test_maintenance_as_the_app_role_says_what_it_needs(
+    pg_url: str, roles: tuple[str, str], command: list[str]
+) -> None:
+    seed_alice(pg_url)
+    app_url, _ = roles
+    result = run(*command, "--url", app_url)
+    assert_one_line_error(result, 1, "the role of ")
+    assert "cannot read every identity's rows" in result.stderr
+    assert "schema's owner" in result.stderr
+
+
+def test_the_owner_still_sees_every_identity(pg_url: str, roles: tuple[str, str]) -> None:
+    seed_alice(pg_url)
+    result = run("facts", "alice", "--url", pg_url)
+    assert result.exit_code == 0, result.output
+    assert "tool_affinity:get_account" in result.stdout
+
+
+def test_analytics_as_the_analyst_role(pg_url: str, roles: tuple[str, str]) -> None:
+    seed_alice(pg_url)
+    _, analyst_url = roles
+    result = run("analytics", "tools", "--min-users", "1", "--url", analyst_url, "-f", "json")
+    assert result.exit_code == 0, result.output
+    assert '"get_account"' in result.stdout
