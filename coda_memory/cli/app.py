@@ -139,11 +139,22 @@ PlotOption = Annotated[
 ]
 
 
+def _is_database_text(value: str) -> bool:
+    """UTF-8 text (an argument that is not arrives with lone surrogates) without NUL."""
+    return "\x00" not in value and not any("\ud800" <= c <= "\udfff" for c in value)
+
+
 def checked_identity(value: str | None) -> str | None:
-    """An identity argument that the database can take: UTF-8 text (an argument that is
-    not arrives with lone surrogates) without NUL; a usage error otherwise."""
-    if value is not None and ("\x00" in value or any("\ud800" <= c <= "\udfff" for c in value)):
+    """An identity argument that the database can take; a usage error otherwise."""
+    if value is not None and not _is_database_text(value):
         raise typer.BadParameter("an identity must be UTF-8 text without NUL")
+    return value
+
+
+def checked_subject(value: str | None) -> str | None:
+    """A fact's subject argument that the database can take; a usage error otherwise."""
+    if value is not None and not _is_database_text(value):
+        raise typer.BadParameter("a subject must be UTF-8 text without NUL")
     return value
 
 

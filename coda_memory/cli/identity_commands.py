@@ -21,6 +21,7 @@ from coda_memory.cli.app import (
     SchemaOption,
     UrlOption,
     app,
+    checked_subject,
     decay_strategy,
 )
 from coda_memory.cli.output import (
@@ -134,7 +135,10 @@ def prompt(
 def history(
     identity: IdentityArgument,
     subject: Annotated[
-        str | None, typer.Argument(help="One fact's subject, e.g. tool_affinity:run_sql.")
+        str | None,
+        typer.Argument(
+            help="One fact's subject, e.g. tool_affinity:run_sql.", callback=checked_subject
+        ),
     ] = None,
     plot: PlotOption = None,
     url: UrlOption = None,

@@ -73,7 +73,13 @@ def replay(
     schema: SchemaOption = DEFAULT_SCHEMA,
     store: Annotated[
         str,
-        typer.Option("--store", help="The store the replay writes to (a scratch one)."),
+        typer.Option(
+            "--store",
+            help=(
+                "The store the replay writes to: memory:// or an empty schema, database"
+                " or prefix; never the live one."
+            ),
+        ),
     ] = "memory://",
     split: Annotated[
         float,

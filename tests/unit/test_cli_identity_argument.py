@@ -17,3 +17,14 @@ def test_an_identity_that_is_not_utf_8_text_is_a_usage_error(command: str, ident
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1, result.stderr
     assert "an identity must be UTF-8 text without NUL" in lines[0]
+
+
+@pytest.mark.parametrize("subject", ["\udcff", "a\x00b"], ids=["not-utf-8", "nul"])
+def test_a_history_subject_that_is_not_utf_8_text_is_a_usage_error(subject: str) -> None:
+    result = CliRunner().invoke(
+        app, ["history", "u1", subject, "--url", "postgresql://u@127.0.0.1:1/x"]
+    )
+    assert result.exit_code == 2, result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert "a subject must be UTF-8 text without NUL" in lines[0]
