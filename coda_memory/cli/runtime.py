@@ -199,7 +199,13 @@ async def _check_connection(engine: AsyncEngine, target: Target) -> None:
         async with engine.connect() as conn:
             await conn.execute(select(1))
     except Exception as exc:
-        raise CliError(f"cannot connect to {target.display}: {_first_line(exc)}") from exc
+        # asyncpg's connect timeout is a TimeoutError without a message.
+        reason = (
+            f"no answer within {CONNECT_TIMEOUT:g} s"
+            if isinstance(exc, TimeoutError)
+            else _first_line(exc)
+        )
+        raise CliError(f"cannot connect to {target.display}: {reason}") from exc
 
 
 async def check_reachable(target: Target) -> None:
