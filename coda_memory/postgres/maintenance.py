@@ -397,13 +397,20 @@ async def schema_revision(store: PostgresStore) -> str | None:
     return await store.run(read)
 
 
-#: Whether the connected role reads every identity's rows through row-level security:
-#: a superuser, a ``BYPASSRLS`` role, or the owner of the tables (whose policy lets it
-#: ask for every identity, migration 0004); NULL before the schema exists.
+#: Whether the connected role reads every identity's rows through row-level security: a
+#: superuser, a ``BYPASSRLS`` role, any role while the table has no row-level security
+#: (before migration 0004), or a role with the privileges of one that the policy
+#: ``all_identities`` names (the role that ran the migration, which may no longer own the
+#: tables after ``ALTER … OWNER``); NULL before the schema exists.
 _SEES_EVERY_IDENTITY = text(
-    "SELECT r.rolsuper OR r.rolbypassrls OR pg_has_role(c.relowner, 'USAGE')"
-    " FROM pg_catalog.pg_roles r, pg_catalog.pg_class c"
-    " WHERE r.rolname = current_user AND c.oid = to_regclass(:facts)"
+    "SELECT CASE WHEN c.oid IS NULL THEN NULL ELSE"
+    " r.rolsuper OR r.rolbypassrls OR NOT c.relrowsecurity OR EXISTS ("
+    "  SELECT FROM pg_catalog.pg_policy p, unnest(p.polroles) AS named(role)"
+    "  WHERE p.polrelid = c.oid AND p.polname = 'all_identities'"
+    "  AND CASE WHEN named.role = 0 THEN true ELSE pg_has_role(named.role, 'USAGE') END"
+    " ) END"
+    " FROM pg_catalog.pg_roles r LEFT JOIN pg_catalog.pg_class c ON c.oid = to_regclass(:facts)"
+    " WHERE r.rolname = current_user"
 )
 
 

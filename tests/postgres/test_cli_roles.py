@@ -81,3 +81,56 @@ def test_analytics_as_the_analyst_role(pg_url: str, roles: tuple[str, str]) -> N
     result = run("analytics", "tools", "--min-users", "1", "--url", analyst_url, "-f", "json")
     assert result.exit_code == 0, result.output
     assert '"get_account"' in result.stdout
+
+
+def test_a_new_owner_that_the_policy_does_not_name_is_refused(pg_url: str) -> None:
+    """After ``ALTER … OWNER`` the policy still names the role that ran the migration: the
+    new owner, subject to row-level security (FORCE), would count nothing."""
+    seed_alice(pg_url)
+    owner = f"coda_cli_owner_{secrets.token_hex(4)}"
+    asyncio.run(
+        _superuser(
+            pg_url,
+            f'CREATE ROLE "{owner}" LOGIN',
+            f'ALTER SCHEMA coda_memory OWNER TO "{owner}"',
+            # Every table of the schema (the rollups and alembic_version too).
+            "DO $$ DECLARE t text; BEGIN"
+            " FOR t IN SELECT tablename FROM pg_tables WHERE schemaname = 'coda_memory' LOOP"
+            f" EXECUTE format('ALTER TABLE coda_memory.%I OWNER TO %I', t, '{owner}');"
+            " END LOOP; END $$",
+        )
+    )
+    try:
+        owner_url = make_url(pg_url).set(username=owner).render_as_string(False)
+        result = run("stats", "--url", owner_url)
+        assert_one_line_error(result, 1, "the role of ")
+        assert "cannot read every identity's rows" in result.stderr
+    finally:
+        asyncio.run(
+            _superuser(
+                pg_url,
+                f'REASSIGN OWNED BY "{owner}" TO CURRENT_USER',
+                f'DROP OWNED BY "{owner}"',
+                f'DROP ROLE "{owner}"',
+            )
+        )
+
+
+def test_a_member_of_the_role_the_policy_names_sees_every_identity(pg_url: str) -> None:
+    seed_alice(pg_url)
+    member = f"coda_cli_member_{secrets.token_hex(4)}"
+    asyncio.run(
+        _superuser(
+            pg_url,
+            f'CREATE ROLE "{member}" LOGIN',
+            # The role that ran the migration (the policy names it) is this superuser.
+            f"DO $$ BEGIN EXECUTE format('GRANT %I TO %I', current_user, '{member}'); END $$",
+        )
+    )
+    try:
+        member_url = make_url(pg_url).set(username=member).render_as_string(False)
+        result = run("facts", "alice", "--url", member_url)
+        assert result.exit_code == 0, result.output
+        assert "tool_affinity:get_account" in result.stdout
+    finally:
+        asyncio.run(_superuser(pg_url, f'DROP OWNED BY "{member}"', f'DROP ROLE "{member}"'))
