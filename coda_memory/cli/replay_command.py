@@ -39,6 +39,7 @@ from coda_memory.postgres.schema import DEFAULT_SCHEMA
 from coda_memory.postgres.store import PostgresStore
 from coda_memory.replay import (
     Event,
+    StoreNotScratch,
     build_timeline,
     observation_event,
     plot_reliability,
@@ -125,6 +126,8 @@ def replay(
     async def main() -> Comparison:
         try:
             return await compare(timeline, families=FAMILIES, tuned=tune, url=store)
+        except StoreNotScratch as exc:  # the command line named the wrong store: usage
+            raise CliError(f"--store: {exc}", code=2) from exc
         except ValueError as exc:
             raise CliError(str(exc)) from exc
         except Exception as exc:  # the events are read: what fails now is the store

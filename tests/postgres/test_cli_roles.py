@@ -5,14 +5,27 @@ analyst's analytics work."""
 from __future__ import annotations
 
 import asyncio
+import re
 import secrets
 from collections.abc import Iterator
+from pathlib import Path
 
 import asyncpg
 import pytest
 from sqlalchemy.engine import make_url
 
 from tests.postgres.test_cli import assert_one_line_error, run, seed_alice
+
+README = Path(__file__).resolve().parents[2] / "README.md"
+
+
+def _owner_policy_snippet() -> str:
+    """The README's SQL that makes the policies name a new owner, for schema coda_memory."""
+    found = re.search(
+        r"<!-- owner-policy: .*?-->\n```sql\n(.*?)^```$", README.read_text(), re.M | re.S
+    )
+    assert found is not None, "the README's owner-policy snippet is missing"
+    return found[1].replace(":'schema'", "'coda_memory'")
 
 
 def _dsn(url: str) -> str:
@@ -83,9 +96,10 @@ def test_analytics_as_the_analyst_role(pg_url: str, roles: tuple[str, str]) -> N
     assert '"get_account"' in result.stdout
 
 
-def test_a_new_owner_that_the_policy_does_not_name_is_refused(pg_url: str) -> None:
+def test_a_new_owner_is_refused_until_the_policies_name_it(pg_url: str) -> None:
     """After ``ALTER … OWNER`` the policy still names the role that ran the migration: the
-    new owner, subject to row-level security (FORCE), would count nothing."""
+    new owner, subject to row-level security (FORCE), would count nothing. The README's
+    snippet, run as the new owner, names it instead."""
     seed_alice(pg_url)
     owner = f"coda_cli_owner_{secrets.token_hex(4)}"
     asyncio.run(
@@ -105,6 +119,11 @@ def test_a_new_owner_that_the_policy_does_not_name_is_refused(pg_url: str) -> No
         result = run("stats", "--url", owner_url)
         assert_one_line_error(result, 1, "the role of ")
         assert "cannot read every identity's rows" in result.stderr
+        # The README's remedy, run as the new owner, makes the policies name it.
+        asyncio.run(_superuser(owner_url, _owner_policy_snippet()))
+        result = run("facts", "alice", "--url", owner_url)
+        assert result.exit_code == 0, result.output
+        assert "tool_affinity:get_account" in result.stdout
     finally:
         asyncio.run(
             _superuser(

@@ -49,7 +49,7 @@ def test_replay_refuses_a_store_that_holds_the_memory_it_replays(pg_url: str) ->
     before = _counts(pg_url)
     result = run("replay", "--url", pg_url, "--store", pg_url, "--split", "0.2")
     assert_one_line_error(
-        result, 1, "the replay's store already holds memory of 2 of the 2 identities"
+        result, 2, "--store: the replay's store already holds memory of 2 of the 2 identities"
     )
     assert _counts(pg_url) == before
 
