@@ -56,7 +56,12 @@ from coda_memory.postgres.store import PostgresStore
 SinceOption = Annotated[str, typer.Option("--since", help="How far back to look, e.g. 30d.")]
 MinUsersOption = Annotated[
     int,
-    typer.Option("--min-users", min=1, help="Leave out rows behind fewer users (k-anonymity)."),
+    typer.Option(
+        "--min-users",
+        min=1,
+        max=analytics.MAX_COUNT,
+        help="Leave out rows behind fewer users (k-anonymity).",
+    ),
 ]
 AnalyticsFormatOption = Annotated[
     AnalyticsFormat, typer.Option("--format", "-f", help="Output format.")
@@ -267,7 +272,10 @@ def analytics_tools(query: AnalyticsQuery) -> None:
 @analytics_command("entities")
 def analytics_entities(
     query: AnalyticsQuery,
-    limit: Annotated[int, typer.Option("--limit", min=1, help="At most this many rows.")] = 100,
+    limit: Annotated[
+        int,
+        typer.Option("--limit", min=1, max=analytics.MAX_COUNT, help="At most this many rows."),
+    ] = 100,
 ) -> None:
     """The entities most users work with: accesses, and users with a fact about them."""
     window = query.window()

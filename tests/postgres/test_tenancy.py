@@ -394,15 +394,21 @@ async def test_an_upgrade_grants_its_new_table_to_the_app_roles_granted_before(
     pg_url: str,
 ) -> None:
     """``coda-memory grant app`` ran at revision 0005; 0006 adds ``rollup_owed``, which the
-    app role can use at once, and the analyst role cannot."""
+    app role can use at once, and the analyst role cannot. Only the app role itself is
+    granted it: not a member of it, nor ``pg_write_all_data``, which may insert into
+    ``ingest_batches`` too but may read no table (granted SELECT on ``rollup_owed``, its
+    members read every identity's owed rows)."""
     suffix = secrets.token_hex(4)
-    owner, app_role, analyst = (f"coda_{kind}_{suffix}" for kind in ("owner", "app", "analyst"))
-    roles = (owner, app_role, analyst)
+    owner, app_role, analyst, member = (
+        f"coda_{kind}_{suffix}" for kind in ("owner", "app", "analyst", "member")
+    )
+    roles = (owner, app_role, analyst, member)
     database = make_url(pg_url).database
     await _superuser(
         pg_url,
         *(f'CREATE ROLE "{role}" NOLOGIN' for role in roles),
         f'GRANT CREATE ON DATABASE "{database}" TO "{owner}"',
+        f'GRANT "{app_role}" TO "{member}"',
     )
     engine = create_async_engine(
         pg_url, poolclass=pool.NullPool, connect_args={"server_settings": {"role": owner}}
@@ -418,6 +424,13 @@ async def test_an_upgrade_grants_its_new_table_to_the_app_roles_granted_before(
                 f'GRANT SELECT, INSERT, UPDATE, DELETE ON {SCHEMA}.ingest_batches TO "{app_role}";'
                 f'GRANT SELECT ON {SCHEMA}.tool_daily TO "{analyst}"'
             )
+            await conn.run_sync(_upgrade_to("0010"))
+            await conn.commit()
+            # What 0006 and 0007 granted before they asked the tables' ACL (0011 revokes it).
+            await driver.execute(
+                f"GRANT SELECT, INSERT, UPDATE, DELETE ON {SCHEMA}.rollup_owed,"
+                f" {SCHEMA}.ingest_batches_spill TO pg_write_all_data"
+            )
             await conn.run_sync(_upgrade_to("head"))
             await conn.commit()
             granted = {
@@ -426,7 +439,19 @@ async def test_an_upgrade_grants_its_new_table_to_the_app_roles_granted_before(
                 )
                 for role in (app_role, analyst)
             }
+            grantees = {
+                table: set(
+                    await driver.fetchval(
+                        "SELECT array_agg(DISTINCT acl.grantee::regrole::text)"
+                        " FROM pg_class c, aclexplode(c.relacl) AS acl WHERE c.oid = $1::regclass",
+                        f"{SCHEMA}.{table}",
+                    )
+                )
+                for table in ("rollup_owed", "ingest_batches_spill")
+            }
         assert granted == {app_role: True, analyst: False}
+        own = {owner, app_role}
+        assert grantees == {"rollup_owed": own, "ingest_batches_spill": own}
     finally:
         await engine.dispose()
         await _superuser(

@@ -1,17 +1,25 @@
--- A table that a migration adds after `coda-memory grant app` ran: every role that may
--- already insert into ingest_batches (an app role) gets what grant_app.sql grants on
--- {table}, so upgrading needs no new grant. Owners and superusers need none. The roles
--- come from the catalog and are quoted by format('%I').
+-- A table that a migration adds after `coda-memory grant app` ran: every role that was
+-- granted INSERT on ingest_batches itself (an app role) gets what grant_app.sql grants
+-- on {table}, so upgrading needs no new grant. Only grants written in the table's ACL
+-- count: a role that holds the privilege through membership (a member of the app role,
+-- or of pg_write_all_data, which may write every table but read none) gets nothing of
+-- its own, and predefined roles (pg_*), PUBLIC, owners and superusers are left out. The
+-- roles come from the catalog and are quoted by format('%I').
 DO $grant$
 DECLARE
     grantee name;
 BEGIN
     FOR grantee IN
-        SELECT r.rolname
-        FROM pg_roles r
-        WHERE NOT r.rolsuper
+        SELECT DISTINCT r.rolname
+        FROM pg_class c
+        CROSS JOIN LATERAL aclexplode(c.relacl) AS acl
+        JOIN pg_roles r ON r.oid = acl.grantee
+        WHERE c.oid = '{schema}.ingest_batches'::regclass
+            AND acl.privilege_type = 'INSERT'
+            AND acl.grantee <> c.relowner
+            AND NOT r.rolsuper
             AND r.rolname <> current_user
-            AND has_table_privilege(r.oid, '{schema}.ingest_batches', 'INSERT')
+            AND r.rolname NOT LIKE 'pg\_%'
     LOOP
         EXECUTE format('GRANT SELECT, INSERT, UPDATE, DELETE ON {schema}.{table} TO %I', grantee);
     END LOOP;
