@@ -23,8 +23,13 @@ def import_redis(
         str, typer.Argument(help="The original deployment's Redis (redis://host:port/db).")
     ],
     prefix: Annotated[
-        str, typer.Option("--prefix", help="The key prefix the original server used.")
-    ] = "coda:memory:",
+        str | None,
+        typer.Option(
+            "--prefix",
+            help="The key prefix the original server used (default: the URL's ?prefix=, "
+            "else coda:memory:).",
+        ),
+    ] = None,
     url: UrlOption = None,
     schema: SchemaOption = DEFAULT_SCHEMA,
     dry_run: Annotated[
@@ -43,7 +48,14 @@ def import_redis(
     from coda_memory.redis import RedisStore
 
     async def main() -> ImportSummary:
-        source = RedisStore.from_url(redis_url, prefix=prefix)
+        try:
+            source = RedisStore.from_url(redis_url, prefix=prefix)
+        except ValueError as exc:  # its message may hold the password: not shown
+            raise CliError(
+                f"invalid Redis URL {masked_url(redis_url)} (a password holding /, #, ? or @ "
+                "must be percent-encoded)",
+                code=2,
+            ) from exc
         try:
             try:
                 await source.client.ping()

@@ -17,7 +17,6 @@ from typing import Any, NoReturn, TypeVar
 
 import typer
 from sqlalchemy import pool, select
-from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError, DBAPIError
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
@@ -150,11 +149,14 @@ class Target:
 
 
 def masked_url(url: str) -> str:
-    """``url`` with its password shown as ``***``."""
-    try:
-        return make_url(url).render_as_string(hide_password=True)
-    except (ArgumentError, ValueError, TypeError):
-        return re.sub(r"//([^:/@]*):[^@]*@", r"//\1:***@", url)
+    """``url`` with its password shown as ``***``: everything between the user's ``:``
+    and the last ``@``, which a password may hold (unencoded ``/``, ``@`` or ``#`` too)."""
+    scheme, separator, rest = url.partition("://")
+    if not separator or "@" not in rest:
+        return url
+    userinfo, _, host = rest.rpartition("@")
+    user, colon, _ = userinfo.partition(":")
+    return f"{scheme}://{user}{':***' if colon else ''}@{host}"
 
 
 def resolve_target(url: str | None, schema: str, *, announce: bool = True) -> Target:

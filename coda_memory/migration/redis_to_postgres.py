@@ -5,7 +5,10 @@ that ends with its ledger row (see :mod:`coda_memory.postgres.imports`): a secon
 copies nothing, and a run killed half-way resumes at the identity it was copying. Each
 identity is read whole from Redis first (:mod:`coda_memory.redis.export`); observations
 are validated as new emits are, and every record that cannot be used is counted and
-reported by key, never stopping the copy.
+reported by key, never stopping the copy. An identity whose records fail in a way the
+checks did not foresee (a key of another type, a value Postgres refuses, an identity that
+is not UTF-8 text) is left out whole and reported, and the next one goes on; a store that
+fails stops the run.
 """
 
 from __future__ import annotations
@@ -14,8 +17,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime
 
+from coda_memory.core.logs import short_error
 from coda_memory.core.model import Observation
 from coda_memory.core.sanitize import ObservationRecord
+from coda_memory.postgres.engine import is_data_error
 from coda_memory.postgres.imports import IdentityCopy, copied_identities, copy_identity
 from coda_memory.postgres.store import PostgresStore
 from coda_memory.redis.codec import BadRecord, sanitized
@@ -70,36 +75,79 @@ async def import_redis(
             if on_identity is not None:
                 on_identity(identity, done, len(identities))
             continue
-        exported = await export_identity(source, identity)
-        obs_key = source.keys.of("obs", identity)
-        copy = IdentityCopy(
-            identity_id=identity,
-            source=source.keys.prefix,
-            consumed=_clean(exported, exported.consumed, obs_key),
-            pending=_clean(exported, exported.pending, obs_key),
-            facts=exported.facts,
-            events=exported.events,
-            checkpoint_at=exported.checkpoint_at,
-        )
-        summary.bad += exported.bad
-        if target is None:
-            summary.copied += 1
-            summary.observations += len(copy.consumed) + len(copy.pending)
-            summary.consumed_observations += len(copy.consumed)
-            summary.facts += len(copy.facts)
-            summary.fact_events += len(copy.events)
-            summary.checkpoints += copy.checkpoint_at is not None
-        else:
-            counts = await copy_identity(target, copy, now())
-            if counts is None:
-                summary.skipped += 1
-            else:
-                summary.copied += 1
-                summary.observations += counts.observations
-                summary.consumed_observations += counts.consumed_observations
-                summary.facts += counts.facts
-                summary.fact_events += counts.fact_events
-                summary.checkpoints += counts.checkpoints
+        problem = _unusable(identity)
+        if problem is None:
+            try:
+                await _copy_one(source, target, identity, summary, now)
+            except Exception as exc:
+                if not (isinstance(exc, BadRecord) or is_data_error(exc)):
+                    raise  # the store, not this identity's records: the run stops
+                problem = f"not copied: {short_error(exc, show=True)}"
+        if problem is not None:
+            # Left out whole; it is not in the ledger, so a later run tries it again.
+            summary.bad.append((f"{source.keys.prefix}*:{_label(identity)}", problem))
         if on_identity is not None:
             on_identity(identity, done, len(identities))
     return summary
+
+
+def _unusable(identity: str) -> str | None:
+    """Why ``identity`` (from a Redis key) cannot be an identity in Postgres, if it can't."""
+    try:
+        identity.encode("utf-8")
+    except UnicodeEncodeError:
+        return "the identity in the key is not UTF-8 text"
+    if "\x00" in identity:
+        return "the identity in the key holds a NUL character"
+    return None
+
+
+def _label(identity: str) -> str:
+    """``identity`` as printable text: what is not UTF-8 as escaped bytes."""
+    raw = identity.encode("utf-8", "surrogateescape")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return repr(raw)
+    return text if text.isprintable() else repr(text)
+
+
+async def _copy_one(
+    source: RedisStore,
+    target: PostgresStore | None,
+    identity: str,
+    summary: ImportSummary,
+    now: Callable[[], datetime],
+) -> None:
+    """Read ``identity`` from ``source``, and copy it into ``target`` (None: count it)."""
+    exported = await export_identity(source, identity)
+    obs_key = source.keys.of("obs", identity)
+    copy = IdentityCopy(
+        identity_id=identity,
+        source=source.keys.prefix,
+        consumed=_clean(exported, exported.consumed, obs_key),
+        pending=_clean(exported, exported.pending, obs_key),
+        facts=exported.facts,
+        events=exported.events,
+        checkpoint_at=exported.checkpoint_at,
+    )
+    if target is None:
+        summary.bad += exported.bad
+        summary.copied += 1
+        summary.observations += len(copy.consumed) + len(copy.pending)
+        summary.consumed_observations += len(copy.consumed)
+        summary.facts += len(copy.facts)
+        summary.fact_events += len(copy.events)
+        summary.checkpoints += copy.checkpoint_at is not None
+        return
+    counts = await copy_identity(target, copy, now())
+    summary.bad += exported.bad
+    if counts is None:
+        summary.skipped += 1
+        return
+    summary.copied += 1
+    summary.observations += counts.observations
+    summary.consumed_observations += counts.consumed_observations
+    summary.facts += counts.facts
+    summary.fact_events += counts.fact_events
+    summary.checkpoints += counts.checkpoints

@@ -44,6 +44,8 @@ from coda_memory.core.sanitize import (
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 #: Epoch ms beyond which a time is impossible here (datetime's range ends at year 9999).
 _MAX_MS = 253_402_300_799_999
+#: The largest reinforcement count: Postgres stores it as an integer.
+MAX_COUNT = 2**31 - 1
 
 
 class BadRecord(ValueError):
@@ -205,10 +207,12 @@ def _probability(value: object, field: str) -> float:
     return float(value)
 
 
-def _text(value: dict[str, Any], field: str) -> str:
+def _text(value: dict[str, Any], field: str, *, empty: bool = False) -> str:
     text = value.get(field)
-    if not isinstance(text, str) or not text:
+    if not isinstance(text, str) or not (text or empty):
         raise BadRecord(f"{field} is not a non-empty string")
+    if "\x00" in text:  # Postgres text cannot hold it
+        raise BadRecord(f"{field} holds a NUL character")
     return text
 
 
@@ -223,8 +227,8 @@ def fact_from_json(identity_id: str, raw: str | bytes) -> Fact:
     count = value.get("reinforcementCount")
     if isinstance(count, float) and count.is_integer():
         count = int(count)
-    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
-        raise BadRecord("reinforcementCount is not a positive integer")
+    if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= MAX_COUNT:
+        raise BadRecord(f"reinforcementCount is not an integer from 1 to {MAX_COUNT}")
     ease = value.get("easeFactor")
     if ease is not None and (
         isinstance(ease, bool)
@@ -241,7 +245,9 @@ def fact_from_json(identity_id: str, raw: str | bytes) -> Fact:
         identity_id=identity_id,
         category=category,
         subject=_text(value, "subject"),
-        content=value["content"] if isinstance(value.get("content"), str) else "",
+        content=_text(value, "content", empty=True)
+        if isinstance(value.get("content"), str)
+        else "",
         confidence=_probability(value.get("confidence"), "confidence"),
         reinforcement_count=count,
         last_reinforced_at=from_ms(value.get("lastReinforcedAt"), "lastReinforcedAt"),

@@ -13,6 +13,8 @@ import json
 from dataclasses import dataclass, field
 from datetime import datetime
 
+from redis.exceptions import ResponseError
+
 from coda_memory.core.model import Fact, FactEvent, Observation
 from coda_memory.redis.codec import (
     BadRecord,
@@ -64,7 +66,10 @@ async def export_identity(store: RedisStore, identity_id: str) -> ExportedIdenti
         pipe.hgetall(facts_key)
         pipe.lrange(history_key, 0, -1)
         pipe.hvals(sessions_key)
-        checkpoint, members, pending, facts, history, sessions = await pipe.execute()
+        try:
+            checkpoint, members, pending, facts, history, sessions = await pipe.execute()
+        except ResponseError as exc:  # WRONGTYPE: a key of another type than the layout's
+            raise BadRecord(f"a key of the wrong type ({exc})") from exc
     out = ExportedIdentity(identity_id)
     limit: float | None = None
     if checkpoint is not None:

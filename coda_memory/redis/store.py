@@ -269,14 +269,16 @@ class RedisStore:
         return None if raw is None else from_ms(float(raw), "checkpoint")
 
     async def identities(self) -> list[str]:
-        """Every identity with observations, facts, history or a checkpoint, sorted."""
+        """Every identity with observations, facts, history or a checkpoint, sorted. A key
+        that is not UTF-8 (no identity coda-memory stores) gives an identity with its
+        bytes as surrogate escapes, which the caller can tell apart and report."""
         found: set[str] = set()
         for kind in ("obs", "facts", "pending", "history"):
             async for key in self.client.scan_iter(match=self.keys.pattern(kind), count=1000):
-                text = key.decode() if isinstance(key, bytes) else str(key)
+                text = _text(key)
                 found.add(self.keys.identity_of(kind, text))
         for field in await self.client.hkeys(self.keys.checkpoint):
-            found.add(field.decode() if isinstance(field, bytes) else str(field))
+            found.add(_text(field))
         return sorted(found)
 
     async def stats(self) -> RedisStoreStats:
@@ -321,3 +323,8 @@ class RedisStore:
 
 
 __all__ = ["LockLost", "LockTimeout", "RedisStore", "RedisStoreStats", "split_prefix"]
+
+
+def _text(raw: bytes | str) -> str:
+    """A key or field as text; bytes that are not UTF-8 as surrogate escapes."""
+    return raw.decode("utf-8", "surrogateescape") if isinstance(raw, bytes) else str(raw)

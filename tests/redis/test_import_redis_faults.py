@@ -1,0 +1,130 @@
+"""import-redis on records no check foresaw: one identity's bad data never stops the copy
+of the others, and the command line reads the URL's prefix and never shows a password."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import redis
+import redis.asyncio as aioredis
+from typer.testing import CliRunner
+
+from coda_memory.cli import app
+from coda_memory.migration import import_redis
+from coda_memory.postgres import PostgresStore
+from coda_memory.redis import RedisStore
+from coda_memory.redis.store import split_prefix
+from tests.redis.test_import_redis import fact, ms, now, observation, row_counts
+
+
+async def _seed_good(client: aioredis.Redis, prefix: str, identity: str) -> None:
+    await client.zadd(
+        f"{prefix}obs:{identity}", {observation(identity, "1", 1, "get_account"): ms(1)}
+    )
+    await client.hset(
+        f"{prefix}facts:{identity}", "fact:tool_affinity:t", fact(identity, "t", 0.5, 1)
+    )
+
+
+def _event(identity: str, count_after: int) -> str:
+    return json.dumps(
+        {
+            "identityId": identity,
+            "subject": "tool_affinity:t",
+            "category": "tool_affinity",
+            "kind": "reinforced",
+            "sessionId": "s1",
+            "at": ms(2),
+            "confidenceBefore": 0.5,
+            "confidenceAfter": 0.6,
+            "countBefore": 1,
+            "countAfter": count_after,
+            "easeBefore": None,
+            "easeAfter": None,
+            "quality": None,
+            "hits": None,
+            "trials": None,
+        }
+    )
+
+
+async def test_records_postgres_cannot_hold_leave_out_what_they_must_and_no_more(
+    redis_client: aioredis.Redis, redis_url: str, redis_prefix: str, pg_url: str
+) -> None:
+    p = redis_prefix
+    for identity in ("a-good", "b-case", "c-type", "d-event", "e-good"):
+        await _seed_good(redis_client, p, identity)
+    # Facts Postgres cannot store: left out one by one, the rest of b-case is copied.
+    await redis_client.hset(
+        f"{p}facts:b-case",
+        mapping={
+            "fact:tool_affinity:big": fact("b-case", "big", 0.5, 3_000_000_000),
+            "fact:tool_affinity:nul": fact("b-case", "nul", 0.5, 1, subject="tool_affinity:\x00"),
+        },
+    )
+    # A key of another type than the layout's, and a fact event (coda-memory's own key,
+    # read as trusted) that Postgres refuses: the identity is left out whole.
+    await redis_client.set(f"{p}pending:c-type", "oops")
+    await redis_client.rpush(f"{p}history:d-event", _event("d-event", 3_000_000_000))
+    # An identity that is not UTF-8 text, and one that holds a NUL.
+    await redis_client.hset(f"{p}facts:".encode() + b"f-bad\xff", "x", fact("x", "t", 0.5, 1))
+    await redis_client.hset(f"{p}facts:g\x00nul", "x", fact("g\x00nul", "t", 0.5, 1))
+
+    source = RedisStore.from_url(redis_url)
+    target = PostgresStore.from_url(pg_url)
+    try:
+        dry = await import_redis(source, None, now=now)
+        summary = await import_redis(source, target, now=now)
+        again = await import_redis(source, target, now=now)
+    finally:
+        await source.close()
+        await target.close()
+
+    reasons = dict(summary.bad)
+    assert reasons[f"{p}facts:b-case field 'fact:tool_affinity:big'"].startswith(
+        "reinforcementCount is not an integer"
+    )
+    assert reasons[f"{p}facts:b-case field 'fact:tool_affinity:nul'"] == (
+        "subject holds a NUL character"
+    )
+    assert reasons[f"{p}*:c-type"].startswith("not copied: BadRecord: a key of the wrong type")
+    assert reasons[f"{p}*:d-event"].startswith("not copied: ")
+    assert reasons[f"{p}*:b'f-bad\\xff'"] == "the identity in the key is not UTF-8 text"
+    assert reasons[f"{p}*:'g\\x00nul'"] == "the identity in the key holds a NUL character"
+    assert len(summary.bad) == 6
+    # The dry run finds all but what only Postgres refuses.
+    assert {key for key, _ in dry.bad} == set(reasons) - {f"{p}*:d-event"}
+    # Every other identity is copied, those after the bad ones included.
+    assert (summary.identities, summary.copied) == (7, 3)
+    counts = await row_counts(pg_url)
+    assert (counts["observations"], counts["facts"], counts["redis_imports"]) == (3, 3, 3)
+    # What was left out whole is not in the ledger: a later run tries it again.
+    assert (again.copied, again.skipped) == (0, 3)
+    assert {key for key, _ in again.bad} == {
+        f"{p}*:c-type",
+        f"{p}*:d-event",
+        f"{p}*:b'f-bad\\xff'",
+        f"{p}*:'g\\x00nul'",
+    }
+
+
+def test_the_command_reads_the_prefix_of_the_url(
+    redis_url: str, redis_prefix: str, pg_url: str
+) -> None:
+    server, _ = split_prefix(redis_url)
+    client = redis.Redis.from_url(server)
+    client.hset(f"{redis_prefix}facts:bob", "fact:tool_affinity:t", fact("bob", "t", 0.5, 1))
+    client.close()
+    result = CliRunner().invoke(app, ["import-redis", redis_url, "--dry-run", "-f", "json"])
+    assert result.exit_code == 0, result.output
+    assert (json.loads(result.stdout)["identities"], json.loads(result.stdout)["facts"]) == (1, 1)
+
+
+def test_a_url_that_cannot_be_parsed_never_shows_its_password(pg_url: str) -> None:
+    for url in ("redis://admin:hunter2/x@127.0.0.1:6379/14", "redis://u:s3c:r@et@127.0.0.1:1/0"):
+        result = CliRunner().invoke(app, ["import-redis", url, "--dry-run", "--url", pg_url])
+        assert result.exit_code in (1, 2), result.output
+        assert "hunter2" not in result.output and "et@" not in result.output, result.output
+        assert result.output.startswith("error: "), result.output
+    assert asyncio.run(row_counts(pg_url))["redis_imports"] == 0
