@@ -52,7 +52,7 @@ def _clean(
         try:
             clean.append(sanitized(observation))
         except BadRecord as exc:
-            exported.bad.append((f"{key} id {observation.id}", str(exc)))
+            exported.bad.append((exported.labels.get(observation.id, key), str(exc)))
     return clean
 
 

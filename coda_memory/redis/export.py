@@ -38,6 +38,8 @@ class ExportedIdentity:
     checkpoint_at: datetime | None = None
     #: (key, reason) for each record left out.
     bad: list[tuple[str, str]] = field(default_factory=list)
+    #: Where each observation was read from (by its id), to name one left out later.
+    labels: dict[int, str] = field(default_factory=dict)
 
 
 def _text(value: bytes) -> str:
@@ -85,15 +87,28 @@ async def export_identity(store: RedisStore, identity_id: str) -> ExportedIdenti
         except BadRecord as exc:
             out.bad.append((_member_label(obs_key, member), str(exc)))
             continue
+        out.labels[observation.id] = _member_label(obs_key, member)
         if member in waiting or limit is None or score > limit:
             out.pending.append(observation)
         else:
             out.consumed.append(observation)
+    first_field: dict[str, bytes] = {}  # by subject: Postgres holds one fact per subject
     for name, raw in sorted(facts.items()):
         try:
-            out.facts.append(fact_from_json(identity_id, raw))
+            fact = fact_from_json(identity_id, raw)
         except BadRecord as exc:
             out.bad.append((f"{facts_key} field {_text(name)!r}", str(exc)))
+            continue
+        first = first_field.setdefault(fact.subject, name)
+        if first != name:
+            out.bad.append(
+                (
+                    f"{facts_key} field {_text(name)!r}",
+                    f"a second fact about its subject (field {_text(first)!r} is copied)",
+                )
+            )
+            continue
+        out.facts.append(fact)
     out.events, bad_events = _events(identity_id, history, sessions)
     out.bad += [(history_key if i < len(history) else sessions_key, r) for i, r in bad_events]
     return out

@@ -128,3 +128,33 @@ def test_a_url_that_cannot_be_parsed_never_shows_its_password(pg_url: str) -> No
         assert "hunter2" not in result.output and "et@" not in result.output, result.output
         assert result.output.startswith("error: "), result.output
     assert asyncio.run(row_counts(pg_url))["redis_imports"] == 0
+
+
+async def test_a_second_fact_about_a_subject_and_a_rejected_observation_are_named(
+    redis_client: aioredis.Redis, redis_url: str, redis_prefix: str, pg_url: str
+) -> None:
+    p = redis_prefix
+    await redis_client.hset(
+        f"{p}facts:h-dup",
+        mapping={
+            "fact:a": fact("h-dup", "t", 0.5, 1, id="fact:a"),
+            "fact:b": fact("h-dup", "t", 0.9, 4, id="fact:b"),
+        },
+    )
+    # Parsed, then refused by the checks a new emit passes (a tool name with a space).
+    await redis_client.zadd(f"{p}obs:h-dup", {observation("h-dup", "n2", 1, "bad name"): ms(1)})
+    source = RedisStore.from_url(redis_url)
+    target = PostgresStore.from_url(pg_url)
+    try:
+        summary = await import_redis(source, target, now=now)
+    finally:
+        await source.close()
+        await target.close()
+    reasons = dict(summary.bad)
+    assert reasons.pop(f"{p}facts:h-dup field 'fact:b'") == (
+        "a second fact about its subject (field 'fact:a' is copied)"
+    )
+    # By the id the original server gave it, which finds it in Redis.
+    [(key, _)] = reasons.items()
+    assert key == f"{p}obs:h-dup id 'n2'"
+    assert (summary.copied, summary.facts) == (1, 1)
