@@ -12,7 +12,7 @@ import re
 from collections.abc import AsyncIterator, Callable, Coroutine
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any, NoReturn, TypeVar
 
 import typer
@@ -133,9 +133,15 @@ def parse_duration(text: str, option: str) -> timedelta:
             code=2,
         )
     try:
-        return timedelta(**{_UNITS[match[2]]: float(match[1])})
+        duration = timedelta(**{_UNITS[match[2]]: float(match[1])})
+        datetime.now(UTC) - duration  # a duration back from now, as every option uses it
     except OverflowError as exc:
         raise CliError(f"invalid duration {text!r} for {option}: too long", code=2) from exc
+    if duration <= timedelta(0):
+        raise CliError(
+            f"invalid duration {text!r} for {option}: shorter than a microsecond", code=2
+        )
+    return duration
 
 
 @dataclass(frozen=True)
@@ -246,8 +252,10 @@ async def open_store(
         pool_size=pool_size,
         # The owner's maintenance works across identities (row-level security).
         connect_args={"timeout": CONNECT_TIMEOUT, "server_settings": ALL_IDENTITIES},
-        # Maintenance (a rollup rebuild, a big prune batch) may run long.
+        # Maintenance (a rollup rebuild, a big prune batch, the consolidation of a long
+        # backlog) may run long; a lock wait ends after --lock-wait, not before.
         command_timeout=None,
+        statement_timeout=None,
         **options,
     )
     try:

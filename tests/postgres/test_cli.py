@@ -506,6 +506,18 @@ def test_consolidate_reports_an_identity_locked_too_long_as_busy(pg_url: str) ->
     assert "consolidated 1 of 1" in run("consolidate", "--all", "--url", pg_url).stdout
 
 
+def test_a_lock_wait_past_a_second_is_waited_for_then_busy(pg_url: str) -> None:
+    """The request pool's statement timeout (1 s) ended the lock wait first: the identity
+    was reported as failed, exit 1, whatever --lock-wait said."""
+    seed_alice(pg_url)
+    emit_pending(pg_url, ["alice"])
+    with checkpoint_locked(pg_url, "alice"):
+        result = run("consolidate", "alice", "--lock-wait", "1200ms", "--url", pg_url)
+    assert result.exit_code == 0, result.output
+    assert "busy (still locked by live traffic, rerun later): 'alice'" in result.stdout
+    assert "statement timeout" not in result.output
+
+
 def test_consolidate_fails_with_exit_1_when_an_identity_fails(
     pg_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -27,7 +27,10 @@ def test_durations_parse(text: str, expected: timedelta) -> None:
 
 
 @pytest.mark.parametrize(
-    "text", ["", "30", "d", "3x", "-1d", "0d", "0.0h", "1 day", "1d2h", "1e9w"]
+    "text",
+    # 500000w is a timedelta, but not one back from now (before year 1); 0.0001ms rounds
+    # to nothing.
+    ["", "30", "d", "3x", "-1d", "0d", "0.0h", "1 day", "1d2h", "1e9w", "500000w", "0.0001ms"],
 )
 def test_bad_durations_are_usage_errors_that_name_the_option(text: str) -> None:
     with pytest.raises(CliError) as raised:
