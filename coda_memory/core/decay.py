@@ -187,6 +187,13 @@ class DecayFormula:
     #: The ease of a fact that has none; None: the formula has no ease (it is 1).
     default_ease: float | None
 
+    @property
+    def max_exponent(self) -> float:
+        """The exponent past which ``base ** exponent`` is below 1e-300, far below any
+        expiry threshold: a store caps the exponent there, since a power that leaves the
+        floats is an error in SQL (Postgres: "underflow") where Python's is 0.0."""
+        return math.log(1e-300) / math.log(self.base)
+
 
 def decay_formula(decay: DecayStrategy) -> DecayFormula | None:
     """``decay``'s formula as data; None for any other strategy (a subclass too, which

@@ -567,6 +567,7 @@ class PostgresStore:
                         identity_id=identity_id,
                         now=cap.clock(),
                         base=formula.base,
+                        max_exponent=formula.max_exponent,
                         with_ease=formula.default_ease is not None,
                         default_ease=formula.default_ease,
                         expiry_threshold=formula.expiry_threshold,

@@ -380,3 +380,23 @@ async def test_a_strategy_the_store_cannot_compute_is_capped_in_the_application(
         assert len(await service.consolidate("alice")) == KEEP
     finally:
         await service.close()
+
+
+async def test_facts_decayed_past_what_a_float_holds_expire_on_the_server(pg_url: str) -> None:
+    """With base 0.5, a fact three years old decays to 0.5 ** 1095: below the smallest
+    float. Postgres's power() fails on that ("value out of range: underflow") where
+    Python's gives 0.0, so the cap failed, and the identity's consolidation with it."""
+    subjects = [f"entity_frequency:account:x{n:03}" for n in range(FACTS)]
+    long_ago = NOW - timedelta(days=3 * 365)
+    await _seed_alike(pg_url, "alice", subjects, 0.8, 3, long_ago, long_ago)
+    service = MemoryService(
+        PostgresStore.from_url(pg_url),
+        clock=lambda: NOW,
+        max_facts=KEEP,
+        decay=ExponentialDecay(base=0.5),
+    )
+    try:
+        assert await service.consolidate("alice") == []
+        assert await fetch(pg_url, "SELECT count(*) FROM coda_memory.facts") == [(0,)]
+    finally:
+        await service.close()

@@ -44,7 +44,11 @@ decayed AS MATERIALIZED (
         subject,
         reinforcement_count,
         ease,
-        confidence * power(CAST(:base AS float8), days / ease) AS confidence
+        -- (The exponent capped where the power is still a float far below any
+        -- threshold: past it, power() fails with "underflow".)
+        confidence * power(
+            CAST(:base AS float8), least(days / ease, CAST(:max_exponent AS float8))
+        ) AS confidence
     FROM seen
     WHERE ease > 0
 ),
