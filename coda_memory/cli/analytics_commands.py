@@ -90,15 +90,9 @@ class AnalyticsQuery:
         work): a positive duration of at most 100 years."""
         assert self.since is not None, "a command without --since has no window"
         try:
-            window = parse_duration(self.since, "--since")
+            window = parse_duration(self.since, "--since", at_most=MAX_WINDOW)
         except CliError as exc:
             fail(str(exc), exc.code)
-        if window > MAX_WINDOW:
-            fail(
-                f"invalid duration {self.since!r} for --since: at most {MAX_WINDOW.days}d "
-                "(100 years)",
-                2,
-            )
         if window % timedelta(days=1):
             fail(
                 f"invalid duration {self.since!r} for --since: analytics count whole UTC "

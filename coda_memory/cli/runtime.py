@@ -123,8 +123,10 @@ _UNITS = {
 }
 
 
-def parse_duration(text: str, option: str) -> timedelta:
-    """``30d``, ``12h``, ``90m``, ``45s``, ``500ms`` or ``2w`` as a positive timedelta."""
+def parse_duration(text: str, option: str, *, at_most: timedelta | None = None) -> timedelta:
+    """``30d``, ``12h``, ``90m``, ``45s``, ``500ms`` or ``2w`` as a positive timedelta, of
+    ``at_most`` whole days at most when given, that reaches no further back from now than
+    year 1."""
     match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d|w)\s*", text.lower())
     if match is None or float(match[1]) <= 0:
         raise CliError(
@@ -134,6 +136,10 @@ def parse_duration(text: str, option: str) -> timedelta:
         )
     try:
         duration = timedelta(**{_UNITS[match[2]]: float(match[1])})
+        if at_most is not None and duration > at_most:
+            raise CliError(
+                f"invalid duration {text!r} for {option}: at most {at_most.days}d", code=2
+            )
         datetime.now(UTC) - duration  # a duration back from now, as every option uses it
     except OverflowError as exc:
         raise CliError(f"invalid duration {text!r} for {option}: too long", code=2) from exc
