@@ -70,7 +70,8 @@ def quote_role(name: str) -> str:
         raise ValueError(f"invalid role name {name!r}")
     if len(name.encode("utf-8")) > _MAX_IDENTIFIER_BYTES:
         raise ValueError(f"invalid role name {name!r}: longer than 63 bytes")
-    if name.lower() == "public" or name.lower().startswith("pg_"):
+    # Reserved as Postgres reserves them, case and all ("PG_x" and "Public" are roles).
+    if name == "public" or name.startswith("pg_"):
         raise ValueError(f"invalid role name {name!r}: reserved")
     return '"' + name.replace('"', '""') + '"'
 

@@ -336,6 +336,8 @@ def test_grant_prints_statements_with_the_role_quoted() -> None:
     for bad in ("", "public", "pg_monitor", "x" * 64, "a\x00b"):
         with pytest.raises(ValueError):
             quote_role(bad)
+    # Postgres reserves these names case and all: quoted, these are roles like any other.
+    assert (quote_role("PG_x"), quote_role("Public")) == ('"PG_x"', '"Public"')
     result = CliRunner().invoke(app, ["grant", "owner", "someone", "--print"])
     assert result.exit_code == 2
 
