@@ -20,7 +20,7 @@ from datetime import datetime
 from coda_memory.core.logs import short_error
 from coda_memory.core.model import Observation
 from coda_memory.core.sanitize import ObservationRecord
-from coda_memory.postgres.engine import is_data_error
+from coda_memory.postgres.connection import is_data_error
 from coda_memory.postgres.imports import IdentityCopy, copied_identities, copy_identity
 from coda_memory.postgres.store import PostgresStore
 from coda_memory.redis.codec import BadRecord, sanitized

@@ -87,6 +87,12 @@ def sqlstate(exc: BaseException) -> str | None:
     return None
 
 
+def is_data_error(exc: BaseException) -> bool:
+    """True when ``exc`` says a value was refused: a data exception (SQLSTATE class 22:
+    out of range, a NUL character, …) or a broken constraint (class 23)."""
+    return (sqlstate(exc) or "")[:2] in ("22", "23")
+
+
 def lock_timeout_clause(lock_timeout: timedelta | None) -> str:
     """``SET LOCAL lock_timeout`` for the current transaction (None or zero: no limit).
 

@@ -69,15 +69,6 @@ async def driver_connection(conn: AsyncConnection) -> Any:
     return raw.driver_connection
 
 
-def is_data_error(exc: BaseException) -> bool:
-    """True when ``exc`` (a driver or SQLAlchemy error) says a value was refused: a data
-    exception (SQLSTATE class 22: out of range, a NUL character, …) or a broken
-    constraint (class 23)."""
-    if isinstance(exc, DBAPIError):
-        exc = exc.orig if exc.orig is not None else exc
-    return str(getattr(exc, "sqlstate", None) or "")[:2] in ("22", "23")
-
-
 def is_missing_relation(exc: BaseException) -> bool:
     """True when ``exc`` (a driver or SQLAlchemy error) says a table or schema is missing."""
     if isinstance(exc, DBAPIError):
