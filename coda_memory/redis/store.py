@@ -275,10 +275,10 @@ class RedisStore:
         found: set[str] = set()
         for kind in ("obs", "facts", "pending", "history"):
             async for key in self.client.scan_iter(match=self.keys.pattern(kind), count=1000):
-                text = _text(key)
+                text = _decoded(key)
                 found.add(self.keys.identity_of(kind, text))
         for field in await self.client.hkeys(self.keys.checkpoint):
-            found.add(_text(field))
+            found.add(_decoded(field))
         return sorted(found)
 
     async def stats(self) -> RedisStoreStats:
@@ -325,6 +325,6 @@ class RedisStore:
 __all__ = ["LockLost", "LockTimeout", "RedisStore", "RedisStoreStats", "split_prefix"]
 
 
-def _text(raw: bytes | str) -> str:
+def _decoded(raw: bytes | str) -> str:
     """A key or field as text; bytes that are not UTF-8 as surrogate escapes."""
     return raw.decode("utf-8", "surrogateescape") if isinstance(raw, bytes) else str(raw)
