@@ -310,6 +310,40 @@ async def test_fact_summary(seeded: PostgresStore) -> None:
     assert domains.mean_confidence == pytest.approx(0.35 * 0.95**10)
 
 
+async def test_facts_decayed_past_what_a_float_holds_are_expired(seeded: PostgresStore) -> None:
+    """``0.95 ** (days / ease)`` leaves the floats past an exponent of about 14,500, where
+    Postgres's power() fails with "underflow": 40 years on at ease 1, two years on at the
+    0.05-day stability that PowerLawDecay keeps as the ease, or 150 days on at an ease of
+    0.01 as here. One such fact in the table made every view that decays facts fail, for
+    every analyst."""
+    functions = (tool_effectiveness, entity_popularity, fact_summary)
+    before = [await function(seeded, min_users=1, now=NOW) for function in functions]
+    slow_to_learn = fact(
+        "tool_affinity:get_account",
+        identity_id="dee",
+        confidence=1.0,
+        at=NOW - timedelta(days=150),
+        ease_factor=0.01,
+    )
+    await consolidate(seeded, "dee", upserts=[slow_to_learn])
+
+    # Expired: it changes nothing.
+    assert [await function(seeded, min_users=1, now=NOW) for function in functions] == before
+    assert ("dee",) not in {
+        (row["identity_id"],)
+        for row in await view(seeded, "SELECT identity_id FROM coda_memory.active_facts")
+    }
+    # Forty years on, every fact has expired and the window holds no usage.
+    later = NOW + timedelta(days=40 * 365)
+    assert [await function(seeded, min_users=1, now=later) for function in functions] == [
+        [],
+        [],
+        [],
+    ]
+    for name in ("active_facts", "tool_effectiveness", "entity_popularity", "fact_summary"):
+        assert await view(seeded, f"SELECT * FROM coda_memory.{name}", now=later) == []
+
+
 async def test_rows_behind_fewer_than_min_users_are_hidden(seeded: PostgresStore) -> None:
     tools = await tool_effectiveness(seeded, min_users=2, now=NOW)
     assert [t.tool_name for t in tools] == ["get_account", "run_sql"]

@@ -6,6 +6,7 @@ import asyncio
 import gc
 import os
 import re
+import secrets
 import subprocess
 import sys
 import warnings
@@ -23,6 +24,7 @@ from coda_memory.postgres.schema import (
     schema_translate_map,
     validate_schema_name,
 )
+from coda_memory.postgres.tenancy import grant_script
 from tests.postgres.helpers import engine, fetch
 
 REPOSITORY = Path(__file__).resolve().parents[2]
@@ -45,7 +47,7 @@ TABLES = [
 ]
 
 #: The newest revision. A new migration updates this pin on purpose.
-HEAD = "0011"
+HEAD = "0012"
 
 
 def alembic(url: str, *args: str, schema: str | None = None) -> subprocess.CompletedProcess[str]:
@@ -112,6 +114,64 @@ def test_upgrade_downgrade_upgrade_and_no_drift(empty_pg_url: str) -> None:
     check = alembic(empty_pg_url, "check")
     assert check.returncode == 0, check.stderr
     assert "No new upgrade operations detected" in check.stdout + check.stderr
+
+
+#: The views that decay facts, which 0012 replaces.
+DECAYING_VIEWS = ("active_facts", "tool_effectiveness", "entity_popularity", "fact_summary")
+
+
+async def superuser(url: str, *statements: str) -> None:
+    """Run ``statements`` (each a script, no parameters) on a connection of their own."""
+    conn = await asyncpg.connect(str(asyncpg_url(url)).replace("+asyncpg", ""))
+    try:
+        for statement in statements:
+            await conn.execute(statement)
+    finally:
+        await conn.close()
+
+
+def decaying_views(url: str, role: str) -> list[tuple[str, bool, bool, bool]]:
+    """Per view of DECAYING_VIEWS: capped (its exponent in least()), ``role``'s SELECT,
+    and a comment."""
+    rows = asyncio.run(
+        fetch(
+            url,
+            "SELECT v.name, position('LEAST(' in pg_get_viewdef(c.oid)) > 0, "
+            "has_table_privilege(:role, c.oid, 'SELECT'), obj_description(c.oid) IS NOT NULL "
+            "FROM unnest(CAST(:views AS text[])) AS v(name) "
+            "JOIN pg_class c ON c.oid = to_regclass('coda_memory.' || v.name) ORDER BY 1",
+            role=role,
+            views=list(DECAYING_VIEWS),
+        )
+    )
+    return [(row[0], row[1], row[2], row[3]) for row in rows]
+
+
+def test_0012_caps_the_views_decay_in_place(empty_pg_url: str) -> None:
+    role = f"coda_mig_analyst_{secrets.token_hex(4)}"
+    assert alembic(empty_pg_url, "upgrade", "0011").returncode == 0
+    asyncio.run(superuser(empty_pg_url, f'CREATE ROLE "{role}" NOLOGIN'))
+    try:
+        asyncio.run(superuser(empty_pg_url, grant_script("analyst", role, "coda_memory")))
+        # The analyst reads the aggregate views, not active_facts (it has identity_id).
+        granted = {"active_facts": False}
+        before = decaying_views(empty_pg_url, role)
+        assert before == [
+            (name, False, granted.get(name, True), True) for name in sorted(DECAYING_VIEWS)
+        ]
+
+        upgraded = alembic(empty_pg_url, "upgrade", "head")
+        assert upgraded.returncode == 0, upgraded.stderr
+        # Replaced in place: the grants and comments stay.
+        assert decaying_views(empty_pg_url, role) == [
+            (name, True, grant, comment) for name, _, grant, comment in before
+        ]
+
+        downgraded = alembic(empty_pg_url, "downgrade", "0011")
+        assert downgraded.returncode == 0, downgraded.stderr
+        assert decaying_views(empty_pg_url, role) == before
+    finally:
+        asyncio.run(superuser(empty_pg_url, f'DROP OWNED BY "{role}"', f'DROP ROLE "{role}"'))
 
 
 def vacuum_truncate_off(url: str, schema: str) -> list[str]:

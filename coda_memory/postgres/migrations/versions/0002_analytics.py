@@ -16,9 +16,7 @@ Create Date: 2026-11-30
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import sqlalchemy as sa
@@ -27,8 +25,7 @@ from sqlalchemy.dialects import postgresql
 from sqlalchemy.ext.compiler import compiles
 from sqlalchemy.schema import ExecutableDDLElement
 
-from coda_memory.postgres.schema import validate_schema_name
-from coda_memory.postgres.sql import in_schema, strip_comments
+from coda_memory.postgres.views import migrating_schema, view_statements
 
 revision: str = "0002"
 down_revision: str | Sequence[str] | None = "0001"
@@ -69,9 +66,6 @@ TABLES = (
 BUCKETS_PER_DOUBLING = 4
 MAX_BUCKET = 127
 MAX_KEY_CHARS = 200
-
-#: The end of a statement in a view's file (a view, then its comment).
-_STATEMENT_END = re.compile(r";\s*$", re.MULTILINE)
 
 
 class _DropView(ExecutableDDLElement):
@@ -354,28 +348,13 @@ def _backfill(observations: sa.Table, tables: dict[str, sa.Table]) -> None:
 
 # --- Views ----------------------------------------------------------------------------
 
-#: The views' SQL, one file per view (in ``migrations/views/0002``): a later migration that
-#: changes a view adds files of its own, so this revision always creates the same views.
-VIEW_SQL = Path(__file__).resolve().parent.parent / "views" / revision
-
-
-def _target_schema() -> str:
-    """The schema env.py migrates: its ``schema_translate_map`` moves ``SCHEMA`` there."""
-    context = op.get_context()
-    if context.as_sql:  # offline (--sql): env.py puts the version table in the target
-        return validate_schema_name(context.version_table_schema or SCHEMA)
-    translate = op.get_bind().get_execution_options().get("schema_translate_map") or {}
-    return validate_schema_name(translate.get(SCHEMA, SCHEMA))
-
 
 def _create_views() -> None:
-    """Each view and its comment, from its file; ``{schema}`` is the validated schema."""
-    schema = _target_schema()
+    """Each view and its comment, from its file in ``migrations/views/0002``."""
+    schema = migrating_schema(op.get_context())
     for name in VIEWS:
-        source = (VIEW_SQL / f"{name}.sql").read_text(encoding="utf-8")
-        for statement in _STATEMENT_END.split(in_schema(strip_comments(source), schema)):
-            if statement.strip():
-                op.execute(sa.text(statement.strip()))
+        for statement in view_statements(revision, name, schema):
+            op.execute(sa.text(statement))
 
 
 # --- Upgrade and downgrade ------------------------------------------------------------
