@@ -173,18 +173,18 @@ async def recorded(
 _LOG_ENTRY = re.compile(r"LOG:  duration: ([\d.]+) ms  (?:parse|bind|execute|statement)[^:]*: (.*)")
 
 
-def server_times(log_file: Path, start: int, end: int) -> dict[str, float]:
-    """Server-side milliseconds by statement label, from the server log's
-    ``log_min_duration_statement = 0`` lines between two offsets (parse + bind + execute)."""
+def server_entries(log_file: Path, start: int, end: int) -> list[tuple[float, str]]:
+    """The server log's ``log_min_duration_statement`` lines between two offsets, as
+    (milliseconds, statement label): one per parse, bind and execute that took as long."""
     with log_file.open("rb") as handle:
         handle.seek(start)
         text = handle.read(end - start).decode(errors="replace")
-    totals: dict[str, float] = defaultdict(float)
+    entries: list[tuple[float, str]] = []
     current: tuple[float, list[str]] | None = None
 
     def close() -> None:
         if current is not None:
-            totals[statement_label("\n".join(current[1]))] += current[0]
+            entries.append((current[0], statement_label("\n".join(current[1]))))
 
     for line in text.splitlines():
         match = _LOG_ENTRY.search(line)
@@ -197,6 +197,15 @@ def server_times(log_file: Path, start: int, end: int) -> dict[str, float]:
             close()
             current = None
     close()
+    return entries
+
+
+def server_times(log_file: Path, start: int, end: int) -> dict[str, float]:
+    """Server-side milliseconds by statement label, from the server log's
+    ``log_min_duration_statement = 0`` lines between two offsets (parse + bind + execute)."""
+    totals: dict[str, float] = defaultdict(float)
+    for milliseconds, label in server_entries(log_file, start, end):
+        totals[label] += milliseconds
     return dict(totals)
 
 

@@ -7,7 +7,10 @@ startup (``gc.freeze()``, see the README): a full collection of a process that i
 SQLAlchemy otherwise pauses the loop for tens of milliseconds. And once more on uvloop,
 the event loop uvicorn picks by itself when it is installed (``uvicorn[standard]``): a
 service of its own on a uvloop loop in a thread, while the run's loop waits for it.
-Targets are judged on the standard library's loop, the library's default."""
+Targets are judged on the standard library's loop, the library's default.
+
+Each concurrent row counts the statements that were slow on the server meanwhile
+(``benchmarks.slow_statements``), beside the loads over the 25 ms target."""
 
 from __future__ import annotations
 
@@ -19,17 +22,29 @@ import uvloop
 
 from benchmarks.host import HostRequests, LagTicker, Requests, seed_host
 from benchmarks.logcount import counted_logs
+from benchmarks.profiling.statements import log_offset
 from benchmarks.report import Figure
 from benchmarks.section import Context, Section
+from benchmarks.server import Server
+from benchmarks.slow_statements import (
+    SLOW_KEY,
+    SLOW_SERVER_MS,
+    slow_since,
+    slow_statements_logged,
+)
 from benchmarks.stats import latency_summary
 from benchmarks.workloads import DRAIN_TIMEOUT, Database
 from coda_memory import MemoryService
+
+#: The target of a load under concurrency: loads over it are counted.
+SLOW_LOAD_MS = 25
 
 
 def _row(mode: str, seen: Requests, timeouts: int, errors: int) -> dict[str, Any]:
     return {
         "mode": mode,
         **latency_summary(seen.seconds),
+        f"loads_over_{SLOW_LOAD_MS}ms": sum(s * 1000 > SLOW_LOAD_MS for s in seen.seconds),
         "empty": seen.empty,
         "timeouts": timeouts,
         "errors": errors,
@@ -45,10 +60,12 @@ async def _measured(
     mode: str,
     count: int,
     concurrency: int,
+    server: Server,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """``count`` requests, ``concurrency`` in flight: the mode's row, and the ticker's lag
     meanwhile (it ticks only with requests in flight together; {} otherwise)."""
     before = service.stats()
+    log_start = log_offset(server)
     if concurrency > 1:
         ticker.start()
     with counted_logs() as logs:
@@ -58,11 +75,17 @@ async def _measured(
     after = service.stats()
     timeouts = after.load_timeouts - before.load_timeouts
     errors = after.load_errors - before.load_errors
-    return _row(mode, seen, timeouts, errors) | {"warnings_logged": logs.lines}, lag
+    row = _row(mode, seen, timeouts, errors) | {"warnings_logged": logs.lines}
+    return row | slow_since(server, log_start), lag
 
 
 def _on_uvloop(
-    url: str, requests: HostRequests, count: int, concurrency: int, mode: str
+    url: str,
+    requests: HostRequests,
+    count: int,
+    concurrency: int,
+    mode: str,
+    server: Server,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """``count`` requests, ``concurrency`` in flight, through a new service on a new
     uvloop loop (in the calling thread, which it blocks): the row and the ticker's lag."""
@@ -72,7 +95,7 @@ def _on_uvloop(
         ticker = LagTicker()
         try:
             await requests.run(service, 4 * concurrency, concurrency)  # as on the other loop
-            measured = await _measured(service, requests, ticker, mode, count, concurrency)
+            measured = await _measured(service, requests, ticker, mode, count, concurrency, server)
             await service.drain(DRAIN_TIMEOUT)
             return measured
         finally:
@@ -83,9 +106,21 @@ def _on_uvloop(
 
 
 async def host_section(db: Database, ctx: Context) -> None:
-    sizes, report = ctx.sizes, ctx.report
+    sizes = ctx.sizes
     identities = await seed_host(db, "h", sizes.host_identities, sizes.host_facts)
     requests = HostRequests(identities, sizes.host_facts, seed=92)
+    async with slow_statements_logged(db.conn, ctx.server):
+        rows, lag, frozen_lag, uvloop_lag = await _runs(db, ctx, requests)
+    _report(ctx, rows, lag, frozen_lag, uvloop_lag)
+
+
+async def _runs(
+    db: Database,
+    ctx: Context,
+    requests: HostRequests,
+) -> tuple[list[dict[str, Any]], dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """The four runs' rows, then the ticker's lag in each of the concurrent ones."""
+    sizes = ctx.sizes
     service = MemoryService.from_url(db.url)
     ticker = LagTicker()
     rows: list[dict[str, Any]] = []
@@ -102,7 +137,9 @@ async def host_section(db: Database, ctx: Context) -> None:
             if frozen:
                 gc.collect()
                 gc.freeze()
-            row, seen_lag = await _measured(service, requests, ticker, mode, count, concurrency)
+            row, seen_lag = await _measured(
+                service, requests, ticker, mode, count, concurrency, ctx.server
+            )
             if frozen:
                 gc.unfreeze()
                 frozen_lag = seen_lag
@@ -120,8 +157,20 @@ async def host_section(db: Database, ctx: Context) -> None:
         sizes.host_requests,
         sizes.host_concurrency,
         f"{concurrent_mode}, uvloop",
+        ctx.server,
     )
     rows.append(uvloop_row)
+    return rows, lag, frozen_lag, uvloop_lag
+
+
+def _report(
+    ctx: Context,
+    rows: list[dict[str, Any]],
+    lag: dict[str, Any],
+    frozen_lag: dict[str, Any],
+    uvloop_lag: dict[str, Any],
+) -> None:
+    sizes, report = ctx.sizes, ctx.report
     report.tables["host"] = rows
     concurrent, sequential, frozen_row, uvloop_row = rows
     section = "8 host-shaped"
@@ -169,6 +218,22 @@ async def host_section(db: Database, ctx: Context) -> None:
                 met=row["p99_ms"] <= 25 if row is concurrent else None,
             )
         )
+    for row in (concurrent, frozen_row, uvloop_row):
+        slow = row[SLOW_KEY]
+        if slow is not None:
+            report.add(
+                Figure(
+                    section,
+                    f"{row['mode']}: statements of {SLOW_SERVER_MS} ms or more on the server "
+                    f"(loads over {SLOW_LOAD_MS} ms: {row[f'loads_over_{SLOW_LOAD_MS}ms']})",
+                    slow,
+                    "",
+                    details={
+                        "server_max_ms": row["server_max_ms"],
+                        **row["server_slow_statements"],
+                    },
+                )
+            )
     for row, pgbench in (
         (concurrent, ctx.eight),
         (sequential, ctx.one),

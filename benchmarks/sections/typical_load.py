@@ -2,7 +2,8 @@
 from 5 sessions, one client; then the same for identities that also keep a long history
 of consumed observations (a load's work must not grow with it); then the same on other
 identities in a host that froze its garbage collector after startup (``gc.freeze()``,
-see the README)."""
+see the README). Each variant counts the statements that were slow on the server
+meanwhile (``benchmarks.slow_statements``)."""
 
 from __future__ import annotations
 
@@ -11,19 +12,24 @@ import random
 from typing import Any
 
 from benchmarks.host import collector_pauses
+from benchmarks.profiling.statements import log_offset
 from benchmarks.report import Figure
 from benchmarks.section import Context, Section
+from benchmarks.server import Server
+from benchmarks.slow_statements import slow_since, slow_statements_logged
 from benchmarks.stats import latency_summary
 from benchmarks.workloads import Database, names, prepare_profile, timed_loads
 
 
-async def _loads(db: Database, identities: list[str]) -> dict[str, Any]:
+async def _loads(db: Database, server: Server, identities: list[str]) -> dict[str, Any]:
     # The collector's runs meanwhile: a collection that falls in a load adds to it.
+    log_start = log_offset(server)
     with collector_pauses() as pauses:
         loads = await timed_loads(db.service, identities)
     return {
         **latency_summary(loads.seconds),
         **pauses.summary(),
+        **slow_since(server, log_start),
         "facts": 200,
         "new_observations": 50,
         "sessions": 5,
@@ -47,14 +53,16 @@ async def typical_load_section(db: Database, ctx: Context) -> None:
     )
     for identity in warm:
         await db.service.load_memory(identity)
-    details = await _loads(db, identities)
-    history = await _loads(db, long_lived) | {"consumed_observations": sizes.history_observations}
-    gc.collect()
-    gc.freeze()
-    try:
-        frozen = await _loads(db, frozen_identities)
-    finally:
-        gc.unfreeze()
+    async with slow_statements_logged(db.conn, ctx.server):
+        details = await _loads(db, ctx.server, identities)
+        history = await _loads(db, ctx.server, long_lived)
+        gc.collect()
+        gc.freeze()
+        try:
+            frozen = await _loads(db, ctx.server, frozen_identities)
+        finally:
+            gc.unfreeze()
+    history["consumed_observations"] = sizes.history_observations
     name = "typical, 50 new observations in 5 sessions"
     report.tables["typical_load"] = [
         {"gc": "default", **details},

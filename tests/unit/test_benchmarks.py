@@ -16,6 +16,7 @@ import benchmarks
 import benchmarks.sections
 from benchmarks.__main__ import main, parse_args
 from benchmarks.profiling.run import profile_main
+from benchmarks.profiling.statements import server_entries
 from benchmarks.run import benchmark, selected
 from benchmarks.section import Section
 from benchmarks.sections import OPTIONS, SECTIONS
@@ -128,3 +129,21 @@ async def test_a_failing_section_is_reported_and_the_run_goes_on() -> None:
     assert report.failed == ["broken"]
     assert [f.name for f in report.figures] == ["before the failure"]
     assert report.notes == ["section broken failed: TimeoutError: the rebuild took too long"]
+
+
+def test_server_entries_reads_the_slow_statements_between_two_offsets(tmp_path: Path) -> None:
+    log = tmp_path / "log"
+    before = "2026-12-04 17:00:00 UTC [1] LOG:  duration: 9.0 ms  statement: COMMIT\n"
+    logged = (
+        "2026-12-04 17:00:01 UTC [2] LOG:  duration: 12.679 ms  execute __asyncpg_stmt_1__: "
+        "SELECT id\n"
+        "\tFROM coda_memory.facts WHERE identity_id = $1\n"
+        "2026-12-04 17:00:01 UTC [2] DETAIL:  parameters: $1 = 'x'\n"
+        "2026-12-04 17:00:02 UTC [3] LOG:  checkpoint starting: time\n"
+        "2026-12-04 17:00:03 UTC [2] LOG:  duration: 5.5 ms  parse <unnamed>: COMMIT\n"
+    )
+    log.write_bytes((before + logged).encode())
+
+    entries = server_entries(log, len(before.encode()), log.stat().st_size)
+
+    assert entries == [(12.679, "facts: load"), (5.5, "COMMIT")]
