@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Protocol, runtime_checkable
 
-from coda_memory.core.model import Fact, replaced
+from coda_memory.core.model import MAX_REINFORCEMENT_COUNT, Fact, replaced
 
 SECONDS_PER_DAY = 86_400.0
 
@@ -36,12 +36,13 @@ def _check_amounts(reinforce_amount: float, expiry_threshold: float) -> None:
 
 
 def _reinforced(fact: Fact, confidence: float, now: datetime, ease: float | None) -> Fact:
-    """``fact`` reinforced at ``now``: its new confidence, count and ease (one copy)."""
+    """``fact`` reinforced at ``now``: its new confidence, count (up to
+    MAX_REINFORCEMENT_COUNT) and ease (one copy)."""
     return replaced(
         fact,
         confidence=confidence,
         confidence_at=now,
-        reinforcement_count=fact.reinforcement_count + 1,
+        reinforcement_count=min(fact.reinforcement_count + 1, MAX_REINFORCEMENT_COUNT),
         last_reinforced_at=now,
         updated_at=now,
         ease_factor=ease,

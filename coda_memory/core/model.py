@@ -30,6 +30,10 @@ def is_identifier(value: object) -> bool:
 #: ``SYSTEM:…`` or as a URL.
 TOOL_NAME_PATTERN = re.compile(r"[A-Za-z0-9_.\-]{1,128}")
 
+#: The largest reinforcement count a fact holds (stores keep it as a 32-bit integer): a
+#: reinforcement past it keeps the count there.
+MAX_REINFORCEMENT_COUNT = 2**31 - 1
+
 
 def is_tool_name(value: object) -> bool:
     """True when ``value`` is a string matching :data:`TOOL_NAME_PATTERN`."""

@@ -26,6 +26,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from coda_memory.core.model import (
+    MAX_REINFORCEMENT_COUNT,
     Fact,
     FactCategory,
     FactEvent,
@@ -45,7 +46,7 @@ _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 #: Epoch ms beyond which a time is impossible here (datetime's range ends at year 9999).
 _MAX_MS = 253_402_300_799_999
 #: The largest reinforcement count: Postgres stores it as an integer.
-MAX_COUNT = 2**31 - 1
+MAX_COUNT = MAX_REINFORCEMENT_COUNT
 
 
 class BadRecord(ValueError):

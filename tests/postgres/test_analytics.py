@@ -326,13 +326,21 @@ async def test_facts_decayed_past_what_a_float_holds_are_expired(seeded: Postgre
         ease_factor=0.01,
     )
     await consolidate(seeded, "dee", upserts=[slow_to_learn])
+    # An ease so small that days / ease leaves the floats ("overflow"), as an import may
+    # bring: expired as well.
+    subnormal = fact(
+        "tool_affinity:get_account",
+        identity_id="eve",
+        confidence=1.0,
+        at=NOW - timedelta(days=1),
+        ease_factor=5e-324,
+    )
+    await consolidate(seeded, "eve", upserts=[subnormal])
 
     # Expired: it changes nothing.
     assert [await function(seeded, min_users=1, now=NOW) for function in functions] == before
-    assert ("dee",) not in {
-        (row["identity_id"],)
-        for row in await view(seeded, "SELECT identity_id FROM coda_memory.active_facts")
-    }
+    active = await view(seeded, "SELECT identity_id FROM coda_memory.active_facts")
+    assert {row["identity_id"] for row in active}.isdisjoint({"dee", "eve"})
     # Forty years on, every fact has expired and the window holds no usage.
     later = NOW + timedelta(days=40 * 365)
     assert [await function(seeded, min_users=1, now=later) for function in functions] == [

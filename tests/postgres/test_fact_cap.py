@@ -400,3 +400,34 @@ async def test_facts_decayed_past_what_a_float_holds_expire_on_the_server(pg_url
         assert await fetch(pg_url, "SELECT count(*) FROM coda_memory.facts") == [(0,)]
     finally:
         await service.close()
+
+
+@pytest.mark.parametrize("ease", [5e-5, 5e-324], ids=["small", "subnormal"])
+async def test_facts_of_a_tiny_ease_expire_on_the_server(pg_url: str, ease: float) -> None:
+    """An ease of 5e-5 (``AdaptiveDecay(min_ease=5e-5)`` allows it) made the expiry's
+    one-day power fail with "underflow"; one of 5e-324 (as an import may bring) made
+    days / ease fail with "overflow". Either failed the cap, and every consolidation of
+    the identity with it. Python's power of such a fact is 0.0: it has expired."""
+    subjects = [f"entity_frequency:account:x{n:03}" for n in range(FACTS)]
+    await _seed_alike(pg_url, "alice", subjects, 0.8, 3, NOW - timedelta(days=2), NOW)
+    fragile = subjects[: FACTS // 2]
+    await fetch(
+        pg_url,
+        "UPDATE coda_memory.facts SET ease_factor = :ease WHERE subject = ANY(:subjects)",
+        ease=ease,
+        subjects=fragile,
+    )
+    service = MemoryService(
+        PostgresStore.from_url(pg_url),
+        clock=lambda: NOW,
+        max_facts=KEEP,
+        decay=AdaptiveDecay(min_ease=ease),
+    )
+    try:
+        kept = await service.consolidate("alice")
+        # The others, tied on their rank, are kept by subject.
+        assert [f.subject for f in kept] == subjects[FACTS // 2 :][:KEEP]
+        expired = {e.subject for e in await service.history("alice") if e.kind == "expired"}
+        assert expired == set(fragile)
+    finally:
+        await service.close()

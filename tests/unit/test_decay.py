@@ -17,6 +17,7 @@ from coda_memory import (
     PowerLawDecay,
 )
 from coda_memory.core.decay import initial_ease
+from coda_memory.core.model import MAX_REINFORCEMENT_COUNT
 from tests.helpers import T0
 
 
@@ -91,6 +92,20 @@ def test_every_strategy_reinforces_by_0_1_from_the_decayed_value(decay: DecayStr
     assert reinforced.reinforcement_count == 4
     assert reinforced.last_reinforced_at == reinforced.confidence_at == at
     assert decay.reinforce(make_fact(1.0), 1.0, T0).confidence == 1.0
+
+
+@each_strategy
+def test_every_strategy_keeps_the_count_at_its_largest(decay: DecayStrategy) -> None:
+    """Stores keep the count as a 32-bit integer: one more would make every later write
+    of the fact fail, and with it every consolidation of its identity."""
+    fact = make_fact(0.5, ease=initial_ease(decay), count=MAX_REINFORCEMENT_COUNT)
+    at = T0 + timedelta(days=1)
+    reinforced = decay.reinforce(fact, 1.0, at)
+    assert reinforced.reinforcement_count == MAX_REINFORCEMENT_COUNT
+    assert reinforced.last_reinforced_at == at
+    assert decay.reinforce(
+        make_fact(count=MAX_REINFORCEMENT_COUNT - 1), 1.0, at
+    ).reinforcement_count == (MAX_REINFORCEMENT_COUNT)
 
 
 def test_half_life_is_about_13_5_days() -> None:

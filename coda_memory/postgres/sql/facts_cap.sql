@@ -45,9 +45,12 @@ decayed AS MATERIALIZED (
         reinforcement_count,
         ease,
         -- (The exponent capped where the power is still a float far below any
-        -- threshold: past it, power() fails with "underflow".)
+        -- threshold: past it, power() fails with "underflow". An ease below 1e-300
+        -- divides as 1e-300, where days / ease would fail with "overflow"; Python's
+        -- power of such a fact is 0.0 either way.)
         confidence * power(
-            CAST(:base AS float8), least(days / ease, CAST(:max_exponent AS float8))
+            CAST(:base AS float8),
+            least(days / greatest(ease, 1e-300), CAST(:max_exponent AS float8))
         ) AS confidence
     FROM seen
     WHERE ease > 0
@@ -73,7 +76,11 @@ expiring AS (
         d.confidence AS confidence_now,
         f.confidence_at,
         f.confidence,
-        f.confidence * power(CAST(:base AS float8), 1 / d.ease) AS one_day
+        -- (Capped as in decayed.)
+        f.confidence * power(
+            CAST(:base AS float8),
+            least(1 / greatest(d.ease, 1e-300), CAST(:max_exponent AS float8))
+        ) AS one_day
     FROM (
         SELECT subject, ease, confidence
         FROM decayed

@@ -6,8 +6,10 @@ The views of 0002 compute ``confidence * 0.95 ^ (days / ease)``. Past an exponen
 default, so one of its facts left two years at that stability (or any fact 40 years old
 at ease 1) made every query of ``active_facts``, ``tool_effectiveness``,
 ``entity_popularity`` and ``fact_summary`` fail, for every analyst and every identity.
-The exponent is now capped at 10,000 (0.95 ^ 10,000 is about 1e-223, far below the 0.1
-threshold), so such a fact is expired and the numbers of every other fact are unchanged.
+An ease below about 1e-302 (an import may bring one) made the division itself fail with
+"overflow". The exponent is now capped at 10,000 (0.95 ^ 10,000 is about 1e-223, far below
+the 0.1 threshold) and an ease below 1e-300 divides as 1e-300, so such a fact is expired,
+as Python's decay has it, and the numbers of every other fact are unchanged.
 
 The views are replaced in place (``CREATE OR REPLACE VIEW``): their columns, grants, owner
 and comments stay. Downgrading puts 0002's definitions back the same way.

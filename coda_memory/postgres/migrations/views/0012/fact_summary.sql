@@ -30,7 +30,8 @@ FROM (
         facts.confidence * power(
             0.95::double precision,
             -- Capped: 0.95 ^ 10000 is about 1e-223, far below any threshold, where
-            -- a larger exponent leaves the floats and power() fails ("underflow").
+            -- a larger exponent leaves the floats and power() fails ("underflow"). An
+            -- ease below 1e-300 divides as 1e-300, where the division would overflow.
             least(
                 greatest(
                     0::double precision,
@@ -38,7 +39,9 @@ FROM (
                         'epoch',
                         (SELECT at FROM {schema}.analytics_window) - facts.confidence_at
                     ) / 86400::double precision
-                ) / coalesce(facts.ease_factor, 1::double precision),
+                ) / greatest(
+                    coalesce(facts.ease_factor, 1::double precision), 1e-300::double precision
+                ),
                 10000::double precision
             )
         ) AS confidence
