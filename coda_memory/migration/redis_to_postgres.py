@@ -19,7 +19,7 @@ from datetime import datetime
 
 from coda_memory.core.logs import short_error
 from coda_memory.core.model import Observation
-from coda_memory.core.sanitize import ObservationRecord
+from coda_memory.core.sanitize import MAX_IDENTITY_CHARS, ObservationRecord
 from coda_memory.postgres.connection import is_data_error
 from coda_memory.postgres.imports import IdentityCopy, copied_identities, copy_identity
 from coda_memory.postgres.store import PostgresStore
@@ -99,6 +99,8 @@ def _unusable(identity: str) -> str | None:
         return "the identity in the key is not UTF-8 text"
     if "\x00" in identity:
         return "the identity in the key holds a NUL character"
+    if len(identity) > MAX_IDENTITY_CHARS:
+        return f"the identity in the key is longer than {MAX_IDENTITY_CHARS} characters"
     return None
 
 

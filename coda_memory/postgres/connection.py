@@ -89,8 +89,9 @@ def sqlstate(exc: BaseException) -> str | None:
 
 def is_data_error(exc: BaseException) -> bool:
     """True when ``exc`` says a value was refused: a data exception (SQLSTATE class 22:
-    out of range, a NUL character, …) or a broken constraint (class 23)."""
-    return (sqlstate(exc) or "")[:2] in ("22", "23")
+    out of range, a NUL character, …), a broken constraint (class 23) or a value past a
+    limit of Postgres's own (class 54: too long to index, …)."""
+    return (sqlstate(exc) or "")[:2] in ("22", "23", "54")
 
 
 def lock_timeout_clause(lock_timeout: timedelta | None) -> str:

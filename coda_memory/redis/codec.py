@@ -47,6 +47,10 @@ _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 _MAX_MS = 253_402_300_799_999
 #: The largest reinforcement count: Postgres stores it as an integer.
 MAX_COUNT = MAX_REINFORCEMENT_COUNT
+#: The longest subject a fact may have: more than any coda-memory makes (a category, a
+#: tool name of up to 128 characters, or an entity's type and id of up to 200 each), and
+#: far less than what Postgres indexes with the identity (2,704 bytes).
+MAX_SUBJECT_CHARS = 500
 
 
 class BadRecord(ValueError):
@@ -217,6 +221,13 @@ def _text(value: dict[str, Any], field: str, *, empty: bool = False) -> str:
     return text
 
 
+def _subject(value: dict[str, Any]) -> str:
+    subject = _text(value, "subject")
+    if len(subject) > MAX_SUBJECT_CHARS:
+        raise BadRecord(f"subject is longer than {MAX_SUBJECT_CHARS} characters")
+    return subject
+
+
 def fact_from_json(identity_id: str, raw: str | bytes) -> Fact:
     """A fact from its stored JSON; ``confidenceAt`` defaults to ``updatedAt``."""
     value = _object(raw)
@@ -245,7 +256,7 @@ def fact_from_json(identity_id: str, raw: str | bytes) -> Fact:
         id=_text(value, "id"),
         identity_id=identity_id,
         category=category,
-        subject=_text(value, "subject"),
+        subject=_subject(value),
         content=_text(value, "content", empty=True)
         if isinstance(value.get("content"), str)
         else "",

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import secrets
 
 import redis
 import redis.asyncio as aioredis
@@ -27,14 +28,20 @@ async def _seed_good(client: aioredis.Redis, prefix: str, identity: str) -> None
     )
 
 
-def _event(identity: str, count_after: int) -> str:
+#: Too long for coda-memory; random, so that Postgres cannot compress it into its index.
+LONG_SUBJECT = "tool_affinity:" + secrets.token_urlsafe(6000)
+LONG_SESSION = secrets.token_urlsafe(6000)
+LONG_IDENTITY = "h-" + "x" * 300
+
+
+def _event(identity: str, count_after: int, session: str = "s1") -> str:
     return json.dumps(
         {
             "identityId": identity,
             "subject": "tool_affinity:t",
             "category": "tool_affinity",
             "kind": "reinforced",
-            "sessionId": "s1",
+            "sessionId": session,
             "at": ms(2),
             "confidenceBefore": 0.5,
             "confidenceAfter": 0.6,
@@ -43,8 +50,8 @@ def _event(identity: str, count_after: int) -> str:
             "easeBefore": None,
             "easeAfter": None,
             "quality": None,
-            "hits": None,
-            "trials": None,
+            "hits": 1,
+            "trials": 1,
         }
     )
 
@@ -53,7 +60,7 @@ async def test_records_postgres_cannot_hold_leave_out_what_they_must_and_no_more
     redis_client: aioredis.Redis, redis_url: str, redis_prefix: str, pg_url: str
 ) -> None:
     p = redis_prefix
-    for identity in ("a-good", "b-case", "c-type", "d-event", "e-good"):
+    for identity in ("a-good", "b-case", "c-type", "d-event", "e-good", "i-session"):
         await _seed_good(redis_client, p, identity)
     # Facts Postgres cannot store: left out one by one, the rest of b-case is copied.
     await redis_client.hset(
@@ -61,6 +68,7 @@ async def test_records_postgres_cannot_hold_leave_out_what_they_must_and_no_more
         mapping={
             "fact:tool_affinity:big": fact("b-case", "big", 0.5, 3_000_000_000),
             "fact:tool_affinity:nul": fact("b-case", "nul", 0.5, 1, subject="tool_affinity:\x00"),
+            "fact:tool_affinity:long": fact("b-case", "long", 0.5, 1, subject=LONG_SUBJECT),
         },
     )
     # A key of another type than the layout's, and a fact event (coda-memory's own key,
@@ -70,6 +78,11 @@ async def test_records_postgres_cannot_hold_leave_out_what_they_must_and_no_more
     # An identity that is not UTF-8 text, and one that holds a NUL.
     await redis_client.hset(f"{p}facts:".encode() + b"f-bad\xff", "x", fact("x", "t", 0.5, 1))
     await redis_client.hset(f"{p}facts:g\x00nul", "x", fact("g\x00nul", "t", 0.5, 1))
+    # An identity longer than any the library serves.
+    await redis_client.hset(f"{p}facts:{LONG_IDENTITY}", "x", fact(LONG_IDENTITY, "t", 0.5, 1))
+    # A fact event (trusted) whose session is too long for Postgres to index
+    # (SQLSTATE 54000): that identity is left out whole, and the copy goes on.
+    await redis_client.rpush(f"{p}history:i-session", _event("i-session", 2, LONG_SESSION))
 
     source = RedisStore.from_url(redis_url)
     target = PostgresStore.from_url(pg_url)
@@ -89,14 +102,22 @@ async def test_records_postgres_cannot_hold_leave_out_what_they_must_and_no_more
         "subject holds a NUL character"
     )
     assert reasons[f"{p}*:c-type"].startswith("not copied: BadRecord: a key of the wrong type")
-    assert reasons[f"{p}*:d-event"].startswith("not copied: ")
+    assert reasons[f"{p}*:d-event"].startswith("not copied: DataError")
+    assert "out of int32 range" in reasons[f"{p}*:d-event"]
     assert reasons[f"{p}*:b'f-bad\\xff'"] == "the identity in the key is not UTF-8 text"
     assert reasons[f"{p}*:'g\\x00nul'"] == "the identity in the key holds a NUL character"
-    assert len(summary.bad) == 6
+    assert reasons[f"{p}facts:b-case field 'fact:tool_affinity:long'"] == (
+        "subject is longer than 500 characters"
+    )
+    assert reasons[f"{p}*:{LONG_IDENTITY}"] == (
+        "the identity in the key is longer than 256 characters"
+    )
+    assert reasons[f"{p}*:i-session"].startswith("not copied: ProgramLimitExceededError")
+    assert len(summary.bad) == 9
     # The dry run finds all but what only Postgres refuses.
-    assert {key for key, _ in dry.bad} == set(reasons) - {f"{p}*:d-event"}
+    assert {key for key, _ in dry.bad} == set(reasons) - {f"{p}*:d-event", f"{p}*:i-session"}
     # Every other identity is copied, those after the bad ones included.
-    assert (summary.identities, summary.copied) == (7, 3)
+    assert (summary.identities, summary.copied) == (9, 3)
     counts = await row_counts(pg_url)
     assert (counts["observations"], counts["facts"], counts["redis_imports"]) == (3, 3, 3)
     # What was left out whole is not in the ledger: a later run tries it again.
@@ -104,6 +125,8 @@ async def test_records_postgres_cannot_hold_leave_out_what_they_must_and_no_more
     assert {key for key, _ in again.bad} == {
         f"{p}*:c-type",
         f"{p}*:d-event",
+        f"{p}*:i-session",
+        f"{p}*:{LONG_IDENTITY}",
         f"{p}*:b'f-bad\\xff'",
         f"{p}*:'g\\x00nul'",
     }
