@@ -70,7 +70,7 @@ from typing import Any, TypeVar
 from coda_memory.core import emitters
 from coda_memory.core.affinity import extract_tool_affinities
 from coda_memory.core.answers import RecentAnswers
-from coda_memory.core.caps import DEFAULT_MAX_FACTS, CapCounter, FactCap, LogThrottle
+from coda_memory.core.caps import DEFAULT_MAX_FACTS, MAX_FACTS, CapCounter, FactCap, LogThrottle
 from coda_memory.core.consolidation import (
     DEFAULT_RETENTION,
     ConsolidationInput,
@@ -153,6 +153,9 @@ def system_clock() -> datetime:
 
 #: How far past the service clock an observation's ``created_at`` may be.
 DEFAULT_MAX_CLOCK_SKEW = timedelta(minutes=5)
+#: The longest ``retention`` and ``max_clock_skew``: instants that far from now are
+#: still dates (much longer ones made every consolidation, or the writer, fail).
+MAX_DURATION = timedelta(days=36_500)
 
 
 class MemoryService(ObservationWriter):
@@ -181,12 +184,14 @@ class MemoryService(ObservationWriter):
     ) -> None:
         if load_timeout <= 0:
             raise ValueError("load_timeout must be positive")
-        if max_clock_skew < timedelta(0):
-            raise ValueError("max_clock_skew must not be negative")
+        if not timedelta(0) <= max_clock_skew <= MAX_DURATION:
+            raise ValueError(f"max_clock_skew must be from 0 to {MAX_DURATION.days:,} days")
+        if not timedelta(0) <= retention <= MAX_DURATION:
+            raise ValueError(f"retention must be from 0 to {MAX_DURATION.days:,} days")
         if queue_size < 1 or batch_size < 1 or queue_bytes < 1:
             raise ValueError("queue_size, queue_bytes and batch_size must be at least 1")
-        if max_facts is not None and max_facts < 1:
-            raise ValueError("max_facts must be at least 1 (or None: no cap)")
+        if max_facts is not None and not 1 <= max_facts <= MAX_FACTS:
+            raise ValueError(f"max_facts must be from 1 to {MAX_FACTS} (or None: no cap)")
         if max_consolidations is None:
             max_consolidations = getattr(store, "request_slots", DEFAULT_MAX_CONSOLIDATIONS)
         if max_consolidations < 1:

@@ -68,11 +68,6 @@ AnalyticsFormatOption = Annotated[
 ]
 
 
-#: The longest ``--since``: older instants fall outside Postgres' timestamps long before
-#: any usage data could exist.
-MAX_WINDOW = timedelta(days=36_500)
-
-
 @dataclass(frozen=True)
 class AnalyticsQuery:
     """The options every analytics command takes."""
@@ -90,7 +85,7 @@ class AnalyticsQuery:
         work): a positive duration of at most 100 years."""
         assert self.since is not None, "a command without --since has no window"
         try:
-            window = parse_duration(self.since, "--since", at_most=MAX_WINDOW)
+            window = parse_duration(self.since, "--since", at_most=analytics.MAX_WINDOW)
         except CliError as exc:
             fail(str(exc), exc.code)
         if window % timedelta(days=1):

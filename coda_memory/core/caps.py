@@ -19,6 +19,9 @@ from coda_memory.core.decay import DecayFormula
 
 #: Facts kept per identity (the best ranked by ``confidence * reinforcement_count``).
 DEFAULT_MAX_FACTS = 500
+#: The largest ``max_facts``: the store reads up to twice it, bound as a bigint (a larger
+#: one, meant as "no cap", failed every peek; None is no cap).
+MAX_FACTS = 2**31 - 1
 #: Entities taken from one tool result (in the order the result lists them).
 DEFAULT_MAX_ENTITIES_PER_RESULT = 100
 

@@ -56,6 +56,10 @@ DEFAULT_MIN_USERS = 5
 DEFAULT_LIMIT = 100
 #: The largest ``min_users`` and ``limit``: the statements take them as a bigint.
 MAX_COUNT = 2**63 - 1
+#: The longest window: older instants fall outside Postgres's timestamps long before any
+#: usage data could exist (a window of millions of days failed with "timestamp out of
+#: range").
+MAX_WINDOW = timedelta(days=36_500)
 
 #: The views migration 0002 creates: the four answers, and the two they build on
 #: (``active_facts`` lists facts, so read it for an identity or a category).
@@ -129,8 +133,10 @@ class FactSummary(BaseModel):
 
 
 def _check(since: timedelta, min_users: int, limit: int = DEFAULT_LIMIT) -> None:
-    if not isinstance(since, timedelta) or since <= timedelta(0):
-        raise ValueError(f"since must be a positive timedelta, not {since!r}")
+    if not isinstance(since, timedelta) or not timedelta(0) < since <= MAX_WINDOW:
+        raise ValueError(
+            f"since must be a positive timedelta of at most {MAX_WINDOW.days:,} days, not {since!r}"
+        )
     if since % timedelta(days=1):
         # Windows are whole UTC days: finer ones would let two queries be subtracted to
         # isolate a few hours of one user's activity.

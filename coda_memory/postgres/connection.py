@@ -94,13 +94,26 @@ def is_data_error(exc: BaseException) -> bool:
     return (sqlstate(exc) or "")[:2] in ("22", "23", "54")
 
 
-def lock_timeout_clause(lock_timeout: timedelta | None) -> str:
+#: The longest timeout Postgres takes: its timeouts are 32-bit milliseconds (24.8 days).
+MAX_TIMEOUT = timedelta(milliseconds=2**31 - 1)
+
+
+def timeout_setting(value: timedelta | None, name: str) -> str:
+    """``value`` as a Postgres timeout setting, ``'<n>ms'`` (None, zero or less: ``0ms``,
+    no limit); ValueError naming ``name`` past MAX_TIMEOUT, which Postgres refuses (every
+    statement that set it would fail)."""
+    if value is not None and value > MAX_TIMEOUT:
+        raise ValueError(f"{name} must be at most {MAX_TIMEOUT} (Postgres's limit), not {value}")
+    milliseconds = 0 if value is None else round(value.total_seconds() * 1000)
+    return f"{max(0, milliseconds)}ms"
+
+
+def lock_timeout_clause(lock_timeout: timedelta | None, name: str = "lock_timeout") -> str:
     """``SET LOCAL lock_timeout`` for the current transaction (None or zero: no limit).
 
     The value is a formatted integer, never a value from outside.
     """
-    milliseconds = 0 if lock_timeout is None else round(lock_timeout.total_seconds() * 1000)
-    return f"SET LOCAL lock_timeout = '{max(0, milliseconds)}ms'"
+    return f"SET LOCAL lock_timeout = '{timeout_setting(lock_timeout, name)}'"
 
 
 #: Where a transaction keeps its lock timeout while a shorter one applies (short_locks).

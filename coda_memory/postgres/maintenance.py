@@ -220,13 +220,23 @@ async def identity_exists(store: PostgresStore, identity_id: str) -> bool:
     return bool(await _scalar(store, statement))
 
 
+#: The largest batch: the statements take it as an integer.
+MAX_BATCH_SIZE = 2**31 - 1
+
+
+def _check_batch_size(batch_size: int) -> None:
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int):
+        raise ValueError(f"batch_size must be an integer, not {batch_size!r}")
+    if not 1 <= batch_size <= MAX_BATCH_SIZE:
+        raise ValueError(f"batch_size must be from 1 to {MAX_BATCH_SIZE}, not {batch_size}")
+
+
 async def fold_owed_rollups(store: PostgresStore, *, batch_size: int = FOLD_ROWS) -> int:
     """Fold the rollups appends owe into the rollup (see :mod:`.rollup_owed`), up to
     ``batch_size`` records per transaction, as the owner (every identity); returns the
     owed transactions folded. Records still held back by a lock on a rollup table (or
     being folded by an append right now) stay, for a later append or run."""
-    if batch_size < 1:
-        raise ValueError("batch_size must be at least 1")
+    _check_batch_size(batch_size)
 
     async def batch(conn: AsyncConnection) -> tuple[int, bool]:
         async with conn.begin():
@@ -285,8 +295,7 @@ async def prune_consolidated(
     its own old rows anyway. ``on_batch`` gets (identities visited, rows deleted).
     Owed rollups are folded first, and an observation whose rollup is still owed stays.
     """
-    if batch_size < 1:
-        raise ValueError("batch_size must be at least 1")
+    _check_batch_size(batch_size)
     owed_folded = await fold_owed_rollups(store)
     deleted = visited = busy = 0
     after: str | None = None

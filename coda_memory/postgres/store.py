@@ -110,6 +110,7 @@ from coda_memory.postgres.connection import (
     lock_timeout_clause,
     run,
     sqlstate,
+    timeout_setting,
 )
 from coda_memory.postgres.engine import create_engine, driver_connection, schema_required
 from coda_memory.postgres.known import DEFAULT_KNOWN_FACTS, Known, KnownFacts
@@ -158,10 +159,6 @@ CAP_CHUNK = 10_000
 #: 1 s, and the identity was never capped). They run in the load's background work, on
 #: one request connection, once per identity.
 CAP_STATEMENT_TIMEOUT = timedelta(seconds=30)
-
-
-def _milliseconds(value: timedelta | None) -> str:
-    return f"{0 if value is None else max(0, round(value.total_seconds() * 1000))}ms"
 
 
 def _with_settings(engine_kwargs: dict[str, Any], **settings: str) -> dict[str, Any]:
@@ -255,14 +252,13 @@ class PostgresStore:
         # table_lock_timeout; then the checkpoint row, waiting at most lock_timeout.
         tables = ", ".join(f'"{self.schema}".{table}' for table in _CONSOLIDATION_TABLES)
         self._begin = (
-            f"BEGIN; {lock_timeout_clause(table_lock_timeout)}; "
+            f"BEGIN; {lock_timeout_clause(table_lock_timeout, 'table_lock_timeout')}; "
             f"LOCK TABLE {tables} IN ROW EXCLUSIVE MODE; "
             f"{self._lock_timeout}; SET LOCAL synchronous_commit = off"
         )
         # The cap's transactions: the same, under CAP_STATEMENT_TIMEOUT.
-        self._cap_begin = (
-            f"{self._begin}; SET LOCAL statement_timeout = '{_milliseconds(CAP_STATEMENT_TIMEOUT)}'"
-        )
+        cap_timeout = timeout_setting(CAP_STATEMENT_TIMEOUT, "CAP_STATEMENT_TIMEOUT")
+        self._cap_begin = f"{self._begin}; SET LOCAL statement_timeout = '{cap_timeout}'"
         self.lock_timeout = lock_timeout
         self._appends = 0
         # When the appends fold rollups owed under a lock (see ``rollup_owed``).
@@ -314,14 +310,15 @@ class PostgresStore:
         # own in its transaction).
         request_kwargs = _with_settings(
             engine_kwargs,
-            statement_timeout=_milliseconds(statement_timeout),
-            lock_timeout=_milliseconds(table_lock_timeout),
+            statement_timeout=timeout_setting(statement_timeout, "statement_timeout"),
+            lock_timeout=timeout_setting(table_lock_timeout, "table_lock_timeout"),
         )
         request_engine = create_engine(
             url, schema=schema, pool_size=pool_size, max_overflow=0, **request_kwargs
         )
         writer_kwargs = _with_settings(
-            engine_kwargs, lock_timeout=_milliseconds(writer_lock_timeout)
+            engine_kwargs,
+            lock_timeout=timeout_setting(writer_lock_timeout, "writer_lock_timeout"),
         )
         writer_engine = create_engine(
             url, schema=schema, pool_size=writer_pool_size, max_overflow=0, **writer_kwargs

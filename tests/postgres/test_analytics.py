@@ -385,6 +385,8 @@ async def test_rows_behind_fewer_than_min_users_are_hidden(seeded: PostgresStore
         # The statements take them as a bigint: one more failed in the driver.
         ({"min_users": 2**63}, "min_users"),
         ({"limit": 2**63}, "limit"),
+        # Past Postgres's timestamps ("timestamp out of range").
+        ({"since": timedelta(days=999_999_999)}, "at most 36,500 days"),
     ],
 )
 async def test_arguments_are_checked(

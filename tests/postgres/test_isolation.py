@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import time
 from datetime import timedelta
+from typing import Any
 
 import asyncpg
 import pytest
@@ -16,7 +17,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 from coda_memory import MemoryService
 from coda_memory.errors import StoreBusy
 from coda_memory.postgres import PostgresStore
-from coda_memory.postgres.connection import sqlstate
+from coda_memory.postgres.connection import MAX_TIMEOUT, sqlstate
 from coda_memory.postgres.engine import driver_connection
 from tests.helpers import tool_ok
 from tests.postgres.helpers import NOW, consolidate, engine, fact, fetch, locked, record
@@ -310,3 +311,29 @@ async def test_a_consolidation_reads_facts_again_when_another_moved_the_checkpoi
     finally:
         await first.close()
         await second.close()
+
+
+TIMEOUTS = ("lock_timeout", "table_lock_timeout", "statement_timeout", "writer_lock_timeout")
+
+
+@pytest.mark.parametrize("name", TIMEOUTS)
+def test_a_timeout_postgres_cannot_take_is_refused_at_once(pg_url: str, name: str) -> None:
+    """Postgres takes timeouts up to 2**31 - 1 ms (24.8 days): a longer one made every
+    statement that set it fail (every consolidation, or every write, whose observations
+    were then lost), long after the service started."""
+    with pytest.raises(ValueError, match=f"{name} must be at most"):
+        options: dict[str, Any] = {name: MAX_TIMEOUT + timedelta(milliseconds=1)}
+        PostgresStore.from_url(pg_url, **options)
+
+
+async def test_the_longest_timeouts_postgres_takes_work(pg_url: str) -> None:
+    longest: dict[str, Any] = dict.fromkeys(TIMEOUTS, MAX_TIMEOUT)
+    service = MemoryService(PostgresStore.from_url(pg_url, **longest), clock=lambda: NOW)
+    try:
+        service.emit_observation("alice", tool_ok("get_account"))
+        await service.drain()
+        facts = await service.consolidate("alice")
+        assert [f.subject for f in facts] == ["tool_affinity:get_account"]
+        assert service.stats().stored == 1
+    finally:
+        await service.close()

@@ -320,3 +320,16 @@ async def test_a_folding_reads_each_owed_record_by_index_not_by_scanning_the_tab
 
 def test_the_rollup_lock_timeout_is_short() -> None:
     assert ROLLUP_LOCK_TIMEOUT < WRITER_LOCK_TIMEOUT / 10
+
+
+@pytest.mark.parametrize("batch_size", [0, 2**31, True])
+async def test_a_batch_size_the_statements_cannot_take_is_refused(
+    pg_store: PostgresStore, batch_size: int
+) -> None:
+    """2**31 failed in the driver ("out of int32 range") after the owed rollups were read."""
+    for call_with in (
+        maintenance.fold_owed_rollups(pg_store, batch_size=batch_size),
+        maintenance.prune_consolidated(pg_store, before=datetime.now(UTC), batch_size=batch_size),
+    ):
+        with pytest.raises(ValueError, match="batch_size must be"):
+            await call_with

@@ -13,6 +13,7 @@ import logging
 import threading
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
+from datetime import timedelta
 from typing import Any
 
 import pytest
@@ -287,6 +288,25 @@ def test_bad_options_are_refused() -> None:
         MemoryService.from_url("mongodb://localhost")
     with pytest.raises(ValueError, match="load_timeout"):
         MemoryService.from_url("memory://", load_timeout=0)
+
+
+@pytest.mark.parametrize(
+    ("option", "value"),
+    [
+        # Each made every peek, consolidation or write fail (a bigint read limit, a
+        # date past year 9999, a date before year 1).
+        ("max_facts", 2**62),
+        ("max_clock_skew", timedelta(days=999_999_999)),
+        ("retention", timedelta(days=999_999)),
+        ("retention", timedelta(seconds=-1)),
+    ],
+)
+def test_options_past_what_the_service_can_use_are_refused(option: str, value: object) -> None:
+    with pytest.raises(ValueError, match=option):
+        options: dict[str, Any] = {option: value}
+        MemoryService.from_url("memory://", **options)
+    # The largest accepted are accepted.
+    MemoryService.from_url("memory://", max_facts=2**31 - 1, retention=timedelta(days=36_500))
 
 
 async def test_a_host_passing_a_non_string_identity_gets_a_rejection_not_a_crash() -> None:
