@@ -29,7 +29,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
-from coda_memory.core.decay import DecayStrategy, initial_ease
+from coda_memory.core.decay import DecayStrategy, days_after, initial_ease
 from coda_memory.core.model import (
     Fact,
     FactEvent,
@@ -140,12 +140,12 @@ class _Run:
             return min(until, when)
         probe_days = 1.0
         probe = replaced(fact, confidence_at=fact.anchor)
-        one_day = self.decay.decayed(probe, fact.anchor + timedelta(days=probe_days))
+        one_day = self.decay.decayed(probe, days_after(fact.anchor, probe_days))
         threshold = self.decay.expiry_threshold
         if not 0.0 < one_day < fact.confidence or threshold <= 0.0:
             return until
         days = math.log(threshold / fact.confidence) / math.log(one_day / fact.confidence)
-        return min(until, fact.anchor + timedelta(days=max(0.0, days)))
+        return min(until, days_after(fact.anchor, max(0.0, days)))
 
     def expire(self, fact: Fact, at: datetime) -> None:
         self.events.append(

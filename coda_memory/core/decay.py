@@ -17,6 +17,17 @@ from coda_memory.core.model import MAX_REINFORCEMENT_COUNT, Fact, replaced
 SECONDS_PER_DAY = 86_400.0
 
 
+def days_after(at: datetime, days: float) -> datetime:
+    """``at`` moved by ``days``, within datetime's range: a fact anchored near year 9999
+    (an import may bring one) is moved to its end instead of failing every consolidation
+    of its identity with OverflowError."""
+    try:
+        return at + timedelta(days=days)
+    except OverflowError:
+        edge = datetime.max if days > 0 else datetime.min
+        return edge.replace(tzinfo=at.tzinfo)
+
+
 def elapsed_days(since: datetime, until: datetime) -> float:
     """Days between ``since`` and ``until``, as a distance: never negative.
 
@@ -271,8 +282,13 @@ class PowerLawDecay:
         return fact.ease_factor
 
     def _position(self, confidence: float) -> float:
-        """``c ** (-1/d)``: where on the curve (in units of F·t/S, plus 1) ``c`` lies."""
-        return float(max(confidence, 1e-300) ** (-1.0 / self.power))
+        """``c ** (-1/d)``: where on the curve (in units of F·t/S, plus 1) ``c`` lies;
+        infinite for a confidence so small that the power leaves the floats (its decayed
+        value is 0.0)."""
+        try:
+            return float(max(confidence, 1e-300) ** (-1.0 / self.power))
+        except OverflowError:
+            return math.inf
 
     def decayed(self, fact: Fact, now: datetime) -> float:
         if fact.confidence <= 0.0:
@@ -295,7 +311,7 @@ class PowerLawDecay:
         if threshold <= 0.0:
             return datetime.max.replace(tzinfo=fact.anchor.tzinfo)
         gap = self._position(threshold) - self._position(fact.confidence)
-        return fact.anchor + timedelta(days=gap * self.stability(fact) / self.factor)
+        return days_after(fact.anchor, gap * self.stability(fact) / self.factor)
 
     def half_life_days(self, stability: float | None = None, confidence: float = 1.0) -> float:
         """Days for a confidence of ``confidence`` to halve without reinforcement."""

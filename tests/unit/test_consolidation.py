@@ -356,3 +356,29 @@ def test_the_plan_yields_after_folding_and_every_slice_of_facts_it_decays_or_vie
     views, yields = run_counting(viewing(facts, decay, later))
     assert yields == stored // 10 + max(0, stored - 1) // 10
     assert views == active_views(facts, decay, later)
+
+
+@pytest.mark.parametrize("decay", [ExponentialDecay(), AdaptiveDecay(), PowerLawDecay()], ids=repr)
+def test_a_fact_anchored_at_the_end_of_time_expires_without_an_overflow(
+    decay: DecayStrategy,
+) -> None:
+    """An import may bring a fact dated 9999-12-31 (the largest time the original
+    server's records can hold): it expired, and the instant of its expiry was computed a
+    day past datetime's range, which failed every consolidation of its identity."""
+    end = datetime.max.replace(tzinfo=UTC) - timedelta(hours=1)
+    legacy = made_fact("tool_affinity:get_account", identity_id="u", confidence=0.9, at=end)
+    legacy = legacy.model_copy(update={"confidence_at": end, "ease_factor": None})
+    observation = _get_account_called(T0)
+    plan = plan_consolidation("u", ConsolidationInput([observation], [legacy], []), T0, decay)
+    assert [e.kind for e in plan.events] == [FactEventKind.EXPIRED, FactEventKind.CREATED]
+    assert all(e.at <= T0 for e in plan.events)
+
+
+def test_a_power_law_fact_too_faint_for_a_float_has_decayed_to_nothing() -> None:
+    """``c ** (-1/d)`` overflows for a confidence of 1e-200 (an import may bring one):
+    OverflowError failed every consolidation and load of its identity."""
+    decay = PowerLawDecay(power=0.2)
+    faint = made_fact("tool_affinity:get_account", identity_id="u", confidence=1e-200, at=T0)
+    assert decay.decayed(faint, T0 + timedelta(days=1)) == 0.0
+    assert decay.expires_at(faint) == faint.anchor
+    assert decay.reinforce(faint, 1.0, T0).confidence == pytest.approx(0.1)
