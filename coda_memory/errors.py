@@ -25,3 +25,8 @@ class StoreBusy(CodaMemoryError):
 class ForeignAlembicHistory(CodaMemoryError):
     """The schema's Alembic version table holds revisions that are not coda-memory's:
     migrating there would mix two histories. Use a schema of coda-memory's own."""
+
+
+class ServiceClosed(CodaMemoryError):
+    """The service was closed: it takes no more work (``load_memory`` answers empty, and
+    ``emit_observation`` drops what it is given)."""

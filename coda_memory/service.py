@@ -85,6 +85,7 @@ from coda_memory.core.model import Fact, FactEvent, LoadedMemory
 from coda_memory.core.prompt import section_steps
 from coda_memory.core.rank import ranked_facts
 from coda_memory.core.turns import Steps, collector_scope, finished, stepped, taking_turns
+from coda_memory.errors import ServiceClosed
 from coda_memory.ports import MemoryStore
 from coda_memory.slots import LifoSlots
 from coda_memory.stats import MemoryStats as MemoryStats
@@ -117,6 +118,26 @@ ANSWER_BY = 0.95
 COLLECTION_BEFORE = 1 / 3
 #: Consolidations (and peeks) in flight at once, unless the store says otherwise.
 DEFAULT_MAX_CONSOLIDATIONS = 8
+
+
+async def _within(task: asyncio.Task[R], seconds: float) -> R:
+    """``task``'s outcome, waited for at most ``seconds`` (TimeoutError), the task itself
+    shielded from the wait's end. A cancellation of the caller always propagates (Python
+    3.11's ``wait_for`` returned the result instead when the task finished in the same
+    turn of the loop). When the task was cancelled but the caller was not (``close`` ends
+    the loads in flight), LoadCancelled: the load fails, the caller's request does not."""
+    try:
+        async with asyncio.timeout(seconds):
+            return await asyncio.shield(task)
+    except asyncio.CancelledError:
+        current = asyncio.current_task()
+        if task.cancelled() and current is not None and not current.cancelling():
+            raise LoadCancelled("the load was cancelled: the service is closing") from None
+        raise
+
+
+class LoadCancelled(Exception):
+    """A load in flight was cancelled under its callers (by ``close``)."""
 
 
 def _answered(loaded: LoadedMemory | None) -> LoadedMemory:
@@ -297,6 +318,7 @@ class MemoryService(ObservationWriter):
         """Open the store's connections, prepare its statements and start the writer, so
         that the first requests don't pay for it. Optional: without it, everything starts
         on first use."""
+        self._check_open()
         self._ensure_writer(asyncio.get_running_loop())
         start = getattr(self.store, "start", None)
         if start is not None:
@@ -305,6 +327,7 @@ class MemoryService(ObservationWriter):
     async def consolidate(self, identity_id: str) -> list[Fact]:
         """Consolidate the identity's new observations now (no timeout) and return its
         active facts; raises on storage errors."""
+        self._check_open()
         facts, _ = await self._consolidated(identity_id)
         return facts
 
@@ -394,10 +417,12 @@ class MemoryService(ObservationWriter):
 
     async def facts(self, identity_id: str) -> list[Fact]:
         """The identity's active facts at the clock's now, without consolidating."""
+        self._check_open()
         return active_views(await self.store.facts(identity_id), self.decay, self.clock())
 
     async def history(self, identity_id: str, subject: str | None = None) -> list[FactEvent]:
         """Every create, reinforce, extend and expire of the identity's facts, in order."""
+        self._check_open()
         return await self.store.history(identity_id, subject)
 
     async def load_memory(self, identity_id: str) -> LoadedMemory:
@@ -422,7 +447,20 @@ class MemoryService(ObservationWriter):
         self._telemetry.load_finished(time.perf_counter() - started, outcome)
         return loaded
 
+    def _check_open(self) -> None:
+        """ServiceClosed once ``close`` began: a closed service's store would otherwise
+        open new connections that nothing closes."""
+        if self._closed:
+            raise ServiceClosed("the memory service is closed")
+
     async def _answer(self, identity_id: str) -> tuple[LoadedMemory, str]:
+        if self._closed:  # its store is closed: asking it would open connections again
+            self._load_errors += 1
+            self._log.warning(
+                "load failed: closed",
+                "coda-memory: load_memory after close(); returning empty",
+            )
+            return LoadedMemory.empty(), "error"
         if not isinstance(identity_id, str):  # a UUID or an int from a host: no store is asked
             self._load_errors += 1
             self._log.warning(
@@ -449,9 +487,9 @@ class MemoryService(ObservationWriter):
             waiting = True
             try:
                 hedge = self.load_timeout * HEDGE_AT
-                return _answered(await asyncio.wait_for(asyncio.shield(task), hedge)), "ok"
+                return _answered(await _within(task, hedge)), "ok"
             except TimeoutError:
-                if task.done():  # finished as the wait gave up: its outcome is here
+                if task.done() and not task.cancelled():  # finished as the wait gave up
                     return _answered(task.result()), "ok"
             # Still running: the fallback answer is made now, while the consolidation
             # goes on, so that it is ready when the timeout fires. (Made when the load
@@ -459,7 +497,7 @@ class MemoryService(ObservationWriter):
             # 40 ms late on a slow machine with a table locked.)
             fallback = loop.create_task(self._stale_answer(identity_id))
             remaining = max(0.0, self.load_timeout * ANSWER_BY - (loop.time() - started))
-            return _answered(await asyncio.wait_for(asyncio.shield(task), remaining)), "ok"
+            return _answered(await _within(task, remaining)), "ok"
         except TimeoutError:
             if (
                 task is not None
@@ -467,7 +505,7 @@ class MemoryService(ObservationWriter):
                 and not task.cancelled()
                 and task.exception() is None
             ):
-                # It finished while wait_for was giving up on it (the loop ran it between
+                # It finished while the wait was giving up on it (the loop ran it between
                 # the timeout and the cancellation of the wait): its answer is here.
                 return _answered(task.result()), "ok"
             # From here on the consolidation's answer is not read by this load.
@@ -691,6 +729,7 @@ class MemoryService(ObservationWriter):
     async def forget(self, identity_id: str) -> None:
         """Delete every observation, fact, fact event and checkpoint of the identity,
         including observations of it still queued in this service."""
+        self._check_open()
         self._forget_queued(identity_id)
         await self.drain()
         await self.store.forget(identity_id)

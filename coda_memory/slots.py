@@ -40,7 +40,7 @@ class LifoSlots:
         except asyncio.CancelledError:
             if waiter.done() and not waiter.cancelled():
                 self.release()  # admitted and cancelled at once: pass the slot on
-            else:
+            elif waiter in self._waiters:  # a release may have passed over it already
                 self._waiters.remove(waiter)
             raise
 

@@ -23,7 +23,7 @@ from coda_memory import Fact, MemoryService
 from coda_memory import service as service_module
 from coda_memory.core import consolidation, prompt, turns
 from coda_memory.core.logs import identity_label
-from coda_memory.errors import StoreBusy
+from coda_memory.errors import ServiceClosed, StoreBusy
 from coda_memory.ports import AppendOutcome, ObservationRecord
 from coda_memory.testing import InMemoryConsolidationUnit, InMemoryStore
 from coda_memory.writer import MAX_AHEAD
@@ -165,16 +165,16 @@ async def test_a_load_that_finishes_as_its_timeout_fires_answers_with_its_result
     gated: tuple[MemoryService, GatedStore], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """On a busy loop the consolidation can finish between the timeout and the end of
-    wait_for's cancellation of the wait, which then still raises TimeoutError: the load
+    wait's cancellation, which then still raises TimeoutError: the load
     answers with the finished result, not empty."""
     service, store = gated
     service.emit_observation("u1", tool_ok("t"))
     await service.drain()
-    real_wait_for = asyncio.wait_for
+    real_within = service_module._within
 
-    async def late_wait_for(awaitable: Any, timeout: float | None) -> Any:
+    async def late_within(task: Any, seconds: float) -> Any:
         try:
-            return await real_wait_for(awaitable, timeout)
+            return await real_within(task, seconds)
         except TimeoutError:
             # What a busy loop does: the consolidation goes on and finishes before the
             # timed-out wait is through.
@@ -184,11 +184,76 @@ async def test_a_load_that_finishes_as_its_timeout_fires_answers_with_its_result
             raise
 
     store.consolidation_gate.clear()
-    monkeypatch.setattr(asyncio, "wait_for", late_wait_for)
+    monkeypatch.setattr(service_module, "_within", late_within)
     memory = await service.load_memory("u1")
     assert [f.subject for f in memory.facts] == ["tool_affinity:t"]
     stats = service.stats()
     assert (stats.load_timeouts, stats.load_stale) == (0, 0)
+
+
+async def test_a_cancelled_load_always_raises_its_cancellation() -> None:
+    """A host cancels a request's task when its client goes away. Python 3.11's wait_for
+    returned the load's result instead when the load finished in the same turn of the
+    loop: the cancellation was lost, and the request went on."""
+    service = MemoryService.from_url("memory://", clock=FakeClock(), load_timeout=5)
+    service.emit_observation("u1", tool_ok("t"))
+    await service.drain()
+    await service.load_memory("u1")
+    swallowed = []
+    for waited in range(40):
+        load = asyncio.create_task(service.load_memory("u1"))
+        for _ in range(waited):
+            await asyncio.sleep(0)
+        if load.done():
+            continue
+        load.cancel()
+        try:
+            await load
+            swallowed.append(waited)
+        except asyncio.CancelledError:
+            pass
+    assert swallowed == []
+    await service.close()
+
+
+async def test_close_ends_the_loads_in_flight_with_an_answer_not_an_exception(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """``close`` cancels the consolidations in flight; a load waiting for one raised that
+    CancelledError in the host's request, which nobody had cancelled."""
+    store = GatedStore()
+    service = MemoryService(store, clock=FakeClock(), load_timeout=5)
+    service.emit_observation("u1", tool_ok("t"))
+    await service.drain()
+    store.consolidation_gate.clear()
+    load = asyncio.create_task(service.load_memory("u1"))
+    while not service._loading:
+        await asyncio.sleep(0)
+    with caplog.at_level(logging.WARNING, "coda_memory"):
+        await service.close(timeout=0.01)
+        memory = await load
+    assert memory.facts == []
+    assert service.stats().load_errors == 1
+    assert "LoadCancelled" in caplog.text
+
+
+async def test_a_closed_service_takes_no_more_work() -> None:
+    """After ``close`` its store was opened again by the next call (new connections that
+    nothing closed); now loads answer empty and the rest raises ServiceClosed."""
+    service = MemoryService.from_url("memory://", clock=FakeClock())
+    service.emit_observation("u1", tool_ok("t"))
+    await service.close()
+    memory = await service.load_memory("u1")
+    assert memory.facts == [] and service.stats().load_errors == 1
+    for call in (
+        service.consolidate("u1"),
+        service.facts("u1"),
+        service.history("u1"),
+        service.forget("u1"),
+        service.start(),
+    ):
+        with pytest.raises(ServiceClosed):
+            await call
 
 
 async def test_load_memory_returns_empty_on_store_errors(

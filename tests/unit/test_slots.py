@@ -53,6 +53,24 @@ async def test_a_cancelled_waiter_gives_up_its_place_and_never_its_slot() -> Non
     await asyncio.wait_for(blocked, 1)
 
 
+async def test_a_waiter_cancelled_and_passed_over_before_it_resumes_only_raises_its_cancel() -> (
+    None
+):
+    """A release between a waiter's cancellation and its resumption pops the cancelled
+    waiter: it then failed with ValueError (list.remove) instead of its CancelledError."""
+    slots = LifoSlots(1)
+    await slots.acquire()
+    waiter = asyncio.create_task(slots.acquire())
+    await asyncio.sleep(0)
+    assert slots.waiting == 1
+    waiter.cancel()  # cancels the future it waits on; the task resumes later
+    slots.release()  # passes over the cancelled waiter: the slot is free
+    with pytest.raises(asyncio.CancelledError):
+        await waiter
+    await asyncio.wait_for(slots.acquire(), 1)  # the slot was not lost
+    assert slots.waiting == 0
+
+
 def test_a_size_below_one_is_refused() -> None:
     with pytest.raises(ValueError):
         LifoSlots(0)
