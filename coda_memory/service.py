@@ -245,6 +245,8 @@ class MemoryService(ObservationWriter):
         # OpenTelemetry spans and metrics (coda_memory.telemetry); off by default.
         self._telemetry: Telemetry | NoTelemetry = telemetry_for(telemetry)
         self._background: set[asyncio.Task[LoadedMemory | None]] = set()
+        #: Set when close() has released the store (a second close() waits for it).
+        self._close_done: asyncio.Event | None = None
         self._loading: dict[str, asyncio.Task[LoadedMemory | None]] = {}
         #: How many load_memory calls wait for each identity's consolidation's answer.
         self._waiting: dict[str, int] = {}
@@ -767,26 +769,36 @@ class MemoryService(ObservationWriter):
 
     async def close(self, timeout: float | None = 30.0) -> None:
         """Drain (up to ``timeout`` seconds), stop the writer and release the store.
-        Observations that could not be stored by then are dropped and counted."""
+        Observations that could not be stored by then are dropped and counted. A second
+        call returns when the first has released the store."""
         if self._closed:
+            if self._close_done is not None:
+                await self._close_done.wait()
             return
         self._closed = True
+        self._close_done = asyncio.Event()
         try:
             await self.drain(timeout)
         except TimeoutError:
             logger.warning("coda-memory: close timed out with %d pending", self.stats().pending)
         finally:
-            # Each wait below is bounded: a connection that never answers (its command
-            # timeout not reached yet) can't hold close() up beyond its timeout.
-            await self._stop_writer()
-            for task in list(self._background):
-                task.cancel()
-            if self._background:
-                await asyncio.wait(list(self._background), timeout=CLOSE_GRACE)
             try:
-                await asyncio.wait_for(self.store.close(), CLOSE_GRACE)
-            except TimeoutError:
-                logger.warning("coda-memory: the store did not close within %.0f s", CLOSE_GRACE)
+                # Each wait below is bounded: a connection that never answers (its
+                # command timeout not reached yet) can't hold close() up beyond its
+                # timeout.
+                await self._stop_writer()
+                for task in list(self._background):
+                    task.cancel()
+                if self._background:
+                    await asyncio.wait(list(self._background), timeout=CLOSE_GRACE)
+                try:
+                    await asyncio.wait_for(self.store.close(), CLOSE_GRACE)
+                except TimeoutError:
+                    logger.warning(
+                        "coda-memory: the store did not close within %.0f s", CLOSE_GRACE
+                    )
+            finally:
+                self._close_done.set()
 
     async def __aenter__(self) -> MemoryService:
         return self

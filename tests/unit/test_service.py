@@ -256,6 +256,26 @@ async def test_a_closed_service_takes_no_more_work() -> None:
             await call
 
 
+async def test_a_second_close_returns_when_the_first_has_released_the_store() -> None:
+    """A host's shutdown hooks may both close the service: the second returned at once,
+    while the first was still draining, and the host went on to exit."""
+    closed: list[str] = []
+
+    class ClosingStore(GatedStore):
+        async def close(self) -> None:
+            closed.append("store")
+
+    store = ClosingStore()
+    service = MemoryService(store, clock=FakeClock(), queue_size=100)
+    store.gate.clear()  # the writer's append waits
+    service.emit_observation("u1", tool_ok("t"))
+    first = asyncio.create_task(service.close(timeout=0.05))
+    await asyncio.sleep(0)
+    await service.close()
+    assert closed == ["store"]
+    await first
+
+
 async def test_load_memory_returns_empty_on_store_errors(
     gated: tuple[MemoryService, GatedStore], caplog: pytest.LogCaptureFixture
 ) -> None:
