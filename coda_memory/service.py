@@ -81,7 +81,7 @@ from coda_memory.core.consolidation import (
 )
 from coda_memory.core.decay import DecayStrategy, ExponentialDecay, decay_formula
 from coda_memory.core.logs import short_error
-from coda_memory.core.model import Fact, FactEvent, LoadedMemory
+from coda_memory.core.model import MAX_SPAN, Fact, FactEvent, LoadedMemory
 from coda_memory.core.prompt import section_steps
 from coda_memory.core.rank import ranked_facts
 from coda_memory.core.turns import Steps, collector_scope, finished, stepped, taking_turns
@@ -174,9 +174,9 @@ def system_clock() -> datetime:
 
 #: How far past the service clock an observation's ``created_at`` may be.
 DEFAULT_MAX_CLOCK_SKEW = timedelta(minutes=5)
-#: The longest ``retention`` and ``max_clock_skew``: instants that far from now are
-#: still dates (much longer ones made every consolidation, or the writer, fail).
-MAX_DURATION = timedelta(days=36_500)
+#: The longest ``retention`` and ``max_clock_skew`` (much longer ones made every
+#: consolidation, or the writer, fail).
+MAX_DURATION = MAX_SPAN
 
 
 class MemoryService(ObservationWriter):
@@ -321,7 +321,7 @@ class MemoryService(ObservationWriter):
         that the first requests don't pay for it. Optional: without it, everything starts
         on first use."""
         self._check_open()
-        self._ensure_writer(asyncio.get_running_loop())
+        self._ensure_writer(self._check_loop())
         start = getattr(self.store, "start", None)
         if start is not None:
             await start()
@@ -770,11 +770,15 @@ class MemoryService(ObservationWriter):
     async def close(self, timeout: float | None = 30.0) -> None:
         """Drain (up to ``timeout`` seconds), stop the writer and release the store.
         Observations that could not be stored by then are dropped and counted. A second
-        call returns when the first has released the store."""
+        call returns when the first has released the store. Raises RuntimeError, and
+        closes nothing, on an event loop other than the one the service ran on: its
+        connections can only be released there."""
         if self._closed:
-            if self._close_done is not None:
+            if self._close_done is not None and not self._close_done.is_set():
+                self._check_loop()
                 await self._close_done.wait()
             return
+        self._check_loop()
         self._closed = True
         self._close_done = asyncio.Event()
         try:

@@ -16,12 +16,13 @@ from datetime import datetime
 from typing import Any
 
 from coda_memory.core.decay import DecayFormula
+from coda_memory.core.model import MAX_INT32
 
 #: Facts kept per identity (the best ranked by ``confidence * reinforcement_count``).
 DEFAULT_MAX_FACTS = 500
 #: The largest ``max_facts``: the store reads up to twice it, bound as a bigint (a larger
 #: one, meant as "no cap", failed every peek; None is no cap).
-MAX_FACTS = 2**31 - 1
+MAX_FACTS = MAX_INT32
 #: Entities taken from one tool result (in the order the result lists them).
 DEFAULT_MAX_ENTITIES_PER_RESULT = 100
 

@@ -9,7 +9,7 @@ import gc
 import re
 from collections.abc import Iterator
 from contextlib import contextmanager
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from enum import StrEnum
 from typing import Annotated, Any, TypeVar
 
@@ -30,9 +30,16 @@ def is_identifier(value: object) -> bool:
 #: ``SYSTEM:…`` or as a URL.
 TOOL_NAME_PATTERN = re.compile(r"[A-Za-z0-9_.\-]{1,128}")
 
-#: The largest reinforcement count a fact holds (stores keep it as a 32-bit integer): a
-#: reinforcement past it keeps the count there.
-MAX_REINFORCEMENT_COUNT = 2**31 - 1
+#: The largest 32-bit integer (a Postgres ``integer``): the bound of every count, size and
+#: millisecond timeout that a store keeps or binds as one.
+MAX_INT32 = 2**31 - 1
+#: The largest reinforcement count a fact holds: a reinforcement past it keeps the count
+#: there.
+MAX_REINFORCEMENT_COUNT = MAX_INT32
+#: The longest span of time the library takes (retention, clock skew, analytics windows):
+#: instants that far from now are still dates and timestamps (much longer ones failed
+#: with "timestamp out of range" or OverflowError).
+MAX_SPAN = timedelta(days=36_500)
 
 
 def is_tool_name(value: object) -> bool:

@@ -45,7 +45,7 @@ from sqlalchemy import text
 from sqlalchemy.engine import RowMapping
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from coda_memory.core.model import as_utc
+from coda_memory.core.model import MAX_SPAN, as_utc
 from coda_memory.postgres import rollup_upkeep
 from coda_memory.postgres.sql import query
 from coda_memory.postgres.store import PostgresStore
@@ -56,10 +56,8 @@ DEFAULT_MIN_USERS = 5
 DEFAULT_LIMIT = 100
 #: The largest ``min_users`` and ``limit``: the statements take them as a bigint.
 MAX_COUNT = 2**63 - 1
-#: The longest window: older instants fall outside Postgres's timestamps long before any
-#: usage data could exist (a window of millions of days failed with "timestamp out of
-#: range").
-MAX_WINDOW = timedelta(days=36_500)
+#: The longest window (a window of millions of days failed with "timestamp out of range").
+MAX_WINDOW = MAX_SPAN
 
 #: The views migration 0002 creates: the four answers, and the two they build on
 #: (``active_facts`` lists facts, so read it for an identity or a category).

@@ -28,6 +28,7 @@ import asyncpg
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
+from coda_memory.core.model import MAX_INT32
 from coda_memory.errors import ConnectionLost
 from coda_memory.postgres.engine import driver_connection, schema_required
 
@@ -95,7 +96,7 @@ def is_data_error(exc: BaseException) -> bool:
 
 
 #: The longest timeout Postgres takes: its timeouts are 32-bit milliseconds (24.8 days).
-MAX_TIMEOUT = timedelta(milliseconds=2**31 - 1)
+MAX_TIMEOUT = timedelta(milliseconds=MAX_INT32)
 
 
 def timeout_setting(value: timedelta | None, name: str) -> str:

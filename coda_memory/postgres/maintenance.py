@@ -43,6 +43,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 from sqlalchemy.sql.elements import TextClause
 from sqlalchemy.sql.selectable import Select
 
+from coda_memory.core.model import MAX_INT32
 from coda_memory.postgres.engine import driver_connection
 from coda_memory.postgres.rollup import connection_shard
 from coda_memory.postgres.rollup_owed import FOLD_ROWS, fold_owed
@@ -221,7 +222,7 @@ async def identity_exists(store: PostgresStore, identity_id: str) -> bool:
 
 
 #: The largest batch: the statements take it as an integer.
-MAX_BATCH_SIZE = 2**31 - 1
+MAX_BATCH_SIZE = MAX_INT32
 
 
 def _check_batch_size(batch_size: int) -> None:

@@ -184,3 +184,31 @@ def test_a_service_used_from_a_second_event_loop_fails_at_once() -> None:
     asyncio.run(first())
     asyncio.run(second())
     assert service.stats().stored == 1
+
+
+def test_start_and_close_from_a_second_event_loop_say_so_and_leave_the_service_bound(
+    pg_url: str,
+) -> None:
+    """start() on another loop rebound the writer there and failed in the store with
+    "Event loop is closed"; close() failed the same way and then counted as done."""
+    service = MemoryService.from_url(pg_url)
+
+    async def first() -> None:
+        await service.start()
+        service.emit_observation("alice", tool_ok("get_account"))
+        await service.drain(5)
+
+    async def second() -> None:
+        for call in (service.start, service.close, service.close):
+            with pytest.raises(RuntimeError, match="event loop it first ran on"):
+                await asyncio.wait_for(call(), 5)
+
+    async def back_on_the_first() -> None:
+        assert [f.category for f in await service.consolidate("alice")] == ["tool_affinity"]
+        await service.close()
+
+    with asyncio.Runner() as runner:
+        runner.run(first())
+        asyncio.run(second())
+        runner.run(back_on_the_first())
+    assert service.stats().stored == 1
