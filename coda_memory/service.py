@@ -63,7 +63,8 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import Awaitable, Callable, Collection
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection
+from contextlib import asynccontextmanager
 from datetime import UTC, datetime, timedelta
 from typing import Any, TypeVar
 
@@ -247,6 +248,10 @@ class MemoryService(ObservationWriter):
         self._background: set[asyncio.Task[LoadedMemory | None]] = set()
         #: Set when close() has released the store (a second close() waits for it).
         self._close_done: asyncio.Event | None = None
+        # Calls of the caller's own that use the store (consolidate, facts, …), which
+        # close() waits for before it releases the store.
+        self._calls_in_flight = 0
+        self._calls_ended: asyncio.Event | None = None
         self._loading: dict[str, asyncio.Task[LoadedMemory | None]] = {}
         #: How many load_memory calls wait for each identity's consolidation's answer.
         self._waiting: dict[str, int] = {}
@@ -320,17 +325,17 @@ class MemoryService(ObservationWriter):
         """Open the store's connections, prepare its statements and start the writer, so
         that the first requests don't pay for it. Optional: without it, everything starts
         on first use."""
-        self._check_open()
-        self._ensure_writer(self._check_loop())
-        start = getattr(self.store, "start", None)
-        if start is not None:
-            await start()
+        async with self._using_store():
+            self._ensure_writer(self._check_loop())
+            start = getattr(self.store, "start", None)
+            if start is not None:
+                await start()
 
     async def consolidate(self, identity_id: str) -> list[Fact]:
         """Consolidate the identity's new observations now (no timeout) and return its
         active facts; raises on storage errors."""
-        self._check_open()
-        facts, _ = await self._consolidated(identity_id)
+        async with self._using_store():
+            facts, _ = await self._consolidated(identity_id)
         return facts
 
     async def _consolidated(self, identity_id: str) -> tuple[list[Fact], str | None]:
@@ -419,13 +424,14 @@ class MemoryService(ObservationWriter):
 
     async def facts(self, identity_id: str) -> list[Fact]:
         """The identity's active facts at the clock's now, without consolidating."""
-        self._check_open()
-        return active_views(await self.store.facts(identity_id), self.decay, self.clock())
+        async with self._using_store():
+            stored = await self.store.facts(identity_id)
+        return active_views(stored, self.decay, self.clock())
 
     async def history(self, identity_id: str, subject: str | None = None) -> list[FactEvent]:
         """Every create, reinforce, extend and expire of the identity's facts, in order."""
-        self._check_open()
-        return await self.store.history(identity_id, subject)
+        async with self._using_store():
+            return await self.store.history(identity_id, subject)
 
     async def load_memory(self, identity_id: str) -> LoadedMemory:
         """Consolidate, then format the prompt section and tool affinities, all within
@@ -454,6 +460,36 @@ class MemoryService(ObservationWriter):
         open new connections that nothing closes."""
         if self._closed:
             raise ServiceClosed("the memory service is closed")
+
+    @asynccontextmanager
+    async def _using_store(self) -> AsyncIterator[None]:
+        """A call of the caller's that uses the store: ServiceClosed once ``close`` began,
+        and meanwhile counted, so that ``close`` waits for it (up to CLOSE_GRACE) before
+        it releases the store. (A connection still checked out when its pool is disposed
+        is left open until the garbage collector finds it.)"""
+        self._check_open()
+        self._calls_in_flight += 1
+        try:
+            yield
+        finally:
+            self._calls_in_flight -= 1
+            if not self._calls_in_flight and self._calls_ended is not None:
+                self._calls_ended.set()
+
+    async def _calls_end(self) -> None:
+        """Wait, up to CLOSE_GRACE, for the calls in flight to end (see ``_using_store``)."""
+        if not self._calls_in_flight:
+            return
+        self._calls_ended = asyncio.Event()
+        try:
+            await asyncio.wait_for(self._calls_ended.wait(), CLOSE_GRACE)
+        except TimeoutError:
+            logger.warning(
+                "coda-memory: %d call(s) still used the store %.0f s after close() began "
+                "releasing it",
+                self._calls_in_flight,
+                CLOSE_GRACE,
+            )
 
     async def _answer(self, identity_id: str) -> tuple[LoadedMemory, str]:
         if self._closed:  # its store is closed: asking it would open connections again
@@ -731,10 +767,10 @@ class MemoryService(ObservationWriter):
     async def forget(self, identity_id: str) -> None:
         """Delete every observation, fact, fact event and checkpoint of the identity,
         including observations of it still queued in this service."""
-        self._check_open()
-        self._forget_queued(identity_id)
-        await self.drain()
-        await self.store.forget(identity_id)
+        async with self._using_store():
+            self._forget_queued(identity_id)
+            await self.drain()
+            await self.store.forget(identity_id)
         self.stored_for.discard(identity_id)
         self._recent.discard(identity_id)
 
@@ -768,8 +804,9 @@ class MemoryService(ObservationWriter):
         )
 
     async def close(self, timeout: float | None = 30.0) -> None:
-        """Drain (up to ``timeout`` seconds), stop the writer and release the store.
-        Observations that could not be stored by then are dropped and counted. A second
+        """Drain (up to ``timeout`` seconds), stop the writer and, once the calls in flight
+        (``consolidate``, ``facts``, …) have ended, or 2 seconds more have passed, release
+        the store. Observations that could not be stored by then are dropped and counted. A second
         call returns when the first has released the store. Raises RuntimeError, and
         closes nothing, on an event loop other than the one the service ran on: its
         connections can only be released there."""
@@ -795,6 +832,7 @@ class MemoryService(ObservationWriter):
                     task.cancel()
                 if self._background:
                     await asyncio.wait(list(self._background), timeout=CLOSE_GRACE)
+                await self._calls_end()
                 try:
                     await asyncio.wait_for(self.store.close(), CLOSE_GRACE)
                 except TimeoutError:

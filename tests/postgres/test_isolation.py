@@ -14,7 +14,7 @@ import sqlalchemy.exc
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from coda_memory import MemoryService
+from coda_memory import Fact, MemoryService
 from coda_memory.errors import StoreBusy
 from coda_memory.postgres import PostgresStore
 from coda_memory.postgres.connection import MAX_TIMEOUT, sqlstate
@@ -337,3 +337,39 @@ async def test_the_longest_timeouts_postgres_takes_work(pg_url: str) -> None:
         assert service.stats().stored == 1
     finally:
         await service.close()
+
+
+async def test_close_waits_for_a_consolidate_in_flight_and_leaves_no_connection_open(
+    pg_url: str, admin_url: str
+) -> None:
+    """close() disposed the pools while a consolidate() of the caller's held one of their
+    connections, which then stayed open after close() had returned."""
+    store = PostgresStore.from_url(pg_url)
+    service = MemoryService(store, clock=lambda: NOW)
+    database = store.engine.url.database
+    holder = engine(pg_url)
+    consolidating: asyncio.Task[list[Fact]] | None = None
+    try:
+        service.emit_observation("alice", tool_ok("get_account"))
+        await service.drain(5)
+        await service.consolidate("alice")  # its checkpoint row, which the holder locks
+        service.emit_observation("alice", tool_ok("get_account"))
+        await service.drain(5)
+        async with holder.begin() as conn:
+            await conn.execute(
+                text("SELECT 1 FROM coda_memory.checkpoints WHERE identity_id = 'alice' FOR UPDATE")
+            )
+            consolidating = asyncio.create_task(service.consolidate("alice"))
+            await until_waiting(admin_url, database, 1)
+            closing = asyncio.create_task(service.close())
+            done, _ = await asyncio.wait({closing}, timeout=0.5)
+            assert not done  # close() waits for the consolidation it would cut off
+        [preference] = await consolidating
+        await closing
+        assert preference.id == "fact:tool_affinity:get_account"
+        assert await backends(admin_url, database) == 0
+    finally:
+        if consolidating is not None:
+            await asyncio.wait({consolidating}, timeout=5)
+        await service.close()
+        await holder.dispose()
