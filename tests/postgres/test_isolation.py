@@ -344,7 +344,9 @@ async def test_close_waits_for_a_consolidate_in_flight_and_leaves_no_connection_
 ) -> None:
     """close() disposed the pools while a consolidate() of the caller's held one of their
     connections, which then stayed open after close() had returned."""
-    store = PostgresStore.from_url(pg_url)
+    # The consolidation waits for the held row far longer than the test holds it.
+    long = timedelta(seconds=60)
+    store = PostgresStore.from_url(pg_url, statement_timeout=long, lock_timeout=long)
     service = MemoryService(store, clock=lambda: NOW)
     database = store.engine.url.database
     holder = engine(pg_url)
