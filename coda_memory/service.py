@@ -482,7 +482,8 @@ class MemoryService(ObservationWriter):
             return
         self._calls_ended = asyncio.Event()
         try:
-            await asyncio.wait_for(self._calls_ended.wait(), CLOSE_GRACE)
+            async with asyncio.timeout(CLOSE_GRACE):
+                await self._calls_ended.wait()
         except TimeoutError:
             logger.warning(
                 "coda-memory: %d call(s) still used the store %.0f s after close() began "
@@ -805,10 +806,10 @@ class MemoryService(ObservationWriter):
 
     async def close(self, timeout: float | None = 30.0) -> None:
         """Drain (up to ``timeout`` seconds), stop the writer and, once the calls in flight
-        (``consolidate``, ``facts``, …) have ended, or 2 seconds more have passed, release
-        the store. Observations that could not be stored by then are dropped and counted. A second
-        call returns when the first has released the store. Raises RuntimeError, and
-        closes nothing, on an event loop other than the one the service ran on: its
+        (``consolidate``, ``facts``, …) have ended or 2 seconds more have passed, release
+        the store. Observations that could not be stored by then are dropped and counted.
+        A second call returns when the first has released the store. Raises RuntimeError,
+        and closes nothing, on an event loop other than the one the service ran on: its
         connections can only be released there."""
         if self._closed:
             if self._close_done is not None and not self._close_done.is_set():

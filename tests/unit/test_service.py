@@ -276,6 +276,34 @@ async def test_a_second_close_returns_when_the_first_has_released_the_store() ->
     await first
 
 
+async def test_close_gives_up_on_a_call_that_does_not_end_and_says_so(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """close() waits for the caller's calls in flight, but at most its grace: one stuck
+    for good can't hold the host's shutdown up."""
+    monkeypatch.setattr(service_module, "CLOSE_GRACE", 0.05)
+    closed: list[str] = []
+    never = asyncio.Event()
+
+    class StuckStore(InMemoryStore):
+        async def facts(self, identity_id: str) -> list[Fact]:
+            await never.wait()
+            return []
+
+        async def close(self) -> None:
+            closed.append("store")
+
+    service = MemoryService(StuckStore(), clock=FakeClock())
+    reading = asyncio.create_task(service.facts("u1"))
+    await asyncio.sleep(0)  # the call is in flight
+    with caplog.at_level(logging.WARNING, "coda_memory"):
+        await asyncio.wait_for(service.close(timeout=0.05), 5)
+    assert closed == ["store"]
+    assert "1 call(s) still used the store" in caplog.text
+    assert not reading.done()
+    reading.cancel()
+
+
 async def test_load_memory_returns_empty_on_store_errors(
     gated: tuple[MemoryService, GatedStore], caplog: pytest.LogCaptureFixture
 ) -> None:
