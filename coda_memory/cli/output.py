@@ -106,7 +106,7 @@ def checked_plot_path(path: Path | None) -> Path | None:
     if path.suffix.lower() != ".png":
         raise CliError(f"cannot write {path}: --plot writes PNG files only (name it *.png)", 2)
     if not path.parent.is_dir():
-        raise CliError(f"cannot write {path}: directory {path.parent} does not exist")
+        raise CliError(f"cannot write {path}: directory {path.parent} does not exist", 2)
     return path
 
 

@@ -35,6 +35,7 @@ from coda_memory.cli.runtime import (
     run,
     run_on_store,
 )
+from coda_memory.core.model import MAX_SPAN
 from coda_memory.postgres.schema import DEFAULT_SCHEMA
 from coda_memory.postgres.store import PostgresStore
 from coda_memory.replay import (
@@ -56,6 +57,15 @@ def _stored_events(url: str | None, schema: str) -> list[Event]:
         return [e for o in observations if (e := observation_event(o)) is not None]
 
     return run_on_store(url, schema, work)
+
+
+def _file_events(path: Path) -> list[Event]:
+    try:
+        return read_events(path)
+    except ValueError as exc:
+        raise CliError(str(exc)) from exc
+    except OSError as exc:
+        raise CliError(f"cannot read {path}: {exc.strerror or exc}") from exc
 
 
 @app.command()
@@ -108,12 +118,17 @@ def replay(
     """Replay events through a MemoryService with a simulated clock and score every decay
     strategy against the baselines: hit@5 and NDCG@10 of the next session, Brier score and
     log-loss of confidence, facts held. Figures are on the held-out period."""
-    checked_plot_path(plot)
     if not 0.0 < split < 1.0:
         raise typer.BadParameter("--split must be between 0 and 1")
-    if not horizon > 0.0:
-        raise typer.BadParameter("--horizon-days must be a positive number of days")
-    stream = read_events(events) if events is not None else _stored_events(url, schema)
+    if not 0.0 < horizon <= MAX_SPAN.days:
+        raise typer.BadParameter(
+            f"--horizon-days must be a positive number of days, at most {MAX_SPAN.days:,}"
+        )
+    try:
+        checked_plot_path(plot)
+        stream = _file_events(events) if events is not None else _stored_events(url, schema)
+    except CliError as exc:
+        fail(str(exc), exc.code)
     if not stream:
         fail("no events to replay")
     try:

@@ -109,6 +109,8 @@ def parse_time(text: str) -> datetime:
 
 def event_from_mapping(row: dict[str, Any], where: str) -> Event:
     """An event from one parsed line; ``where`` names the line in errors."""
+    if not isinstance(row, dict):
+        raise ValueError(f"{where}: not an event (a {type(row).__name__}, not an object)")
     try:
         identity, subject = str(row["identity"]), str(row["subject"])
         kind = ObservationType(row["kind"])
@@ -122,18 +124,33 @@ def event_from_mapping(row: dict[str, Any], where: str) -> Event:
 
 
 def read_events(path: Path) -> list[Event]:
-    """The events of a ``.jsonl`` or ``.csv`` file, in time order."""
+    """The events of a ``.jsonl`` or ``.csv`` file, in time order. ValueError, naming the
+    file (and the line), for anything that is not such a file."""
     events: list[Event] = []
-    with path.open(encoding="utf-8", newline="") as file:
-        if path.suffix.lower() == ".csv":
-            for number, row in enumerate(csv.DictReader(file), start=2):
-                events.append(event_from_mapping(dict(row), f"{path}:{number}"))
-        else:
-            for number, line in enumerate(file, start=1):
-                if line.strip():
-                    events.append(event_from_mapping(json.loads(line), f"{path}:{number}"))
+    try:
+        with path.open(encoding="utf-8", newline="") as file:
+            if path.suffix.lower() == ".csv":
+                for number, row in enumerate(csv.DictReader(file), start=2):
+                    events.append(event_from_mapping(dict(row), f"{path}:{number}"))
+            else:
+                for number, line in enumerate(file, start=1):
+                    if line.strip():
+                        events.append(
+                            event_from_mapping(_json(line, path, number), f"{path}:{number}")
+                        )
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from exc
+    except csv.Error as exc:
+        raise ValueError(f"{path}: not a CSV file ({exc})") from exc
     events.sort(key=lambda e: e.time)
     return events
+
+
+def _json(line: str, path: Path, number: int) -> Any:
+    try:
+        return json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path}:{number}: not JSON ({exc.msg})") from exc
 
 
 def event_record(event: Event) -> dict[str, str]:

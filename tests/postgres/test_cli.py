@@ -353,7 +353,7 @@ def test_history_plot_needs_a_subject_and_a_known_one(pg_url: str, tmp_path: Pat
     )
     assert_one_line_error(no_subject, 2, "--plot needs a SUBJECT")
     assert_one_line_error(unknown, 1, "unknown subject for 'alice': 'tool_affinity:nope'")
-    assert_one_line_error(bad_dir, 1, "cannot write")
+    assert_one_line_error(bad_dir, 2, "cannot write")
 
 
 def test_a_missing_matplotlib_is_a_one_line_hint(

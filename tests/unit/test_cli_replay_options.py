@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from typer.testing import CliRunner
 
@@ -25,3 +27,55 @@ def test_a_value_that_would_score_nothing_is_a_usage_error(option: str, value: s
     assert result.exit_code == 2, result.output
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and option in lines[0], result.stderr
+
+
+@pytest.mark.parametrize("value", ["inf", "nan", "1e400", "1e12", "36501"])
+def test_a_horizon_past_any_date_is_a_usage_error(value: str) -> None:
+    """An infinite or huge horizon failed with an OverflowError's traceback."""
+    result = CliRunner().invoke(
+        app, ["replay", "--url", "postgresql://u@127.0.0.1:1/x", "--horizon-days", value]
+    )
+    assert result.exit_code == 2, result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "--horizon-days" in lines[0], result.stderr
+
+
+@pytest.mark.parametrize(
+    ("name", "content", "says"),
+    [
+        ("notjson.jsonl", b"identity,time\n", ":1: not JSON"),
+        ("array.jsonl", b"[1, 2]\n", ":1: not an event (a list, not an object)"),
+        ("bytes.jsonl", b"\xff\xfe\x00garbage\n", ": not UTF-8 text"),
+        (
+            "badtime.jsonl",
+            b'{"identity": "a", "time": "yesterday", "kind": "tool_success", "subject": "t"}\n',
+            ":1: not an event",
+        ),
+        ("nocolumn.csv", b"who,when\nalice,2026-01-01\n", ":2: not an event"),
+    ],
+)
+def test_an_events_file_that_is_not_one_is_one_line_naming_it(
+    tmp_path: Path, name: str, content: bytes, says: str
+) -> None:
+    """Each of these printed a Python traceback (JSONDecodeError, TypeError,
+    UnicodeDecodeError, ValueError)."""
+    path = tmp_path / name
+    path.write_bytes(content)
+    result = CliRunner().invoke(app, ["replay", "--events", str(path)])
+    assert result.exit_code == 1, result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith(f"error: {path}") and says in lines[0], lines[0]
+
+
+@pytest.mark.parametrize("plot", ["out.txt", "missing-directory/out.png"])
+def test_a_plot_that_can_not_be_written_is_a_usage_error(tmp_path: Path, plot: str) -> None:
+    """Checked before the events are read; it raised CliError's traceback."""
+    events = tmp_path / "events.jsonl"
+    events.write_text("")
+    result = CliRunner().invoke(
+        app, ["replay", "--events", str(events), "--plot", str(tmp_path / plot)]
+    )
+    assert result.exit_code == 2, result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: cannot write"), result.stderr
