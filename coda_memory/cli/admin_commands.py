@@ -147,7 +147,8 @@ def consolidate(
     does, so this is safe beside live traffic and resumable: after an interruption,
     run it again and it carries on with what is still pending. An identity that live
     traffic is consolidating holds a row lock; this waits for it (--lock-wait), retries,
-    and reports the identity as busy if it is still locked. Exit 1 if any identity failed.
+    and reports the identity as busy if it is still locked. Exit 1 if any identity failed,
+    else 3 if any was busy (nothing is lost: run it again later), else 0.
     """
     if (identity is None) == (not all_identities):
         fail("give either an IDENTITY or --all", 2)
@@ -177,6 +178,13 @@ def consolidate(
     _print_summary(summary, all_identities)
     if summary.failed:
         raise typer.Exit(1)
+    if summary.busy:
+        raise typer.Exit(BUSY_EXIT_CODE)
+
+
+#: consolidate's exit code when identities were left busy and none failed: a script can
+#: tell "run it again later" from a failure (1) and from done (0).
+BUSY_EXIT_CODE = 3
 
 
 @dataclass
@@ -243,7 +251,9 @@ def _print_summary(summary: _Summary, all_identities: bool) -> None:
         f"{summary.facts} active facts, {len(failed)} failed, {len(busy)} busy"
     )
     for identity_id in busy[:10]:
-        typer.echo(f"  busy (still locked by live traffic, rerun later): {identity_id!r}")
+        typer.echo(f"  busy (still locked by live traffic, rerun later): {identity_id!r}", err=True)
+    if len(busy) > 10:
+        typer.echo(f"  … and {len(busy) - 10} more busy", err=True)
     for identity_id, reason in failed[:10]:
         typer.echo(f"  failed: {identity_id!r}: {reason}", err=True)
     if len(failed) > 10:

@@ -11,7 +11,7 @@ from typing import Annotated, Any
 import typer
 from typer.core import TyperGroup
 
-from coda_memory.cli.runtime import invocation
+from coda_memory.cli.runtime import URL_VARIABLE, invocation
 from coda_memory.core.decay import AdaptiveDecay, DecayStrategy, ExponentialDecay, PowerLawDecay
 
 DEBUG_FLAG = "--debug"
@@ -114,7 +114,7 @@ UrlOption = Annotated[
     str | None,
     typer.Option(
         "--url",
-        envvar="CODA_MEMORY_DATABASE_URL",
+        envvar=URL_VARIABLE,
         show_envvar=True,
         help="Postgres URL (postgresql://…). Default: the embedded Postgres in "
         "$CODA_MEMORY_DATA_DIR or ./.coda-memory/pgdata.",

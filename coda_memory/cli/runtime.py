@@ -33,6 +33,8 @@ T = TypeVar("T")
 #: SQLSTATE of "permission denied".
 INSUFFICIENT_PRIVILEGE = "42501"
 
+#: The environment variable that gives ``--url``.
+URL_VARIABLE = "CODA_MEMORY_DATABASE_URL"
 #: Seconds to wait for a connection before reporting the database as unreachable.
 CONNECT_TIMEOUT = 10.0
 
@@ -178,6 +180,12 @@ def resolve_target(url: str | None, schema: str, *, announce: bool = True) -> Ta
         schema = validate_schema_name(schema)
     except ValueError as exc:
         raise CliError(str(exc), code=2) from exc
+    # An empty URL is a mistake (an unset variable in a deploy script), not a request for
+    # the embedded Postgres, which would answer as if it were the operator's database.
+    # (click passes an empty $CODA_MEMORY_DATABASE_URL on as no --url at all.)
+    empty_variable = url is None and os.environ.get(URL_VARIABLE) == ""
+    if empty_variable or (url is not None and not url.strip()):
+        raise CliError(f"--url or ${URL_VARIABLE} is empty: give a database URL", code=2)
     if url and url.split(":", 1)[0].lower() in ("redis", "rediss"):
         raise CliError(
             "analytics and the other commands need Postgres; a Redis URL serves only "

@@ -10,6 +10,7 @@ import asyncio
 import re
 from collections.abc import Callable, Coroutine
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, cast
 
 import pytest
@@ -151,3 +152,28 @@ def test_help_lists_the_commands_own_options_between_the_shared_ones() -> None:
         "--schema",
         "--help",
     ]
+
+
+@pytest.mark.parametrize(
+    ("args", "env", "says"),
+    [
+        (["--url", ""], {}, "is empty: give a database URL"),
+        (["--url", "  "], {}, "is empty: give a database URL"),
+        ([], {"CODA_MEMORY_DATABASE_URL": ""}, "is empty: give a database URL"),
+        ([], {"CODA_MEMORY_DATABASE_URL": " "}, "is empty: give a database URL"),
+    ],
+)
+def test_an_empty_url_is_a_usage_error_not_the_embedded_postgres(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, args: list[str], env: dict[str, str], says: str
+) -> None:
+    """An unset variable in a deploy script ran the command against a new embedded
+    Postgres in the working directory, and exited 0."""
+    monkeypatch.delenv("CODA_MEMORY_DATABASE_URL", raising=False)
+    monkeypatch.setenv("CODA_MEMORY_DATA_DIR", str(tmp_path / "pgdata"))
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    result = CliRunner().invoke(app, ["stats", *args])
+    assert result.exit_code == 2, result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and says in lines[0], result.stderr
+    assert not (tmp_path / "pgdata").exists()
