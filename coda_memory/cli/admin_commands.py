@@ -46,9 +46,10 @@ from coda_memory.cli.runtime import (
     run_on_store,
 )
 from coda_memory.postgres import maintenance
+from coda_memory.postgres.connection import MAX_TIMEOUT
 from coda_memory.postgres.schema import DEFAULT_SCHEMA, validate_schema_name
 from coda_memory.postgres.store import PostgresStore
-from coda_memory.service import MemoryService
+from coda_memory.service import MAX_DURATION, MemoryService
 
 #: SQLSTATE of "lock_timeout expired".
 _LOCK_NOT_AVAILABLE = "55P03"
@@ -157,8 +158,8 @@ def consolidate(
 
     def prepare() -> StoreOptions:
         nonlocal keep
-        wait = parse_duration(lock_wait, "--lock-wait")
-        keep = parse_duration(retention, "--retention")
+        wait = parse_duration(lock_wait, "--lock-wait", at_most=MAX_TIMEOUT)
+        keep = parse_duration(retention, "--retention", at_most=MAX_DURATION)
         return StoreOptions(pool_size=workers, lock_timeout=wait)
 
     async def work(store: PostgresStore, target: Target) -> _Summary:

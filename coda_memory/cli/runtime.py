@@ -129,7 +129,7 @@ def parse_duration(text: str, option: str, *, at_most: timedelta | None = None) 
     """``30d``, ``12h``, ``90m``, ``45s``, ``500ms`` or ``2w`` as a positive timedelta, of
     ``at_most`` whole days at most when given, that reaches no further back from now than
     year 1."""
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d|w)\s*", text.lower())
+    match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*(ms|s|m|h|d|w)\s*", text.lower())
     if match is None or float(match[1]) <= 0:
         raise CliError(
             f"invalid duration {text!r} for {option}: use a positive number and a unit "
@@ -139,9 +139,9 @@ def parse_duration(text: str, option: str, *, at_most: timedelta | None = None) 
     try:
         duration = timedelta(**{_UNITS[match[2]]: float(match[1])})
         if at_most is not None and duration > at_most:
-            raise CliError(
-                f"invalid duration {text!r} for {option}: at most {at_most.days}d", code=2
-            )
+            whole = at_most == timedelta(days=at_most.days)
+            limit = f"{at_most.days}d" if whole else str(at_most)
+            raise CliError(f"invalid duration {text!r} for {option}: at most {limit}", code=2)
         datetime.now(UTC) - duration  # a duration back from now, as every option uses it
     except OverflowError as exc:
         raise CliError(f"invalid duration {text!r} for {option}: too long", code=2) from exc

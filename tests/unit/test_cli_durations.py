@@ -5,7 +5,9 @@ from __future__ import annotations
 from datetime import timedelta
 
 import pytest
+from typer.testing import CliRunner
 
+from coda_memory.cli import app
 from coda_memory.cli.runtime import CliError, parse_duration
 
 
@@ -37,3 +39,28 @@ def test_bad_durations_are_usage_errors_that_name_the_option(text: str) -> None:
         parse_duration(text, "--older-than")
     assert raised.value.code == 2
     assert str(raised.value).startswith(f"invalid duration {text!r} for --older-than: ")
+
+
+def test_digits_are_ascii() -> None:
+    with pytest.raises(CliError):
+        parse_duration("\u0663d", "--since")  # ARABIC-INDIC DIGIT THREE
+
+
+@pytest.mark.parametrize(
+    ("option", "value", "limit"),
+    [
+        ("--lock-wait", "25d", "at most 24 days, 20:31:23.647000"),
+        ("--retention", "36501d", "at most 36500d"),
+    ],
+)
+def test_consolidate_refuses_a_duration_no_store_takes_before_connecting(
+    option: str, value: str, limit: str
+) -> None:
+    """These failed after connecting, as a ValueError of the library (exit 1)."""
+    result = CliRunner().invoke(
+        app, ["consolidate", "--all", "--url", "postgresql://u@127.0.0.1:1/x", option, value]
+    )
+    assert result.exit_code == 2, result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert f"for {option}: {limit}" in lines[0], lines[0]
