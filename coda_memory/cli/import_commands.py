@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from datetime import UTC, datetime
 from typing import Annotated
 
@@ -10,11 +11,46 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from coda_memory.cli.app import FormatOption, OutputFormat, SchemaOption, UrlOption, app
 from coda_memory.cli.output import add_row, make_console, new_table, print_json
-from coda_memory.cli.runtime import CliError, masked_url, open_store, resolve_target, run
+from coda_memory.cli.runtime import (
+    CliError,
+    fail,
+    masked_url,
+    open_store,
+    resolve_target,
+    run,
+)
 from coda_memory.postgres.schema import DEFAULT_SCHEMA
 
 #: Bad records listed one by one; past this many, the rest are only counted.
 _LISTED_BAD = 50
+
+
+def _checked_redis_url(redis_url: str) -> None:
+    """A usage error for what redis-py would take and read wrongly or refuse vaguely: a
+    scheme other than Redis's, or a database that is not a number (redis-py reads
+    database 0 then)."""
+    scheme, _, rest = redis_url.partition("://")
+    if scheme.lower() not in ("redis", "rediss", "unix") or not rest:
+        fail(
+            f"invalid Redis URL {masked_url(redis_url)!r}: use redis://host:port/db "
+            "(or rediss://, unix://)",
+            2,
+        )
+    if scheme.lower() != "unix":
+        # The path after the host, without the query or fragment: empty, or a database.
+        path = re.sub(r"[?#].*", "", rest.rpartition("@")[2]).partition("/")[2]
+        if path not in ("", "/") and not re.fullmatch(r"[0-9]+/?", path):
+            fail(
+                f"invalid Redis URL {masked_url(redis_url)!r}: the database {path!r} is "
+                "not a number",
+                2,
+            )
+
+
+def _printable(text: str) -> str:
+    """``text`` with what a terminal would act on (escape sequences, …) escaped: a bad
+    record's reason may quote a key as Redis holds it."""
+    return text if text.isprintable() else repr(text)[1:-1]
 
 
 @app.command("import-redis")
@@ -46,6 +82,8 @@ def import_redis(
     from coda_memory.migration import ImportSummary
     from coda_memory.migration import import_redis as copy_all
     from coda_memory.redis import RedisStore
+
+    _checked_redis_url(redis_url)
 
     async def main() -> ImportSummary:
         try:
@@ -115,7 +153,7 @@ def import_redis(
     console = make_console()
     console.print(table)
     for key, reason in summary.bad[:_LISTED_BAD]:
-        console.print(f"bad record: {key}: {reason}", markup=False, highlight=False)
+        console.print(f"bad record: {key}: {_printable(reason)}", markup=False, highlight=False)
     if len(summary.bad) > _LISTED_BAD:
         console.print(f"… and {len(summary.bad) - _LISTED_BAD:,} more (see --format json)")
 

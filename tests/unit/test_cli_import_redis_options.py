@@ -1,0 +1,48 @@
+"""import-redis's Redis URL is checked before anything connects, and what it prints of a
+bad record can't drive the operator's terminal."""
+
+from __future__ import annotations
+
+import pytest
+from typer.testing import CliRunner
+
+from coda_memory.cli import app
+from coda_memory.cli.import_commands import _printable
+
+#: Answers nothing: every error below must come before any connection.
+UNREACHABLE = "postgresql://u@127.0.0.1:1/x"
+
+
+@pytest.mark.parametrize(
+    ("redis_url", "says"),
+    [
+        # redis-py read database 0 for this one, and the copy went on (exit 0).
+        ("redis://127.0.0.1:6379/abc", "the database 'abc' is not a number"),
+        ("redis://u:secret@127.0.0.1:6379/x?prefix=p", "the database 'x' is not a number"),
+        # These were said to need a percent-encoded password.
+        ("http://x", "use redis://host:port/db"),
+        ("postgresql://u@db/x", "use redis://host:port/db"),
+        ("", "use redis://host:port/db"),
+    ],
+)
+def test_a_url_that_is_not_a_redis_database_is_a_usage_error(redis_url: str, says: str) -> None:
+    result = CliRunner().invoke(app, ["import-redis", redis_url, "--url", UNREACHABLE])
+    assert result.exit_code == 2, result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and says in lines[0], result.stderr
+    assert "secret" not in result.output
+
+
+@pytest.mark.parametrize(
+    "redis_url", ["redis://127.0.0.1:1", "redis://127.0.0.1:1/", "redis://127.0.0.1:1/14"]
+)
+def test_a_redis_url_with_or_without_a_database_passes_the_check(redis_url: str) -> None:
+    result = CliRunner().invoke(app, ["import-redis", redis_url, "--url", UNREACHABLE])
+    assert "invalid Redis URL" not in result.output  # it goes on, and can't connect
+
+
+def test_a_bad_records_reason_is_printed_with_its_control_characters_escaped() -> None:
+    assert _printable("ZRANGE coda:memory:obs:\x1b[2J\x1b]0;TITLE\x07 0 -1") == (
+        "ZRANGE coda:memory:obs:\\x1b[2J\\x1b]0;TITLE\\x07 0 -1"
+    )
+    assert _printable("not JSON (JSONDecodeError)") == "not JSON (JSONDecodeError)"
