@@ -233,15 +233,16 @@ def forget(
     url: UrlOption = None,
     schema: SchemaOption = DEFAULT_SCHEMA,
 ) -> None:
-    """Erase everything about an identity: observations, facts, history and checkpoint."""
+    """Erase everything about an identity: observations, facts, history, checkpoint, its
+    own rollup rows, owed rollups and import ledger (the anonymous daily counts stay)."""
     if not yes and not stdin_is_interactive():
         fail("refusing to forget without confirmation: stdin is not a terminal; pass --yes", 2)
 
     async def work(store: PostgresStore, target: Target) -> bool:
         await require_identity(store, identity)
         question = (
-            f"Erase every observation, fact and fact event of {identity!r} "
-            f"in {target.display} (schema {target.schema})?"
+            f"Erase every observation, fact, fact event, checkpoint and rollup row of "
+            f"{identity!r} in {target.display} (schema {target.schema})?"
         )
         if not yes and not typer.confirm(question, default=False):
             return False

@@ -391,7 +391,10 @@ def test_forget_asks_on_a_terminal(pg_url: str, monkeypatch: pytest.MonkeyPatch)
 
     accepted = run("forget", "alice", "--url", pg_url, input="y\n")
     assert accepted.exit_code == 0, accepted.output
-    assert "Erase every observation, fact and fact event of 'alice'" in accepted.stdout
+    assert (
+        "Erase every observation, fact, fact event, checkpoint and rollup row of 'alice'"
+        in accepted.stdout
+    )
     assert "forgot 'alice'" in accepted.stdout
     assert_one_line_error(run("facts", "alice", "--url", pg_url), 1, "unknown identity")
 
