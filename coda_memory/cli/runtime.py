@@ -111,7 +111,15 @@ def run(main: Callable[[], Coroutine[Any, Any, T]], schema: str = DEFAULT_SCHEMA
     except Exception as exc:
         if debug_enabled():
             raise
-        hint = "" if isinstance(exc, SchemaNotMigrated) else " (run with --debug for details)"
+        if isinstance(exc, SchemaNotMigrated):
+            hint = ""
+        elif sqlstate(exc) == INSUFFICIENT_PRIVILEGE:
+            hint = (
+                " (the role lacks a grant: analysts may run analytics only; as the schema's "
+                "owner, coda-memory grant app|analyst ROLE grants what each needs)"
+            )
+        else:
+            hint = " (run with --debug for details)"
         fail(describe(exc, schema) + hint)
 
 
@@ -199,7 +207,7 @@ def resolve_target(url: str | None, schema: str, *, announce: bool = True) -> Ta
             reason = _first_line(exc)
             if reason.startswith("invalid literal for int()"):
                 reason = "the port is not a number"
-            raise CliError(f"invalid database URL {masked_url(url)!r}: {reason}") from exc
+            raise CliError(f"invalid database URL {masked_url(url)!r}: {reason}", code=2) from exc
         return Target(url, schema, masked_url(url), embedded=False)
     from coda_memory.postgres.embedded import DEFAULT_DATA_DIR, embedded_url
 

@@ -197,7 +197,7 @@ def test_stats_counts_identities_observations_pending_facts_and_events(pg_url: s
 )
 def test_a_bad_url_is_one_line(url: str, message: str) -> None:
     result = run("stats", "--url", url)
-    assert_one_line_error(result, 1, message)
+    assert_one_line_error(result, 2, message)  # the command line is wrong
     assert "secret" not in result.output
 
 
@@ -665,7 +665,7 @@ def test_the_console_script(pg_url: str) -> None:
     )
     assert ok.returncode == 0, ok.stderr
     assert json.loads(ok.stdout)["revision"] == HEAD
-    assert bad.returncode == 1
+    assert bad.returncode == 2
     assert bad.stderr.startswith("error: invalid database URL 'mysql://db/app'")
     assert bad.stderr.count("\n") == 1
 
