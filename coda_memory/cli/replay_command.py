@@ -46,7 +46,7 @@ from coda_memory.replay import (
     plot_reliability,
     read_events,
 )
-from coda_memory.replay.report import HEADER, rows
+from coda_memory.replay.report import HEADER, rows, values
 from coda_memory.replay.suite import Comparison, compare
 from coda_memory.replay.tuning import FAMILIES
 
@@ -153,7 +153,7 @@ def replay(
     comparison = run(main)
     held_out = sum(1 for s in timeline.sessions if timeline.held_out(s))
     if output is OutputFormat.JSON:
-        table = rows(comparison.results())
+        table = values(comparison.results())
         typer.echo(
             json.dumps(
                 {

@@ -25,31 +25,52 @@ HEADER = (
 )
 
 
-def rows(results: Sequence[ReplayResult], *, held_out: bool = True) -> list[list[str]]:
-    """One row per method: its scores on the held-out (or fitting) period.
+#: A cell of :func:`values`: the method's name, a count, a score, or None (not scored).
+Value = str | int | float | None
+
+
+def values(results: Sequence[ReplayResult], *, held_out: bool = True) -> list[list[Value]]:
+    """One row per method, in :data:`HEADER`'s order: its scores on the held-out (or
+    fitting) period, None where there is none (a method without confidences has no
+    calibration; a NaN score is None).
 
     "Brier, base rate" is the Brier score of a constant prediction, the method's own
     positive rate on the fitting period, on the same pairs: a calibrated confidence
     beats it."""
-    table: list[list[str]] = []
+    table: list[list[Value]] = []
     for result in results:
         scores = result.period(held_out)
         calibration = scores.calibration
         calibrated = result.calibrated and calibration.count > 0
-        table.append(
-            [
-                result.name,
-                str(scores.ranking.sessions),
-                _number(scores.ranking.hit_at_5),
-                _number(scores.ranking.ndcg_at_10),
-                _number(calibration.brier) if calibrated else "",
-                _number(calibration.brier_of_constant(result.fit.calibration.base_rate))
-                if calibrated
-                else "",
-                _number(calibration.log_loss) if calibrated else "",
-                _number(scores.facts_per_identity, 1) if scores.facts_total else "",
-            ]
-        )
+        base_rate = result.fit.calibration.base_rate
+        row: list[Value] = [
+            result.name,
+            scores.ranking.sessions,
+            scores.ranking.hit_at_5,
+            scores.ranking.ndcg_at_10,
+            calibration.brier if calibrated else None,
+            calibration.brier_of_constant(base_rate) if calibrated else None,
+            calibration.log_loss if calibrated else None,
+            scores.facts_per_identity if scores.facts_total else None,
+        ]
+        table.append([None if isinstance(v, float) and math.isnan(v) else v for v in row])
+    return table
+
+
+def rows(results: Sequence[ReplayResult], *, held_out: bool = True) -> list[list[str]]:
+    """:func:`values` as the table shows them: three decimals (facts held, one), and
+    nothing where there is no score."""
+    table: list[list[str]] = []
+    for row in values(results, held_out=held_out):
+        cells: list[str] = []
+        for column, value in zip(HEADER, row, strict=True):
+            if value is None:
+                cells.append("")
+            elif isinstance(value, float):
+                cells.append(_number(value, 1 if column == "facts held" else 3))
+            else:
+                cells.append(str(value))
+        table.append(cells)
     return table
 
 

@@ -824,5 +824,9 @@ def test_replay_scores_the_observations_the_database_holds(pg_url: str) -> None:
     rows = {row["method"]: row for row in report["results"]}
     assert set(rows) >= {"recency only", "exponential", "adaptive", "power-law"}
     # Both days after the first are held out; every method sees the same sessions.
-    assert {row["sessions"] for row in rows.values()} == {"4"}
-    assert rows["exponential"]["hit@5"] == "1.000"
+    # Numbers as numbers (they were the table's strings: "4", "1.000"), and null where
+    # the table shows nothing.
+    assert {row["sessions"] for row in rows.values()} == {4}
+    assert rows["exponential"]["hit@5"] == 1.0
+    assert isinstance(rows["exponential"]["Brier"], float)
+    assert rows["recency only"]["Brier"] is None

@@ -201,5 +201,5 @@ def test_the_command_replays_an_events_file(tmp_path: Path) -> None:
         "adaptive",
         "power-law",
     ]
-    assert all(row["sessions"] == "60" for row in report["results"])
+    assert all(row["sessions"] == 60 for row in report["results"])
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
