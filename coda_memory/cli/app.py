@@ -13,6 +13,7 @@ from typer.core import TyperGroup
 
 from coda_memory.cli.runtime import URL_VARIABLE, invocation
 from coda_memory.core.decay import AdaptiveDecay, DecayStrategy, ExponentialDecay, PowerLawDecay
+from coda_memory.core.sanitize import MAX_IDENTITY_CHARS
 
 DEBUG_FLAG = "--debug"
 
@@ -148,6 +149,10 @@ def checked_identity(value: str | None) -> str | None:
     """An identity argument that the database can take; a usage error otherwise."""
     if value is not None and not _is_database_text(value):
         raise typer.BadParameter("an identity must be UTF-8 text without NUL")
+    if value is not None and len(value) > MAX_IDENTITY_CHARS:
+        # None is stored (the service and the import refuse them), and the message
+        # would echo all of it.
+        raise typer.BadParameter(f"an identity is at most {MAX_IDENTITY_CHARS} characters")
     return value
 
 

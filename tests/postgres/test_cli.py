@@ -222,6 +222,16 @@ def test_unknown_identities_are_refused(pg_url: str, command: str) -> None:
     assert_one_line_error(result, 1, "unknown identity: 'zed'")
 
 
+@pytest.mark.parametrize("command", ["facts", "history", "prompt", "forget", "consolidate"])
+def test_an_identity_longer_than_any_stored_is_a_usage_error(command: str) -> None:
+    """It was looked up and echoed whole in "unknown identity: …" (5,000 characters)."""
+    extra = ["--yes"] if command == "forget" else []
+    result = run(command, "a" * 5_000, "--url", "postgresql://u@127.0.0.1:1/x", *extra)
+    assert result.exit_code == 2, result.output
+    assert "an identity is at most 256 characters" in result.stderr
+    assert "a" * 300 not in result.output
+
+
 @pytest.mark.parametrize(
     "args",
     [
