@@ -156,6 +156,7 @@ def _analytics(
     fetch: Callable[[PostgresStore], Coroutine[Any, Any, Sequence[BaseModel]]],
     query: AnalyticsQuery,
     *,
+    model: type[BaseModel],
     title: str,
     columns: _Columns | Callable[[Sequence[Any]], Table],
     draw: Callable[[Sequence[Any], Path], Path],
@@ -176,7 +177,7 @@ def _analytics(
     if output is AnalyticsFormat.JSON:
         print_json(dump(rows))
     elif output is AnalyticsFormat.CSV:
-        _print_csv(rows)
+        _print_csv(rows, model)
     elif not rows:
         typer.echo(f"{title}: no rows (try a longer --since or a lower --min-users)")
     elif callable(columns):
@@ -189,22 +190,35 @@ def _analytics(
         make_console().print(table)
 
 
-def _print_csv(rows: Sequence[BaseModel]) -> None:
-    records = dump(rows)
-    if not records:
-        return
+def _bucket_columns(key: str, buckets: int) -> list[str]:
+    """A histogram's columns, one per bucket: ``histogram_0.0_0.1``, …"""
+    width = 1 / buckets
+    return [f"{key}_{i * width:.1f}_{(i + 1) * width:.1f}" for i in range(buckets)]
+
+
+def _csv_columns(model: type[BaseModel]) -> list[str]:
+    """The CSV's header: the model's fields, a histogram's as one column per bucket."""
+    columns: list[str] = []
+    for name, field in model.model_fields.items():
+        if field.annotation == list[int]:
+            columns += _bucket_columns(name, analytics.HISTOGRAM_BUCKETS)
+        else:
+            columns.append(name)
+    return columns
+
+
+def _print_csv(rows: Sequence[BaseModel], model: type[BaseModel]) -> None:
+    """The rows as CSV, with the header even when there are none."""
     flat: list[dict[str, Any]] = []
-    for record in records:
+    for record in dump(rows):
         item: dict[str, Any] = {}
         for key, value in record.items():
             if isinstance(value, list):  # a histogram: one column per bucket
-                width = 1 / len(value) if value else 1
-                for i, count in enumerate(value):
-                    item[f"{key}_{i * width:.1f}_{(i + 1) * width:.1f}"] = count
+                item.update(zip(_bucket_columns(key, len(value)), value, strict=True))
             else:
                 item[key] = "" if value is None else value
         flat.append(item)
-    writer = csv.DictWriter(sys.stdout, fieldnames=list(flat[0]), lineterminator="\n")
+    writer = csv.DictWriter(sys.stdout, fieldnames=_csv_columns(model), lineterminator="\n")
     writer.writeheader()
     writer.writerows(flat)
 
@@ -250,6 +264,7 @@ def analytics_tools(query: AnalyticsQuery) -> None:
     _analytics(
         lambda store: analytics.tool_effectiveness(store, since=window, min_users=query.min_users),
         query,
+        model=analytics.ToolEffectiveness,
         title=title,
         columns=_tool_columns(),
         caption="affinity, avoidance: users whose memory holds a tool_affinity or "
@@ -282,6 +297,7 @@ def analytics_entities(
             store, since=window, min_users=query.min_users, limit=limit
         ),
         query,
+        model=analytics.EntityPopularity,
         title=title,
         columns=columns,
         draw=lambda rows, path: plots.plot_entity_popularity(rows, path, title=title),
@@ -296,6 +312,7 @@ def analytics_domains(query: AnalyticsQuery) -> None:
     _analytics(
         lambda store: analytics.domain_trends(store, since=window, min_users=query.min_users),
         query,
+        model=analytics.DomainTrend,
         title=title,
         columns=lambda rows: _domain_table(rows, title),
         draw=lambda rows, path: plots.plot_domain_trends(rows, path, title=title),
@@ -329,6 +346,7 @@ def analytics_facts(query: AnalyticsQuery) -> None:
     _analytics(
         lambda store: analytics.fact_summary(store, min_users=query.min_users),
         query,
+        model=analytics.FactSummary,
         title=title,
         columns=columns,
         draw=lambda rows, path: plots.plot_fact_summary(rows, path, title=title),

@@ -117,9 +117,13 @@ class DomainTrend(BaseModel):
     users: int
 
 
+#: The buckets of :attr:`FactSummary.histogram` (the view ``fact_summary`` makes them).
+HISTOGRAM_BUCKETS = 10
+
+
 class FactSummary(BaseModel):
     """Active facts of one category; ``histogram[i]`` counts effective confidences in
-    ``[i/10, (i+1)/10)``, the last bucket including 1.0."""
+    ``[i/10, (i+1)/10)``, the last bucket including 1.0 (:data:`HISTOGRAM_BUCKETS`)."""
 
     model_config = ConfigDict(frozen=True)
 

@@ -643,6 +643,17 @@ def test_analytics_fact_histograms_become_csv_columns(deployment: str) -> None:
     assert "histogram" not in header
 
 
+@pytest.mark.parametrize("kind", ["tools", "entities", "domains", "facts"])
+def test_analytics_csv_without_rows_is_its_header(deployment: str, kind: str) -> None:
+    """It printed nothing, which a CSV reader takes for a file without columns."""
+    common = ["analytics", kind, "--url", deployment, "-f", "csv", "--min-users"]
+    empty, full = run(*common, "1000"), run(*common, "1")
+    assert empty.exit_code == full.exit_code == 0, empty.output
+    [header] = empty.stdout.splitlines()
+    assert header == full.stdout.splitlines()[0]
+    assert len(full.stdout.splitlines()) > 1
+
+
 def test_analytics_with_too_few_users_says_so(deployment: str) -> None:
     result = run("analytics", "entities", "--min-users", "50", "--url", deployment)
     assert result.exit_code == 0, result.output
