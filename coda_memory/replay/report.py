@@ -8,11 +8,6 @@ from pathlib import Path
 
 from coda_memory.replay.harness import ReplayResult
 
-
-def _number(value: float, digits: int = 3) -> str:
-    return "" if math.isnan(value) else f"{value:.{digits}f}"
-
-
 HEADER = (
     "method",
     "sessions",
@@ -66,8 +61,8 @@ def rows(results: Sequence[ReplayResult], *, held_out: bool = True) -> list[list
         for column, value in zip(HEADER, row, strict=True):
             if value is None:
                 cells.append("")
-            elif isinstance(value, float):
-                cells.append(_number(value, 1 if column == "facts held" else 3))
+            elif isinstance(value, float):  # never NaN: values() made those None
+                cells.append(f"{value:.{1 if column == 'facts held' else 3}f}")
             else:
                 cells.append(str(value))
         table.append(cells)
