@@ -27,7 +27,7 @@ from coda_memory.cli.demo import plots
 from coda_memory.cli.output import (
     add_row,
     checked_plot_path,
-    draw_plot_or_exit,
+    draw_plot,
     dump,
     fmt_number,
     fmt_percent,
@@ -37,7 +37,6 @@ from coda_memory.cli.output import (
     print_json,
 )
 from coda_memory.cli.runtime import (
-    CliError,
     StoreOptions,
     fail,
     parse_duration,
@@ -84,10 +83,7 @@ class AnalyticsQuery:
         """``--since`` as a timedelta, or a one-line usage error (before any database
         work): a positive duration of at most 100 years."""
         assert self.since is not None, "a command without --since has no window"
-        try:
-            window = parse_duration(self.since, "--since", at_most=analytics.MAX_WINDOW)
-        except CliError as exc:
-            fail(str(exc), exc.code)
+        window = parse_duration(self.since, "--since", at_most=analytics.MAX_WINDOW)
         if window % timedelta(days=1):
             fail(
                 f"invalid duration {self.since!r} for --since: analytics count whole UTC "
@@ -173,7 +169,7 @@ def _analytics(
     if plot is not None and not rows:
         note(f"no rows: no chart written to {plot}")
     elif plot is not None:
-        draw_plot_or_exit(lambda: draw(rows, plot))
+        draw_plot(lambda: draw(rows, plot))
     if output is AnalyticsFormat.JSON:
         print_json(dump(rows))
     elif output is AnalyticsFormat.CSV:

@@ -11,7 +11,7 @@ from typing import Annotated, Any
 import typer
 from typer.core import TyperGroup
 
-from coda_memory.cli.runtime import URL_VARIABLE, invocation
+from coda_memory.cli.runtime import URL_VARIABLE, CliError, debug_enabled, invocation
 from coda_memory.core.decay import AdaptiveDecay, DecayStrategy, ExponentialDecay, PowerLawDecay
 from coda_memory.core.sanitize import MAX_IDENTITY_CHARS
 
@@ -37,7 +37,8 @@ _UsageError = _click_class("UsageError")
 
 
 class _OneLineErrors(TyperGroup):
-    """The root command: ``--debug`` anywhere, and usage errors as one line on stderr."""
+    """The root command: ``--debug`` anywhere, and usage errors and a command's CliError
+    (outside :func:`~coda_memory.cli.runtime.run` too) as one line on stderr."""
 
     def main(
         self,
@@ -64,6 +65,11 @@ class _OneLineErrors(TyperGroup):
                 hint = f" (see {error.ctx.command_path} --help)"
             typer.echo(f"error: {error.format_message()}{hint}", err=True)
             sys.exit(error.exit_code)
+        except CliError as exc:
+            if not standalone_mode or (debug_enabled() and exc.__cause__ is not None):
+                raise
+            typer.echo(f"error: {exc}", err=True)
+            sys.exit(exc.code)
         except typer.Abort:
             if not standalone_mode:
                 raise

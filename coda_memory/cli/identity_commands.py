@@ -27,7 +27,7 @@ from coda_memory.cli.app import (
 from coda_memory.cli.output import (
     add_row,
     checked_plot_path,
-    draw_plot_or_exit,
+    draw_plot,
     dump,
     fmt_number,
     fmt_time,
@@ -167,7 +167,7 @@ def history(
     if plot is not None:
         from coda_memory.cli.demo.plots import plot_fact_history
 
-        draw_plot_or_exit(
+        draw_plot(
             lambda: plot_fact_history(
                 events,
                 decay_strategy(decay),

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import re
 from datetime import UTC, datetime
 from typing import Annotated
+from urllib.parse import urlsplit
 
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -13,7 +13,6 @@ from coda_memory.cli.app import FormatOption, OutputFormat, SchemaOption, UrlOpt
 from coda_memory.cli.output import add_row, make_console, new_table, print_json
 from coda_memory.cli.runtime import (
     CliError,
-    fail,
     masked_url,
     open_store,
     resolve_target,
@@ -29,22 +28,24 @@ def _checked_redis_url(redis_url: str) -> None:
     """A usage error for what redis-py would take and read wrongly or refuse vaguely: a
     scheme other than Redis's, or a database that is not a number (redis-py reads
     database 0 then)."""
-    scheme, _, rest = redis_url.partition("://")
-    if scheme.lower() not in ("redis", "rediss", "unix") or not rest:
-        fail(
+    try:
+        parts = urlsplit(redis_url)
+    except ValueError:
+        return  # RedisStore.from_url says what is wrong with it
+    scheme = parts.scheme.lower()
+    if scheme not in ("redis", "rediss", "unix") or not (parts.netloc or parts.path):
+        raise CliError(
             f"invalid Redis URL {masked_url(redis_url)!r}: use redis://host:port/db "
             "(or rediss://, unix://)",
-            2,
+            code=2,
         )
-    if scheme.lower() != "unix":
-        # The path after the host, without the query or fragment: empty, or a database.
-        path = re.sub(r"[?#].*", "", rest.rpartition("@")[2]).partition("/")[2]
-        if path not in ("", "/") and not re.fullmatch(r"[0-9]+/?", path):
-            fail(
-                f"invalid Redis URL {masked_url(redis_url)!r}: the database {path!r} is "
-                "not a number",
-                2,
-            )
+    database = parts.path.strip("/")
+    if scheme != "unix" and database and not (database.isascii() and database.isdecimal()):
+        raise CliError(
+            f"invalid Redis URL {masked_url(redis_url)!r}: the database {database!r} is "
+            "not a number",
+            code=2,
+        )
 
 
 def _printable(text: str) -> str:

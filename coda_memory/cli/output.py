@@ -19,8 +19,6 @@ from rich.text import Text
 from coda_memory.cli.demo.plots import PlotsUnavailable
 from coda_memory.cli.runtime import (
     CliError,
-    debug_enabled,
-    fail,
 )
 
 #: Width of tables written to a file or pipe (unless $COLUMNS says otherwise): wide
@@ -119,16 +117,6 @@ def draw_plot(draw: Callable[[], Path]) -> None:
     except OSError as exc:
         raise CliError(f"cannot write the plot: {exc}") from exc
     note(f"plot written to {path}")
-
-
-def draw_plot_or_exit(draw: Callable[[], Path]) -> None:
-    """:func:`draw_plot` after :func:`~coda_memory.cli.runtime.run`: fail with one line."""
-    try:
-        draw_plot(draw)
-    except CliError as exc:
-        if debug_enabled():
-            raise
-        fail(str(exc), exc.code)
 
 
 def fmt_bytes(size: int) -> str:

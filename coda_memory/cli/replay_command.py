@@ -21,7 +21,7 @@ from coda_memory.cli.app import (
 from coda_memory.cli.output import (
     add_row,
     checked_plot_path,
-    draw_plot_or_exit,
+    draw_plot,
     make_console,
     new_table,
     note,
@@ -124,11 +124,8 @@ def replay(
         raise typer.BadParameter(
             f"--horizon-days must be a positive number of days, at most {MAX_SPAN.days:,}"
         )
-    try:
-        checked_plot_path(plot)
-        stream = _file_events(events) if events is not None else _stored_events(url, schema)
-    except CliError as exc:
-        fail(str(exc), exc.code)
+    checked_plot_path(plot)
+    stream = _file_events(events) if events is not None else _stored_events(url, schema)
     if not stream:
         fail("no events to replay")
     try:
@@ -198,6 +195,6 @@ def replay(
                 ) from exc
             return target
 
-        draw_plot_or_exit(draw)
+        draw_plot(draw)
     if math.isnan(comparison.baselines[0].test.ranking.hit_at_5):
         note("no session was scored in the held-out period (too few sessions per identity?)")
