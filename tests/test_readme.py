@@ -10,6 +10,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -97,3 +98,53 @@ def test_every_environment_variable_is_documented() -> None:
 
     assert read, "the scan found nothing"
     assert {name: str(path) for name, path in read.items() if name not in table} == {}
+
+
+#: Options the paragraph above the CLI table documents for every command.
+_SHARED_OPTIONS = {"--url", "--schema", "--decay", "--format", "--debug", "--help"}
+
+
+def _commands() -> list[tuple[str, list[str]]]:
+    """(``coda-memory …`` command line, its long options) of every command."""
+    import typer
+
+    from coda_memory.cli import app
+
+    found: list[tuple[str, list[str]]] = []
+
+    def visit(command: Any, path: str) -> None:
+        # (typer's click, which need not be the click installed beside it)
+        if hasattr(command, "commands"):
+            for name, sub in command.commands.items():
+                visit(sub, f"{path} {name}")
+            return
+        options = [
+            name
+            for parameter in command.params
+            if parameter.param_type_name == "option" and not parameter.hidden
+            for name in parameter.opts
+            if name.startswith("--")
+        ]
+        found.append((path, options))
+
+    visit(typer.main.get_command(app), "coda-memory")
+    return found
+
+
+@pytest.mark.parametrize(("command", "options"), _commands())
+def test_the_cli_table_lists_every_option_of_every_command(
+    command: str, options: list[str]
+) -> None:
+    """An operator reads the README's table, not ``--help``: it must not miss an option."""
+    group, _, name = command.rpartition(" ")
+    # "coda-memory analytics tools|entities|…" is one row for the four analytics commands.
+    rows = [
+        line
+        for line in README.splitlines()
+        if line.startswith(f"| `{command} ")
+        or line.startswith(f"| `{command}`")
+        or (group.endswith("analytics") and line.startswith(f"| `{group} ") and name in line)
+    ]
+    assert rows, f"no row of the CLI table for {command}"
+    missing = [o for o in options if o not in _SHARED_OPTIONS and not any(o in r for r in rows)]
+    assert not missing, f"{command}: {missing} not in its README row"

@@ -18,6 +18,7 @@ from coda_memory.cli.app import (
     DecayName,
     DecayOption,
     FormatOption,
+    LockWaitOption,
     OutputFormat,
     SchemaOption,
     UrlOption,
@@ -33,6 +34,9 @@ from coda_memory.cli.output import (
     print_json,
 )
 from coda_memory.cli.runtime import (
+    BUSY_EXIT_CODE,
+    DEFAULT_LOCK_WAIT,
+    LOCK_NOT_AVAILABLE,
     StoreOptions,
     Target,
     check_reachable,
@@ -46,13 +50,9 @@ from coda_memory.cli.runtime import (
     run_on_store,
 )
 from coda_memory.postgres import maintenance
-from coda_memory.postgres.connection import MAX_TIMEOUT
 from coda_memory.postgres.schema import DEFAULT_SCHEMA, validate_schema_name
 from coda_memory.postgres.store import PostgresStore
 from coda_memory.service import MAX_DURATION, MemoryService
-
-#: SQLSTATE of "lock_timeout expired".
-_LOCK_NOT_AVAILABLE = "55P03"
 
 
 @app.command()
@@ -132,7 +132,8 @@ def consolidate(
         typer.Option(
             "--lock-wait",
             help="How long to wait for an identity that live traffic is consolidating "
-            "before retrying (3 attempts, then it is reported as busy).",
+            "before retrying (3 attempts, then it is reported as busy), and for a table "
+            "that another transaction holds locked.",
         ),
     ] = "5s",
     retention: Annotated[
@@ -158,9 +159,8 @@ def consolidate(
 
     def prepare() -> StoreOptions:
         nonlocal keep
-        wait = parse_duration(lock_wait, "--lock-wait", at_most=MAX_TIMEOUT)
         keep = parse_duration(retention, "--retention", at_most=MAX_DURATION)
-        return StoreOptions(pool_size=workers, lock_timeout=wait)
+        return StoreOptions(pool_size=workers)
 
     async def work(store: PostgresStore, target: Target) -> _Summary:
         service = MemoryService(store, decay=decay_strategy(decay), retention=keep)
@@ -175,17 +175,12 @@ def consolidate(
         finally:
             await service.close()
 
-    summary = run_on_store(url, schema, work, prepare=prepare)
+    summary = run_on_store(url, schema, work, prepare=prepare, lock_wait=lock_wait)
     _print_summary(summary, all_identities)
     if summary.failed:
         raise typer.Exit(1)
     if summary.busy:
         raise typer.Exit(BUSY_EXIT_CODE)
-
-
-#: consolidate's exit code when identities were left busy and none failed: a script can
-#: tell "run it again later" from a failure (1) and from done (0).
-BUSY_EXIT_CODE = 3
 
 
 @dataclass
@@ -199,7 +194,7 @@ class _Summary:
 
 def _is_lock_timeout(exc: BaseException) -> bool:
     orig = exc.orig if isinstance(exc, DBAPIError) else exc
-    return getattr(orig, "sqlstate", None) == _LOCK_NOT_AVAILABLE
+    return getattr(orig, "sqlstate", None) == LOCK_NOT_AVAILABLE
 
 
 async def _consolidate_each(
@@ -269,6 +264,7 @@ def prune(
     batch_size: Annotated[
         int, typer.Option("--batch-size", min=1, max=10_000, help="Identities per transaction.")
     ] = 100,
+    lock_wait: LockWaitOption = DEFAULT_LOCK_WAIT,
     url: UrlOption = None,
     schema: SchemaOption = DEFAULT_SCHEMA,
 ) -> None:
@@ -306,7 +302,7 @@ def prune(
                 on_batch=lambda visited, _: progress.advance(task, visited),
             )
 
-    outcome = run_on_store(url, schema, work, prepare=prepare)
+    outcome = run_on_store(url, schema, work, prepare=prepare, lock_wait=lock_wait)
     busy = f", {outcome.busy} busy (skipped)" if outcome.busy else ""
     if outcome.owed_folded:
         typer.echo(f"folded {outcome.owed_folded} owed rollups first")
@@ -321,10 +317,13 @@ def stats(
     url: UrlOption = None,
     schema: SchemaOption = DEFAULT_SCHEMA,
     output: FormatOption = OutputFormat.TABLE,
+    lock_wait: LockWaitOption = DEFAULT_LOCK_WAIT,
 ) -> None:
     """Identities, observations (and how many are pending), facts, events, sizes."""
 
-    result = run_on_store(url, schema, lambda store, _: maintenance.store_stats(store))
+    result = run_on_store(
+        url, schema, lambda store, _: maintenance.store_stats(store), lock_wait=lock_wait
+    )
     if output is OutputFormat.JSON:
         print_json(result.model_dump(mode="json"))
         return

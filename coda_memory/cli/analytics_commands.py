@@ -18,6 +18,7 @@ from rich.table import Table
 
 from coda_memory.cli.app import (
     AnalyticsFormat,
+    LockWaitOption,
     PlotOption,
     SchemaOption,
     UrlOption,
@@ -37,6 +38,7 @@ from coda_memory.cli.output import (
     print_json,
 )
 from coda_memory.cli.runtime import (
+    DEFAULT_LOCK_WAIT,
     StoreOptions,
     fail,
     parse_duration,
@@ -76,6 +78,7 @@ class AnalyticsQuery:
     min_users: int
     output: AnalyticsFormat
     plot: Path | None
+    lock_wait: str
     url: str | None
     schema: str
 
@@ -109,6 +112,7 @@ _LEADING = (_option("since", SinceOption, "30d"), _option("min_users", MinUsersO
 _TRAILING = (
     _option("output", AnalyticsFormatOption, AnalyticsFormat.TABLE),
     _option("plot", PlotOption, None),
+    _option("lock_wait", LockWaitOption, DEFAULT_LOCK_WAIT),
     _option("url", UrlOption, None),
     _option("schema", SchemaOption, DEFAULT_SCHEMA),
 )
@@ -165,7 +169,13 @@ def _analytics(
         # An analyst's role reads the aggregate views, not every identity's rows.
         return StoreOptions(across=False)
 
-    rows = run_on_store(query.url, query.schema, lambda store, _: fetch(store), prepare=prepare)
+    rows = run_on_store(
+        query.url,
+        query.schema,
+        lambda store, _: fetch(store),
+        prepare=prepare,
+        lock_wait=query.lock_wait,
+    )
     if plot is not None and not rows:
         note(f"no rows: no chart written to {plot}")
     elif plot is not None:

@@ -139,6 +139,14 @@ DecayOption = Annotated[
         help="The decay strategy the agent server uses.",
     ),
 ]
+LockWaitOption = Annotated[
+    str,
+    typer.Option(
+        "--lock-wait",
+        help="How long to wait for a lock that another transaction holds (a migration, "
+        "a LOCK TABLE) before giving up with exit 3.",
+    ),
+]
 FormatOption = Annotated[OutputFormat, typer.Option("--format", "-f", help="Output format.")]
 PlotOption = Annotated[
     Path | None,

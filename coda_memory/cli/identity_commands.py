@@ -16,6 +16,7 @@ from coda_memory.cli.app import (
     DecayOption,
     FormatOption,
     IdentityArgument,
+    LockWaitOption,
     OutputFormat,
     PlotOption,
     SchemaOption,
@@ -37,6 +38,7 @@ from coda_memory.cli.output import (
     print_json,
 )
 from coda_memory.cli.runtime import (
+    DEFAULT_LOCK_WAIT,
     CliError,
     Target,
     fail,
@@ -58,6 +60,7 @@ def facts(
     schema: SchemaOption = DEFAULT_SCHEMA,
     decay: DecayOption = DecayName.EXPONENTIAL,
     output: FormatOption = OutputFormat.TABLE,
+    lock_wait: LockWaitOption = DEFAULT_LOCK_WAIT,
 ) -> None:
     """The identity's active facts, with their confidence now."""
 
@@ -68,7 +71,7 @@ def facts(
             store, identity
         )
 
-    active, pending = run_on_store(url, schema, work)
+    active, pending = run_on_store(url, schema, work, lock_wait=lock_wait)
     if output is OutputFormat.JSON:
         print_json(dump(active))
         return
@@ -110,6 +113,7 @@ def prompt(
     url: UrlOption = None,
     schema: SchemaOption = DEFAULT_SCHEMA,
     decay: DecayOption = DecayName.EXPONENTIAL,
+    lock_wait: LockWaitOption = DEFAULT_LOCK_WAIT,
 ) -> None:
     """The memory section the agent gets in its system prompt, exactly (no consolidation)."""
 
@@ -119,7 +123,7 @@ def prompt(
         facts = await service.facts(identity)
         return format_memory_section(facts, budget), len(facts)
 
-    section, facts = run_on_store(url, schema, work)
+    section, facts = run_on_store(url, schema, work, lock_wait=lock_wait)
     if section:
         typer.echo(section)
     elif facts:
@@ -145,6 +149,7 @@ def history(
     schema: SchemaOption = DEFAULT_SCHEMA,
     decay: DecayOption = DecayName.EXPONENTIAL,
     output: FormatOption = OutputFormat.TABLE,
+    lock_wait: LockWaitOption = DEFAULT_LOCK_WAIT,
 ) -> None:
     """Why the facts exist: every create, reinforce, extend and expire, in order.
 
@@ -163,7 +168,7 @@ def history(
     def prepare() -> None:
         checked_plot_path(plot)
 
-    events = run_on_store(url, schema, work, prepare=prepare)
+    events = run_on_store(url, schema, work, prepare=prepare, lock_wait=lock_wait)
     if plot is not None:
         from coda_memory.cli.demo.plots import plot_fact_history
 
@@ -230,6 +235,15 @@ def _history_table(
 def forget(
     identity: IdentityArgument,
     yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask for confirmation.")] = False,
+    if_exists: Annotated[
+        bool,
+        typer.Option(
+            "--if-exists",
+            help="An identity with nothing stored is not an error (exit 0): for erasure "
+            "lists run again after an interruption.",
+        ),
+    ] = False,
+    lock_wait: LockWaitOption = DEFAULT_LOCK_WAIT,
     url: UrlOption = None,
     schema: SchemaOption = DEFAULT_SCHEMA,
 ) -> None:
@@ -238,7 +252,9 @@ def forget(
     if not yes and not stdin_is_interactive():
         fail("refusing to forget without confirmation: stdin is not a terminal; pass --yes", 2)
 
-    async def work(store: PostgresStore, target: Target) -> bool:
+    async def work(store: PostgresStore, target: Target) -> bool | None:
+        if if_exists and not await maintenance.identity_exists(store, identity):
+            return None
         await require_identity(store, identity)
         question = (
             f"Erase every observation, fact, fact event, checkpoint and rollup row of "
@@ -249,7 +265,10 @@ def forget(
         await store.forget(identity)
         return True
 
-    if run_on_store(url, schema, work):
+    forgotten = run_on_store(url, schema, work, lock_wait=lock_wait)
+    if forgotten is None:
+        typer.echo(f"nothing to forget: {identity!r} has nothing stored")
+    elif forgotten:
         typer.echo(f"forgot {identity!r}")
     else:
         fail("not confirmed: nothing was erased")

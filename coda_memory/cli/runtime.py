@@ -1,7 +1,8 @@
 """What every command runs on: one-line errors, durations, and the database it works on.
 
 A command's work is a coroutine passed to :func:`run`, which turns every failure into one
-line on stderr and an exit code (1; 2 for bad usage), or re-raises it under ``--debug``.
+line on stderr and an exit code (1; 2 for bad usage; 3 when another transaction's lock
+kept the command out past ``--lock-wait``), or re-raises it under ``--debug``.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
 from coda_memory.errors import ForeignAlembicHistory, SchemaNotMigrated
 from coda_memory.postgres import maintenance
-from coda_memory.postgres.connection import sqlstate
+from coda_memory.postgres.connection import MAX_TIMEOUT, sqlstate, timeout_setting
 from coda_memory.postgres.engine import asyncpg_url
 from coda_memory.postgres.schema import DEFAULT_SCHEMA, validate_schema_name
 from coda_memory.postgres.store import PostgresStore
@@ -32,6 +33,15 @@ T = TypeVar("T")
 
 #: SQLSTATE of "permission denied".
 INSUFFICIENT_PRIVILEGE = "42501"
+#: SQLSTATE of a lock wait that ``lock_timeout`` ended.
+LOCK_NOT_AVAILABLE = "55P03"
+
+#: The exit code of a command that another transaction's lock kept out (and of
+#: ``consolidate`` when identities were left busy): a script can tell "run it again
+#: later" from a failure (1) and from done (0).
+BUSY_EXIT_CODE = 3
+#: ``--lock-wait`` of the commands that read or maintain, when not given.
+DEFAULT_LOCK_WAIT = "10s"
 
 #: The environment variable that gives ``--url``.
 URL_VARIABLE = "CODA_MEMORY_DATABASE_URL"
@@ -111,6 +121,13 @@ def run(main: Callable[[], Coroutine[Any, Any, T]], schema: str = DEFAULT_SCHEMA
     except Exception as exc:
         if debug_enabled():
             raise
+        if sqlstate(exc) == LOCK_NOT_AVAILABLE:
+            fail(
+                "another transaction holds a lock this command needs (a migration, a LOCK "
+                "TABLE, a long maintenance statement) past --lock-wait: run it again "
+                "later, or wait longer with --lock-wait",
+                BUSY_EXIT_CODE,
+            )
         if isinstance(exc, SchemaNotMigrated):
             hint = ""
         elif sqlstate(exc) == INSUFFICIENT_PRIVILEGE:
@@ -259,13 +276,22 @@ async def open_store(
     pool_size: int = 2,
     lock_timeout: timedelta | None = None,
     across: bool = True,
+    lock_wait: timedelta | None = None,
 ) -> AsyncIterator[PostgresStore]:
     """A store on the target, connected and (when ``migrated``) checked to be migrated;
     the embedded database is migrated here, any other only by ``migrate``. With
     ``across`` (every command but analytics, which read the aggregate views), the role
     must read every identity's rows: row-level security would otherwise hide them, and
-    the command answer as if there were none."""
+    the command answer as if there were none. ``lock_timeout`` is the store's wait for an
+    identity's checkpoint row; ``lock_wait`` (``--lock-wait``), when given, bounds every
+    lock wait of every statement (a table that a migration or ``LOCK TABLE`` holds), and
+    the checkpoint row's too unless ``lock_timeout`` says otherwise."""
     options: dict[str, Any] = {}
+    settings: dict[str, str] = dict(ALL_IDENTITIES)
+    if lock_wait is not None:
+        settings["lock_timeout"] = timeout_setting(lock_wait, "--lock-wait")
+        options["table_lock_timeout"] = lock_wait
+        options["lock_timeout"] = lock_wait
     if lock_timeout is not None:
         options["lock_timeout"] = lock_timeout
     store = PostgresStore.from_url(
@@ -273,7 +299,7 @@ async def open_store(
         schema=target.schema,
         pool_size=pool_size,
         # The owner's maintenance works across identities (row-level security).
-        connect_args={"timeout": CONNECT_TIMEOUT, "server_settings": ALL_IDENTITIES},
+        connect_args={"timeout": CONNECT_TIMEOUT, "server_settings": settings},
         # Maintenance (a rollup rebuild, a big prune batch, the consolidation of a long
         # backlog) may run long; a lock wait ends after --lock-wait, not before.
         command_timeout=None,
@@ -326,12 +352,18 @@ def run_on_store(
     work: Callable[[PostgresStore, Target], Coroutine[Any, Any, T]],
     *,
     prepare: Callable[[], StoreOptions | None] | None = None,
+    lock_wait: str | None = None,
 ) -> T:
     """A command's database work, under :func:`run`: resolve ``--url``/``--schema``, call
     ``prepare`` (checks of the other options, before any connection; it may say how to
-    open the store), open the store and run ``work`` on it."""
+    open the store), open the store and run ``work`` on it. ``lock_wait`` is the
+    command's ``--lock-wait`` (see :func:`open_store`); a lock not granted within it ends
+    the command with :data:`BUSY_EXIT_CODE`."""
 
     async def main() -> T:
+        wait = None
+        if lock_wait is not None:
+            wait = parse_duration(lock_wait, "--lock-wait", at_most=MAX_TIMEOUT)
         target = resolve_target(url, schema)
         options = (prepare() if prepare is not None else None) or StoreOptions()
         async with open_store(
@@ -340,6 +372,7 @@ def run_on_store(
             pool_size=options.pool_size,
             lock_timeout=options.lock_timeout,
             across=options.across,
+            lock_wait=wait,
         ) as store:
             return await work(store, target)
 

@@ -15,15 +15,16 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 import warnings
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
-from sqlalchemy import pool, select, text
+from sqlalchemy import Executable, pool, select, text
 from sqlalchemy.ext.asyncio import create_async_engine
 from typer.testing import CliRunner, Result
 
@@ -424,6 +425,21 @@ def test_forget_with_yes_erases_only_that_identity(pg_url: str) -> None:
     assert rows == [(0, 2)]
 
 
+def test_forget_if_exists_runs_again_without_an_error(pg_url: str) -> None:
+    """An erasure list run again after an interruption: the identities already forgotten
+    failed it with "unknown identity" (exit 1)."""
+    seed_alice(pg_url)
+    first = run("forget", "alice", "--yes", "--if-exists", "--url", pg_url)
+    again = run("forget", "alice", "--yes", "--if-exists", "--url", pg_url)
+    without = run("forget", "alice", "--yes", "--url", pg_url)
+
+    assert first.exit_code == 0, first.output
+    assert "forgot 'alice'" in first.stdout
+    assert again.exit_code == 0, again.output
+    assert "nothing to forget: 'alice' has nothing stored" in again.stdout
+    assert_one_line_error(without, 1, "unknown identity: 'alice'")
+
+
 # -- consolidate ---------------------------------------------------------------------------
 
 
@@ -465,24 +481,19 @@ def test_consolidate_needs_an_identity_or_all(pg_url: str) -> None:
 
 
 @contextmanager
-def checkpoint_locked(url: str, identity_id: str) -> Iterator[threading.Event]:
-    """Hold the identity's checkpoint row lock, as a live consolidation does, on a thread
-    of its own until the yielded event is set."""
+def held(url: str, statement: Executable) -> Iterator[threading.Event]:
+    """Run ``statement`` (a lock) in a transaction on a thread of its own, and hold what it
+    took until the yielded event is set, or for 10 s at most (a command that waits for it
+    then goes through, instead of hanging the test)."""
     ready, release = threading.Event(), threading.Event()
 
     async def hold() -> None:
         engine = create_async_engine(url, poolclass=pool.NullPool)
         try:
             async with engine.begin() as conn:
-                statement = (
-                    select(checkpoints.c.identity_id)
-                    .where(checkpoints.c.identity_id == identity_id)
-                    .with_for_update()
-                )
                 await conn.execute(statement)
                 ready.set()
-                while not release.is_set():
-                    await asyncio.sleep(0.02)
+                await asyncio.to_thread(release.wait, 10)
         finally:
             await engine.dispose()
 
@@ -496,6 +507,18 @@ def checkpoint_locked(url: str, identity_id: str) -> Iterator[threading.Event]:
         thread.join(10)
 
 
+def checkpoint_locked(url: str, identity_id: str) -> AbstractContextManager[threading.Event]:
+    """Hold the identity's checkpoint row lock, as a live consolidation does."""
+    row = checkpoints.c.identity_id == identity_id
+    return held(url, select(checkpoints.c.identity_id).where(row).with_for_update())
+
+
+def table_locked(url: str, table: str) -> AbstractContextManager[threading.Event]:
+    """Hold ``ACCESS EXCLUSIVE`` on the schema's ``table``, as a migration or a ``LOCK
+    TABLE`` does."""
+    return held(url, text(f"LOCK TABLE coda_memory.{table} IN ACCESS EXCLUSIVE MODE"))
+
+
 def test_consolidate_waits_for_live_traffic_on_the_same_identity(pg_url: str) -> None:
     seed_alice(pg_url)
     emit_pending(pg_url, ["alice"])
@@ -505,6 +528,52 @@ def test_consolidate_waits_for_live_traffic_on_the_same_identity(pg_url: str) ->
     assert result.exit_code == 0, result.output
     assert "consolidated 1 of 1 identities" in result.stdout
     assert pending(pg_url, "alice") == 0
+
+
+@pytest.mark.parametrize(
+    ("table", "args"),
+    [
+        ("observations", ["stats"]),
+        ("facts", ["facts", "alice"]),
+        ("facts", ["prompt", "alice"]),
+        ("fact_events", ["history", "alice"]),
+        ("observations", ["prune"]),
+        ("observations", ["forget", "alice", "--yes"]),
+        ("tool_daily", ["analytics", "tools"]),
+        ("observations", ["consolidate", "--all"]),
+    ],
+)
+def test_a_table_locked_past_lock_wait_ends_the_command_as_busy(
+    pg_url: str, table: str, args: list[str]
+) -> None:
+    """They waited for as long as the lock was held: a migration's, or a forgotten
+    LOCK TABLE's, for hours, with nothing on the screen."""
+    seed_alice(pg_url)
+    with table_locked(pg_url, table):
+        started = time.monotonic()
+        result = run(*args, "--lock-wait", "200ms", "--url", pg_url)
+        waited = time.monotonic() - started
+    assert result.exit_code == 3, result.output
+    # The last line (prune's progress bar may stand above it).
+    assert result.stderr.strip().splitlines()[-1] == (
+        "error: another transaction holds a lock this command needs (a migration, a LOCK "
+        "TABLE, a long maintenance statement) past --lock-wait: run it again later, or wait "
+        "longer with --lock-wait"
+    )
+    assert waited < 5
+    # Nothing was changed, and the same command goes through once the lock is gone.
+    assert run("stats", "--url", pg_url, "-f", "json").exit_code == 0
+    assert json.loads(run("stats", "--url", pg_url, "-f", "json").stdout)["facts"] == 4
+    assert run(*args, "--url", pg_url).exit_code == 0
+
+
+def test_a_lock_released_within_lock_wait_is_waited_for(pg_url: str) -> None:
+    seed_alice(pg_url)
+    with table_locked(pg_url, "facts") as release:
+        threading.Timer(0.3, release.set).start()
+        result = run("facts", "alice", "--url", pg_url, "-f", "json")
+    assert result.exit_code == 0, result.output
+    assert len(json.loads(result.stdout)) == 4
 
 
 def test_consolidate_reports_an_identity_locked_too_long_as_busy(pg_url: str) -> None:

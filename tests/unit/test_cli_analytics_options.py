@@ -67,6 +67,8 @@ def test_every_option_reaches_the_command(seen: Seen) -> None:
             "7",
             "-f",
             "csv",
+            "--lock-wait",
+            "3s",
             "--url",
             "postgresql://db/x",
             "--schema",
@@ -80,6 +82,7 @@ def test_every_option_reaches_the_command(seen: Seen) -> None:
         min_users=1,
         output=AnalyticsFormat.CSV,
         plot=None,
+        lock_wait="3s",
         url="postgresql://db/x",
         schema="tenant",
     )
@@ -97,6 +100,7 @@ def test_windowed_commands_share_their_defaults(seen: Seen, command: str) -> Non
         min_users=5,
         output=AnalyticsFormat.TABLE,
         plot=None,
+        lock_wait="10s",
         url=None,
         schema=DEFAULT_SCHEMA,
     )
@@ -148,6 +152,7 @@ def test_help_lists_the_commands_own_options_between_the_shared_ones() -> None:
         "--limit",
         "--format",
         "--plot",
+        "--lock-wait",
         "--url",
         "--schema",
         "--help",
