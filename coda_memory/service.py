@@ -70,7 +70,7 @@ from typing import Any, TypeVar
 
 from coda_memory.core import emitters
 from coda_memory.core.affinity import extract_tool_affinities
-from coda_memory.core.answers import RecentAnswers
+from coda_memory.core.answers import RecentAnswers, own_copy
 from coda_memory.core.caps import DEFAULT_MAX_FACTS, MAX_FACTS, CapCounter, FactCap, LogThrottle
 from coda_memory.core.consolidation import (
     DEFAULT_RETENTION,
@@ -85,6 +85,7 @@ from coda_memory.core.logs import short_error
 from coda_memory.core.model import MAX_SPAN, Fact, FactEvent, LoadedMemory
 from coda_memory.core.prompt import section_steps
 from coda_memory.core.rank import ranked_facts
+from coda_memory.core.sanitize import ObservationRejected, check_identity
 from coda_memory.core.turns import Steps, collector_scope, finished, stepped, taking_turns
 from coda_memory.errors import ServiceClosed
 from coda_memory.ports import MemoryStore
@@ -141,12 +142,25 @@ class LoadCancelled(Exception):
     """A load in flight was cancelled under its callers (by ``close``)."""
 
 
+def _identity_argument(identity_id: object) -> str:
+    """``identity_id`` of a call other than ``load_memory`` (which never raises) as the
+    store takes it (see :func:`~coda_memory.core.sanitize.check_identity`): TypeError or
+    ValueError saying what is wrong, without the identity (it may be personal data)."""
+    if not isinstance(identity_id, str):
+        raise TypeError(f"identity_id must be a str, not {type(identity_id).__name__}")
+    try:
+        return check_identity(identity_id)
+    except ObservationRejected as rejected:
+        raise ValueError(rejected.reason) from None
+
+
 def _answered(loaded: LoadedMemory | None) -> LoadedMemory:
-    """A consolidation's answer, read by a load that waited for it: one is made whenever
-    a load waits (see ``MemoryService._load``)."""
+    """A consolidation's answer, read by a load that waited for it (one is made whenever
+    a load waits, see ``MemoryService._load``), as that load's own: concurrent loads of
+    one identity share the consolidation, not the lists and dicts they are given."""
     if loaded is None:  # pragma: no cover - a load waits for every answer it reads
         raise RuntimeError("a consolidation made no answer for a load that waited for it")
-    return loaded
+    return own_copy(loaded)
 
 
 async def _offload_steps(size: int, steps: Steps[R]) -> R:
@@ -334,6 +348,7 @@ class MemoryService(ObservationWriter):
     async def consolidate(self, identity_id: str) -> list[Fact]:
         """Consolidate the identity's new observations now (no timeout) and return its
         active facts; raises on storage errors."""
+        identity_id = _identity_argument(identity_id)
         async with self._using_store():
             facts, _ = await self._consolidated(identity_id)
         return facts
@@ -424,12 +439,14 @@ class MemoryService(ObservationWriter):
 
     async def facts(self, identity_id: str) -> list[Fact]:
         """The identity's active facts at the clock's now, without consolidating."""
+        identity_id = _identity_argument(identity_id)
         async with self._using_store():
             stored = await self.store.facts(identity_id)
         return active_views(stored, self.decay, self.clock())
 
     async def history(self, identity_id: str, subject: str | None = None) -> list[FactEvent]:
         """Every create, reinforce, extend and expire of the identity's facts, in order."""
+        identity_id = _identity_argument(identity_id)
         async with self._using_store():
             return await self.store.history(identity_id, subject)
 
@@ -466,8 +483,10 @@ class MemoryService(ObservationWriter):
         """A call of the caller's that uses the store: ServiceClosed once ``close`` began,
         and meanwhile counted, so that ``close`` waits for it (up to CLOSE_GRACE) before
         it releases the store. (A connection still checked out when its pool is disposed
-        is left open until the garbage collector finds it.)"""
+        is left open until the garbage collector finds it.) RuntimeError on an event loop
+        other than the service's: its connections belong to that loop."""
         self._check_open()
+        self._check_loop()
         self._calls_in_flight += 1
         try:
             yield
@@ -508,6 +527,8 @@ class MemoryService(ObservationWriter):
                 type(identity_id).__name__,
             )
             return LoadedMemory.empty(), "error"
+        if type(identity_id) is not str:  # a str enum member: its value, as it was stored
+            identity_id = str.__str__(identity_id)
         loop = asyncio.get_running_loop()
         started = loop.time()
         task: asyncio.Task[LoadedMemory | None] | None = None
@@ -768,6 +789,7 @@ class MemoryService(ObservationWriter):
     async def forget(self, identity_id: str) -> None:
         """Delete every observation, fact, fact event and checkpoint of the identity,
         including observations of it still queued in this service."""
+        identity_id = _identity_argument(identity_id)
         async with self._using_store():
             self._forget_queued(identity_id)
             await self.drain()

@@ -21,7 +21,7 @@ from itertools import chain
 from typing import Any, Protocol
 
 from coda_memory.core.caps import LogThrottle
-from coda_memory.core.logs import identity_label, short_error
+from coda_memory.core.logs import identity_label, short_error, without_identities
 from coda_memory.core.model import NewObservation, ObservationType
 from coda_memory.core.sanitize import ObservationRejected, sanitize_fields, sanitize_observation
 from coda_memory.core.turns import collector_scope
@@ -491,8 +491,8 @@ class ObservationWriter:
 
     def _reject(self, identity_id: str, reason: str) -> None:
         self._rejected += 1
-        if not self.log_identities and isinstance(identity_id, str) and identity_id:
-            reason = reason.replace(identity_id, identity_label(identity_id))
+        if not self.log_identities:
+            reason = without_identities(reason, (identity_id,))
         self._log.warning(
             "rejected",
             "coda-memory: observation for %s rejected: %s",

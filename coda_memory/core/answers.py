@@ -58,7 +58,7 @@ class Answer:
     loaded: LoadedMemory
 
 
-def _copy(loaded: LoadedMemory) -> LoadedMemory:
+def own_copy(loaded: LoadedMemory) -> LoadedMemory:
     """``loaded`` with lists and dicts of its own (the facts are frozen models, shared)."""
     return LoadedMemory.model_construct(
         facts=list(loaded.facts),
@@ -100,7 +100,7 @@ class RecentAnswers:
         size = len(loaded.facts)
         if size > self.capacity_facts:
             return
-        self._answers[identity_id] = Answer(version, made_at, _copy(loaded))
+        self._answers[identity_id] = Answer(version, made_at, own_copy(loaded))
         self._facts += size
         while self._facts > self.capacity_facts:
             _, evicted = self._answers.popitem(last=False)
@@ -108,7 +108,7 @@ class RecentAnswers:
 
     def given(self, answer: Answer) -> LoadedMemory:
         """``answer``'s answer as the caller's own (lists and dicts of its own)."""
-        return _copy(answer.loaded)
+        return own_copy(answer.loaded)
 
     def discard(self, identity_id: str) -> None:
         answer = self._answers.pop(identity_id, None)

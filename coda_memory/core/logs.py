@@ -12,6 +12,8 @@
 from __future__ import annotations
 
 import hashlib
+import re
+from collections.abc import Iterable
 
 #: Characters of a message's first line that a log line keeps.
 MAX_MESSAGE_CHARS = 200
@@ -33,10 +35,19 @@ def short_error(
     lines = str(error).strip().splitlines()
     message = lines[0] if lines else ""
     if not show:
-        for identity in identities:
-            if identity and isinstance(identity, str):
-                message = message.replace(repr(identity), identity_label(identity))
-                message = message.replace(identity, identity_label(identity))
+        message = without_identities(message, identities)
     message = message[:MAX_MESSAGE_CHARS]
     name = type(error).__name__
     return f"{name}: {message}" if message else name
+
+
+def without_identities(text: str, identities: Iterable[object]) -> str:
+    """``text`` with each of ``identities`` in it, quoted or bare, replaced by its label;
+    not where it is part of a longer word (identity ``cat`` leaves ``tool_catalog``
+    alone)."""
+    for identity in identities:
+        if identity and isinstance(identity, str):
+            label = identity_label(identity)
+            text = text.replace(repr(identity), label)
+            text = re.sub(rf"(?<!\w){re.escape(identity)}(?!\w)", label, text)
+    return text

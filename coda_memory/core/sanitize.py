@@ -186,7 +186,10 @@ def _has_nul_or_surrogate(value: str) -> bool:
     return any(_value_drop(char) for char in value)
 
 
-def _check_identity(identity_id: object) -> str:
+def check_identity(identity_id: object) -> str:
+    """``identity_id`` as it is stored: a non-empty str of at most
+    :data:`MAX_IDENTITY_CHARS` characters without NUL or a lone surrogate, as a plain str
+    (a str subclass, such as a str enum, by its value); else ObservationRejected."""
     if not isinstance(identity_id, str):
         raise ObservationRejected("identity_id is not a string")
     if not identity_id:
@@ -195,7 +198,9 @@ def _check_identity(identity_id: object) -> str:
         raise ObservationRejected(f"identity_id is longer than {MAX_IDENTITY_CHARS} characters")
     if _has_nul_or_surrogate(identity_id):
         raise ObservationRejected("identity_id contains NUL or a lone surrogate")
-    return str(identity_id)
+    # Its value: str() of a str enum member is "Class.MEMBER", which the store would not
+    # find again under the value that load_memory passes.
+    return str.__str__(identity_id)
 
 
 def _check_session(session_id: object) -> str | None:
@@ -432,7 +437,7 @@ def sanitize_fields(
 ) -> ObservationRecord:
     """:func:`sanitize_observation` of an observation given by its fields (the type as
     an :class:`ObservationType` or its value): the writer's queue keeps them so."""
-    identity = _check_identity(identity_id)
+    identity = check_identity(identity_id)
     kind = _check_type(obs_type)
     if not isinstance(content, str):
         raise ObservationRejected("content is not a string")

@@ -21,6 +21,15 @@ checkpoint row, or processes keep answering with the facts they know.
 At most ``capacity`` facts are kept, in total, least recently used identities first out;
 an identity with more facts than that is not kept.
 
+Answering from them
+-------------------
+A load whose consolidation fails or outlives its timeout answers from the facts kept here
+(``PostgresStore.kept_facts``), without checking their version (that would take a round
+trip when the database is in trouble). They are dropped as soon as this process sees
+another version stored (a peek, the lock of a consolidation, a check of a reused answer):
+after a ``forget`` or a write by another process, only a load whose consolidation fails
+before it reaches the identity's checkpoint can still answer from them.
+
 Out of the garbage collector's sight
 ------------------------------------
 A fact is kept as a dict of its field values holding only strings, numbers, datetimes and
@@ -158,6 +167,13 @@ class KnownFacts:
             _, evicted = self._entries.popitem(last=False)
             self._size -= len(evicted)
         return True
+
+    def seen(self, identity_id: str, version: str | None) -> None:
+        """The identity's stored version is ``version``: kept facts of another version
+        are dropped (see "Answering from them")."""
+        entry = self._entries.get(identity_id)
+        if entry is not None and entry.version != version:
+            self.discard(identity_id)
 
     def discard(self, identity_id: str) -> None:
         entry = self._entries.pop(identity_id, None)

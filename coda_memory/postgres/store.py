@@ -414,6 +414,9 @@ class PostgresStore:
                         partial(driver.execute, "COMMIT"),
                         self._known.entry(identity_id),
                     )
+                    # Kept facts of another version (another process wrote, or forgot
+                    # the identity) may not answer should this consolidation fail.
+                    self._known.seen(identity_id, unit.locked_version)
                 yield unit
                 # The facts as the unit left them (committed) or found them (not
                 # committed).
@@ -493,6 +496,8 @@ class PostgresStore:
                 "from the stored facts, and new observations wait, meanwhile",
             )
             return await self._facts_alone(identity_id, known), False, None
+        if not peeked.read:
+            self._known.seen(identity_id, peeked.version)
         if peeked.read:
             # Kept for later peeks and the consolidation that follows (see "Facts read
             # once" above).

@@ -207,7 +207,8 @@ class PostgresConsolidationUnit:
         self.identity_id = identity_id
         #: The cursor as it was when the lock was granted (None: never consolidated).
         self.stored_snapshot = locked.snapshot
-        self._version = locked.version
+        #: The version of the identity's facts as the lock found them.
+        self.locked_version = locked.version
         self._snapshot: str | None = None
         self._commit = commit
         self._committed = False
@@ -243,7 +244,7 @@ class PostgresConsolidationUnit:
             fact_rows = await self._raw.fetch(
                 sql.facts.text, *sql.facts.arguments(identity_id=identity_id)
             )
-            self.known = await Known.read(self._version, identity_id, fact_rows)
+            self.known = await Known.read(self.locked_version, identity_id, fact_rows)
         stored = await self.known.facts()
         with gc_paused():
             observations = [

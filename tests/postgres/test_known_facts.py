@@ -286,3 +286,36 @@ async def test_a_cap_that_drops_many_facts_deletes_them_in_slices_and_keeps_the_
     finally:
         await service.close()
         await writer.close()
+
+
+async def test_a_consolidation_that_finds_another_version_drops_the_kept_facts(
+    pg_url: str,
+) -> None:
+    """Another process forgot the identity: a consolidation here that got as far as the
+    checkpoint's lock and then failed (or outlived its load's timeout) left the erased
+    facts kept, and a load answered from them (the answer of a load that timed out)."""
+    store = await _consolidated(pg_url)
+    other = PostgresStore.from_url(pg_url)
+    try:
+        assert await store.kept_facts("alice") != []
+        await other.forget("alice")
+        await store.append([record("called get_account again", session_id="s2")])
+        with pytest.raises(RuntimeError, match="failed after the lock"):
+            async with store.consolidation("alice"):
+                raise RuntimeError("failed after the lock")
+        assert await store.kept_facts("alice") == []
+    finally:
+        await other.close()
+        await store.close()
+
+
+async def test_a_consolidation_that_finds_the_kept_version_keeps_them(pg_url: str) -> None:
+    store = await _consolidated(pg_url)
+    try:
+        kept = await store.kept_facts("alice")
+        with pytest.raises(RuntimeError):
+            async with store.consolidation("alice"):
+                raise RuntimeError("failed after the lock")
+        assert [f.subject for f in await store.kept_facts("alice")] == [f.subject for f in kept]
+    finally:
+        await store.close()

@@ -14,6 +14,7 @@ import threading
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from datetime import timedelta
+from enum import Enum
 from typing import Any
 
 import pytest
@@ -123,6 +124,22 @@ async def test_load_memory_gives_facts_prompt_and_affinities() -> None:
     assert "- Uses get_account successfully" in lines
     assert '- Works with account "Acme" (42)' in lines
     assert "- run_query has failed for this user" in lines
+    await service.close()
+
+
+async def test_concurrent_loads_of_one_identity_get_answers_of_their_own() -> None:
+    """They shared one consolidation and got the same object: a request that changed its
+    answer (popped an affinity, cleared the facts) changed the other request's too."""
+    service = MemoryService.from_url("memory://", clock=FakeClock())
+    service.emit_observation("u1", tool_ok("get_account", "s1"))
+    service.emit_observation("u1", tool_ok("list_orders", "s1"))
+    await service.drain()
+    first, second = await asyncio.gather(service.load_memory("u1"), service.load_memory("u1"))
+    assert first is not second
+    first.tool_affinities.clear()
+    first.facts.clear()
+    assert set(second.tool_affinities) == {"get_account", "list_orders"}
+    assert len(second.facts) == 2
     await service.close()
 
 
@@ -420,6 +437,45 @@ def test_options_past_what_the_service_can_use_are_refused(option: str, value: o
         MemoryService.from_url("memory://", **options)
     # The largest accepted are accepted.
     MemoryService.from_url("memory://", max_facts=2**31 - 1, retention=timedelta(days=36_500))
+
+
+@pytest.mark.parametrize("call", ["consolidate", "facts", "history", "forget"])
+@pytest.mark.parametrize(
+    ("identity", "error", "says"),
+    [
+        (42, TypeError, "identity_id must be a str, not int"),
+        (None, TypeError, "identity_id must be a str, not NoneType"),
+        (b"alice", TypeError, "identity_id must be a str, not bytes"),
+        ("", ValueError, "identity_id is empty"),
+        ("al\x00ice", ValueError, "identity_id contains NUL"),
+        ("secret-person-" * 40, ValueError, "identity_id is longer than 256 characters"),
+    ],
+)
+async def test_an_identity_the_store_cannot_take_is_a_clear_error(
+    call: str, identity: object, error: type[Exception], says: str
+) -> None:
+    """They failed in the driver (a DBAPIError quoting the identity among the statement's
+    parameters, or a NotNullViolationError), or quietly returned [] for None."""
+    service = MemoryService.from_url("memory://", clock=FakeClock())
+    with pytest.raises(error, match=says) as raised:
+        await getattr(service, call)(identity)
+    assert "secret-person" not in str(raised.value)
+    await service.close()
+
+
+async def test_a_str_enum_identity_is_stored_and_read_under_its_value() -> None:
+    """The writer stored it under str(member), "Tenant.ANA", and loads read "ana"."""
+
+    class Tenant(str, Enum):  # noqa: UP042 (its str() is "Tenant.ANA", not a StrEnum's)
+        ANA = "ana"
+
+    service = MemoryService.from_url("memory://", clock=FakeClock())
+    service.emit_observation(Tenant.ANA, tool_ok("get_account", "s1"))
+    await service.drain()
+    assert set((await service.load_memory(Tenant.ANA)).tool_affinities) == {"get_account"}
+    assert [f.subject for f in await service.facts("ana")] == ["tool_affinity:get_account"]
+    assert await service.facts("Tenant.ANA") == []
+    await service.close()
 
 
 async def test_a_host_passing_a_non_string_identity_gets_a_rejection_not_a_crash() -> None:
