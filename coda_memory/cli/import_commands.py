@@ -41,9 +41,12 @@ def _checked_redis_url(redis_url: str) -> None:
         )
     database = parts.path.strip("/")
     if scheme != "unix" and database and not (database.isascii() and database.isdecimal()):
+        # Not quoted: after a password holding "/", the "database" is the rest of the
+        # password (urlsplit ends the host part at the first "/").
         raise CliError(
-            f"invalid Redis URL {masked_url(redis_url)!r}: the database {database!r} is "
-            "not a number",
+            f"invalid Redis URL {masked_url(redis_url)!r}: the database (the path after "
+            "host:port) is not a number (a password holding /, #, ? or @ must be "
+            "percent-encoded)",
             code=2,
         )
 

@@ -42,6 +42,11 @@ LOCK_NOT_AVAILABLE = "55P03"
 BUSY_EXIT_CODE = 3
 #: ``--lock-wait`` of the commands that read or maintain, when not given.
 DEFAULT_LOCK_WAIT = "10s"
+#: What a lock not granted in time means, for people.
+_LOCKED_OUT = (
+    "another transaction holds a lock this command needs (a migration, a LOCK TABLE, a "
+    "long maintenance statement)"
+)
 
 #: The environment variable that gives ``--url``.
 URL_VARIABLE = "CODA_MEMORY_DATABASE_URL"
@@ -122,12 +127,7 @@ def run(main: Callable[[], Coroutine[Any, Any, T]], schema: str = DEFAULT_SCHEMA
         if debug_enabled():
             raise
         if sqlstate(exc) == LOCK_NOT_AVAILABLE:
-            fail(
-                "another transaction holds a lock this command needs (a migration, a LOCK "
-                "TABLE, a long maintenance statement) past --lock-wait: run it again "
-                "later, or wait longer with --lock-wait",
-                BUSY_EXIT_CODE,
-            )
+            fail(f"{_LOCKED_OUT}: run it again later", BUSY_EXIT_CODE)
         if isinstance(exc, SchemaNotMigrated):
             hint = ""
         elif sqlstate(exc) == INSUFFICIENT_PRIVILEGE:
@@ -374,7 +374,16 @@ def run_on_store(
             across=options.across,
             lock_wait=wait,
         ) as store:
-            return await work(store, target)
+            try:
+                return await work(store, target)
+            except Exception as exc:
+                if wait is None or sqlstate(exc) != LOCK_NOT_AVAILABLE:
+                    raise
+                raise CliError(
+                    f"{_LOCKED_OUT} past --lock-wait: run it again later, or wait longer "
+                    "with --lock-wait",
+                    BUSY_EXIT_CODE,
+                ) from exc
 
     return run(main, schema)
 

@@ -14,8 +14,9 @@ line of plain data that cannot steer the model, in this order:
    no base, and combining marks past the second on one base. Whitespace runs become one
    space; the result is one line.
 3. **Confusables folded before checks.** The checks below run on a copy in which
-   Cyrillic and Greek letters that look like Latin ones (:data:`CONFUSABLES`, from
-   Unicode's confusables.txt) are Latin, so ``ЅYЅТЕМ:`` is caught like ``SYSTEM:``.
+   Cyrillic, Greek and Lisu letters that look like Latin ones, and colons that look like
+   ``:`` (:data:`CONFUSABLES`, from Unicode's confusables.txt), are Latin letters and
+   ``:``, so ``ЅYЅТЕМ:`` and ``SYSTEM꞉`` are caught like ``SYSTEM:``.
 4. **Structure neutralised.** URLs (any ``scheme://``, ``//host``, ``www.`` hosts,
    ``javascript:``-like schemes, ``host.tld/path``) become ``(link removed)``; tags
    such as ``<img …>`` or ``<|im_start|>`` and every other ``<`` or ``>`` become a space;
@@ -58,6 +59,15 @@ CONFUSABLES: dict[int, str] = {
         "κ": "k", "τ": "t", "ϵ": "e",
         # Latin look-alikes and Armenian
         "ı": "i", "ɑ": "a", "ʏ": "y", "ȷ": "j", "օ": "o", "ս": "u", "ց": "g", "հ": "h",
+        # Lisu capitals
+        "ꓐ": "B", "ꓑ": "P", "ꓒ": "d", "ꓓ": "D", "ꓔ": "T", "ꓖ": "G", "ꓗ": "K", "ꓙ": "J",
+        "ꓚ": "C", "ꓜ": "Z", "ꓝ": "F", "ꓟ": "M", "ꓠ": "N", "ꓡ": "L", "ꓢ": "S", "ꓣ": "R",
+        "ꓦ": "V", "ꓧ": "H", "ꓪ": "W", "ꓫ": "X", "ꓬ": "Y", "ꓮ": "A", "ꓰ": "E", "ꓲ": "I",
+        "ꓳ": "O", "ꓴ": "U",
+        # Colons that NFKC leaves alone: modifier letters, ratio, Armenian, Hebrew,
+        # Syriac, runic, Lisu, two-dot punctuation
+        "꞉": ":", "ː": ":", "˸": ":", "∶": ":", "։": ":", "׃": ":", "܃": ":", "܄": ":",
+        "᛬": ":", "ꓽ": ":", "⁚": ":",
     }.items()
 }  # fmt: skip
 
@@ -119,8 +129,9 @@ _BRACKET_MARKER = re.compile(
     r"\[\s*/?\s*(?:inst|sys|system|user|assistant|human|ai|bot)\s*\]", re.IGNORECASE
 )
 _ROLE = re.compile(
-    r"(?<![A-Za-z0-9_])(system|developer|assistant|user|human|ai|model|bot|"
-    r"instructions?|response|prompt)\s*:",
+    # (also right after an escaped line break, "\nSYSTEM:", as JSON-escaped text has it)
+    r"(?:(?<=\\[nrt])|(?<![A-Za-z0-9_]))(system|developer|assistant|user|human|ai|model|"
+    r"bot|instructions?|response|prompt|tool|function|ipython)\s*:",
     re.IGNORECASE,
 )
 #: What makes brackets a markdown link, image or reference: ``](``, ``][``, ``]:``, ``![``.

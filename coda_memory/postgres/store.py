@@ -143,6 +143,8 @@ DEFAULT_TABLE_LOCK_TIMEOUT = timedelta(milliseconds=25)
 _CONSOLIDATION_TABLES = ("checkpoints", "observations", "facts", "fact_events")
 #: lock_not_available: a lock wait ended by ``lock_timeout``.
 _LOCK_NOT_AVAILABLE = "55P03"
+#: query_canceled: a statement (a lock wait too) ended by ``statement_timeout``.
+_QUERY_CANCELED = "57014"
 _log = LogThrottle(logging.getLogger("coda_memory"))
 #: Every statement of a request (peek, consolidation); lock waits included.
 DEFAULT_STATEMENT_TIMEOUT = timedelta(seconds=1)
@@ -198,7 +200,8 @@ class HeldOut:
     #: Peeks that a held table stopped: their loads answered from the stored facts.
     peeks: int = 0
     #: Consolidations whose lock wait timed out: a held table (``table_lock_timeout``),
-    #: or the identity's checkpoint row past ``lock_timeout``. A load's also counts in
+    #: or the identity's checkpoint row past ``lock_timeout`` or ``statement_timeout``,
+    #: whichever ends first. A load's also counts in
     #: ``load_errors``.
     consolidations: int = 0
 
@@ -407,13 +410,20 @@ class PostgresStore:
                 with schema_required(self.schema):
                     # The tenant of the transaction (row-level security).
                     await driver.execute(SET_TENANT, identity_id)
-                    unit = await PostgresConsolidationUnit.open(
-                        driver,
-                        self._statements,
-                        identity_id,
-                        partial(driver.execute, "COMMIT"),
-                        self._known.entry(identity_id),
-                    )
+                    try:
+                        unit = await PostgresConsolidationUnit.open(
+                            driver,
+                            self._statements,
+                            identity_id,
+                            partial(driver.execute, "COMMIT"),
+                            self._known.entry(identity_id),
+                        )
+                    except Exception as error:
+                        # The wait for the checkpoint row, ended by the request pool's
+                        # statement_timeout before lock_timeout: held out as well.
+                        if sqlstate(error) == _QUERY_CANCELED:
+                            self.held_out.consolidations += 1
+                        raise
                     # Kept facts of another version (another process wrote, or forgot
                     # the identity) may not answer should this consolidation fail.
                     self._known.seen(identity_id, unit.locked_version)

@@ -248,7 +248,12 @@ class RedisStore:
 
     async def history(self, identity_id: str, subject: str | None = None) -> list[FactEvent]:
         raw = await self.client.lrange(self.keys.of("history", identity_id), 0, -1)
-        events = [event_from_value(identity_id, json.loads(r)) for r in raw]
+        events = []
+        for record in raw:
+            try:
+                events.append(event_from_value(identity_id, json.loads(record)))
+            except (ValueError, KeyError, TypeError):
+                continue  # a record that does not parse is left out, as by every read
         return [e for e in events if subject is None or e.subject == subject]
 
     async def observations(self, identity_id: str) -> list[Observation]:
@@ -288,10 +293,10 @@ class RedisStore:
         for start in range(0, len(identities), 500):
             async with self.client.pipeline(transaction=False) as pipe:
                 for identity in identities[start : start + 500]:
-                    pipe.zcard(self.keys.of("obs", identity))
-                    pipe.zcard(self.keys.of("pending", identity))
-                    pipe.hlen(self.keys.of("facts", identity))
-                    pipe.llen(self.keys.of("history", identity))
+                    pipe.zcard(_encoded(self.keys.of("obs", identity)))
+                    pipe.zcard(_encoded(self.keys.of("pending", identity)))
+                    pipe.hlen(_encoded(self.keys.of("facts", identity)))
+                    pipe.llen(_encoded(self.keys.of("history", identity)))
                 counts = await pipe.execute()
             observations += sum(counts[0::4])
             pending += sum(counts[1::4])
@@ -328,3 +333,9 @@ __all__ = ["LockLost", "LockTimeout", "RedisStore", "RedisStoreStats", "split_pr
 def _decoded(raw: bytes | str) -> str:
     """A key or field as text; bytes that are not UTF-8 as surrogate escapes."""
     return raw.decode("utf-8", "surrogateescape") if isinstance(raw, bytes) else str(raw)
+
+
+def _encoded(key: str) -> bytes:
+    """A key as Redis holds it: the bytes :func:`_decoded` read it from (surrogate
+    escapes back to the bytes that were not UTF-8)."""
+    return key.encode("utf-8", "surrogateescape")

@@ -326,6 +326,31 @@ async def test_a_consolidation_fails_at_once_on_a_held_table_and_the_load_answer
         await service.close()
 
 
+async def test_a_checkpoint_row_held_past_the_statement_timeout_counts_as_held_out(
+    pg_url: str, clock: FakeClock, admin: asyncpg.Connection
+) -> None:
+    """With the defaults the request pool's statement_timeout (1 s) ends the wait for the
+    row before lock_timeout (5 s) does; the consolidation was not counted."""
+    service = MemoryService.from_url(pg_url, clock=clock)
+    try:
+        await consolidated_then_more(service, "u1")
+        holder = admin.transaction()
+        await holder.start()
+        await admin.execute(
+            "SELECT 1 FROM coda_memory.checkpoints WHERE identity_id = 'u1' FOR UPDATE"
+        )
+        with pytest.raises(asyncpg.QueryCanceledError):
+            await asyncio.wait_for(service.consolidate("u1"), 4)
+        await holder.rollback()
+        assert service.stats().consolidations_held_out == 1
+        assert {f.subject for f in await service.consolidate("u1")} == {
+            "tool_affinity:t",
+            "tool_affinity:u",
+        }
+    finally:
+        await service.close()
+
+
 async def test_the_service_recovers_after_its_connections_are_killed(
     pg_url: str, clock: FakeClock, admin: asyncpg.Connection
 ) -> None:

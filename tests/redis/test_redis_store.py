@@ -258,6 +258,32 @@ async def test_stats_count_every_identity(redis_store: RedisStore, redis_url: st
         await service.close()
 
 
+async def test_stats_count_a_key_whose_identity_is_not_utf8(
+    redis_store: RedisStore, redis_prefix: str, redis_client: aioredis.Redis
+) -> None:
+    """identities() gives such a key's identity with surrogate escapes; stats() sent
+    those back to Redis and failed with UnicodeEncodeError."""
+    await redis_client.zadd(f"{redis_prefix}obs:".encode() + b"\xff\xfe", {b"member": 1})
+    await redis_client.zadd(f"{redis_prefix}obs:ok", {b"member": 1})
+    stats = await redis_store.stats()
+    assert (stats.identities, stats.observations) == (2, 2)
+
+
+async def test_a_history_record_that_does_not_parse_is_left_out(
+    redis_store: RedisStore, redis_prefix: str, redis_client: aioredis.Redis
+) -> None:
+    """One broken record made history() raise JSONDecodeError."""
+    service = MemoryService(redis_store, clock=FakeClock())
+    service.emit_observation("u1", tool_ok("get_account"))
+    await service.drain()
+    await service.consolidate("u1")
+    await redis_client.lpush(f"{redis_prefix}history:u1", "{broken", '{"subject": 1}', "[]")
+    events = await service.history("u1")
+    assert [(e.subject, e.kind) for e in events] == [
+        ("tool_affinity:get_account", FactEventKind.CREATED)
+    ]
+
+
 async def test_the_prefix_comes_from_the_url_or_the_option(
     redis_url: str, redis_prefix: str, redis_client: aioredis.Redis
 ) -> None:

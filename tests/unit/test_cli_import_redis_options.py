@@ -17,8 +17,10 @@ UNREACHABLE = "postgresql://u@127.0.0.1:1/x"
     ("redis_url", "says"),
     [
         # redis-py read database 0 for this one, and the copy went on (exit 0).
-        ("redis://127.0.0.1:6379/abc", "the database 'abc' is not a number"),
-        ("redis://u:secret@127.0.0.1:6379/x?prefix=p", "the database 'x' is not a number"),
+        ("redis://127.0.0.1:6379/abc", "the database (the path after host:port) is not"),
+        ("redis://u:secret@127.0.0.1:6379/x?prefix=p", "the database (the path after host"),
+        # The "database" was the end of the password, and was quoted.
+        ("redis://default:s3cr/et-secret@127.0.0.1:6379/13", "must be percent-encoded"),
         # These were said to need a percent-encoded password.
         ("http://x", "use redis://host:port/db"),
         ("postgresql://u@db/x", "use redis://host:port/db"),
