@@ -25,10 +25,14 @@ from sqlalchemy import (
     Integer,
     MetaData,
     PrimaryKeyConstraint,
+    Select,
     SmallInteger,
     Table,
     Text,
     Uuid,
+    bindparam,
+    func,
+    select,
     text,
 )
 from sqlalchemy.dialects.postgresql import JSONB
@@ -68,6 +72,19 @@ def validate_schema_name(name: str) -> str:
     if name in _SYSTEM_SCHEMAS:
         raise ValueError(f"invalid schema name {name!r}: a system schema")
     return name
+
+
+#: A migration waits at most this long for a table lock: on a live database a blocked
+#: migration would queue every query of the table behind it.
+MIGRATION_LOCK_TIMEOUT = "5s"
+
+
+def migration_lock_timeout() -> Select[tuple[str]]:
+    """Sets :data:`MIGRATION_LOCK_TIMEOUT` for the current transaction: what every
+    transaction of a migration runs first (the migration environment for the first one,
+    a migration for one it begins after an ``autocommit_block``)."""
+    setting = bindparam("lock_timeout", MIGRATION_LOCK_TIMEOUT, Text)
+    return select(func.set_config("lock_timeout", setting, True))
 
 
 def schema_translate_map(schema: str) -> dict[str | None, str]:

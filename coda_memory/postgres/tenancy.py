@@ -55,12 +55,13 @@ ROLE_KINDS = {"app": "grant_app", "analyst": "grant_analyst"}
 _MAX_IDENTIFIER_BYTES = 63
 
 
-def tenancy_sql(name: str, schema: str, table: str = "") -> str:
-    """The DDL script ``sql/tenancy/name.sql`` for ``schema`` (validated) and ``table``
-    (one of this package's table names, a constant). These scripts hold placeholders
-    (``{table}``, ``{role}``) and, for the grants, several statements, so they live apart
-    from the statements the library prepares."""
-    return query(f"tenancy/{name}", schema).text.replace("{table}", table)
+def tenancy_sql(name: str, schema: str, table: str = "", source: str = "") -> str:
+    """The DDL script ``sql/tenancy/name.sql`` for ``schema`` (validated), ``table`` and
+    ``source`` (this package's table names, constants). These scripts hold placeholders
+    (``{table}``, ``{source}``, ``{role}``) and, for the grants, several statements, so
+    they live apart from the statements the library prepares."""
+    text = query(f"tenancy/{name}", schema).text
+    return text.replace("{table}", table).replace("{source}", source)
 
 
 def quote_role(name: str) -> str:

@@ -30,7 +30,9 @@ from collections.abc import Awaitable, Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
+from coda_memory.core.caps import LogThrottle
 from coda_memory.core.consolidation import REINFORCING, ConsolidationInput, ConsolidationPlan
+from coda_memory.core.logs import identity_label, without_identities
 from coda_memory.core.model import Fact, FactEvent, Observation, fact_id
 from coda_memory.ports import check_plan_identity
 from coda_memory.redis.codec import (
@@ -45,7 +47,7 @@ from coda_memory.redis.codec import (
 )
 from coda_memory.redis.keys import Keys
 
-logger = logging.getLogger("coda_memory")
+_log = LogThrottle(logging.getLogger("coda_memory"))
 
 Script = Callable[..., Awaitable[Any]]
 
@@ -105,8 +107,15 @@ class RedisConsolidationUnit:
 
     def _bad(self, what: str) -> Callable[[str], None]:
         def report(reason: str) -> None:
-            logger.warning(
-                "coda-memory: skipped a bad %s of %r in Redis: %s", what, self.identity_id, reason
+            # The identity by its label, as in every log line (it may be personal data),
+            # and one line a second at most for a run of bad records.
+            identity = self.identity_id
+            _log.warning(
+                f"bad {what}",
+                "coda-memory: skipped a bad %s of %s in Redis: %s",
+                what,
+                identity_label(identity),
+                without_identities(reason, (identity,)),
             )
 
         return report

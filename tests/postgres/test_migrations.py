@@ -285,7 +285,37 @@ def test_offline_mode_emits_the_ddl() -> None:
     assert sql.returncode == 0, sql.stderr
     assert "CREATE SCHEMA IF NOT EXISTS coda_memory" in sql.stdout
     assert "CREATE TABLE coda_memory.observations" in sql.stdout
-    assert "SET LOCAL lock_timeout" in sql.stdout
+    # Every transaction sets it first, also those that begin after an autocommit block
+    # (0002's concurrent index builds): the one after it had no lock timeout.
+    transactions = re.split(r"^BEGIN;$", sql.stdout, flags=re.M)[1:]
+    assert len(transactions) >= 2
+    for transaction in transactions:
+        first = next(line for line in transaction.splitlines() if line.strip())
+        assert first == "SELECT set_config('lock_timeout', '5s', true) AS set_config_1;"
+
+
+async def test_an_upgrade_past_0002_waits_for_a_held_table_at_most_its_lock_timeout(
+    empty_pg_url: str,
+) -> None:
+    """From 0001 on, the transaction after 0002's index builds ran with no lock timeout:
+    the upgrade queued behind a lock on checkpoints for as long as it was held."""
+    await migrate_async(empty_pg_url, revision="0001")
+    holder = await asyncpg.connect(empty_pg_url.replace("postgresql+asyncpg://", "postgresql://"))
+    try:
+        lock = holder.transaction()
+        await lock.start()
+        await holder.execute("LOCK TABLE coda_memory.checkpoints IN ACCESS SHARE MODE")
+        started = asyncio.get_running_loop().time()
+        with pytest.raises(Exception, match="lock timeout"):
+            await asyncio.wait_for(migrate_async(empty_pg_url), 30)
+        assert asyncio.get_running_loop().time() - started < 15
+        await lock.rollback()
+    finally:
+        await holder.close()
+    await migrate_async(empty_pg_url)
+    assert await fetch(empty_pg_url, "SELECT version_num FROM coda_memory.alembic_version") == [
+        (HEAD,)
+    ]
 
 
 def test_invalid_schema_names_never_reach_the_database() -> None:

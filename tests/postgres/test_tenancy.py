@@ -392,14 +392,24 @@ def _upgrade_to(revision: str) -> Any:
     return upgrade
 
 
+@pytest.mark.parametrize(
+    ("revision", "table"),
+    [
+        ("0005", "ingest_batches"),
+        # 0005 granted its table to nobody: every append of an app role granted at 0004
+        # failed, and 0006 and 0007, which ask ingest_batches' ACL, granted nobody either.
+        ("0004", "observations"),
+    ],
+)
 async def test_an_upgrade_grants_its_new_table_to_the_app_roles_granted_before(
-    pg_url: str,
+    pg_url: str, revision: str, table: str
 ) -> None:
-    """``coda-memory grant app`` ran at revision 0005; 0006 adds ``rollup_owed``, which the
-    app role can use at once, and the analyst role cannot. Only the app role itself is
-    granted it: not a member of it, nor ``pg_write_all_data``, which may insert into
-    ``ingest_batches`` too but may read no table (granted SELECT on ``rollup_owed``, its
-    members read every identity's owed rows)."""
+    """``coda-memory grant app`` ran at ``revision``; the tables added later
+    (``ingest_batches``, ``rollup_owed``, ``ingest_batches_spill``) the app role can use
+    at once, and the analyst role cannot. Only the app role itself is granted them: not a
+    member of it, nor ``pg_write_all_data``, which may insert into ``ingest_batches`` too
+    but may read no table (granted SELECT on ``rollup_owed``, its members read every
+    identity's owed rows)."""
     suffix = secrets.token_hex(4)
     owner, app_role, analyst, member = (
         f"coda_{kind}_{suffix}" for kind in ("owner", "app", "analyst", "member")
@@ -417,13 +427,13 @@ async def test_an_upgrade_grants_its_new_table_to_the_app_roles_granted_before(
     )
     try:
         async with engine.connect() as conn:
-            await conn.run_sync(_upgrade_to("0005"))
+            await conn.run_sync(_upgrade_to(revision))
             await conn.commit()
             driver: Any = (await conn.get_raw_connection()).driver_connection
-            # What grant_app.sql granted on the table the check looks at, at 0005.
+            # What grant_app.sql granted on the table the check looks at, at ``revision``.
             await driver.execute(
                 f'GRANT USAGE ON SCHEMA {SCHEMA} TO "{app_role}", "{analyst}";'
-                f'GRANT SELECT, INSERT, UPDATE, DELETE ON {SCHEMA}.ingest_batches TO "{app_role}";'
+                f'GRANT SELECT, INSERT, UPDATE, DELETE ON {SCHEMA}.{table} TO "{app_role}";'
                 f'GRANT SELECT ON {SCHEMA}.tool_daily TO "{analyst}"'
             )
             await conn.run_sync(_upgrade_to("0010"))
@@ -442,18 +452,18 @@ async def test_an_upgrade_grants_its_new_table_to_the_app_roles_granted_before(
                 for role in (app_role, analyst)
             }
             grantees = {
-                table: set(
+                added: set(
                     await driver.fetchval(
                         "SELECT array_agg(DISTINCT acl.grantee::regrole::text)"
                         " FROM pg_class c, aclexplode(c.relacl) AS acl WHERE c.oid = $1::regclass",
-                        f"{SCHEMA}.{table}",
+                        f"{SCHEMA}.{added}",
                     )
                 )
-                for table in ("rollup_owed", "ingest_batches_spill")
+                for added in ("ingest_batches", "rollup_owed", "ingest_batches_spill")
             }
         assert granted == {app_role: True, analyst: False}
         own = {owner, app_role}
-        assert grantees == {"rollup_owed": own, "ingest_batches_spill": own}
+        assert grantees == {"ingest_batches": own, "rollup_owed": own, "ingest_batches_spill": own}
     finally:
         await engine.dispose()
         await _superuser(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from datetime import timedelta
 from typing import Any
 
@@ -10,6 +11,9 @@ import pytest
 import redis.asyncio as aioredis
 
 from coda_memory import MemoryService
+from coda_memory.core.caps import LogThrottle
+from coda_memory.core.logs import identity_label
+from coda_memory.redis import unit as redis_unit
 from coda_memory.redis.codec import to_ms
 from tests.helpers import T0, FakeClock, tool_ok
 
@@ -178,6 +182,33 @@ async def test_facts_written_back_keep_the_original_shape(
     # The checkpoint map moved to the latest consumed observation, as the seed's does.
     checkpoint: Any = await redis_client.hget(f"{redis_prefix}checkpoint", "u1")
     assert int(checkpoint) == ms(4)
+
+
+async def test_bad_records_are_logged_by_the_identitys_label_once_a_second(
+    redis_url: str,
+    redis_prefix: str,
+    redis_client: aioredis.Redis,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Each bad record gave a line naming the identity itself ('alice.smith@…')."""
+    monkeypatch.setattr(redis_unit, "_log", LogThrottle(logging.getLogger("coda_memory")))
+    identity = "alice.smith@example.com"
+    await redis_client.zadd(
+        f"{redis_prefix}obs:{identity}", {f"{{broken {n}": ms(3) + n for n in range(7)}
+    )
+    service = MemoryService.from_url(redis_url, clock=FakeClock(T0 + timedelta(days=4)))
+    try:
+        with caplog.at_level(logging.WARNING, logger="coda_memory"):
+            await service.consolidate(identity)
+    finally:
+        await service.close()
+    lines = [r.getMessage() for r in caplog.records if "skipped a bad" in r.getMessage()]
+    assert lines == [
+        f"coda-memory: skipped a bad observation of {identity_label(identity)} in Redis: "
+        "not JSON (JSONDecodeError)"
+    ]
+    assert "alice" not in caplog.text
 
 
 async def test_bad_records_of_the_original_server_are_skipped_not_fatal(

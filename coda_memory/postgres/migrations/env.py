@@ -29,7 +29,7 @@ from typing import Any
 from alembic import context
 from alembic.script import ScriptDirectory
 from alembic.util.exc import CommandError
-from sqlalchemy import Connection, Engine, MetaData, Text, bindparam, func, pool, select
+from sqlalchemy import Connection, Engine, MetaData, pool
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 from sqlalchemy.schema import CreateSchema
 
@@ -40,13 +40,10 @@ from coda_memory.postgres.schema import (
     NAMING_CONVENTION,
     Xid8,
     metadata,
+    migration_lock_timeout,
     schema_translate_map,
     validate_schema_name,
 )
-
-#: Wait at most this long for a table lock: on a live database a blocked migration would
-#: queue every query of the table behind it. (Offline mode writes the same value.)
-LOCK_TIMEOUT = "5s"
 
 config = context.config
 if (
@@ -129,7 +126,7 @@ def run_migrations_offline() -> None:
     if SCHEMA != DEFAULT_SCHEMA:
         _render_translated_schema(context.get_context().dialect)
     with context.begin_transaction():
-        context.execute(f"SET LOCAL lock_timeout = '{LOCK_TIMEOUT}'")
+        context.execute(migration_lock_timeout())
         context.execute(CreateSchema(SCHEMA, if_not_exists=True))
         context.run_migrations()
 
@@ -158,8 +155,7 @@ def do_run_migrations(connection: Connection) -> None:
     _configure(connection=connection)
     _refuse_foreign_history()
     with context.begin_transaction():
-        setting = bindparam("lock_timeout", LOCK_TIMEOUT, Text)
-        connection.execute(select(func.set_config("lock_timeout", setting, True)))
+        connection.execute(migration_lock_timeout())
         # The version table lives in the schema, and Alembic creates it before running
         # the first migration.
         connection.execute(CreateSchema(SCHEMA, if_not_exists=True))

@@ -25,6 +25,7 @@ from sqlalchemy.dialects import postgresql
 from sqlalchemy.ext.compiler import compiles
 from sqlalchemy.schema import ExecutableDDLElement
 
+from coda_memory.postgres.schema import migration_lock_timeout
 from coda_memory.postgres.views import migrating_schema, view_statements
 
 revision: str = "0002"
@@ -377,6 +378,8 @@ def upgrade() -> None:
                 postgresql_include=FACT_INDEX_INCLUDE,
                 postgresql_concurrently=True,
             )
+    # The transaction that began after the block has none of the environment's settings.
+    op.execute(migration_lock_timeout())
     # Then, in one transaction with the version bump: the rollup, its backfill, the views.
     tables = _create_tables()
     _backfill(_observations(sa.MetaData()), tables)
@@ -389,6 +392,7 @@ def downgrade() -> None:
             op.drop_index(
                 name, "facts", schema=SCHEMA, postgresql_concurrently=True, if_exists=True
             )
+    op.execute(migration_lock_timeout())
     metadata = sa.MetaData()
     for name in reversed(VIEWS):
         op.execute(_DropView(sa.Table(name, metadata, schema=SCHEMA)))

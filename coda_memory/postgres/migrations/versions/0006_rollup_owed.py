@@ -62,7 +62,7 @@ def upgrade() -> None:
         op.execute(tenancy_sql(name, schema, "rollup_owed"))
     op.execute(tenancy_sql("writer_owed_read_policy", schema, "observations"))
     # The app roles granted before this migration may use the new table at once.
-    op.execute(tenancy_sql("grant_like_ingest", schema, "rollup_owed"))
+    op.execute(tenancy_sql("grant_like", schema, "rollup_owed", source="ingest_batches"))
 
 
 def downgrade() -> None:

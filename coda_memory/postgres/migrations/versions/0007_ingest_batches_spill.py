@@ -59,7 +59,8 @@ def upgrade() -> None:
         schema=SCHEMA,
     )
     # The app roles granted before this migration may use the new table at once.
-    op.execute(tenancy_sql("grant_like_ingest", _schema(), "ingest_batches_spill"))
+    grant = tenancy_sql("grant_like", _schema(), "ingest_batches_spill", source="ingest_batches")
+    op.execute(grant)
 
 
 def downgrade() -> None:

@@ -6,7 +6,7 @@ answers yes for ``pg_write_all_data`` (it may write every table) and for members
 app role. So ``pg_write_all_data`` was granted SELECT there too, and its members, who may
 read no table of the schema, could read every identity's owed rollup rows. The statement
 now takes only the roles granted INSERT on ``ingest_batches`` itself
-(``sql/tenancy/grant_like_ingest.sql``); this revokes what predefined roles (``pg_*``)
+(``sql/tenancy/grant_like.sql``); this revokes what predefined roles (``pg_*``)
 were granted on the two tables. Downgrading grants nothing back.
 
 Revision ID: 0011
