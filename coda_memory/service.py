@@ -142,6 +142,14 @@ class LoadCancelled(Exception):
     """A load in flight was cancelled under its callers (by ``close``)."""
 
 
+def _require_types(**options: tuple[object, type | tuple[type, ...], str]) -> None:
+    """TypeError naming the option whose value is not of its type (a float of seconds
+    where a timedelta goes failed later with "'>' not supported between …")."""
+    for name, (value, kind, example) in options.items():
+        if not isinstance(value, kind) or isinstance(value, bool):
+            raise TypeError(f"{name} must be {example}, not {type(value).__name__}")
+
+
 def _identity_argument(identity_id: object) -> str:
     """``identity_id`` of a call other than ``load_memory`` (which never raises) as the
     store takes it (see :func:`~coda_memory.core.sanitize.check_identity`): TypeError or
@@ -218,8 +226,18 @@ class MemoryService(ObservationWriter):
         log_identities: bool = False,
         hold_gc: bool = True,
     ) -> None:
+        _require_types(
+            load_timeout=(load_timeout, (int, float), "a number of seconds, e.g. 0.1"),
+            max_clock_skew=(max_clock_skew, timedelta, "a timedelta, e.g. timedelta(minutes=5)"),
+            retention=(retention, timedelta, "a timedelta, e.g. timedelta(days=7)"),
+            prompt_budget_tokens=(prompt_budget_tokens, int, "a number of tokens, e.g. 300"),
+        )
+        if isinstance(tool_catalog, str | bytes):
+            raise TypeError("tool_catalog must be a collection of tool names, not one string")
         if load_timeout <= 0:
             raise ValueError("load_timeout must be positive")
+        if prompt_budget_tokens < 0:
+            raise ValueError("prompt_budget_tokens must not be negative")
         if not timedelta(0) <= max_clock_skew <= MAX_DURATION:
             raise ValueError(f"max_clock_skew must be from 0 to {MAX_DURATION.days:,} days")
         if not timedelta(0) <= retention <= MAX_DURATION:

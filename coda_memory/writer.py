@@ -222,7 +222,13 @@ class ObservationWriter:
                 or len(self._queue) + self._ahead >= self._queue_size
                 or self._held_bytes + size > self._queue_bytes
             ):
-                self._drop(1, "service closed" if self._closed else "queue full")
+                if self._closed:
+                    reason = "service closed"
+                elif size > self._queue_bytes:
+                    reason = "observation larger than queue_bytes"
+                else:
+                    reason = "queue full"
+                self._drop(1, reason)
                 return
             created_at = obs.created_at if obs.created_at is not None else self.clock()
             self._queue.append(_queued(identity_id, obs, created_at, size))

@@ -56,11 +56,24 @@ class ToolResult(BaseModel):
     content: Any = None
 
 
-def _compact_json(value: Any) -> str:
+_COMPACT = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, default=str)
+
+
+def _compact_json(value: Any, max_chars: int) -> str:
+    """``value`` as compact JSON, encoded only as far as its first ``max_chars``
+    characters and a little more: an error result of 300,000 rows is not written out
+    whole (a quarter of a second on the event loop) to keep 500 characters of it."""
+    parts: list[str] = []
+    size = 0
     try:
-        return json.dumps(value, separators=(",", ":"), ensure_ascii=False, default=str)
+        for part in _COMPACT.iterencode(value):
+            parts.append(part)
+            size += len(part)
+            if size > max_chars:
+                break
     except (TypeError, ValueError, RecursionError):
         return f"<{type(value).__name__}>"
+    return "".join(parts)
 
 
 def _error_text(content: Any, depth: int = 0) -> str:
@@ -74,7 +87,8 @@ def _error_text(content: Any, depth: int = 0) -> str:
         for block in content:
             if isinstance(block, Mapping) and isinstance(block.get("text"), str):
                 return str(block["text"])
-    return _compact_json(content)
+    # Twice the cap: cleaning may remove some of it.
+    return _compact_json(content, 2 * MAX_ERROR_CHARS)
 
 
 def _duration(value: object) -> float | int | None:
@@ -203,18 +217,27 @@ class EntityExtractors:
     def extract(self, tool_name: str, result: Any) -> list[EntityRef]:
         """The entities in ``result``; [] for unknown tools, bad shapes or a failing
         extractor (logged at debug level, never raised)."""
+        try:
+            return list(self.refs(tool_name, result))
+        except Exception as error:
+            _extractor_failed(tool_name, error)
+            return []
+
+    def refs(self, tool_name: str, result: Any) -> Iterator[EntityRef]:
+        """The entities in ``result`` as the extractor gives them, one at a time (for a
+        caller that reads only some); raises what the extractor raises."""
         extractor = self._extractors.get(tool_name)
         if extractor is None:
-            return []
-        data = unwrap_result(result)
-        try:
-            refs = list(extractor(data))
-        except Exception as error:
-            # Extractors are host code run on untrusted data; memory is best-effort. The
-            # error's text and traceback may quote that data: only its class is logged.
-            logger.debug("entity extractor for %r failed (%s)", tool_name, type(error).__name__)
-            return []
-        return [ref for ref in refs if isinstance(ref, EntityRef)]
+            return
+        for ref in extractor(unwrap_result(result)):
+            if isinstance(ref, EntityRef):
+                yield ref
+
+
+def _extractor_failed(tool_name: str, error: Exception) -> None:
+    # Extractors are host code run on untrusted data; memory is best-effort. The error's
+    # text and traceback may quote that data: only its class is logged.
+    logger.debug("entity extractor for %r failed (%s)", tool_name, type(error).__name__)
 
 
 def _entity_id(value: object) -> str | None:
@@ -278,21 +301,19 @@ def entity_observations(
     ``extractors`` defaults to :data:`DEFAULT_ENTITY_EXTRACTORS`. Entities whose type
     or id is not an identifier are skipped, as are repeats within the result. At most
     ``max_entities`` are taken (None: all), the first ones in the result's own order
-    (its ranking); a cap that applies is counted in :data:`ENTITY_CAP` and logged.
+    (its ranking), and the result is read no further; a cap that applies is counted in
+    :data:`ENTITY_CAP` (``applied``; ``dropped`` counts one a result, the rest being
+    unread) and logged.
     """
     registry = DEFAULT_ENTITY_EXTRACTORS if extractors is None else extractors
+    try:
+        refs = _capped_refs(registry.refs(tool_name, result), max_entities)
+    except Exception as error:
+        _extractor_failed(tool_name, error)
+        return []
+    capped = max_entities is not None and len(refs) > max_entities
     observations: list[NewObservation] = []
-    seen: set[tuple[str, str]] = set()
-    skipped = 0
-    for ref in registry.extract(tool_name, result):
-        key = (ref.entity_type, ref.entity_id)
-        if not (is_identifier(ref.entity_type) and is_identifier(ref.entity_id)) or key in seen:
-            continue
-        if max_entities is not None and len(observations) >= max_entities:
-            seen.add(key)
-            skipped += 1
-            continue
-        seen.add(key)
+    for ref in refs[:max_entities]:
         metadata: dict[str, Any] = {"entityType": ref.entity_type, "entityId": ref.entity_id}
         raw_name = ref.entity_name if isinstance(ref.entity_name, str) else ""
         name = data_text(raw_name, MAX_ENTITY_NAME_CHARS)
@@ -307,12 +328,26 @@ def entity_observations(
                 session_id=session_id,
             )
         )
-    if skipped:
-        ENTITY_CAP.hit(
-            skipped,
-            f"{tool_name!r} gave {len(observations) + skipped}, kept the first {len(observations)}",
-        )
+    if capped:
+        ENTITY_CAP.hit(1, f"{tool_name!r} gave more than {max_entities}, kept the first of them")
     return observations
+
+
+def _capped_refs(refs: Iterator[EntityRef], max_entities: int | None) -> list[EntityRef]:
+    """The distinct entities of ``refs`` whose type and id are identifiers, in order: at
+    most ``max_entities`` and one more when there are more (None: all). The rest is not
+    read: counting 300,000 tables one by one held the event loop for most of a second."""
+    kept: list[EntityRef] = []
+    seen: set[tuple[str, str]] = set()
+    for ref in refs:
+        key = (ref.entity_type, ref.entity_id)
+        if not (is_identifier(ref.entity_type) and is_identifier(ref.entity_id)) or key in seen:
+            continue
+        seen.add(key)
+        kept.append(ref)
+        if max_entities is not None and len(kept) > max_entities:
+            break
+    return kept
 
 
 def _domain_pattern(words: str) -> re.Pattern[str]:

@@ -51,7 +51,10 @@ def as_utc(value: datetime) -> datetime:
     """Return ``value`` as tz-aware UTC; a naive datetime is refused."""
     if value.tzinfo is None or value.utcoffset() is None:
         raise ValueError("datetimes must be timezone-aware (naive datetimes are ambiguous)")
-    return value.astimezone(UTC)
+    try:
+        return value.astimezone(UTC)
+    except OverflowError:  # 9999-12-31 23:00 at UTC-5 is past year 9999 in UTC
+        raise ValueError("datetimes must be within years 1 to 9999 in UTC") from None
 
 
 UtcDatetime = Annotated[datetime, AfterValidator(as_utc)]

@@ -103,6 +103,8 @@ def timeout_setting(value: timedelta | None, name: str) -> str:
     """``value`` as a Postgres timeout setting, ``'<n>ms'`` (None, zero or less: ``0ms``,
     no limit); ValueError naming ``name`` past MAX_TIMEOUT, which Postgres refuses (every
     statement that set it would fail)."""
+    if value is not None and not isinstance(value, timedelta):
+        raise TypeError(f"{name} must be a timedelta (or None), not {type(value).__name__}")
     if value is not None and value > MAX_TIMEOUT:
         raise ValueError(f"{name} must be at most {MAX_TIMEOUT} (Postgres's limit), not {value}")
     milliseconds = 0 if value is None else round(value.total_seconds() * 1000)

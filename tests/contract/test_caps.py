@@ -63,8 +63,10 @@ def test_entities_are_taken_from_one_tool_result_up_to_the_cap_in_its_order(
         f"p{i}" for i in range(DEFAULT_MAX_ENTITIES_PER_RESULT)
     ]
     assert emitters.ENTITY_CAP.applied == applied + 1
-    assert emitters.ENTITY_CAP.dropped == dropped + 30_000 - DEFAULT_MAX_ENTITIES_PER_RESULT
+    # One a result: the rest of it is not read.
+    assert emitters.ENTITY_CAP.dropped == dropped + 1
     assert "entities per tool result capped" in caplog.text
+    assert "'get_products_by_isrc' gave more than 100, kept the first of them" in caplog.text
     few = entity_observations("get_products_by_isrc", {"products": products[:5]})
     assert len(few) == 5 and emitters.ENTITY_CAP.applied == applied + 1
     assert (

@@ -7,6 +7,7 @@ from datetime import UTC, datetime, timedelta, timezone
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from pydantic import ValidationError
 
 from coda_memory.core import consolidation
 from coda_memory.core.consolidation import (
@@ -28,6 +29,7 @@ from coda_memory.core.model import (
     FactCategory,
     FactEvent,
     FactEventKind,
+    NewObservation,
     Observation,
     ObservationType,
 )
@@ -382,3 +384,10 @@ def test_a_power_law_fact_too_faint_for_a_float_has_decayed_to_nothing() -> None
     assert decay.decayed(faint, T0 + timedelta(days=1)) == 0.0
     assert decay.expires_at(faint) == faint.anchor
     assert decay.reinforce(faint, 1.0, T0).confidence == pytest.approx(0.1)
+
+
+def test_a_time_past_year_9999_in_utc_is_a_validation_error() -> None:
+    """It raised a bare OverflowError from the model's constructor."""
+    late = datetime(9999, 12, 31, 23, tzinfo=timezone(timedelta(hours=-5)))
+    with pytest.raises(ValidationError, match="within years 1 to 9999 in UTC"):
+        NewObservation(type=ObservationType.TOOL_SUCCESS, content="x", created_at=late)

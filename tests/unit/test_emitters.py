@@ -374,3 +374,42 @@ def test_default_patterns_are_read_only_and_ordered() -> None:
     assert list(DEFAULT_DOMAIN_PATTERNS) == ["royalty", "contract", "account", "product", "revenue"]
     with pytest.raises(TypeError):
         DEFAULT_DOMAIN_PATTERNS["x"] = re.compile("x")  # type: ignore[index]
+
+
+class _Counted:
+    """A value JSON cannot encode by itself: each str() of one is counted."""
+
+    made = 0
+
+    def __str__(self) -> str:
+        _Counted.made += 1
+        return "row"
+
+
+def test_a_large_error_result_is_encoded_only_as_far_as_the_error_keeps() -> None:
+    """An error result of 300,000 rows was encoded whole (a quarter of a second on the
+    event loop) to keep 500 characters of it."""
+    _Counted.made = 0
+    uses = [ToolUse(id="t1", name="run_sql")]
+    results = [ToolResult(tool_use_id="t1", is_error=True, content=[_Counted()] * 300_000)]
+    [observation] = tool_observations(uses, results, {})
+    assert observation.metadata["error"] == ('["row",' + '"row",' * 82 + '"r')[:499] + "…"
+    assert _Counted.made < 1_000
+
+
+def test_entities_past_the_cap_are_not_read() -> None:
+    """The rest of the result was read to count it: 300,000 tables held the loop for
+    most of a second."""
+    read = 0
+
+    def tables(result: Any) -> Iterator[EntityRef]:
+        nonlocal read
+        for n in range(300_000):
+            read += 1
+            yield EntityRef("table", f"t{n}")
+
+    extractors = DEFAULT_ENTITY_EXTRACTORS.copy()
+    extractors.register("list_tables", tables)
+    observations = entity_observations("list_tables", {}, extractors=extractors, max_entities=3)
+    assert [o.metadata["entityId"] for o in observations] == ["t0", "t1", "t2"]
+    assert read == 4

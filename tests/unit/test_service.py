@@ -10,6 +10,7 @@ import asyncio
 import gc
 import itertools
 import logging
+import re
 import threading
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
@@ -20,7 +21,7 @@ from typing import Any
 import pytest
 import uvloop
 
-from coda_memory import Fact, MemoryService
+from coda_memory import Fact, MemoryService, NewObservation, ObservationType
 from coda_memory import service as service_module
 from coda_memory.core import consolidation, prompt, turns
 from coda_memory.core.logs import identity_label
@@ -361,6 +362,27 @@ async def test_a_full_queue_drops_and_counts_and_keeps_memory_bounded(
     assert service.stats().stored == stats.pending
 
 
+async def test_an_observation_larger_than_queue_bytes_is_dropped_as_such(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """It was logged as "queue full" with nothing queued."""
+    service = MemoryService.from_url("memory://", clock=FakeClock(), queue_bytes=4_096)
+    with caplog.at_level(logging.WARNING, "coda_memory"):
+        service.emit_observation("u1", tool_ok("t", session="x" * 100))
+        service.emit_observation(
+            "u1",
+            NewObservation(
+                type=ObservationType.TOOL_SUCCESS,
+                content="x" * 10_000,
+                metadata={"toolName": "big"},
+            ),
+        )
+    assert service.stats().dropped == 1
+    assert "dropped 1 observation(s) (observation larger than queue_bytes)" in caplog.text
+    assert "queue full" not in caplog.text
+    await service.close()
+
+
 async def test_the_writer_retries_while_the_store_is_down(
     gated: tuple[MemoryService, GatedStore],
 ) -> None:
@@ -418,6 +440,34 @@ def test_bad_options_are_refused() -> None:
         MemoryService.from_url("mongodb://localhost")
     with pytest.raises(ValueError, match="load_timeout"):
         MemoryService.from_url("memory://", load_timeout=0)
+
+
+@pytest.mark.parametrize(
+    ("options", "error", "says"),
+    [
+        # Each failed later with "'>' not supported between 'int' and 'timedelta'".
+        ({"retention": 7}, TypeError, "retention must be a timedelta, e.g. timedelta(days=7)"),
+        ({"max_clock_skew": 300.0}, TypeError, "max_clock_skew must be a timedelta"),
+        ({"load_timeout": timedelta(seconds=1)}, TypeError, "load_timeout must be a number"),
+        # Taken as a set of characters: every tool observation was rejected.
+        ({"tool_catalog": "get_account"}, TypeError, "tool_catalog must be a collection"),
+        ({"prompt_budget_tokens": -5}, ValueError, "prompt_budget_tokens must not be negative"),
+    ],
+)
+def test_options_of_the_wrong_kind_are_refused_by_name(
+    options: dict[str, Any], error: type[Exception], says: str
+) -> None:
+    with pytest.raises(error, match=re.escape(says)):
+        MemoryService.from_url("memory://", **options)
+
+
+@pytest.mark.parametrize(
+    "option", ["statement_timeout", "lock_timeout", "writer_lock_timeout", "table_lock_timeout"]
+)
+def test_a_postgres_timeout_given_in_seconds_is_refused_by_name(option: str) -> None:
+    options: dict[str, Any] = {option: 1.0}
+    with pytest.raises(TypeError, match=f"{option} must be a timedelta"):
+        MemoryService.from_url("postgresql://u@127.0.0.1:1/x", **options)
 
 
 @pytest.mark.parametrize(
