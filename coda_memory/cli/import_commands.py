@@ -12,6 +12,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from coda_memory.cli.app import FormatOption, OutputFormat, SchemaOption, UrlOption, app
 from coda_memory.cli.output import add_row, make_console, new_table, print_json
 from coda_memory.cli.runtime import (
+    BUSY_EXIT_CODE,
     CliError,
     masked_url,
     open_store,
@@ -120,14 +121,24 @@ def import_redis(
 
             if dry_run:
                 with progress:
-                    return await copy_all(source, None, now=_now, on_identity=advance)
+                    return await copy_all(
+                        source, None, now=_now, on_identity=advance, summary=partial
+                    )
             target = resolve_target(url, schema)
             async with open_store(target) as store:
                 with progress:
-                    return await copy_all(source, store, now=_now, on_identity=advance)
+                    return await copy_all(
+                        source, store, now=_now, on_identity=advance, summary=partial
+                    )
+        except Exception:
+            # The identities copied before the store failed are in the ledger: the next
+            # run skips them, and would never list their bad records.
+            _list_bad(partial.bad, stderr=True)
+            raise
         finally:
             await source.close()
 
+    partial = ImportSummary()
     summary = run(main, schema)
     if output is OutputFormat.JSON:
         print_json(
@@ -135,8 +146,11 @@ def import_redis(
                 "dry_run": dry_run,
                 **{k: getattr(summary, k) for k in _COUNTS},
                 "bad_records": [{"key": key, "reason": reason} for key, reason in summary.bad],
+                "busy": summary.busy,
             }
         )
+        if summary.busy:
+            raise typer.Exit(BUSY_EXIT_CODE)
         return
     title = "import-redis (dry run: nothing written)" if dry_run else "import-redis"
     table = new_table(title, [("", "left"), ("", "right")])
@@ -154,12 +168,29 @@ def import_redis(
     for key, label in labels.items():
         add_row(table, label, f"{getattr(summary, key):,}")
     add_row(table, "bad records (left out)", f"{len(summary.bad):,}")
-    console = make_console()
-    console.print(table)
-    for key, reason in summary.bad[:_LISTED_BAD]:
+    add_row(table, "identities busy (not copied: run it again)", f"{len(summary.busy):,}")
+    make_console().print(table)
+    _list_bad(summary.bad)
+    if summary.busy:
+        shown = ", ".join(_printable(label) for label in summary.busy[:_LISTED_BAD])
+        more = (
+            f" … and {len(summary.busy) - _LISTED_BAD:,} more"
+            if len(summary.busy) > _LISTED_BAD
+            else ""
+        )
+        typer.echo(
+            f"busy (locked by live traffic; the next run copies them): {shown}{more}", err=True
+        )
+        raise typer.Exit(BUSY_EXIT_CODE)
+
+
+def _list_bad(bad: list[tuple[str, str]], *, stderr: bool = False) -> None:
+    """The bad records, by key with the reason (the first :data:`_LISTED_BAD`)."""
+    console = make_console(stderr=stderr)
+    for key, reason in bad[:_LISTED_BAD]:
         console.print(f"bad record: {key}: {_printable(reason)}", markup=False, highlight=False)
-    if len(summary.bad) > _LISTED_BAD:
-        console.print(f"… and {len(summary.bad) - _LISTED_BAD:,} more (see --format json)")
+    if len(bad) > _LISTED_BAD:
+        console.print(f"… and {len(bad) - _LISTED_BAD:,} more (see --format json)")
 
 
 _COUNTS = (

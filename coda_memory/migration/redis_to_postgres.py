@@ -7,8 +7,9 @@ identity is read whole from Redis first (:mod:`coda_memory.redis.export`); obser
 are validated as new emits are, and every record that cannot be used is counted and
 reported by key, never stopping the copy. An identity whose records fail in a way the
 checks did not foresee (a key of another type, a value Postgres refuses, an identity that
-is not UTF-8 text) is left out whole and reported, and the next one goes on; a store that
-fails stops the run.
+is not UTF-8 text) is left out whole and reported, and the next one goes on; so is one
+whose checkpoint live traffic holds locked past the store's lock timeout (``busy``: a
+later run copies it). A store that fails stops the run.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from datetime import datetime
 from coda_memory.core.logs import short_error
 from coda_memory.core.model import Observation
 from coda_memory.core.sanitize import MAX_IDENTITY_CHARS, ObservationRecord
-from coda_memory.postgres.connection import is_data_error
+from coda_memory.postgres.connection import is_data_error, sqlstate
 from coda_memory.postgres.imports import IdentityCopy, copied_identities, copy_identity
 from coda_memory.postgres.store import PostgresStore
 from coda_memory.redis.codec import BadRecord, sanitized
@@ -42,6 +43,13 @@ class ImportSummary:
     checkpoints: int = 0
     #: (key, reason) of every record left out.
     bad: list[tuple[str, str]] = field(default_factory=list)
+    #: Identities (as printable labels) that live traffic held locked: not copied, and
+    #: not in the ledger, so a later run copies them.
+    busy: list[str] = field(default_factory=list)
+
+
+#: SQLSTATEs of a lock wait given up on: the lock timeout, or the statement timeout.
+_BUSY = frozenset({"55P03", "57014"})
 
 
 def _clean(
@@ -62,12 +70,15 @@ async def import_redis(
     *,
     now: Callable[[], datetime],
     on_identity: Callable[[str, int, int], None] | None = None,
+    summary: ImportSummary | None = None,
 ) -> ImportSummary:
     """Copy every identity under ``source``'s prefix into ``target``; with ``target``
     None (a dry run) only read, validate and count. ``on_identity(identity, done, total)``
-    is called after each identity."""
+    is called after each identity. The counts go into ``summary`` when given (so that a
+    caller has those of a run that a failing store stopped), else into a new one."""
     identities = await source.identities()
-    summary = ImportSummary(identities=len(identities))
+    summary = summary if summary is not None else ImportSummary()
+    summary.identities = len(identities)
     copied_before = set() if target is None else await copied_identities(target, source.keys.prefix)
     for done, identity in enumerate(identities, start=1):
         if identity in copied_before:
@@ -80,6 +91,12 @@ async def import_redis(
             try:
                 await _copy_one(source, target, identity, summary, now)
             except Exception as exc:
+                if sqlstate(exc) in _BUSY:
+                    # Live traffic is consolidating it: the others go on.
+                    summary.busy.append(_label(identity))
+                    if on_identity is not None:
+                        on_identity(identity, done, len(identities))
+                    continue
                 if not (isinstance(exc, BadRecord) or is_data_error(exc)):
                     raise  # the store, not this identity's records: the run stops
                 problem = f"not copied: {short_error(exc, show=True)}"

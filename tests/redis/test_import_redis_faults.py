@@ -6,16 +6,21 @@ from __future__ import annotations
 import asyncio
 import json
 import secrets
+from datetime import UTC, datetime
 
+import asyncpg
 import redis
 import redis.asyncio as aioredis
 from typer.testing import CliRunner
 
+from coda_memory import MemoryService
 from coda_memory.cli import app
+from coda_memory.core.sanitize import sanitize_observation
 from coda_memory.migration import import_redis
 from coda_memory.postgres import PostgresStore
 from coda_memory.redis import RedisStore
 from coda_memory.redis.store import split_prefix
+from tests.helpers import tool_ok
 from tests.redis.test_import_redis import fact, ms, now, observation, row_counts
 
 
@@ -181,3 +186,43 @@ async def test_a_second_fact_about_a_subject_and_a_rejected_observation_are_name
     [(key, _)] = reasons.items()
     assert key == f"{p}obs:h-dup id 'n2'"
     assert (summary.copied, summary.facts) == (1, 1)
+
+
+async def test_an_identity_live_traffic_holds_is_left_busy_and_the_others_are_copied(
+    redis_client: aioredis.Redis, redis_url: str, redis_prefix: str, pg_url: str
+) -> None:
+    """One identity whose checkpoint a live consolidation held stopped the whole run after
+    the lock timeout; the bad records of the identities copied before were never listed,
+    since the next run skips those."""
+    for identity in ("alice", "bob", "carol"):
+        await _seed_good(redis_client, redis_prefix, identity)
+    await redis_client.zadd(f"{redis_prefix}obs:carol", {"{broken": ms(2)})
+    store = PostgresStore.from_url(pg_url)
+    try:
+        # A live server on Postgres made bob's checkpoint row.
+        await store.append([sanitize_observation("bob", tool_ok("t"), datetime.now(UTC))])
+        await MemoryService(store).consolidate("bob")
+    finally:
+        await store.close()
+    holder = await asyncpg.connect(pg_url.replace("postgresql+asyncpg://", "postgresql://"))
+    try:
+        lock = holder.transaction()
+        await lock.start()
+        await holder.execute(
+            "SELECT 1 FROM coda_memory.checkpoints WHERE identity_id = 'bob' FOR UPDATE"
+        )
+        busy = await asyncio.to_thread(
+            CliRunner().invoke, app, ["import-redis", redis_url, "--url", pg_url]
+        )
+        await lock.rollback()
+    finally:
+        await holder.close()
+    assert busy.exit_code == 3, busy.output
+    assert "busy (locked by live traffic; the next run copies them): bob" in busy.stderr
+    assert "identities copied" in busy.stdout and "bad record: " in busy.stdout
+    again = await asyncio.to_thread(
+        CliRunner().invoke, app, ["import-redis", redis_url, "--url", pg_url, "-f", "json"]
+    )
+    assert again.exit_code == 0, again.output
+    summary = json.loads(again.stdout)
+    assert (summary["copied"], summary["skipped"], summary["busy"]) == (1, 2, [])
