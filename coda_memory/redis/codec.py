@@ -249,6 +249,11 @@ def fact_from_json(identity_id: str, raw: str | bytes) -> Fact:
         or ease <= 0
     ):
         raise BadRecord("easeFactor is not a positive number")
+    subject = _subject(value)
+    if not subject.startswith(f"{category.value}:"):
+        # Every fact's subject is its category and key ("tool_affinity:get_account"):
+        # one of another category would be ranked, shown and netted as that one.
+        raise BadRecord(f"subject does not begin with its category {category.value!r}")
     updated_at = from_ms(value.get("updatedAt"), "updatedAt")
     anchor = value.get("confidenceAt")
     return trusted(
@@ -256,7 +261,7 @@ def fact_from_json(identity_id: str, raw: str | bytes) -> Fact:
         id=_text(value, "id"),
         identity_id=identity_id,
         category=category,
-        subject=_subject(value),
+        subject=subject,
         content=_text(value, "content", empty=True)
         if isinstance(value.get("content"), str)
         else "",
