@@ -97,6 +97,7 @@ from sqlalchemy import delete
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from coda_memory.core.caps import FactCap, LogThrottle
+from coda_memory.core.logs import identity_label
 from coda_memory.core.model import Fact, FactEvent, Observation
 from coda_memory.errors import ConnectionLost, StoreBusy
 from coda_memory.ports import (
@@ -402,7 +403,8 @@ class PostgresStore:
 
     @asynccontextmanager
     async def consolidation(self, identity_id: str) -> AsyncIterator[PostgresConsolidationUnit]:
-        doing = f"while consolidating {identity_id!r}"
+        # By its label: a host that logs the exception logs no identity.
+        doing = f"while consolidating {identity_label(identity_id)}"
         try:
             async with driver_transaction(
                 self.request_engine, self.schema, self._begin, doing
@@ -566,7 +568,7 @@ class PostgresStore:
     async def _cap_chunk(self, identity_id: str, cap: FactCap) -> Any:
         """One transaction of :meth:`_apply_cap`: its row (``dropped``, ``beyond``)."""
         statement, formula = self._statements.cap, cap.formula
-        doing = f"while capping the facts of {identity_id!r}"
+        doing = f"while capping the facts of {identity_label(identity_id)}"
         begin = self._cap_begin
         async with driver_transaction(self.request_engine, self.schema, begin, doing) as raw:
             with schema_required(self.schema):

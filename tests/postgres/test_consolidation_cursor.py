@@ -17,6 +17,7 @@ from sqlalchemy import insert, text
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncConnection
 
+from coda_memory.core.logs import identity_label
 from coda_memory.errors import ConnectionLost
 from coda_memory.postgres import PostgresStore
 from coda_memory.postgres.engine import driver_connection
@@ -204,7 +205,7 @@ async def test_a_connection_killed_mid_unit_leaves_the_previous_state(
     before = (await pg_store.checkpoint("alice"), await pg_store.facts("alice"))
     database = pg_store.engine.url.database
 
-    with pytest.raises(ConnectionLost):
+    with pytest.raises(ConnectionLost) as lost:
         async with pg_store.consolidation("alice") as unit:
             await unit.load()
             await unit.write(plan(consumed=1, upserts=[fact("tool_affinity:new")]))
@@ -217,6 +218,9 @@ async def test_a_connection_killed_mid_unit_leaves_the_previous_state(
             )
             assert killed == [(True,)]
             await unit.commit()
+    # The identity by its label: a host that logs the exception logs no identity.
+    assert f"while consolidating {identity_label('alice')}" in str(lost.value)
+    assert "alice" not in str(lost.value)
 
     # The pool replaces the dead connection; nothing of the unit was kept.
     assert (await pg_store.checkpoint("alice"), await pg_store.facts("alice")) == before
