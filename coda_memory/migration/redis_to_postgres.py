@@ -110,6 +110,8 @@ async def import_redis(
 
 def _unusable(identity: str) -> str | None:
     """Why ``identity`` (from a Redis key) cannot be an identity in Postgres, if it can't."""
+    if not identity:  # ("obs:" with nothing after the prefix) no service serves it
+        return "the identity in the key is empty"
     try:
         identity.encode("utf-8")
     except UnicodeEncodeError:

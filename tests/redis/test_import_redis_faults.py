@@ -226,3 +226,21 @@ async def test_an_identity_live_traffic_holds_is_left_busy_and_the_others_are_co
     assert again.exit_code == 0, again.output
     summary = json.loads(again.stdout)
     assert (summary["copied"], summary["skipped"], summary["busy"]) == (1, 2, [])
+
+
+async def test_a_key_with_an_empty_identity_is_left_out_not_counted_as_copied(
+    redis_client: aioredis.Redis, redis_url: str, redis_prefix: str, pg_url: str
+) -> None:
+    """It counted as copied, with a ledger row, although its observation was refused."""
+    await _seed_good(redis_client, redis_prefix, "alice")
+    await redis_client.zadd(f"{redis_prefix}obs:", {observation("", "1", 1, "get_account"): ms(1)})
+    source = RedisStore.from_url(redis_url)
+    target = PostgresStore.from_url(pg_url)
+    try:
+        summary = await import_redis(source, target, now=now)
+    finally:
+        await source.close()
+        await target.close()
+    assert (summary.identities, summary.copied) == (2, 1)
+    assert dict(summary.bad) == {f"{redis_prefix}*:": "the identity in the key is empty"}
+    assert (await row_counts(pg_url))["redis_imports"] == 1
