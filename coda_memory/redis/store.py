@@ -106,6 +106,15 @@ class RedisStore:
         session_horizon: timedelta = DEFAULT_SESSION_HORIZON,
     ) -> None:
         """Use ``client``, which must return bytes (``decode_responses=False``)."""
+        durations = {
+            "lock_timeout": lock_timeout,
+            "lock_ttl": lock_ttl,
+            "session_horizon": session_horizon,
+        }
+        for name, value in durations.items():
+            # (a number of seconds failed later with "'<=' not supported between …")
+            if value is not None and not isinstance(value, timedelta):
+                raise TypeError(f"{name} must be a timedelta, not {type(value).__name__}")
         if history_limit < 0:
             raise ValueError("history_limit must be 0 (unbounded) or more")
         if lock_ttl <= timedelta(0):

@@ -470,6 +470,14 @@ def test_a_postgres_timeout_given_in_seconds_is_refused_by_name(option: str) -> 
         MemoryService.from_url("postgresql://u@127.0.0.1:1/x", **options)
 
 
+@pytest.mark.parametrize("option", ["lock_timeout", "lock_ttl", "session_horizon"])
+def test_a_redis_duration_given_in_seconds_is_refused_by_name(option: str) -> None:
+    pytest.importorskip("redis")
+    options: dict[str, Any] = {option: 5.0}
+    with pytest.raises(TypeError, match=f"{option} must be a timedelta, not float"):
+        MemoryService.from_url("redis://127.0.0.1:1/0", **options)
+
+
 @pytest.mark.parametrize(
     ("option", "value"),
     [
