@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 from coda_memory import MemoryService
 from coda_memory.cli import app
 from coda_memory.core.sanitize import sanitize_observation
-from coda_memory.migration import import_redis
+from coda_memory.migration import ImportSummary, import_redis
 from coda_memory.postgres import PostgresStore
 from coda_memory.redis import RedisStore
 from coda_memory.redis.store import split_prefix
@@ -31,6 +31,17 @@ async def _seed_good(client: aioredis.Redis, prefix: str, identity: str) -> None
     await client.hset(
         f"{prefix}facts:{identity}", "fact:tool_affinity:t", fact(identity, "t", 0.5, 1)
     )
+
+
+async def _imported_once(redis_url: str, pg_url: str) -> ImportSummary:
+    """One run of the import from ``redis_url`` into ``pg_url``."""
+    source = RedisStore.from_url(redis_url)
+    target = PostgresStore.from_url(pg_url)
+    try:
+        return await import_redis(source, target, now=now)
+    finally:
+        await source.close()
+        await target.close()
 
 
 #: Too long for coda-memory; random, so that Postgres cannot compress it into its index.
@@ -171,13 +182,7 @@ async def test_a_second_fact_about_a_subject_and_a_rejected_observation_are_name
     )
     # Parsed, then refused by the checks a new emit passes (a tool name with a space).
     await redis_client.zadd(f"{p}obs:h-dup", {observation("h-dup", "n2", 1, "bad name"): ms(1)})
-    source = RedisStore.from_url(redis_url)
-    target = PostgresStore.from_url(pg_url)
-    try:
-        summary = await import_redis(source, target, now=now)
-    finally:
-        await source.close()
-        await target.close()
+    summary = await _imported_once(redis_url, pg_url)
     reasons = dict(summary.bad)
     assert reasons.pop(f"{p}facts:h-dup field 'fact:b'") == (
         "a second fact about its subject (field 'fact:a' is copied)"
@@ -234,13 +239,7 @@ async def test_a_key_with_an_empty_identity_is_left_out_not_counted_as_copied(
     """It counted as copied, with a ledger row, although its observation was refused."""
     await _seed_good(redis_client, redis_prefix, "alice")
     await redis_client.zadd(f"{redis_prefix}obs:", {observation("", "1", 1, "get_account"): ms(1)})
-    source = RedisStore.from_url(redis_url)
-    target = PostgresStore.from_url(pg_url)
-    try:
-        summary = await import_redis(source, target, now=now)
-    finally:
-        await source.close()
-        await target.close()
+    summary = await _imported_once(redis_url, pg_url)
     assert (summary.identities, summary.copied) == (2, 1)
     assert dict(summary.bad) == {f"{redis_prefix}*:": "the identity in the key is empty"}
     assert (await row_counts(pg_url))["redis_imports"] == 1
