@@ -36,7 +36,6 @@ from coda_memory.cli.output import (
 from coda_memory.cli.runtime import (
     BUSY_EXIT_CODE,
     DEFAULT_LOCK_WAIT,
-    LOCK_NOT_AVAILABLE,
     StoreOptions,
     Target,
     check_reachable,
@@ -50,6 +49,7 @@ from coda_memory.cli.runtime import (
     run_on_store,
 )
 from coda_memory.postgres import maintenance
+from coda_memory.postgres.connection import LOCK_NOT_AVAILABLE
 from coda_memory.postgres.schema import DEFAULT_SCHEMA, validate_schema_name
 from coda_memory.postgres.store import PostgresStore
 from coda_memory.service import MAX_DURATION, MemoryService

@@ -23,7 +23,12 @@ from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
 from coda_memory.errors import ForeignAlembicHistory, SchemaNotMigrated
 from coda_memory.postgres import maintenance
-from coda_memory.postgres.connection import MAX_TIMEOUT, sqlstate, timeout_setting
+from coda_memory.postgres.connection import (
+    LOCK_NOT_AVAILABLE,
+    MAX_TIMEOUT,
+    sqlstate,
+    timeout_setting,
+)
 from coda_memory.postgres.engine import asyncpg_url
 from coda_memory.postgres.schema import DEFAULT_SCHEMA, validate_schema_name
 from coda_memory.postgres.store import PostgresStore
@@ -33,8 +38,6 @@ T = TypeVar("T")
 
 #: SQLSTATE of "permission denied".
 INSUFFICIENT_PRIVILEGE = "42501"
-#: SQLSTATE of a lock wait that ``lock_timeout`` ended.
-LOCK_NOT_AVAILABLE = "55P03"
 
 #: The exit code of a command that another transaction's lock kept out (and of
 #: ``consolidate`` when identities were left busy): a script can tell "run it again

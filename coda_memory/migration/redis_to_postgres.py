@@ -21,7 +21,12 @@ from datetime import datetime
 from coda_memory.core.logs import short_error
 from coda_memory.core.model import Observation
 from coda_memory.core.sanitize import MAX_IDENTITY_CHARS, ObservationRecord
-from coda_memory.postgres.connection import is_data_error, sqlstate
+from coda_memory.postgres.connection import (
+    LOCK_NOT_AVAILABLE,
+    QUERY_CANCELED,
+    is_data_error,
+    sqlstate,
+)
 from coda_memory.postgres.imports import IdentityCopy, copied_identities, copy_identity
 from coda_memory.postgres.store import PostgresStore
 from coda_memory.redis.codec import BadRecord, sanitized
@@ -49,7 +54,7 @@ class ImportSummary:
 
 
 #: SQLSTATEs of a lock wait given up on: the lock timeout, or the statement timeout.
-_BUSY = frozenset({"55P03", "57014"})
+_BUSY = frozenset({LOCK_NOT_AVAILABLE, QUERY_CANCELED})
 
 
 def _clean(
@@ -94,12 +99,10 @@ async def import_redis(
                 if sqlstate(exc) in _BUSY:
                     # Live traffic is consolidating it: the others go on.
                     summary.busy.append(_label(identity))
-                    if on_identity is not None:
-                        on_identity(identity, done, len(identities))
-                    continue
-                if not (isinstance(exc, BadRecord) or is_data_error(exc)):
+                elif isinstance(exc, BadRecord) or is_data_error(exc):
+                    problem = f"not copied: {short_error(exc, show=True)}"
+                else:
                     raise  # the store, not this identity's records: the run stops
-                problem = f"not copied: {short_error(exc, show=True)}"
         if problem is not None:
             # Left out whole; it is not in the ledger, so a later run tries it again.
             summary.bad.append((f"{source.keys.prefix}*:{_label(identity)}", problem))

@@ -35,6 +35,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 from coda_memory.core.caps import LogThrottle
 from coda_memory.ports import AppendOutcome
 from coda_memory.postgres.connection import (
+    LOCK_NOT_AVAILABLE,
     RESTORE_LOCK_TIMEOUT,
     SAVE_LOCK_TIMEOUT,
     short_locks,
@@ -52,8 +53,6 @@ KEY_LOCK_TIMEOUT = timedelta(milliseconds=50)
 BATCHES = "ingest_batches"
 SPILL = "ingest_batches_spill"
 
-#: lock_not_available: the lock timeout ran out.
-_LOCKED = "55P03"
 
 #: Keeps the writer's lock timeout and shortens it, for the claim of a first attempt (the
 #: claim statement puts it back).
@@ -114,7 +113,7 @@ async def claim(
         try:
             shard, claimed = await _claim_in(conn, schema, "ingest_claim", values)
         except DBAPIError as exc:
-            if sqlstate(exc) != _LOCKED:
+            if sqlstate(exc) != LOCK_NOT_AVAILABLE:
                 raise
         else:
             earlier = None if claimed else await _earlier(conn, schema, key)
@@ -155,6 +154,6 @@ async def expire(driver: Any, schema: str) -> None:
             await driver.execute(query(name, schema).text)
             await driver.execute(f"{RESTORE_LOCK_TIMEOUT}; RELEASE SAVEPOINT coda_expire")
         except Exception as exc:
-            if sqlstate(exc) != _LOCKED:
+            if sqlstate(exc) != LOCK_NOT_AVAILABLE:
                 raise
             await driver.execute(undo_savepoint("coda_expire"))

@@ -56,6 +56,13 @@ def is_dead_connection(error: BaseException) -> bool:
     return False
 
 
+#: SQLSTATE of a lock wait that ``lock_timeout`` ended (lock_not_available).
+LOCK_NOT_AVAILABLE = "55P03"
+#: SQLSTATE of a statement, or a lock wait, that ``statement_timeout`` ended
+#: (query_canceled; also a cancel request).
+QUERY_CANCELED = "57014"
+
+
 #: SQLSTATEs of a server that can't serve the connection now: connection exceptions (08),
 #: shutdown or restart (57P01-57P03) and too many connections.
 _UNAVAILABLE = ("08", "57P", "53300")

@@ -26,7 +26,7 @@ Answering from them
 A load whose consolidation fails or outlives its timeout answers from the facts kept here
 (``PostgresStore.kept_facts``), without checking their version (that would take a round
 trip when the database is in trouble). They are dropped as soon as this process sees
-another version stored (a peek, the lock of a consolidation, a check of a reused answer):
+another version stored (a peek, or the lock of a consolidation):
 after a ``forget`` or a write by another process, only a load whose consolidation fails
 before it reaches the identity's checkpoint can still answer from them.
 

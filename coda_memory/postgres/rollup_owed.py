@@ -49,6 +49,7 @@ from typing import Any
 
 from coda_memory.core.caps import LogThrottle
 from coda_memory.postgres.connection import (
+    LOCK_NOT_AVAILABLE,
     RESTORE_LOCK_TIMEOUT,
     short_locks,
     sqlstate,
@@ -83,7 +84,7 @@ FOLD_EVERY = 100
 FOLD_ROWS = 1_000
 
 #: lock_not_available (lock_timeout) and deadlock_detected: the rollup is owed.
-_DEFERRABLE = frozenset({"55P03", "40P01"})
+_DEFERRABLE = frozenset({LOCK_NOT_AVAILABLE, "40P01"})
 #: Names the owed transactions whose rows the folding may read (comma-separated xids).
 _SET_XIDS = f"SELECT set_config('{ROLLUP_XID_SETTING}', $1, true)"
 

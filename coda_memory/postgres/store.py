@@ -106,6 +106,8 @@ from coda_memory.ports import (
 )
 from coda_memory.postgres.append import IngestCounts, append_observations, encode
 from coda_memory.postgres.connection import (
+    LOCK_NOT_AVAILABLE,
+    QUERY_CANCELED,
     driver_transaction,
     is_connection_error,
     lock_timeout_clause,
@@ -142,10 +144,6 @@ DEFAULT_LOCK_TIMEOUT = timedelta(seconds=5)
 DEFAULT_TABLE_LOCK_TIMEOUT = timedelta(milliseconds=25)
 #: The tables a consolidation writes, in the order it locks them.
 _CONSOLIDATION_TABLES = ("checkpoints", "observations", "facts", "fact_events")
-#: lock_not_available: a lock wait ended by ``lock_timeout``.
-_LOCK_NOT_AVAILABLE = "55P03"
-#: query_canceled: a statement (a lock wait too) ended by ``statement_timeout``.
-_QUERY_CANCELED = "57014"
 _log = LogThrottle(logging.getLogger("coda_memory"))
 #: Every statement of a request (peek, consolidation); lock waits included.
 DEFAULT_STATEMENT_TIMEOUT = timedelta(seconds=1)
@@ -184,10 +182,10 @@ _EXPIRE_KEYS_EVERY = 1_000
 #: SQLSTATEs of an append that a lock or a timeout kept out, which the writer retries:
 #: nothing of the batch was stored.
 _BUSY = {
-    "55P03": "a lock held past the writer's lock timeout",
+    LOCK_NOT_AVAILABLE: "a lock held past the writer's lock timeout",
     "40P01": "a deadlock",
     "40001": "a serialization failure",
-    "57014": "a cancelled statement",
+    QUERY_CANCELED: "a cancelled statement",
 }
 
 T = TypeVar("T")
@@ -423,7 +421,7 @@ class PostgresStore:
                     except Exception as error:
                         # The wait for the checkpoint row, ended by the request pool's
                         # statement_timeout before lock_timeout: held out as well.
-                        if sqlstate(error) == _QUERY_CANCELED:
+                        if sqlstate(error) == QUERY_CANCELED:
                             self.held_out.consolidations += 1
                         raise
                     # Kept facts of another version (another process wrote, or forgot
@@ -435,7 +433,7 @@ class PostgresStore:
                 if unit.known is not None:
                     self._known.put(identity_id, unit.known)
         except Exception as error:
-            if sqlstate(error) == _LOCK_NOT_AVAILABLE:
+            if sqlstate(error) == LOCK_NOT_AVAILABLE:
                 self.held_out.consolidations += 1
             raise
 
@@ -499,7 +497,7 @@ class PostgresStore:
                     identity_id, lambda raw: peek(raw, statements, identity_id, known)
                 )
         except Exception as error:
-            if sqlstate(error) != _LOCK_NOT_AVAILABLE:
+            if sqlstate(error) != LOCK_NOT_AVAILABLE:
                 raise
             self.held_out.peeks += 1
             _log.warning(
@@ -510,7 +508,7 @@ class PostgresStore:
             return await self._facts_alone(identity_id, known), False, None
         if not peeked.read:
             self._known.seen(identity_id, peeked.version)
-        if peeked.read:
+        else:
             # Kept for later peeks and the consolidation that follows (see "Facts read
             # once" above).
             kept = self._known.put(identity_id, peeked.known)
