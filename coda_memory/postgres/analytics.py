@@ -29,7 +29,10 @@ does (for a window in the past, identities that came back later are not counted)
 Cross-tenant aggregates are k-anonymous: a row behind fewer than ``min_users`` distinct
 identities is left out, and a mean over fewer than ``min_users`` identities (the affinity
 and avoidance confidences of a tool, the fact confidence of an entity) is None. The views
-themselves apply no threshold; analysts filter on ``users``.
+apply the same rule with the database's floor (``analytics_floor.min_users``, migration
+0013) to a role that may not read the ``facts`` table (an analyst), so run as one the
+functions apply the larger of the two; from a role that may read ``facts`` (the owner)
+the views hide nothing, and ``min_users`` alone applies.
 
 :func:`rebuild_rollups` recomputes the rollup from the stored observations, for data
 loaded in bulk without :meth:`~coda_memory.postgres.PostgresStore.append`.

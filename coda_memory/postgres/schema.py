@@ -15,6 +15,7 @@ from typing import Any
 
 from sqlalchemy import (
     BigInteger,
+    Boolean,
     CheckConstraint,
     Column,
     Date,
@@ -354,4 +355,27 @@ domain_users = Table(
     Column("domain", Text, nullable=False),
     Column("day", Date, nullable=False),
     PrimaryKeyConstraint("identity_id", "domain", "day"),
+)
+
+
+#: The default k-anonymity floor of the analytics views (migration 0013 writes it).
+DEFAULT_ANALYTICS_FLOOR = 5
+
+#: The k-anonymity floor of the analytics views, one row that only the owner may change:
+#: a role that may not read ``facts`` (an analyst) sees no group behind fewer than
+#: ``min_users`` identities (see the view ``analytics_reader_floor``). ``one_row`` is the
+#: key, and its check allows one value, so the table cannot hold a second row.
+analytics_floor = Table(
+    "analytics_floor",
+    metadata,
+    Column("one_row", Boolean, nullable=False, server_default=text("true")),
+    Column(
+        "min_users",
+        Integer,
+        nullable=False,
+        server_default=text(str(DEFAULT_ANALYTICS_FLOOR)),
+    ),
+    PrimaryKeyConstraint("one_row"),
+    CheckConstraint("one_row", name="one_row"),
+    CheckConstraint("min_users >= 1", name="min_users"),
 )

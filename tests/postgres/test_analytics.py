@@ -841,4 +841,4 @@ async def test_analytics_in_a_custom_schema(empty_pg_url: str) -> None:
         "SELECT table_schema, count(*) FROM information_schema.views "
         "WHERE table_schema LIKE 'tenant%' OR table_schema = 'coda_memory' GROUP BY 1",
     )
-    assert views == [("tenant_one", 6)]
+    assert views == [("tenant_one", 7)]

@@ -110,17 +110,27 @@ def test_analytics_as_the_analyst_role_answer_as_for_the_owner(
     pg_url: str, roles: tuple[str, str], kind: str
 ) -> None:
     """The analyst reads the aggregate views only (not active_facts, which entities
-    reads for the owner), and gets the owner's answer."""
+    reads for the owner), and gets the owner's answer: at the default floor (5), none of
+    the groups of two users; with the floor at 1, the same rows."""
     seed_alice(pg_url)
     seed_alice(pg_url, "bob")
     _, analyst_url = roles
     arguments = ("analytics", kind, "--min-users", "1", "-f", "json")
-    as_analyst = run(*arguments, "--url", analyst_url)
     as_owner = run(*arguments, "--url", pg_url)
-    assert as_analyst.exit_code == as_owner.exit_code == 0, as_analyst.output
+    assert as_owner.exit_code == 0, as_owner.output
+    assert json.loads(as_owner.stdout), "the seeded identities count in every answer"
+    floored = run(*arguments, "--url", analyst_url)
+    assert floored.exit_code == 0, floored.output
+    assert json.loads(floored.stdout) == []
+
+    asyncio.run(_superuser(pg_url, "UPDATE coda_memory.analytics_floor SET min_users = 1"))
+    try:
+        as_analyst = run(*arguments, "--url", analyst_url)
+    finally:
+        asyncio.run(_superuser(pg_url, "UPDATE coda_memory.analytics_floor SET min_users = 5"))
+    assert as_analyst.exit_code == 0, as_analyst.output
     # (Confidences decay between the two runs: compared to six places.)
     assert _rounded(json.loads(as_analyst.stdout)) == _rounded(json.loads(as_owner.stdout))
-    assert json.loads(as_owner.stdout), "the seeded identities count in every answer"
 
 
 def _rounded(value: Any) -> Any:

@@ -29,6 +29,7 @@ from tests.postgres.helpers import engine, fetch
 
 REPOSITORY = Path(__file__).resolve().parents[2]
 TABLES = [
+    "analytics_floor",
     "checkpoints",
     "domain_daily",
     "domain_users",
@@ -47,7 +48,7 @@ TABLES = [
 ]
 
 #: The newest revision. A new migration updates this pin on purpose.
-HEAD = "0012"
+HEAD = "0013"
 
 
 def alembic(url: str, *args: str, schema: str | None = None) -> subprocess.CompletedProcess[str]:
@@ -170,6 +171,61 @@ def test_0012_caps_the_views_decay_in_place(empty_pg_url: str) -> None:
         downgraded = alembic(empty_pg_url, "downgrade", "0011")
         assert downgraded.returncode == 0, downgraded.stderr
         assert decaying_views(empty_pg_url, role) == before
+    finally:
+        asyncio.run(superuser(empty_pg_url, f'DROP OWNED BY "{role}"', f'DROP ROLE "{role}"'))
+
+
+#: The views that 0013 puts under the k-anonymity floor.
+FLOORED_VIEWS = ("domain_trends", "entity_popularity", "fact_summary", "tool_effectiveness")
+
+
+def floored_views(url: str, role: str) -> list[tuple[str, str, bool, str]]:
+    """Per view of FLOORED_VIEWS: its definition, ``role``'s SELECT, and its comment."""
+    rows = asyncio.run(
+        fetch(
+            url,
+            "SELECT v.name, pg_get_viewdef(c.oid), has_table_privilege(:role, c.oid, 'SELECT'), "
+            "obj_description(c.oid) FROM unnest(CAST(:names AS text[])) AS v(name) "
+            "JOIN pg_class c ON c.oid = to_regclass('coda_memory.' || v.name) ORDER BY 1",
+            role=role,
+            names=list(FLOORED_VIEWS),
+        )
+    )
+    return [(row[0], row[1], row[2], row[3]) for row in rows]
+
+
+def test_0013_puts_the_views_under_the_floor_in_place(empty_pg_url: str) -> None:
+    role = f"coda_mig_analyst_{secrets.token_hex(4)}"
+    assert alembic(empty_pg_url, "upgrade", "0012").returncode == 0
+    asyncio.run(superuser(empty_pg_url, f'CREATE ROLE "{role}" NOLOGIN'))
+    try:
+        asyncio.run(superuser(empty_pg_url, grant_script("analyst", role, "coda_memory")))
+        before = floored_views(empty_pg_url, role)
+        assert [(name, grant) for name, _, grant, _ in before] == [
+            (name, True) for name in FLOORED_VIEWS
+        ]
+        assert all("analytics_reader_floor" not in definition for _, definition, _, _ in before)
+
+        upgraded = alembic(empty_pg_url, "upgrade", "0013")
+        assert upgraded.returncode == 0, upgraded.stderr
+        after = floored_views(empty_pg_url, role)
+        # Replaced in place: the grants stay; the definitions read the floor, and the
+        # comments say so.
+        assert [(name, grant) for name, _, grant, _ in after] == [
+            (name, True) for name in FLOORED_VIEWS
+        ]
+        for name, definition, _, comment in after:
+            assert "analytics_reader_floor" in definition, name
+            assert "analytics_floor.min_users (default 5)" in comment, name
+        floor = "SELECT min_users FROM coda_memory.analytics_floor"
+        assert asyncio.run(fetch(empty_pg_url, floor)) == [(5,)]
+
+        downgraded = alembic(empty_pg_url, "downgrade", "0012")
+        assert downgraded.returncode == 0, downgraded.stderr
+        assert floored_views(empty_pg_url, role) == before
+        assert "analytics_floor" not in tables_in(empty_pg_url, "coda_memory")
+        reader = "SELECT to_regclass('coda_memory.analytics_reader_floor') IS NULL"
+        assert asyncio.run(fetch(empty_pg_url, reader)) == [(True,)]
     finally:
         asyncio.run(superuser(empty_pg_url, f'DROP OWNED BY "{role}"', f'DROP ROLE "{role}"'))
 

@@ -12,6 +12,7 @@ import logging
 import secrets
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import Any
 
 import asyncpg
@@ -245,6 +246,8 @@ async def test_the_analyst_role_reads_only_the_aggregate_views(tenancy: Tenancy)
             "rollup_owed",
             "active_facts",
             "alembic_version",
+            "analytics_floor",
+            "analytics_reader_floor",
         ):
             with pytest.raises(asyncpg.InsufficientPrivilegeError):
                 await conn.fetch(f"SELECT * FROM {SCHEMA}.{relation} LIMIT 1")
@@ -257,7 +260,9 @@ async def test_the_analyst_role_reads_only_the_aggregate_views(tenancy: Tenancy)
             )
             assert "identity_id" not in {c["column_name"] for c in columns}, view
             await conn.fetch(f"SELECT * FROM {SCHEMA}.{view}")
-        # The aggregates count every identity's facts, although no row is readable.
+        # The aggregates count every identity's facts, although no row is readable (the
+        # owner lowers the floor to 2, for the two identities).
+        await _set_floor(tenancy, 2)
         await conn.execute("SET coda_memory.analytics_now = '2026-01-01T10:00:00Z'")
         summary = {
             r["category"]: r["users"]
@@ -272,6 +277,99 @@ async def test_the_analyst_role_reads_only_the_aggregate_views(tenancy: Tenancy)
         assert tools["run_sql"] == 2
     finally:
         await conn.close()
+
+
+async def _set_floor(t: Tenancy, min_users: int) -> None:
+    owner = await t.connect(t.owner)
+    try:
+        await owner.execute(f"UPDATE {SCHEMA}.analytics_floor SET min_users = $1", min_users)
+    finally:
+        await owner.close()
+
+
+async def _aggregates(conn: asyncpg.Connection) -> dict[str, list[tuple[Any, ...]]]:
+    """Every row of the aggregate views, as a role reads them on 2026-01-01."""
+    await conn.execute("SET coda_memory.analytics_now = '2026-01-01T10:00:00Z'")
+    columns = {
+        "tool_effectiveness": (
+            "tool_name, users, affinity_users, mean_affinity_confidence IS NOT NULL, "
+            "avoidance_users, mean_avoidance_confidence IS NOT NULL"
+        ),
+        "entity_popularity": "entity_id, users",
+        "domain_trends": "domain, users",
+        "fact_summary": "category, users",
+    }
+    return {
+        view: [tuple(r) for r in await conn.fetch(f"SELECT {c} FROM {SCHEMA}.{view} ORDER BY 1")]
+        for view, c in columns.items()
+    }
+
+
+async def test_the_analyst_sees_no_group_below_the_floor_that_only_the_owner_sets(
+    tenancy: Tenancy,
+) -> None:
+    """alice and bob: every group holds one or two users. Under the default floor (5) the
+    analyst sees none of them; at 2, the groups of both; the owner sees all, always."""
+    await _populate(tenancy)
+    analyst = await tenancy.connect(tenancy.analyst)
+    owner = await tenancy.connect(tenancy.owner, **ALL_IDENTITIES)
+    try:
+        # alice alone also likes run_sql (a mean over one identity), and both like
+        # legacy_tool, which neither used in the window (a row known from facts alone).
+        for who, tool in (("alice", "run_sql"), ("alice", "legacy_tool"), ("bob", "legacy_tool")):
+            await owner.execute(
+                f"INSERT INTO {SCHEMA}.facts VALUES ($1, $2, 'tool_affinity', 'likes it', "
+                "0.9, 1, $3, $3, $3, $3, NULL)",
+                who,
+                f"tool_affinity:{tool}",
+                datetime(2026, 1, 1, tzinfo=UTC),
+            )
+        everything = await _aggregates(owner)
+        assert everything["entity_popularity"] == [("acct-alice", 1), ("acct-bob", 1)]
+        assert ("run_sql", 2, 1, True, 2, True) in everything["tool_effectiveness"]
+        assert await _aggregates(analyst) == {view: [] for view in everything}
+
+        await _set_floor(tenancy, 2)
+        assert await _aggregates(analyst) == {
+            # The row's groups hold 2 users; alice's affinity is counted, its mean withheld.
+            "tool_effectiveness": [
+                ("legacy_tool", 0, 2, True, 0, False),
+                ("run_sql", 2, 1, False, 2, True),
+            ],
+            "entity_popularity": [],
+            "domain_trends": [("royalty", 2)],
+            "fact_summary": [
+                (category, users) for category, users in everything["fact_summary"] if users >= 2
+            ],
+        }
+        assert len((await _aggregates(analyst))["fact_summary"]) >= 2
+        await _set_floor(tenancy, 3)
+        assert (await _aggregates(analyst))["tool_effectiveness"] == []
+        assert await _aggregates(owner) == everything
+
+        # The analyst can neither read nor change the floor, and no setting moves it.
+        for statement in (
+            f"SELECT * FROM {SCHEMA}.analytics_floor",
+            f"UPDATE {SCHEMA}.analytics_floor SET min_users = 1",
+        ):
+            with pytest.raises(asyncpg.InsufficientPrivilegeError):
+                await analyst.execute(statement)
+        await analyst.execute("SET coda_memory.all_identities = on")
+        assert (await _aggregates(analyst))["tool_effectiveness"] == []
+        # The floor is at least 1 (0 would be no floor) and one row.
+        for statement in (
+            f"UPDATE {SCHEMA}.analytics_floor SET min_users = 0",
+            f"INSERT INTO {SCHEMA}.analytics_floor VALUES (false, 1)",
+        ):
+            with pytest.raises(asyncpg.CheckViolationError):
+                await owner.execute(statement)
+        # Without its row the floor is unknown, and the analyst sees nothing.
+        await owner.execute(f"DELETE FROM {SCHEMA}.analytics_floor")
+        await _set_floor(tenancy, 1)  # updates no row
+        assert await _aggregates(analyst) == {view: [] for view in everything}
+    finally:
+        await analyst.close()
+        await owner.close()
 
 
 async def test_the_owner_sees_every_identity_only_when_it_asks(tenancy: Tenancy) -> None:

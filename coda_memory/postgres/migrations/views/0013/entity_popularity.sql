@@ -1,0 +1,82 @@
+-- As in 0012, with the k-anonymity floor of analytics_reader_floor (migration 0013).
+-- Entities accessed in the window, with the active facts about them.
+CREATE OR REPLACE VIEW {schema}.entity_popularity AS
+WITH
+-- Accesses and latest-day users in the window, per entity.
+usage AS (
+    SELECT
+        entity_daily.entity_type,
+        entity_daily.entity_id,
+        sum(entity_daily.latest_users)::bigint AS users,
+        sum(entity_daily.accesses)::bigint AS accesses
+    FROM {schema}.entity_daily
+    WHERE entity_daily.day BETWEEN (SELECT start_day FROM {schema}.analytics_window)
+        AND (SELECT end_day FROM {schema}.analytics_window)
+    GROUP BY entity_daily.entity_type, entity_daily.entity_id
+),
+-- Active entity facts per subject (entity_frequency:type:id).
+opinions AS (
+    SELECT
+        graded.subject,
+        count(*) AS fact_users,
+        avg(graded.confidence) AS mean_confidence
+    FROM (
+        -- Each fact's effective confidence, computed once: aggregating active_facts would
+        -- compute it for its filter and again for every aggregate that reads it. OFFSET 0
+        -- keeps the planner from merging this subquery into the query; the ORDER BY is
+        -- the index's, so it costs no sort and the aggregates above it stream.
+        SELECT
+            facts.category,
+            facts.subject,
+            facts.confidence * power(
+                0.95::double precision,
+                -- Capped: 0.95 ^ 10000 is about 1e-223, far below any threshold, where
+                -- a larger exponent leaves the floats and power() fails ("underflow"). An
+                -- ease below 1e-300 divides as 1e-300, where the division would overflow.
+                least(
+                    greatest(
+                        0::double precision,
+                        date_part(
+                            'epoch',
+                            (SELECT at FROM {schema}.analytics_window) - facts.confidence_at
+                        ) / 86400::double precision
+                    ) / greatest(
+                        coalesce(facts.ease_factor, 1::double precision), 1e-300::double precision
+                    ),
+                    10000::double precision
+                )
+            ) AS confidence
+        FROM {schema}.facts
+        WHERE facts.category = 'entity_frequency'
+        ORDER BY facts.category, facts.subject
+        OFFSET 0
+    ) AS graded
+    WHERE graded.confidence >= 0.1::double precision
+    GROUP BY graded.subject
+)
+SELECT
+    usage.entity_type,
+    usage.entity_id,
+    usage.users,
+    usage.accesses,
+    coalesce(opinions.fact_users, 0) AS fact_users,
+    -- A mean over fewer identities than the floor is withheld (NULL).
+    CASE
+        WHEN opinions.fact_users
+            >= (SELECT min_users FROM {schema}.analytics_reader_floor)
+            THEN opinions.mean_confidence
+    END AS mean_confidence
+FROM usage
+LEFT JOIN opinions
+    ON opinions.subject = 'entity_frequency:' || usage.entity_type || ':' || usage.entity_id
+-- An entity accessed by fewer identities than the floor is left out.
+WHERE usage.users
+    >= (SELECT min_users FROM {schema}.analytics_reader_floor);
+
+COMMENT ON VIEW {schema}.entity_popularity IS
+    'Entities accessed in the window (analytics_window, by default the last 30 days), from '
+    'the rollup (entity_daily): users = identities whose latest access falls in the window, '
+    'accesses = accesses in it; fact_users and mean_confidence: active entity_frequency '
+    'facts (active_facts). k-anonymity: for a role that may not read the facts table (an '
+    'analyst), an entity with fewer users than analytics_floor.min_users (default 5) is '
+    'left out, and a mean over fewer identities is NULL.';

@@ -1,0 +1,63 @@
+-- As in 0012, with the k-anonymity floor of analytics_reader_floor (migration 0013).
+-- Active facts per category: how many, held by how many identities, how confident.
+CREATE OR REPLACE VIEW {schema}.fact_summary AS
+SELECT
+    graded.category,
+    count(*) AS facts,
+    count(DISTINCT graded.identity_id) AS users,
+    avg(graded.confidence) AS mean_confidence,
+    -- Effective confidences in 10 buckets [i/10, (i+1)/10), the last one including 1.0.
+    ARRAY[
+        count(*) FILTER (WHERE graded.confidence >= 0.0 AND graded.confidence < 0.1),
+        count(*) FILTER (WHERE graded.confidence >= 0.1 AND graded.confidence < 0.2),
+        count(*) FILTER (WHERE graded.confidence >= 0.2 AND graded.confidence < 0.3),
+        count(*) FILTER (WHERE graded.confidence >= 0.3 AND graded.confidence < 0.4),
+        count(*) FILTER (WHERE graded.confidence >= 0.4 AND graded.confidence < 0.5),
+        count(*) FILTER (WHERE graded.confidence >= 0.5 AND graded.confidence < 0.6),
+        count(*) FILTER (WHERE graded.confidence >= 0.6 AND graded.confidence < 0.7),
+        count(*) FILTER (WHERE graded.confidence >= 0.7 AND graded.confidence < 0.8),
+        count(*) FILTER (WHERE graded.confidence >= 0.8 AND graded.confidence < 0.9),
+        count(*) FILTER (WHERE graded.confidence >= 0.9)
+    ] AS histogram
+FROM (
+    -- Each fact's effective confidence, computed once: aggregating active_facts would
+    -- compute it for its filter and again for every aggregate that reads it. OFFSET 0
+    -- keeps the planner from merging this subquery into the query. In (category,
+    -- identity_id) order, the index's: one pass, and the distinct count needs no sort.
+    SELECT
+        facts.category,
+        facts.identity_id,
+        facts.confidence * power(
+            0.95::double precision,
+            -- Capped: 0.95 ^ 10000 is about 1e-223, far below any threshold, where
+            -- a larger exponent leaves the floats and power() fails ("underflow"). An
+            -- ease below 1e-300 divides as 1e-300, where the division would overflow.
+            least(
+                greatest(
+                    0::double precision,
+                    date_part(
+                        'epoch',
+                        (SELECT at FROM {schema}.analytics_window) - facts.confidence_at
+                    ) / 86400::double precision
+                ) / greatest(
+                    coalesce(facts.ease_factor, 1::double precision), 1e-300::double precision
+                ),
+                10000::double precision
+            )
+        ) AS confidence
+    FROM {schema}.facts
+    ORDER BY facts.category, facts.identity_id
+    OFFSET 0
+) AS graded
+WHERE graded.confidence >= 0.1::double precision
+GROUP BY graded.category
+-- A category held by fewer identities than the floor is left out.
+HAVING count(DISTINCT graded.identity_id)
+    >= (SELECT min_users FROM {schema}.analytics_reader_floor);
+
+COMMENT ON VIEW {schema}.fact_summary IS
+    'Active facts (active_facts) per category: facts, users (distinct identities), '
+    'mean effective confidence and a histogram of it in 10 buckets [0, 0.1) ... [0.9, 1] '
+    '(the first is empty: facts below 0.1 are expired). k-anonymity: for a role that may '
+    'not read the facts table (an analyst), a category held by fewer users than '
+    'analytics_floor.min_users (default 5) is left out.';
