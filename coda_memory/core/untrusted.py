@@ -22,9 +22,14 @@ line of plain data that cannot steer the model, in this order:
    such as ``<img …>`` or ``<|im_start|>`` and every other ``<`` or ``>`` become a space;
    ``[INST]``-like markers go, and a space splits ``](``, ``][``, ``]:`` and ``![``, so
    no markdown link or image can form; a role word followed by a colon (``SYSTEM:``,
-   ``assistant:``, ``### Instruction:``) loses the colon; runs of ``#`` and HTML
+   ``assistant:``, ``### Instruction:``) loses the colon. Turn markers, link syntax and
+   role words that accents hide (a combining mark inside the word, ``S̶ystem:``, or a
+   precomposed letter, ``Sýstem:``, ``[ÍNST]``) are caught too: they are matched again
+   on a copy in which every letter is its base letter and the marks are gone, and such a
+   match loses its accents with the rest of its replacement. Runs of ``#`` and HTML
    entities (``&lt;``) become a space. Every removal leaves a space, so removing one
-   pattern cannot join its neighbours into another.
+   pattern cannot join its neighbours into another; a combining mark left without its
+   letter by a removal goes too.
 5. **Capped** at ``max_chars`` characters, ending in "…" when cut.
 
 Printable ASCII without ``<>[]#&:``, ``www``, ``//`` or a ``.tld/`` skips all of this but
@@ -136,6 +141,10 @@ _ROLE = re.compile(
 )
 #: What makes brackets a markdown link, image or reference: ``](``, ``][``, ``]:``, ``![``.
 _LINK_SYNTAX = re.compile(r"\](?=[(\[:])|!\[")
+#: Any of the three markers that accents may hide (see :func:`_sub_on_bases`).
+_ANY_MARKER = re.compile(
+    "|".join(f"(?:{p.pattern})" for p in (_BRACKET_MARKER, _LINK_SYNTAX, _ROLE)), re.IGNORECASE
+)
 _HASHES_OR_ENTITY = re.compile(r"#{2,}|&#?[a-z0-9]{1,10};", re.IGNORECASE)
 #: Printable ASCII that may hold any of the structures above (``.tld/`` for the
 #: ``host.tld/path`` links; with a port, the colon already is).
@@ -145,24 +154,99 @@ _Pair = tuple[str, str]
 
 
 def _sub(pattern: re.Pattern[str], repl: Callable[[re.Match[str]], str], pair: _Pair) -> _Pair:
-    """Replace ``pattern``'s matches in the folded text, in both texts alike.
+    """Replace ``pattern``'s matches in the folded text, in both texts alike."""
+    return _splice(pair, [(m.start(), m.end(), repl(m)) for m in pattern.finditer(pair[1])])
 
-    The replacement is ASCII, so both texts keep the same length at every position.
-    """
+
+def _sub_on_bases(
+    pattern: re.Pattern[str], repl: Callable[[re.Match[str]], str], pair: _Pair
+) -> _Pair:
+    """:func:`_sub` for the matches that accents hide: a combining mark inside a word
+    (``S\u0336ystem:``) or a precomposed letter (``Sýstem:``, ``[ÍNST]``). ``pattern``
+    runs on a copy of the folded text in which every letter is its base letter and the
+    marks are gone, and each match replaces its whole span of both texts, marks
+    included. A text without accents, or without a match, is returned as it is."""
+    folded = pair[1]
+    if folded.isascii():
+        return pair
+    bare = folded.translate(_BASE_LETTERS)
+    if bare == folded or not pattern.search(bare):
+        return pair
+    # Where each character of the bare copy is in the folded text (marks have none).
+    kept = [i for i, char in enumerate(folded) if _BASE_LETTERS[ord(char)] is not None]
+    return _splice(
+        pair,
+        [(kept[m.start()], kept[m.end() - 1] + 1, repl(m)) for m in pattern.finditer(bare)],
+    )
+
+
+def _splice(pair: _Pair, edits: list[tuple[int, int, str]]) -> _Pair:
+    """Both texts with each ``(start, end, replacement)`` of ``edits`` (in order, not
+    overlapping) made. The replacement is ASCII, so both texts keep the same length at
+    every position."""
+    if not edits:
+        return pair
     text, folded = pair
     text_parts: list[str] = []
     folded_parts: list[str] = []
     position = 0
-    for match in pattern.finditer(folded):
-        replacement = repl(match)
-        text_parts += (text[position : match.start()], replacement)
-        folded_parts += (folded[position : match.start()], replacement)
-        position = match.end()
-    if not position:
-        return pair
+    for start, end, replacement in edits:
+        text_parts += (text[position:start], replacement)
+        folded_parts += (folded[position:start], replacement)
+        position = end
     text_parts.append(text[position:])
     folded_parts.append(folded[position:])
     return "".join(text_parts), "".join(folded_parts)
+
+
+def _is_mark(char: str) -> bool:
+    return char >= "\u0300" and unicodedata.category(char) in _MARK_CATEGORIES
+
+
+class _BaseLetterTable(dict[int, "str | None"]):
+    """A ``str.translate`` table, filled as characters are met: a combining mark to
+    None (deleted), any other character to its base letter (``ý``: ``y``; itself if it
+    has none), confusables folded. One character to one, so the positions of what is
+    kept line up with the folded text's."""
+
+    #: Characters remembered at most (every code point would be about 100 MB).
+    LIMIT = 16_384
+
+    def __missing__(self, code: int) -> str | None:
+        char = chr(code)
+        if _is_mark(char):
+            base = None
+        elif code < 0xC0:
+            base = char
+        else:
+            base = unicodedata.normalize("NFD", char)[0].translate(CONFUSABLES)
+        if len(self) < self.LIMIT:
+            self[code] = base
+        return base
+
+
+_BASE_LETTERS = _BaseLetterTable()
+
+
+#: A character that may be a combining mark, at the start or after a space.
+_MAYBE_ORPHAN = re.compile(r"(?:^| )[^\x00-\u02ff]")
+
+
+def _without_orphan_marks(text: str) -> str:
+    """``text`` without the combining marks that follow a space, or start it: a removal
+    or replacement can leave a mark without the letter it was on."""
+    if not any(_is_mark(match.group()[-1]) for match in _MAYBE_ORPHAN.finditer(text)):
+        return text
+    kept: list[str] = []
+    base = " "
+    for char in text:
+        if _is_mark(char):
+            if base == " ":
+                continue
+        else:
+            base = char
+        kept.append(char)
+    return "".join(kept)
 
 
 def _neutralise(text: str) -> str:
@@ -170,9 +254,22 @@ def _neutralise(text: str) -> str:
     pair = (text, text.translate(CONFUSABLES))
     pair = _sub(_URL, lambda _: f" {LINK_REMOVED} ", pair)
     pair = _sub(_TAG, lambda _: " ", pair)
-    pair = _sub(_BRACKET_MARKER, lambda _: " ", pair)
-    pair = _sub(_LINK_SYNTAX, lambda match: f"{match.group()[0]} {match.group()[1:]}", pair)
-    pair = _sub(_ROLE, lambda match: f"{match.group(1)} ", pair)
+    markers = (
+        (_BRACKET_MARKER, lambda _: " "),
+        (_LINK_SYNTAX, lambda match: f"{match.group()[0]} {match.group()[1:]}"),
+        (_ROLE, lambda match: f"{match.group(1)} "),
+    )
+    for pattern, repl in markers:
+        pair = _sub(pattern, repl, pair)
+    folded = pair[1]
+    if (
+        not folded.isascii()
+        and ("[" in folded or "]" in folded or ":" in folded)  # every marker holds one
+        and _ANY_MARKER.search(folded.translate(_BASE_LETTERS))
+    ):
+        # Rare: a marker that accents hid (one search tells; the passes find which).
+        for pattern, repl in markers:
+            pair = _sub_on_bases(pattern, repl, pair)
     pair = _sub(_HASHES_OR_ENTITY, lambda _: " ", pair)
     return pair[0]
 
@@ -255,7 +352,7 @@ def _data_text(value: str, max_chars: int) -> str:
         # Work on a bounded prefix: a huge value costs no more than a long one.
         text = _visible_line(value[: 4 * max_chars + 64], 4 * max_chars + 64)
     for _ in range(3):  # one pass suffices; the loop only guards that claim
-        neutral = " ".join(_neutralise(text).split())
+        neutral = _without_orphan_marks(" ".join(_neutralise(text).split()))
         if neutral == text:
             break
         text = neutral
