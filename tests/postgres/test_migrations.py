@@ -11,6 +11,7 @@ import subprocess
 import sys
 import warnings
 from pathlib import Path
+from typing import Any
 
 import asyncpg
 import pytest
@@ -179,19 +180,21 @@ def test_0012_caps_the_views_decay_in_place(empty_pg_url: str) -> None:
 FLOORED_VIEWS = ("domain_trends", "entity_popularity", "fact_summary", "tool_effectiveness")
 
 
-def floored_views(url: str, role: str) -> list[tuple[str, str, bool, str]]:
-    """Per view of FLOORED_VIEWS: its definition, ``role``'s SELECT, and its comment."""
+def floored_views(url: str, role: str) -> list[tuple[str, str, bool, str, Any]]:
+    """Per view of FLOORED_VIEWS: its definition, ``role``'s SELECT, its comment and its
+    options."""
     rows = asyncio.run(
         fetch(
             url,
             "SELECT v.name, pg_get_viewdef(c.oid), has_table_privilege(:role, c.oid, 'SELECT'), "
-            "obj_description(c.oid) FROM unnest(CAST(:names AS text[])) AS v(name) "
+            "obj_description(c.oid), c.reloptions "
+            "FROM unnest(CAST(:names AS text[])) AS v(name) "
             "JOIN pg_class c ON c.oid = to_regclass('coda_memory.' || v.name) ORDER BY 1",
             role=role,
             names=list(FLOORED_VIEWS),
         )
     )
-    return [(row[0], row[1], row[2], row[3]) for row in rows]
+    return [(row[0], row[1], row[2], row[3], row[4]) for row in rows]
 
 
 def test_0013_puts_the_views_under_the_floor_in_place(empty_pg_url: str) -> None:
@@ -201,20 +204,20 @@ def test_0013_puts_the_views_under_the_floor_in_place(empty_pg_url: str) -> None
     try:
         asyncio.run(superuser(empty_pg_url, grant_script("analyst", role, "coda_memory")))
         before = floored_views(empty_pg_url, role)
-        assert [(name, grant) for name, _, grant, _ in before] == [
-            (name, True) for name in FLOORED_VIEWS
+        assert [(name, grant, options) for name, _, grant, _, options in before] == [
+            (name, True, None) for name in FLOORED_VIEWS
         ]
-        assert all("analytics_reader_floor" not in definition for _, definition, _, _ in before)
+        assert all("analytics_reader_floor" not in view[1] for view in before)
 
         upgraded = alembic(empty_pg_url, "upgrade", "0013")
         assert upgraded.returncode == 0, upgraded.stderr
         after = floored_views(empty_pg_url, role)
-        # Replaced in place: the grants stay; the definitions read the floor, and the
-        # comments say so.
-        assert [(name, grant) for name, _, grant, _ in after] == [
-            (name, True) for name in FLOORED_VIEWS
+        # Replaced in place: the grants stay; the definitions read the floor, behind a
+        # security barrier, and the comments say so.
+        assert [(name, grant, options) for name, _, grant, _, options in after] == [
+            (name, True, ["security_barrier=true"]) for name in FLOORED_VIEWS
         ]
-        for name, definition, _, comment in after:
+        for name, definition, _, comment, _ in after:
             assert "analytics_reader_floor" in definition, name
             assert "analytics_floor.min_users (default 5)" in comment, name
         floor = "SELECT min_users FROM coda_memory.analytics_floor"

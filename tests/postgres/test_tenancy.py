@@ -372,6 +372,41 @@ async def test_the_analyst_sees_no_group_below_the_floor_that_only_the_owner_set
         await owner.close()
 
 
+async def test_no_function_of_the_analyst_sees_a_row_below_the_floor(tenancy: Tenancy) -> None:
+    """A function of the analyst's own in a WHERE clause (a temporary one: every role may
+    make those), or an expression that fails on one value, must not be run on the rows
+    that the floor hides: the views are security barriers."""
+    await _populate(tenancy)
+    analyst = await tenancy.connect(tenancy.analyst)
+    seen: list[str] = []
+    analyst.add_log_listener(lambda _conn, message: seen.append(message.message))
+    try:
+        await analyst.execute(
+            "CREATE FUNCTION pg_temp.peek(value text) RETURNS boolean LANGUAGE plpgsql "
+            "COST 0.0000001 AS $$ BEGIN RAISE NOTICE 'saw %', value; RETURN true; END $$"
+        )
+        await analyst.execute("SET coda_memory.analytics_now = '2026-01-01T10:00:00Z'")
+        probes = {
+            "entity_popularity": "entity_id",
+            "tool_effectiveness": "tool_name",
+            "domain_trends": "domain",
+            "fact_summary": "category",
+        }
+        for view, column in probes.items():
+            rows = await analyst.fetch(
+                f"SELECT * FROM {SCHEMA}.{view} WHERE pg_temp.peek({column}::text)"
+            )
+            assert rows == [], view
+            # A division by zero on one hidden value would tell that it exists.
+            await analyst.fetch(
+                f"SELECT * FROM {SCHEMA}.{view} "
+                f"WHERE 1 / (CASE WHEN {column}::text = 'acct-alice' THEN 0 ELSE 1 END) = 1"
+            )
+        assert seen == []
+    finally:
+        await analyst.close()
+
+
 async def test_the_owner_sees_every_identity_only_when_it_asks(tenancy: Tenancy) -> None:
     await _populate(tenancy)
     # FORCE: the owner is subject to the policies too.

@@ -13,10 +13,15 @@ decides).
 ``analytics_floor`` is one row that the owner changes with ``UPDATE``; no role is
 granted it. A session setting would not do: any role may set its own.
 
+The four views become security barriers: otherwise the planner runs a reader's own
+function in a WHERE clause (a temporary one: every role may make those), or an
+expression that fails on one value (a division by zero), on the rows below the floor
+before the floor leaves them out, and the function, or the error, tells them.
+
 ``tool_effectiveness``, ``entity_popularity`` and ``fact_summary`` are replaced in place
 from 0012's definitions, ``domain_trends`` from 0002's: their columns, grants, owner and
 comments stay (the comments are rewritten to say what the floor does). Downgrading puts
-those definitions back, then drops the floor's view and table.
+those definitions back (without the barrier), then drops the floor's view and table.
 
 Revision ID: 0013
 Revises: 0012

@@ -1,6 +1,9 @@
 -- As in 0002, with the k-anonymity floor of analytics_reader_floor (migration 0013).
+-- A security barrier: no function in a reader's WHERE clause (its own, or one that fails
+-- on a value, as a division by zero does) runs before the floor has left rows out, so none
+-- sees a hidden row (leakproof operators, such as comparisons, still reach the indexes).
 -- Queries and distinct users per UTC day and domain in the window, summed over shards.
-CREATE OR REPLACE VIEW {schema}.domain_trends AS
+CREATE OR REPLACE VIEW {schema}.domain_trends WITH (security_barrier) AS
 SELECT
     domain_daily.day,
     domain_daily.domain,

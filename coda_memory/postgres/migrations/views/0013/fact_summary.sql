@@ -1,6 +1,9 @@
 -- As in 0012, with the k-anonymity floor of analytics_reader_floor (migration 0013).
+-- A security barrier: no function in a reader's WHERE clause (its own, or one that fails
+-- on a value, as a division by zero does) runs before the floor has left rows out, so none
+-- sees a hidden row (leakproof operators, such as comparisons, still reach the indexes).
 -- Active facts per category: how many, held by how many identities, how confident.
-CREATE OR REPLACE VIEW {schema}.fact_summary AS
+CREATE OR REPLACE VIEW {schema}.fact_summary WITH (security_barrier) AS
 SELECT
     graded.category,
     count(*) AS facts,

@@ -1,6 +1,9 @@
 -- As in 0012, with the k-anonymity floor of analytics_reader_floor (migration 0013).
+-- A security barrier: no function in a reader's WHERE clause (its own, or one that fails
+-- on a value, as a division by zero does) runs before the floor has left rows out, so none
+-- sees a hidden row (leakproof operators, such as comparisons, still reach the indexes).
 -- One row per tool used in the window or with an active affinity or avoidance fact.
-CREATE OR REPLACE VIEW {schema}.tool_effectiveness AS
+CREATE OR REPLACE VIEW {schema}.tool_effectiveness WITH (security_barrier) AS
 WITH
 -- Calls and latest-day users in the window, summed over days and shards.
 usage AS (
