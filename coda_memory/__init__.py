@@ -41,6 +41,7 @@ from coda_memory.core.model import (
 )
 from coda_memory.core.prompt import format_memory_section
 from coda_memory.core.sanitize import ObservationRejected
+from coda_memory.ports import Forgotten
 from coda_memory.service import MemoryService, MemoryStats
 
 if TYPE_CHECKING:
@@ -74,6 +75,7 @@ __all__ = [
     "FactCategory",
     "FactEvent",
     "FactEventKind",
+    "Forgotten",
     "LoadedMemory",
     "MemoryService",
     "MemoryStats",

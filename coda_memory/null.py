@@ -13,7 +13,7 @@ from contextlib import asynccontextmanager
 
 from coda_memory.core.consolidation import ConsolidationInput, ConsolidationPlan
 from coda_memory.core.model import Fact, FactEvent
-from coda_memory.ports import AppendOutcome, ObservationRecord
+from coda_memory.ports import AppendOutcome, Forgotten, ObservationRecord
 
 
 class NullConsolidationUnit:
@@ -70,8 +70,8 @@ class NullStore:
     async def history(self, identity_id: str, subject: str | None = None) -> list[FactEvent]:
         return []
 
-    async def forget(self, identity_id: str) -> None:
-        return None
+    async def forget(self, identity_id: str) -> Forgotten:
+        return Forgotten()
 
     async def close(self) -> None:
         return None

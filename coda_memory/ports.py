@@ -28,6 +28,17 @@ class AppendOutcome:
     discarded: int = 0
 
 
+@dataclass(frozen=True, slots=True)
+class Forgotten:
+    """What ``forget`` erased of one identity: its stored observations, facts and fact
+    events (the other rows a store keeps of it, such as its checkpoint, go too,
+    uncounted). All 0: the identity had nothing stored."""
+
+    observations: int = 0
+    facts: int = 0
+    fact_events: int = 0
+
+
 def check_plan_identity(plan: ConsolidationPlan, identity_id: str) -> None:
     """Refuse a plan that touches any identity but the unit's own (every store's write)."""
     owners = {plan.identity_id}
@@ -101,8 +112,9 @@ class MemoryStore(Protocol):
         """The identity's fact events in the order they happened."""
         ...
 
-    async def forget(self, identity_id: str) -> None:
-        """Delete every observation, fact, event and checkpoint of the identity."""
+    async def forget(self, identity_id: str) -> Forgotten:
+        """Delete every observation, fact, event and checkpoint of the identity; say how
+        many observations, facts and events were deleted."""
         ...
 
     async def close(self) -> None:
@@ -115,6 +127,7 @@ __all__ = [
     "ConsolidationInput",
     "ConsolidationPlan",
     "ConsolidationUnit",
+    "Forgotten",
     "MemoryStore",
     "ObservationRecord",
 ]

@@ -59,6 +59,7 @@ most one in flight (single flight).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import threading
@@ -88,7 +89,7 @@ from coda_memory.core.rank import ranked_facts
 from coda_memory.core.sanitize import ObservationRejected, check_identity
 from coda_memory.core.turns import Steps, collector_scope, finished, stepped, taking_turns
 from coda_memory.errors import ServiceClosed
-from coda_memory.ports import MemoryStore
+from coda_memory.ports import Forgotten, MemoryStore
 from coda_memory.slots import LifoSlots
 from coda_memory.stats import MemoryStats as MemoryStats
 from coda_memory.stores import store_from_url
@@ -804,16 +805,18 @@ class MemoryService(ObservationWriter):
 
     # -- administration -----------------------------------------------------------------
 
-    async def forget(self, identity_id: str) -> None:
+    async def forget(self, identity_id: str) -> Forgotten:
         """Delete every observation, fact, fact event and checkpoint of the identity,
-        including observations of it still queued in this service."""
+        including observations of it still queued in this service; say how many
+        observations (stored, and dropped from the queue), facts and fact events."""
         identity_id = _identity_argument(identity_id)
         async with self._using_store():
-            self._forget_queued(identity_id)
+            queued = self._forget_queued(identity_id)
             await self.drain()
-            await self.store.forget(identity_id)
+            forgotten = await self.store.forget(identity_id)
         self.stored_for.discard(identity_id)
         self._recent.discard(identity_id)
+        return dataclasses.replace(forgotten, observations=forgotten.observations + queued)
 
     def stats(self) -> MemoryStats:
         """Counts of observations emitted, stored, rejected, dropped and pending."""

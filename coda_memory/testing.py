@@ -21,7 +21,7 @@ from coda_memory.core.consolidation import (
     ConsolidationPlan,
 )
 from coda_memory.core.model import Fact, FactEvent, Observation
-from coda_memory.ports import AppendOutcome, ObservationRecord, check_plan_identity
+from coda_memory.ports import AppendOutcome, Forgotten, ObservationRecord, check_plan_identity
 
 
 @dataclass(slots=True)
@@ -171,9 +171,12 @@ class InMemoryStore:
             return None
         return InMemoryCheckpoint(identity_id, state.cursor, state.runs)
 
-    async def forget(self, identity_id: str) -> None:
+    async def forget(self, identity_id: str) -> Forgotten:
         async with self._locks[identity_id]:
-            self._identities.pop(identity_id, None)
+            state = self._identities.pop(identity_id, None)
+        if state is None:
+            return Forgotten()
+        return Forgotten(len(state.observations), len(state.facts), len(state.events))
 
     async def close(self) -> None:
         return None

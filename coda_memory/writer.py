@@ -524,13 +524,15 @@ class ObservationWriter:
                 break
             await self._progress.wait()
 
-    def _forget_queued(self, identity_id: str) -> None:
-        """Drop (and count) the identity's observations still in the queue."""
+    def _forget_queued(self, identity_id: str) -> int:
+        """Drop (and count) the identity's observations still in the queue; how many."""
         kept = deque(item for item in self._queue if item[0] != identity_id)
-        if len(kept) != len(self._queue):
+        dropped = len(self._queue) - len(kept)
+        if dropped:
             self._held_bytes -= sum(item[5] for item in self._queue if item[0] == identity_id)
-            self._drop(len(self._queue) - len(kept), "identity forgotten")
+            self._drop(dropped, "identity forgotten")
             self._queue = kept
+        return dropped
 
     async def _stop_writer(self) -> None:
         """Stop the writer (waiting at most CLOSE_GRACE); drop and count what it held."""

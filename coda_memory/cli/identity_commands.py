@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 from datetime import UTC, datetime
-from typing import Annotated
+from typing import Annotated, Literal
 
 import typer
 from rich.table import Table
@@ -47,6 +47,7 @@ from coda_memory.cli.runtime import (
 )
 from coda_memory.core.model import Fact, FactEvent, FactEventKind
 from coda_memory.core.prompt import format_memory_section
+from coda_memory.ports import Forgotten
 from coda_memory.postgres import maintenance
 from coda_memory.postgres.schema import DEFAULT_SCHEMA
 from coda_memory.postgres.store import PostgresStore
@@ -252,26 +253,30 @@ def forget(
     if not yes and not stdin_is_interactive():
         fail("refusing to forget without confirmation: stdin is not a terminal; pass --yes", 2)
 
-    async def work(store: PostgresStore, target: Target) -> bool | None:
+    async def work(
+        store: PostgresStore, target: Target
+    ) -> Forgotten | Literal["absent", "declined"]:
         if if_exists and not await maintenance.identity_exists(store, identity):
-            return None
+            return "absent"
         await require_identity(store, identity)
         question = (
             f"Erase every observation, fact, fact event, checkpoint and rollup row of "
             f"{identity!r} in {target.display} (schema {target.schema})?"
         )
         if not yes and not typer.confirm(question, default=False):
-            return False
-        await store.forget(identity)
-        return True
+            return "declined"
+        return await store.forget(identity)
 
     forgotten = run_on_store(url, schema, work, lock_wait=lock_wait)
-    if forgotten is None:
+    if forgotten == "absent":
         typer.echo(f"nothing to forget: {identity!r} has nothing stored")
-    elif forgotten:
-        typer.echo(f"forgot {identity!r}")
-    else:
+    elif forgotten == "declined":
         fail("not confirmed: nothing was erased")
+    else:
+        typer.echo(
+            f"forgot {identity!r}: {forgotten.observations:,} observations, "
+            f"{forgotten.facts:,} facts, {forgotten.fact_events:,} fact events"
+        )
 
 
 def stdin_is_interactive() -> bool:

@@ -83,10 +83,12 @@ class ObservationRepository:
         result = await self._conn.execute(statement)
         return [observation_from_mapping(row) for row in result.mappings()]
 
-    async def delete_identity(self, identity_id: str) -> None:
-        await self._conn.execute(
+    async def delete_identity(self, identity_id: str) -> int:
+        """Delete the identity's observations; how many."""
+        result = await self._conn.execute(
             delete(observations).where(observations.c.identity_id == identity_id)
         )
+        return result.rowcount
 
 
 class FactRepository:
@@ -103,8 +105,10 @@ class FactRepository:
         result = await self._conn.execute(statement)
         return [_fact(row) for row in result.mappings()]
 
-    async def delete_identity(self, identity_id: str) -> None:
-        await self._conn.execute(delete(facts).where(facts.c.identity_id == identity_id))
+    async def delete_identity(self, identity_id: str) -> int:
+        """Delete the identity's facts; how many."""
+        result = await self._conn.execute(delete(facts).where(facts.c.identity_id == identity_id))
+        return result.rowcount
 
 
 class FactEventRepository:
@@ -121,10 +125,12 @@ class FactEventRepository:
         result = await self._conn.execute(statement.order_by(fact_events.c.id))
         return [_event(row) for row in result.mappings()]
 
-    async def delete_identity(self, identity_id: str) -> None:
-        await self._conn.execute(
+    async def delete_identity(self, identity_id: str) -> int:
+        """Delete the identity's fact events; how many."""
+        result = await self._conn.execute(
             delete(fact_events).where(fact_events.c.identity_id == identity_id)
         )
+        return result.rowcount
 
 
 class CheckpointRepository:

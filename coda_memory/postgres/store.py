@@ -102,6 +102,7 @@ from coda_memory.core.model import Fact, FactEvent, Observation
 from coda_memory.errors import ConnectionLost, StoreBusy
 from coda_memory.ports import (
     AppendOutcome,
+    Forgotten,
     ObservationRecord,
 )
 from coda_memory.postgres.append import IngestCounts, append_observations, encode
@@ -624,8 +625,8 @@ class PostgresStore:
             _as_tenant(identity_id, lambda conn: CheckpointRepository(conn).get(identity_id))
         )
 
-    async def forget(self, identity_id: str) -> None:
-        async def forget(conn: AsyncConnection) -> None:
+    async def forget(self, identity_id: str) -> Forgotten:
+        async def forget(conn: AsyncConnection) -> Forgotten:
             async with conn.begin():
                 # Opens the transaction, which the lock below joins on the same connection.
                 await conn.exec_driver_sql(self._lock_timeout)
@@ -635,18 +636,23 @@ class PostgresStore:
                 driver = await driver_connection(conn)
                 await lock_identity(driver, self._statements, identity_id)
                 await CheckpointRepository(conn).delete(identity_id)
-                await FactEventRepository(conn).delete_identity(identity_id)
-                await FactRepository(conn).delete_identity(identity_id)
-                await ObservationRepository(conn).delete_identity(identity_id)
+                forgotten = Forgotten(
+                    fact_events=await FactEventRepository(conn).delete_identity(identity_id),
+                    facts=await FactRepository(conn).delete_identity(identity_id),
+                    observations=await ObservationRepository(conn).delete_identity(identity_id),
+                )
                 # The identity's rows of the analytics rollup; anonymous counts stay.
                 await forget_identity(conn, identity_id)
                 await conn.execute(
                     delete(redis_imports).where(redis_imports.c.identity_id == identity_id)
                 )
+            return forgotten
 
-        # Forgetting twice forgets the same: retried on a dead connection.
-        await self.run(forget)
+        # Forgetting twice forgets the same: retried on a dead connection (the counts are
+        # those of the attempt that committed: 0 if a lost COMMIT had in fact committed).
+        forgotten = await self.run(forget)
         self._known.discard(identity_id)
+        return forgotten
 
     async def run(
         self, work: Callable[[AsyncConnection], Awaitable[T]], *, idempotent: bool = True

@@ -34,7 +34,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from coda_memory.core.model import Fact, FactEvent, Observation
 from coda_memory.errors import ConnectionLost
-from coda_memory.ports import AppendOutcome, ObservationRecord
+from coda_memory.ports import AppendOutcome, Forgotten, ObservationRecord
 from coda_memory.redis.codec import (
     BadRecord,
     event_from_value,
@@ -55,6 +55,9 @@ DEFAULT_HISTORY_LIMIT = 1_000
 DEFAULT_SESSION_HORIZON = timedelta(days=30)
 
 _SCRIPTS = ("append", "peek", "load", "commit", "unlock", "forget")
+#: The keys forget.lua counts before it erases them (in its order), and the lock it
+#: releases last.
+_FORGET_KINDS = ("obs", "facts", "history", "lock")
 
 
 class LockTimeout(TimeoutError):
@@ -324,13 +327,16 @@ class RedisStore:
 
     # -- administration -----------------------------------------------------------------
 
-    async def forget(self, identity_id: str) -> None:
+    async def forget(self, identity_id: str) -> Forgotten:
         token = await self._acquire(identity_id)
         k = self.keys
-        own = [k.of(kind, identity_id) for kind in IDENTITY_KINDS if kind != "lock"]
-        await self._script("forget")(
-            keys=[k.of("lock", identity_id), k.checkpoint, *own], args=[token, identity_id]
+        counted = [k.of(kind, identity_id) for kind in _FORGET_KINDS[:3]]
+        rest = [k.of(kind, identity_id) for kind in IDENTITY_KINDS if kind not in _FORGET_KINDS]
+        observations, facts, events = await self._script("forget")(
+            keys=[k.of("lock", identity_id), k.checkpoint, *counted, *rest],
+            args=[token, identity_id],
         )
+        return Forgotten(observations=observations, facts=facts, fact_events=events)
 
     async def close(self) -> None:
         await self.client.aclose()

@@ -17,6 +17,7 @@ from coda_memory import (
     Fact,
     FactCategory,
     FactEventKind,
+    Forgotten,
     NewObservation,
     ObservationType,
     PowerLawDecay,
@@ -343,7 +344,10 @@ async def test_forget_erases_one_identity_only(make_service: ServiceFactory) -> 
     await service.consolidate("u1")
     await service.consolidate("u2")
     service.emit_observation("u1", tool_ok("later", session="s9"))
-    await service.forget("u1")
+    # The stored observation and the queued one (stored meanwhile or dropped), the fact
+    # and its event.
+    assert await service.forget("u1") == Forgotten(observations=2, facts=1, fact_events=1)
+    assert await service.forget("u1") == Forgotten()
     assert await service.facts("u1") == []
     assert await service.history("u1") == []
     assert await service.consolidate("u1") == []

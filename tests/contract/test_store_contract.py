@@ -9,6 +9,7 @@ from datetime import timedelta
 import pytest
 
 from coda_memory.core.model import Fact, FactEventKind, ObservationType
+from coda_memory.ports import Forgotten
 from tests.builders import NOW, consolidate, contents, event, fact, plan, record
 from tests.contract.conftest import InspectableStore
 
@@ -285,9 +286,13 @@ async def test_forget_removes_one_identity_only(store: InspectableStore) -> None
     await _populate(store, "alice")
     await _populate(store, "bob")
     bob_before = await state_of(store, "bob")
+    facts, history, observations, _ = await state_of(store, "alice")
 
-    await store.forget("alice")
+    forgotten = await store.forget("alice")
 
+    # It says what it erased.
+    assert forgotten == Forgotten(len(observations), len(facts), len(history))
+    assert forgotten.observations and forgotten.facts and forgotten.fact_events
     assert await state_of(store, "alice") == ([], [], [], None)
     assert await store.peek("alice") == ([], False)
     assert await state_of(store, "bob") == bob_before
@@ -311,7 +316,7 @@ async def test_forgetting_an_unknown_identity_changes_nothing(store: Inspectable
     await _populate(store, "alice")
     before = await state_of(store, "alice")
 
-    await store.forget("nobody")
+    assert await store.forget("nobody") == Forgotten()
 
     assert await state_of(store, "alice") == before
     assert await state_of(store, "nobody") == ([], [], [], None)

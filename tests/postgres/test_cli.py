@@ -413,8 +413,22 @@ def test_forget_asks_on_a_terminal(pg_url: str, monkeypatch: pytest.MonkeyPatch)
 def test_forget_with_yes_erases_only_that_identity(pg_url: str) -> None:
     seed_alice(pg_url)
     emit_pending(pg_url, ["bob"])
+    [counts] = asyncio.run(
+        fetch(
+            pg_url,
+            "SELECT (SELECT count(*) FROM coda_memory.observations WHERE identity_id = 'alice'),"
+            " (SELECT count(*) FROM coda_memory.facts WHERE identity_id = 'alice'),"
+            " (SELECT count(*) FROM coda_memory.fact_events WHERE identity_id = 'alice')",
+        )
+    )
+    assert all(counts)
     result = run("forget", "alice", "--yes", "--url", pg_url)
     assert result.exit_code == 0, result.output
+    # It says what it erased.
+    observations, facts, events = counts
+    assert result.stdout.strip() == (
+        f"forgot 'alice': {observations} observations, {facts} facts, {events} fact events"
+    )
     rows = asyncio.run(
         fetch(
             pg_url,

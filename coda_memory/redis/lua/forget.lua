@@ -1,12 +1,17 @@
 -- Erase one identity while holding its lock, then release the lock.
--- KEYS[1] lock, KEYS[2] checkpoint map, KEYS[3..] the identity's own keys
+-- KEYS[1] lock, KEYS[2] checkpoint map, KEYS[3] obs, KEYS[4] facts, KEYS[5] history,
+-- KEYS[6..] the identity's other keys
 -- ARGV[1] lock token, ARGV[2] identity id
+-- Returns what it erased: {observations, facts, fact events}.
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then
   return redis.error_reply('LOCKLOST the lock expired before forget')
 end
+local erased = {
+  redis.call('ZCARD', KEYS[3]), redis.call('HLEN', KEYS[4]), redis.call('LLEN', KEYS[5])
+}
 redis.call('HDEL', KEYS[2], ARGV[2])
 for i = 3, #KEYS do
   redis.call('DEL', KEYS[i])
 end
 redis.call('DEL', KEYS[1])
-return 1
+return erased
