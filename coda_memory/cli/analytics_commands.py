@@ -30,6 +30,7 @@ from coda_memory.cli.output import (
     checked_plot_path,
     draw_plot,
     dump,
+    fmt_count,
     fmt_number,
     fmt_percent,
     make_console,
@@ -247,8 +248,9 @@ def _tool_columns() -> _Columns:
     def latency(r: ToolEffectiveness) -> str:
         return f"{fmt_number(r.p50_duration_ms, 0)}/{fmt_number(r.p95_duration_ms, 0)}"
 
-    def with_mean(users: int, mean: float | None) -> str:
-        return f"{users} ({fmt_number(mean)})"
+    def with_mean(users: int | None, mean: float | None) -> str:
+        # (No count: fewer identities than the database's floor, for an analyst role.)
+        return f"{fmt_count(users)} ({fmt_number(mean)})"
 
     return [
         ("tool", "left", lambda r: r.tool_name),
@@ -298,7 +300,7 @@ def analytics_entities(
         ("entity id", "left", lambda r: r.entity_id),
         ("users", "right", lambda r: str(r.users)),
         ("accesses", "right", lambda r: str(r.accesses)),
-        ("users with fact", "right", lambda r: str(r.fact_users)),
+        ("users with fact", "right", lambda r: fmt_count(r.fact_users)),
         ("mean confidence", "right", lambda r: fmt_number(r.mean_confidence)),
     ]
     _analytics(

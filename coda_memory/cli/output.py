@@ -61,6 +61,11 @@ def fmt_number(value: float | None, digits: int = 2) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
 
 
+def fmt_count(value: int | None) -> str:
+    """A count, or ``-`` for None (withheld: fewer identities than a k-anonymity floor)."""
+    return "-" if value is None else str(value)
+
+
 def fmt_percent(value: float | None) -> str:
     """A share as a whole percentage, or ``-`` for None."""
     return "-" if value is None else f"{100 * value:.0f}%"

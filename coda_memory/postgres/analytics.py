@@ -79,7 +79,10 @@ WINDOW_SETTING = "coda_memory.analytics_window"
 
 
 class ToolEffectiveness(BaseModel):
-    """One tool: usage in the window and the active affinity/avoidance facts about it."""
+    """One tool: usage in the window and the active affinity/avoidance facts about it.
+
+    ``affinity_users`` and ``avoidance_users`` are None for a role bound by the database's
+    floor (an analyst) when fewer identities than the floor hold such a fact (0 stays 0)."""
 
     model_config = ConfigDict(frozen=True)
 
@@ -90,14 +93,15 @@ class ToolEffectiveness(BaseModel):
     success_rate: float | None
     p50_duration_ms: float | None
     p95_duration_ms: float | None
-    affinity_users: int
-    avoidance_users: int
+    affinity_users: int | None
+    avoidance_users: int | None
     mean_affinity_confidence: float | None
     mean_avoidance_confidence: float | None
 
 
 class EntityPopularity(BaseModel):
-    """One entity: accesses in the window and the active facts about it."""
+    """One entity: accesses in the window and the active facts about it (``fact_users``:
+    None under the database's floor, as :class:`ToolEffectiveness`'s counts)."""
 
     model_config = ConfigDict(frozen=True)
 
@@ -105,7 +109,7 @@ class EntityPopularity(BaseModel):
     entity_id: str
     users: int
     accesses: int
-    fact_users: int
+    fact_users: int | None
     mean_confidence: float | None
 
 

@@ -286,12 +286,16 @@ async def test_forget_removes_one_identity_only(store: InspectableStore) -> None
     await _populate(store, "alice")
     await _populate(store, "bob")
     bob_before = await state_of(store, "bob")
-    facts, history, observations, _ = await state_of(store, "alice")
+    erased = Forgotten(
+        observations=len(await store.observations("alice")),
+        facts=len(await store.facts("alice")),
+        fact_events=len(await store.history("alice")),
+    )
 
     forgotten = await store.forget("alice")
 
     # It says what it erased.
-    assert forgotten == Forgotten(len(observations), len(facts), len(history))
+    assert forgotten == erased
     assert forgotten.observations and forgotten.facts and forgotten.fact_events
     assert await state_of(store, "alice") == ([], [], [], None)
     assert await store.peek("alice") == ([], False)

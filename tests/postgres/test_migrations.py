@@ -204,6 +204,8 @@ def test_0013_puts_the_views_under_the_floor_in_place(empty_pg_url: str) -> None
     try:
         asyncio.run(superuser(empty_pg_url, grant_script("analyst", role, "coda_memory")))
         before = floored_views(empty_pg_url, role)
+        window = "SELECT pg_get_viewdef('coda_memory.analytics_window'::regclass)"
+        window_before = asyncio.run(fetch(empty_pg_url, window))
         assert [(name, grant, options) for name, _, grant, _, options in before] == [
             (name, True, None) for name in FLOORED_VIEWS
         ]
@@ -222,10 +224,12 @@ def test_0013_puts_the_views_under_the_floor_in_place(empty_pg_url: str) -> None
             assert "analytics_floor.min_users (default 5)" in comment, name
         floor = "SELECT min_users FROM coda_memory.analytics_floor"
         assert asyncio.run(fetch(empty_pg_url, floor)) == [(5,)]
+        assert "analytics_reader_floor" in asyncio.run(fetch(empty_pg_url, window))[0][0]
 
         downgraded = alembic(empty_pg_url, "downgrade", "0012")
         assert downgraded.returncode == 0, downgraded.stderr
         assert floored_views(empty_pg_url, role) == before
+        assert asyncio.run(fetch(empty_pg_url, window)) == window_before
         assert "analytics_floor" not in tables_in(empty_pg_url, "coda_memory")
         reader = "SELECT to_regclass('coda_memory.analytics_reader_floor') IS NULL"
         assert asyncio.run(fetch(empty_pg_url, reader)) == [(True,)]

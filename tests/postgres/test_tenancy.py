@@ -331,10 +331,10 @@ async def test_the_analyst_sees_no_group_below_the_floor_that_only_the_owner_set
 
         await _set_floor(tenancy, 2)
         assert await _aggregates(analyst) == {
-            # The row's groups hold 2 users; alice's affinity is counted, its mean withheld.
+            # The row's groups hold 2 users; alice's affinity is withheld, count and mean.
             "tool_effectiveness": [
                 ("legacy_tool", 0, 2, True, 0, False),
-                ("run_sql", 2, 1, False, 2, True),
+                ("run_sql", 2, None, False, 2, True),
             ],
             "entity_popularity": [],
             "domain_trends": [("royalty", 2)],
@@ -405,6 +405,66 @@ async def test_no_function_of_the_analyst_sees_a_row_below_the_floor(tenancy: Te
         assert seen == []
     finally:
         await analyst.close()
+
+
+async def test_explain_analyze_tells_the_analyst_nothing_of_a_hidden_value(
+    tenancy: Tenancy,
+) -> None:
+    """Built-in comparisons are leakproof, so the planner pushed them below the security
+    barrier, down to the scans: EXPLAIN ANALYZE then showed rows that the floor removed
+    for an entity id, domain or tool that exists below the floor (and none for one that
+    does not), which told the hidden values one prefix at a time. The plans for a hidden
+    value and for a missing one must be the same."""
+    await _populate(tenancy)
+    analyst = await tenancy.connect(tenancy.analyst)
+    try:
+        await analyst.execute("SET coda_memory.analytics_now = '2026-01-01T10:00:00Z'")
+        probes = {  # (view, column): a value hidden by the floor
+            ("entity_popularity", "entity_id"): "acct-alice",
+            ("domain_trends", "domain"): "royalty",
+            ("tool_effectiveness", "tool_name"): "run_sql",
+            ("fact_summary", "category"): "tool_affinity",
+        }
+        for (view, column), hidden in probes.items():
+            plans = {}
+            for value in (hidden, "nothing-like-it"):
+                for condition in (f"{column} = $1", f"{column} ^@ $1"):
+                    rows = await analyst.fetch(
+                        "EXPLAIN (ANALYZE, COSTS OFF, TIMING OFF, SUMMARY OFF) "
+                        f"SELECT * FROM {SCHEMA}.{view} WHERE {condition}",
+                        value,
+                    )
+                    # (The value itself, shown in the filter, aside.)
+                    plans[value, condition] = [r[0].replace(value, "?") for r in rows]
+            for condition in (f"{column} = $1", f"{column} ^@ $1"):
+                assert plans[hidden, condition] == plans["nothing-like-it", condition], (
+                    view,
+                    condition,
+                )
+    finally:
+        await analyst.close()
+
+
+async def test_an_analyst_under_a_floor_sees_facts_as_at_the_start_of_the_day(
+    tenancy: Tenancy,
+) -> None:
+    """Stepping the instant by microseconds, an analyst found when one user's fact
+    expires (where a count turns NULL). Above a floor of 1 its instant is the start of
+    its UTC day; the owner's, and an analyst's under a floor of 1, are as set."""
+    analyst = await tenancy.connect(tenancy.analyst)
+    owner = await tenancy.connect(tenancy.owner)
+    instant = f"SELECT at FROM {SCHEMA}.analytics_window"
+    try:
+        for conn in (analyst, owner):
+            await conn.execute("SET coda_memory.analytics_now = '2026-01-01T10:17:03.5Z'")
+        set_at = datetime(2026, 1, 1, 10, 17, 3, 500_000, tzinfo=UTC)
+        assert await analyst.fetchval(instant) == datetime(2026, 1, 1, tzinfo=UTC)
+        assert await owner.fetchval(instant) == set_at
+        await _set_floor(tenancy, 1)
+        assert await analyst.fetchval(instant) == set_at
+    finally:
+        await analyst.close()
+        await owner.close()
 
 
 async def test_the_owner_sees_every_identity_only_when_it_asks(tenancy: Tenancy) -> None:

@@ -33,7 +33,7 @@ from coda_memory.cli.demo.simulation import (
     ranking,
     simulate,
 )
-from coda_memory.cli.output import add_row, new_table
+from coda_memory.cli.output import add_row, fmt_count, new_table
 from coda_memory.core.model import FactEvent, FactEventKind, LoadedMemory
 from coda_memory.postgres import PostgresStore
 from coda_memory.postgres.analytics import ToolEffectiveness, tool_effectiveness
@@ -390,8 +390,8 @@ def _show_effectiveness(console: Console, rows: Sequence[ToolEffectiveness], day
             str(row.successes + row.failures),
             "-" if row.success_rate is None else f"{100 * row.success_rate:.0f}%",
             "-" if row.p50_duration_ms is None else f"{row.p50_duration_ms:.0f}",
-            str(row.affinity_users),
-            str(row.avoidance_users),
+            fmt_count(row.affinity_users),
+            fmt_count(row.avoidance_users),
         )
     console.print(Group(table) if rows else Text("(no tool calls recorded)"))
 

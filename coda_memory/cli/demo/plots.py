@@ -286,8 +286,9 @@ def plot_tool_effectiveness(rows: Sequence[ToolEffectiveness], path: Path, *, ti
     height = 0.26
     series = (
         ("users", [r.users for r in ordered], _GREY),
-        ("with affinity", [r.affinity_users for r in ordered], _GREEN),
-        ("with avoidance", [r.avoidance_users for r in ordered], _RED),
+        # (None: fewer than the database's floor, for an analyst role; drawn as none.)
+        ("with affinity", [r.affinity_users or 0 for r in ordered], _GREEN),
+        ("with avoidance", [r.avoidance_users or 0 for r in ordered], _RED),
     )
     for offset, (label, values, colour) in zip((height, 0.0, -height), series, strict=True):
         users_axes.barh(

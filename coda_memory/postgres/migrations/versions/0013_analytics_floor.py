@@ -3,25 +3,34 @@
 Until now the views held every group, one user's included, and ``min_users`` was applied
 by the ``coda_memory.analytics`` functions and the CLI: an analyst role that ran its own
 SQL on ``entity_popularity`` saw which entity one user had accessed, and on which days
-one user asked about a domain (``domain_trends``). The views now leave out, for a role
-that may not read the ``facts`` table (an analyst), every row behind fewer identities
-than ``analytics_floor.min_users`` (default 5), and withhold a mean confidence over fewer
-(NULL). A role that may read ``facts`` (the owner, an app role) reads single users' rows
-anyway: the views hide nothing from it, as before (the view ``analytics_reader_floor``
-decides).
+one user asked about a domain (``domain_trends``). For a role that may not read the
+``facts`` table (an analyst), the views now:
+
+* leave out every row behind fewer identities than ``analytics_floor.min_users``
+  (default 5), and withhold (NULL) a count of fewer identities in a row they keep
+  (``affinity_users``, ``avoidance_users``, ``fact_users``; none stays 0) and the mean
+  confidence over them;
+* take no condition of the reader's below the floor: they are security barriers (no
+  function of the reader's, such as a temporary one, every role may make those, and none
+  that may fail on a value, as a division by zero does, runs on a hidden row), with an
+  ``OFFSET 0`` on top that keeps out even the built-in comparisons, which the planner
+  pushes below a barrier (``EXPLAIN ANALYZE`` then showed, by their "rows removed",
+  which entity ids and domains the floor hid, and a comparison that fails under a
+  nondeterministic collation told them too);
+* decay facts to the start of the UTC day of the instant asked for (``analytics_window``),
+  so that stepping the instant cannot find when one user's fact expires.
+
+A role that may read ``facts`` (the owner, an app role) reads single users' rows anyway:
+the views hide nothing from it, as before (the view ``analytics_reader_floor`` decides).
 
 ``analytics_floor`` is one row that the owner changes with ``UPDATE``; no role is
 granted it. A session setting would not do: any role may set its own.
 
-The four views become security barriers: otherwise the planner runs a reader's own
-function in a WHERE clause (a temporary one: every role may make those), or an
-expression that fails on one value (a division by zero), on the rows below the floor
-before the floor leaves them out, and the function, or the error, tells them.
-
-``tool_effectiveness``, ``entity_popularity`` and ``fact_summary`` are replaced in place
-from 0012's definitions, ``domain_trends`` from 0002's: their columns, grants, owner and
-comments stay (the comments are rewritten to say what the floor does). Downgrading puts
-those definitions back (without the barrier), then drops the floor's view and table.
+The views are replaced in place (``analytics_window`` and ``domain_trends`` from 0002's
+definitions, the others from 0012's): their columns, grants, owner and comments stay
+(the comments are rewritten to say what the floor does). Downgrading puts those
+definitions back (without the barrier), then drops the floor's view and table, with the
+value an owner may have set: upgrading again starts from the default.
 
 Revision ID: 0013
 Revises: 0012
@@ -50,8 +59,10 @@ SCHEMA = "coda_memory"
 #: a migration keeps its own copy, so that it always does the same).
 DEFAULT_FLOOR = 5
 
-#: The views that apply the floor, and the revision of the definitions they replace.
+#: The views that apply the floor, and the revision of the definitions they replace
+#: (analytics_window, which the others read, first).
 VIEWS = {
+    "analytics_window": "0002",
     "tool_effectiveness": "0012",
     "entity_popularity": "0012",
     "domain_trends": "0002",
@@ -84,6 +95,7 @@ def upgrade() -> None:
 def downgrade() -> None:
     schema = migrating_schema(op.get_context())
     for name, source_revision in VIEWS.items():
+        # (CREATE OR REPLACE resets a view's options: no barrier, as before.)
         for statement in view_statements(source_revision, name, schema, replace=True):
             op.execute(sa.text(statement))
     op.execute(sa.text(in_schema("DROP VIEW {schema}.analytics_reader_floor", schema)))

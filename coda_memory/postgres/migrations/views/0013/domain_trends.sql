@@ -1,7 +1,9 @@
 -- As in 0002, with the k-anonymity floor of analytics_reader_floor (migration 0013).
--- A security barrier: no function in a reader's WHERE clause (its own, or one that fails
--- on a value, as a division by zero does) runs before the floor has left rows out, so none
--- sees a hidden row (leakproof operators, such as comparisons, still reach the indexes).
+-- No condition of a reader's reaches the rows before the floor has left some out: the
+-- view is a security barrier (no function of the reader's own, and none that may fail on
+-- a value, as a division by zero does, runs below it), and its OFFSET 0 keeps even the
+-- built-in comparisons out (the planner pushes those below a barrier, and EXPLAIN ANALYZE
+-- would then show which values the floor hid, or a failing comparison tell them).
 -- Queries and distinct users per UTC day and domain in the window, summed over shards.
 CREATE OR REPLACE VIEW {schema}.domain_trends WITH (security_barrier) AS
 SELECT
@@ -15,7 +17,8 @@ WHERE domain_daily.day BETWEEN (SELECT start_day FROM {schema}.analytics_window)
 GROUP BY domain_daily.day, domain_daily.domain
 -- A day's domain asked about by fewer identities than the floor is left out.
 HAVING sum(domain_daily.users)
-    >= (SELECT min_users FROM {schema}.analytics_reader_floor);
+    >= (SELECT min_users FROM {schema}.analytics_reader_floor)
+OFFSET 0;
 
 COMMENT ON VIEW {schema}.domain_trends IS
     'Queries and distinct users per UTC day and domain in the window (analytics_window, by '

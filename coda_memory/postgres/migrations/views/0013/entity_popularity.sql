@@ -1,7 +1,9 @@
 -- As in 0012, with the k-anonymity floor of analytics_reader_floor (migration 0013).
--- A security barrier: no function in a reader's WHERE clause (its own, or one that fails
--- on a value, as a division by zero does) runs before the floor has left rows out, so none
--- sees a hidden row (leakproof operators, such as comparisons, still reach the indexes).
+-- No condition of a reader's reaches the rows before the floor has left some out: the
+-- view is a security barrier (no function of the reader's own, and none that may fail on
+-- a value, as a division by zero does, runs below it), and its OFFSET 0 keeps even the
+-- built-in comparisons out (the planner pushes those below a barrier, and EXPLAIN ANALYZE
+-- would then show which values the floor hid, or a failing comparison tell them).
 -- Entities accessed in the window, with the active facts about them.
 CREATE OR REPLACE VIEW {schema}.entity_popularity WITH (security_barrier) AS
 WITH
@@ -62,19 +64,22 @@ SELECT
     usage.entity_id,
     usage.users,
     usage.accesses,
-    coalesce(opinions.fact_users, 0) AS fact_users,
-    -- A mean over fewer identities than the floor is withheld (NULL).
+    -- A count of fewer identities than the floor is withheld (NULL; none stays 0), and
+    -- so is the mean over them.
     CASE
-        WHEN opinions.fact_users
-            >= (SELECT min_users FROM {schema}.analytics_reader_floor)
-            THEN opinions.mean_confidence
+        WHEN opinions.fact_users IS NULL THEN 0
+        WHEN opinions.fact_users >= reader.min_users THEN opinions.fact_users
+    END AS fact_users,
+    CASE
+        WHEN opinions.fact_users >= reader.min_users THEN opinions.mean_confidence
     END AS mean_confidence
 FROM usage
 LEFT JOIN opinions
     ON opinions.subject = 'entity_frequency:' || usage.entity_type || ':' || usage.entity_id
+CROSS JOIN {schema}.analytics_reader_floor AS reader
 -- An entity accessed by fewer identities than the floor is left out.
-WHERE usage.users
-    >= (SELECT min_users FROM {schema}.analytics_reader_floor);
+WHERE usage.users >= reader.min_users
+OFFSET 0;
 
 COMMENT ON VIEW {schema}.entity_popularity IS
     'Entities accessed in the window (analytics_window, by default the last 30 days), from '
@@ -82,4 +87,5 @@ COMMENT ON VIEW {schema}.entity_popularity IS
     'accesses = accesses in it; fact_users and mean_confidence: active entity_frequency '
     'facts (active_facts). k-anonymity: for a role that may not read the facts table (an '
     'analyst), an entity with fewer users than analytics_floor.min_users (default 5) is '
-    'left out, and a mean over fewer identities is NULL.';
+    'left out, and a count of fewer identities (fact_users) and the mean over them are '
+    'NULL.';

@@ -1,7 +1,9 @@
 -- As in 0012, with the k-anonymity floor of analytics_reader_floor (migration 0013).
--- A security barrier: no function in a reader's WHERE clause (its own, or one that fails
--- on a value, as a division by zero does) runs before the floor has left rows out, so none
--- sees a hidden row (leakproof operators, such as comparisons, still reach the indexes).
+-- No condition of a reader's reaches the rows before the floor has left some out: the
+-- view is a security barrier (no function of the reader's own, and none that may fail on
+-- a value, as a division by zero does, runs below it), and its OFFSET 0 keeps even the
+-- built-in comparisons out (the planner pushes those below a barrier, and EXPLAIN ANALYZE
+-- would then show which values the floor hid, or a failing comparison tell them).
 -- Active facts per category: how many, held by how many identities, how confident.
 CREATE OR REPLACE VIEW {schema}.fact_summary WITH (security_barrier) AS
 SELECT
@@ -56,7 +58,8 @@ WHERE graded.confidence >= 0.1::double precision
 GROUP BY graded.category
 -- A category held by fewer identities than the floor is left out.
 HAVING count(DISTINCT graded.identity_id)
-    >= (SELECT min_users FROM {schema}.analytics_reader_floor);
+    >= (SELECT min_users FROM {schema}.analytics_reader_floor)
+OFFSET 0;
 
 COMMENT ON VIEW {schema}.fact_summary IS
     'Active facts (active_facts) per category: facts, users (distinct identities), '

@@ -1,7 +1,9 @@
 -- As in 0012, with the k-anonymity floor of analytics_reader_floor (migration 0013).
--- A security barrier: no function in a reader's WHERE clause (its own, or one that fails
--- on a value, as a division by zero does) runs before the floor has left rows out, so none
--- sees a hidden row (leakproof operators, such as comparisons, still reach the indexes).
+-- No condition of a reader's reaches the rows before the floor has left some out: the
+-- view is a security barrier (no function of the reader's own, and none that may fail on
+-- a value, as a division by zero does, runs below it), and its OFFSET 0 keeps even the
+-- built-in comparisons out (the planner pushes those below a barrier, and EXPLAIN ANALYZE
+-- would then show which values the floor hid, or a failing comparison tell them).
 -- One row per tool used in the window or with an active affinity or avoidance fact.
 CREATE OR REPLACE VIEW {schema}.tool_effectiveness WITH (security_barrier) AS
 WITH
@@ -123,31 +125,35 @@ SELECT
             (percentiles.p95::double precision - 0.5::double precision) / 4::double precision
         )
     END AS p95_duration_ms,
-    coalesce(opinions.affinity_users, 0) AS affinity_users,
-    coalesce(opinions.avoidance_users, 0) AS avoidance_users,
-    -- A mean over fewer identities than the floor is withheld (NULL).
+    -- A count of fewer identities than the floor is withheld (NULL; none stays 0), and
+    -- so is the mean over them.
     CASE
-        WHEN opinions.affinity_users
-            >= (SELECT min_users FROM {schema}.analytics_reader_floor)
-            THEN opinions.affinity
+        WHEN opinions.affinity_users IS NULL THEN 0
+        WHEN opinions.affinity_users >= reader.min_users THEN opinions.affinity_users
+    END AS affinity_users,
+    CASE
+        WHEN opinions.avoidance_users IS NULL THEN 0
+        WHEN opinions.avoidance_users >= reader.min_users THEN opinions.avoidance_users
+    END AS avoidance_users,
+    CASE
+        WHEN opinions.affinity_users >= reader.min_users THEN opinions.affinity
     END AS mean_affinity_confidence,
     CASE
-        WHEN opinions.avoidance_users
-            >= (SELECT min_users FROM {schema}.analytics_reader_floor)
-            THEN opinions.avoidance
+        WHEN opinions.avoidance_users >= reader.min_users THEN opinions.avoidance
     END AS mean_avoidance_confidence
 FROM usage
 FULL JOIN opinions ON usage.tool_name = opinions.tool_name
 LEFT JOIN percentiles ON percentiles.tool_name = coalesce(usage.tool_name, opinions.tool_name)
+CROSS JOIN {schema}.analytics_reader_floor AS reader
 -- A tool used by fewer identities than the floor in the window is left out; one not used
 -- in it at all (its usage columns are 0, they tell nothing) stays if the facts of as many
 -- identities are about it.
-WHERE coalesce(usage.users, 0) >= (SELECT min_users FROM {schema}.analytics_reader_floor)
+WHERE coalesce(usage.users, 0) >= reader.min_users
     OR (
         usage.tool_name IS NULL
-        AND greatest(opinions.affinity_users, opinions.avoidance_users)
-            >= (SELECT min_users FROM {schema}.analytics_reader_floor)
-    );
+        AND greatest(opinions.affinity_users, opinions.avoidance_users) >= reader.min_users
+    )
+OFFSET 0;
 
 COMMENT ON VIEW {schema}.tool_effectiveness IS
     'One row per tool used in the window (analytics_window, by default the last 30 days) '
@@ -160,5 +166,5 @@ COMMENT ON VIEW {schema}.tool_effectiveness IS
     'facts now (active_facts), one per identity. k-anonymity: for a role that may not read '
     'the facts table (an analyst), a tool with fewer users than analytics_floor.min_users '
     '(default 5) is left out (one not used in the window stays if as many identities hold '
-    'facts about it), and a mean over fewer identities is NULL; filter on users for a '
-    'higher threshold.';
+    'facts about it), and a count of fewer identities (affinity_users, avoidance_users) '
+    'and the mean over them are NULL; filter on users for a higher threshold.';
