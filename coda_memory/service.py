@@ -83,6 +83,7 @@ from coda_memory.core.consolidation import (
 )
 from coda_memory.core.decay import DecayStrategy, ExponentialDecay, decay_formula
 from coda_memory.core.logs import short_error
+from coda_memory.core.model import DEFAULT_MAX_CLOCK_SKEW as DEFAULT_MAX_CLOCK_SKEW
 from coda_memory.core.model import MAX_SPAN, Fact, FactEvent, LoadedMemory
 from coda_memory.core.prompt import section_steps
 from coda_memory.core.rank import ranked_facts
@@ -196,8 +197,6 @@ def system_clock() -> datetime:
     return datetime.now(UTC)
 
 
-#: How far past the service clock an observation's ``created_at`` may be.
-DEFAULT_MAX_CLOCK_SKEW = timedelta(minutes=5)
 #: The longest ``retention`` and ``max_clock_skew`` (much longer ones made every
 #: consolidation, or the writer, fail).
 MAX_DURATION = MAX_SPAN

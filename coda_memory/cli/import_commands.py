@@ -82,7 +82,8 @@ def import_redis(
 
     One transaction per identity; a second run copies nothing, and a run stopped half-way
     resumes where it was. Observations the Redis checkpoint had consumed arrive consumed.
-    Bad records are counted and listed by key, and never stop the copy.
+    Dates more than 5 minutes in the future are copied as now, and counted. Bad records are
+    counted and listed by key, and never stop the copy.
     """
     from coda_memory.migration import ImportSummary
     from coda_memory.migration import import_redis as copy_all
@@ -164,6 +165,7 @@ def import_redis(
         "facts": "facts",
         "fact_events": "fact events",
         "checkpoints": "checkpoints",
+        "future_clamped": "records dated in the future (copied as now)",
     }
     for key, label in labels.items():
         add_row(table, label, f"{getattr(summary, key):,}")
@@ -202,6 +204,7 @@ _COUNTS = (
     "facts",
     "fact_events",
     "checkpoints",
+    "future_clamped",
 )
 
 

@@ -15,6 +15,21 @@ from typing import Protocol, runtime_checkable
 from coda_memory.core.model import MAX_REINFORCEMENT_COUNT, Fact, replaced
 
 SECONDS_PER_DAY = 86_400.0
+#: The most a reinforcement raises an ease under :class:`AdaptiveDecay` (quality 1).
+EASE_STEP = 0.1
+#: :class:`PowerLawDecay`'s default bounds of a stability (days, kept as the ease).
+MIN_STABILITY = 0.05
+MAX_STABILITY = 365.0
+
+
+def ease_bounds(reinforcement_count: int) -> tuple[float, float]:
+    """The lowest and highest ease factor the library's strategies, with their default
+    bounds, give a fact reinforced ``reinforcement_count`` times: from
+    :class:`PowerLawDecay`'s lowest stability (:class:`AdaptiveDecay`'s eases stay at
+    1.3 or more) to its highest, plus :data:`EASE_STEP` for each reinforcement after the
+    first, since :class:`AdaptiveDecay`'s eases have no ceiling. An import refuses an
+    ease outside them: one far above never decays."""
+    return MIN_STABILITY, MAX_STABILITY + EASE_STEP * (reinforcement_count - 1)
 
 
 def days_after(at: datetime, days: float) -> datetime:
@@ -180,7 +195,7 @@ class AdaptiveDecay(ExponentialDecay):
 
     def _next_ease(self, fact: Fact, quality: float) -> float | None:
         quality = min(1.0, max(0.0, quality))
-        return max(self.min_ease, self._ease(fact) + 0.1 - (1.0 - quality) * 0.3)
+        return max(self.min_ease, self._ease(fact) + EASE_STEP - (1.0 - quality) * 0.3)
 
 
 FSRS_FACTOR = 19.0 / 81.0
@@ -247,8 +262,8 @@ class PowerLawDecay:
         power: float = 0.5,
         initial_stability: float = 0.25,
         growth: float = 0.5,
-        min_stability: float = 0.05,
-        max_stability: float = 365.0,
+        min_stability: float = MIN_STABILITY,
+        max_stability: float = MAX_STABILITY,
         reinforce_amount: float = 0.1,
         expiry_threshold: float = 0.1,
     ) -> None:

@@ -40,6 +40,9 @@ MAX_REINFORCEMENT_COUNT = MAX_INT32
 #: instants that far from now are still dates and timestamps (much longer ones failed
 #: with "timestamp out of range" or OverflowError).
 MAX_SPAN = timedelta(days=36_500)
+#: How far past now an observation's ``created_at`` may be: a later one is stored as made
+#: now (a service's default ``max_clock_skew``; the Redis import's, for facts' times too).
+DEFAULT_MAX_CLOCK_SKEW = timedelta(minutes=5)
 
 
 def is_tool_name(value: object) -> bool:

@@ -10,16 +10,24 @@ checks did not foresee (a key of another type, a value Postgres refuses, an iden
 is not UTF-8 text) is left out whole and reported, and the next one goes on; so is one
 whose checkpoint live traffic holds locked past the store's lock timeout (``busy``: a
 later run copies it). A store that fails stops the run.
+
+Dates ahead. An observation dated more than the clock skew
+(:data:`~coda_memory.core.model.DEFAULT_MAX_CLOCK_SKEW`) after the run's now is copied as
+dated now, as a live server stores a new one; so is each time of a fact that lies that
+far ahead, since a fact anchored ahead outlives its time (decay counts the distance from
+the anchor, and the analytics views count none before it). Both are counted
+(``future_clamped``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import dataclasses
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 
 from coda_memory.core.logs import short_error
-from coda_memory.core.model import Observation
+from coda_memory.core.model import DEFAULT_MAX_CLOCK_SKEW, Fact, Observation, replaced
 from coda_memory.core.sanitize import MAX_IDENTITY_CHARS, ObservationRecord
 from coda_memory.postgres.connection import (
     LOCK_NOT_AVAILABLE,
@@ -46,6 +54,9 @@ class ImportSummary:
     facts: int = 0
     fact_events: int = 0
     checkpoints: int = 0
+    #: Observations and facts dated more than :data:`DEFAULT_MAX_CLOCK_SKEW` after the
+    #: run's now, copied as dated now (a fact's times that lie that far ahead).
+    future_clamped: int = 0
     #: (key, reason) of every record left out.
     bad: list[tuple[str, str]] = field(default_factory=list)
     #: Identities (as printable labels) that live traffic held locked: not copied, and
@@ -136,6 +147,41 @@ def _label(identity: str) -> str:
     return text if text.isprintable() else repr(text)
 
 
+#: A fact's times, each of which is copied as dated now when it lies ahead.
+_FACT_TIMES = ("last_reinforced_at", "confidence_at", "created_at", "updated_at")
+
+
+def _not_ahead(
+    records: Sequence[ObservationRecord], now: datetime
+) -> tuple[list[ObservationRecord], int]:
+    """``records``, those dated more than the clock skew after ``now`` dated ``now`` (as
+    the writer stores a new emit), and how many those were."""
+    latest = now + DEFAULT_MAX_CLOCK_SKEW
+    dated: list[ObservationRecord] = []
+    ahead = 0
+    for record in records:
+        if record.created_at > latest:
+            record = dataclasses.replace(record, created_at=now)
+            ahead += 1
+        dated.append(record)
+    return dated, ahead
+
+
+def _facts_not_ahead(facts: Sequence[Fact], now: datetime) -> tuple[list[Fact], int]:
+    """``facts``, each of their times that lies more than the clock skew after ``now``
+    set to ``now``, and how many facts had one."""
+    latest = now + DEFAULT_MAX_CLOCK_SKEW
+    dated: list[Fact] = []
+    ahead = 0
+    for fact in facts:
+        times = {name: now for name in _FACT_TIMES if (getattr(fact, name) or now) > latest}
+        if times:
+            fact = replaced(fact, **times)
+            ahead += 1
+        dated.append(fact)
+    return dated, ahead
+
+
 async def _copy_one(
     source: RedisStore,
     target: PostgresStore | None,
@@ -146,15 +192,20 @@ async def _copy_one(
     """Read ``identity`` from ``source``, and copy it into ``target`` (None: count it)."""
     exported = await export_identity(source, identity)
     obs_key = source.keys.of("obs", identity)
+    at = now()
+    consumed, consumed_ahead = _not_ahead(_clean(exported, exported.consumed, obs_key), at)
+    pending, pending_ahead = _not_ahead(_clean(exported, exported.pending, obs_key), at)
+    facts, facts_ahead = _facts_not_ahead(exported.facts, at)
     copy = IdentityCopy(
         identity_id=identity,
         source=source.keys.prefix,
-        consumed=_clean(exported, exported.consumed, obs_key),
-        pending=_clean(exported, exported.pending, obs_key),
-        facts=exported.facts,
+        consumed=consumed,
+        pending=pending,
+        facts=facts,
         events=exported.events,
         checkpoint_at=exported.checkpoint_at,
     )
+    ahead = consumed_ahead + pending_ahead + facts_ahead
     if target is None:
         summary.bad += exported.bad
         summary.copied += 1
@@ -163,8 +214,9 @@ async def _copy_one(
         summary.facts += len(copy.facts)
         summary.fact_events += len(copy.events)
         summary.checkpoints += copy.checkpoint_at is not None
+        summary.future_clamped += ahead
         return
-    counts = await copy_identity(target, copy, now())
+    counts = await copy_identity(target, copy, at)
     summary.bad += exported.bad
     if counts is None:
         summary.skipped += 1
@@ -175,3 +227,4 @@ async def _copy_one(
     summary.facts += counts.facts
     summary.fact_events += counts.fact_events
     summary.checkpoints += counts.checkpoints
+    summary.future_clamped += ahead

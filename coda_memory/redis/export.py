@@ -4,7 +4,8 @@ One MULTI/EXEC reads every key of the identity at once, so an append or a consol
 cannot land between the reads. Each observation is classed as the Redis store itself
 would: pending when it is in the pending set, or when no checkpoint covers it (the
 original server's new ones); consumed otherwise. Records that do not parse are reported
-by key, with the reason, and left out.
+by key, with the reason, and left out; so is a fact whose ease factor no decay strategy
+of the library would have given it (:func:`~coda_memory.core.decay.ease_bounds`).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from datetime import datetime
 
 from redis.exceptions import ResponseError
 
+from coda_memory.core.decay import ease_bounds
 from coda_memory.core.model import Fact, FactEvent, Observation
 from coda_memory.redis.codec import (
     BadRecord,
@@ -95,7 +97,7 @@ async def export_identity(store: RedisStore, identity_id: str) -> ExportedIdenti
     first_field: dict[str, bytes] = {}  # by subject: Postgres holds one fact per subject
     for name, raw in sorted(facts.items()):
         try:
-            fact = fact_from_json(identity_id, raw)
+            fact = _with_usable_ease(fact_from_json(identity_id, raw))
         except BadRecord as exc:
             out.bad.append((f"{facts_key} field {_text(name)!r}", str(exc)))
             continue
@@ -112,6 +114,17 @@ async def export_identity(store: RedisStore, identity_id: str) -> ExportedIdenti
     out.events, bad_events = _events(identity_id, history, sessions)
     out.bad += [(history_key if i < len(history) else sessions_key, r) for i, r in bad_events]
     return out
+
+
+def _with_usable_ease(fact: Fact) -> Fact:
+    """``fact``, unless its ease is outside what the library's strategies make of its
+    reinforcement count: an ease of 1e308 would never decay."""
+    ease = fact.ease_factor
+    if ease is not None:
+        low, high = ease_bounds(fact.reinforcement_count)
+        if not low <= ease <= high:
+            raise BadRecord(f"easeFactor {ease!r} is outside {low:.10g}..{high:.10g}")
+    return fact
 
 
 def _identity_of(event: FactEvent) -> tuple[object, ...]:

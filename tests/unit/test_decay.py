@@ -16,7 +16,7 @@ from coda_memory import (
     FactCategory,
     PowerLawDecay,
 )
-from coda_memory.core.decay import initial_ease
+from coda_memory.core.decay import ease_bounds, initial_ease
 from coda_memory.core.model import MAX_REINFORCEMENT_COUNT
 from tests.helpers import T0
 
@@ -245,6 +245,32 @@ def test_power_law_stability_stays_within_its_bounds() -> None:
     for _ in range(20):
         fact = decay.reinforce(fact, 0.0, T0)
     assert fact.ease_factor == pytest.approx(0.5)
+
+
+@pytest.mark.parametrize(
+    ("decay", "quality", "furthest"),
+    [
+        (AdaptiveDecay(), 1.0, 2.5 + 0.1 * 4_999),  # no ceiling: past 365
+        (AdaptiveDecay(), 0.0, 1.3),
+        (PowerLawDecay(), 1.0, 365.0),
+        (PowerLawDecay(), 0.0, 0.05),
+    ],
+    ids=["adaptive-good", "adaptive-bad", "power-law-good", "power-law-bad"],
+)
+def test_every_ease_a_strategy_makes_is_within_the_bounds_an_import_holds_to(
+    decay: DecayStrategy, quality: float, furthest: float
+) -> None:
+    """5,000 reinforcements of one quality take a fact's ease to one end of what the
+    strategy makes; the bounds an import refuses an ease outside hold it at every step."""
+    fact = make_fact(0.5, ease=initial_ease(decay))
+    eases = []
+    for _ in range(5_000):
+        low, high = ease_bounds(fact.reinforcement_count)
+        assert fact.ease_factor is not None and low <= fact.ease_factor <= high, fact
+        eases.append(fact.ease_factor)
+        fact = decay.reinforce(fact, quality, T0)
+    assert (max(eases) if quality else min(eases)) == pytest.approx(furthest)
+    assert ease_bounds(1) == (0.05, 365.0)
 
 
 @pytest.mark.parametrize("confidence", [0.3, 0.5, 1.0])
