@@ -210,7 +210,7 @@ def _csv_columns(model: type[BaseModel]) -> list[str]:
     """The CSV's header: the model's fields, a histogram's as one column per bucket."""
     columns: list[str] = []
     for name, field in model.model_fields.items():
-        if field.annotation == list[int]:
+        if field.annotation == list[int | None]:  # (None: a bucket under the floor)
             columns += _bucket_columns(name, analytics.HISTOGRAM_BUCKETS)
         else:
             columns.append(name)
@@ -224,7 +224,8 @@ def _print_csv(rows: Sequence[BaseModel], model: type[BaseModel]) -> None:
         item: dict[str, Any] = {}
         for key, value in record.items():
             if isinstance(value, list):  # a histogram: one column per bucket
-                item.update(zip(_bucket_columns(key, len(value)), value, strict=True))
+                cells = ["" if v is None else v for v in value]
+                item.update(zip(_bucket_columns(key, len(value)), cells, strict=True))
             else:
                 item[key] = "" if value is None else value
         flat.append(item)
@@ -233,12 +234,13 @@ def _print_csv(rows: Sequence[BaseModel], model: type[BaseModel]) -> None:
     writer.writerows(flat)
 
 
-def _sparkline(counts: Sequence[int]) -> str:
+def _sparkline(buckets: Sequence[int | None]) -> str:
+    """One bar per bucket; ``?`` for one withheld (fewer facts than the database's floor)."""
     bars = "▁▂▃▄▅▆▇█"
-    peak = max(counts, default=0)
-    if peak == 0:
-        return "·" * len(counts)
-    return "".join("·" if c == 0 else bars[min(7, (c * 8 - 1) // peak)] for c in counts)
+    peak = max((c for c in buckets if c is not None), default=0)
+    return "".join(
+        "?" if c is None else "·" if c == 0 else bars[min(7, (c * 8 - 1) // peak)] for c in buckets
+    )
 
 
 def _tool_columns() -> _Columns:

@@ -134,9 +134,10 @@ _BRACKET_MARKER = re.compile(
     r"\[\s*/?\s*(?:inst|sys|system|user|assistant|human|ai|bot)\s*\]", re.IGNORECASE
 )
 _ROLE = re.compile(
-    # (also right after an escaped line break, "\nSYSTEM:", as JSON-escaped text has it)
+    # (also right after an escaped line break, "\nSYSTEM:", as JSON-escaped text has it;
+    # every colon of a run, "SYSTEM::" or "SYSTEM: :", or one would stay behind)
     r"(?:(?<=\\[nrt])|(?<![A-Za-z0-9_]))(system|developer|assistant|user|human|ai|model|"
-    r"bot|instructions?|response|prompt|tool|function|ipython)\s*:",
+    r"bot|instructions?|response|prompt|tool|function|ipython)(?:\s*:)+",
     re.IGNORECASE,
 )
 #: What makes brackets a markdown link, image or reference: ``](``, ``][``, ``]:``, ``![``.

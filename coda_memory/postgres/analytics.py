@@ -81,8 +81,10 @@ WINDOW_SETTING = "coda_memory.analytics_window"
 class ToolEffectiveness(BaseModel):
     """One tool: usage in the window and the active affinity/avoidance facts about it.
 
-    ``affinity_users`` and ``avoidance_users`` are None for a role bound by the database's
-    floor (an analyst) when fewer identities than the floor hold such a fact (0 stays 0)."""
+    For a role bound by the database's floor (an analyst), ``affinity_users`` and
+    ``avoidance_users`` are None when fewer identities than the floor hold such a fact (0
+    stays 0), the means are rounded to 2 places, and the facts are as at the start of the
+    UTC day of ``now``."""
 
     model_config = ConfigDict(frozen=True)
 
@@ -130,7 +132,11 @@ HISTOGRAM_BUCKETS = 10
 
 class FactSummary(BaseModel):
     """Active facts of one category; ``histogram[i]`` counts effective confidences in
-    ``[i/10, (i+1)/10)``, the last bucket including 1.0 (:data:`HISTOGRAM_BUCKETS`)."""
+    ``[i/10, (i+1)/10)``, the last bucket including 1.0 (:data:`HISTOGRAM_BUCKETS`).
+
+    For a role bound by the database's floor (an analyst), a bucket of fewer facts than
+    the floor is None (0 stays 0), the mean is rounded to 2 places, and the facts are as
+    at the start of the UTC day of ``now``."""
 
     model_config = ConfigDict(frozen=True)
 
@@ -138,7 +144,7 @@ class FactSummary(BaseModel):
     facts: int
     users: int
     mean_confidence: float | None
-    histogram: list[int]
+    histogram: list[int | None]
 
 
 def _check(since: timedelta, min_users: int, limit: int = DEFAULT_LIMIT) -> None:

@@ -12,7 +12,7 @@ import logging
 import secrets
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import UTC, date, datetime
 from typing import Any
 
 import asyncpg
@@ -462,6 +462,53 @@ async def test_an_analyst_under_a_floor_sees_facts_as_at_the_start_of_the_day(
         assert await owner.fetchval(instant) == set_at
         await _set_floor(tenancy, 1)
         assert await analyst.fetchval(instant) == set_at
+    finally:
+        await analyst.close()
+        await owner.close()
+
+
+async def test_an_analyst_gets_rounded_means_and_no_small_bucket(tenancy: Tenancy) -> None:
+    """Two days' exact means, one fact apart, gave that fact's confidence (and so its
+    instant), and a histogram bucket of one fact traced one user's fact from day to day."""
+    await _populate(tenancy)
+    analyst = await tenancy.connect(tenancy.analyst)
+    owner = await tenancy.connect(tenancy.owner, **ALL_IDENTITIES)
+    summary = f"SELECT mean_confidence, histogram FROM {SCHEMA}.fact_summary "
+    summary += "WHERE category = 'tool_affinity'"
+    try:
+        # A third affinity, far more confident than the two others: a bucket of its own.
+        await owner.execute(
+            f"INSERT INTO {SCHEMA}.facts VALUES ('alice', 'tool_affinity:legacy_tool', "
+            "'tool_affinity', 'likes it', 0.95, 1, $1, $1, $1, $1, NULL)",
+            datetime(2026, 1, 1, tzinfo=UTC),
+        )
+        await _set_floor(tenancy, 2)
+        for conn in (analyst, owner):
+            await conn.execute("SET coda_memory.analytics_now = '2026-01-04T00:00:00Z'")
+        exact_mean, buckets = await owner.fetchrow(summary)
+        assert sorted(buckets, reverse=True)[:2] == [2, 1]
+        mean, withheld = await analyst.fetchrow(summary)
+        assert mean == round(exact_mean, 2) != exact_mean
+        assert withheld == [None if b == 1 else b for b in buckets]
+    finally:
+        await analyst.close()
+        await owner.close()
+
+
+async def test_the_window_is_counted_in_utc_days_whatever_the_time_zone(
+    tenancy: Tenancy,
+) -> None:
+    """Across a change of daylight saving time in the session's time zone, the window of
+    30 days began a day early."""
+    analyst = await tenancy.connect(tenancy.analyst)
+    owner = await tenancy.connect(tenancy.owner)
+    window = f"SELECT start_day, end_day FROM {SCHEMA}.analytics_window"
+    try:
+        for conn in (analyst, owner):
+            await conn.execute("SET TIME ZONE 'Europe/Berlin'")
+            await conn.execute("SET coda_memory.analytics_now = '2026-11-10T15:00:00Z'")
+            await conn.execute("SET coda_memory.analytics_window = '30 days'")
+            assert tuple(await conn.fetchrow(window)) == (date(2026, 10, 11), date(2026, 11, 10))
     finally:
         await analyst.close()
         await owner.close()

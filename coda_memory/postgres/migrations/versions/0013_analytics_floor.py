@@ -8,8 +8,9 @@ one user asked about a domain (``domain_trends``). For a role that may not read 
 
 * leave out every row behind fewer identities than ``analytics_floor.min_users``
   (default 5), and withhold (NULL) a count of fewer identities in a row they keep
-  (``affinity_users``, ``avoidance_users``, ``fact_users``; none stays 0) and the mean
-  confidence over them;
+  (``affinity_users``, ``avoidance_users``, ``fact_users``; none stays 0), the mean
+  confidence over them, and a bucket of ``fact_summary``'s histogram holding fewer
+  facts;
 * take no condition of the reader's below the floor: they are security barriers (no
   function of the reader's, such as a temporary one, every role may make those, and none
   that may fail on a value, as a division by zero does, runs on a hidden row), with an
@@ -17,8 +18,12 @@ one user asked about a domain (``domain_trends``). For a role that may not read 
   pushes below a barrier (``EXPLAIN ANALYZE`` then showed, by their "rows removed",
   which entity ids and domains the floor hid, and a comparison that fails under a
   nondeterministic collation told them too);
-* decay facts to the start of the UTC day of the instant asked for (``analytics_window``),
-  so that stepping the instant cannot find when one user's fact expires.
+* decay facts to the start of the UTC day of the instant asked for (``analytics_window``)
+  and round means to 2 places, so that stepping the instant cannot find when one user's
+  fact expires, nor two days' exact means, one fact apart, give that fact's confidence.
+
+For everyone, ``analytics_window.start_day`` is now counted in UTC: across a change of
+daylight saving time in the session's time zone, a window began a day early or late.
 
 A role that may read ``facts`` (the owner, an app role) reads single users' rows anyway:
 the views hide nothing from it, as before (the view ``analytics_reader_floor`` decides).

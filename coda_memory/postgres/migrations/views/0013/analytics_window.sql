@@ -5,13 +5,16 @@
 -- does), with defaults: now() and 30 days. The fact columns decay facts to the instant:
 -- stepping it by microseconds, a reader would find the instant one user's fact expires
 -- (where a count turns NULL under the floor); whole days give the day only, as the usage
--- columns do. A role the floor does not bind (the owner), or a floor of 1 (which hides
--- nothing), keeps the instant as set.
+-- columns do (the floored views round their means for the same reason). A role the
+-- floor does not bind (the owner), or a floor of 1 (which hides nothing), keeps the
+-- instant as set.
 CREATE OR REPLACE VIEW {schema}.analytics_window AS
 SELECT
     setting.at,
     setting.since,
-    timezone('UTC', setting.at - setting.since)::date AS start_day,
+    -- In UTC (a session's time zone, across a change of daylight saving time, made the
+    -- window a day longer or shorter).
+    (timezone('UTC', setting.at) - setting.since)::date AS start_day,
     timezone('UTC', setting.at)::date AS end_day
 FROM (
     SELECT

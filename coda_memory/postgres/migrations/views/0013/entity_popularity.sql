@@ -70,8 +70,13 @@ SELECT
         WHEN opinions.fact_users IS NULL THEN 0
         WHEN opinions.fact_users >= reader.min_users THEN opinions.fact_users
     END AS fact_users,
+    -- Rounded to 2 places for a reader the floor binds (above 1): the exact means of two
+    -- days, one fact apart, would give that one fact's confidence.
     CASE
-        WHEN opinions.fact_users >= reader.min_users THEN opinions.mean_confidence
+        WHEN opinions.fact_users < reader.min_users THEN NULL
+        WHEN reader.min_users > 1
+            THEN round(opinions.mean_confidence::numeric, 2)::double precision
+        ELSE opinions.mean_confidence
     END AS mean_confidence
 FROM usage
 LEFT JOIN opinions
@@ -87,5 +92,6 @@ COMMENT ON VIEW {schema}.entity_popularity IS
     'accesses = accesses in it; fact_users and mean_confidence: active entity_frequency '
     'facts (active_facts). k-anonymity: for a role that may not read the facts table (an '
     'analyst), an entity with fewer users than analytics_floor.min_users (default 5) is '
-    'left out, and a count of fewer identities (fact_users) and the mean over them are '
-    'NULL.';
+    'left out, a count of fewer identities (fact_users) and the mean over them are NULL, '
+    'means are rounded to 2 places, and facts are as at the start of the UTC day '
+    '(analytics_window.at).';

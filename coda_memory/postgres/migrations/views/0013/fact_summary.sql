@@ -7,58 +7,79 @@
 -- Active facts per category: how many, held by how many identities, how confident.
 CREATE OR REPLACE VIEW {schema}.fact_summary WITH (security_barrier) AS
 SELECT
-    graded.category,
-    count(*) AS facts,
-    count(DISTINCT graded.identity_id) AS users,
-    avg(graded.confidence) AS mean_confidence,
-    -- Effective confidences in 10 buckets [i/10, (i+1)/10), the last one including 1.0.
-    ARRAY[
-        count(*) FILTER (WHERE graded.confidence >= 0.0 AND graded.confidence < 0.1),
-        count(*) FILTER (WHERE graded.confidence >= 0.1 AND graded.confidence < 0.2),
-        count(*) FILTER (WHERE graded.confidence >= 0.2 AND graded.confidence < 0.3),
-        count(*) FILTER (WHERE graded.confidence >= 0.3 AND graded.confidence < 0.4),
-        count(*) FILTER (WHERE graded.confidence >= 0.4 AND graded.confidence < 0.5),
-        count(*) FILTER (WHERE graded.confidence >= 0.5 AND graded.confidence < 0.6),
-        count(*) FILTER (WHERE graded.confidence >= 0.6 AND graded.confidence < 0.7),
-        count(*) FILTER (WHERE graded.confidence >= 0.7 AND graded.confidence < 0.8),
-        count(*) FILTER (WHERE graded.confidence >= 0.8 AND graded.confidence < 0.9),
-        count(*) FILTER (WHERE graded.confidence >= 0.9)
-    ] AS histogram
+    summary.category,
+    summary.facts,
+    summary.users,
+    -- Rounded to 2 places for a reader the floor binds (above 1): the exact means of two
+    -- days, one fact apart, would give that one fact's confidence, and so its instant.
+    CASE
+        WHEN reader.min_users > 1
+            THEN round(summary.mean_confidence::numeric, 2)::double precision
+        ELSE summary.mean_confidence
+    END AS mean_confidence,
+    -- A bucket of fewer facts than the floor is withheld (NULL; none stays 0): watching
+    -- a bucket of one from day to day traces one user's fact.
+    ARRAY(
+        SELECT CASE WHEN bucket.facts = 0 OR bucket.facts >= reader.min_users THEN bucket.facts END
+        FROM unnest(summary.histogram) WITH ORDINALITY AS bucket (facts, position)
+        ORDER BY bucket.position
+    ) AS histogram
 FROM (
-    -- Each fact's effective confidence, computed once: aggregating active_facts would
-    -- compute it for its filter and again for every aggregate that reads it. OFFSET 0
-    -- keeps the planner from merging this subquery into the query. In (category,
-    -- identity_id) order, the index's: one pass, and the distinct count needs no sort.
     SELECT
-        facts.category,
-        facts.identity_id,
-        facts.confidence * power(
-            0.95::double precision,
-            -- Capped: 0.95 ^ 10000 is about 1e-223, far below any threshold, where
-            -- a larger exponent leaves the floats and power() fails ("underflow"). An
-            -- ease below 1e-300 divides as 1e-300, where the division would overflow.
-            least(
-                greatest(
-                    0::double precision,
-                    date_part(
-                        'epoch',
-                        (SELECT at FROM {schema}.analytics_window) - facts.confidence_at
-                    ) / 86400::double precision
-                ) / greatest(
-                    coalesce(facts.ease_factor, 1::double precision), 1e-300::double precision
-                ),
-                10000::double precision
-            )
-        ) AS confidence
-    FROM {schema}.facts
-    ORDER BY facts.category, facts.identity_id
-    OFFSET 0
-) AS graded
-WHERE graded.confidence >= 0.1::double precision
-GROUP BY graded.category
--- A category held by fewer identities than the floor is left out.
-HAVING count(DISTINCT graded.identity_id)
-    >= (SELECT min_users FROM {schema}.analytics_reader_floor)
+        graded.category,
+        count(*) AS facts,
+        count(DISTINCT graded.identity_id) AS users,
+        avg(graded.confidence) AS mean_confidence,
+        -- Effective confidences in 10 buckets [i/10, (i+1)/10), the last one including 1.0.
+        ARRAY[
+            count(*) FILTER (WHERE graded.confidence >= 0.0 AND graded.confidence < 0.1),
+            count(*) FILTER (WHERE graded.confidence >= 0.1 AND graded.confidence < 0.2),
+            count(*) FILTER (WHERE graded.confidence >= 0.2 AND graded.confidence < 0.3),
+            count(*) FILTER (WHERE graded.confidence >= 0.3 AND graded.confidence < 0.4),
+            count(*) FILTER (WHERE graded.confidence >= 0.4 AND graded.confidence < 0.5),
+            count(*) FILTER (WHERE graded.confidence >= 0.5 AND graded.confidence < 0.6),
+            count(*) FILTER (WHERE graded.confidence >= 0.6 AND graded.confidence < 0.7),
+            count(*) FILTER (WHERE graded.confidence >= 0.7 AND graded.confidence < 0.8),
+            count(*) FILTER (WHERE graded.confidence >= 0.8 AND graded.confidence < 0.9),
+            count(*) FILTER (WHERE graded.confidence >= 0.9)
+        ] AS histogram
+    FROM (
+        -- Each fact's effective confidence, computed once: aggregating active_facts would
+        -- compute it for its filter and again for every aggregate that reads it. OFFSET 0
+        -- keeps the planner from merging this subquery into the query. In (category,
+        -- identity_id) order, the index's: one pass, and the distinct count needs no sort.
+        SELECT
+            facts.category,
+            facts.identity_id,
+            facts.confidence * power(
+                0.95::double precision,
+                -- Capped: 0.95 ^ 10000 is about 1e-223, far below any threshold, where
+                -- a larger exponent leaves the floats and power() fails ("underflow"). An
+                -- ease below 1e-300 divides as 1e-300, where the division would overflow.
+                least(
+                    greatest(
+                        0::double precision,
+                        date_part(
+                            'epoch',
+                            (SELECT at FROM {schema}.analytics_window) - facts.confidence_at
+                        ) / 86400::double precision
+                    ) / greatest(
+                        coalesce(facts.ease_factor, 1::double precision), 1e-300::double precision
+                    ),
+                    10000::double precision
+                )
+            ) AS confidence
+        FROM {schema}.facts
+        ORDER BY facts.category, facts.identity_id
+        OFFSET 0
+    ) AS graded
+    WHERE graded.confidence >= 0.1::double precision
+    GROUP BY graded.category
+    -- A category held by fewer identities than the floor is left out.
+    HAVING count(DISTINCT graded.identity_id)
+        >= (SELECT min_users FROM {schema}.analytics_reader_floor)
+) AS summary
+CROSS JOIN {schema}.analytics_reader_floor AS reader
 OFFSET 0;
 
 COMMENT ON VIEW {schema}.fact_summary IS
@@ -66,4 +87,6 @@ COMMENT ON VIEW {schema}.fact_summary IS
     'mean effective confidence and a histogram of it in 10 buckets [0, 0.1) ... [0.9, 1] '
     '(the first is empty: facts below 0.1 are expired). k-anonymity: for a role that may '
     'not read the facts table (an analyst), a category held by fewer users than '
-    'analytics_floor.min_users (default 5) is left out.';
+    'analytics_floor.min_users (default 5) is left out, a histogram bucket of fewer facts '
+    'is NULL, the mean is rounded to 2 places, and facts are as at the start of the UTC '
+    'day (analytics_window.at).';

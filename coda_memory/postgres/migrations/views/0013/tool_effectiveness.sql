@@ -135,11 +135,17 @@ SELECT
         WHEN opinions.avoidance_users IS NULL THEN 0
         WHEN opinions.avoidance_users >= reader.min_users THEN opinions.avoidance_users
     END AS avoidance_users,
+    -- Means rounded to 2 places for a reader the floor binds (above 1): the exact means
+    -- of two days, one fact apart, would give that one fact's confidence.
     CASE
-        WHEN opinions.affinity_users >= reader.min_users THEN opinions.affinity
+        WHEN opinions.affinity_users < reader.min_users THEN NULL
+        WHEN reader.min_users > 1 THEN round(opinions.affinity::numeric, 2)::double precision
+        ELSE opinions.affinity
     END AS mean_affinity_confidence,
     CASE
-        WHEN opinions.avoidance_users >= reader.min_users THEN opinions.avoidance
+        WHEN opinions.avoidance_users < reader.min_users THEN NULL
+        WHEN reader.min_users > 1 THEN round(opinions.avoidance::numeric, 2)::double precision
+        ELSE opinions.avoidance
     END AS mean_avoidance_confidence
 FROM usage
 FULL JOIN opinions ON usage.tool_name = opinions.tool_name
@@ -166,5 +172,6 @@ COMMENT ON VIEW {schema}.tool_effectiveness IS
     'facts now (active_facts), one per identity. k-anonymity: for a role that may not read '
     'the facts table (an analyst), a tool with fewer users than analytics_floor.min_users '
     '(default 5) is left out (one not used in the window stays if as many identities hold '
-    'facts about it), and a count of fewer identities (affinity_users, avoidance_users) '
-    'and the mean over them are NULL; filter on users for a higher threshold.';
+    'facts about it), a count of fewer identities (affinity_users, avoidance_users) and the '
+    'mean over them are NULL, means are rounded to 2 places, and facts are as at the start '
+    'of the UTC day (analytics_window.at); filter on users for a higher threshold.';
