@@ -545,8 +545,17 @@ class MemoryService(ObservationWriter):
                 type(identity_id).__name__,
             )
             return LoadedMemory.empty(), "error"
-        if type(identity_id) is not str:  # a str enum member: its value, as it was stored
-            identity_id = str.__str__(identity_id)
+        try:  # (a str enum member: its value, as it was stored)
+            identity_id = check_identity(identity_id)
+        except ObservationRejected as rejected:  # no store could hold it: none is asked
+            self._load_errors += 1
+            self._log.warning(
+                "load failed: identity unusable",
+                "coda-memory: load_memory got an identity the store cannot hold (%s); "
+                "returning empty",
+                rejected.reason,
+            )
+            return LoadedMemory.empty(), "error"
         loop = asyncio.get_running_loop()
         started = loop.time()
         task: asyncio.Task[LoadedMemory | None] | None = None

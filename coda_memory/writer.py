@@ -240,7 +240,9 @@ class ObservationWriter:
                 "not queued",
                 "coda-memory: observation for %s not queued: %s",
                 self._label(identity_id),
-                short_error(error),
+                # By its class only: the host's object raised it (a str subclass, an
+                # observation of its own), and its message may quote what it held.
+                type(error).__name__,
             )
 
     def _may_collect(self) -> bool:
@@ -492,7 +494,9 @@ class ObservationWriter:
             except ObservationRejected as rejected:
                 self._reject(identity_id, rejected.reason)
             except Exception as error:  # a bug must not lose the rest of the batch
-                self._reject(identity_id, f"unexpected {type(error).__name__}: {error}")
+                # By its class only: a host's object raised it, and its message may
+                # quote anything the observation held.
+                self._reject(identity_id, f"unexpected {type(error).__name__}")
         return records
 
     def _reject(self, identity_id: str, reason: str) -> None:

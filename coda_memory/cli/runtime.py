@@ -190,13 +190,21 @@ class Target:
     embedded: bool
 
 
+#: A password given as a query parameter (libpq's ``?password=``, ``sslpassword=``).
+_QUERY_PASSWORD = re.compile(r"([?&](?:ssl)?password=)[^&#]*", re.IGNORECASE)
+
+
 def masked_url(url: str) -> str:
     """``url`` with its password shown as ``***``: everything between the user's ``:``
-    and the last ``@``, which a password may hold (unencoded ``/``, ``@`` or ``#`` too)."""
+    and the last ``@``, which a password may hold (unencoded ``/``, ``@`` or ``#`` too),
+    and the value of a ``password`` or ``sslpassword`` query parameter."""
     scheme, separator, rest = url.partition("://")
-    if not separator or "@" not in rest:
+    if not separator:
         return url
-    userinfo, _, host = rest.rpartition("@")
+    userinfo, at, host = rest.rpartition("@")
+    host = _QUERY_PASSWORD.sub(r"\1***", host)
+    if not at:
+        return f"{scheme}://{host}"
     user, colon, _ = userinfo.partition(":")
     return f"{scheme}://{user}{':***' if colon else ''}@{host}"
 

@@ -70,8 +70,14 @@ _UNAVAILABLE = ("08", "57P", "53300")
 
 def is_connection_error(error: BaseException) -> bool:
     """True when ``error`` says the connection (or the server behind it) is gone or not
-    available now: what is worth retrying later, unlike an error in the work itself."""
+    available now: what is worth retrying later, unlike an error in the work itself.
+
+    That includes any error SQLAlchemy raised with no statement: the connection's own
+    (connecting, to a database not accepting connections now, with a password the server
+    refused), which no value of the work can have caused."""
     if is_dead_connection(error):
+        return True
+    if isinstance(error, DBAPIError) and error.statement is None:
         return True
     seen: BaseException | None = error
     while seen is not None:

@@ -52,9 +52,14 @@ def create_engine(
     policy (:mod:`coda_memory.postgres.connection`) replaces the pool and retries
     idempotent work once. Pass ``pool_pre_ping=True`` to trade those
     round trips for checking every checkout.
+
+    ``hide_parameters`` by default: SQLAlchemy's errors (which ``facts``, ``history`` and
+    ``forget`` raise to the host, and hosts log) and its statement log would otherwise
+    end with the statement's parameters, an identity among them.
     """
     options = dict(engine_kwargs.pop("execution_options", {}))
     options["schema_translate_map"] = schema_translate_map(schema)
+    engine_kwargs.setdefault("hide_parameters", True)
     return create_async_engine(
         asyncpg_url(url),
         pool_size=pool_size,

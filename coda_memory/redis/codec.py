@@ -22,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import re
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -131,6 +132,19 @@ def _observation_id(raw: object) -> int:
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest()) >> 1
 
 
+#: A stored name that a reason may quote: a short identifier, not text a record carried.
+_NAME = re.compile(r"[A-Za-z0-9_.:-]{1,40}")
+
+
+def _shown(value: object) -> str:
+    """``value`` for a reason (logged, and listed by import-redis): quoted when it is a
+    short name (``'tool_maybe'``), else only its kind and size, since a corrupt record's
+    field may hold anything, personal data or a megabyte of it."""
+    if isinstance(value, str):
+        return repr(value) if _NAME.fullmatch(value) else f"(a string of {len(value):,} characters)"
+    return f"(of type {type(value).__name__})"
+
+
 def observation_from_json(identity_id: str, raw: str | bytes) -> Observation:
     """An observation from its stored JSON, checked for shape: known type, text content,
     object metadata, a valid ``createdAt``, a string ``sessionId`` if any. Whether the
@@ -143,7 +157,7 @@ def observation_from_json(identity_id: str, raw: str | bytes) -> Observation:
     try:
         kind = ObservationType(str(value.get("type")))
     except ValueError as exc:
-        raise BadRecord(f"unknown observation type {value.get('type')!r}") from exc
+        raise BadRecord(f"unknown observation type {_shown(value.get('type'))}") from exc
     content, metadata = value.get("content"), value.get("metadata", {})
     session_id = value.get("sessionId")
     if not isinstance(content, str):
@@ -235,7 +249,7 @@ def fact_from_json(identity_id: str, raw: str | bytes) -> Fact:
     try:
         category = FactCategory(str(value.get("category")))
     except ValueError as exc:
-        raise BadRecord(f"unknown fact category {value.get('category')!r}") from exc
+        raise BadRecord(f"unknown fact category {_shown(value.get('category'))}") from exc
     count = value.get("reinforcementCount")
     if isinstance(count, float) and count.is_integer():
         count = int(count)

@@ -81,7 +81,9 @@ async def export_identity(store: RedisStore, identity_id: str) -> ExportedIdenti
             out.checkpoint_at = from_ms(float(checkpoint), "checkpoint")
             limit = float(checkpoint)
         except (ValueError, BadRecord) as exc:
-            out.bad.append((f"{k.checkpoint} field {identity_id!r}", f"not epoch ms ({exc})"))
+            # (The exception quotes the value: a corrupt field may hold anything.)
+            reason = f"not epoch ms ({type(exc).__name__})"
+            out.bad.append((f"{k.checkpoint} field {identity_id!r}", reason))
     waiting = set(pending)
     for member, score in members:
         try:

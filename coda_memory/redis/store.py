@@ -32,6 +32,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from coda_memory.core.logs import identity_label
 from coda_memory.core.model import Fact, FactEvent, Observation
 from coda_memory.errors import ConnectionLost
 from coda_memory.ports import AppendOutcome, Forgotten, ObservationRecord
@@ -227,8 +228,10 @@ class RedisStore:
                 session_horizon=self.session_horizon,
             )
         except (RedisConnectionError, RedisTimeoutError) as error:
+            # The identity by its label: a host logs what it raises, and a span records it.
             raise ConnectionLost(
-                f"the connection died while consolidating {identity_id!r}: {error!r}"
+                f"the connection died while consolidating {identity_label(identity_id)}: "
+                f"{type(error).__name__}"
             ) from error
         finally:
             # On a dead connection the lock expires by itself after lock_ttl.

@@ -302,3 +302,25 @@ def test_unix_socket_and_sslmode_urls() -> None:
     assert asyncpg_url("postgresql://h/db?sslmode=require").query == {"ssl": "require"}
     with pytest.raises(ValueError, match="mysql"):
         asyncpg_url("mysql://h/db")
+
+
+async def test_an_error_raised_to_the_host_carries_no_statement_parameter(
+    empty_pg_url: str,
+) -> None:
+    """SQLAlchemy's errors ended with "[parameters: ('alice.secret@example.com',)]": a
+    host that logs what ``facts``, ``history`` or ``forget`` raise logged the identity."""
+    secret = "alice.secret@example.com"
+    store = PostgresStore.from_url(empty_pg_url)
+    try:
+        for call in (store.facts, store.history, store.forget):
+            with pytest.raises(SchemaNotMigrated) as raised:
+                await call(secret)
+            chain: list[BaseException] = []
+            error: BaseException | None = raised.value
+            while error is not None:
+                chain.append(error)
+                error = error.__cause__ or error.__context__
+            assert len(chain) > 1, "the driver's error is chained"
+            assert not [e for e in chain if secret in str(e)], call
+    finally:
+        await store.close()

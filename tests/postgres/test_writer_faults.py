@@ -11,8 +11,9 @@ from functools import partial
 
 import psutil
 import pytest
+from sqlalchemy.engine import make_url
 
-from coda_memory import MemoryService, NewObservation, ObservationType
+from coda_memory import MemoryService, NewObservation, ObservationType, migrate_async
 from coda_memory.ports import AppendOutcome, ObservationRecord
 from tests.helpers import FakeClock, tool_ok
 from tests.postgres.helpers import fetch
@@ -94,6 +95,34 @@ async def test_a_permanent_error_is_not_retried(pg_url: str) -> None:
         stats = service.stats()
         assert (stats.stored, stats.rejected, stats.pending) == (0, 20, 0)
     finally:
+        await service.close()
+
+
+async def test_a_database_not_accepting_connections_keeps_the_batch_for_later(
+    empty_pg_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """While the database refused connections (ALLOW_CONNECTIONS false, as for
+    maintenance), every batch was rejected as if its data were bad: lost for good."""
+    await migrate_async(empty_pg_url)
+    database = make_url(empty_pg_url).database
+    admin = make_url(empty_pg_url).set(database="postgres").render_as_string(False)
+    await fetch(admin, f'ALTER DATABASE "{database}" ALLOW_CONNECTIONS false')
+    service = MemoryService.from_url(empty_pg_url, clock=FakeClock())
+    try:
+        with caplog.at_level(logging.WARNING, "coda_memory"):
+            for n in range(5):
+                service.emit_observation("alice", tool_ok("get_account", session=f"s{n}"))
+            # The writer tried, and waits to retry.
+            async with asyncio.timeout(10):
+                while "storing 5 observation(s) failed" not in caplog.text:
+                    await asyncio.sleep(0.01)
+        assert service.stats().rejected == 0
+        await fetch(admin, f'ALTER DATABASE "{database}" ALLOW_CONNECTIONS true')
+        await service.drain(10)
+        stats = service.stats()
+        assert (stats.stored, stats.rejected, stats.pending) == (5, 0, 0)
+    finally:
+        await fetch(admin, f'ALTER DATABASE "{database}" ALLOW_CONNECTIONS true')
         await service.close()
 
 

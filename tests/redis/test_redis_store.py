@@ -14,7 +14,9 @@ import redis.asyncio as aioredis
 from coda_memory import Fact, FactEvent, FactEventKind, MemoryService, NewObservation
 from coda_memory.core.consolidation import plan_consolidation
 from coda_memory.core.decay import ExponentialDecay
+from coda_memory.core.logs import identity_label
 from coda_memory.core.sanitize import sanitize_observation
+from coda_memory.errors import ConnectionLost
 from coda_memory.redis import LockLost, LockTimeout, RedisStore
 from coda_memory.redis.keys import glob_escape
 from tests.helpers import T0, FakeClock, domain, entity, tool_failed, tool_ok
@@ -300,3 +302,24 @@ async def test_the_prefix_comes_from_the_url_or_the_option(
     finally:
         await by_url.close()
         await by_option.close()
+
+
+async def test_a_connection_lost_mid_consolidation_names_the_identity_by_its_label(
+    redis_store: RedisStore, redis_url: str
+) -> None:
+    """A host logs what the store raises, and a span records it: the message named the
+    identity itself."""
+    secret = "alice.secret@example.com"
+    await redis_store.append([sanitize_observation(secret, tool_ok("a"), T0)])
+    killer = aioredis.Redis.from_url(redis_url.split("?")[0])  # (without the prefix)
+    try:
+        with pytest.raises(ConnectionLost) as raised:
+            async with redis_store.consolidation(secret) as unit:
+                await unit.load()
+                # The store's connection (its pool hands out the one it got back last).
+                await killer.client_kill_filter(_id=str(await redis_store.client.client_id()))
+                await unit.load()
+    finally:
+        await killer.aclose()
+    assert secret not in str(raised.value)
+    assert identity_label(secret) in str(raised.value)

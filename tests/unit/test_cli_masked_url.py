@@ -16,6 +16,12 @@ from coda_memory.cli.runtime import masked_url
         ("redis://:only-a-password@host/0", "redis://:***@host/0"),
         ("postgresql://app@db/app", "postgresql://app@db/app"),
         ("memory://", "memory://"),
+        # libpq's query parameters.
+        ("postgresql://u@h:5439/db?password=s3cr3t", "postgresql://u@h:5439/db?password=***"),
+        (
+            "postgresql://h/db?sslmode=require&PASSWORD=s3cr3t&sslpassword=k3y#x",
+            "postgresql://h/db?sslmode=require&PASSWORD=***&sslpassword=***#x",
+        ),
     ],
 )
 def test_a_masked_url_shows_no_part_of_the_password(url: str, masked: str) -> None:

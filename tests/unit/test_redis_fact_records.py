@@ -47,3 +47,24 @@ def test_a_fact_of_its_category_is_read() -> None:
 def test_a_subject_of_another_category_is_a_bad_record(category: str, subject: str) -> None:
     with pytest.raises(BadRecord, match=f"subject does not begin with its category '{category}'"):
         fact_from_json("u1", _record(category, subject))
+
+
+@pytest.mark.parametrize(
+    ("category", "reason"),
+    [
+        # A short name is quoted: it tells the operator what the record holds.
+        ("tool_maybe", "unknown fact category 'tool_maybe'"),
+        # Anything else is not: a corrupt field may hold personal data, or a megabyte.
+        ("SSN 123-45-6789 bob@example.org", "unknown fact category (a string of 31 characters)"),
+        ("x" * 1_000_000, "unknown fact category (a string of 1,000,000 characters)"),
+        (7, "unknown fact category (of type int)"),
+    ],
+)
+def test_an_unknown_category_is_quoted_only_when_it_is_a_short_name(
+    category: object, reason: str
+) -> None:
+    record = json.loads(_record("tool_affinity", "tool_affinity:get_account"))
+    record["category"] = category
+    with pytest.raises(BadRecord) as raised:
+        fact_from_json("u1", json.dumps(record))
+    assert str(raised.value) == reason

@@ -1,0 +1,79 @@
+"""Log lines name no identity and quote nothing that a host's object carried."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import pytest
+
+from coda_memory import MemoryService, ObservationType
+
+SECRET = "alice.secret@example.com"
+
+
+class RaisingMetadata:
+    """A host's own observation whose metadata raises, quoting what it holds."""
+
+    type = ObservationType.TOOL_SUCCESS
+    content = "x"
+    session_id = None
+    created_at = None
+
+    @property
+    def metadata(self) -> Any:
+        raise ValueError(f"PAYLOAD SSN-123-45-6789 for {SECRET}")
+
+
+class RaisingLater(RaisingMetadata):
+    """Queued fine; raises, quoting what it holds, when the writer validates it."""
+
+    reads = 0
+
+    @property
+    def metadata(self) -> Any:
+        type(self).reads += 1
+        if type(self).reads > 1:
+            raise KeyError(f"Hunter2Payload SSN-123-45-6789 {SECRET}")
+        return {"toolName": "get_account"}
+
+
+@pytest.mark.parametrize(
+    ("observation", "line"),
+    [
+        (RaisingMetadata(), "not queued: ValueError"),
+        (RaisingLater(), "rejected: unexpected KeyError"),
+    ],
+)
+async def test_an_error_of_the_hosts_object_is_logged_by_its_class_only(
+    observation: Any, line: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    service = MemoryService.from_url("memory://")
+    try:
+        with caplog.at_level(logging.DEBUG, "coda_memory"):
+            service.emit_observation(SECRET, observation)
+            await service.drain()
+    finally:
+        await service.close()
+    assert line in caplog.text
+    for secret in (SECRET, "PAYLOAD", "Hunter2Payload", "SSN"):
+        assert secret not in caplog.text
+    assert service.stats().rejected == 1
+
+
+@pytest.mark.parametrize("identity", ["\ud800" + SECRET * 2, SECRET + "\x00", "", SECRET * 20])
+async def test_load_memory_asks_no_store_for_an_identity_none_could_hold(
+    identity: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Postgres's driver refused a lone surrogate with a message quoting the start of the
+    identity, which then reached the log."""
+    service = MemoryService.from_url("memory://")
+    try:
+        with caplog.at_level(logging.DEBUG, "coda_memory"):
+            loaded = await service.load_memory(identity)
+    finally:
+        await service.close()
+    assert loaded.facts == [] and loaded.prompt_section == ""
+    assert service.stats().load_errors == 1
+    assert "load_memory got an identity the store cannot hold" in caplog.text
+    assert "alice" not in caplog.text
