@@ -43,6 +43,10 @@ class LogThrottle:
         self._last: dict[str, float] = {}
         self._held: dict[str, int] = {}
 
+    def debug(self, cause: str, message: str, *args: Any) -> None:
+        """Like :meth:`warning`, at debug level."""
+        self._log(logging.DEBUG, cause, message, args, exc_info=False)
+
     def warning(self, cause: str, message: str, *args: Any) -> None:
         """Log ``message % args`` under ``cause`` unless one was logged within the interval."""
         self._log(logging.WARNING, cause, message, args, exc_info=False)

@@ -33,7 +33,8 @@ MAX_QUERY_CHARS = 500
 _MAX_ID_INT = 10**200
 
 #: Tool results whose entities were capped in this process (``MemoryService.stats``).
-ENTITY_CAP = CapCounter(LogThrottle(logger), "entities per tool result capped")
+_throttled = LogThrottle(logger)
+ENTITY_CAP = CapCounter(_throttled, "entities per tool result capped")
 
 
 class ToolUse(BaseModel):
@@ -237,7 +238,13 @@ class EntityExtractors:
 def _extractor_failed(tool_name: str, error: Exception) -> None:
     # Extractors are host code run on untrusted data; memory is best-effort. The error's
     # text and traceback may quote that data: only its class is logged.
-    logger.debug("entity extractor for %r failed (%s)", tool_name, type(error).__name__)
+    # One line a second at most: a failing extractor fails on every result of its tool.
+    _throttled.debug(
+        "entity extractor failed",
+        "entity extractor for %r failed (%s)",
+        tool_name,
+        type(error).__name__,
+    )
 
 
 def _entity_id(value: object) -> str | None:
