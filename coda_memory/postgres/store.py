@@ -440,8 +440,23 @@ class PostgresStore:
 
     async def facts(self, identity_id: str) -> list[Fact]:
         return await self.run(
-            _as_tenant(identity_id, lambda conn: FactRepository(conn).stored(identity_id))
+            self._bounded(identity_id, lambda conn: FactRepository(conn).stored(identity_id))
         )
+
+    def _bounded(
+        self, identity_id: str, work: Callable[[AsyncConnection], Awaitable[T]]
+    ) -> Callable[[AsyncConnection], Awaitable[T]]:
+        """``work`` as the identity's tenant (:func:`_as_tenant`), its lock waits ending
+        after the store's ``lock_timeout``, as a consolidation's and ``forget``'s do: a
+        table that a migration or a ``LOCK TABLE`` holds made ``facts`` and ``history``
+        wait as long as it was held (minutes), with the host's request behind them."""
+        scoped = _as_tenant(identity_id, work)
+
+        async def bounded(conn: AsyncConnection) -> T:
+            await conn.exec_driver_sql(self._lock_timeout)  # (opens the transaction)
+            return await scoped(conn)
+
+        return bounded
 
     def keeps_facts(self, identity_id: str) -> bool:
         """Whether this store keeps the identity's facts between requests."""
@@ -604,7 +619,7 @@ class PostgresStore:
 
     async def history(self, identity_id: str, subject: str | None = None) -> list[FactEvent]:
         return await self.run(
-            _as_tenant(
+            self._bounded(
                 identity_id, lambda conn: FactEventRepository(conn).history(identity_id, subject)
             )
         )

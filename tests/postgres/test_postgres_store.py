@@ -6,13 +6,17 @@ import asyncio
 from datetime import UTC, datetime, timedelta, timezone
 from typing import Any, cast
 
+import asyncpg
 import pytest
+from sqlalchemy.engine import make_url
+from sqlalchemy.exc import DBAPIError
 
 from coda_memory.core.model import ObservationType
 from coda_memory.core.turns import SLICE
 from coda_memory.errors import SchemaNotMigrated
 from coda_memory.postgres import PostgresStore
 from coda_memory.postgres import append as append_module
+from coda_memory.postgres.connection import LOCK_NOT_AVAILABLE, sqlstate
 from coda_memory.postgres.engine import asyncpg_url
 from coda_memory.postgres.migrate import migrate_async
 from coda_memory.postgres.schema import metadata
@@ -323,4 +327,27 @@ async def test_an_error_raised_to_the_host_carries_no_statement_parameter(
             assert len(chain) > 1, "the driver's error is chained"
             assert not [e for e in chain if secret in str(e)], call
     finally:
+        await store.close()
+
+
+@pytest.mark.parametrize(("table", "call"), [("facts", "facts"), ("fact_events", "history")])
+async def test_facts_and_history_wait_for_a_locked_table_at_most_the_lock_timeout(
+    pg_url: str, table: str, call: str
+) -> None:
+    """They waited as long as the table was held: more than ten minutes in an audit."""
+    store = PostgresStore.from_url(pg_url, lock_timeout=timedelta(milliseconds=300))
+    holder = await asyncpg.connect(
+        make_url(pg_url).set(drivername="postgresql").render_as_string(False)
+    )
+    try:
+        await holder.execute("BEGIN")
+        await holder.execute(f"LOCK TABLE coda_memory.{table} IN ACCESS EXCLUSIVE MODE")
+        async with asyncio.timeout(10):
+            with pytest.raises(DBAPIError) as raised:
+                await getattr(store, call)("alice")
+        assert sqlstate(raised.value) == LOCK_NOT_AVAILABLE
+        await holder.execute("ROLLBACK")
+        assert await getattr(store, call)("alice") == []
+    finally:
+        await holder.close()
         await store.close()

@@ -430,7 +430,7 @@ async def test_explain_analyze_tells_the_analyst_nothing_of_a_hidden_value(
             for value in (hidden, "nothing-like-it"):
                 for condition in (f"{column} = $1", f"{column} ^@ $1"):
                     rows = await analyst.fetch(
-                        "EXPLAIN (ANALYZE, COSTS OFF, TIMING OFF, SUMMARY OFF) "
+                        "EXPLAIN (ANALYZE, COSTS OFF, TIMING OFF, SUMMARY OFF, BUFFERS OFF) "
                         f"SELECT * FROM {SCHEMA}.{view} WHERE {condition}",
                         value,
                     )
