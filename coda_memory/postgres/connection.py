@@ -72,12 +72,13 @@ def is_connection_error(error: BaseException) -> bool:
     """True when ``error`` says the connection (or the server behind it) is gone or not
     available now: what is worth retrying later, unlike an error in the work itself.
 
-    That includes any error SQLAlchemy raised with no statement: the connection's own
+    That includes an error SQLAlchemy raised with no statement: the connection's own
     (connecting, to a database not accepting connections now, with a password the server
-    refused), which no value of the work can have caused."""
+    refused), which no value of the work can have caused; unless it says a value was
+    refused (a deferred constraint at COMMIT would), which retrying cannot mend."""
     if is_dead_connection(error):
         return True
-    if isinstance(error, DBAPIError) and error.statement is None:
+    if isinstance(error, DBAPIError) and error.statement is None and not is_data_error(error):
         return True
     seen: BaseException | None = error
     while seen is not None:

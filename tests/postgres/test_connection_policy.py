@@ -13,12 +13,13 @@ from typing import Any
 
 import pytest
 from sqlalchemy import text
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from coda_memory.errors import ConnectionLost
 from coda_memory.postgres import PostgresStore
 from coda_memory.postgres.analytics import rebuild_rollups, tool_effectiveness
-from coda_memory.postgres.connection import run
+from coda_memory.postgres.connection import is_connection_error, run
 from coda_memory.postgres.engine import driver_connection
 from coda_memory.postgres.maintenance import (
     pending_identities,
@@ -152,3 +153,30 @@ async def test_the_admin_pool_has_a_command_timeout_of_its_own(pg_url: str) -> N
                 await run(engine, store.schema, sleep, idempotent=False)
     finally:
         await store.close()
+
+
+class _ServerError(Exception):
+    def __init__(self, sqlstate: str) -> None:
+        super().__init__(f"SQLSTATE {sqlstate}")
+        self.sqlstate = sqlstate
+
+
+@pytest.mark.parametrize(
+    ("statement", "state", "transient"),
+    [
+        # Raised by the connection itself: connecting to a database that refuses
+        # connections now, a refused password.
+        (None, "55000", True),
+        (None, "28P01", True),
+        # ... unless it refuses a value (a deferred constraint at COMMIT): no retry mends it.
+        (None, "23505", False),
+        # Raised by a statement of the work: the work's own error.
+        ("INSERT INTO x VALUES (1)", "55000", False),
+        ("INSERT INTO x VALUES (1)", "57P01", True),
+    ],
+)
+def test_an_error_of_the_connection_itself_is_worth_retrying(
+    statement: str | None, state: str, transient: bool
+) -> None:
+    error = DBAPIError(statement, None, _ServerError(state))
+    assert is_connection_error(error) is transient
