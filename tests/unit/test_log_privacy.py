@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from coda_memory import MemoryService, ObservationType
+from coda_memory import MemoryService, NewObservation, ObservationType
 
 SECRET = "alice.secret@example.com"
 
@@ -77,3 +77,25 @@ async def test_load_memory_asks_no_store_for_an_identity_none_could_hold(
     assert service.stats().load_errors == 1
     assert "load_memory got an identity the store cannot hold" in caplog.text
     assert "alice" not in caplog.text
+
+
+async def test_forget_drops_the_queued_observations_without_a_warning(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The host asked for it: the drop is counted (and in what forget returns), not
+    warned about."""
+    service = MemoryService.from_url("memory://")
+    try:
+        service.emit_observation(
+            "u1",
+            NewObservation(
+                type=ObservationType.QUERY_PATTERN, content="q", metadata={"domain": "d"}
+            ),
+        )
+        with caplog.at_level(logging.DEBUG, "coda_memory"):
+            forgotten = await service.forget("u1")
+    finally:
+        await service.close()
+    assert forgotten.observations == 1
+    assert service.stats().dropped == 1
+    assert "dropped" not in caplog.text
