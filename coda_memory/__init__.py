@@ -7,6 +7,7 @@ the facts become a token-budgeted system-prompt section and tool-ranking affinit
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Any
 
 from coda_memory.core.affinity import (
@@ -48,6 +49,10 @@ if TYPE_CHECKING:
     from coda_memory.postgres.migrate import migrate, migrate_async
 
 __version__ = "0.1.0"
+
+# A library's logger has no handler of its own: the host's logging configuration decides
+# where its warnings go (without one, nowhere, rather than bare lines on stderr).
+logging.getLogger("coda_memory").addHandler(logging.NullHandler())
 
 
 def __getattr__(name: str) -> Any:

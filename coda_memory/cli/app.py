@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import sys
 from collections.abc import Sequence
 from enum import StrEnum
@@ -203,3 +204,30 @@ def _main(
     Postgres in ./.coda-memory/pgdata is created and migrated on first use.
     """
     invocation.debug = debug
+    log_to_stderr()
+
+
+class _Stderr(logging.StreamHandler):  # type: ignore[type-arg]
+    """The library's warnings on whatever ``sys.stderr`` is when they are logged, as one
+    line each (what Python's last-resort handler printed before the library's logger
+    had a handler of its own)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.setLevel(logging.WARNING)
+        self.setFormatter(logging.Formatter("%(message)s"))
+
+    @property
+    def stream(self) -> Any:
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value: Any) -> None:  # StreamHandler.__init__ sets it
+        pass
+
+
+def log_to_stderr() -> None:
+    """Show the library's warnings on stderr during a command (once per process)."""
+    logger = logging.getLogger("coda_memory")
+    if not any(isinstance(handler, _Stderr) for handler in logger.handlers):
+        logger.addHandler(_Stderr())

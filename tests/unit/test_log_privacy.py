@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import logging
+import subprocess
+import sys
 from typing import Any
 
 import pytest
 
 from coda_memory import MemoryService, NewObservation, ObservationType
+from coda_memory.cli.app import log_to_stderr
 
 SECRET = "alice.secret@example.com"
 
@@ -99,3 +102,26 @@ async def test_forget_drops_the_queued_observations_without_a_warning(
     assert forgotten.observations == 1
     assert service.stats().dropped == 1
     assert "dropped" not in caplog.text
+
+
+def test_without_logging_configured_the_library_prints_nothing() -> None:
+    """A library leaves its logger's output to the host (a NullHandler); without one,
+    Python's last-resort handler printed every warning bare on stderr."""
+    script = (
+        "import logging, coda_memory\n"
+        "logging.getLogger('coda_memory.writer').warning('a warning of the library')\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, check=True
+    )
+    assert done.stderr == ""
+
+
+def test_the_cli_shows_the_librarys_warnings_on_stderr(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    log_to_stderr()
+    log_to_stderr()  # (once, however often a process runs commands)
+    logging.getLogger("coda_memory.writer").warning("storing failed; retrying")
+    logging.getLogger("coda_memory.writer").info("not shown")
+    assert capsys.readouterr().err == "storing failed; retrying\n"
