@@ -253,10 +253,8 @@ class ObservationWriter:
     def _label(self, identity_id: object) -> str:
         return identity_label(identity_id, show=self.log_identities)
 
-    def _drop(self, count: int, reason: str, *, expected: bool = False) -> None:
+    def _drop(self, count: int, reason: str) -> None:
         self._dropped += count
-        if expected:  # asked for (forget): counted, and no warning
-            return
         # At most one line a second (an outage can't flood the log), with the total.
         self._log.warning(
             f"dropped: {reason}",
@@ -536,7 +534,7 @@ class ObservationWriter:
         dropped = len(self._queue) - len(kept)
         if dropped:
             self._held_bytes -= sum(item[5] for item in self._queue if item[0] == identity_id)
-            self._drop(dropped, "identity forgotten", expected=True)
+            self._dropped += dropped  # asked for (forget): counted, with no warning
             self._queue = kept
         return dropped
 

@@ -307,7 +307,7 @@ def _visible_line(text: str, max_chars: int) -> str:
             continue
         if is_invisible(char):
             continue
-        if char >= "\u0300" and unicodedata.category(char) in _MARK_CATEGORIES:
+        if _is_mark(char):
             if marks >= MAX_MARKS_PER_BASE or pending_space:
                 continue  # no base, or one mark too many
             marks += 1

@@ -447,13 +447,14 @@ class PostgresStore:
         self, identity_id: str, work: Callable[[AsyncConnection], Awaitable[T]]
     ) -> Callable[[AsyncConnection], Awaitable[T]]:
         """``work`` as the identity's tenant (:func:`_as_tenant`), its lock waits ending
-        after the store's ``lock_timeout``, as a consolidation's and ``forget``'s do: a
-        table that a migration or a ``LOCK TABLE`` holds made ``facts`` and ``history``
-        wait as long as it was held (minutes), with the host's request behind them."""
+        after the store's ``lock_timeout``, as a consolidation's do (``facts``,
+        ``history`` and ``forget``): a table that a migration or a ``LOCK TABLE`` holds
+        made ``facts`` and ``history`` wait as long as it was held (minutes), with the
+        host's request behind them."""
         scoped = _as_tenant(identity_id, work)
 
         async def bounded(conn: AsyncConnection) -> T:
-            await conn.exec_driver_sql(self._lock_timeout)  # (opens the transaction)
+            await conn.exec_driver_sql(self._lock_timeout)  # (opens the transaction, if none)
             return await scoped(conn)
 
         return bounded
@@ -641,27 +642,30 @@ class PostgresStore:
         )
 
     async def forget(self, identity_id: str) -> Forgotten:
-        async def forget(conn: AsyncConnection) -> Forgotten:
-            async with conn.begin():
-                # Opens the transaction, which the lock below joins on the same connection.
-                await conn.exec_driver_sql(self._lock_timeout)
-                await set_tenant(conn, identity_id)
-                # Holding the checkpoint lock, no consolidation of the identity runs
-                # meanwhile, so none can write facts after they are deleted.
-                driver = await driver_connection(conn)
-                await lock_identity(driver, self._statements, identity_id)
-                await CheckpointRepository(conn).delete(identity_id)
-                forgotten = Forgotten(
-                    fact_events=await FactEventRepository(conn).delete_identity(identity_id),
-                    facts=await FactRepository(conn).delete_identity(identity_id),
-                    observations=await ObservationRepository(conn).delete_identity(identity_id),
-                )
-                # The identity's rows of the analytics rollup; anonymous counts stay.
-                await forget_identity(conn, identity_id)
-                await conn.execute(
-                    delete(redis_imports).where(redis_imports.c.identity_id == identity_id)
-                )
+        async def erase(conn: AsyncConnection) -> Forgotten:
+            # Holding the checkpoint lock (the driver's statements join the transaction
+            # on the same connection), no consolidation of the identity runs meanwhile,
+            # so none can write facts after they are deleted.
+            driver = await driver_connection(conn)
+            await lock_identity(driver, self._statements, identity_id)
+            await CheckpointRepository(conn).delete(identity_id)
+            forgotten = Forgotten(
+                fact_events=await FactEventRepository(conn).delete_identity(identity_id),
+                facts=await FactRepository(conn).delete_identity(identity_id),
+                observations=await ObservationRepository(conn).delete_identity(identity_id),
+            )
+            # The identity's rows of the analytics rollup; anonymous counts stay.
+            await forget_identity(conn, identity_id)
+            await conn.execute(
+                delete(redis_imports).where(redis_imports.c.identity_id == identity_id)
+            )
             return forgotten
+
+        bounded = self._bounded(identity_id, erase)
+
+        async def forget(conn: AsyncConnection) -> Forgotten:
+            async with conn.begin():  # committed whole
+                return await bounded(conn)
 
         # Forgetting twice forgets the same: retried on a dead connection (the counts are
         # those of the attempt that committed: 0 if a lost COMMIT had in fact committed).

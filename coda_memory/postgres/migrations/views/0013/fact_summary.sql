@@ -75,11 +75,10 @@ FROM (
     ) AS graded
     WHERE graded.confidence >= 0.1::double precision
     GROUP BY graded.category
-    -- A category held by fewer identities than the floor is left out.
-    HAVING count(DISTINCT graded.identity_id)
-        >= (SELECT min_users FROM {schema}.analytics_reader_floor)
 ) AS summary
 CROSS JOIN {schema}.analytics_reader_floor AS reader
+-- A category held by fewer identities than the floor is left out.
+WHERE summary.users >= reader.min_users
 OFFSET 0;
 
 COMMENT ON VIEW {schema}.fact_summary IS
