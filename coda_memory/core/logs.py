@@ -1,9 +1,12 @@
 """What log lines say: no identity ids by default, no statements or parameters.
 
 * Rate limiting per cause is :class:`~coda_memory.core.caps.LogThrottle`'s.
-* :func:`identity_label` shows an identity id as a stable short hash (8 hex digits of
-  BLAKE2b), unless the service was built with ``log_identities=True``: the same user has
-  the same label in every line, and no e-mail address or name reaches the logs.
+* :func:`identity_label` shows an identity id as a short keyed hash (12 hex digits of
+  BLAKE2b under a secret key), unless the service was built with ``log_identities=True``:
+  the same user has the same label in every line of a process, and no e-mail address or
+  name reaches the logs. Without the key, a list of candidate ids does not tell which one
+  a label stands for. The key is ``$CODA_MEMORY_LOG_KEY`` (the same value gives the same
+  labels in every process), else random per process.
 * :func:`short_error` is an exception's class and the first line of its message, with the
   identity ids it names replaced by their labels: never a statement or its parameters
   (SQLAlchemy adds those to its messages' later lines), never a traceback.
@@ -11,21 +14,36 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import os
 import re
+import secrets
 from collections.abc import Iterable
 
 #: Characters of a message's first line that a log line keeps.
 MAX_MESSAGE_CHARS = 200
 
+#: The environment variable whose value keys the labels; unset, each process draws a key.
+LOG_KEY_VARIABLE = "CODA_MEMORY_LOG_KEY"
+
+
+@functools.cache
+def _label_key() -> bytes:
+    """The labels' key: derived from ``$CODA_MEMORY_LOG_KEY`` (any length), else random."""
+    configured = os.environ.get(LOG_KEY_VARIABLE)
+    if configured:
+        return hashlib.blake2b(configured.encode("utf-8", "surrogatepass"), digest_size=32).digest()
+    return secrets.token_bytes(32)
+
 
 def identity_label(identity_id: object, *, show: bool = False) -> str:
-    """How a log line names an identity: a stable short hash, or (``show``) the id."""
+    """How a log line names an identity: a short keyed hash, or (``show``) the id."""
     if show:
         return repr(identity_id)[:80]
     raw = identity_id if isinstance(identity_id, str) else repr(identity_id)
-    digest = hashlib.blake2b(raw.encode("utf-8", "surrogatepass"), digest_size=4).hexdigest()
-    return f"id:{digest}"
+    data = raw.encode("utf-8", "surrogatepass")
+    return f"id:{hashlib.blake2b(data, digest_size=6, key=_label_key()).hexdigest()}"
 
 
 def short_error(

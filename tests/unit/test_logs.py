@@ -2,9 +2,20 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
+import re
+import subprocess
+import sys
 import uuid
 
-from coda_memory.core.logs import identity_label, short_error, without_identities
+from coda_memory.core.logs import (
+    LOG_KEY_VARIABLE,
+    identity_label,
+    short_error,
+    without_identities,
+)
 
 
 def test_an_identity_in_an_error_message_becomes_its_label() -> None:
@@ -31,3 +42,50 @@ def test_an_identity_inside_a_longer_word_is_left_alone() -> None:
     assert short_error(ValueError("Key (identity_id)=(cat) exists"), ("cat",)) == (
         f"ValueError: Key (identity_id)=({label}) exists"
     )
+
+
+def _labels_of_a_fresh_process(identities: list[str], key: str | None) -> list[str]:
+    """The labels that a new interpreter gives ``identities``, with ``key`` (None: unset)."""
+    env = {k: v for k, v in os.environ.items() if k != LOG_KEY_VARIABLE}
+    if key is not None:
+        env[LOG_KEY_VARIABLE] = key
+    code = (
+        "import json, sys\n"
+        "from coda_memory.core.logs import identity_label\n"
+        "print(json.dumps([identity_label(i) for i in json.loads(sys.argv[1])]))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code, json.dumps(identities)],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    labels: list[str] = json.loads(out.stdout)
+    return labels
+
+
+def test_a_label_needs_the_key_a_list_of_candidate_ids_does_not_reveal_it() -> None:
+    """An unkeyed hash of a few bytes let anyone with a list of candidate ids (e-mail
+    addresses, numeric ids) find the one behind a label: the hash has a key now."""
+    identity = "alice@example.com"
+    label = identity_label(identity)
+    assert re.fullmatch(r"id:[0-9a-f]{12}", label)
+    assert label == identity_label(identity), "a label is stable within a process"
+    # What anyone could compute without the key is not the label.
+    for size in (4, 6, 8):
+        unkeyed = hashlib.blake2b(identity.encode(), digest_size=size).hexdigest()
+        assert unkeyed not in label
+    # Unset, each process draws its own key.
+    first = _labels_of_a_fresh_process([identity, "bob"], None)
+    second = _labels_of_a_fresh_process([identity, "bob"], None)
+    assert first != second
+    assert first[0] != first[1]
+
+
+def test_the_same_log_key_gives_the_same_labels_in_every_process() -> None:
+    identities = ["alice@example.com", "42"]
+    first = _labels_of_a_fresh_process(identities, "operators-secret")
+    assert first == _labels_of_a_fresh_process(identities, "operators-secret")
+    assert first != _labels_of_a_fresh_process(identities, "another-secret")
+    assert all(re.fullmatch(r"id:[0-9a-f]{12}", label) for label in first)
