@@ -29,6 +29,7 @@ from coda_memory.core.emitters import (
     query_pattern_observation,
     tool_observations,
 )
+from coda_memory.core.logs import set_log_key
 from coda_memory.core.model import (
     IDENTIFIER_PATTERN,
     Fact,
@@ -99,5 +100,6 @@ __all__ = [
     "migrate_async",
     "query_pattern_observation",
     "rank_tools",
+    "set_log_key",
     "tool_observations",
 ]

@@ -72,7 +72,14 @@ from typing import Any, TypeVar
 from coda_memory.core import emitters
 from coda_memory.core.affinity import extract_tool_affinities
 from coda_memory.core.answers import RecentAnswers, own_copy
-from coda_memory.core.caps import DEFAULT_MAX_FACTS, MAX_FACTS, CapCounter, FactCap, LogThrottle
+from coda_memory.core.caps import (
+    DEFAULT_MAX_FACTS,
+    MAX_FACTS,
+    CapCounter,
+    FactCap,
+    LogThrottle,
+    flush_held,
+)
 from coda_memory.core.consolidation import (
     DEFAULT_RETENTION,
     ConsolidationInput,
@@ -85,6 +92,7 @@ from coda_memory.core.decay import DecayStrategy, ExponentialDecay, decay_formul
 from coda_memory.core.logs import short_error
 from coda_memory.core.model import DEFAULT_MAX_CLOCK_SKEW as DEFAULT_MAX_CLOCK_SKEW
 from coda_memory.core.model import MAX_SPAN, Fact, FactEvent, LoadedMemory
+from coda_memory.core.options import require_types
 from coda_memory.core.prompt import section_steps
 from coda_memory.core.rank import ranked_facts
 from coda_memory.core.sanitize import ObservationRejected, check_identity
@@ -142,14 +150,6 @@ async def _within(task: asyncio.Task[R], seconds: float) -> R:
 
 class LoadCancelled(Exception):
     """A load in flight was cancelled under its callers (by ``close``)."""
-
-
-def _require_types(**options: tuple[object, type | tuple[type, ...], str]) -> None:
-    """TypeError naming the option whose value is not of its type (a float of seconds
-    where a timedelta goes failed later with "'>' not supported between …")."""
-    for name, (value, kind, example) in options.items():
-        if not isinstance(value, kind) or isinstance(value, bool):
-            raise TypeError(f"{name} must be {example}, not {type(value).__name__}")
 
 
 def _identity_argument(identity_id: object) -> str:
@@ -226,7 +226,7 @@ class MemoryService(ObservationWriter):
         log_identities: bool = False,
         hold_gc: bool = True,
     ) -> None:
-        _require_types(
+        require_types(
             load_timeout=(load_timeout, (int, float), "a number of seconds, e.g. 0.1"),
             max_clock_skew=(max_clock_skew, timedelta, "a timedelta, e.g. timedelta(minutes=5)"),
             retention=(retention, timedelta, "a timedelta, e.g. timedelta(days=7)"),
@@ -802,13 +802,18 @@ class MemoryService(ObservationWriter):
             self._stale.pop(identity_id, None)
         error = None if task.cancelled() else task.exception()
         if error is not None:
-            # The same cause as a load that failed with it: one outage, one line a second.
-            self._log.warning(
-                f"load failed: {type(error).__name__}",
-                "coda-memory: background consolidation of %s failed (%s)",
-                self._label(identity_id),
-                short_error(error, (identity_id,), show=self.log_identities),
-            )
+            # Each load still waiting for the task reports the error itself (their wakeups
+            # come after this callback, registered first): a line here too would count
+            # every failed load twice in "N more like it". Without one (they gave up, or
+            # none came), the line is this one, under the same cause: one outage, one
+            # line a second.
+            if not self._waiting.get(identity_id):
+                self._log.warning(
+                    f"load failed: {type(error).__name__}",
+                    "coda-memory: background consolidation of %s failed (%s)",
+                    self._label(identity_id),
+                    short_error(error, (identity_id,), show=self.log_identities),
+                )
             _drop_traceback(error)
 
     # -- administration -----------------------------------------------------------------
@@ -892,6 +897,8 @@ class MemoryService(ObservationWriter):
                         "coda-memory: the store did not close within %.0f s", CLOSE_GRACE
                     )
             finally:
+                # The counts of lines held back that no later line reported.
+                flush_held()
                 self._close_done.set()
 
     async def __aenter__(self) -> MemoryService:

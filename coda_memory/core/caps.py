@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
@@ -27,9 +28,19 @@ MAX_FACTS = MAX_INT32
 DEFAULT_MAX_ENTITIES_PER_RESULT = 100
 
 
+#: Every throttle, so that :func:`flush_held` can report what each one held back.
+_THROTTLES: weakref.WeakSet[LogThrottle] = weakref.WeakSet()
+
+
+def flush_held() -> None:
+    """:meth:`LogThrottle.flush` every throttle (a service calls it when it closes)."""
+    for throttle in list(_THROTTLES):
+        throttle.flush()
+
+
 class LogThrottle:
     """Warnings at most once per ``interval`` seconds per cause; the line after a quiet
-    spell says how many were held back."""
+    spell says how many were held back, and so does :meth:`flush` when none comes."""
 
     def __init__(
         self,
@@ -42,6 +53,9 @@ class LogThrottle:
         self.clock = clock
         self._last: dict[str, float] = {}
         self._held: dict[str, int] = {}
+        #: The level of each cause's held lines.
+        self._levels: dict[str, int] = {}
+        _THROTTLES.add(self)
 
     def debug(self, cause: str, message: str, *args: Any) -> None:
         """Like :meth:`warning`, at debug level."""
@@ -62,13 +76,32 @@ class LogThrottle:
         last = self._last.get(cause)
         if last is not None and now - last < self.interval:
             self._held[cause] = self._held.get(cause, 0) + 1
+            self._levels[cause] = max(level, self._levels.get(cause, level))
             return
+        self._levels.pop(cause, None)
         held = self._held.pop(cause, 0)
         self._last[cause] = now
         suffix = (
             f" (and {held} more like it in the last {now - last:.1f}s)" if held and last else ""
         )
         self.logger.log(level, message + suffix, *args, exc_info=exc_info)
+
+    def flush(self) -> None:
+        """Log, for each cause, the lines held back since its last line, which no later
+        line of the cause has reported (one line per cause; then none are held)."""
+        now = self.clock()
+        for cause in sorted(self._held):
+            held, level = self._held[cause], self._levels.get(cause, logging.WARNING)
+            since = now - self._last.get(cause, now)
+            self.logger.log(
+                level,
+                "coda-memory: %d more line(s) of cause %r were held back in the last %.1fs",
+                held,
+                cause,
+                since,
+            )
+        self._held.clear()
+        self._levels.clear()
 
 
 class CapCounter:

@@ -3,10 +3,11 @@
 * Rate limiting per cause is :class:`~coda_memory.core.caps.LogThrottle`'s.
 * :func:`identity_label` shows an identity id as a short keyed hash (12 hex digits of
   BLAKE2b under a secret key), unless the service was built with ``log_identities=True``:
-  the same user has the same label in every line of a process, and no e-mail address or
-  name reaches the logs. Without the key, a list of candidate ids does not tell which one
-  a label stands for. The key is ``$CODA_MEMORY_LOG_KEY`` (the same value gives the same
-  labels in every process), else random per process.
+  the same user has the same label in every line, and no e-mail address or name reaches
+  the logs. Without the key, a list of candidate ids does not tell which one a label
+  stands for. The key is drawn at random when the module is loaded (labels hold within
+  the process), or given by the host with :func:`set_log_key` (the same key gives the
+  same labels in every process).
 * :func:`short_error` is an exception's class and the first line of its message, with the
   identity ids it names replaced by their labels: never a statement or its parameters
   (SQLAlchemy adds those to its messages' later lines), never a traceback.
@@ -14,9 +15,7 @@
 
 from __future__ import annotations
 
-import functools
 import hashlib
-import os
 import re
 import secrets
 from collections.abc import Iterable
@@ -24,17 +23,27 @@ from collections.abc import Iterable
 #: Characters of a message's first line that a log line keeps.
 MAX_MESSAGE_CHARS = 200
 
-#: The environment variable whose value keys the labels; unset, each process draws a key.
-LOG_KEY_VARIABLE = "CODA_MEMORY_LOG_KEY"
+
+class _LabelKey:
+    """The labels' key (one per process, as the logging configuration is)."""
+
+    value: bytes = secrets.token_bytes(32)
 
 
-@functools.cache
-def _label_key() -> bytes:
-    """The labels' key: derived from ``$CODA_MEMORY_LOG_KEY`` (any length), else random."""
-    configured = os.environ.get(LOG_KEY_VARIABLE)
-    if configured:
-        return hashlib.blake2b(configured.encode("utf-8", "surrogatepass"), digest_size=32).digest()
-    return secrets.token_bytes(32)
+def set_log_key(key: str | bytes | None) -> None:
+    """Key the identity labels of log lines with ``key`` (a secret of any length), so
+    that processes given the same key label a user alike (workers, restarts); None draws
+    a random key again. Labels made before the call are not those made after it."""
+    if key is None:
+        _LabelKey.value = secrets.token_bytes(32)
+        return
+    if isinstance(key, str):
+        key = key.encode("utf-8", "surrogatepass")
+    if not isinstance(key, bytes):
+        raise TypeError(f"the log key must be str or bytes, not {type(key).__name__}")
+    if not key:
+        raise ValueError("the log key is empty: it would be no secret")
+    _LabelKey.value = hashlib.blake2b(key, digest_size=32).digest()
 
 
 def identity_label(identity_id: object, *, show: bool = False) -> str:
@@ -43,7 +52,7 @@ def identity_label(identity_id: object, *, show: bool = False) -> str:
         return repr(identity_id)[:80]
     raw = identity_id if isinstance(identity_id, str) else repr(identity_id)
     data = raw.encode("utf-8", "surrogatepass")
-    return f"id:{hashlib.blake2b(data, digest_size=6, key=_label_key()).hexdigest()}"
+    return f"id:{hashlib.blake2b(data, digest_size=6, key=_LabelKey.value).hexdigest()}"
 
 
 def short_error(

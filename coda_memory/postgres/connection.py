@@ -29,6 +29,7 @@ from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from coda_memory.core.model import MAX_INT32
+from coda_memory.core.options import NONE, require_types
 from coda_memory.errors import ConnectionLost
 from coda_memory.postgres.engine import driver_connection, schema_required
 
@@ -117,8 +118,7 @@ def timeout_setting(value: timedelta | None, name: str) -> str:
     """``value`` as a Postgres timeout setting, ``'<n>ms'`` (None, zero or less: ``0ms``,
     no limit); ValueError naming ``name`` past MAX_TIMEOUT, which Postgres refuses (every
     statement that set it would fail)."""
-    if value is not None and not isinstance(value, timedelta):
-        raise TypeError(f"{name} must be a timedelta (or None), not {type(value).__name__}")
+    require_types(**{name: (value, (timedelta, NONE), "a timedelta (or None)")})
     if value is not None and value > MAX_TIMEOUT:
         raise ValueError(f"{name} must be at most {MAX_TIMEOUT} (Postgres's limit), not {value}")
     milliseconds = 0 if value is None else round(value.total_seconds() * 1000)

@@ -34,6 +34,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from coda_memory.core.logs import identity_label
 from coda_memory.core.model import Fact, FactEvent, Observation
+from coda_memory.core.options import NONE, require_types
 from coda_memory.errors import ConnectionLost
 from coda_memory.ports import AppendOutcome, Forgotten, ObservationRecord
 from coda_memory.redis.codec import (
@@ -110,15 +111,11 @@ class RedisStore:
         session_horizon: timedelta = DEFAULT_SESSION_HORIZON,
     ) -> None:
         """Use ``client``, which must return bytes (``decode_responses=False``)."""
-        durations = {
-            "lock_timeout": lock_timeout,
-            "lock_ttl": lock_ttl,
-            "session_horizon": session_horizon,
-        }
-        for name, value in durations.items():
-            # (a number of seconds failed later with "'<=' not supported between …")
-            if value is not None and not isinstance(value, timedelta):
-                raise TypeError(f"{name} must be a timedelta, not {type(value).__name__}")
+        require_types(
+            lock_timeout=(lock_timeout, (timedelta, NONE), "a timedelta (or None)"),
+            lock_ttl=(lock_ttl, timedelta, "a timedelta"),
+            session_horizon=(session_horizon, timedelta, "a timedelta"),
+        )
         if history_limit < 0:
             raise ValueError("history_limit must be 0 (unbounded) or more")
         if lock_ttl <= timedelta(0):

@@ -99,3 +99,35 @@ def test_a_repeated_warning_is_logged_at_most_once_per_interval(
     timeouts = [line for line in lines if line.startswith("load timed out")]
     assert len(timeouts) == 2
     assert "49 more like it" in timeouts[1]
+
+
+def test_flush_reports_each_cause_held_back_once_at_its_level(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    now = [100.0]
+    throttle = LogThrottle(logging.getLogger("coda_memory.test"), 1.0, clock=lambda: now[0])
+    with caplog.at_level(logging.DEBUG, "coda_memory.test"):
+        for _ in range(3):
+            throttle.warning("timeout", "load timed out")
+            throttle.debug("quiet", "an extractor failed")
+            now[0] += 0.1
+        throttle.warning("alone", "said once")
+        caplog.clear()
+        throttle.flush()
+        lines = [(r.levelno, r.getMessage()) for r in caplog.records]
+        assert lines == [
+            (
+                logging.DEBUG,
+                "coda-memory: 2 more line(s) of cause 'quiet' were held back in the last 0.3s",
+            ),
+            (
+                logging.WARNING,
+                "coda-memory: 2 more line(s) of cause 'timeout' were held back in the last 0.3s",
+            ),
+        ]
+        # Reported once: nothing is held any more, and a later line carries no count.
+        caplog.clear()
+        throttle.flush()
+        now[0] += 1.0
+        throttle.warning("timeout", "load timed out")
+        assert [r.getMessage() for r in caplog.records] == ["load timed out"]

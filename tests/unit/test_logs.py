@@ -4,18 +4,17 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import re
 import subprocess
 import sys
 import uuid
+from collections.abc import Iterator
 
-from coda_memory.core.logs import (
-    LOG_KEY_VARIABLE,
-    identity_label,
-    short_error,
-    without_identities,
-)
+import pytest
+
+import coda_memory
+from coda_memory.core import logs
+from coda_memory.core.logs import identity_label, short_error, without_identities
 
 
 def test_an_identity_in_an_error_message_becomes_its_label() -> None:
@@ -44,19 +43,25 @@ def test_an_identity_inside_a_longer_word_is_left_alone() -> None:
     )
 
 
+@pytest.fixture
+def restored_key() -> Iterator[None]:
+    """The process's label key as it was, after a test that sets its own."""
+    kept = logs._LabelKey.value
+    yield
+    logs._LabelKey.value = kept
+
+
 def _labels_of_a_fresh_process(identities: list[str], key: str | None) -> list[str]:
-    """The labels that a new interpreter gives ``identities``, with ``key`` (None: unset)."""
-    env = {k: v for k, v in os.environ.items() if k != LOG_KEY_VARIABLE}
-    if key is not None:
-        env[LOG_KEY_VARIABLE] = key
+    """The labels that a new interpreter gives ``identities``, given ``key`` (None: none)."""
     code = (
         "import json, sys\n"
+        "import coda_memory\n"
         "from coda_memory.core.logs import identity_label\n"
+        "if sys.argv[2]: coda_memory.set_log_key(sys.argv[2])\n"
         "print(json.dumps([identity_label(i) for i in json.loads(sys.argv[1])]))\n"
     )
     out = subprocess.run(
-        [sys.executable, "-c", code, json.dumps(identities)],
-        env=env,
+        [sys.executable, "-c", code, json.dumps(identities), key or ""],
         capture_output=True,
         text=True,
         check=True,
@@ -76,7 +81,7 @@ def test_a_label_needs_the_key_a_list_of_candidate_ids_does_not_reveal_it() -> N
     for size in (4, 6, 8):
         unkeyed = hashlib.blake2b(identity.encode(), digest_size=size).hexdigest()
         assert unkeyed not in label
-    # Unset, each process draws its own key.
+    # Without set_log_key, each process draws its own key.
     first = _labels_of_a_fresh_process([identity, "bob"], None)
     second = _labels_of_a_fresh_process([identity, "bob"], None)
     assert first != second
@@ -89,3 +94,17 @@ def test_the_same_log_key_gives_the_same_labels_in_every_process() -> None:
     assert first == _labels_of_a_fresh_process(identities, "operators-secret")
     assert first != _labels_of_a_fresh_process(identities, "another-secret")
     assert all(re.fullmatch(r"id:[0-9a-f]{12}", label) for label in first)
+
+
+@pytest.mark.usefixtures("restored_key")
+def test_set_log_key_takes_str_or_bytes_and_refuses_no_secret() -> None:
+    coda_memory.set_log_key("operators-secret")
+    keyed = identity_label("alice")
+    coda_memory.set_log_key(b"operators-secret")
+    assert identity_label("alice") == keyed
+    coda_memory.set_log_key(None)
+    assert identity_label("alice") != keyed
+    with pytest.raises(ValueError, match="empty"):
+        coda_memory.set_log_key("")
+    with pytest.raises(TypeError, match="str or bytes, not int"):
+        coda_memory.set_log_key(42)  # type: ignore[arg-type]

@@ -470,11 +470,18 @@ def test_a_postgres_timeout_given_in_seconds_is_refused_by_name(option: str) -> 
         MemoryService.from_url("postgresql://u@127.0.0.1:1/x", **options)
 
 
-@pytest.mark.parametrize("option", ["lock_timeout", "lock_ttl", "session_horizon"])
-def test_a_redis_duration_given_in_seconds_is_refused_by_name(option: str) -> None:
+@pytest.mark.parametrize(
+    ("option", "says"),
+    [
+        ("lock_timeout", "lock_timeout must be a timedelta (or None), not float"),
+        ("lock_ttl", "lock_ttl must be a timedelta, not float"),
+        ("session_horizon", "session_horizon must be a timedelta, not float"),
+    ],
+)
+def test_a_redis_duration_given_in_seconds_is_refused_by_name(option: str, says: str) -> None:
     pytest.importorskip("redis")
     options: dict[str, Any] = {option: 5.0}
-    with pytest.raises(TypeError, match=f"{option} must be a timedelta, not float"):
+    with pytest.raises(TypeError, match=re.escape(says)):
         MemoryService.from_url("redis://127.0.0.1:1/0", **options)
 
 
@@ -1244,3 +1251,51 @@ async def test_a_test_on_both_loops_runs_on_the_loop_its_name_says(
     name = request.node.name
     assert name.endswith(("[uvloop]", "[asyncio]"))
     assert name.endswith("[uvloop]") == isinstance(asyncio.get_running_loop(), uvloop.Loop)
+
+
+async def test_close_reports_the_lines_held_back_that_no_later_line_reported(
+    gated: tuple[MemoryService, GatedStore], caplog: pytest.LogCaptureFixture
+) -> None:
+    """A burst of failures, then quiet: the count of the lines held back rode only on the
+    next line of the cause, which never came, so the log undercounted the burst."""
+    service, store = gated
+    store.failing = True
+    with caplog.at_level(logging.WARNING, "coda_memory"):
+        for _ in range(5):
+            await service.load_memory("u1")
+        assert service.stats().load_errors == 5
+        assert len([r for r in caplog.records if "failed" in r.getMessage()]) == 1
+        store.failing = False
+        await service.close()
+    held = [r for r in caplog.records if "were held back" in r.getMessage()]
+    assert len(held) == 1
+    assert held[0].levelno == logging.WARNING
+    assert (
+        held[0]
+        .getMessage()
+        .startswith(
+            "coda-memory: 4 more line(s) of cause 'load failed: ConnectionError' were held back"
+        )
+    )
+
+
+async def test_a_background_consolidation_that_fails_after_its_loads_gave_up_is_logged(
+    gated: tuple[MemoryService, GatedStore], caplog: pytest.LogCaptureFixture
+) -> None:
+    """The loads waiting for a consolidation report its failure; one that fails after
+    they gave up has nobody else to report it."""
+    service, store = gated
+    await _old_consolidated_new_stored(service)
+    store.consolidation_gate.clear()
+    with caplog.at_level(logging.WARNING, "coda_memory"):
+        await service.load_memory("u1")  # gives up on the held consolidation
+        (task,) = service._loading.values()
+        caplog.clear()
+        store.failing = True
+        store.consolidation_gate.set()
+        await asyncio.wait([task])
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines == [
+        f"coda-memory: background consolidation of {identity_label('u1')} failed "
+        "(ConnectionError: database unavailable)"
+    ]
