@@ -93,11 +93,13 @@ class LogThrottle:
         for cause in sorted(self._held):
             held, level = self._held[cause], self._levels.get(cause, logging.WARNING)
             since = now - self._last.get(cause, now)
+            # The cause in the template, not an argument: a line per cause, each its own
+            # template, as a log handler that groups lines by template counts causes.
+            named = repr(cause).replace("%", "%%")
             self.logger.log(
                 level,
-                "coda-memory: %d more line(s) of cause %r were held back in the last %.1fs",
+                f"coda-memory: %d more line(s) of cause {named} were held back in the last %.1fs",
                 held,
-                cause,
                 since,
             )
         self._held.clear()

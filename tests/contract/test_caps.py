@@ -131,3 +131,21 @@ def test_flush_reports_each_cause_held_back_once_at_its_level(
         now[0] += 1.0
         throttle.warning("timeout", "load timed out")
         assert [r.getMessage() for r in caplog.records] == ["load timed out"]
+
+
+def test_each_cause_flushed_is_a_template_of_its_own(caplog: pytest.LogCaptureFixture) -> None:
+    """Handlers that count lines per cause group them by template (the benchmark's do):
+    the flush's lines of two causes must not look like two lines of one."""
+    now = [100.0]
+    throttle = LogThrottle(logging.getLogger("coda_memory.test"), 1.0, clock=lambda: now[0])
+    with caplog.at_level(logging.WARNING, "coda_memory.test"):
+        for cause in ("timeout", "100% full", "timeout", "100% full"):
+            throttle.warning(cause, "a line")
+        caplog.clear()
+        throttle.flush()
+    templates = [str(r.msg) for r in caplog.records]
+    assert len(set(templates)) == 2
+    assert [r.getMessage() for r in caplog.records] == [
+        "coda-memory: 1 more line(s) of cause '100% full' were held back in the last 0.0s",
+        "coda-memory: 1 more line(s) of cause 'timeout' were held back in the last 0.0s",
+    ]
