@@ -57,9 +57,8 @@ DEFAULT_HISTORY_LIMIT = 1_000
 DEFAULT_SESSION_HORIZON = timedelta(days=30)
 
 _SCRIPTS = ("append", "peek", "load", "commit", "unlock", "forget")
-#: The keys forget.lua counts before it erases them (in its order), and the lock it
-#: releases last.
-_FORGET_KINDS = ("obs", "facts", "history", "lock")
+#: The keys forget.lua counts before it erases them, in its order.
+_FORGET_COUNTED = ("obs", "facts", "history")
 
 
 class LockTimeout(TimeoutError):
@@ -330,8 +329,10 @@ class RedisStore:
     async def forget(self, identity_id: str) -> Forgotten:
         token = await self._acquire(identity_id)
         k = self.keys
-        counted = [k.of(kind, identity_id) for kind in _FORGET_KINDS[:3]]
-        rest = [k.of(kind, identity_id) for kind in IDENTITY_KINDS if kind not in _FORGET_KINDS]
+        counted = [k.of(kind, identity_id) for kind in _FORGET_COUNTED]
+        # The lock goes first in the keys (forget.lua checks it, and releases it last).
+        others = (*_FORGET_COUNTED, "lock")
+        rest = [k.of(kind, identity_id) for kind in IDENTITY_KINDS if kind not in others]
         observations, facts, events = await self._script("forget")(
             keys=[k.of("lock", identity_id), k.checkpoint, *counted, *rest],
             args=[token, identity_id],
