@@ -8,6 +8,7 @@ written at most once per second per cause, with the number of repeats it stands 
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 import weakref
@@ -40,7 +41,11 @@ def flush_held() -> None:
 
 class LogThrottle:
     """Warnings at most once per ``interval`` seconds per cause; the line after a quiet
-    spell says how many were held back, and so does :meth:`flush` when none comes."""
+    spell says how many were held back. When none comes, a timer of the event loop that
+    held the first of them says it, once the cause has been quiet for ``interval`` after
+    its window (a timer handle per cause with lines held, no task; off an event loop,
+    nothing is scheduled), and so does :meth:`flush`, which a service calls when it
+    closes."""
 
     def __init__(
         self,
@@ -55,6 +60,8 @@ class LogThrottle:
         self._held: dict[str, int] = {}
         #: The level of each cause's held lines.
         self._levels: dict[str, int] = {}
+        #: The timer that reports each cause's held lines when no later line does.
+        self._timers: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.TimerHandle]] = {}
         _THROTTLES.add(self)
 
     def debug(self, cause: str, message: str, *args: Any) -> None:
@@ -77,6 +84,7 @@ class LogThrottle:
         if last is not None and now - last < self.interval:
             self._held[cause] = self._held.get(cause, 0) + 1
             self._levels[cause] = max(level, self._levels.get(cause, level))
+            self._schedule(cause, last + 2 * self.interval - now)
             return
         self._levels.pop(cause, None)
         held = self._held.pop(cause, 0)
@@ -91,19 +99,57 @@ class LogThrottle:
         line of the cause has reported (one line per cause; then none are held)."""
         now = self.clock()
         for cause in sorted(self._held):
-            held, level = self._held[cause], self._levels.get(cause, logging.WARNING)
-            since = now - self._last.get(cause, now)
-            # The cause in the template, not an argument: a line per cause, each its own
-            # template, as a log handler that groups lines by template counts causes.
-            named = repr(cause).replace("%", "%%")
-            self.logger.log(
-                level,
-                f"coda-memory: %d more line(s) of cause {named} were held back in the last %.1fs",
-                held,
-                since,
-            )
-        self._held.clear()
-        self._levels.clear()
+            self._report(cause, now)
+        for _, timer in self._timers.values():
+            timer.cancel()
+        self._timers.clear()
+
+    def _report(self, cause: str, now: float) -> None:
+        """The line that says how many lines of ``cause`` were held back (none held:
+        nothing), after which none are."""
+        held = self._held.pop(cause, 0)
+        level = self._levels.pop(cause, logging.WARNING)
+        if not held:
+            return
+        since = now - self._last.get(cause, now)
+        # The cause in the template, not an argument: a line per cause, each its own
+        # template, as a log handler that groups lines by template counts causes.
+        named = repr(cause).replace("%", "%%")
+        self.logger.log(
+            level,
+            f"coda-memory: %d more line(s) of cause {named} were held back in the last %.1fs",
+            held,
+            since,
+        )
+
+    def _schedule(self, cause: str, delay: float) -> None:
+        """Have the running event loop report ``cause``'s held lines after ``delay``
+        seconds, unless a timer of a loop still open is set for it already."""
+        set_for = self._timers.get(cause)
+        if set_for is not None and not set_for[0].is_closed():
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # a thread without a loop: the next line, or close, reports
+            self._timers.pop(cause, None)
+            return
+        timer = loop.call_later(max(0.0, delay), self._when_quiet, cause)
+        self._timers[cause] = (loop, timer)
+
+    def _when_quiet(self, cause: str) -> None:
+        """The timer of ``cause``: its held lines are reported once the cause has had no
+        line for ``interval``; a line logged since moved that on, so wait for it."""
+        self._timers.pop(cause, None)
+        if not self._held.get(cause):
+            return
+        now = self.clock()
+        last = self._last.get(cause)
+        if last is not None and now - last < 2 * self.interval:
+            self._schedule(cause, last + 2 * self.interval - now)
+            return
+        self._report(cause, now)
+        # The report is the cause's line of this interval.
+        self._last[cause] = now
 
 
 class CapCounter:

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import time
+from collections.abc import Iterator
 
 import pytest
 
@@ -148,4 +151,110 @@ def test_each_cause_flushed_is_a_template_of_its_own(caplog: pytest.LogCaptureFi
     assert [r.getMessage() for r in caplog.records] == [
         "coda-memory: 1 more line(s) of cause '100% full' were held back in the last 0.0s",
         "coda-memory: 1 more line(s) of cause 'timeout' were held back in the last 0.0s",
+    ]
+
+
+class _HeldBack(logging.Handler):
+    """The lines of a logger, and an event set by the first that reports held lines."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.lines: list[tuple[int, str]] = []
+        self.reported = asyncio.Event()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append((record.levelno, record.getMessage()))
+        if "were held back" in record.getMessage():
+            self.reported.set()
+
+
+@pytest.fixture
+def held_back() -> Iterator[_HeldBack]:
+    logger = logging.getLogger("coda_memory.test.timer")
+    handler = _HeldBack()
+    logger.addHandler(handler)
+    logger.setLevel(logging.DEBUG)
+    yield handler
+    logger.removeHandler(handler)
+
+
+async def test_lines_held_back_are_reported_once_the_cause_is_quiet(held_back: _HeldBack) -> None:
+    """No later line of the cause and no close: the event loop reports the count, once the
+    cause has been quiet for an interval after its window, at the level of its lines."""
+    interval = 0.05
+    throttle = LogThrottle(logging.getLogger("coda_memory.test.timer"), interval)
+    started = time.monotonic()
+    for _ in range(3):
+        throttle.warning("timeout", "load timed out")
+    throttle.error("timeout", "load failed", exc_info=False)
+    await asyncio.wait_for(held_back.reported.wait(), 10)
+    assert time.monotonic() - started >= 2 * interval
+    assert held_back.lines[0] == (logging.WARNING, "load timed out")
+    level, line = held_back.lines[1]
+    assert (level, line[: line.index(" in the last")]) == (
+        logging.ERROR,
+        "coda-memory: 3 more line(s) of cause 'timeout' were held back",
+    )
+    assert len(held_back.lines) == 2
+    # Reported: a close reports nothing more.
+    throttle.flush()
+    assert len(held_back.lines) == 2
+
+
+async def test_a_count_a_later_line_carried_is_not_reported_again(held_back: _HeldBack) -> None:
+    now = [100.0]
+    throttle = LogThrottle(logging.getLogger("coda_memory.test.timer"), 0.05, clock=lambda: now[0])
+    throttle.warning("timeout", "load timed out")
+    now[0] += 0.01
+    throttle.warning("timeout", "load timed out")  # held: a timer is set
+    now[0] += 0.05
+    throttle.warning("timeout", "load timed out")  # carries the count of 1
+    now[0] += 0.01
+    throttle.warning("timeout", "load timed out")  # held
+    now[0] += 1.0  # then quiet
+    await asyncio.wait_for(held_back.reported.wait(), 10)
+    assert [line for _, line in held_back.lines] == [
+        "load timed out",
+        "load timed out (and 1 more like it in the last 0.1s)",
+        "coda-memory: 1 more line(s) of cause 'timeout' were held back in the last 1.0s",
+    ]
+
+
+def test_a_timer_of_a_closed_loop_does_not_keep_the_next_loop_from_reporting(
+    held_back: _HeldBack,
+) -> None:
+    """Throttles outlive event loops (they are per module): lines held on a loop that
+    closed before its timer fired are reported by the next loop that holds one."""
+    now = [100.0]
+    throttle = LogThrottle(logging.getLogger("coda_memory.test.timer"), 0.05, clock=lambda: now[0])
+
+    async def held_then_closed() -> None:
+        throttle.warning("timeout", "load timed out")
+        now[0] += 0.01
+        throttle.warning("timeout", "load timed out")  # its timer dies with the loop
+
+    async def held_then_reported() -> None:
+        now[0] += 0.01
+        throttle.warning("timeout", "load timed out")
+        now[0] += 1.0
+        await asyncio.wait_for(held_back.reported.wait(), 10)
+
+    asyncio.run(held_then_closed())
+    asyncio.run(held_then_reported())
+    assert held_back.lines[-1] == (
+        logging.WARNING,
+        "coda-memory: 2 more line(s) of cause 'timeout' were held back in the last 1.0s",
+    )
+
+
+def test_off_an_event_loop_nothing_is_scheduled_and_close_reports(held_back: _HeldBack) -> None:
+    now = [100.0]
+    throttle = LogThrottle(logging.getLogger("coda_memory.test.timer"), 0.05, clock=lambda: now[0])
+    throttle.warning("timeout", "load timed out")
+    throttle.warning("timeout", "load timed out")
+    now[0] += 5.0
+    throttle.flush()
+    assert [line for _, line in held_back.lines] == [
+        "load timed out",
+        "coda-memory: 1 more line(s) of cause 'timeout' were held back in the last 5.0s",
     ]
