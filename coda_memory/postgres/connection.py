@@ -12,6 +12,10 @@ database through this module:
 * :func:`driver_transaction` gives the consolidation unit an asyncpg connection inside a
   transaction. Beginning is retried once (nothing was done yet); once the unit has
   begun, a dead connection raises :class:`ConnectionLost` and nothing of the unit is kept.
+* Once a store has :func:`released` an engine (it closes), a connection that work still
+  held comes back closed rather than into the pool, and dead connections are not retried:
+  ``dispose`` closes only the connections idle in the pool, and one that a call still used
+  then would stay open, in a pool nothing uses, until the garbage collector found it.
 
 :func:`is_dead_connection` recognises both asyncpg's own errors (statements sent on the
 driver connection) and SQLAlchemy's wrapped ones.
@@ -19,6 +23,7 @@ driver connection) and SQLAlchemy's wrapped ones.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from datetime import timedelta
@@ -155,6 +160,22 @@ def undo_savepoint(savepoint: str) -> str:
     return f"ROLLBACK TO SAVEPOINT {savepoint}; RELEASE SAVEPOINT {savepoint}"
 
 
+#: The engines of stores that closed (see :func:`released`).
+_RELEASED: weakref.WeakSet[AsyncEngine] = weakref.WeakSet()
+
+
+def released(engine: AsyncEngine) -> None:
+    """Mark ``engine`` as released by its store (before it is disposed): from then on, a
+    connection that work gives back is closed, not pooled, and none is retried."""
+    _RELEASED.add(engine)
+
+
+async def give_back(engine: AsyncEngine, conn: AsyncConnection) -> None:
+    """Close ``conn`` when its engine was released meanwhile (else the pool takes it)."""
+    if engine in _RELEASED and not conn.invalidated:
+        await conn.invalidate()
+
+
 async def _attempt(engine: AsyncEngine, work: Callable[[AsyncConnection], Awaitable[T]]) -> T:
     async with engine.connect() as conn:
         try:
@@ -164,6 +185,8 @@ async def _attempt(engine: AsyncEngine, work: Callable[[AsyncConnection], Awaita
             if is_dead_connection(error) and not conn.invalidated:
                 await conn.invalidate()
             raise
+        finally:
+            await give_back(engine, conn)
 
 
 async def run(
@@ -179,7 +202,7 @@ async def run(
         try:
             return await _attempt(engine, work)
         except Exception as error:
-            if not is_dead_connection(error):
+            if not is_dead_connection(error) or engine in _RELEASED:
                 raise
             await engine.dispose(close=False)
             if not idempotent:
@@ -215,7 +238,7 @@ async def driver_transaction(
                 try:
                     await driver.execute(begin)
                 except Exception as error:
-                    if not is_dead_connection(error):
+                    if not is_dead_connection(error) or engine in _RELEASED:
                         raise
                     # Died while idle in the pool: nothing was done yet, so begin once
                     # more on a fresh connection of a fresh pool.
@@ -230,3 +253,4 @@ async def driver_transaction(
             raise
         finally:
             await _end_transaction(conn, driver)
+            await give_back(engine, conn)

@@ -110,8 +110,10 @@ from coda_memory.postgres.connection import (
     LOCK_NOT_AVAILABLE,
     QUERY_CANCELED,
     driver_transaction,
+    give_back,
     is_connection_error,
     lock_timeout_clause,
+    released,
     run,
     sqlstate,
     timeout_setting,
@@ -682,7 +684,13 @@ class PostgresStore:
         return await run(self.engine, self.schema, work, idempotent=idempotent)
 
     async def close(self) -> None:
-        for engine in {self.request_engine, self.writer_engine, self.engine}:
+        """Close every connection of the store's pools; one that a call still holds is
+        closed when the call gives it back (see
+        :func:`~coda_memory.postgres.connection.released`)."""
+        engines = {self.request_engine, self.writer_engine, self.engine}
+        for engine in engines:
+            released(engine)
+        for engine in engines:
             await engine.dispose()
 
 
@@ -695,16 +703,23 @@ async def _warm(engine: AsyncEngine, schema: str, statements: list[str]) -> None
 
     async def one() -> None:
         async with engine.connect() as conn:
-            driver = await driver_connection(conn)
-            for text in statements:
-                # asyncpg's public prepare() bypasses the cache that fetch() uses.
-                await driver._prepare(text, use_cache=True)
-            if statements:
-                # A prepare ends with a Flush, not a Sync: the implicit transaction it
-                # opened, with its tables' locks, would stay open in the pool until the
-                # connection's first request (a migration's lock would queue behind it).
-                # A simple query commits it.
-                await driver.execute("SELECT 1")
+            try:
+                await _prepare(await driver_connection(conn), statements)
+            finally:
+                await give_back(engine, conn)
 
     with schema_required(schema):
         await asyncio.gather(*(one() for _ in range(count)))
+
+
+async def _prepare(driver: Any, statements: list[str]) -> None:
+    """Prepare ``statements`` on ``driver`` (an asyncpg connection) into its cache."""
+    for text in statements:
+        # asyncpg's public prepare() bypasses the cache that fetch() uses.
+        await driver._prepare(text, use_cache=True)
+    if statements:
+        # A prepare ends with a Flush, not a Sync: the implicit transaction it opened,
+        # with its tables' locks, would stay open in the pool until the connection's
+        # first request (a migration's lock would queue behind it). A simple query
+        # commits it.
+        await driver.execute("SELECT 1")

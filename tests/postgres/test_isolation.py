@@ -15,6 +15,7 @@ from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from coda_memory import Fact, MemoryService
+from coda_memory import service as service_module
 from coda_memory.errors import StoreBusy
 from coda_memory.postgres import PostgresStore
 from coda_memory.postgres.connection import MAX_TIMEOUT, sqlstate
@@ -339,33 +340,56 @@ async def test_the_longest_timeouts_postgres_takes_work(pg_url: str) -> None:
         await service.close()
 
 
-async def test_close_waits_for_a_consolidate_in_flight_and_leaves_no_connection_open(
-    pg_url: str, admin_url: str
-) -> None:
-    """close() disposed the pools while a consolidate() of the caller's held one of their
-    connections, which then stayed open after close() had returned."""
-    # The consolidation waits for the held row far longer than the test holds it.
+#: Holds alice's checkpoint row: her consolidation waits for it.
+_HOLD_ALICE = text("SELECT 1 FROM coda_memory.checkpoints WHERE identity_id = 'alice' FOR UPDATE")
+
+
+def _patient_service(pg_url: str) -> tuple[MemoryService, str | None]:
+    """A service whose consolidations wait for a held row far longer than a test holds
+    it, and its database's name."""
     long = timedelta(seconds=60)
     store = PostgresStore.from_url(pg_url, statement_timeout=long, lock_timeout=long)
-    service = MemoryService(store, clock=lambda: NOW)
-    database = store.engine.url.database
+    return MemoryService(store, clock=lambda: NOW), store.engine.url.database
+
+
+async def _alice_waits(service: MemoryService) -> None:
+    """Alice gets her checkpoint row, and an observation that waits for her next
+    consolidation."""
+    service.emit_observation("alice", tool_ok("get_account"))
+    await service.drain(5)
+    await service.consolidate("alice")
+    service.emit_observation("alice", tool_ok("get_account"))
+    await service.drain(5)
+
+
+@pytest.mark.parametrize("ends", ["within the grace", "after the grace"])
+async def test_close_leaves_no_connection_open_when_a_consolidate_in_flight_ends(
+    pg_url: str, admin_url: str, monkeypatch: pytest.MonkeyPatch, ends: str
+) -> None:
+    """close() disposed the pools while a consolidate() of the caller's held one of their
+    connections, which then stayed open after close() had returned. Now close() waits
+    for the call, up to its grace; a call that outlives it closes its connection when it
+    ends (given back, it went into a pool that nothing used, and stayed open until the
+    garbage collector found it)."""
+    after = ends == "after the grace"
+    if after:
+        monkeypatch.setattr(service_module, "CLOSE_GRACE", 0.2)
+    service, database = _patient_service(pg_url)
     holder = engine(pg_url)
     consolidating: asyncio.Task[list[Fact]] | None = None
     try:
-        service.emit_observation("alice", tool_ok("get_account"))
-        await service.drain(5)
-        await service.consolidate("alice")  # its checkpoint row, which the holder locks
-        service.emit_observation("alice", tool_ok("get_account"))
-        await service.drain(5)
+        await _alice_waits(service)
         async with holder.begin() as conn:
-            await conn.execute(
-                text("SELECT 1 FROM coda_memory.checkpoints WHERE identity_id = 'alice' FOR UPDATE")
-            )
+            await conn.execute(_HOLD_ALICE)
             consolidating = asyncio.create_task(service.consolidate("alice"))
             await until_waiting(admin_url, database, 1)
             closing = asyncio.create_task(service.close())
-            done, _ = await asyncio.wait({closing}, timeout=0.5)
-            assert not done  # close() waits for the consolidation it would cut off
+            done, _ = await asyncio.wait({closing}, timeout=10 if after else 0.5)
+            if after:  # close() gave up on the consolidation, which still waits
+                assert done and not consolidating.done()
+                assert await backends(admin_url, database) == 2  # the holder's, the call's
+            else:  # close() waits for the consolidation it would cut off
+                assert not done
         [preference] = await consolidating
         await closing
         assert preference.id == "fact:tool_affinity:get_account"
