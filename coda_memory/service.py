@@ -284,6 +284,8 @@ class MemoryService(ObservationWriter):
         # close() waits for before it releases the store.
         self._calls_in_flight = 0
         self._calls_ended: asyncio.Event | None = None
+        #: close() released the store while calls were still in flight (see _using_store).
+        self._released_under_calls = False
         self._loading: dict[str, asyncio.Task[LoadedMemory | None]] = {}
         #: How many load_memory calls wait for each identity's consolidation's answer.
         self._waiting: dict[str, int] = {}
@@ -512,6 +514,18 @@ class MemoryService(ObservationWriter):
             self._calls_in_flight -= 1
             if not self._calls_in_flight and self._calls_ended is not None:
                 self._calls_ended.set()
+                if self._released_under_calls:
+                    # close() released the store without this call, which went on using
+                    # it (a Redis client connects again on its next command): release
+                    # what it opened since. The call's own outcome stands.
+                    self._released_under_calls = False
+                    try:
+                        await self._release_store()
+                    except Exception as error:
+                        logger.warning(
+                            "coda-memory: releasing the store after the last call failed (%s)",
+                            short_error(error),
+                        )
 
     async def _calls_end(self) -> None:
         """Wait, up to CLOSE_GRACE, for the calls in flight to end (see ``_using_store``)."""
@@ -890,16 +904,19 @@ class MemoryService(ObservationWriter):
                 if self._background:
                     await asyncio.wait(list(self._background), timeout=CLOSE_GRACE)
                 await self._calls_end()
-                try:
-                    await asyncio.wait_for(self.store.close(), CLOSE_GRACE)
-                except TimeoutError:
-                    logger.warning(
-                        "coda-memory: the store did not close within %.0f s", CLOSE_GRACE
-                    )
+                self._released_under_calls = self._calls_in_flight > 0
+                await self._release_store()
             finally:
                 # The counts of lines held back that no later line reported.
                 flush_held()
                 self._close_done.set()
+
+    async def _release_store(self) -> None:
+        """Close the store, waiting at most CLOSE_GRACE."""
+        try:
+            await asyncio.wait_for(self.store.close(), CLOSE_GRACE)
+        except TimeoutError:
+            logger.warning("coda-memory: the store did not close within %.0f s", CLOSE_GRACE)
 
     async def __aenter__(self) -> MemoryService:
         return self

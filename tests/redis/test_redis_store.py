@@ -12,6 +12,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from coda_memory import Fact, FactEvent, FactEventKind, MemoryService, NewObservation
+from coda_memory import service as service_module
 from coda_memory.core.consolidation import plan_consolidation
 from coda_memory.core.decay import ExponentialDecay
 from coda_memory.core.logs import identity_label
@@ -323,3 +324,46 @@ async def test_a_connection_lost_mid_consolidation_names_the_identity_by_its_lab
         await killer.aclose()
     assert secret not in str(raised.value)
     assert identity_label(secret) in str(raised.value)
+
+
+async def _named(client: aioredis.Redis, name: str) -> int:
+    """The server's connections named ``name``."""
+    return sum(1 for c in await client.client_list() if c.get("name") == name)
+
+
+async def _until_named(client: aioredis.Redis, name: str, count: int) -> None:
+    async with asyncio.timeout(5):
+        while await _named(client, name) != count:
+            await asyncio.sleep(0.01)
+
+
+async def test_a_call_that_outlives_the_grace_of_close_leaves_no_connection_open(
+    redis_url: str, redis_client: aioredis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """close() released the store while a consolidate() of the caller's still polled for
+    the identity's lock; its next command connected again, and that connection stayed
+    open for as long as the process kept the store."""
+    monkeypatch.setattr(service_module, "CLOSE_GRACE", 0.1)
+    name = f"coda-close-{id(redis_url)}"
+    store = RedisStore.from_url(redis_url, lock_timeout=timedelta(seconds=30), client_name=name)
+    service = MemoryService(store, clock=FakeClock())
+    lock = store.keys.of("lock", "u1")
+    consolidating: asyncio.Task[list[Fact]] | None = None
+    try:
+        service.emit_observation("u1", tool_ok("get_account"))
+        await service.drain(5)
+        await redis_client.set(lock, "another consolidation", px=30_000)
+        consolidating = asyncio.create_task(service.consolidate("u1"))
+        await _until_named(redis_client, name, 1)  # it polls the lock
+        await service.close()  # past its grace: the consolidation still polls
+        assert not consolidating.done()
+        await _until_named(redis_client, name, 1)  # over a connection of its own again
+        await redis_client.delete(lock)
+        [fact] = await consolidating
+        assert fact.subject == "tool_affinity:get_account"
+        await _until_named(redis_client, name, 0)
+    finally:
+        if consolidating is not None:
+            await asyncio.wait({consolidating}, timeout=5)
+        await redis_client.delete(lock)
+        await service.close()
