@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from collections.abc import Sequence
 from enum import StrEnum
@@ -14,9 +15,13 @@ from typer.core import TyperGroup
 
 from coda_memory.cli.runtime import URL_VARIABLE, CliError, debug_enabled, invocation
 from coda_memory.core.decay import AdaptiveDecay, DecayStrategy, ExponentialDecay, PowerLawDecay
+from coda_memory.core.logs import set_log_key
 from coda_memory.core.sanitize import MAX_IDENTITY_CHARS
 
 DEBUG_FLAG = "--debug"
+#: The key of the identity labels in log lines (``coda_memory.set_log_key``): the CLI's
+#: warnings then label identities as the host's services do.
+LOG_KEY_VARIABLE = "CODA_MEMORY_LOG_KEY"
 
 
 def hoist_debug(args: Sequence[str]) -> list[str]:
@@ -201,10 +206,15 @@ def _main(
     """Memory across sessions for LLM agents: inspect and maintain it in Postgres.
 
     The database is --url or $CODA_MEMORY_DATABASE_URL; with neither, an embedded
-    Postgres in ./.coda-memory/pgdata is created and migrated on first use.
+    Postgres in ./.coda-memory/pgdata is created and migrated on first use. Warnings
+    label identities under the key in $CODA_MEMORY_LOG_KEY, as services given that key
+    by set_log_key() do.
     """
     invocation.debug = debug
     log_to_stderr()
+    key = os.environ.get(LOG_KEY_VARIABLE)
+    if key:
+        set_log_key(key)
 
 
 class _Stderr(logging.StreamHandler):  # type: ignore[type-arg]

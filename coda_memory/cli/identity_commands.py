@@ -1,7 +1,9 @@
-"""Commands about one identity: facts, prompt, history, forget."""
+"""Commands about one identity: facts, prompt, history, forget, and the label of its log
+lines."""
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Sequence
 from datetime import UTC, datetime
@@ -12,6 +14,7 @@ from rich.table import Table
 from rich.text import Text
 
 from coda_memory.cli.app import (
+    LOG_KEY_VARIABLE,
     DecayName,
     DecayOption,
     FormatOption,
@@ -22,6 +25,7 @@ from coda_memory.cli.app import (
     SchemaOption,
     UrlOption,
     app,
+    checked_identity,
     checked_subject,
     decay_strategy,
 )
@@ -45,6 +49,7 @@ from coda_memory.cli.runtime import (
     require_identity,
     run_on_store,
 )
+from coda_memory.core.logs import identity_label
 from coda_memory.core.model import Fact, FactEvent, FactEventKind
 from coda_memory.core.prompt import format_memory_section
 from coda_memory.ports import Forgotten
@@ -282,3 +287,29 @@ def forget(
 def stdin_is_interactive() -> bool:
     """True when a person can answer a confirmation prompt."""
     return sys.stdin is not None and sys.stdin.isatty()
+
+
+def _checked_identities(values: list[str]) -> list[str]:
+    for value in values:
+        checked_identity(value)
+    return values
+
+
+@app.command()
+def label(
+    identities: Annotated[
+        list[str],
+        typer.Argument(help="The identity (user) ids.", callback=_checked_identities),
+    ],
+) -> None:
+    """Print the label that log lines give each identity (id:<12 hex digits>), under the
+    key in $CODA_MEMORY_LOG_KEY: the services' key (set_log_key), to find a user's lines."""
+    if not os.environ.get(LOG_KEY_VARIABLE):
+        raise CliError(
+            f"${LOG_KEY_VARIABLE} is not set: give it the key the services pass to "
+            "set_log_key() (without one, a process labels identities under a random key "
+            "of its own, and no label made here would match a log line)",
+            code=2,
+        )
+    for identity in identities:
+        typer.echo(f"{identity_label(identity)}\t{identity}")
