@@ -84,7 +84,7 @@ class LogThrottle:
         if last is not None and now - last < self.interval:
             self._held[cause] = self._held.get(cause, 0) + 1
             self._levels[cause] = max(level, self._levels.get(cause, level))
-            self._schedule(cause, last + 2 * self.interval - now)
+            self._schedule(cause, self._quiet_at(last) - now)
             return
         self._levels.pop(cause, None)
         held = self._held.pop(cause, 0)
@@ -122,6 +122,11 @@ class LogThrottle:
             since,
         )
 
+    def _quiet_at(self, last: float) -> float:
+        """When a cause whose last line was at ``last`` has been quiet for an interval
+        after its window: its held lines are reported then."""
+        return last + 2 * self.interval
+
     def _schedule(self, cause: str, delay: float) -> None:
         """Have the running event loop report ``cause``'s held lines after ``delay``
         seconds, unless a timer of a loop still open is set for it already."""
@@ -144,8 +149,8 @@ class LogThrottle:
             return
         now = self.clock()
         last = self._last.get(cause)
-        if last is not None and now - last < 2 * self.interval:
-            self._schedule(cause, last + 2 * self.interval - now)
+        if last is not None and now < self._quiet_at(last):
+            self._schedule(cause, self._quiet_at(last) - now)
             return
         self._report(cause, now)
         # The report is the cause's line of this interval.

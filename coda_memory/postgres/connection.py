@@ -170,6 +170,12 @@ def released(engine: AsyncEngine) -> None:
     _RELEASED.add(engine)
 
 
+def _may_replace(engine: AsyncEngine, error: BaseException) -> bool:
+    """Whether ``error`` calls for a fresh pool (and idempotent work for another
+    attempt): the connection died, and the engine's store has not released it."""
+    return is_dead_connection(error) and engine not in _RELEASED
+
+
 async def give_back(engine: AsyncEngine, conn: AsyncConnection) -> None:
     """Close ``conn`` when its engine was released meanwhile (else the pool takes it)."""
     if engine in _RELEASED and not conn.invalidated:
@@ -202,7 +208,7 @@ async def run(
         try:
             return await _attempt(engine, work)
         except Exception as error:
-            if not is_dead_connection(error) or engine in _RELEASED:
+            if not _may_replace(engine, error):
                 raise
             await engine.dispose(close=False)
             if not idempotent:
@@ -238,7 +244,7 @@ async def driver_transaction(
                 try:
                     await driver.execute(begin)
                 except Exception as error:
-                    if not is_dead_connection(error) or engine in _RELEASED:
+                    if not _may_replace(engine, error):
                         raise
                     # Died while idle in the pool: nothing was done yet, so begin once
                     # more on a fresh connection of a fresh pool.
