@@ -85,11 +85,19 @@ async def test_stats_count_the_entity_cap(make_service: ServiceFactory) -> None:
     assert service.stats().entity_results_capped == before + 1
 
 
+def throttle_on_a_fake_clock(
+    logger: str = "coda_memory.test", interval: float = 1.0
+) -> tuple[LogThrottle, list[float]]:
+    """A throttle on ``logger`` whose clock reads ``now[0]`` (100.0 to start), and
+    ``now``, which the test moves."""
+    now = [100.0]
+    return LogThrottle(logging.getLogger(logger), interval, clock=lambda: now[0]), now
+
+
 def test_a_repeated_warning_is_logged_at_most_once_per_interval(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    now = [100.0]
-    throttle = LogThrottle(logging.getLogger("coda_memory.test"), 1.0, clock=lambda: now[0])
+    throttle, now = throttle_on_a_fake_clock()
     with caplog.at_level(logging.WARNING, "coda_memory.test"):
         for _ in range(50):
             throttle.warning("timeout", "load timed out")
@@ -107,8 +115,7 @@ def test_a_repeated_warning_is_logged_at_most_once_per_interval(
 def test_flush_reports_each_cause_held_back_once_at_its_level(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    now = [100.0]
-    throttle = LogThrottle(logging.getLogger("coda_memory.test"), 1.0, clock=lambda: now[0])
+    throttle, now = throttle_on_a_fake_clock()
     with caplog.at_level(logging.DEBUG, "coda_memory.test"):
         for _ in range(3):
             throttle.warning("timeout", "load timed out")
@@ -139,8 +146,7 @@ def test_flush_reports_each_cause_held_back_once_at_its_level(
 def test_each_cause_flushed_is_a_template_of_its_own(caplog: pytest.LogCaptureFixture) -> None:
     """Handlers that count lines per cause group them by template (the benchmark's do):
     the flush's lines of two causes must not look like two lines of one."""
-    now = [100.0]
-    throttle = LogThrottle(logging.getLogger("coda_memory.test"), 1.0, clock=lambda: now[0])
+    throttle, _ = throttle_on_a_fake_clock()
     with caplog.at_level(logging.WARNING, "coda_memory.test"):
         for cause in ("timeout", "100% full", "timeout", "100% full"):
             throttle.warning(cause, "a line")
@@ -202,8 +208,7 @@ async def test_lines_held_back_are_reported_once_the_cause_is_quiet(held_back: _
 
 
 async def test_a_count_a_later_line_carried_is_not_reported_again(held_back: _HeldBack) -> None:
-    now = [100.0]
-    throttle = LogThrottle(logging.getLogger("coda_memory.test.timer"), 0.05, clock=lambda: now[0])
+    throttle, now = throttle_on_a_fake_clock("coda_memory.test.timer", 0.05)
     throttle.warning("timeout", "load timed out")
     now[0] += 0.01
     throttle.warning("timeout", "load timed out")  # held: a timer is set
@@ -225,8 +230,7 @@ def test_a_timer_of_a_closed_loop_does_not_keep_the_next_loop_from_reporting(
 ) -> None:
     """Throttles outlive event loops (they are per module): lines held on a loop that
     closed before its timer fired are reported by the next loop that holds one."""
-    now = [100.0]
-    throttle = LogThrottle(logging.getLogger("coda_memory.test.timer"), 0.05, clock=lambda: now[0])
+    throttle, now = throttle_on_a_fake_clock("coda_memory.test.timer", 0.05)
 
     async def held_then_closed() -> None:
         throttle.warning("timeout", "load timed out")
@@ -248,8 +252,7 @@ def test_a_timer_of_a_closed_loop_does_not_keep_the_next_loop_from_reporting(
 
 
 def test_off_an_event_loop_nothing_is_scheduled_and_close_reports(held_back: _HeldBack) -> None:
-    now = [100.0]
-    throttle = LogThrottle(logging.getLogger("coda_memory.test.timer"), 0.05, clock=lambda: now[0])
+    throttle, now = throttle_on_a_fake_clock("coda_memory.test.timer", 0.05)
     throttle.warning("timeout", "load timed out")
     throttle.warning("timeout", "load timed out")
     now[0] += 5.0
