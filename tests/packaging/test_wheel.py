@@ -168,6 +168,9 @@ def test_a_plain_install_brings_only_the_core(
     python = fresh_venv / "bin" / "python"
     before = _size_mib(fresh_venv)
     wheel = next(wheelhouse.glob("coda_memory-*.whl"))
+    with zipfile.ZipFile(wheel) as archive:
+        shipped = archive.read(f"{wheel.name.split('-py')[0]}.dist-info/licenses/LICENSE")
+    assert shipped == (REPOSITORY / "LICENSE").read_bytes()
     _run(python, "-m", "pip", "install", "--quiet", "--no-index", "--find-links", wheelhouse, wheel)
 
     installed = _installed(fresh_venv)
@@ -207,7 +210,8 @@ def test_the_sdist_holds_sources_not_caches(tmp_path: Path) -> None:
         names = sdist.getnames()
     tops = {name.split("/")[1] for name in names if "/" in name}
 
-    assert {"coda_memory", "tests", "README.md", "pyproject.toml", "requirements.lock"} <= tops
+    wanted = {"coda_memory", "tests", "README.md", "LICENSE", "pyproject.toml", "requirements.lock"}
+    assert wanted <= tops
     unwanted = {".hypothesis", ".import_linter_cache", ".venv", ".mypy_cache", ".coda-memory"}
     assert not tops & unwanted
     assert not [name for name in names if "/benchmarks/results" in name]
