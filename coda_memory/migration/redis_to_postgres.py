@@ -25,6 +25,8 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
+from functools import partial
+from typing import TypeVar
 
 from coda_memory.core.logs import short_error
 from coda_memory.core.model import DEFAULT_MAX_CLOCK_SKEW, Fact, Observation, replaced
@@ -147,38 +149,31 @@ def _label(identity: str) -> str:
     return text if text.isprintable() else repr(text)
 
 
-#: A fact's times, each of which is copied as dated now when it lies ahead.
+#: The times of an observation and of a fact, each of which is copied as dated now when
+#: it lies ahead.
+_RECORD_TIMES = ("created_at",)
 _FACT_TIMES = ("last_reinforced_at", "confidence_at", "created_at", "updated_at")
+
+_Dated = TypeVar("_Dated", ObservationRecord, Fact)
 
 
 def _not_ahead(
-    records: Sequence[ObservationRecord], now: datetime
-) -> tuple[list[ObservationRecord], int]:
-    """``records``, those dated more than the clock skew after ``now`` dated ``now`` (as
-    the writer stores a new emit), and how many those were."""
+    items: Sequence[_Dated],
+    now: datetime,
+    times: tuple[str, ...],
+    replace: Callable[..., _Dated],
+) -> tuple[list[_Dated], int]:
+    """``items``, each of their ``times`` that lies more than the clock skew after ``now``
+    set to ``now`` (as the writer dates a new emit), and how many items had one."""
     latest = now + DEFAULT_MAX_CLOCK_SKEW
-    dated: list[ObservationRecord] = []
+    dated: list[_Dated] = []
     ahead = 0
-    for record in records:
-        if record.created_at > latest:
-            record = dataclasses.replace(record, created_at=now)
+    for item in items:
+        late = {name: now for name in times if (getattr(item, name) or now) > latest}
+        if late:
+            item = replace(item, **late)
             ahead += 1
-        dated.append(record)
-    return dated, ahead
-
-
-def _facts_not_ahead(facts: Sequence[Fact], now: datetime) -> tuple[list[Fact], int]:
-    """``facts``, each of their times that lies more than the clock skew after ``now``
-    set to ``now``, and how many facts had one."""
-    latest = now + DEFAULT_MAX_CLOCK_SKEW
-    dated: list[Fact] = []
-    ahead = 0
-    for fact in facts:
-        times = {name: now for name in _FACT_TIMES if (getattr(fact, name) or now) > latest}
-        if times:
-            fact = replaced(fact, **times)
-            ahead += 1
-        dated.append(fact)
+        dated.append(item)
     return dated, ahead
 
 
@@ -193,9 +188,10 @@ async def _copy_one(
     exported = await export_identity(source, identity)
     obs_key = source.keys.of("obs", identity)
     at = now()
-    consumed, consumed_ahead = _not_ahead(_clean(exported, exported.consumed, obs_key), at)
-    pending, pending_ahead = _not_ahead(_clean(exported, exported.pending, obs_key), at)
-    facts, facts_ahead = _facts_not_ahead(exported.facts, at)
+    records = partial(_not_ahead, now=at, times=_RECORD_TIMES, replace=dataclasses.replace)
+    consumed, consumed_ahead = records(_clean(exported, exported.consumed, obs_key))
+    pending, pending_ahead = records(_clean(exported, exported.pending, obs_key))
+    facts, facts_ahead = _not_ahead(exported.facts, at, _FACT_TIMES, replaced)
     copy = IdentityCopy(
         identity_id=identity,
         source=source.keys.prefix,
