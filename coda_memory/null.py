@@ -13,7 +13,7 @@ from contextlib import asynccontextmanager
 
 from coda_memory.core.consolidation import ConsolidationInput, ConsolidationPlan
 from coda_memory.core.model import Fact, FactEvent
-from coda_memory.ports import AppendOutcome, Forgotten, ObservationRecord
+from coda_memory.ports import AppendOutcome, Forgotten, ObservationRecord, check_plan_identity
 
 
 class NullConsolidationUnit:
@@ -30,11 +30,7 @@ class NullConsolidationUnit:
     async def write(self, plan: ConsolidationPlan) -> None:
         if not self._loaded:
             raise RuntimeError("write() needs load() first: the plan must come from this unit")
-        if plan.identity_id != self.identity_id:
-            raise ValueError(
-                f"the plan is for {plan.identity_id!r}, "
-                f"but this unit consolidates {self.identity_id!r}"
-            )
+        check_plan_identity(plan, self.identity_id)
 
     async def commit(self) -> None:
         return None

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from coda_memory.core.consolidation import ConsolidationInput, ConsolidationPlan
+from coda_memory.core.logs import identity_label
 from coda_memory.core.model import Fact, FactEvent
 from coda_memory.core.sanitize import ObservationRecord
 
@@ -45,9 +46,10 @@ def check_plan_identity(plan: ConsolidationPlan, identity_id: str) -> None:
     owners.update(f.identity_id for f in plan.upserts)
     owners.update(e.identity_id for e in plan.events)
     if owners != {identity_id}:
+        # By their labels: a host that logs the error logs no identity.
         raise ValueError(
-            f"the plan touches identities {sorted(owners)!r}, "
-            f"but this unit consolidates {identity_id!r}"
+            f"the plan touches identities {sorted(map(identity_label, owners))}, "
+            f"but this unit consolidates {identity_label(identity_id)}"
         )
 
 

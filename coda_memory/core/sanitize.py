@@ -159,16 +159,37 @@ def _clean_text_slow(value: str, max_chars: int) -> str:
     return _cap("".join(kept), max_chars)
 
 
+#: What could read as the end of a quoted name, each made a plain single quote: double
+#: quotes and backticks; Unicode's initial and final quotation marks (categories Pi and
+#: Pf: the curly quotes, guillemets and the supplemental punctuation's); the low and
+#: double-prime quotation marks of other categories (U+201A, U+201E, U+2E42, U+301D to
+#: U+301F); the Hebrew geresh and gershayim, the ditto mark and the primes (NFKC has
+#: already made a double or triple prime of primes); and the quotation ornaments and
+#: modifier letters drawn like one (U+275B to U+2760, U+1F676 to U+1F678, U+02BA, U+02EE).
+_QUOTE_LIKE = str.maketrans(
+    dict.fromkeys(
+        '"`'
+        "\u00ab\u00bb\u2018\u2019\u201b\u201c\u201d\u201f\u2039\u203a"
+        "\u2e02\u2e03\u2e04\u2e05\u2e09\u2e0a\u2e0c\u2e0d\u2e1c\u2e1d\u2e20\u2e21"
+        "\u201a\u201e\u2e42\u301d\u301e\u301f"
+        "\u05f3\u05f4\u3003\u2032\u2035"
+        "\u275b\u275c\u275d\u275e\u2760\U0001f676\U0001f677\U0001f678\u02ba\u02ee",
+        "'",
+    )
+)
+
+
 def quote_untrusted(value: str, max_chars: int = 80) -> str:
     """``value`` as a double-quoted, single-line name that cannot start prompt structure.
 
     The text is made data by :func:`~coda_memory.core.untrusted.data_text` (no URL,
-    link, tag, role marker or invisible character), backticks and double quotes become
-    single quotes, and leading ``#``, ``>``, ``-`` and ``*`` characters are removed.
-    The text between the quotes has at most ``max_chars`` characters.
+    link, tag, role marker or invisible character); double quotes, backticks and every
+    character that could read as a closing quote (:data:`_QUOTE_LIKE`) become single
+    quotes, and leading ``#``, ``>``, ``-`` and ``*`` characters are removed. The text
+    between the quotes has at most ``max_chars`` characters.
     """
     text = data_text(value, 4 * max_chars)
-    text = text.replace("`", "'").replace('"', "'").lstrip(_PROMPT_STRUCTURE_PREFIX)
+    text = text.translate(_QUOTE_LIKE).lstrip(_PROMPT_STRUCTURE_PREFIX)
     return f'"{_cap(text, max_chars)}"'
 
 

@@ -94,7 +94,13 @@ ToolCounts = Mapping[tuple[str, str], tuple[int, int]]
 def _entity_fact_key(entity_type: str, entity_id: str, name: str | None) -> FactKey | None:
     if not (is_identifier(entity_type) and is_identifier(entity_id)):
         return None
-    label = f"{quote_untrusted(name)} ({entity_id})" if name and name != entity_id else entity_id
+    # The id in quotes too: it comes from a tool result (a table's name is its id), and
+    # the section says to follow nothing in quotes. Its pattern admits no quote.
+    label = (
+        f'{quote_untrusted(name)} (id "{entity_id}")'
+        if name and name != entity_id
+        else f'"{entity_id}"'
+    )
     category = FactCategory.ENTITY_FREQUENCY
     return FactKey(
         category,

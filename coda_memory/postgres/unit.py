@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
+from coda_memory.core.logs import identity_label
 from coda_memory.core.model import Fact, gc_paused
 from coda_memory.core.sessions import subjects_reached
 from coda_memory.core.turns import mapped
@@ -115,7 +116,7 @@ async def lock_identity(raw: Any, statements: Statements, identity_id: str) -> L
             return Locked(row["snapshot"], row["version"])
         # First consolidation (or a concurrent forget removed the row): create it.
         await raw.execute(ensure.text, *ensure.arguments(identity_id=identity_id))
-    raise RuntimeError(f"could not lock the checkpoint of {identity_id!r}")
+    raise RuntimeError(f"could not lock the checkpoint of {identity_label(identity_id)}")
 
 
 async def waiting_rows(

@@ -198,7 +198,9 @@ class RedisStore:
         delay = 0.001
         while not await self.client.set(key, token, nx=True, px=ttl_ms):
             if deadline is not None and loop.time() >= deadline:
-                raise LockTimeout(f"the consolidation lock of {identity_id!r} stayed busy")
+                raise LockTimeout(
+                    f"the consolidation lock of {identity_label(identity_id)} stayed busy"
+                )
             # The holder is usually done within milliseconds: poll, backing off to 25 ms.
             await asyncio.sleep(delay)
             delay = min(delay * 2, 0.025)

@@ -71,7 +71,7 @@ async def test_every_kind_of_observation_lands_on_its_subject(
         "entity_frequency:account:42",
         "domain_preference:royalty",
     }
-    assert facts["entity_frequency:account:42"].content == 'Works with account "Acme" (42)'
+    assert facts["entity_frequency:account:42"].content == 'Works with account "Acme" (id "42")'
 
 
 async def test_a_session_reinforces_a_fact_once_even_across_runs(
@@ -406,4 +406,4 @@ async def test_bad_input_is_rejected_or_sanitised_and_good_input_survives(
         "tool_affinity:after",
         "entity_frequency:account:7",
     }
-    assert facts["entity_frequency:account:7"].content == 'Works with account "Acme" (7)'
+    assert facts["entity_frequency:account:7"].content == 'Works with account "Acme" (id "7")'

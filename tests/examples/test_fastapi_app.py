@@ -90,7 +90,7 @@ async def test_the_fastapi_example_serves_memory_over_http(
         )
         prompt = second.json()["system_prompt"]
         assert "## What you know about this user" in prompt
-        assert 'Works with account "Northwind Records" (acct-118)' in prompt
+        assert 'Works with account "Northwind Records" (id "acct-118")' in prompt
         assert "get_account has failed for this user" in prompt
         facts = {f["subject"] for f in (await client.get("/memory/alice")).json()}
         assert {"tool_affinity:run_royalty_report", "domain_preference:royalty"} <= facts

@@ -283,8 +283,8 @@ def test_identities_and_contents_are_never_read_as_markup(pg_url: str) -> None:
         assert "'[bold]al[/bold]ice'" in result.stdout
     facts = run("facts", identity_id, "--url", pg_url)
     prompt = run("prompt", identity_id, "--url", pg_url)
-    assert 'Works with account "[bold]Acme[/bold]" (acct-1)' in facts.stdout
-    assert 'Works with account "[bold]Acme[/bold]" (acct-1)' in prompt.stdout
+    assert 'Works with account "[bold]Acme[/bold]" (id "acct-1")' in facts.stdout
+    assert 'Works with account "[bold]Acme[/bold]" (id "acct-1")' in prompt.stdout
 
 
 def test_facts_mentions_pending_observations(pg_url: str) -> None:

@@ -171,9 +171,11 @@ async def test_a_busy_lock_times_out(redis_store: RedisStore, redis_url: str) ->
     impatient = RedisStore.from_url(redis_url, lock_timeout=timedelta(milliseconds=50))
     try:
         async with redis_store.consolidation("u1"):
-            with pytest.raises(LockTimeout):
+            with pytest.raises(LockTimeout) as busy:
                 async with impatient.consolidation("u1"):
                     pass
+        # By its label: a host that logs the exception logs no identity.
+        assert str(busy.value) == f"the consolidation lock of {identity_label('u1')} stayed busy"
         async with impatient.consolidation("u1"):  # free again
             pass
     finally:

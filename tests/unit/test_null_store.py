@@ -9,6 +9,7 @@ import pytest
 from coda_memory import LoadedMemory, MemoryService
 from coda_memory.core.consolidation import plan_consolidation
 from coda_memory.core.decay import ExponentialDecay
+from coda_memory.core.logs import identity_label
 from coda_memory.null import NullStore
 from tests.helpers import T0, FakeClock, domain, tool_ok
 
@@ -51,8 +52,12 @@ async def test_the_unit_keeps_the_port_checks() -> None:
     async with store.consolidation("u1") as unit:
         batch = await unit.load()
         plan = plan_consolidation("u2", batch, T0 + timedelta(days=1), ExponentialDecay())
-        with pytest.raises(ValueError, match="u2"):
+        with pytest.raises(ValueError) as refused:
             await unit.write(plan)
+        # By their labels: a host that logs the error logs no identity.
+        assert identity_label("u2") in str(refused.value)
+        assert identity_label("u1") in str(refused.value)
+        assert "u1" not in str(refused.value).replace(identity_label("u1"), "")
     async with store.consolidation("u1") as unit:
         with pytest.raises(RuntimeError, match="load"):
             await unit.write(plan_consolidation("u1", batch, T0, ExponentialDecay()))

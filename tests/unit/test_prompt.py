@@ -23,7 +23,7 @@ from tests.helpers import run_counting
 
 AT = datetime(2025, 3, 1, tzinfo=UTC)
 #: Estimated tokens of header 8 + framing 34 + closing 20, and their two newlines.
-FIXED_TOKENS = 64
+FIXED_TOKENS = 67
 
 
 def fact(
@@ -113,12 +113,12 @@ def test_facts_rank_by_confidence_times_reinforcements_then_subject() -> None:
 
 
 def test_budget_is_exact_at_the_boundary() -> None:
-    # 64 fixed + heading 5 + line 6 + their two newlines = 77 tokens.
+    # 67 fixed + heading 5 + line 6 + their two newlines = 80 tokens.
     facts = [fact(FactCategory.TOOL_AFFINITY, "get_account", "Uses get_account often")]
-    section = format_memory_section(facts, budget_tokens=77)
-    assert estimate_tokens(section) == 77
+    section = format_memory_section(facts, budget_tokens=80)
+    assert estimate_tokens(section) == 80
     assert lines(section)[3] == "- Uses get_account often"
-    assert format_memory_section(facts, budget_tokens=76) == ""
+    assert format_memory_section(facts, budget_tokens=79) == ""
 
 
 def test_a_fact_that_does_not_fit_is_skipped_and_a_shorter_one_may_fit() -> None:
@@ -127,8 +127,8 @@ def test_a_fact_that_does_not_fit_is_skipped_and_a_shorter_one_may_fit() -> None
         fact(FactCategory.TOOL_AFFINITY, "short", "one two", 0.1, 1),
         fact(FactCategory.DOMAIN_PREFERENCE, "royalty", "Asks about royalty", 0.5, 1),
     ]
-    # 64 + heading 6 + short line 4 = 74 tokens: only the short fact fits.
-    section = format_memory_section(facts, budget_tokens=74)
+    # 67 + heading 6 + short line 4 = 77 tokens: only the short fact fits.
+    section = format_memory_section(facts, budget_tokens=77)
     assert lines(section) == [HEADER, FRAMING, "### Tool preferences", "- one two", CLOSING]
 
 
@@ -137,10 +137,10 @@ def test_a_heading_is_counted_and_only_emitted_with_a_fact() -> None:
         fact(FactCategory.TOOL_AFFINITY, "get_account", "Uses get_account", 0.9, 2),
         fact(FactCategory.DOMAIN_PREFERENCE, "royalty", "Asks about royalty", 0.5, 1),
     ]
-    # First fact: 64 + heading 6 + line 6 = 76 tokens. The second needs heading 6 and
-    # line 7 more, 89 tokens; a budget of 88 leaves it, and its heading, out.
-    assert "### Domain focus" not in format_memory_section(facts, budget_tokens=88)
-    assert lines(format_memory_section(facts, budget_tokens=89))[4:6] == [
+    # First fact: 67 + heading 6 + line 6 = 79 tokens. The second needs heading 6 and
+    # line 7 more, 92 tokens; a budget of 91 leaves it, and its heading, out.
+    assert "### Domain focus" not in format_memory_section(facts, budget_tokens=91)
+    assert lines(format_memory_section(facts, budget_tokens=92))[4:6] == [
         "### Domain focus",
         "- Asks about royalty",
     ]
@@ -161,6 +161,17 @@ def test_no_facts_or_only_blank_facts_give_an_empty_string() -> None:
 def test_fact_content_is_cut_to_160_characters() -> None:
     facts = [fact(FactCategory.TOOL_AFFINITY, "t", "x" * 500)]
     assert lines(format_memory_section(facts))[3] == "- " + "x" * 159 + "…"
+
+
+def test_a_line_cut_inside_a_quoted_name_closes_the_quote() -> None:
+    """Cut at 160 characters inside a name, the line would leave its quote open."""
+    content = f'Works with {"t" * 70} "{"N" * 79}…" (id "acct-9")'
+    facts = [fact(FactCategory.ENTITY_FREQUENCY, "t:acct-9", content)]
+    line = lines(format_memory_section(facts))[3]
+    # 160 characters: 83 up to the name's quote, 76 of the name and the ellipsis; then
+    # the closing quote.
+    assert line == f'- Works with {"t" * 70} "{"N" * 76}…"'
+    assert line.count('"') == 2
 
 
 INJECTIONS = [

@@ -123,7 +123,7 @@ async def test_load_memory_gives_facts_prompt_and_affinities() -> None:
     lines = memory.prompt_section.splitlines()
     assert lines[0] == "## What you know about this user"
     assert "- Uses get_account successfully" in lines
-    assert '- Works with account "Acme" (42)' in lines
+    assert '- Works with account "Acme" (id "42")' in lines
     assert "- run_query has failed for this user" in lines
     await service.close()
 
