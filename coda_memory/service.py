@@ -280,6 +280,7 @@ class MemoryService(ObservationWriter):
         self._background: set[asyncio.Task[LoadedMemory | None]] = set()
         #: Set when close() has released the store (a second close() waits for it).
         self._close_done: asyncio.Event | None = None
+        self._closing: asyncio.Future[None] | None = None
         # Calls of the caller's own that use the store (consolidate, facts, …), which
         # close() waits for before it releases the store.
         self._calls_in_flight = 0
@@ -351,7 +352,9 @@ class MemoryService(ObservationWriter):
         async with asyncio.timeout(timeout):
             await self._written(loop)
             while self._background:
-                await asyncio.gather(*list(self._background), return_exceptions=True)
+                # wait(), not gather(): a drain that times out (or is cancelled) must not
+                # cancel the consolidations of the loads in flight with it.
+                await asyncio.wait(list(self._background))
 
     # -- consolidation ------------------------------------------------------------------
 
@@ -889,6 +892,13 @@ class MemoryService(ObservationWriter):
         self._check_loop()
         self._closed = True
         self._close_done = asyncio.Event()
+        # A task of its own, which a cancelled caller leaves running (a host's shutdown
+        # deadline, an anyio cancel scope): cancelled half-way, close released nothing,
+        # and a second close() returned at once.
+        self._closing = asyncio.ensure_future(self._close(timeout, self._close_done))
+        await asyncio.shield(self._closing)
+
+    async def _close(self, timeout: float | None, done: asyncio.Event) -> None:
         try:
             await self.drain(timeout)
         except TimeoutError:
@@ -905,11 +915,14 @@ class MemoryService(ObservationWriter):
                     await asyncio.wait(list(self._background), timeout=CLOSE_GRACE)
                 await self._calls_end()
                 self._released_under_calls = self._calls_in_flight > 0
-                await self._release_store()
             finally:
-                # The counts of lines held back that no later line reported.
-                flush_held()
-                self._close_done.set()
+                try:
+                    # Even when this task is cancelled (the loop shutting down).
+                    await self._release_store()
+                finally:
+                    # The counts of lines held back that no later line reported.
+                    flush_held()
+                    done.set()
 
     async def _release_store(self) -> None:
         """Close the store, waiting at most CLOSE_GRACE."""

@@ -23,10 +23,12 @@ driver connection) and SQLAlchemy's wrapped ones.
 
 from __future__ import annotations
 
+import asyncio
 import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from datetime import timedelta
+from functools import partial
 from typing import Any, TypeVar
 
 import asyncpg
@@ -183,16 +185,17 @@ async def give_back(engine: AsyncEngine, conn: AsyncConnection) -> None:
 
 
 async def _attempt(engine: AsyncEngine, work: Callable[[AsyncConnection], Awaitable[T]]) -> T:
-    async with engine.connect() as conn:
-        try:
-            return await work(conn)
-        except Exception as error:
-            # SQLAlchemy invalidates what it saw die; asyncpg errors it did not see.
-            if is_dead_connection(error) and not conn.invalidated:
-                await conn.invalidate()
-            raise
-        finally:
-            await give_back(engine, conn)
+    conn = await engine.connect().start()
+    try:
+        return await work(conn)
+    except Exception as error:
+        # SQLAlchemy invalidates what it saw die; asyncpg errors it did not see.
+        if is_dead_connection(error) and not conn.invalidated:
+            await conn.invalidate()
+        raise
+    finally:
+        # The pool rolls back the transaction SQLAlchemy began, when it takes it back.
+        await let_go(engine, conn)
 
 
 async def run(
@@ -216,12 +219,17 @@ async def run(
         return await _attempt(engine, work)
 
 
-async def _end_transaction(conn: AsyncConnection, driver: Any) -> None:
-    """Roll back what was not committed; a connection that can't is thrown away."""
+async def _end_transaction(conn: AsyncConnection, driver: Any, *, interrupted: bool) -> None:
+    """Roll back what was not committed; a connection that can't is thrown away.
+
+    After work ``interrupted`` (an exception, a cancellation), the driver's own account of
+    the transaction can't be trusted: a statement cancelled in flight (the BEGIN itself)
+    may have opened one that the driver has not heard of yet. So a ROLLBACK goes anyway,
+    and a connection still busy with that statement refuses it, and is thrown away."""
     if driver.is_closed():
         await conn.invalidate()
         return
-    if driver.is_in_transaction():
+    if interrupted or driver.is_in_transaction():
         try:
             await driver.execute("ROLLBACK")
         except Exception:
@@ -230,33 +238,79 @@ async def _end_transaction(conn: AsyncConnection, driver: Any) -> None:
             await conn.invalidate()
 
 
+#: Connections being let go after their caller was cancelled again (kept referenced).
+_LETTING_GO: set[asyncio.Task[None]] = set()
+
+
+async def let_go(
+    engine: AsyncEngine,
+    conn: AsyncConnection,
+    settle: Callable[[], Awaitable[None]] | None = None,
+) -> None:
+    """Settle ``conn`` (``settle`` ends what the work left open on it), then give it back
+    to ``engine``'s pool (closed, if the engine was released meanwhile).
+
+    This runs to its end even when the caller is cancelled again meanwhile, as anyio's
+    cancel scopes (FastAPI, Starlette) do at every turn of the loop: the caller gets its
+    cancellation, and the clean-up goes on as a task of its own. Cancelled half-way, it
+    returned a connection with its transaction open to the pool, holding the tables'
+    locks (and perhaps an identity's checkpoint row) until its next use."""
+
+    async def to_the_end() -> None:
+        try:
+            if settle is not None:
+                await settle()
+            await give_back(engine, conn)
+        finally:
+            await conn.close()
+
+    task = asyncio.ensure_future(to_the_end())
+    _LETTING_GO.add(task)
+    task.add_done_callback(_let_go_done)
+    await asyncio.shield(task)
+
+
+def _let_go_done(task: asyncio.Task[None]) -> None:
+    _LETTING_GO.discard(task)
+    if not task.cancelled():
+        task.exception()  # retrieved: a caller that was cancelled no longer waits for it
+
+
 @asynccontextmanager
 async def driver_transaction(
     engine: AsyncEngine, schema: str, begin: str, doing: str
 ) -> AsyncIterator[Any]:
     """An asyncpg connection inside the transaction that ``begin`` opens (a simple query:
-    BEGIN and its settings in one round trip); what is not committed is rolled back.
-    ``doing`` completes the :class:`ConnectionLost` message ("while …")."""
-    async with engine.connect() as conn:
+    BEGIN and its settings in one round trip); what is not committed is rolled back, even
+    when the caller is cancelled meanwhile (:func:`let_go`). ``doing`` completes the
+    :class:`ConnectionLost` message ("while …")."""
+    conn = await engine.connect().start()
+    driver: Any = None
+    interrupted = True
+    try:
         driver = await driver_connection(conn)
-        try:
-            with schema_required(schema):
-                try:
-                    await driver.execute(begin)
-                except Exception as error:
-                    if not _may_replace(engine, error):
-                        raise
-                    # Died while idle in the pool: nothing was done yet, so begin once
-                    # more on a fresh connection of a fresh pool.
-                    await conn.invalidate()
-                    await engine.dispose(close=False)
-                    driver = await driver_connection(conn)
-                    await driver.execute(begin)
-            yield driver
-        except Exception as error:
-            if is_dead_connection(error):
-                raise ConnectionLost(f"the connection died {doing}: {error!r}") from error
-            raise
-        finally:
-            await _end_transaction(conn, driver)
-            await give_back(engine, conn)
+        with schema_required(schema):
+            try:
+                await driver.execute(begin)
+            except Exception as error:
+                if not _may_replace(engine, error):
+                    raise
+                # Died while idle in the pool: nothing was done yet, so begin once
+                # more on a fresh connection of a fresh pool.
+                await conn.invalidate()
+                await engine.dispose(close=False)
+                driver = await driver_connection(conn)
+                await driver.execute(begin)
+        yield driver
+        interrupted = False
+    except Exception as error:
+        if is_dead_connection(error):
+            raise ConnectionLost(f"the connection died {doing}: {error!r}") from error
+        raise
+    finally:
+        settle = (
+            None
+            if driver is None
+            else partial(_end_transaction, conn, driver, interrupted=interrupted)
+        )
+        await let_go(engine, conn, settle)

@@ -110,8 +110,8 @@ from coda_memory.postgres.connection import (
     LOCK_NOT_AVAILABLE,
     QUERY_CANCELED,
     driver_transaction,
-    give_back,
     is_connection_error,
+    let_go,
     lock_timeout_clause,
     released,
     run,
@@ -702,11 +702,15 @@ async def _warm(engine: AsyncEngine, schema: str, statements: list[str]) -> None
     count = int(size()) if callable(size) else 1
 
     async def one() -> None:
-        async with engine.connect() as conn:
-            try:
-                await _prepare(await driver_connection(conn), statements)
-            finally:
-                await give_back(engine, conn)
+        conn = await engine.connect().start()
+        prepared = False
+        try:
+            await _prepare(await driver_connection(conn), statements)
+            prepared = True
+        finally:
+            # Cut short (cancelled, failed), the prepares may have left their implicit
+            # transaction open, with its tables' locks: the connection goes.
+            await let_go(engine, conn, None if prepared else conn.invalidate)
 
     with schema_required(schema):
         await asyncio.gather(*(one() for _ in range(count)))

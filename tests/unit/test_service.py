@@ -1303,3 +1303,25 @@ async def test_a_background_consolidation_that_fails_after_its_loads_gave_up_is_
         f"coda-memory: background consolidation of {identity_label('u1')} failed "
         "(ConnectionError: database unavailable)"
     ]
+
+
+async def test_a_drain_that_times_out_lets_the_loads_in_flight_finish() -> None:
+    """drain() gave up by cancelling what it waited for: the consolidations of the loads
+    in flight, which then failed (LoadCancelled) on a service that stayed open."""
+    store = GatedStore()
+    service = MemoryService(store, clock=FakeClock(), load_timeout=5.0)
+    try:
+        service.emit_observation("alice", tool_ok("get_account"))
+        await service.drain()
+        store.consolidation_gate.clear()
+        loading = asyncio.create_task(service.load_memory("alice"))
+        await _until(lambda: service._background)  # its consolidation waits at the gate
+        with pytest.raises(TimeoutError):
+            await service.drain(timeout=0.01)
+        store.consolidation_gate.set()
+        loaded = await loading
+
+        assert [f.subject for f in loaded.facts] == ["tool_affinity:get_account"]
+        assert service.stats().load_errors == 0
+    finally:
+        await service.close()
