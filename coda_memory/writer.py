@@ -26,7 +26,7 @@ from coda_memory.core.model import NewObservation, ObservationType
 from coda_memory.core.sanitize import ObservationRejected, sanitize_fields, sanitize_observation
 from coda_memory.core.turns import collector_scope
 from coda_memory.errors import ConnectionLost, StoreBusy
-from coda_memory.ports import MemoryStore, ObservationRecord
+from coda_memory.ports import AppendOutcome, MemoryStore, ObservationRecord
 
 Clock = Callable[[], datetime]
 
@@ -403,9 +403,7 @@ class ObservationWriter:
                         collector_scope(self.hold_gc, self._may_collect),
                         self._telemetry.span("append", **{"coda_memory.batch": len(records)}),
                     ):
-                        outcome = await self.store.append(
-                            records, batch_key=key, first_attempt=first_attempt
-                        )
+                        outcome, stopped = await self._attempt(records, key, first_attempt)
                 except StoreBusy as error:
                     # A lock or a timeout: the attempt already waited (the writer's lock
                     # timeout), so the same batch goes again at once, and goes in as soon as
@@ -448,13 +446,47 @@ class ObservationWriter:
                 self._discarded += outcome.discarded
                 for index, reason in outcome.refused:
                     self._reject(records[index].identity_id, reason)
+                if stopped:
+                    # Counted as what the store made of it; the writer still stops.
+                    self._settled(items)
+                    raise asyncio.CancelledError
                 break
         finally:
             if retried:
                 self._retrying -= 1
+        self._settled(items)
+
+    def _settled(self, items: list[_Item]) -> None:
+        """``items`` are no longer in flight: stored, rejected or discarded."""
+        assert self._progress is not None
         self._held_bytes = max(0, self._held_bytes - sum(item[5] for item in items))  # bytes
         self._inflight -= len(items)
         self._progress.set()
+
+    async def _attempt(
+        self, records: list[ObservationRecord], key: str, first_attempt: bool
+    ) -> tuple[AppendOutcome, bool]:
+        """One append of ``records``, and whether the writer was stopped meanwhile.
+
+        Stopped (``close()`` cancels the writer) while the store appends, the append is
+        given a moment (``CLOSE_GRACE / 2``) to end: its COMMIT may already be on its way,
+        and a batch that the table holds but that was counted as dropped made ``stats()``
+        disagree with the table. Ended, it is counted as what it was; not ended, it is
+        cancelled and counted as dropped, as before."""
+        attempt = asyncio.ensure_future(
+            self.store.append(records, batch_key=key, first_attempt=first_attempt)
+        )
+        try:
+            return await asyncio.shield(attempt), False
+        except asyncio.CancelledError:
+            if not attempt.done():
+                await asyncio.wait([attempt], timeout=CLOSE_GRACE / 2)
+            if not attempt.done():
+                attempt.cancel()
+                raise
+            if attempt.cancelled() or attempt.exception() is not None:
+                raise
+            return attempt.result(), True
 
     def _retry_begins(self) -> bool:
         """Count an append that waits to be retried, and tell the writer (see MAX_AHEAD)."""

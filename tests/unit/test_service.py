@@ -1325,3 +1325,45 @@ async def test_a_drain_that_times_out_lets_the_loads_in_flight_finish() -> None:
         assert service.stats().load_errors == 0
     finally:
         await service.close()
+
+
+class AcknowledgingStore(InMemoryStore):
+    """Stores a batch, then waits before answering: a COMMIT done on the server whose
+    acknowledgement is still on its way back."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.committed = asyncio.Event()
+        self.acknowledge = asyncio.Event()
+
+    async def append(
+        self,
+        records: Sequence[ObservationRecord],
+        *,
+        batch_key: str | None = None,
+        first_attempt: bool = False,
+    ) -> AppendOutcome:
+        outcome = await super().append(records, batch_key=batch_key, first_attempt=first_attempt)
+        self.committed.set()
+        await self.acknowledge.wait()
+        return outcome
+
+
+async def test_a_batch_stored_as_close_stops_the_writer_counts_as_stored() -> None:
+    """close() cancelled the append in flight and counted its batch as dropped, although
+    its COMMIT had reached the server: stats() disagreed with the table."""
+    store = AcknowledgingStore()
+    service = MemoryService(store, clock=FakeClock())
+    for n in range(10):
+        service.emit_observation("alice", tool_ok("get_account", session=f"s{n}"))
+    await store.committed.wait()
+    writer = service._writer
+    assert writer is not None
+    closing = asyncio.create_task(service.close(timeout=0.01))
+    await _until(writer.cancelling)  # close() stops the writer: then the answer comes
+    store.acknowledge.set()
+    await closing
+
+    stats = service.stats()
+    assert (stats.stored, stats.dropped, stats.pending) == (10, 0, 0)
+    assert len(await store.observations("alice")) == 10
