@@ -10,10 +10,19 @@ from typing import Any
 
 from coda_memory.ports import MemoryStore
 
+#: The schemes of memory URLs that name a store.
+SCHEMES = frozenset({"memory", "null", "postgresql", "postgres", "redis", "rediss"})
+
+
+def url_scheme(url: str) -> str:
+    """The scheme of the memory URL ``url``, lower-case and without a driver
+    (``postgresql+asyncpg://…`` is ``postgresql``)."""
+    return url.split(":", 1)[0].split("+", 1)[0].lower()
+
 
 def store_from_url(url: str, store_options: dict[str, Any]) -> MemoryStore:
     """The store ``url`` names, built with ``store_options`` (see ``MemoryService.from_url``)."""
-    scheme = url.split(":", 1)[0].split("+", 1)[0].lower()
+    scheme = url_scheme(url)
     store: MemoryStore
     if scheme in ("memory", "null"):
         if store_options:

@@ -16,7 +16,8 @@ import pytest
 
 REPOSITORY = Path(__file__).resolve().parents[1]
 README = (REPOSITORY / "README.md").read_text()
-EXAMPLE_URL = "postgresql://app@db/app"
+#: The README's example URLs: the app role's, and the analyst role's for analytics.
+EXAMPLE_URL = re.compile(r"postgresql://(?:app|analyst)@db/app")
 FRAGMENT = re.compile(r"<!-- fragment: covered by (tests/\S+)")
 BLOCK = re.compile(r"^```python\n(.*?)^```$", re.M | re.S)
 
@@ -47,7 +48,7 @@ def test_the_readme_has_python_blocks_and_every_fragment_names_an_existing_test(
 @pytest.mark.parametrize("code", RUNNABLE)
 def test_a_readme_block_runs(code: str, pg_url: str, tmp_path: Path) -> None:
     result = subprocess.run(
-        [sys.executable, "-W", "error", "-c", code.replace(EXAMPLE_URL, pg_url)],
+        [sys.executable, "-W", "error", "-c", EXAMPLE_URL.sub(lambda _: pg_url, code)],
         cwd=tmp_path,
         capture_output=True,
         text=True,

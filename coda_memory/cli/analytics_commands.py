@@ -186,9 +186,10 @@ def _analytics(
     elif output is AnalyticsFormat.CSV:
         _print_csv(rows, model)
     elif not rows:
+        longer = "a longer --since or " if query.since is not None else ""
         typer.echo(
-            f"{title}: no rows (try a longer --since or a lower --min-users; an analyst "
-            "role sees no group below the database's floor, analytics_floor.min_users)"
+            f"{title}: no rows (try {longer}a lower --min-users; an analyst role sees no "
+            "group below the database's floor, analytics_floor.min_users)"
         )
     elif callable(columns):
         make_console().print(columns(rows))

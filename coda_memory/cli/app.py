@@ -13,7 +13,13 @@ from typing import Annotated, Any
 import typer
 from typer.core import TyperGroup
 
-from coda_memory.cli.runtime import URL_VARIABLE, CliError, debug_enabled, invocation
+from coda_memory.cli.runtime import (
+    SCHEMA_VARIABLE,
+    URL_VARIABLE,
+    CliError,
+    debug_enabled,
+    invocation,
+)
 from coda_memory.core.decay import AdaptiveDecay, DecayStrategy, ExponentialDecay, PowerLawDecay
 from coda_memory.core.logs import set_log_key
 from coda_memory.core.sanitize import MAX_IDENTITY_CHARS
@@ -135,7 +141,7 @@ UrlOption = Annotated[
 ]
 SchemaOption = Annotated[
     str,
-    typer.Option("--schema", envvar="CODA_MEMORY_SCHEMA", help="Schema of the tables."),
+    typer.Option("--schema", envvar=SCHEMA_VARIABLE, help="Schema of the tables."),
 ]
 DecayOption = Annotated[
     DecayName,
@@ -167,6 +173,9 @@ def _is_database_text(value: str) -> bool:
 
 def checked_identity(value: str | None) -> str | None:
     """An identity argument that the database can take; a usage error otherwise."""
+    if value == "":
+        # No service stores one (it rejects an empty id): nothing to show or erase.
+        raise typer.BadParameter("an identity is not empty")
     if value is not None and not _is_database_text(value):
         raise typer.BadParameter("an identity must be UTF-8 text without NUL")
     if value is not None and len(value) > MAX_IDENTITY_CHARS:

@@ -40,6 +40,7 @@ from coda_memory.cli.output import (
     new_table,
     note,
     print_json,
+    printable,
 )
 from coda_memory.cli.runtime import (
     DEFAULT_LOCK_WAIT,
@@ -312,4 +313,6 @@ def label(
             code=2,
         )
     for identity in identities:
-        typer.echo(f"{identity_label(identity)}\t{identity}")
+        # Escaped: a tab or a line break would break the lines' format, and an escape
+        # sequence reach the terminal.
+        typer.echo(f"{identity_label(identity)}\t{printable(identity)}")

@@ -10,7 +10,7 @@ import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from coda_memory.cli.app import FormatOption, OutputFormat, SchemaOption, UrlOption, app
-from coda_memory.cli.output import add_row, make_console, new_table, print_json
+from coda_memory.cli.output import add_row, make_console, new_table, print_json, printable
 from coda_memory.cli.runtime import (
     BUSY_EXIT_CODE,
     CliError,
@@ -50,12 +50,6 @@ def _checked_redis_url(redis_url: str) -> None:
             "percent-encoded)",
             code=2,
         )
-
-
-def _printable(text: str) -> str:
-    """``text`` with what a terminal would act on (escape sequences, …) escaped: a bad
-    record's reason may quote a key as Redis holds it."""
-    return text if text.isprintable() else repr(text)[1:-1]
 
 
 @app.command("import-redis")
@@ -121,6 +115,12 @@ def import_redis(
                 progress.update(task, completed=done, total=total)
 
             if dry_run:
+                if url is not None:
+                    # The target too, so that the dry run finds what would stop the real
+                    # one before it begins: a server it cannot reach, a schema not
+                    # migrated, a role that cannot see every identity's rows.
+                    async with open_store(resolve_target(url, schema)):
+                        pass
                 with progress:
                     return await copy_all(
                         source, None, now=_now, on_identity=advance, summary=partial
@@ -148,8 +148,11 @@ def import_redis(
                 **{k: getattr(summary, k) for k in _COUNTS},
                 "bad_records": [{"key": key, "reason": reason} for key, reason in summary.bad],
                 "busy": summary.busy,
+                "failed": summary.failed,
             }
         )
+        if summary.failed:
+            raise typer.Exit(1)
         if summary.busy:
             raise typer.Exit(BUSY_EXIT_CODE)
         return
@@ -173,8 +176,15 @@ def import_redis(
     add_row(table, "identities busy (not copied: run it again)", f"{len(summary.busy):,}")
     make_console().print(table)
     _list_bad(summary.bad)
+    if summary.failed:
+        # Left out whole: listed among the bad records as <prefix>*:<identity>.
+        typer.echo(
+            f"{len(summary.failed):,} identities left out whole (see the bad records "
+            "above); the next run tries them again",
+            err=True,
+        )
     if summary.busy:
-        shown = ", ".join(_printable(label) for label in summary.busy[:_LISTED_BAD])
+        shown = ", ".join(printable(label) for label in summary.busy[:_LISTED_BAD])
         more = (
             f" … and {len(summary.busy) - _LISTED_BAD:,} more"
             if len(summary.busy) > _LISTED_BAD
@@ -183,6 +193,9 @@ def import_redis(
         typer.echo(
             f"busy (locked by live traffic; the next run copies them): {shown}{more}", err=True
         )
+    if summary.failed:
+        raise typer.Exit(1)
+    if summary.busy:
         raise typer.Exit(BUSY_EXIT_CODE)
 
 
@@ -190,7 +203,7 @@ def _list_bad(bad: list[tuple[str, str]], *, stderr: bool = False) -> None:
     """The bad records, by key with the reason (the first :data:`_LISTED_BAD`)."""
     console = make_console(stderr=stderr)
     for key, reason in bad[:_LISTED_BAD]:
-        console.print(f"bad record: {key}: {_printable(reason)}", markup=False, highlight=False)
+        console.print(f"bad record: {key}: {printable(reason)}", markup=False, highlight=False)
     if len(bad) > _LISTED_BAD:
         console.print(f"… and {len(bad) - _LISTED_BAD:,} more (see --format json)")
 

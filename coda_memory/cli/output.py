@@ -132,3 +132,9 @@ def fmt_bytes(size: int) -> str:
             return f"{value:,.0f} {unit}" if unit == "B" else f"{value:,.1f} {unit}"
         value /= 1024
     return f"{size} B"
+
+
+def printable(text: str) -> str:
+    """``text`` with what a terminal would act on (escape sequences, a line break, a tab)
+    escaped as Python writes it: ids and reasons may quote data as the store holds it."""
+    return text if text.isprintable() else repr(text)[1:-1]

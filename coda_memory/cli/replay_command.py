@@ -49,6 +49,7 @@ from coda_memory.replay import (
 from coda_memory.replay.report import HEADER, rows, values
 from coda_memory.replay.suite import Comparison, compare
 from coda_memory.replay.tuning import FAMILIES
+from coda_memory.stores import SCHEMES, url_scheme
 
 
 def _stored_events(url: str | None, schema: str) -> list[Event]:
@@ -125,6 +126,17 @@ def replay(
             f"--horizon-days must be a positive number of days, at most {MAX_SPAN.days:,}"
         )
     checked_plot_path(plot)
+    # Before the events are read (a long file, or the database's observations).
+    scheme = url_scheme(store)
+    if scheme == "null":
+        raise typer.BadParameter(
+            "null:// keeps nothing: the replay would score nothing", param_hint="--store"
+        )
+    if scheme not in SCHEMES:
+        raise typer.BadParameter(
+            f"unsupported memory URL scheme {scheme!r}: use memory://, postgresql://… or redis://…",
+            param_hint="--store",
+        )
     stream = _file_events(events) if events is not None else _stored_events(url, schema)
     if not stream:
         fail("no events to replay")

@@ -53,6 +53,7 @@ _LOCKED_OUT = (
 
 #: The environment variable that gives ``--url``.
 URL_VARIABLE = "CODA_MEMORY_DATABASE_URL"
+SCHEMA_VARIABLE = "CODA_MEMORY_SCHEMA"
 #: Seconds to wait for a connection before reporting the database as unreachable.
 CONNECT_TIMEOUT = 10.0
 
@@ -212,6 +213,11 @@ def masked_url(url: str) -> str:
 def resolve_target(url: str | None, schema: str, *, announce: bool = True) -> Target:
     """The database named by ``--url``/the environment, or the embedded one (started
     here, and named on stderr unless ``announce`` is false)."""
+    # An empty schema variable is the same mistake as an empty URL (below), not a request
+    # for the default schema: another tenant's tables, perhaps. (click passes it on as no
+    # --schema at all.)
+    if schema == DEFAULT_SCHEMA and os.environ.get(SCHEMA_VARIABLE) == "":
+        raise CliError(f"${SCHEMA_VARIABLE} is empty: give a schema, or unset it", code=2)
     try:
         schema = validate_schema_name(schema)
     except ValueError as exc:

@@ -64,6 +64,9 @@ class ImportSummary:
     #: Identities (as printable labels) that live traffic held locked: not copied, and
     #: not in the ledger, so a later run copies them.
     busy: list[str] = field(default_factory=list)
+    #: Identities (as printable labels) left out whole: their data failed in a way no
+    #: check foresaw. Not in the ledger either: a later run tries them again.
+    failed: list[str] = field(default_factory=list)
 
 
 #: SQLSTATEs of a lock wait given up on: the lock timeout, or the statement timeout.
@@ -119,6 +122,7 @@ async def import_redis(
         if problem is not None:
             # Left out whole; it is not in the ledger, so a later run tries it again.
             summary.bad.append((f"{source.keys.prefix}*:{_label(identity)}", problem))
+            summary.failed.append(_label(identity))
         if on_identity is not None:
             on_identity(identity, done, len(identities))
     return summary

@@ -123,13 +123,15 @@ MAX_TIMEOUT = timedelta(milliseconds=MAX_INT32)
 
 def timeout_setting(value: timedelta | None, name: str) -> str:
     """``value`` as a Postgres timeout setting, ``'<n>ms'`` (None, zero or less: ``0ms``,
-    no limit); ValueError naming ``name`` past MAX_TIMEOUT, which Postgres refuses (every
-    statement that set it would fail)."""
+    no limit; a positive value under a millisecond: ``1ms``, since Postgres reads 0 as no
+    limit at all); ValueError naming ``name`` past MAX_TIMEOUT, which Postgres refuses
+    (every statement that set it would fail)."""
     require_types(**{name: (value, (timedelta, NONE), "a timedelta (or None)")})
     if value is not None and value > MAX_TIMEOUT:
         raise ValueError(f"{name} must be at most {MAX_TIMEOUT} (Postgres's limit), not {value}")
-    milliseconds = 0 if value is None else round(value.total_seconds() * 1000)
-    return f"{max(0, milliseconds)}ms"
+    if value is None or value <= timedelta(0):
+        return "0ms"
+    return f"{max(1, round(value.total_seconds() * 1000))}ms"
 
 
 def lock_timeout_clause(lock_timeout: timedelta | None, name: str = "lock_timeout") -> str:

@@ -740,7 +740,11 @@ def test_analytics_csv_without_rows_is_its_header(deployment: str, kind: str) ->
 def test_analytics_with_too_few_users_says_so(deployment: str) -> None:
     result = run("analytics", "entities", "--min-users", "50", "--url", deployment)
     assert result.exit_code == 0, result.output
-    assert "no rows" in result.stdout
+    assert "no rows (try a longer --since or a lower --min-users" in result.stdout
+    # analytics facts has no --since to suggest.
+    facts = run("analytics", "facts", "--min-users", "50", "--url", deployment)
+    assert facts.exit_code == 0, facts.output
+    assert "no rows (try a lower --min-users" in facts.stdout
     as_json = run("analytics", "entities", "--min-users", "50", "--url", deployment, "-f", "json")
     assert json.loads(as_json.stdout) == []
 

@@ -243,3 +243,34 @@ async def test_a_key_with_an_empty_identity_is_left_out_not_counted_as_copied(
     assert (summary.identities, summary.copied) == (2, 1)
     assert dict(summary.bad) == {f"{redis_prefix}*:": "the identity in the key is empty"}
     assert (await row_counts(pg_url))["redis_imports"] == 1
+
+
+async def test_an_identity_left_out_whole_makes_the_run_exit_1(
+    redis_client: aioredis.Redis, redis_url: str, redis_prefix: str, pg_url: str
+) -> None:
+    """It exited 0 (3 with another identity busy): a script took the import for done."""
+    await _seed_good(redis_client, redis_prefix, "alice")
+    await redis_client.set(f"{redis_prefix}facts:carol", "not a hash")  # a key of another type
+    for dry in ([], ["--dry-run"]):
+        result = await asyncio.to_thread(
+            CliRunner().invoke,
+            app,
+            ["import-redis", redis_url, "--url", pg_url, "-f", "json", *dry],
+        )
+        assert result.exit_code == 1, result.output
+        report = json.loads(result.stdout)
+        assert (report["copied"], report["failed"]) == (1, ["carol"]), report
+    # What was copied stays copied; carol is tried again by the next run.
+    assert (await row_counts(pg_url))["redis_imports"] == 1
+
+
+def test_a_dry_run_checks_the_target_it_was_given(redis_url: str, empty_pg_url: str) -> None:
+    """It never connected to Postgres: a server out of reach, or a schema not migrated,
+    stopped only the real run."""
+    for target, says in (
+        (empty_pg_url, "not migrated"),
+        ("postgresql://postgres@127.0.0.1:9/nowhere", "cannot connect"),
+    ):
+        result = CliRunner().invoke(app, ["import-redis", redis_url, "--dry-run", "--url", target])
+        assert result.exit_code == 1, result.output
+        assert says in result.stderr, result.stderr

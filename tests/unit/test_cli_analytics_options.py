@@ -166,6 +166,12 @@ def test_help_lists_the_commands_own_options_between_the_shared_ones() -> None:
         (["--url", "  "], {}, "is empty: give a database URL"),
         ([], {"CODA_MEMORY_DATABASE_URL": ""}, "is empty: give a database URL"),
         ([], {"CODA_MEMORY_DATABASE_URL": " "}, "is empty: give a database URL"),
+        # The default schema, perhaps another tenant's, answered for an empty variable.
+        (
+            ["--url", "postgresql://u@127.0.0.1:9/x"],
+            {"CODA_MEMORY_SCHEMA": ""},
+            "$CODA_MEMORY_SCHEMA is empty: give a schema",
+        ),
     ],
 )
 def test_an_empty_url_is_a_usage_error_not_the_embedded_postgres(

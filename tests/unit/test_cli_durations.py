@@ -9,6 +9,7 @@ from typer.testing import CliRunner
 
 from coda_memory.cli import app
 from coda_memory.cli.runtime import CliError, parse_duration
+from coda_memory.postgres.connection import timeout_setting
 
 
 @pytest.mark.parametrize(
@@ -64,3 +65,21 @@ def test_consolidate_refuses_a_duration_no_store_takes_before_connecting(
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1, result.stderr
     assert f"for {option}: {limit}" in lines[0], lines[0]
+
+
+@pytest.mark.parametrize(
+    ("value", "setting"),
+    [
+        (None, "0ms"),
+        (timedelta(0), "0ms"),
+        (timedelta(microseconds=1), "1ms"),
+        (timedelta(microseconds=400), "1ms"),  # 0ms: Postgres read it as no limit at all
+        (timedelta(microseconds=1_600), "2ms"),
+        (timedelta(seconds=10), "10000ms"),
+    ],
+)
+def test_a_wait_under_a_millisecond_is_a_millisecond_not_no_limit(
+    value: timedelta | None, setting: str
+) -> None:
+    """``--lock-wait 0.4ms`` (and a lock_timeout below a millisecond) waited forever."""
+    assert timeout_setting(value, "lock_timeout") == setting

@@ -7,7 +7,7 @@ import pytest
 from typer.testing import CliRunner
 
 from coda_memory.cli import app
-from coda_memory.cli.import_commands import _printable
+from coda_memory.cli.output import printable
 
 #: Answers nothing: every error below must come before any connection.
 UNREACHABLE = "postgresql://u@127.0.0.1:1/x"
@@ -44,7 +44,7 @@ def test_a_redis_url_with_or_without_a_database_passes_the_check(redis_url: str)
 
 
 def test_a_bad_records_reason_is_printed_with_its_control_characters_escaped() -> None:
-    assert _printable("ZRANGE coda:memory:obs:\x1b[2J\x1b]0;TITLE\x07 0 -1") == (
+    assert printable("ZRANGE coda:memory:obs:\x1b[2J\x1b]0;TITLE\x07 0 -1") == (
         "ZRANGE coda:memory:obs:\\x1b[2J\\x1b]0;TITLE\\x07 0 -1"
     )
-    assert _printable("not JSON (JSONDecodeError)") == "not JSON (JSONDecodeError)"
+    assert printable("not JSON (JSONDecodeError)") == "not JSON (JSONDecodeError)"

@@ -47,3 +47,22 @@ def test_label_refuses_an_identity_no_store_can_hold() -> None:
     assert result.exit_code == 2
     assert result.stdout == ""
     assert "an identity must be UTF-8 text without NUL" in result.stderr
+
+
+def test_label_escapes_an_identity_a_terminal_or_the_format_would_act_on() -> None:
+    """A tab or a line break in an id broke the lines' format (label, a tab, the id), and
+    an escape sequence reached the terminal."""
+    set_log_key("k")
+    shown = identity_label("a\tb\nc\x1b[2J")
+    set_log_key(None)
+    result = run("label", "a\tb\nc\x1b[2J", key="k")
+    assert result.exit_code == 0, result.stderr
+    assert result.stdout.splitlines() == [f"{shown}\ta\\tb\\nc\\x1b[2J"]
+
+
+def test_label_refuses_an_empty_identity() -> None:
+    """No service stores one; it printed a label as if it could be found in the logs."""
+    result = run("label", "", key="k")
+    assert result.exit_code == 2
+    assert result.stdout == ""
+    assert "an identity is not empty" in result.stderr

@@ -79,3 +79,16 @@ def test_a_plot_that_can_not_be_written_is_a_usage_error(tmp_path: Path, plot: s
     assert result.exit_code == 2, result.output
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: cannot write"), result.stderr
+
+
+@pytest.mark.parametrize(
+    ("store", "says"), [("null://", "keeps nothing"), ("ftp://x", "unsupported")]
+)
+def test_a_store_that_can_not_serve_the_replay_is_a_usage_error(store: str, says: str) -> None:
+    """ftp:// exited 1 once every event was read; null:// scored zeros and exited 0."""
+    result = CliRunner().invoke(
+        app, ["replay", "--url", "postgresql://u@127.0.0.1:1/x", "--store", store]
+    )
+    assert result.exit_code == 2, result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "--store" in lines[0] and says in lines[0], result.stderr

@@ -53,8 +53,10 @@ if (
 ):
     fileConfig(config.config_file_name, disable_existing_loggers=False)
 
+# An empty CODA_MEMORY_SCHEMA is refused (a variable a deploy script left unset), not
+# read as the default schema.
 SCHEMA = validate_schema_name(
-    config.attributes.get("schema") or os.environ.get("CODA_MEMORY_SCHEMA") or DEFAULT_SCHEMA
+    config.attributes.get("schema") or os.environ.get("CODA_MEMORY_SCHEMA", DEFAULT_SCHEMA)
 )
 
 
