@@ -240,10 +240,6 @@ async def _end_transaction(conn: AsyncConnection, driver: Any, *, interrupted: b
             await conn.invalidate()
 
 
-#: Connections being let go after their caller was cancelled again (kept referenced).
-_LETTING_GO: set[asyncio.Task[None]] = set()
-
-
 async def let_go(
     engine: AsyncEngine,
     conn: AsyncConnection,
@@ -252,11 +248,12 @@ async def let_go(
     """Settle ``conn`` (``settle`` ends what the work left open on it), then give it back
     to ``engine``'s pool (closed, if the engine was released meanwhile).
 
-    This runs to its end even when the caller is cancelled again meanwhile, as anyio's
-    cancel scopes (FastAPI, Starlette) do at every turn of the loop: the caller gets its
-    cancellation, and the clean-up goes on as a task of its own. Cancelled half-way, it
-    returned a connection with its transaction open to the pool, holding the tables'
-    locks (and perhaps an identity's checkpoint row) until its next use."""
+    This runs to its end even when the caller is cancelled meanwhile, as anyio's cancel
+    scopes (FastAPI, Starlette) do at every turn of the loop: it runs as a task of its
+    own, and a cancellation of the caller is raised once it is done (as SQLAlchemy's
+    ``async with engine.connect()`` does for its own close). Cancelled half-way, it gave
+    a connection with its transaction open back to the pool, holding the tables' locks
+    (and perhaps an identity's checkpoint row) until its next use."""
 
     async def to_the_end() -> None:
         try:
@@ -267,15 +264,18 @@ async def let_go(
             await conn.close()
 
     task = asyncio.ensure_future(to_the_end())
-    _LETTING_GO.add(task)
-    task.add_done_callback(_let_go_done)
-    await asyncio.shield(task)
-
-
-def _let_go_done(task: asyncio.Task[None]) -> None:
-    _LETTING_GO.discard(task)
-    if not task.cancelled():
-        task.exception()  # retrieved: a caller that was cancelled no longer waits for it
+    cancelled: asyncio.CancelledError | None = None
+    while True:
+        try:
+            await asyncio.shield(task)
+        except asyncio.CancelledError as error:
+            if task.done():
+                raise
+            cancelled = error
+        else:
+            break
+    if cancelled is not None:
+        raise cancelled
 
 
 @asynccontextmanager
