@@ -14,6 +14,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import pytest
+from sqlalchemy.engine import make_url
 
 from coda_memory import MemoryService
 from coda_memory.postgres import PostgresStore, connection
@@ -22,7 +23,7 @@ from coda_memory.postgres.connection import driver_transaction
 from tests.postgres.helpers import fetch
 
 
-async def backends(admin_url: str, database: str) -> list[tuple[Any, ...]]:
+async def backends(admin_url: str, database: str | None) -> list[tuple[Any, ...]]:
     """(state, whether in a transaction) of the database's backends, but this one."""
     return await fetch(
         admin_url,
@@ -32,7 +33,7 @@ async def backends(admin_url: str, database: str) -> list[tuple[Any, ...]]:
     )
 
 
-async def in_transaction(admin_url: str, database: str) -> list[tuple[Any, ...]]:
+async def in_transaction(admin_url: str, database: str | None) -> list[tuple[Any, ...]]:
     return [row for row in await backends(admin_url, database) if row[1]]
 
 
@@ -135,7 +136,7 @@ async def test_a_start_cancelled_half_way_leaves_no_lock(
         starting = asyncio.create_task(service.start())
         await prepared.wait()
         await cancel_twice(starting)
-        database = pg_url.rsplit("/", 1)[1]
+        database = make_url(pg_url).database
         assert await in_transaction(admin_url, database) == []
         locks = await fetch(
             admin_url,
@@ -152,13 +153,16 @@ async def test_a_cancelled_close_still_releases_every_connection(
     pg_url: str, admin_url: str
 ) -> None:
     """Cancelled half-way, close released nothing, and a second close returned at once."""
-    database = pg_url.rsplit("/", 1)[1]
+    database = make_url(pg_url).database
     service = MemoryService.from_url(pg_url)
-    await service.start()
-    assert await backends(admin_url, database)
-    closing = asyncio.create_task(service.close())
-    await asyncio.sleep(0)  # close() has begun
-    await cancel_twice(closing)
+    try:
+        await service.start()
+        assert await backends(admin_url, database)
+        closing = asyncio.create_task(service.close())
+        await asyncio.sleep(0)  # close() has begun
+        await cancel_twice(closing)
 
-    await service.close()  # returns once the first close has released the store
-    assert await backends(admin_url, database) == []
+        await service.close()  # returns once the first close has released the store
+        assert await backends(admin_url, database) == []
+    finally:
+        await service.close()
