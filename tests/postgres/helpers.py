@@ -14,6 +14,7 @@ from tests.builders import EPOCH, NOW, consolidate, contents, event, fact, plan,
 __all__ = [
     "EPOCH",
     "NOW",
+    "backends",
     "consolidate",
     "contents",
     "engine",
@@ -39,6 +40,19 @@ async def fetch(url: str, sql: str, **params: Any) -> list[tuple[Any, ...]]:
             return [tuple(row) for row in result] if result.returns_rows else []
     finally:
         await own.dispose()
+
+
+async def backends(admin_url: str, database: str | None, *, in_transaction: bool = False) -> int:
+    """How many client backends ``database`` has (the one asking aside); with
+    ``in_transaction``, only those inside a transaction."""
+    rows = await fetch(
+        admin_url,
+        "SELECT count(*) FROM pg_stat_activity WHERE datname = :db AND backend_type = "
+        "'client backend' AND pid <> pg_backend_pid() AND (xact_start IS NOT NULL OR NOT :tx)",
+        db=database,
+        tx=in_transaction,
+    )
+    return int(rows[0][0])
 
 
 @asynccontextmanager

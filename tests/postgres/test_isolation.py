@@ -21,23 +21,13 @@ from coda_memory.postgres import PostgresStore
 from coda_memory.postgres.connection import MAX_TIMEOUT, sqlstate
 from coda_memory.postgres.engine import driver_connection
 from tests.helpers import tool_ok
-from tests.postgres.helpers import NOW, consolidate, engine, fact, fetch, locked, record
+from tests.postgres.helpers import NOW, backends, consolidate, engine, fact, fetch, locked, record
 
 #: On both event loops (see tests/conftest.py).
 pytestmark = pytest.mark.both_loops
 
 #: Generous: the statements must fail within their timeout, not within this.
 SLACK = 2.0
-
-
-async def backends(admin_url: str, database: str | None) -> int:
-    rows = await fetch(
-        admin_url,
-        "SELECT count(*) FROM pg_stat_activity WHERE datname = :db AND backend_type = "
-        "'client backend' AND pid <> pg_backend_pid()",
-        db=database,
-    )
-    return int(rows[0][0])
 
 
 async def waiting_for_a_lock(admin_url: str, database: str | None) -> int:
@@ -245,13 +235,8 @@ async def test_start_leaves_no_transaction_open_and_no_table_locked(
     service = MemoryService(store)
     try:
         await service.start()
-        in_transaction = await fetch(
-            admin_url,
-            "SELECT count(*) FROM pg_stat_activity WHERE datname = :db "
-            "AND pid <> pg_backend_pid() AND xact_start IS NOT NULL",
-            db=store.engine.url.database,
-        )
-        assert in_transaction[0][0] == 0
+        database = store.engine.url.database
+        assert await backends(admin_url, database, in_transaction=True) == 0
         locker = engine(pg_url)
         try:
             async with locker.begin() as conn:
