@@ -280,6 +280,7 @@ class MemoryService(ObservationWriter):
         self._background: set[asyncio.Task[LoadedMemory | None]] = set()
         #: Set when close() has released the store (a second close() waits for it).
         self._close_done: asyncio.Event | None = None
+        #: close()'s task, held here while a cancelled caller leaves it running.
         self._closing: asyncio.Future[None] | None = None
         # Calls of the caller's own that use the store (consolidate, facts, …), which
         # close() waits for before it releases the store.

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from datetime import UTC, datetime
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 from urllib.parse import urlsplit
 
 import typer
@@ -20,6 +20,9 @@ from coda_memory.cli.runtime import (
     run,
 )
 from coda_memory.postgres.schema import DEFAULT_SCHEMA
+
+if TYPE_CHECKING:  # (imported when the command runs: the CLI starts without it)
+    from coda_memory.migration import ImportSummary
 
 #: Bad records listed one by one; past this many, the rest are only counted.
 _LISTED_BAD = 50
@@ -151,10 +154,7 @@ def import_redis(
                 "failed": summary.failed,
             }
         )
-        if summary.failed:
-            raise typer.Exit(1)
-        if summary.busy:
-            raise typer.Exit(BUSY_EXIT_CODE)
+        _exit_for(summary)
         return
     title = "import-redis (dry run: nothing written)" if dry_run else "import-redis"
     table = new_table(title, [("", "left"), ("", "right")])
@@ -193,6 +193,11 @@ def import_redis(
         typer.echo(
             f"busy (locked by live traffic; the next run copies them): {shown}{more}", err=True
         )
+    _exit_for(summary)
+
+
+def _exit_for(summary: ImportSummary) -> None:
+    """Exit 1 when an identity was left out whole, else 3 when one was left busy."""
     if summary.failed:
         raise typer.Exit(1)
     if summary.busy:

@@ -180,12 +180,6 @@ def _may_replace(engine: AsyncEngine, error: BaseException) -> bool:
     return is_dead_connection(error) and engine not in _RELEASED
 
 
-async def give_back(engine: AsyncEngine, conn: AsyncConnection) -> None:
-    """Close ``conn`` when its engine was released meanwhile (else the pool takes it)."""
-    if engine in _RELEASED and not conn.invalidated:
-        await conn.invalidate()
-
-
 async def _attempt(engine: AsyncEngine, work: Callable[[AsyncConnection], Awaitable[T]]) -> T:
     conn = await engine.connect().start()
     try:
@@ -259,7 +253,8 @@ async def let_go(
         try:
             if settle is not None:
                 await settle()
-            await give_back(engine, conn)
+            if engine in _RELEASED and not conn.invalidated:
+                await conn.invalidate()  # closed, not pooled
         finally:
             await conn.close()
 
