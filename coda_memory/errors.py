@@ -11,6 +11,12 @@ class SchemaNotMigrated(CodaMemoryError):
     """The database has no coda-memory tables: run the migrations first."""
 
 
+class AccessDenied(CodaMemoryError):
+    """The database role lacks a grant that the call needs (the analytics read views
+    granted to analyst roles and the schema's owner; rebuilding the rollup takes the
+    owner). The message says which grant; nothing was changed."""
+
+
 class ConnectionLost(CodaMemoryError):
     """The database connection died in the middle of a unit of work; nothing of it was
     committed unless the commit itself had already been acknowledged."""

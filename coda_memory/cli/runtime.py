@@ -21,9 +21,10 @@ from sqlalchemy import pool, select
 from sqlalchemy.exc import ArgumentError, DBAPIError
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
-from coda_memory.errors import ForeignAlembicHistory, SchemaNotMigrated
+from coda_memory.errors import AccessDenied, ForeignAlembicHistory, SchemaNotMigrated
 from coda_memory.postgres import maintenance
 from coda_memory.postgres.connection import (
+    INSUFFICIENT_PRIVILEGE,
     LOCK_NOT_AVAILABLE,
     MAX_TIMEOUT,
     sqlstate,
@@ -35,9 +36,6 @@ from coda_memory.postgres.store import PostgresStore
 from coda_memory.postgres.tenancy import ALL_IDENTITIES
 
 T = TypeVar("T")
-
-#: SQLSTATE of "permission denied".
-INSUFFICIENT_PRIVILEGE = "42501"
 
 #: The exit code of a command that another transaction's lock kept out (and of
 #: ``consolidate`` when identities were left busy): a script can tell "run it again
@@ -123,7 +121,7 @@ def run(main: Callable[[], Coroutine[Any, Any, T]], schema: str = DEFAULT_SCHEMA
         fail(str(exc), exc.code)
     except KeyboardInterrupt:
         fail("interrupted", 130)
-    except ForeignAlembicHistory as exc:
+    except (AccessDenied, ForeignAlembicHistory) as exc:
         if debug_enabled():
             raise
         fail(str(exc))

@@ -40,6 +40,8 @@ loaded in bulk without :meth:`~coda_memory.postgres.PostgresStore.append`.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import date, datetime, timedelta
 from typing import Any
 
@@ -49,7 +51,9 @@ from sqlalchemy.engine import RowMapping
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from coda_memory.core.model import MAX_SPAN, as_utc
+from coda_memory.errors import AccessDenied
 from coda_memory.postgres import rollup_upkeep
+from coda_memory.postgres.connection import INSUFFICIENT_PRIVILEGE, sqlstate
 from coda_memory.postgres.sql import query
 from coda_memory.postgres.store import PostgresStore
 from coda_memory.postgres.tenancy import set_all_identities
@@ -180,7 +184,27 @@ async def _fetch(
         result = await conn.exec_driver_sql(statement.text, arguments)
         return list(result.mappings())
 
-    return await store.run(read)
+    with _granted(store, _VIEWS_GRANTED):
+        return await store.run(read)
+
+
+#: Who may read the analytics views, for :class:`~coda_memory.errors.AccessDenied`.
+_VIEWS_GRANTED = (
+    "the analytics views are granted to analyst roles (`coda-memory grant analyst ROLE`, "
+    "run as the schema's owner) and to the schema's owner, not to the app role"
+)
+
+
+@contextmanager
+def _granted(store: PostgresStore, who_may: str) -> Iterator[None]:
+    """Turn the server's "permission denied" into :class:`AccessDenied`, naming the
+    schema and ``who_may``."""
+    try:
+        yield
+    except Exception as exc:
+        if sqlstate(exc) == INSUFFICIENT_PRIVILEGE:
+            raise AccessDenied(f"permission denied in schema {store.schema!r}: {who_may}") from exc
+        raise
 
 
 async def tool_effectiveness(
@@ -273,4 +297,5 @@ async def rebuild_rollups(store: PostgresStore) -> None:
             await rollup_upkeep.rebuild(conn)
 
     # One transaction, replacing the rollup whole: retried on a dead connection.
-    await store.run(rebuild)
+    with _granted(store, "rebuilding the rollup takes the schema's owner"):
+        await store.run(rebuild)

@@ -66,6 +66,8 @@ def is_dead_connection(error: BaseException) -> bool:
 
 #: SQLSTATE of a lock wait that ``lock_timeout`` ended (lock_not_available).
 LOCK_NOT_AVAILABLE = "55P03"
+#: SQLSTATE of "permission denied" (insufficient_privilege).
+INSUFFICIENT_PRIVILEGE = "42501"
 #: SQLSTATE of a statement, or a lock wait, that ``statement_timeout`` ended
 #: (query_canceled; also a cancel request).
 QUERY_CANCELED = "57014"

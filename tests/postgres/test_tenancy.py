@@ -20,11 +20,14 @@ import pytest
 from alembic import command
 from sqlalchemy import Connection, pool
 from sqlalchemy.engine import make_url
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import create_async_engine
 from typer.testing import CliRunner
 
 from coda_memory import MemoryService
+from coda_memory import analytics as coda_analytics
 from coda_memory.cli import app
+from coda_memory.errors import AccessDenied
 from coda_memory.postgres import PostgresStore, analytics, maintenance
 from coda_memory.postgres.migrate import alembic_config
 from coda_memory.postgres.schema import validate_schema_name
@@ -207,6 +210,37 @@ async def test_the_service_as_the_app_role_forgets_one_identity(tenancy: Tenancy
         assert await store.checkpoint("bob") is not None
     finally:
         await store.close()
+
+
+async def test_analytics_as_the_app_role_raise_access_denied(tenancy: Tenancy) -> None:
+    """The app role may not read the aggregate views, nor rebuild the rollup: each call
+    raises AccessDenied, which says who may, and changes nothing."""
+    await _populate(tenancy)
+    service = MemoryService.from_url(
+        tenancy.url, schema=SCHEMA, clock=FakeClock(), **tenancy.as_role(tenancy.app)
+    )
+    try:
+        for function in (
+            coda_analytics.tool_effectiveness,
+            coda_analytics.entity_popularity,
+            coda_analytics.domain_trends,
+            coda_analytics.fact_summary,
+        ):
+            with pytest.raises(AccessDenied, match="granted to analyst roles") as raised:
+                await function(service, min_users=1, schema=SCHEMA)
+            assert f"schema {SCHEMA!r}" in str(raised.value)
+            assert isinstance(raised.value.__cause__, DBAPIError)
+        with pytest.raises(AccessDenied, match="takes the schema's owner"):
+            await coda_analytics.rebuild_rollups(service, schema=SCHEMA)
+        # The connection is fine afterwards: the app role's own work goes on.
+        assert await service.facts("bob")
+    finally:
+        await service.close()
+    owner = await tenancy.connect(tenancy.owner)
+    try:
+        assert await _count(owner, "tool_daily") > 0
+    finally:
+        await owner.close()
 
 
 async def test_the_app_role_owes_the_rollup_under_a_lock_and_folds_it(
