@@ -327,8 +327,12 @@ async def open_store(
             from coda_memory.postgres.migrate import migrate_async
 
             await migrate_async(target.url, schema=target.schema)
-        if migrated and await _revision(store) is None:
-            raise CliError(_not_migrated(target.schema))
+        if migrated:
+            revision = await _revision(store)
+            if revision is None:
+                raise CliError(_not_migrated(target.schema))
+            if revision != "unknown" and not known_revision(revision):
+                raise CliError(_foreign_revision(target.schema, revision))
         if across and not await maintenance.sees_every_identity(store):
             raise CliError(
                 f"the role of {target.display} cannot read every identity's rows (row-level "
@@ -418,9 +422,33 @@ def head_revision() -> str | None:
     return ScriptDirectory.from_config(alembic_config()).get_current_head()
 
 
+def known_revision(revision: str) -> bool:
+    """Whether ``revision`` is one of the packaged migrations."""
+    from alembic.script import ScriptDirectory
+    from alembic.util import CommandError
+
+    from coda_memory.postgres.migrate import alembic_config
+
+    try:
+        return ScriptDirectory.from_config(alembic_config()).get_revision(revision) is not None
+    except CommandError:
+        return False
+
+
+def _foreign_revision(schema: str, revision: str) -> str:
+    return (
+        f"schema {schema} is at Alembic revision {revision!r}, which is not one of this "
+        "coda-memory's migrations: another application's history (give coda-memory's own "
+        "schema with --schema; the default is coda_memory), or a newer coda-memory's "
+        "(upgrade this one)"
+    )
+
+
 def head_label(revision: str | None) -> str:
     """How ``revision`` compares with the latest migration, for people."""
     head = head_revision()
     if revision is None:
         return f"not migrated; the latest is {head}"
+    if revision != "unknown" and not known_revision(revision):
+        return f"not one of this coda-memory's migrations; the latest is {head}"
     return "the latest" if revision == head else f"the latest is {head}: run coda-memory migrate"

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import functools
+import inspect
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import asyncpg
 from sqlalchemy.engine import URL, make_url
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
@@ -32,6 +35,7 @@ def asyncpg_url(url: str | URL) -> URL:
             f"unsupported database URL scheme {parsed.drivername!r}: "
             "use postgresql://, postgres:// or postgresql+asyncpg://"
         )
+    _check_parts(parsed)
     parsed = parsed.set(drivername="postgresql+asyncpg")
     if "sslmode" in parsed.query:
         sslmode = parsed.query["sslmode"]
@@ -39,6 +43,32 @@ def asyncpg_url(url: str | URL) -> URL:
         if "ssl" not in parsed.query:
             parsed = parsed.update_query_dict({"ssl": sslmode})
     return parsed
+
+
+@functools.cache
+def _query_parameters() -> frozenset[str]:
+    """What a URL's query may set: asyncpg's connection parameters, libpq's ``sslmode``
+    (see above) and the dialect's statement cache size."""
+    taken = set(inspect.signature(asyncpg.connect).parameters)
+    taken -= {"dsn", "loop", "connection_class", "record_class"}
+    return frozenset(taken | {"sslmode", "prepared_statement_cache_size"})
+
+
+def _check_parts(parsed: URL) -> None:
+    """Refuse what the driver would only refuse when connecting, with a reason that says
+    how to write it."""
+    if parsed.host is not None and "@" in parsed.host:
+        raise ValueError(
+            "the host holds an '@': an '@' in the user name or password must be written %40"
+        )
+    if parsed.port is not None and not 1 <= parsed.port <= 65535:
+        raise ValueError(f"the port must be from 1 to 65535, not {parsed.port}")
+    unknown = sorted(set(parsed.query) - _query_parameters())
+    if unknown:
+        raise ValueError(
+            f"unknown URL parameter {unknown[0]!r} (asyncpg's connection parameters are "
+            f"taken, with sslmode: {', '.join(sorted(_query_parameters()))})"
+        )
 
 
 def create_engine(

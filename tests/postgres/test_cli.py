@@ -154,6 +154,20 @@ def test_migrate_creates_the_schema_and_stats_reports_it(empty_pg_url: str) -> N
     assert {"observations", "facts", "fact_events", "checkpoints"} <= set(stats["table_bytes"])
 
 
+def test_a_schema_of_another_alembic_history_is_named_so(empty_pg_url: str) -> None:
+    """A host app's own Alembic history in ``public``: the commands said "not migrated:
+    run coda-memory migrate --schema public", which migrate then refused."""
+    asyncio.run(
+        fetch(empty_pg_url, "CREATE TABLE public.alembic_version (version_num varchar(32))")
+    )
+    asyncio.run(fetch(empty_pg_url, "INSERT INTO public.alembic_version VALUES ('host1')"))
+    for command in (["stats"], ["prune"], ["consolidate", "--all"], ["facts", "alice"]):
+        result = run(*command, "--schema", "public", "--url", empty_pg_url)
+        assert_one_line_error(result, 1, "schema public is at Alembic revision 'host1'")
+        assert "another application's history" in result.stderr
+        assert "run coda-memory migrate" not in result.stderr
+
+
 def test_migrate_is_idempotent_and_takes_a_schema(empty_pg_url: str) -> None:
     for _ in range(2):
         result = run("migrate", "--url", empty_pg_url, "--schema", "tenant_a")
@@ -194,12 +208,16 @@ def test_stats_counts_identities_observations_pending_facts_and_events(pg_url: s
         ("postgresql://u@db:port/app", "invalid database URL"),
         ("not a url", "invalid database URL"),
         ("memory://", "invalid database URL"),
+        ("postgresql://u:p@ss@db/app", "invalid database URL 'postgresql://u:***@db/app'"),
+        ("postgresql://u@db:99999/app", "invalid database URL"),
+        ("postgresql://u@db/app?foo=bar", "invalid database URL"),
     ],
 )
 def test_a_bad_url_is_one_line(url: str, message: str) -> None:
     result = run("stats", "--url", url)
     assert_one_line_error(result, 2, message)  # the command line is wrong
     assert "secret" not in result.output
+    assert "p@ss" not in result.output
 
 
 def test_an_unreachable_database_is_one_line() -> None:

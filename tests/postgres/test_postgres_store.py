@@ -308,6 +308,25 @@ def test_unix_socket_and_sslmode_urls() -> None:
         asyncpg_url("mysql://h/db")
 
 
+@pytest.mark.parametrize(
+    ("url", "reason"),
+    [
+        ("postgresql://u:p@ss@db.example/app", "must be written %40"),
+        ("postgresql://u@db.example:99999/app", "from 1 to 65535, not 99999"),
+        ("postgresql://u@db.example:0/app", "from 1 to 65535, not 0"),
+        ("postgresql://u@db.example/app?foo=bar", "unknown URL parameter 'foo'"),
+    ],
+)
+def test_urls_the_driver_would_refuse_on_connecting_are_refused_first(
+    url: str, reason: str
+) -> None:
+    with pytest.raises(ValueError, match=reason):
+        asyncpg_url(url)
+    # What the driver takes still passes: an encoded '@', its parameters, libpq's sslmode.
+    encoded = asyncpg_url("postgresql://u:p%40ss@db.example:65535/app?sslmode=require&timeout=5")
+    assert (encoded.password, encoded.host, encoded.port) == ("p@ss", "db.example", 65535)
+
+
 async def test_an_error_raised_to_the_host_carries_no_statement_parameter(
     empty_pg_url: str,
 ) -> None:
