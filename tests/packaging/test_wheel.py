@@ -210,7 +210,8 @@ def test_the_sdist_holds_sources_not_caches(tmp_path: Path) -> None:
         names = sdist.getnames()
     tops = {name.split("/")[1] for name in names if "/" in name}
 
-    wanted = {"coda_memory", "tests", "README.md", "LICENSE", "pyproject.toml", "requirements.lock"}
+    wanted = {"coda_memory", "tests", "README.md", "CHANGELOG.md", "LICENSE", "pyproject.toml"}
+    wanted.add("requirements.lock")
     assert wanted <= tops
     unwanted = {".hypothesis", ".import_linter_cache", ".venv", ".mypy_cache", ".coda-memory"}
     assert not tops & unwanted
