@@ -23,7 +23,6 @@ driver connection) and SQLAlchemy's wrapped ones.
 
 from __future__ import annotations
 
-import asyncio
 import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -35,6 +34,7 @@ import asyncpg
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
+from coda_memory.core.cancellation import to_the_end
 from coda_memory.core.model import MAX_INT32
 from coda_memory.core.options import NONE, require_types
 from coda_memory.errors import ConnectionLost
@@ -251,7 +251,7 @@ async def let_go(
     a connection with its transaction open back to the pool, holding the tables' locks
     (and perhaps an identity's checkpoint row) until its next use."""
 
-    async def to_the_end() -> None:
+    async def settled() -> None:
         try:
             if settle is not None:
                 await settle()
@@ -260,17 +260,7 @@ async def let_go(
         finally:
             await conn.close()
 
-    task = asyncio.ensure_future(to_the_end())
-    cancelled: asyncio.CancelledError | None = None
-    while True:
-        try:
-            await asyncio.shield(task)
-        except asyncio.CancelledError as error:
-            if task.done():
-                raise
-            cancelled = error
-        else:
-            break
+    _, cancelled = await to_the_end(settled())
     if cancelled is not None:
         raise cancelled
 

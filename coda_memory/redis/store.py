@@ -32,6 +32,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from coda_memory.core.cancellation import to_the_end
 from coda_memory.core.logs import identity_label
 from coda_memory.core.model import Fact, FactEvent, Observation
 from coda_memory.core.options import NONE, require_types
@@ -163,7 +164,10 @@ class RedisStore:
         for index, record in enumerate(records):
             by_identity.setdefault(record.identity_id, []).append((index, record))
         refused: list[tuple[int, str]] = []
-        async with self.client.pipeline(transaction=False) as pipe:
+        # One MULTI/EXEC: a batch cut off on its way (the writer cancels an append that
+        # outlives close()'s grace) stores nothing, as the writer then counts it, rather
+        # than the identities whose scripts had reached the server.
+        async with self.client.pipeline(transaction=True) as pipe:
             calls = 0
             for identity, rows in by_identity.items():
                 args: list[Any] = []
@@ -186,9 +190,15 @@ class RedisStore:
 
     # -- consolidation ------------------------------------------------------------------
 
-    async def _acquire(self, identity_id: str) -> str:
-        """Take the identity's lock, waiting up to ``lock_timeout``; returns its token."""
-        token = secrets.token_hex(16)
+    async def _acquire(self, identity_id: str, token: str) -> None:
+        """Take the identity's lock with ``token``, waiting up to ``lock_timeout``.
+
+        Each ``SET … NX`` runs to its reply even when the caller is cancelled meanwhile
+        (:func:`~coda_memory.core.cancellation.to_the_end`): once sent, the server takes
+        the lock whether or not anyone reads the reply, and only this frame knows the
+        token. A lock taken as the caller was cancelled is released before the
+        cancellation is raised (else it stayed held for ``lock_ttl``, and every
+        consolidation of the identity meanwhile, in any process, timed out)."""
         key = self.keys.of("lock", identity_id)
         ttl_ms = max(1, round(self.lock_ttl.total_seconds() * 1000))
         loop = asyncio.get_running_loop()
@@ -196,7 +206,14 @@ class RedisStore:
             None if self.lock_timeout is None else loop.time() + self.lock_timeout.total_seconds()
         )
         delay = 0.001
-        while not await self.client.set(key, token, nx=True, px=ttl_ms):
+        while True:
+            taken, cancelled = await to_the_end(self.client.set(key, token, nx=True, px=ttl_ms))
+            if cancelled is not None:
+                if taken:
+                    await self._release(identity_id, token)
+                raise cancelled
+            if taken:
+                return
             if deadline is not None and loop.time() >= deadline:
                 raise LockTimeout(
                     f"the consolidation lock of {identity_label(identity_id)} stayed busy"
@@ -204,37 +221,54 @@ class RedisStore:
             # The holder is usually done within milliseconds: poll, backing off to 25 ms.
             await asyncio.sleep(delay)
             delay = min(delay * 2, 0.025)
-        return token
 
     async def _release(self, identity_id: str, token: str) -> None:
-        await self._script("unlock")(keys=[self.keys.of("lock", identity_id)], args=[token])
+        """Release the identity's lock if ``token`` still holds it, to the end even when
+        the caller is cancelled meanwhile (then raised after); on a dead connection the
+        lock expires by itself after ``lock_ttl``."""
+
+        async def release() -> None:
+            with contextlib.suppress(RedisConnectionError, RedisTimeoutError):
+                await self._script("unlock")(keys=[self.keys.of("lock", identity_id)], args=[token])
+
+        _, cancelled = await to_the_end(release())
+        if cancelled is not None:
+            raise cancelled
+
+    @asynccontextmanager
+    async def _locked(self, identity_id: str) -> AsyncIterator[str]:
+        """The identity's lock, held for the block (its token), released however the
+        block ends, a cancellation included (see ``_acquire`` and ``_release``)."""
+        token = secrets.token_hex(16)
+        await self._acquire(identity_id, token)
+        try:
+            yield token
+        finally:
+            await self._release(identity_id, token)
 
     @asynccontextmanager
     async def consolidation(self, identity_id: str) -> AsyncIterator[RedisConsolidationUnit]:
-        token = await self._acquire(identity_id)
-        try:
-            yield RedisConsolidationUnit(
-                keys=self.keys,
-                identity_id=identity_id,
-                token=token,
-                load_script=self._script("load"),
-                commit_script=self._commit_script,
-                read_sessions=lambda sessions: self.client.hmget(
-                    self.keys.of("sessions", identity_id), sessions
-                ),
-                history_limit=self.history_limit,
-                session_horizon=self.session_horizon,
-            )
-        except (RedisConnectionError, RedisTimeoutError) as error:
-            # The identity by its label: a host logs what it raises, and a span records it.
-            raise ConnectionLost(
-                f"the connection died while consolidating {identity_label(identity_id)}: "
-                f"{type(error).__name__}"
-            ) from error
-        finally:
-            # On a dead connection the lock expires by itself after lock_ttl.
-            with contextlib.suppress(RedisConnectionError, RedisTimeoutError):
-                await self._release(identity_id, token)
+        async with self._locked(identity_id) as token:
+            try:
+                yield RedisConsolidationUnit(
+                    keys=self.keys,
+                    identity_id=identity_id,
+                    token=token,
+                    load_script=self._script("load"),
+                    commit_script=self._commit_script,
+                    read_sessions=lambda sessions: self.client.hmget(
+                        self.keys.of("sessions", identity_id), sessions
+                    ),
+                    history_limit=self.history_limit,
+                    session_horizon=self.session_horizon,
+                )
+            except (RedisConnectionError, RedisTimeoutError) as error:
+                # The identity by its label: a host logs what it raises, and a span
+                # records it.
+                raise ConnectionLost(
+                    f"the connection died while consolidating {identity_label(identity_id)}: "
+                    f"{type(error).__name__}"
+                ) from error
 
     async def _commit_script(self, *, keys: list[str], args: list[Any]) -> Any:
         try:
@@ -329,16 +363,17 @@ class RedisStore:
     # -- administration -----------------------------------------------------------------
 
     async def forget(self, identity_id: str) -> Forgotten:
-        token = await self._acquire(identity_id)
         k = self.keys
         counted = [k.of(kind, identity_id) for kind in _FORGET_COUNTED]
-        # The lock goes first in the keys (forget.lua checks it, and releases it last).
+        # The lock goes first in the keys (forget.lua checks it, and releases it last;
+        # the release after it, for a script that never ran, finds it gone).
         others = (*_FORGET_COUNTED, "lock")
         rest = [k.of(kind, identity_id) for kind in IDENTITY_KINDS if kind not in others]
-        observations, facts, events = await self._script("forget")(
-            keys=[k.of("lock", identity_id), k.checkpoint, *counted, *rest],
-            args=[token, identity_id],
-        )
+        async with self._locked(identity_id) as token:
+            observations, facts, events = await self._script("forget")(
+                keys=[k.of("lock", identity_id), k.checkpoint, *counted, *rest],
+                args=[token, identity_id],
+            )
         return Forgotten(observations=observations, facts=facts, fact_events=events)
 
     async def close(self) -> None:

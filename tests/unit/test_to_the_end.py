@@ -1,0 +1,57 @@
+"""``to_the_end``: work that a cancellation of its caller does not cut off."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from coda_memory.core.cancellation import to_the_end
+
+
+async def test_the_work_ends_through_every_cancellation_which_is_then_returned() -> None:
+    release = asyncio.Event()
+    ended: list[str] = []
+
+    async def work() -> str:
+        await release.wait()
+        ended.append("work")
+        return "taken"
+
+    async def caller() -> tuple[str, bool]:
+        result, cancelled = await to_the_end(work())
+        return result, cancelled is not None
+
+    task = asyncio.ensure_future(caller())
+    for _ in range(5):  # as an anyio cancel scope does, at every turn of the loop
+        await asyncio.sleep(0)
+        task.cancel()
+    assert not task.done() and ended == []
+    release.set()
+    assert await task == ("taken", True)
+    assert ended == ["work"]
+
+
+async def test_without_a_cancellation_it_is_the_result() -> None:
+    async def work() -> int:
+        await asyncio.sleep(0)
+        return 7
+
+    assert await to_the_end(work()) == (7, None)
+
+
+async def test_the_works_own_error_is_raised() -> None:
+    async def work() -> None:
+        await asyncio.sleep(0)
+        raise LookupError("gone")
+
+    with pytest.raises(LookupError, match="gone"):
+        await to_the_end(work())
+
+
+async def test_work_cancelled_by_itself_raises_cancelled() -> None:
+    async def work() -> None:
+        raise asyncio.CancelledError
+
+    with pytest.raises(asyncio.CancelledError):
+        await to_the_end(work())
