@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
+import inspect
 import json
 import secrets
 from collections.abc import AsyncIterator, Sequence
@@ -58,6 +60,29 @@ DEFAULT_HISTORY_LIMIT = 1_000
 DEFAULT_SESSION_HORIZON = timedelta(days=30)
 
 _SCRIPTS = ("append", "peek", "load", "commit", "unlock", "forget")
+
+
+@functools.cache
+def _client_options() -> frozenset[str]:
+    """What redis-py's ``Redis.from_url`` takes besides the URL: its own parameters, the
+    pool's and every connection class's (TCP, TLS, Unix socket)."""
+    from redis.asyncio import connection
+
+    taken: set[str] = set()
+    for function in (
+        aioredis.Redis.from_url,
+        connection.ConnectionPool.__init__,
+        connection.AbstractConnection.__init__,
+        connection.Connection.__init__,
+        connection.SSLConnection.__init__,
+        connection.UnixDomainSocketConnection.__init__,
+    ):
+        for parameter in inspect.signature(function).parameters.values():
+            if parameter.kind not in (parameter.VAR_KEYWORD, parameter.VAR_POSITIONAL):
+                taken.add(parameter.name)
+    return frozenset(taken - {"self", "url", "decode_responses"})
+
+
 #: The keys forget.lua counts before it erases them, in its order.
 _FORGET_COUNTED = ("obs", "facts", "history")
 
@@ -136,6 +161,14 @@ class RedisStore:
         store_keys = {"lock_timeout", "lock_ttl", "history_limit", "session_horizon"}
         store_options = {k: v for k, v in options.items() if k in store_keys}
         client_options = {k: v for k, v in options.items() if k not in store_keys}
+        unknown = sorted(set(client_options) - _client_options())
+        if unknown:
+            # redis-py would take them, and fail only at the first connection (which
+            # load_memory does not raise): a mistyped option went unnoticed.
+            raise TypeError(
+                f"unexpected options for redis://: {unknown} (the store takes "
+                f"{sorted(store_keys | {'prefix'})}, and redis-py's client its own)"
+            )
         client = aioredis.Redis.from_url(bare, decode_responses=False, **client_options)
         chosen = prefix if prefix is not None else url_prefix
         return cls(client, prefix=DEFAULT_PREFIX if chosen is None else chosen, **store_options)

@@ -372,3 +372,17 @@ async def test_a_call_that_outlives_the_grace_of_close_leaves_no_connection_open
             await asyncio.wait({consolidating}, timeout=5)
         await redis_client.delete(lock)
         await service.close()
+
+
+async def test_an_option_nobody_takes_is_refused_when_the_service_is_made(redis_url: str) -> None:
+    """redis-py took any keyword and failed at the first connection, which load_memory
+    does not raise: a mistyped option (``max_fact``) went unnoticed."""
+    with pytest.raises(TypeError, match=r"unexpected options for redis://: \['max_fact'\]"):
+        MemoryService.from_url(redis_url, max_fact=3)
+    # redis-py's own options still reach its client.
+    async with MemoryService.from_url(redis_url, socket_timeout=5, max_connections=4) as memory:
+        memory.emit_observation("u1", tool_ok("a"))
+        await memory.drain()
+        assert memory.stats().stored == 1
+        pool = memory.store.client.connection_pool  # type: ignore[attr-defined]
+        assert pool.max_connections == 4
