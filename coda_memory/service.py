@@ -130,6 +130,10 @@ ANSWER_BY = 0.95
 COLLECTION_BEFORE = 1 / 3
 #: Consolidations (and peeks) in flight at once, unless the store says otherwise.
 DEFAULT_MAX_CONSOLIDATIONS = 8
+#: How long ``forget`` waits for the observations this service is storing (some may be
+#: the identity's) before it erases what is stored: past it (the store unreachable, the
+#: table held), it raises TimeoutError and erases nothing stored.
+FORGET_WAIT = 10.0
 
 
 async def _within(task: asyncio.Task[R], seconds: float) -> R:
@@ -219,7 +223,7 @@ class MemoryService(ObservationWriter):
         max_clock_skew: timedelta = DEFAULT_MAX_CLOCK_SKEW,
         tool_catalog: Collection[str] | None = None,
         token_counter: Callable[[str], int] | None = None,
-        telemetry: bool | Telemetry | NoTelemetry = False,
+        telemetry: bool | Telemetry | NoTelemetry | None = False,
         max_facts: int | None = DEFAULT_MAX_FACTS,
         max_consolidations: int | None = None,
         queue_bytes: int = DEFAULT_QUEUE_BYTES,
@@ -843,7 +847,14 @@ class MemoryService(ObservationWriter):
         identity_id = _identity_argument(identity_id)
         async with self._using_store():
             queued = self._forget_queued(identity_id)
-            await self.drain()
+            try:
+                await self.drain(FORGET_WAIT)
+            except TimeoutError as error:
+                raise TimeoutError(
+                    f"forget waited {FORGET_WAIT:g} s for the observations this service is "
+                    "storing (the store unreachable, or a table held): nothing stored was "
+                    "erased, run it again"
+                ) from error
             forgotten = await self.store.forget(identity_id)
         self.stored_for.discard(identity_id)
         self._recent.discard(identity_id)

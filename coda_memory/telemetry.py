@@ -14,14 +14,25 @@ a service records:
   ``.discarded``, ``coda_memory.loads``, ``coda_memory.load_timeouts``,
   ``coda_memory.load_errors``) and an up-down counter
   ``coda_memory.observations.pending``, read from ``stats()`` when the host's reader
-  collects, so the hot path does no metric work.
+  collects, so the hot path does no metric work. Each service's counts carry the
+  attribute ``coda_memory.service``, a number per service in the process (the instruments
+  are made once per meter, so that a second service, one per event loop or one made
+  again after ``close()``, reports its own counts). A closed service's last counts are
+still read (a host's final export comes after it closed) until it is garbage-collected:
+the instruments hold it weakly.
 
-Identity ids are never attributes (they may identify people). Without ``telemetry=``
-nothing is imported from OpenTelemetry and nothing is recorded.
+The background writer's ``append`` spans are root spans: the writer runs on its own, not
+inside the request that happened to start it. Identity ids are never attributes (they may
+identify people). Without ``telemetry=`` coda-memory imports nothing from OpenTelemetry
+and records nothing (a driver may import it on its own: redis-py does when the SDK is
+installed).
 """
 
 from __future__ import annotations
 
+import itertools
+import threading
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, nullcontext
 from typing import TYPE_CHECKING, Any
@@ -86,24 +97,59 @@ class Telemetry:
         self._load_duration.record(seconds, {"coda_memory.outcome": outcome})
 
     def observe(self, stats: Callable[[], MemoryStats]) -> None:
-        """Register the counters of ``stats()``, read when the host's reader collects."""
-        from opentelemetry.metrics import CallbackOptions, Observation
+        """Report the counters of ``stats()`` (a service's bound method, held weakly),
+        read when the host's reader collects."""
+        _readings(self._meter).add(stats)
 
-        def reading(field: str) -> Callable[[CallbackOptions], Iterator[Observation]]:
-            def callback(options: CallbackOptions) -> Iterator[Observation]:
-                yield Observation(getattr(stats(), field))
 
-            return callback
+#: The services whose counters each meter reports, by id of the meter (meters live as
+#: long as their providers; the dict keeps each one it names alive, a few at most).
+_BY_METER: dict[int, tuple[Any, _Readings]] = {}
+_BY_METER_LOCK = threading.Lock()
+_SERVICE_NUMBERS = itertools.count(1)
 
+
+def _readings(meter: Any) -> _Readings:
+    with _BY_METER_LOCK:
+        entry = _BY_METER.get(id(meter))
+        if entry is None or entry[0] is not meter:
+            entry = (meter, _Readings(meter))
+            _BY_METER[id(meter)] = entry
+        return entry[1]
+
+
+class _Readings:
+    """The ``stats()`` of every live service that reports to one meter, behind one
+    instrument per counter (an SDK gives back the first instrument of a name, and
+    never calls the callbacks of a second one)."""
+
+    def __init__(self, meter: Any) -> None:
+        self._services: dict[int, weakref.WeakMethod[Callable[[], MemoryStats]]] = {}
         for field, (name, description) in _COUNTERS.items():
-            self._meter.create_observable_counter(
-                name, callbacks=[reading(field)], description=description
+            meter.create_observable_counter(
+                name, callbacks=[self._reading(field)], description=description
             )
-        self._meter.create_observable_up_down_counter(
+        meter.create_observable_up_down_counter(
             "coda_memory.observations.pending",
-            callbacks=[reading("pending")],
+            callbacks=[self._reading("pending")],
             description="Observations emitted and not yet stored, rejected or dropped",
         )
+
+    def add(self, stats: Callable[[], MemoryStats]) -> None:
+        self._services[next(_SERVICE_NUMBERS)] = weakref.WeakMethod(stats)
+
+    def _reading(self, field: str) -> Callable[[Any], Iterator[Any]]:
+        from opentelemetry.metrics import Observation
+
+        def callback(options: Any) -> Iterator[Any]:
+            for number, method in list(self._services.items()):
+                stats = method()
+                if stats is None:  # the service was garbage-collected
+                    self._services.pop(number, None)
+                    continue
+                yield Observation(getattr(stats(), field), {"coda_memory.service": number})
+
+        return callback
 
 
 class NoTelemetry:
@@ -119,10 +165,15 @@ class NoTelemetry:
         return None
 
 
-def telemetry_for(option: bool | Telemetry | NoTelemetry) -> Telemetry | NoTelemetry:
-    """The hooks a service uses for its ``telemetry=`` option."""
+def telemetry_for(option: bool | Telemetry | NoTelemetry | None) -> Telemetry | NoTelemetry:
+    """The hooks a service uses for its ``telemetry=`` option (None and False: off)."""
     if option is True:
         return Telemetry()
-    if option is False:
+    if option is None or option is False:
         return NoTelemetry()
+    if not isinstance(option, Telemetry | NoTelemetry):
+        raise TypeError(
+            "telemetry must be True, False, None or a coda_memory.telemetry.Telemetry, "
+            f"not {type(option).__name__}"
+        )
     return option

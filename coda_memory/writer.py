@@ -9,6 +9,7 @@ declared here (store, clock, logging, telemetry) and adds consolidation and load
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import dataclasses
 import sys
 import threading
@@ -320,7 +321,12 @@ class ObservationWriter:
         if self._wakeup is None:
             self._wakeup, self._progress = asyncio.Event(), asyncio.Event()
             self._filled, self._retry_started = asyncio.Event(), asyncio.Event()
-        self._writer = loop.create_task(self._write_loop(), name="coda-memory-writer")
+        # In a context of its own: the writer outlives the call that happened to start
+        # it (a request), whose context variables (its trace, a host's request id) would
+        # otherwise hold for every batch it ever stores.
+        self._writer = loop.create_task(
+            self._write_loop(), name="coda-memory-writer", context=contextvars.Context()
+        )
 
     async def _write_loop(self) -> None:
         """Take batches off the queue and store them. One append at a time, and what

@@ -532,6 +532,34 @@ async def test_an_identity_the_store_cannot_take_is_a_clear_error(
     await service.close()
 
 
+async def test_forget_with_the_store_unreachable_raises_instead_of_waiting_forever(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """forget waits for the observations on their way to the store (some may be the
+    identity's): with the store unreachable, the writer retries forever, and so did
+    forget, while consolidate, facts and history raise at once."""
+    monkeypatch.setattr(service_module, "FORGET_WAIT", 0.05)
+    store = GatedStore()
+    service = MemoryService(store, clock=FakeClock(), load_timeout=5)
+    try:
+        service.emit_observation("bob", tool_ok("get_account"))
+        await service.drain()
+        store.failing = True
+        service.emit_observation("bob", tool_ok("run_sql"))
+        await asyncio.sleep(0)  # the writer takes it, and its append fails
+        with pytest.raises(TimeoutError, match="nothing stored was erased, run it again"):
+            await asyncio.wait_for(service.forget("bob"), 5)
+        assert len(await store.observations("bob")) == 1
+        store.failing = False
+        monkeypatch.setattr(service_module, "FORGET_WAIT", 5.0)  # the writer's back-off
+        forgotten = await asyncio.wait_for(service.forget("bob"), 5)
+        assert forgotten.observations == 2
+        assert await store.observations("bob") == []
+    finally:
+        store.failing = False
+        await service.close()
+
+
 async def test_a_str_enum_identity_is_stored_and_read_under_its_value() -> None:
     """The writer stored it under str(member), "Tenant.ANA", and loads read "ana"."""
 

@@ -12,6 +12,7 @@ import sys
 import textwrap
 from typing import Any
 
+import pytest
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from opentelemetry.sdk.trace import TracerProvider
@@ -19,7 +20,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from coda_memory import MemoryService
-from coda_memory.telemetry import Telemetry
+from coda_memory.telemetry import NoTelemetry, Telemetry
 from tests.helpers import FakeClock, tool_ok
 
 
@@ -113,8 +114,12 @@ def names():
     ) if data else []
 
 
+kept = []  # a service's counters are read while it is alive (held weakly)
+
+
 async def use(**options):
     service = MemoryService.from_url("memory://", load_timeout=5.0, **options)
+    kept.append(service)
     obs = NewObservation(
         type=ObservationType.TOOL_SUCCESS, content="ok", metadata={"toolName": "get_account"}
     )
@@ -169,3 +174,60 @@ def test_without_telemetry_nothing_is_recorded_even_with_global_providers() -> N
 
 def test_without_telemetry_opentelemetry_is_never_imported() -> None:
     assert _python(WITHOUT_OTEL).strip() == "[]"
+
+
+def _providers() -> tuple[InMemorySpanExporter, InMemoryMetricReader, Telemetry]:
+    exporter = InMemorySpanExporter()
+    tracer_provider = TracerProvider()
+    tracer_provider.add_span_processor(SimpleSpanProcessor(exporter))
+    reader = InMemoryMetricReader()
+    telemetry = Telemetry(
+        tracer_provider=tracer_provider, meter_provider=MeterProvider(metric_readers=[reader])
+    )
+    return exporter, reader, telemetry
+
+
+async def test_the_writer_does_not_run_in_the_request_that_started_it(clock: FakeClock) -> None:
+    """The writer started inside the first request's span and kept its context: every
+    append span of the service's life was a child of that request (and none was recorded
+    when that request was not sampled)."""
+    exporter, _, telemetry = _providers()
+    tracer = TracerProvider().get_tracer("host")
+    service = MemoryService.from_url("memory://", clock=clock, telemetry=telemetry)
+    try:
+        for request in range(3):
+            with tracer.start_as_current_span(f"request-{request}"):
+                service.emit_observation("alice", tool_ok("get_account"))
+            await service.drain()
+    finally:
+        await service.close()
+    appends = [s for s in exporter.get_finished_spans() if s.name == "coda_memory.append"]
+    assert len(appends) == 3
+    assert all(span.parent is None for span in appends)
+
+
+async def test_every_service_reports_its_own_counts(clock: FakeClock) -> None:
+    """Two services on one meter (one per event loop, or one made again after close()):
+    the second one's counts were never read, the first's reported in their place."""
+    _, reader, telemetry = _providers()
+    first = MemoryService.from_url("memory://", clock=clock, telemetry=telemetry)
+    second = MemoryService.from_url("memory://", clock=clock, telemetry=telemetry)
+    try:
+        for _ in range(5):
+            first.emit_observation("alice", tool_ok("get_account"))
+        second.emit_observation("bob", tool_ok("get_account"))
+        await first.drain()
+        await second.drain()
+    finally:
+        await first.close()
+        await second.close()
+    points = _metrics(reader)["coda_memory.observations.stored"].data_points
+    by_service = {point.attributes["coda_memory.service"]: point.value for point in points}
+    assert sorted(by_service.values()) == [1, 5]
+
+
+def test_telemetry_none_is_off_and_a_wrong_value_is_named() -> None:
+    service = MemoryService.from_url("memory://", telemetry=None)
+    assert isinstance(service._telemetry, NoTelemetry)
+    with pytest.raises(TypeError, match="telemetry must be True, False, None"):
+        MemoryService.from_url("memory://", telemetry="yes")
