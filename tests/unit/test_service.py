@@ -545,8 +545,14 @@ async def test_forget_with_the_store_unreachable_raises_instead_of_waiting_forev
         service.emit_observation("bob", tool_ok("get_account"))
         await service.drain()
         store.failing = True
+        calls = store.append_calls
         service.emit_observation("bob", tool_ok("run_sql"))
-        await asyncio.sleep(0)  # the writer takes it, and its append fails
+
+        async def taken() -> None:  # the writer took it, and its append failed
+            while store.append_calls == calls:
+                await asyncio.sleep(0)
+
+        await asyncio.wait_for(taken(), 5)
         with pytest.raises(TimeoutError, match="nothing stored was erased, run it again"):
             await asyncio.wait_for(service.forget("bob"), 5)
         assert len(await store.observations("bob")) == 1
