@@ -244,7 +244,15 @@ class _Run:
         )
         at = min(prior.at if group.at is None else max(group.at, prior.at), self.now)
         unchanged = at == prior.at and (group.hits, group.trials) == (prior.hits, prior.trials)
-        if not is_latest or unchanged or current is None:
+        if current is None:
+            # Deleted since (expired, or evicted by the cap): an observation of it starts
+            # it anew, as the redo below does for a fact that no consolidation deleted in
+            # between, so that how often consolidation runs never changes the result.
+            if unchanged or group.at is None:
+                return False
+            self.reinforce(None, group, at, FactEventKind.REINFORCED, group.hits, group.trials)
+            return True
+        if not is_latest or unchanged:
             return False
         if group.at is None:
             group.content = current.content

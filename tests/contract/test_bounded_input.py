@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 
 import pytest
 
@@ -89,3 +89,24 @@ async def test_a_very_old_observation_is_recorded_but_never_shown(
     assert [e.kind for e in history] == [FactEventKind.CREATED, FactEventKind.EXPIRED]
     assert history[0].at == T0 - timedelta(days=60)
     assert service.stats().future_clamped == 0
+
+
+async def test_an_observation_dated_before_1970_counts_as_any_old_one(
+    make_service: ServiceFactory,
+) -> None:
+    """The Redis store wrote a negative createdAt and could not read it back: the
+    observation stayed pending for good, reinforced nothing, and left no history."""
+    service = await make_service()
+    service.emit_observation("u1", tool_ok("get_account", session="s1"))
+    await service.drain()
+    await service.consolidate("u1")
+    before_1970 = datetime(1969, 12, 31, 23, 59, 59, tzinfo=UTC)
+    service.emit_observation("u1", tool_ok("get_account", session="s2", at=before_1970))
+    service.emit_observation("u1", tool_ok("run_sql", session="s2", at=before_1970))
+    await service.drain()
+    (fact,) = await service.consolidate("u1")
+    assert (fact.subject, fact.reinforcement_count) == ("tool_affinity:get_account", 2)
+    run_sql = [(e.kind, e.at) for e in await service.history("u1", "tool_affinity:run_sql")]
+    assert [kind for kind, _ in run_sql] == [FactEventKind.CREATED, FactEventKind.EXPIRED]
+    assert run_sql[0][1] == before_1970
+    assert service.stats().pending == 0
