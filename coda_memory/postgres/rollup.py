@@ -36,7 +36,8 @@ Design
   would touch every shard; a connection writes its batches one after another. Entities
   are many, each rarely hot, and an entity query reads them all, so ``entity_daily`` is
   not sharded. Every statement upserts in key order, per-identity rows before the global
-  rows they feed, and ``forget`` follows the same order, so concurrent batches wait for
+  rows they feed, and ``forget`` follows the same order (it locks an identity's rows in
+  key order before deleting them, see ``rollup_upkeep``), so concurrent batches wait for
   each other but never deadlock.
 * **Forget.** :func:`.rollup_upkeep.forget_identity` deletes the identity's per-identity
   rows and takes the identity out of the user counters they fed, in ``forget``'s

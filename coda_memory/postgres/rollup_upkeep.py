@@ -68,15 +68,34 @@ def _forget_domains(identity_id: str, shard: int) -> Insert:
     return add_to_daily(domain_daily, changes, ["domain"], ["queries", "users"], shard)
 
 
+async def _lock_in_key_order(
+    conn: AsyncConnection, users: Table, identity_id: str, keys: Sequence[str]
+) -> None:
+    """Lock the identity's rows of ``users`` in key order, the order an append upserts
+    them in: a ``DELETE`` takes them in the order they lie on disk, and deadlocked with
+    the appends of another process that updated two of them the other way round."""
+    await conn.execute(
+        select(literal(1))
+        .select_from(users)
+        .where(users.c.identity_id == identity_id)
+        .order_by(*(users.c[k] for k in keys))
+        .with_for_update()
+    )
+
+
 async def forget_identity(conn: AsyncConnection, identity_id: str) -> None:
     """Delete the identity's per-identity rollup rows and its place in the user counts;
     the anonymous call, access and query counts stay. Its owed rollups go first (the
-    order a folding append locks them in), so none is folded after the forget."""
+    order a folding append locks them in), so none is folded after the forget; then each
+    table's rows, locked in key order first (see :func:`_lock_in_key_order`)."""
     shard = await connection_shard(conn)
     await conn.execute(delete(rollup_owed).where(rollup_owed.c.identity_id == identity_id))
+    await _lock_in_key_order(conn, tool_users, identity_id, ["tool_name"])
     await conn.execute(_forget_latest(identity_id, tool_users, tool_daily, ["tool_name"], shard))
     keys = ["entity_type", "entity_id"]
+    await _lock_in_key_order(conn, entity_users, identity_id, keys)
     await conn.execute(_forget_latest(identity_id, entity_users, entity_daily, keys, None))
+    await _lock_in_key_order(conn, domain_users, identity_id, ["domain", "day"])
     await conn.execute(_forget_domains(identity_id, shard))
 
 

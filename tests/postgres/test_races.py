@@ -373,3 +373,50 @@ async def test_the_service_recovers_after_its_connections_are_killed(
         assert {f.subject for f in memory.facts} == {"tool_affinity:t", "tool_affinity:u"}
     finally:
         await service.close()
+
+
+async def test_forget_takes_the_rollup_rows_in_the_order_appends_do(
+    pg_url: str, admin: asyncpg.Connection
+) -> None:
+    """forget deleted the identity's rows of ``tool_users`` in the order they lay on disk
+    (a sequential scan, as on a small table); another process's append, which updates
+    them in key order, deadlocked with it, and one of the two failed."""
+    service = MemoryService.from_url(pg_url, load_timeout=5.0)
+    try:
+        for tool in ("run_sql", "get_account"):  # on disk: run_sql's row first
+            service.emit_observation("u1", tool_ok(tool))
+            await service.drain()
+    finally:
+        await service.close()
+    database = await admin.fetchval("SELECT current_database()")
+    for setting in ("enable_indexscan", "enable_indexonlyscan", "enable_bitmapscan"):
+        await admin.execute(f'ALTER DATABASE "{database}" SET {setting} = off')
+    appending = await asyncpg.connect(dsn(pg_url))
+    forgetting = MemoryService.from_url(pg_url, load_timeout=5.0)
+    try:
+        update = (
+            "UPDATE coda_memory.tool_users SET last_day = last_day "
+            "WHERE identity_id = 'u1' AND tool_name = $1"
+        )
+        transaction = appending.transaction()
+        await transaction.start()
+        await appending.execute(update, "get_account")  # an append's first row, in key order
+        forget = asyncio.ensure_future(forgetting.forget("u1"))
+
+        async def forget_waits() -> None:
+            waiting = (
+                "SELECT count(*) FROM pg_stat_activity "
+                "WHERE datname = current_database() AND wait_event_type = 'Lock'"
+            )
+            while await admin.fetchval(waiting) == 0:
+                await asyncio.sleep(0.005)
+
+        await asyncio.wait_for(forget_waits(), 10)
+        await asyncio.wait_for(appending.execute(update, "run_sql"), 10)  # its second row
+        await transaction.commit()
+        forgotten = await asyncio.wait_for(forget, 10)
+    finally:
+        await appending.close()
+        await forgetting.close()
+    assert forgotten.observations == 2
+    assert await admin.fetchval("SELECT count(*) FROM coda_memory.tool_users") == 0
