@@ -848,7 +848,14 @@ class MemoryService(ObservationWriter):
         async with self._using_store():
             queued = self._forget_queued(identity_id)
             try:
-                await self.drain(FORGET_WAIT)
+                # What this service is storing (some may be the identity's), and a load of
+                # the identity under way here (its answer would outlive the forget), not
+                # every identity's consolidations as a drain() waits for.
+                async with asyncio.timeout(FORGET_WAIT):
+                    await self._written(self._check_loop())
+                    load = self._loading.get(identity_id)
+                    if load is not None:
+                        await asyncio.wait([load])
             except TimeoutError as error:
                 raise TimeoutError(
                     f"forget waited {FORGET_WAIT:g} s for the observations this service is "

@@ -30,6 +30,7 @@ installed).
 
 from __future__ import annotations
 
+import functools
 import itertools
 import threading
 import weakref
@@ -80,7 +81,11 @@ class Telemetry:
         self._tracer = trace.get_tracer(
             INSTRUMENTATION, __version__, tracer_provider=tracer_provider
         )
-        self._meter = metrics.get_meter(INSTRUMENTATION, __version__, meter_provider=meter_provider)
+        self._meter = (
+            _global_meter(__version__)
+            if meter_provider is None
+            else metrics.get_meter(INSTRUMENTATION, __version__, meter_provider=meter_provider)
+        )
         self._load_duration = self._meter.create_histogram(
             "coda_memory.load_memory.duration",
             unit="s",
@@ -104,18 +109,27 @@ class Telemetry:
 
 #: The services whose counters each meter reports, by id of the meter (meters live as
 #: long as their providers; the dict keeps each one it names alive, a few at most).
-_BY_METER: dict[int, tuple[Any, _Readings]] = {}
+_BY_METER: weakref.WeakKeyDictionary[Any, _Readings] = weakref.WeakKeyDictionary()
 _BY_METER_LOCK = threading.Lock()
 _SERVICE_NUMBERS = itertools.count(1)
 
 
 def _readings(meter: Any) -> _Readings:
     with _BY_METER_LOCK:
-        entry = _BY_METER.get(id(meter))
-        if entry is None or entry[0] is not meter:
-            entry = (meter, _Readings(meter))
-            _BY_METER[id(meter)] = entry
-        return entry[1]
+        readings = _BY_METER.get(meter)
+        if readings is None:
+            readings = _BY_METER[meter] = _Readings(meter)
+        return readings
+
+
+@functools.cache
+def _global_meter(version: str) -> Any:
+    """The meter of the global provider, one per process: before the host sets its
+    provider, each ``get_meter`` gives a new proxy, whose instruments would all become
+    the same instruments of the real meter later, and only the first set reports."""
+    from opentelemetry import metrics
+
+    return metrics.get_meter(INSTRUMENTATION, version)
 
 
 class _Readings:

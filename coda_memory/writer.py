@@ -323,9 +323,11 @@ class ObservationWriter:
             self._filled, self._retry_started = asyncio.Event(), asyncio.Event()
         # In a context of its own: the writer outlives the call that happened to start
         # it (a request), whose context variables (its trace, a host's request id) would
-        # otherwise hold for every batch it ever stores.
-        self._writer = loop.create_task(
-            self._write_loop(), name="coda-memory-writer", context=contextvars.Context()
+        # otherwise hold for every batch it ever stores. Made inside that context rather
+        # than given it (create_task's context=), which a host's task factory of the
+        # older (loop, coro) form refuses.
+        self._writer = contextvars.Context().run(
+            loop.create_task, self._write_loop(), name="coda-memory-writer"
         )
 
     async def _write_loop(self) -> None:

@@ -14,27 +14,48 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 T = TypeVar("T")
 
 
-async def to_the_end(work: Awaitable[T]) -> tuple[T, asyncio.CancelledError | None]:
+async def to_the_end(
+    work: Awaitable[T], *, limit: float | None = None
+) -> tuple[T, asyncio.CancelledError | None]:
     """``work``'s result once it has ended, and the caller's cancellation meanwhile (None:
-    none came), which the caller raises once it has acted on the result. An exception of
-    ``work`` is raised as it is (the cancellation, if any, is then left to the caller's
-    next await)."""
+    none came), which the caller raises once it has acted on the result.
+
+    Once the caller is cancelled, ``limit`` (seconds) bounds the wait: past it the
+    cancellation is raised and the work is left to end by itself (for work whose effect
+    lapses by then anyway, such as a lock's expiry). An exception of ``work`` is raised
+    as it is, or, when the caller was cancelled meanwhile, the cancellation is raised
+    from it (a cancellation is delivered once: dropped here, it would be lost)."""
     task = asyncio.ensure_future(work)
     cancelled: asyncio.CancelledError | None = None
-    while True:
+    deadline: float | None = None
+    loop = asyncio.get_running_loop()
+    while not task.done():
+        left = None
+        if cancelled is not None and limit is not None:
+            deadline = loop.time() + limit if deadline is None else deadline
+            left = deadline - loop.time()
+            if left <= 0:
+                task.add_done_callback(_outcome_retrieved)  # nobody awaits it now
+                raise cancelled
         try:
-            result = await asyncio.shield(task)
+            await asyncio.wait({task}, timeout=left)  # (waiting never cancels the task)
         except asyncio.CancelledError as error:
-            if not task.done():
-                cancelled = error
-                continue
-            if task.cancelled():
-                raise  # the work itself was cancelled
-            return task.result(), error  # the caller was, as the work ended
-        else:
-            return result, cancelled
+            cancelled = error
+    if task.cancelled():
+        raise cancelled or asyncio.CancelledError()  # the work itself was cancelled
+    failure = task.exception()
+    if failure is not None:
+        if cancelled is not None:
+            raise cancelled from failure
+        raise failure
+    return task.result(), cancelled
+
+
+def _outcome_retrieved(task: asyncio.Future[Any]) -> None:
+    if not task.cancelled():
+        task.exception()

@@ -245,12 +245,17 @@ class _Run:
         at = min(prior.at if group.at is None else max(group.at, prior.at), self.now)
         unchanged = at == prior.at and (group.hits, group.trials) == (prior.hits, prior.trials)
         if current is None:
-            # Deleted since (expired, or evicted by the cap): an observation of it starts
-            # it anew, as the redo below does for a fact that no consolidation deleted in
-            # between, so that how often consolidation runs never changes the result.
+            # Deleted since (expired, or evicted by the cap): the session's reinforcement
+            # is redone on the fact as it was before it, rebuilt from the event, as below
+            # for a fact that no consolidation deleted in between, so that how often
+            # consolidation runs never changes the result (only ``created_at``, which the
+            # event does not hold, is the reinforcement's time). It starts anew at 0.5
+            # when the session created it, or when that state had expired by then too.
             if unchanged or group.at is None:
                 return False
-            self.reinforce(None, group, at, FactEventKind.REINFORCED, group.hits, group.trials)
+            before = _state_before(prior, self.fresh(group, prior.at))
+            kind = FactEventKind.REINFORCED if before is None else FactEventKind.EXTENDED
+            self.reinforce(before, group, at, kind, group.hits, group.trials)
             return True
         if not is_latest or unchanged:
             return False

@@ -254,7 +254,8 @@ async def _may_read(store: PostgresStore, view: str) -> bool:
         result = await conn.execute(statement, {"schema": store.schema, "view": view})
         return result.scalar() is True
 
-    return await store.run(read)
+    with _granted(store, _VIEWS_GRANTED):  # (a role without USAGE on the schema fails here)
+        return await store.run(read)
 
 
 async def domain_trends(

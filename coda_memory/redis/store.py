@@ -231,7 +231,8 @@ class RedisStore:
         the lock whether or not anyone reads the reply, and only this frame knows the
         token. A lock taken as the caller was cancelled is released before the
         cancellation is raised (else it stayed held for ``lock_ttl``, and every
-        consolidation of the identity meanwhile, in any process, timed out)."""
+        consolidation of the identity meanwhile, in any process, timed out). A cancelled
+        caller waits ``lock_ttl`` at most for a reply: the lock has expired by then."""
         key = self.keys.of("lock", identity_id)
         ttl_ms = max(1, round(self.lock_ttl.total_seconds() * 1000))
         loop = asyncio.get_running_loop()
@@ -240,7 +241,9 @@ class RedisStore:
         )
         delay = 0.001
         while True:
-            taken, cancelled = await to_the_end(self.client.set(key, token, nx=True, px=ttl_ms))
+            taken, cancelled = await to_the_end(
+                self.client.set(key, token, nx=True, px=ttl_ms), limit=self.lock_ttl.total_seconds()
+            )
             if cancelled is not None:
                 if taken:
                     await self._release(identity_id, token)
@@ -264,7 +267,7 @@ class RedisStore:
             with contextlib.suppress(RedisConnectionError, RedisTimeoutError):
                 await self._script("unlock")(keys=[self.keys.of("lock", identity_id)], args=[token])
 
-        _, cancelled = await to_the_end(release())
+        _, cancelled = await to_the_end(release(), limit=self.lock_ttl.total_seconds())
         if cancelled is not None:
             raise cancelled
 

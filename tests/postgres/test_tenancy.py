@@ -243,6 +243,24 @@ async def test_analytics_as_the_app_role_raise_access_denied(tenancy: Tenancy) -
         await owner.close()
 
 
+async def test_analytics_as_a_role_without_any_grant_raise_access_denied(
+    tenancy: Tenancy,
+) -> None:
+    """entity_popularity asks first whether the role may read active_facts, which a role
+    without USAGE on the schema cannot even ask: that raised SQLAlchemy's error."""
+    await _populate(tenancy)
+    stranger = f"coda_stranger_{secrets.token_hex(4)}"
+    await _superuser(tenancy.url, f'CREATE ROLE "{stranger}" NOLOGIN')
+    service = MemoryService.from_url(tenancy.url, schema=SCHEMA, **tenancy.as_role(stranger))
+    try:
+        for function in (coda_analytics.entity_popularity, coda_analytics.tool_effectiveness):
+            with pytest.raises(AccessDenied, match="granted to analyst roles"):
+                await function(service, min_users=1, schema=SCHEMA)
+    finally:
+        await service.close()
+        await _superuser(tenancy.url, f'DROP ROLE "{stranger}"')
+
+
 async def test_the_app_role_owes_the_rollup_under_a_lock_and_folds_it(
     tenancy: Tenancy, caplog: pytest.LogCaptureFixture
 ) -> None:

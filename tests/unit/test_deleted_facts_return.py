@@ -47,6 +47,38 @@ async def test_an_expired_fact_seen_again_by_its_session_starts_anew() -> None:
     assert (confidence, count, at) == (0.5, 1, T0 + timedelta(days=40))  # the new one's date
 
 
+async def _late_extension(consolidate_between: bool) -> dict[str, tuple[float, int, object]]:
+    """Five sessions reinforce a fact (count 5, 0.9); the last one's later observation,
+    dated while the fact as it was before that session (count 4, 0.8) was still alive,
+    is stored only after the fact expired (a writer's outage, another process's
+    backlog)."""
+    clock = FakeClock()
+    service = MemoryService.from_url("memory://", clock=clock)
+    try:
+        for i in range(5):
+            at = T0 + timedelta(minutes=i)
+            service.emit_observation("ana", tool_ok("get_account", session=f"s{i}", at=at))
+        await service.drain()
+        await service.consolidate("ana")
+        clock.advance(days=43)  # 0.9 * 0.95^43 < 0.1: expired
+        if consolidate_between:
+            assert await service.consolidate("ana") == []  # deleted
+        late = T0 + timedelta(days=40)  # 0.8 * 0.95^40 > 0.1
+        service.emit_observation("ana", tool_ok("get_account", session="s4", at=late))
+        await service.drain()
+        return _state(await service.consolidate("ana"))
+    finally:
+        await service.close()
+
+
+async def test_a_late_observation_extends_a_deleted_fact_as_one_still_stored() -> None:
+    deleted_between = await _late_extension(consolidate_between=True)
+    still_there = await _late_extension(consolidate_between=False)
+    assert deleted_between == still_there
+    (_, count, at) = deleted_between["tool_affinity:get_account"]
+    assert (count, at) == (5, T0 + timedelta(days=40))
+
+
 async def test_a_fact_the_cap_evicted_seen_again_by_its_session_starts_anew() -> None:
     clock = FakeClock()
     store = InMemoryStore()

@@ -566,6 +566,29 @@ async def test_forget_with_the_store_unreachable_raises_instead_of_waiting_forev
         await service.close()
 
 
+async def test_forget_does_not_wait_for_other_identities_consolidations(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """forget waited for every background consolidation (a drain): one slow
+    consolidation of another identity made it time out with the store healthy."""
+    monkeypatch.setattr(service_module, "FORGET_WAIT", 2.0)
+    store = GatedStore()
+    service = MemoryService(store, clock=FakeClock(), load_timeout=0.05)
+    try:
+        for who in ("ana", "bob"):
+            service.emit_observation(who, tool_ok("get_account"))
+        await service.drain()
+        store.consolidation_gate.clear()  # ana's consolidation hangs
+        await service.load_memory("ana")  # answers after its timeout; goes on behind
+        assert service._background
+        forgotten = await asyncio.wait_for(service.forget("bob"), 5)
+        assert forgotten.observations == 1
+        assert service._background  # ana's is still under way
+    finally:
+        store.consolidation_gate.set()
+        await service.close()
+
+
 async def test_a_str_enum_identity_is_stored_and_read_under_its_value() -> None:
     """The writer stored it under str(member), "Tenant.ANA", and loads read "ana"."""
 

@@ -7,6 +7,7 @@ subprocess.
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 import sys
 import textwrap
@@ -231,3 +232,71 @@ def test_telemetry_none_is_off_and_a_wrong_value_is_named() -> None:
     assert isinstance(service._telemetry, NoTelemetry)
     with pytest.raises(TypeError, match="telemetry must be True, False, None"):
         MemoryService.from_url("memory://", telemetry="yes")
+
+
+async def test_the_writer_starts_under_a_task_factory_of_the_older_form(
+    clock: FakeClock,
+) -> None:
+    """A host's task factory that takes (loop, coro) only refused the writer's
+    create_task(..., context=...): nothing was stored."""
+    loop = asyncio.get_running_loop()
+    loop.set_task_factory(lambda loop, coro: asyncio.Task(coro, loop=loop))
+    try:
+        service = MemoryService.from_url("memory://", clock=clock)
+        try:
+            service.emit_observation("alice", tool_ok("get_account"))
+            await service.drain()
+            assert (service.stats().stored, service.stats().rejected) == (1, 0)
+        finally:
+            await service.close()
+    finally:
+        loop.set_task_factory(None)
+
+
+BEFORE_THE_PROVIDER = """
+import asyncio
+
+from opentelemetry import metrics
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+
+from coda_memory import MemoryService, NewObservation, ObservationType
+
+OBS = NewObservation(
+    type=ObservationType.TOOL_SUCCESS, content="ok", metadata={"toolName": "get_account"}
+)
+
+
+async def main():
+    first = MemoryService.from_url("memory://", telemetry=True)  # made at import time
+    reader = InMemoryMetricReader()
+    metrics.set_meter_provider(MeterProvider(metric_readers=[reader]))  # then at startup
+    second = MemoryService.from_url("memory://", telemetry=True)
+    first.emit_observation("alice", OBS)
+    for _ in range(2):
+        second.emit_observation("bob", OBS)
+    for service in (first, second):
+        await service.drain()
+    data = reader.get_metrics_data()
+    points = [
+        point.value
+        for resource in data.resource_metrics
+        for scope in resource.scope_metrics
+        for metric in scope.metrics
+        if metric.name == "coda_memory.observations.stored"
+        for point in metric.data.data_points
+    ]
+    print(sorted(points))
+    for service in (first, second):
+        await service.close()
+
+
+asyncio.run(main())
+"""
+
+
+def test_services_made_before_the_host_sets_its_provider_report_their_own_counts() -> None:
+    """Before the global provider is set, every get_meter gave a new proxy meter: each
+    service made its own instruments, which became the same instruments once the
+    provider was set, and only the first service's counts were read."""
+    assert _python(BEFORE_THE_PROVIDER).strip() == "[1, 2]"

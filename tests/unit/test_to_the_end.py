@@ -55,3 +55,41 @@ async def test_work_cancelled_by_itself_raises_cancelled() -> None:
 
     with pytest.raises(asyncio.CancelledError):
         await to_the_end(work())
+
+
+async def test_a_failure_after_the_caller_was_cancelled_raises_the_cancellation() -> None:
+    """The work's error was raised instead, and the cancellation, delivered once, was
+    lost: the caller ran on (and asyncio.timeout never raised)."""
+    fail = asyncio.Event()
+
+    async def work() -> None:
+        await fail.wait()
+        raise ConnectionError("gone")
+
+    task = asyncio.ensure_future(to_the_end(work()))
+    await asyncio.sleep(0)
+    task.cancel()
+    await asyncio.sleep(0)
+    fail.set()
+    with pytest.raises(asyncio.CancelledError) as raised:
+        await task
+    assert isinstance(raised.value.__cause__, ConnectionError)
+
+
+async def test_once_cancelled_the_caller_waits_at_most_the_limit() -> None:
+    never = asyncio.Event()
+    started: list[asyncio.Task[None]] = []
+
+    async def work() -> None:
+        started.append(asyncio.current_task())  # type: ignore[arg-type]
+        await never.wait()
+
+    task = asyncio.ensure_future(to_the_end(work(), limit=0.05))
+    await asyncio.sleep(0)
+    await asyncio.sleep(0)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.wait_for(task, 5)
+    (running,) = started
+    assert not running.done()  # left to end by itself
+    running.cancel()
