@@ -107,8 +107,8 @@ class Telemetry:
         _readings(self._meter).add(stats)
 
 
-#: The services whose counters each meter reports, by id of the meter (meters live as
-#: long as their providers; the dict keeps each one it names alive, a few at most).
+#: The services whose counters each meter reports, by meter (held weakly: a meter lives
+#: as long as its provider).
 _BY_METER: weakref.WeakKeyDictionary[Any, _Readings] = weakref.WeakKeyDictionary()
 _BY_METER_LOCK = threading.Lock()
 _SERVICE_NUMBERS = itertools.count(1)

@@ -21,6 +21,7 @@ from datetime import datetime, timedelta
 from itertools import chain
 from typing import Any, Protocol
 
+from coda_memory.core.cancellation import to_the_end
 from coda_memory.core.caps import LogThrottle
 from coda_memory.core.logs import identity_label, short_error, without_identities
 from coda_memory.core.model import NewObservation, ObservationType
@@ -485,16 +486,11 @@ class ObservationWriter:
             self.store.append(records, batch_key=key, first_attempt=first_attempt)
         )
         try:
-            return await asyncio.shield(attempt), False
+            outcome, stopped = await to_the_end(attempt, limit=CLOSE_GRACE / 2)
         except asyncio.CancelledError:
-            if not attempt.done():
-                await asyncio.wait([attempt], timeout=CLOSE_GRACE / 2)
-            if not attempt.done():
-                attempt.cancel()
-                raise
-            if attempt.cancelled() or attempt.exception() is not None:
-                raise
-            return attempt.result(), True
+            attempt.cancel()  # not ended within the moment (a no-op if it failed)
+            raise
+        return outcome, stopped is not None
 
     def _retry_begins(self) -> bool:
         """Count an append that waits to be retried, and tell the writer (see MAX_AHEAD)."""

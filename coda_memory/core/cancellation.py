@@ -56,6 +56,15 @@ async def to_the_end(
     return task.result(), cancelled
 
 
+async def run_to_end(work: Awaitable[T], *, limit: float | None = None) -> T:
+    """:func:`to_the_end` for a caller with nothing to do on the result before it raises
+    the cancellation: ``work``'s result, or the caller's cancellation once it has ended."""
+    result, cancelled = await to_the_end(work, limit=limit)
+    if cancelled is not None:
+        raise cancelled
+    return result
+
+
 def _outcome_retrieved(task: asyncio.Future[Any]) -> None:
     if not task.cancelled():
         task.exception()

@@ -34,7 +34,7 @@ import asyncpg
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
-from coda_memory.core.cancellation import to_the_end
+from coda_memory.core.cancellation import run_to_end
 from coda_memory.core.model import MAX_INT32
 from coda_memory.core.options import NONE, require_types
 from coda_memory.errors import ConnectionLost
@@ -260,9 +260,7 @@ async def let_go(
         finally:
             await conn.close()
 
-    _, cancelled = await to_the_end(settled())
-    if cancelled is not None:
-        raise cancelled
+    await run_to_end(settled())
 
 
 @asynccontextmanager

@@ -34,7 +34,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from coda_memory.core.cancellation import to_the_end
+from coda_memory.core.cancellation import run_to_end, to_the_end
 from coda_memory.core.logs import identity_label
 from coda_memory.core.model import Fact, FactEvent, Observation
 from coda_memory.core.options import NONE, require_types
@@ -267,9 +267,7 @@ class RedisStore:
             with contextlib.suppress(RedisConnectionError, RedisTimeoutError):
                 await self._script("unlock")(keys=[self.keys.of("lock", identity_id)], args=[token])
 
-        _, cancelled = await to_the_end(release(), limit=self.lock_ttl.total_seconds())
-        if cancelled is not None:
-            raise cancelled
+        await run_to_end(release(), limit=self.lock_ttl.total_seconds())
 
     @asynccontextmanager
     async def _locked(self, identity_id: str) -> AsyncIterator[str]:
