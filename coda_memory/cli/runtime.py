@@ -331,6 +331,8 @@ async def open_store(
             revision = await _revision(store)
             if revision is None:
                 raise CliError(_not_migrated(target.schema))
+            from coda_memory.postgres.migrate import known_revision
+
             if revision != "unknown" and not known_revision(revision):
                 raise CliError(_foreign_revision(target.schema, revision))
         if across and not await maintenance.sees_every_identity(store):
@@ -422,19 +424,6 @@ def head_revision() -> str | None:
     return ScriptDirectory.from_config(alembic_config()).get_current_head()
 
 
-def known_revision(revision: str) -> bool:
-    """Whether ``revision`` is one of the packaged migrations."""
-    from alembic.script import ScriptDirectory
-    from alembic.util import CommandError
-
-    from coda_memory.postgres.migrate import alembic_config
-
-    try:
-        return ScriptDirectory.from_config(alembic_config()).get_revision(revision) is not None
-    except CommandError:
-        return False
-
-
 def _foreign_revision(schema: str, revision: str) -> str:
     return (
         f"schema {schema} is at Alembic revision {revision!r}, which is not one of this "
@@ -446,6 +435,8 @@ def _foreign_revision(schema: str, revision: str) -> str:
 
 def head_label(revision: str | None) -> str:
     """How ``revision`` compares with the latest migration, for people."""
+    from coda_memory.postgres.migrate import known_revision
+
     head = head_revision()
     if revision is None:
         return f"not migrated; the latest is {head}"

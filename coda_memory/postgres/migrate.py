@@ -21,6 +21,8 @@ import io
 # Absolute imports: the real Alembic, never the sibling module coda_memory.alembic.
 from alembic import command
 from alembic.config import Config
+from alembic.script import ScriptDirectory
+from alembic.util.exc import CommandError
 from sqlalchemy import Connection, pool
 from sqlalchemy.ext.asyncio import create_async_engine
 
@@ -39,6 +41,18 @@ def alembic_config(*, schema: str = DEFAULT_SCHEMA, url: str | None = None) -> C
     if url is not None:
         config.attributes["url"] = url
     return config
+
+
+def known_revision(revision: str, script: ScriptDirectory | None = None) -> bool:
+    """Whether ``revision`` is one of coda-memory's migrations (those of ``script``, by
+    default the packaged ones): a schema at another is another application's history,
+    or a newer coda-memory's."""
+    if script is None:
+        script = ScriptDirectory.from_config(alembic_config())
+    try:
+        return script.get_revision(revision) is not None
+    except CommandError:
+        return False
 
 
 def _upgrade(connection: Connection, config: Config, revision: str) -> None:

@@ -28,13 +28,13 @@ from typing import Any
 
 from alembic import context
 from alembic.script import ScriptDirectory
-from alembic.util.exc import CommandError
 from sqlalchemy import Connection, Engine, MetaData, pool
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 from sqlalchemy.schema import CreateSchema
 
 from coda_memory.errors import ForeignAlembicHistory
 from coda_memory.postgres.engine import asyncpg_url
+from coda_memory.postgres.migrate import known_revision
 from coda_memory.postgres.schema import (
     DEFAULT_SCHEMA,
     NAMING_CONVENTION,
@@ -137,11 +137,7 @@ def _refuse_foreign_history() -> None:
     """Stop before touching a schema whose version table holds another history."""
     script: ScriptDirectory = context.script
     for head in context.get_context().get_current_heads():
-        try:
-            known = script.get_revision(head) is not None
-        except CommandError:
-            known = False
-        if not known:
+        if not known_revision(head, script):
             raise ForeignAlembicHistory(
                 f"schema {SCHEMA!r} already holds another Alembic history (revision "
                 f"{head!r} is not one of coda-memory's); migrate coda-memory into a schema "
