@@ -269,6 +269,9 @@ class MemoryService(ObservationWriter):
         self._slots = LifoSlots(max_consolidations)
         self._log = LogThrottle(logger)
         self._facts_cap = CapCounter(self._log, "facts per identity capped")
+        #: Identities whose facts the store capped during the peek of a load under way:
+        #: the consolidation that follows finishes that cap, and counts no second one.
+        self._capped_by_store: set[str] = set()
         cap_facts: Callable[[FactCap], None] | None = getattr(store, "cap_facts", None)
         formula = decay_formula(self.decay)
         if cap_facts is not None and max_facts is not None and formula is not None:
@@ -404,6 +407,7 @@ class MemoryService(ObservationWriter):
         # stored from here on marks the identity again.)
         skip_peek = identity_id in self.stored_for and self._keeps_facts(identity_id)
         self.stored_for.discard(identity_id)
+        self._capped_by_store.discard(identity_id)
         if not skip_peek:
             async with self._slots:
                 stored, pending, version = await self._peek(identity_id)
@@ -427,7 +431,11 @@ class MemoryService(ObservationWriter):
             if plan.writes_anything:
                 await unit.write(plan)
                 await unit.commit()
-        if plan.evicted:
+        if identity_id in self._capped_by_store:
+            # The cap the store applied on the server, finished exactly: counted once.
+            self._capped_by_store.discard(identity_id)
+            self._facts_cap.dropped += len(plan.evicted)
+        elif plan.evicted:
             self._facts_cap.hit(
                 len(plan.evicted),
                 f"{self._label(identity_id)} keeps its {len(plan.active)} best ranked facts, "
@@ -439,6 +447,7 @@ class MemoryService(ObservationWriter):
         return self.clock()
 
     def _capped_in_store(self, identity_id: str, deleted: int) -> None:
+        self._capped_by_store.add(identity_id)
         self._facts_cap.hit(
             deleted,
             f"{self._label(identity_id)} keeps its best ranked facts, {deleted} deleted "

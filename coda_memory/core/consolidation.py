@@ -15,7 +15,10 @@ The rules, which fix the original design's flaws:
 * Stored confidence is the value at the last reinforcement; decay is computed from there
   and never written back, so there is no compounding.
 * A fact already expired at a session's reinforcement time starts again at 0.5 with
-  count 1. A fact expired at ``now`` is deleted and never returned.
+  count 1. A fact expired at ``now`` is deleted and never returned. The state of a
+  deleted fact is not read back for a new session: an observation dated from before
+  the fact expired, arriving after a consolidation deleted it, starts it again too
+  (where the stored fact would have been reinforced; the README's "Expiry" says so).
 
 Grouping a run's observations per session and fact (and ``fact_key``) lives in
 :mod:`.sessions`; this module folds the groups into facts and events.

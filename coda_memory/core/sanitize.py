@@ -251,17 +251,28 @@ def _check_type(value: object) -> ObservationType:
     raise ObservationRejected("type is not a known observation type")
 
 
+#: The first and last instants a datetime holds: Postgres (through asyncpg) stores them
+#: as -infinity and infinity, and gives back naive datetimes.
+_DATETIME_EDGES = (datetime.min.replace(tzinfo=UTC), datetime.max.replace(tzinfo=UTC))
+
+
 def _check_created_at(value: object) -> datetime:
     if type(value) is datetime and value.tzinfo is UTC:
-        return value  # the common case: the service's clock, already in UTC
+        # The common case: the service's clock, already in UTC.
+        if value in _DATETIME_EDGES:
+            raise ObservationRejected("created_at is the first or last instant of datetime")
+        return value
     if not isinstance(value, datetime):
         raise ObservationRejected("created_at is not a datetime")
     if value.tzinfo is None or value.utcoffset() is None:
         raise ObservationRejected("created_at is not timezone-aware")
     try:
-        return value.astimezone(UTC)
+        utc = value.astimezone(UTC)
     except OverflowError:
         raise ObservationRejected("created_at is out of range") from None
+    if utc in _DATETIME_EDGES:
+        raise ObservationRejected("created_at is the first or last instant of datetime")
+    return utc
 
 
 def _type_name(value: object) -> str:

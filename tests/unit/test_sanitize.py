@@ -263,6 +263,13 @@ def test_accepts_a_session_of_200_characters() -> None:
         (datetime(2025, 3, 1), "created_at is not timezone-aware"),
         ("2025-03-01", "created_at is not a datetime"),
         (datetime.min.replace(tzinfo=timezone(timedelta(hours=5))), "created_at is out of range"),
+        # Postgres would store these as -infinity and infinity, read back naive.
+        (datetime.min.replace(tzinfo=UTC), "created_at is the first or last instant of datetime"),
+        (datetime.max.replace(tzinfo=UTC), "created_at is the first or last instant of datetime"),
+        (
+            datetime.min.replace(tzinfo=UTC).astimezone(timezone(timedelta(hours=1))),
+            "created_at is the first or last instant of datetime",
+        ),
     ],
 )
 def test_rejects_bad_timestamps(at: Any, reason: str) -> None:
