@@ -46,7 +46,8 @@ from coda_memory.core.sanitize import (
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 #: Epoch ms beyond which a time is impossible here (datetime's range ends at year 9999).
 _MAX_MS = 253_402_300_799_999
-#: 0001-01-01T00:00:00Z: the writer takes any year from 1, so a read must too.
+#: 0001-01-01T00:00:00Z: the writer takes any time after it, so a read must too (not
+#: that instant, ``datetime.min``, which Postgres would keep as -infinity).
 _MIN_MS = -62_135_596_800_000
 #: The largest reinforcement count: Postgres stores it as an integer.
 MAX_COUNT = MAX_REINFORCEMENT_COUNT
@@ -77,7 +78,7 @@ def from_ms(value: object, field: str) -> datetime:
     """The UTC datetime of an epoch-ms number; :class:`BadRecord` for anything else."""
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise BadRecord(f"{field} is not a number")
-    if not math.isfinite(value) or not _MIN_MS <= value <= _MAX_MS:
+    if not math.isfinite(value) or not _MIN_MS < value <= _MAX_MS:
         raise BadRecord(f"{field} is out of range")
     if isinstance(value, int):  # the common case, exact
         return _EPOCH + timedelta(milliseconds=value)

@@ -1,14 +1,16 @@
 """A fact record of the Redis layout whose subject is not of its category is a bad record:
-it was imported, and then ranked, shown and netted as a fact of the other category."""
+it was imported, and then ranked, shown and netted as a fact of the other category. A
+time at the very first instant of datetime, or past its last, is one too."""
 
 from __future__ import annotations
 
 import json
+from datetime import UTC, datetime
 
 import pytest
 
 from coda_memory.core.model import FactCategory
-from coda_memory.redis.codec import BadRecord, fact_from_json
+from coda_memory.redis.codec import BadRecord, fact_from_json, from_ms
 
 
 def _record(category: str, subject: str) -> str:
@@ -68,3 +70,20 @@ def test_an_unknown_category_is_quoted_only_when_it_is_a_short_name(
     with pytest.raises(BadRecord) as raised:
         fact_from_json("u1", json.dumps(record))
     assert str(raised.value) == reason
+
+
+@pytest.mark.parametrize(
+    ("ms", "read"),
+    [
+        (-62_135_596_800_000, None),  # datetime.min: Postgres would keep it as -infinity
+        (-62_135_596_799_999, datetime(1, 1, 1, 0, 0, 0, 1000, tzinfo=UTC)),
+        (253_402_300_799_999, datetime(9999, 12, 31, 23, 59, 59, 999000, tzinfo=UTC)),
+        (253_402_300_800_000, None),  # past datetime's range
+    ],
+)
+def test_times_at_the_edges_of_datetime(ms: int, read: datetime | None) -> None:
+    if read is None:
+        with pytest.raises(BadRecord, match="lastReinforcedAt is out of range"):
+            from_ms(ms, "lastReinforcedAt")
+    else:
+        assert from_ms(ms, "lastReinforcedAt") == read
