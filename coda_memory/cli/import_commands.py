@@ -162,7 +162,7 @@ def import_redis(
     labels = {
         "identities": "identities in Redis",
         "copied": "identities checked" if dry_run else "identities copied",
-        "skipped": "identities already copied (skipped)",
+        "skipped": "identities the ledger lists as copied from this prefix (skipped)",
         "observations": "observations",
         "consumed_observations": "  of which consumed by the Redis checkpoint",
         "facts": "facts",

@@ -1,8 +1,10 @@
 """The original server's JSON: observations and facts in camelCase, times in epoch ms.
 
-Writing follows ``JSON.stringify``: compact separators, non-ASCII text as is, and an
-integral number without a fractional part, so a record coda-memory writes is the record
-the original TypeScript server would have written, plus extra fields it ignores:
+Writing follows ``JSON.stringify``: compact separators, non-ASCII text as is, and (in
+facts) an integral number without a fractional part, so a record coda-memory writes is
+the record the original TypeScript server would have written, plus extra fields it
+ignores (an observation's metadata keeps Python's number forms, ``84.0``, ``1e-07``,
+which JSON readers read as the same numbers):
 
 * observations: ``id`` (a decimal string), ``identityId``, ``type``, ``content``,
   ``metadata``, ``createdAt``, and ``sessionId`` when there is one;
@@ -38,6 +40,7 @@ from coda_memory.core.model import (
     trusted,
 )
 from coda_memory.core.sanitize import (
+    MAX_SESSION_CHARS,
     ObservationRecord,
     ObservationRejected,
     sanitize_observation,
@@ -181,20 +184,34 @@ def observation_from_json(identity_id: str, raw: str | bytes) -> Observation:
     )
 
 
+#: The optional metadata a stored observation may hold in a form a live server refuses
+#: (the original server wrote what its tools gave): no fact depends on them.
+_OPTIONAL_METADATA = re.compile(r"metadata\.(durationMs|error|entityName|query)\b")
+
+
 def sanitized(observation: Observation) -> ObservationRecord:
     """The observation validated and cleaned as if it were emitted now (for a copy into
-    another store); :class:`BadRecord` with the reason when it would be rejected."""
-    emitted = NewObservation.model_construct(
-        type=observation.type,
-        content=observation.content,
-        metadata=observation.metadata,
-        session_id=observation.session_id,
-        created_at=observation.created_at,
-    )
-    try:
-        return sanitize_observation(observation.identity_id, emitted, observation.created_at)
-    except ObservationRejected as exc:
-        raise BadRecord(exc.reason) from exc
+    another store); :class:`BadRecord` with the reason when it would be rejected. An
+    optional value a live server would refuse (:data:`_OPTIONAL_METADATA`: a negative
+    ``durationMs``, an ``error`` that is not a string, a null ``entityName`` or
+    ``query``) is dropped instead, as it makes no fact: the Redis store consolidates the
+    observation, so the copy must hold it too."""
+    metadata = observation.metadata
+    while True:
+        emitted = NewObservation.model_construct(
+            type=observation.type,
+            content=observation.content,
+            metadata=metadata,
+            session_id=observation.session_id,
+            created_at=observation.created_at,
+        )
+        try:
+            return sanitize_observation(observation.identity_id, emitted, observation.created_at)
+        except ObservationRejected as exc:
+            optional = _OPTIONAL_METADATA.match(exc.reason)
+            if optional is None or optional[1] not in metadata:
+                raise BadRecord(exc.reason) from exc
+            metadata = {k: v for k, v in metadata.items() if k != optional[1]}
 
 
 # -- facts ------------------------------------------------------------------------------
@@ -314,6 +331,51 @@ def event_value(event: FactEvent) -> dict[str, Any]:
         "hits": event.hits,
         "trials": event.trials,
     }
+
+
+def _checked(value: dict[str, Any], name: str, kind: str, low: float, high: float) -> None:
+    """``value[name]`` is None or a number of ``kind`` (``int``: a whole one) within
+    ``[low, high]``; :class:`BadRecord` naming the field otherwise (not its value)."""
+    number = value.get(name)
+    if number is None:
+        return
+    if isinstance(number, bool) or not isinstance(number, int | float):
+        raise BadRecord(f"{name} is not a number")
+    if kind == "int" and not isinstance(number, int):
+        raise BadRecord(f"{name} is not a whole number")
+    if not (math.isfinite(number) and low <= number <= high):
+        raise BadRecord(f"{name} is out of range")
+
+
+def checked_event_from_value(identity_id: str, value: object) -> FactEvent:
+    """A fact event read from keys that anything may have written (a copy into another
+    store): each field is of the type and within the range the stores keep, or
+    :class:`BadRecord` names the field. :func:`event_from_value` trusts the record."""
+    if not isinstance(value, dict):
+        raise BadRecord("not a JSON object")
+    subject = _subject(value)
+    session = None if value.get("sessionId") is None else _text(value, "sessionId")
+    if session is not None and len(session) > MAX_SESSION_CHARS:
+        raise BadRecord(f"sessionId is longer than {MAX_SESSION_CHARS} characters")
+    for name in ("confidenceBefore", "confidenceAfter", "quality"):
+        _checked(value, name, "float", 0.0, 1.0)
+    for name in ("easeBefore", "easeAfter"):
+        _checked(value, name, "float", math.ulp(0.0), math.inf)
+    for name in ("countBefore", "countAfter", "hits", "trials"):
+        _checked(value, name, "int", 0, MAX_COUNT)
+    for name in ("hits", "trials"):
+        if value.get(name) is None:
+            raise BadRecord(f"{name} is missing")
+    try:
+        category, kind = FactCategory(value["category"]), FactEventKind(value["kind"])
+    except (KeyError, ValueError, TypeError):
+        raise BadRecord("category or kind is missing or unknown") from None
+    if not subject.startswith(f"{category.value}:"):
+        raise BadRecord("subject is not of its category")
+    try:
+        return event_from_value(identity_id, {**value, "category": category, "kind": kind})
+    except KeyError as exc:
+        raise BadRecord(f"{exc.args[0]} is missing") from None
 
 
 def event_from_value(identity_id: str, value: dict[str, Any]) -> FactEvent:

@@ -3,9 +3,13 @@
 One MULTI/EXEC reads every key of the identity at once, so an append or a consolidation
 cannot land between the reads. Each observation is classed as the Redis store itself
 would: pending when it is in the pending set, or when no checkpoint covers it (the
-original server's new ones); consumed otherwise. Records that do not parse are reported
+original server's new ones); consumed otherwise. A pending observation that the sorted
+set no longer holds (pruned, or the key expired) is pending still, as the store reads
+it. Records that do not parse, or hold a value of the wrong type or range, are reported
 by key, with the reason, and left out; so is a fact whose ease factor no decay strategy
-of the library would have given it (:func:`~coda_memory.core.decay.ease_bounds`).
+of the library would have given it (:func:`~coda_memory.core.decay.ease_bounds`). A
+checkpoint that does not parse leaves the identity out whole (:class:`BadRecord`):
+without it, nothing tells the consumed observations from the new ones.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from coda_memory.core.decay import ease_bounds
 from coda_memory.core.model import Fact, FactEvent, Observation
 from coda_memory.redis.codec import (
     BadRecord,
-    event_from_value,
+    checked_event_from_value,
     fact_from_json,
     from_ms,
     observation_from_json,
@@ -81,18 +85,28 @@ async def export_identity(store: RedisStore, identity_id: str) -> ExportedIdenti
             out.checkpoint_at = from_ms(float(checkpoint), "checkpoint")
             limit = float(checkpoint)
         except (ValueError, BadRecord) as exc:
-            # (The exception quotes the value: a corrupt field may hold anything.)
-            reason = f"not epoch ms ({type(exc).__name__})"
-            out.bad.append((f"{k.checkpoint} field {identity_id!r}", reason))
-    waiting = set(pending)
-    for member, score in members:
+            # Without it, nothing tells the consumed observations from the new ones: all
+            # would count again. (The exception quotes the value: a corrupt field may
+            # hold anything.)
+            raise BadRecord(
+                f"{k.checkpoint} field {identity_id!r} is not epoch ms ({type(exc).__name__}):"
+                " which observations were consumed is not known"
+            ) from None
+    in_pending = set(pending)
+    # With the pending observations that the sorted set no longer holds (the original
+    # server's prune, or the key's TTL, took them): the Redis store still consolidates
+    # them. (Their score is the pending set's, which only says they are pending.)
+    held = {member for member, _ in members}
+    pending_key = k.of("pending", identity_id)
+    lost = [(member, None, pending_key) for member in pending if member not in held]
+    for member, score, key in [*((m, s, obs_key) for m, s in members), *lost]:
         try:
             observation = observation_from_json(identity_id, member)
         except BadRecord as exc:
-            out.bad.append((_member_label(obs_key, member), str(exc)))
+            out.bad.append((_member_label(key, member), str(exc)))
             continue
-        out.labels[observation.id] = _member_label(obs_key, member)
-        if member in waiting or limit is None or score > limit:
+        out.labels[observation.id] = _member_label(key, member)
+        if member in in_pending or limit is None or score is None or score > limit:
             out.pending.append(observation)
         else:
             out.consumed.append(observation)
@@ -141,16 +155,23 @@ def _events(
     bad: list[tuple[int, str]] = []
     for index, raw in enumerate(history):
         try:
-            events.append(event_from_value(identity_id, json.loads(raw)))
-        except (ValueError, KeyError, TypeError, BadRecord) as exc:
+            events.append(checked_event_from_value(identity_id, json.loads(raw)))
+        except BadRecord as exc:
+            bad.append((index, f"fact event: {exc}"))
+        except ValueError as exc:  # not JSON
             bad.append((index, f"fact event: {type(exc).__name__}"))
     seen = {_identity_of(e) for e in events}
     extra: list[FactEvent] = []
     for index, raw in enumerate(sessions, start=len(history)):
         try:
             values = json.loads(raw)
-            recorded = [event_from_value(identity_id, v) for v in values]
-        except (ValueError, KeyError, TypeError, BadRecord) as exc:
+            if not isinstance(values, list):
+                raise BadRecord("not a JSON array")
+            recorded = [checked_event_from_value(identity_id, v) for v in values]
+        except BadRecord as exc:
+            bad.append((index, f"session record: {exc}"))
+            continue
+        except ValueError as exc:  # not JSON
             bad.append((index, f"session record: {type(exc).__name__}"))
             continue
         for event in recorded:

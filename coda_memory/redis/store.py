@@ -363,8 +363,16 @@ class RedisStore:
             async for key in self.client.scan_iter(match=self.keys.pattern(kind), count=1000):
                 text = _decoded(key)
                 found.add(self.keys.identity_of(kind, text))
-        for field in await self.client.hkeys(self.keys.checkpoint):
-            found.add(_decoded(field))
+        try:
+            fields = await self.client.hkeys(self.keys.checkpoint)
+        except ResponseError as exc:
+            if not str(exc).startswith("WRONGTYPE"):
+                raise
+            raise BadRecord(
+                f"{self.keys.checkpoint} holds a value of another type than a hash (the"
+                " checkpoint map): no identity's checkpoint can be read"
+            ) from None
+        found.update(_decoded(field) for field in fields)
         return sorted(found)
 
     async def stats(self) -> RedisStoreStats:

@@ -63,8 +63,27 @@ def fact(identity: str, tool: str, confidence: float, count: int, **extra: Any) 
     )
 
 
+#: A fact event as the Redis store writes it.
+EVENT: dict[str, Any] = {
+    "identityId": "u",
+    "subject": "tool_affinity:get_account",
+    "category": "tool_affinity",
+    "kind": "created",
+    "sessionId": "s1",
+    "at": ms(1),
+    "confidenceBefore": None,
+    "confidenceAfter": 0.5,
+    "countBefore": None,
+    "countAfter": 1,
+    "easeBefore": None,
+    "easeAfter": 2.5,
+    "quality": 1.0,
+    "hits": 1,
+    "trials": 1,
+}
+
 #: One corrupt record in every hundredth identity, of these kinds in turn.
-CORRUPTIONS = ["broken JSON", "unknown type", "impossible confidence", "not a fact", "checkpoint"]
+CORRUPTIONS = ["broken JSON", "unknown type", "impossible confidence", "not a fact", "event"]
 
 
 async def write_deployment(client: aioredis.Redis, store: RedisStore, prefix: str) -> None:
@@ -103,8 +122,10 @@ async def write_deployment(client: aioredis.Redis, store: RedisStore, prefix: st
                     pipe.hset(f"{prefix}facts:{identity}", "fact:x", fact(identity, "x", 7.5, 1))
                 elif kind == "not a fact":
                     pipe.hset(f"{prefix}facts:{identity}", "fact:y", "[1, 2, 3]")
-                else:
-                    pipe.hset(f"{prefix}checkpoint", identity, "yesterday")
+                else:  # a fact event whose count no store holds
+                    pipe.rpush(
+                        f"{prefix}history:{identity}", json.dumps(EVENT | {"countAfter": 2**40})
+                    )
         await pipe.execute()
     # Late observations, appended by coda-memory: pending, yet stamped before the checkpoint.
     late = [
@@ -205,11 +226,12 @@ async def test_a_deployment_of_1000_identities_moves_to_postgres(
         assert all(key.startswith(redis_prefix) for key, _ in checked.bad)
         assert any("teleport" in reason for _, reason in checked.bad)
         assert any("outside 0..1" in reason for _, reason in checked.bad)
-        assert (checked.observations, checked.consumed_observations) == (3100, 898 * 2)
+        assert any("countAfter is out of range" in reason for _, reason in checked.bad)
+        assert (checked.observations, checked.consumed_observations) == (3100, 900 * 2)
         # Observations: 3 per identity and 100 late ones; consumed: the first two of
-        # every identity with a (valid) checkpoint, never a late one.
+        # every identity with a checkpoint, never a late one.
         counts = await row_counts(pg_url)
-        assert (counts["observations"], counts["consumed"]) == (3100, 898 * 2)
+        assert (counts["observations"], counts["consumed"]) == (3100, 900 * 2)
         assert counts["facts"] == 2000
         assert counts["redis_imports"] == 1000
 

@@ -87,8 +87,8 @@ async def test_records_postgres_cannot_hold_leave_out_what_they_must_and_no_more
             "fact:tool_affinity:long": fact("b-case", "long", 0.5, 1, subject=LONG_SUBJECT),
         },
     )
-    # A key of another type than the layout's, and a fact event (coda-memory's own key,
-    # read as trusted) that Postgres refuses: the identity is left out whole.
+    # A key of another type than the layout's: the identity is left out whole. A fact
+    # event whose count Postgres cannot hold: the event is left out, found by the dry run.
     await redis_client.set(f"{p}pending:c-type", "oops")
     await redis_client.rpush(f"{p}history:d-event", _event("d-event", 3_000_000_000))
     # An identity that is not UTF-8 text, and one that holds a NUL.
@@ -96,8 +96,8 @@ async def test_records_postgres_cannot_hold_leave_out_what_they_must_and_no_more
     await redis_client.hset(f"{p}facts:g\x00nul", "x", fact("g\x00nul", "t", 0.5, 1))
     # An identity longer than any the library serves.
     await redis_client.hset(f"{p}facts:{LONG_IDENTITY}", "x", fact(LONG_IDENTITY, "t", 0.5, 1))
-    # A fact event (trusted) whose session is too long for Postgres to index
-    # (SQLSTATE 54000): that identity is left out whole, and the copy goes on.
+    # A fact event whose session is longer than any the library takes (too long for
+    # Postgres to index, SQLSTATE 54000): the event is left out, the identity copied.
     await redis_client.rpush(f"{p}history:i-session", _event("i-session", 2, LONG_SESSION))
 
     source = RedisStore.from_url(redis_url)
@@ -118,8 +118,7 @@ async def test_records_postgres_cannot_hold_leave_out_what_they_must_and_no_more
         "subject holds a NUL character"
     )
     assert reasons[f"{p}*:c-type"].startswith("not copied: BadRecord: a key of the wrong type")
-    assert reasons[f"{p}*:d-event"].startswith("not copied: DataError")
-    assert "out of int32 range" in reasons[f"{p}*:d-event"]
+    assert reasons[f"{p}history:d-event"] == "fact event: countAfter is out of range"
     assert reasons[f"{p}*:b'f-bad\\xff'"] == "the identity in the key is not UTF-8 text"
     assert reasons[f"{p}*:'g\\x00nul'"] == "the identity in the key holds a NUL character"
     assert reasons[f"{p}facts:b-case field 'fact:tool_affinity:long'"] == (
@@ -128,20 +127,20 @@ async def test_records_postgres_cannot_hold_leave_out_what_they_must_and_no_more
     assert reasons[f"{p}*:{LONG_IDENTITY}"] == (
         "the identity in the key is longer than 256 characters"
     )
-    assert reasons[f"{p}*:i-session"].startswith("not copied: ProgramLimitExceededError")
+    assert reasons[f"{p}history:i-session"] == (
+        "fact event: sessionId is longer than 200 characters"
+    )
     assert len(summary.bad) == 9
-    # The dry run finds all but what only Postgres refuses.
-    assert {key for key, _ in dry.bad} == set(reasons) - {f"{p}*:d-event", f"{p}*:i-session"}
+    # The dry run finds them all.
+    assert set(dict(dry.bad)) == set(reasons)
     # Every other identity is copied, those after the bad ones included.
-    assert (summary.identities, summary.copied) == (9, 3)
+    assert (summary.identities, summary.copied) == (9, 5)
     counts = await row_counts(pg_url)
-    assert (counts["observations"], counts["facts"], counts["redis_imports"]) == (3, 3, 3)
+    assert (counts["observations"], counts["facts"], counts["redis_imports"]) == (5, 5, 5)
     # What was left out whole is not in the ledger: a later run tries it again.
-    assert (again.copied, again.skipped) == (0, 3)
+    assert (again.copied, again.skipped) == (0, 5)
     assert {key for key, _ in again.bad} == {
         f"{p}*:c-type",
-        f"{p}*:d-event",
-        f"{p}*:i-session",
         f"{p}*:{LONG_IDENTITY}",
         f"{p}*:b'f-bad\\xff'",
         f"{p}*:'g\\x00nul'",
