@@ -33,6 +33,13 @@ class ForeignAlembicHistory(CodaMemoryError):
     migrating there would mix two histories. Use a schema of coda-memory's own."""
 
 
+class MigrationUnderWay(CodaMemoryError):
+    """Another migration of the schema holds its lock, and the migration was given a
+    connection of the caller's (``config.attributes["connection"]``), whose transaction
+    cannot wait for it; migrate again once it is done. (``migrate``, ``migrate_async``,
+    ``coda-memory migrate`` and ``alembic upgrade`` with a URL wait their turn.)"""
+
+
 class ServiceClosed(CodaMemoryError):
     """The service was closed: it takes no more work (``load_memory`` answers empty, and
     ``emit_observation`` drops what it is given)."""

@@ -255,7 +255,8 @@ def forget(
     schema: SchemaOption = DEFAULT_SCHEMA,
 ) -> None:
     """Erase everything about an identity: observations, facts, history, checkpoint, its
-    own rollup rows, owed rollups and import ledger (the anonymous daily counts stay)."""
+    own rollup rows, owed rollups and import ledger, and its place in the distinct-user
+    counts (the call, query and access counts stay)."""
     if not yes and not stdin_is_interactive():
         fail("refusing to forget without confirmation: stdin is not a terminal; pass --yes", 2)
 

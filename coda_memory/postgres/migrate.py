@@ -16,16 +16,21 @@ Alembic history is untouched; a schema that already holds another history is ref
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
 import io
+import time
+from collections.abc import Callable
 
 # Absolute imports: the real Alembic, never the sibling module coda_memory.alembic.
 from alembic import command
 from alembic.config import Config
 from alembic.script import ScriptDirectory
 from alembic.util.exc import CommandError
-from sqlalchemy import Connection, pool
-from sqlalchemy.ext.asyncio import create_async_engine
+from sqlalchemy import Connection, pool, text
+from sqlalchemy.ext.asyncio import AsyncConnection, create_async_engine
 
+from coda_memory.errors import MigrationUnderWay
 from coda_memory.postgres.engine import asyncpg_url
 from coda_memory.postgres.schema import DEFAULT_SCHEMA, validate_schema_name
 
@@ -55,6 +60,78 @@ def known_revision(revision: str, script: ScriptDirectory | None = None) -> bool
         return False
 
 
+#: The advisory lock that serialises the migrations of one schema (its key, from the
+#: schema's name): replicas that all migrate as they start take turns, and each finds
+#: the schema as the one before left it.
+_MIGRATION_LOCK_KEY = "hashtextextended('coda_memory.migrate:' || :schema, 0)"
+_TRY_LOCK = text(f"SELECT pg_try_advisory_lock({_MIGRATION_LOCK_KEY})")
+_UNLOCK = text(f"SELECT pg_advisory_unlock({_MIGRATION_LOCK_KEY})")
+#: How often a migration waiting for another one of its schema tries the lock again. It
+#: waits between tries, not in a statement: ``CREATE INDEX CONCURRENTLY`` waits for every
+#: transaction with a snapshot, and one waiting for the lock would be waited for by the
+#: migration that holds it (a deadlock).
+MIGRATION_LOCK_POLL = 0.2
+
+
+def lock_for_transaction(connection: Connection, schema: str) -> None:
+    """Take ``schema``'s migration lock until ``connection``'s transaction ends (what the
+    migration environment does on a caller's connection, which the caller commits), or
+    :class:`MigrationUnderWay` when another migration holds it: waiting inside the
+    transaction would hold a snapshot that the other one's index builds wait for."""
+    try_lock = text(f"SELECT pg_try_advisory_xact_lock({_MIGRATION_LOCK_KEY})")
+    if not connection.scalar(try_lock, {"schema": schema}):
+        raise MigrationUnderWay(
+            f"another migration of schema {schema!r} is under way; migrate again once it is done"
+        )
+
+
+def migrating_alone(connection: Connection, schema: str, run: Callable[[], None]) -> None:
+    """``run()`` (migrations on ``connection``, committed here), after any other
+    migration of ``schema`` under way: the schema's migration lock is held for the
+    session from before the version table is read until after the commit, which a
+    migration's own commits (around its ``CONCURRENTLY`` index builds) do not release.
+    A migration that fails is rolled back first."""
+    key = {"schema": schema}
+    while not connection.scalar(_TRY_LOCK, key):
+        connection.commit()  # no transaction, no snapshot, while it waits
+        time.sleep(MIGRATION_LOCK_POLL)
+    connection.commit()
+    try:
+        run()
+        connection.commit()
+    except BaseException:
+        with contextlib.suppress(Exception):  # the connection may be gone: it goes anyway
+            connection.rollback()
+            connection.execute(_UNLOCK, key)
+            connection.commit()
+        raise
+    connection.execute(_UNLOCK, key)
+    connection.commit()
+
+
+async def migrating_alone_async(
+    connection: AsyncConnection, schema: str, run: Callable[[Connection], None]
+) -> None:
+    """:func:`migrating_alone` on an async connection, waiting without blocking the
+    event loop; ``run`` gets the sync connection."""
+    key = {"schema": schema}
+    while not await connection.scalar(_TRY_LOCK, key):
+        await connection.commit()
+        await asyncio.sleep(MIGRATION_LOCK_POLL)
+    await connection.commit()
+    try:
+        await connection.run_sync(run)
+        await connection.commit()
+    except BaseException:
+        with contextlib.suppress(Exception):
+            await connection.rollback()
+            await connection.execute(_UNLOCK, key)
+            await connection.commit()
+        raise
+    await connection.execute(_UNLOCK, key)
+    await connection.commit()
+
+
 def _upgrade(connection: Connection, config: Config, revision: str) -> None:
     config.attributes["connection"] = connection
     command.upgrade(config, revision)
@@ -62,13 +139,14 @@ def _upgrade(connection: Connection, config: Config, revision: str) -> None:
 
 async def migrate_async(url: str, *, schema: str = DEFAULT_SCHEMA, revision: str = "head") -> None:
     """Upgrade the database at ``url`` to ``revision``, in one transaction (the indexes
-    built ``CONCURRENTLY`` excepted)."""
+    built ``CONCURRENTLY`` excepted), after any other migration of ``schema`` under way
+    (see :func:`migrating_alone`)."""
     config = alembic_config(schema=schema)
     engine = create_async_engine(asyncpg_url(url), poolclass=pool.NullPool)
     try:
         async with engine.connect() as connection:
-            await connection.run_sync(_upgrade, config, revision)
-            await connection.commit()
+            upgrade = functools.partial(_upgrade, config=config, revision=revision)
+            await migrating_alone_async(connection, schema, upgrade)
     finally:
         await engine.dispose()
 

@@ -80,12 +80,14 @@ def validate_schema_name(name: str) -> str:
 MIGRATION_LOCK_TIMEOUT = "5s"
 
 
-def migration_lock_timeout() -> Select[tuple[str]]:
+def migration_lock_timeout(*, session: bool = False) -> Select[tuple[str]]:
     """Sets :data:`MIGRATION_LOCK_TIMEOUT` for the current transaction: what every
     transaction of a migration runs first (the migration environment for the first one,
-    a migration for one it begins after an ``autocommit_block``)."""
+    a migration for one it begins after an ``autocommit_block``). ``session``: for the
+    session instead, what an ``autocommit_block`` runs first, each of its statements
+    being a transaction of its own (``RESET lock_timeout`` at its end)."""
     setting = bindparam("lock_timeout", MIGRATION_LOCK_TIMEOUT, Text)
-    return select(func.set_config("lock_timeout", setting, True))
+    return select(func.set_config("lock_timeout", setting, not session))
 
 
 def schema_translate_map(schema: str) -> dict[str | None, str]:

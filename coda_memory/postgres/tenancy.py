@@ -55,13 +55,24 @@ ROLE_KINDS = {"app": "grant_app", "analyst": "grant_analyst"}
 _MAX_IDENTIFIER_BYTES = 63
 
 
-def tenancy_sql(name: str, schema: str, table: str = "", source: str = "") -> str:
-    """The DDL script ``sql/tenancy/name.sql`` for ``schema`` (validated), ``table`` and
-    ``source`` (this package's table names, constants). These scripts hold placeholders
-    (``{table}``, ``{source}``, ``{role}``) and, for the grants, several statements, so
-    they live apart from the statements the library prepares."""
+def tenancy_sql(
+    name: str,
+    schema: str,
+    table: str = "",
+    source: str = "",
+    privileges: str = "SELECT, INSERT, UPDATE, DELETE",
+) -> str:
+    """The DDL script ``sql/tenancy/name.sql`` for ``schema`` (validated), ``table``,
+    ``source`` and ``privileges`` (this package's table names and privileges, constants).
+    These scripts hold placeholders (``{table}``, ``{source}``, ``{privileges}``,
+    ``{role}``) and, for the grants, several statements, so they live apart from the
+    statements the library prepares."""
     text = query(f"tenancy/{name}", schema).text
-    return text.replace("{table}", table).replace("{source}", source)
+    return (
+        text.replace("{table}", table)
+        .replace("{source}", source)
+        .replace("{privileges}", privileges)
+    )
 
 
 def quote_role(name: str) -> str:

@@ -223,7 +223,7 @@ def test_a_schema_holding_the_host_history_is_refused(
 ) -> None:
     assert alembic(host_project, empty_pg_url, "upgrade", "head").returncode == 0
 
-    with pytest.raises(ForeignAlembicHistory, match="'h0001' is not one of coda-memory's"):
+    with pytest.raises(ForeignAlembicHistory, match="'h0001', which is not one of this"):
         coda_memory.migrate(empty_pg_url, schema="public")
 
     assert rows(empty_pg_url, "SELECT version_num FROM public.alembic_version") == [("h0001",)]

@@ -15,9 +15,11 @@ from typing import Any
 
 import asyncpg
 import pytest
+from alembic import command
 from alembic.script import ScriptDirectory
 from sqlalchemy import text
 
+from coda_memory.errors import ForeignAlembicHistory, MigrationUnderWay
 from coda_memory.postgres.engine import asyncpg_url
 from coda_memory.postgres.migrate import alembic_config, migrate, migrate_async, migration_sql
 from coda_memory.postgres.schema import (
@@ -500,3 +502,169 @@ def test_cli_migrate_sql_prints_the_ddl_without_a_database() -> None:
     bad = CliRunner().invoke(app, ["migrate", "--sql", "--schema", "Bad-Name"])
     assert bad.exit_code == 2
     assert bad.stderr.startswith("error: invalid schema name")
+
+
+def _invalid_indexes(url: str, schema: str = "coda_memory") -> list[Any]:
+    return asyncio.run(
+        fetch(
+            url,
+            "SELECT c.relname FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid "
+            "JOIN pg_namespace n ON n.oid = c.relnamespace "
+            "WHERE n.nspname = :schema AND NOT i.indisvalid",
+            schema=schema,
+        )
+    )
+
+
+@pytest.mark.parametrize("how", ["alembic upgrade head", "coda_memory.migrate(url)"])
+def test_migrations_started_together_take_turns(empty_pg_url: str, how: str) -> None:
+    """Replicas that all migrate as they start: nothing serialised them, so from an
+    empty database one of two failed (a deadlock, a duplicate schema or type, a table
+    that already existed), and now and then a CONCURRENTLY build left an invalid index
+    behind at head, which no later migrate repaired."""
+    if how.startswith("alembic"):
+        executable = Path(sys.executable).with_name("alembic")
+        alembic_command = (
+            [str(executable)] if executable.exists() else [sys.executable, "-m", "alembic"]
+        )
+        command = [*alembic_command, "upgrade", "head"]
+    else:
+        script = (
+            "import os, coda_memory; coda_memory.migrate(os.environ['CODA_MEMORY_DATABASE_URL'])"
+        )
+        command = [sys.executable, "-c", script]
+    env = {**os.environ, "CODA_MEMORY_DATABASE_URL": empty_pg_url}
+    env.pop("CODA_MEMORY_SCHEMA", None)
+    runs = [
+        subprocess.Popen(
+            command,
+            cwd=REPOSITORY,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for _ in range(4)
+    ]
+    outputs = [run.communicate(timeout=300)[0] for run in runs]
+    assert [run.returncode for run in runs] == [0] * 4, outputs
+    assert version_in(empty_pg_url, "coda_memory") == [HEAD]
+    assert _invalid_indexes(empty_pg_url) == []
+
+
+async def test_an_upgrade_from_0001_waits_for_a_writer_of_facts_at_most_its_lock_timeout(
+    empty_pg_url: str,
+) -> None:
+    """0002 builds its indexes CONCURRENTLY, each statement a transaction of its own, in
+    which the migration's transaction-local lock timeout no longer held: the build
+    waited for an open transaction that wrote facts for as long as it stayed open."""
+    await migrate_async(empty_pg_url, revision="0001")
+    holder = await asyncpg.connect(empty_pg_url.replace("postgresql+asyncpg://", "postgresql://"))
+    try:
+        lock = holder.transaction()
+        await lock.start()
+        await holder.execute("LOCK TABLE coda_memory.facts IN ROW EXCLUSIVE MODE")
+        started = asyncio.get_running_loop().time()
+        with pytest.raises(Exception, match="lock timeout"):
+            await asyncio.wait_for(migrate_async(empty_pg_url), 60)
+        assert asyncio.get_running_loop().time() - started < 15
+        await lock.rollback()
+    finally:
+        await holder.close()
+    await migrate_async(empty_pg_url)  # the interrupted build is dropped and done again
+    assert await fetch(empty_pg_url, "SELECT version_num FROM coda_memory.alembic_version") == [
+        (HEAD,)
+    ]
+    assert await asyncio.to_thread(_invalid_indexes, empty_pg_url) == []
+
+
+def test_a_host_history_numbered_like_ours_is_refused_and_left_untouched(
+    empty_pg_url: str,
+) -> None:
+    """A host's Alembic history may number its revisions 0001, 0002, … too: taken for
+    coda-memory's, it had 0002 build two indexes on the host's own facts table, commit
+    them, and then fail on a table that did not exist."""
+    asyncio.run(
+        superuser(
+            empty_pg_url,
+            "CREATE SCHEMA hostc",
+            "CREATE TABLE hostc.alembic_version (version_num varchar(32) PRIMARY KEY)",
+            "INSERT INTO hostc.alembic_version VALUES ('0001')",
+            "CREATE TABLE hostc.facts (identity_id text, category text, subject text,"
+            " confidence float8, confidence_at timestamptz, ease_factor float8)",
+        )
+    )
+    with pytest.raises(ForeignAlembicHistory, match="holds no table of coda-memory's"):
+        migrate(empty_pg_url, schema="hostc")
+    indexes = asyncio.run(
+        fetch(empty_pg_url, "SELECT indexname FROM pg_indexes WHERE schemaname = 'hostc'")
+    )
+    assert all("facts" not in name for (name,) in indexes), indexes
+    assert version_in(empty_pg_url, "hostc") == ["0001"]
+
+
+def test_a_newer_coda_memory_s_schema_is_named_as_one(empty_pg_url: str) -> None:
+    migrate(empty_pg_url)
+    asyncio.run(
+        superuser(empty_pg_url, "UPDATE coda_memory.alembic_version SET version_num = '0099'")
+    )
+    with pytest.raises(
+        ForeignAlembicHistory, match=r"or a newer coda-memory's \(upgrade this one\)"
+    ):
+        migrate(empty_pg_url)
+
+
+def test_an_app_role_keeps_its_grants_through_a_downgrade_below_0003(empty_pg_url: str) -> None:
+    """0003 gave the import ledger no grant: after a downgrade below it and an upgrade,
+    the app role could no longer forget (it deletes the identity's ledger rows)."""
+    migrate(empty_pg_url)
+    role = f"coda_mig_app_{secrets.token_hex(4)}"
+    asyncio.run(
+        superuser(empty_pg_url, f'CREATE ROLE "{role}"', grant_script("app", role, "coda_memory"))
+    )
+    try:
+        assert alembic(empty_pg_url, "downgrade", "0002").returncode == 0
+        migrate(empty_pg_url)
+        granted = asyncio.run(
+            fetch(
+                empty_pg_url,
+                "SELECT privilege, has_table_privilege(:role, 'coda_memory.redis_imports',"
+                " privilege) FROM unnest(ARRAY['SELECT', 'DELETE', 'INSERT', 'UPDATE'])"
+                " AS privilege",
+                role=role,
+            )
+        )
+        # What grant_app.sql gives, no more.
+        assert dict(granted) == {"SELECT": True, "DELETE": True, "INSERT": False, "UPDATE": False}
+    finally:
+        asyncio.run(superuser(empty_pg_url, f'DROP OWNED BY "{role}"', f'DROP ROLE "{role}"'))
+
+
+async def test_a_migration_on_a_callers_connection_does_not_wait_inside_its_transaction(
+    empty_pg_url: str,
+) -> None:
+    """A caller's connection (pytest-alembic, Alembic's cookbook) cannot wait for another
+    migration: its transaction's snapshot would be waited for by the other's index
+    builds. It says another migration is under way instead."""
+    holder = await asyncpg.connect(empty_pg_url.replace("postgresql+asyncpg://", "postgresql://"))
+    try:
+        await holder.execute(
+            "SELECT pg_advisory_lock(hashtextextended('coda_memory.migrate:' || $1, 0))",
+            "coda_memory",
+        )
+        own = engine(empty_pg_url)
+        try:
+            async with own.connect() as connection:
+
+                def upgrade(sync: Any) -> None:
+                    config = alembic_config()
+                    config.attributes["connection"] = sync
+                    command.upgrade(config, "head")
+
+                with pytest.raises(MigrationUnderWay, match="'coda_memory' is under way"):
+                    await connection.run_sync(upgrade)
+        finally:
+            await own.dispose()
+    finally:
+        await holder.close()
+    assert await fetch(empty_pg_url, "SELECT to_regclass('coda_memory.observations')") == [(None,)]

@@ -28,13 +28,18 @@ from typing import Any
 
 from alembic import context
 from alembic.script import ScriptDirectory
-from sqlalchemy import Connection, Engine, MetaData, pool
+from sqlalchemy import Connection, Engine, MetaData, pool, text
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 from sqlalchemy.schema import CreateSchema
 
 from coda_memory.errors import ForeignAlembicHistory
 from coda_memory.postgres.engine import asyncpg_url
-from coda_memory.postgres.migrate import known_revision
+from coda_memory.postgres.migrate import (
+    known_revision,
+    lock_for_transaction,
+    migrating_alone,
+    migrating_alone_async,
+)
 from coda_memory.postgres.schema import (
     DEFAULT_SCHEMA,
     NAMING_CONVENTION,
@@ -133,16 +138,28 @@ def run_migrations_offline() -> None:
         context.run_migrations()
 
 
-def _refuse_foreign_history() -> None:
-    """Stop before touching a schema whose version table holds another history."""
+def _refuse_foreign_history(connection: Connection) -> None:
+    """Stop before touching a schema whose version table holds another history: a
+    revision that is not coda-memory's, or one of coda-memory's names in a schema without
+    coda-memory's tables (a host's history may number its revisions 0001, 0002, … too)."""
     script: ScriptDirectory = context.script
-    for head in context.get_context().get_current_heads():
+    heads = context.get_context().get_current_heads()
+    for head in heads:
         if not known_revision(head, script):
             raise ForeignAlembicHistory(
-                f"schema {SCHEMA!r} already holds another Alembic history (revision "
-                f"{head!r} is not one of coda-memory's); migrate coda-memory into a schema "
-                "of its own (the default is coda_memory)"
+                f"schema {SCHEMA!r} is at Alembic revision {head!r}, which is not one of "
+                "this coda-memory's migrations: another application's history (migrate "
+                "coda-memory into a schema of its own; the default is coda_memory), or a "
+                "newer coda-memory's (upgrade this one)"
             )
+    # Every revision of coda-memory's has had the observations table since the first.
+    table = f'"{SCHEMA}".observations'
+    if heads and connection.scalar(text("SELECT to_regclass(:table)"), {"table": table}) is None:
+        raise ForeignAlembicHistory(
+            f"schema {SCHEMA!r} is at Alembic revision {heads[0]!r} but holds no table of "
+            "coda-memory's: another application's history; migrate coda-memory into a "
+            "schema of its own (the default is coda_memory)"
+        )
 
 
 def do_run_migrations(connection: Connection) -> None:
@@ -151,7 +168,10 @@ def do_run_migrations(connection: Connection) -> None:
     dialect: Any = connection.dialect
     dialect.ischema_names = {**dialect.ischema_names, "xid8": Xid8}
     _configure(connection=connection)
-    _refuse_foreign_history()
+    # A caller's connection (committed by the caller) holds the schema's migration lock
+    # for its transaction; one of migrating_alone already holds it for the session.
+    lock_for_transaction(connection, SCHEMA)
+    _refuse_foreign_history(connection)
     with context.begin_transaction():
         connection.execute(migration_lock_timeout())
         # The version table lives in the schema, and Alembic creates it before running
@@ -160,16 +180,16 @@ def do_run_migrations(connection: Connection) -> None:
         context.run_migrations()
 
 
+# On a connection of this module's own: committed here, after any other migration of
+# the schema under way.
 def _run_on_engine(engine: Engine) -> None:
     with engine.connect() as connection:
-        do_run_migrations(connection)
-        connection.commit()
+        migrating_alone(connection, SCHEMA, lambda: do_run_migrations(connection))
 
 
 async def _run_on_async_engine(engine: AsyncEngine) -> None:
     async with engine.connect() as connection:
-        await connection.run_sync(do_run_migrations)
-        await connection.commit()
+        await migrating_alone_async(connection, SCHEMA, do_run_migrations)
 
 
 async def _run_on_url(url: str) -> None:

@@ -364,20 +364,27 @@ def _create_views() -> None:
 def upgrade() -> None:
     # First, outside any transaction: CONCURRENTLY keeps the facts table writable while
     # the indexes build. An interrupted build leaves an invalid index behind, so one of
-    # the same name is dropped first. Nothing of this revision is committed before.
+    # the same name is dropped first. Nothing of this revision is committed before. Each
+    # statement is a transaction of its own: the lock timeout is the session's meanwhile
+    # (a build waits for every transaction that writes the table; without it, an idle
+    # one would hold the migration for ever).
     with op.get_context().autocommit_block():
-        for name, columns in FACT_INDEXES.items():
-            op.drop_index(
-                name, "facts", schema=SCHEMA, postgresql_concurrently=True, if_exists=True
-            )
-            op.create_index(
-                name,
-                "facts",
-                columns,
-                schema=SCHEMA,
-                postgresql_include=FACT_INDEX_INCLUDE,
-                postgresql_concurrently=True,
-            )
+        op.execute(migration_lock_timeout(session=True))
+        try:
+            for name, columns in FACT_INDEXES.items():
+                op.drop_index(
+                    name, "facts", schema=SCHEMA, postgresql_concurrently=True, if_exists=True
+                )
+                op.create_index(
+                    name,
+                    "facts",
+                    columns,
+                    schema=SCHEMA,
+                    postgresql_include=FACT_INDEX_INCLUDE,
+                    postgresql_concurrently=True,
+                )
+        finally:
+            op.execute(sa.text("RESET lock_timeout"))
     # The transaction that began after the block has none of the environment's settings.
     op.execute(migration_lock_timeout())
     # Then, in one transaction with the version bump: the rollup, its backfill, the views.
@@ -388,10 +395,14 @@ def upgrade() -> None:
 
 def downgrade() -> None:
     with op.get_context().autocommit_block():
-        for name in FACT_INDEXES:
-            op.drop_index(
-                name, "facts", schema=SCHEMA, postgresql_concurrently=True, if_exists=True
-            )
+        op.execute(migration_lock_timeout(session=True))
+        try:
+            for name in FACT_INDEXES:
+                op.drop_index(
+                    name, "facts", schema=SCHEMA, postgresql_concurrently=True, if_exists=True
+                )
+        finally:
+            op.execute(sa.text("RESET lock_timeout"))
     op.execute(migration_lock_timeout())
     metadata = sa.MetaData()
     for name in reversed(VIEWS):

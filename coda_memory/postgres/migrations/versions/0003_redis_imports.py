@@ -12,6 +12,8 @@ from collections.abc import Sequence
 import sqlalchemy as sa
 from alembic import op
 
+from coda_memory.postgres.tenancy import tenancy_sql
+
 revision: str = "0003"
 down_revision: str | Sequence[str] | None = "0002"
 branch_labels: str | Sequence[str] | None = None
@@ -36,6 +38,13 @@ def upgrade() -> None:
         sa.PrimaryKeyConstraint("identity_id", "source", name=op.f("pk_redis_imports")),
         schema=SCHEMA,
     )
+    # Upgrading again after a downgrade below 0003: the app roles keep their grants on
+    # the tables that stayed, and get this one's as 0005 onward give theirs.
+    schema = op.get_context().version_table_schema or SCHEMA
+    grant = tenancy_sql(
+        "grant_like", schema, "redis_imports", source="observations", privileges="SELECT, DELETE"
+    )
+    op.execute(grant)
 
 
 def downgrade() -> None:
