@@ -19,7 +19,8 @@ class AccessDenied(CodaMemoryError):
 
 class ConnectionLost(CodaMemoryError):
     """The database connection died in the middle of a unit of work; nothing of it was
-    committed unless the commit itself had already been acknowledged."""
+    committed unless the commit itself had already been acknowledged. Also what
+    ``MemoryService.start()`` raises when it cannot reach the database at all."""
 
 
 class StoreBusy(CodaMemoryError):

@@ -92,7 +92,7 @@ from coda_memory.core.decay import DecayStrategy, ExponentialDecay, decay_formul
 from coda_memory.core.logs import short_error
 from coda_memory.core.model import DEFAULT_MAX_CLOCK_SKEW as DEFAULT_MAX_CLOCK_SKEW
 from coda_memory.core.model import MAX_SPAN, Fact, FactEvent, LoadedMemory
-from coda_memory.core.options import require_types
+from coda_memory.core.options import require_types, seconds_or_none
 from coda_memory.core.prompt import section_steps
 from coda_memory.core.rank import ranked_facts
 from coda_memory.core.sanitize import ObservationRejected, check_identity
@@ -238,8 +238,18 @@ class MemoryService(ObservationWriter):
         )
         if isinstance(tool_catalog, str | bytes):
             raise TypeError("tool_catalog must be a collection of tool names, not one string")
-        if load_timeout <= 0:
-            raise ValueError("load_timeout must be positive")
+        if not 0 < load_timeout < float("inf"):  # NaN fails too
+            raise ValueError("load_timeout must be a positive, finite number of seconds")
+        integers = (
+            ("queue_size", queue_size),
+            ("batch_size", batch_size),
+            ("queue_bytes", queue_bytes),
+            ("max_facts", max_facts),
+            ("max_consolidations", max_consolidations),
+        )
+        for name, number in integers:
+            if number is not None:
+                require_types(**{name: (number, int, "a whole number")})
         if prompt_budget_tokens < 0:
             raise ValueError("prompt_budget_tokens must not be negative")
         if not timedelta(0) <= max_clock_skew <= MAX_DURATION:
@@ -356,6 +366,7 @@ class MemoryService(ObservationWriter):
         """Wait until everything emitted so far is stored (or rejected or dropped), and
         every background consolidation has finished. With ``timeout``, raise
         ``TimeoutError`` after that many seconds."""
+        timeout = seconds_or_none("timeout", timeout)
         loop = self._check_loop()
         async with asyncio.timeout(timeout):
             await self._written(loop)
@@ -484,6 +495,8 @@ class MemoryService(ObservationWriter):
     async def history(self, identity_id: str, subject: str | None = None) -> list[FactEvent]:
         """Every create, reinforce, extend and expire of the identity's facts, in order."""
         identity_id = _identity_argument(identity_id)
+        if subject is not None and not isinstance(subject, str):
+            raise TypeError(f"subject must be a str (or None), not {type(subject).__name__}")
         async with self._using_store():
             return await self.store.history(identity_id, subject)
 
@@ -912,6 +925,8 @@ class MemoryService(ObservationWriter):
         A second call returns when the first has released the store. Raises RuntimeError,
         and closes nothing, on an event loop other than the one the service ran on: its
         connections can only be released there."""
+        # Checked first: a timeout of the wrong type dropped the queue and then raised.
+        timeout = seconds_or_none("timeout", timeout)
         if self._closed:
             if self._close_done is not None and not self._close_done.is_set():
                 self._check_loop()
@@ -960,6 +975,10 @@ class MemoryService(ObservationWriter):
             logger.warning("coda-memory: the store did not close within %.0f s", CLOSE_GRACE)
 
     async def __aenter__(self) -> MemoryService:
+        # A closed service entered again (a second lifespan of a module-level service)
+        # would run with memory off, saying so only in warnings.
+        if self._closed:
+            raise ServiceClosed("the memory service is closed; make a new one")
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:

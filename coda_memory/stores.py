@@ -16,7 +16,10 @@ SCHEMES = frozenset({"memory", "null", "postgresql", "postgres", "redis", "redis
 
 def url_scheme(url: str) -> str:
     """The scheme of the memory URL ``url``, lower-case and without a driver
-    (``postgresql+asyncpg://…`` is ``postgresql``)."""
+    (``postgresql+asyncpg://…`` is ``postgresql``); TypeError for anything but a string
+    (an unset environment variable gives None)."""
+    if not isinstance(url, str):
+        raise TypeError(f"the memory URL must be a str, not {type(url).__name__}")
     return url.split(":", 1)[0].split("+", 1)[0].lower()
 
 

@@ -17,6 +17,7 @@ Run it (after ``coda-memory migrate``, or ``coda_memory.migrate(url)`` in a depl
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -35,6 +36,7 @@ from coda_memory import (
     rank_tools,
     tool_observations,
 )
+from coda_memory.errors import ConnectionLost
 
 BASE_PROMPT = "You are an analyst's assistant for a music publisher."
 
@@ -93,8 +95,13 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     url = os.environ["CODA_MEMORY_DATABASE_URL"]
     timeout = float(os.environ.get("MEMORY_LOAD_TIMEOUT", "0.1"))
     async with MemoryService.from_url(url, load_timeout=timeout) as memory:
-        # Open the connections and prepare the statements before the first request.
-        await memory.start()
+        # Open the connections and prepare the statements before the first request. A
+        # database that does not answer yet must not keep the agent from serving: memory
+        # then starts on first use, and loads answer empty until it answers.
+        try:
+            await memory.start()
+        except ConnectionLost as error:
+            logging.getLogger(__name__).warning("memory not warmed up: %s", error)
         app.state.memory = memory
         yield
     # Leaving the block closed the service: queued observations are stored.

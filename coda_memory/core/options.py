@@ -14,3 +14,16 @@ def require_types(**options: tuple[object, type | tuple[type, ...], str]) -> Non
     for name, (value, kind, example) in options.items():
         if not isinstance(value, kind) or isinstance(value, bool):
             raise TypeError(f"{name} must be {example}, not {type(value).__name__}")
+
+
+def seconds_or_none(name: str, value: object) -> float | None:
+    """``value`` as a timeout in seconds: None (no limit) or a number that is finite and
+    not negative; TypeError or ValueError naming ``name`` otherwise (a string from the
+    environment, a timedelta, NaN)."""
+    if value is None:
+        return None
+    require_types(**{name: (value, (int, float), "a number of seconds (or None)")})
+    assert isinstance(value, int | float)
+    if not 0 <= value < float("inf"):  # NaN fails too
+        raise ValueError(f"{name} must be a finite number of seconds, not negative")
+    return float(value)

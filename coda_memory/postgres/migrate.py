@@ -140,7 +140,10 @@ def _upgrade(connection: Connection, config: Config, revision: str) -> None:
 async def migrate_async(url: str, *, schema: str = DEFAULT_SCHEMA, revision: str = "head") -> None:
     """Upgrade the database at ``url`` to ``revision``, in one transaction (the indexes
     built ``CONCURRENTLY`` excepted), after any other migration of ``schema`` under way
-    (see :func:`migrating_alone`)."""
+    (see :func:`migrating_alone`). A ``memory://``, ``null://`` or Redis URL has no
+    schema to migrate: nothing is done (the host's start-up code stays the same)."""
+    if _schemaless(url):
+        return
     config = alembic_config(schema=schema)
     engine = create_async_engine(asyncpg_url(url), poolclass=pool.NullPool)
     try:
@@ -168,8 +171,19 @@ def migrate(url: str, *, schema: str = DEFAULT_SCHEMA, revision: str = "head") -
             "use `await coda_memory.migrate_async(url)` there"
         )
     validate_schema_name(schema)
+    if _schemaless(url):
+        return
     asyncpg_url(url)
     asyncio.run(migrate_async(url, schema=schema, revision=revision))
+
+
+def _schemaless(url: str) -> bool:
+    """Whether ``url`` names a store without a schema (nothing to migrate)."""
+    return isinstance(url, str) and url.split(":", 1)[0].lower() in _SCHEMALESS
+
+
+#: The schemes of the stores with no schema.
+_SCHEMALESS = frozenset({"memory", "null", "redis", "rediss"})
 
 
 def migration_sql(

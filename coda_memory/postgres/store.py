@@ -99,6 +99,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 from coda_memory.core.caps import FactCap, LogThrottle
 from coda_memory.core.logs import identity_label
 from coda_memory.core.model import Fact, FactEvent, Observation
+from coda_memory.core.options import require_types, seconds_or_none
 from coda_memory.errors import ConnectionLost, StoreBusy
 from coda_memory.ports import (
     AppendOutcome,
@@ -301,8 +302,19 @@ class PostgresStore:
         ``command_timeout`` seconds (``admin_command_timeout`` on the admin pool, whose
         rollup rebuilds and analytics may scan whole tables) fails with a connection
         error."""
+        require_types(
+            pool_size=(pool_size, int, "a whole number"),
+            writer_pool_size=(writer_pool_size, int, "a whole number"),
+            known_facts=(known_facts, int, "a whole number"),
+        )
         if pool_size < 1 or writer_pool_size < 1:
             raise ValueError("pool_size and writer_pool_size must be at least 1")
+        # Seconds (asyncpg's), where the other timeouts are timedeltas: a timedelta or a
+        # string here failed only inside each connection attempt, every load and append.
+        if seconds_or_none("connect_timeout", connect_timeout) is None:
+            raise TypeError("connect_timeout must be a number of seconds, not None")
+        seconds_or_none("command_timeout", command_timeout)
+        seconds_or_none("admin_command_timeout", admin_command_timeout)
         # A server that stops answering fails the work with a connection error instead of
         # holding it (and ``close``) forever; explicit ``connect_args`` win.
         connect_args = dict(engine_kwargs.pop("connect_args", {}))
@@ -348,10 +360,22 @@ class PostgresStore:
         """Open every connection of the request and writer pools, and prepare the
         hot-path statements on the request connections, before the first request."""
         batch_statements(self.schema)  # the rollup statements, compiled once
-        await asyncio.gather(
-            _warm(self.request_engine, self.schema, [q.text for q in self._statements.all()]),
-            _warm(self.writer_engine, self.schema, []),
-        )
+        try:
+            await asyncio.gather(
+                _warm(self.request_engine, self.schema, [q.text for q in self._statements.all()]),
+                _warm(self.writer_engine, self.schema, []),
+            )
+        except Exception as error:
+            # One line that says what failed (a refused connection, a server that never
+            # answered: a bare TimeoutError), for a host that decides whether to start
+            # without memory warm (everything then starts on first use).
+            if not (is_connection_error(error) or isinstance(error, OSError | TimeoutError)):
+                raise
+            url = self.request_engine.url
+            raise ConnectionLost(
+                f"cannot reach the database at {url.host or 'localhost'}:{url.port or 5432} "
+                f"({type(error).__name__}); the service starts on first use once it answers"
+            ) from error
 
     async def append(
         self,

