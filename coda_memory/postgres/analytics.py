@@ -85,10 +85,11 @@ WINDOW_SETTING = "coda_memory.analytics_window"
 class ToolEffectiveness(BaseModel):
     """One tool: usage in the window and the active affinity/avoidance facts about it.
 
-    For a role bound by the database's floor (an analyst), ``affinity_users`` and
-    ``avoidance_users`` are None when fewer identities than the floor hold such a fact (0
-    stays 0), the means are rounded to 2 places, and the facts are as at the start of the
-    UTC day of ``now``."""
+    For a role bound by the database's floor (an analyst), a tool used by fewer
+    identities than the floor in the window is left out (by a few or by none alike),
+    ``affinity_users`` and ``avoidance_users`` are None when fewer identities than the
+    floor hold such a fact (0 stays 0), the means are rounded to 2 places, and the facts
+    are as at the start of the UTC day of ``now``."""
 
     model_config = ConfigDict(frozen=True)
 
@@ -138,9 +139,9 @@ class FactSummary(BaseModel):
     """Active facts of one category; ``histogram[i]`` counts effective confidences in
     ``[i/10, (i+1)/10)``, the last bucket including 1.0 (:data:`HISTOGRAM_BUCKETS`).
 
-    For a role bound by the database's floor (an analyst), a bucket of fewer facts than
-    the floor is None (0 stays 0), the mean is rounded to 2 places, and the facts are as
-    at the start of the UTC day of ``now``."""
+    For a role bound by the database's floor (an analyst), a histogram with a bucket of
+    fewer facts than the floor (0 is not fewer) is None in every bucket, the mean is
+    rounded to 2 places, and the facts are as at the start of the UTC day of ``now``."""
 
     model_config = ConfigDict(frozen=True)
 

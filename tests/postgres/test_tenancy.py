@@ -384,10 +384,9 @@ async def test_the_analyst_sees_no_group_below_the_floor_that_only_the_owner_set
         await _set_floor(tenancy, 2)
         assert await _aggregates(analyst) == {
             # The row's groups hold 2 users; alice's affinity is withheld, count and mean.
-            "tool_effectiveness": [
-                ("legacy_tool", 0, 2, True, 0, False),
-                ("run_sql", 2, None, False, 2, True),
-            ],
+            # legacy_tool, which nobody used in the window, is left out as one a single
+            # user used would be (migration 0014).
+            "tool_effectiveness": [("run_sql", 2, None, False, 2, True)],
             "entity_popularity": [],
             "domain_trends": [("royalty", 2)],
             "fact_summary": [
@@ -420,6 +419,54 @@ async def test_the_analyst_sees_no_group_below_the_floor_that_only_the_owner_set
         await _set_floor(tenancy, 1)  # updates no row
         assert await _aggregates(analyst) == {view: [] for view in everything}
     finally:
+        await analyst.close()
+        await owner.close()
+
+
+async def test_stepping_the_window_tells_nothing_of_a_tool_a_few_used(tenancy: Tenancy) -> None:
+    """A tool that as many identities as the floor hold facts about stayed, its usage at
+    0, on the days nobody used it, and was left out on the day one user did: reading the
+    view day by day told when that user used it."""
+    owner = await tenancy.connect(tenancy.owner, **ALL_IDENTITIES)
+    analyst = await tenancy.connect(tenancy.analyst)
+    service = MemoryService.from_url(
+        tenancy.url,
+        schema=SCHEMA,
+        clock=FakeClock(datetime(2026, 1, 7, tzinfo=UTC)),  # after the use below
+        **tenancy.as_role(tenancy.app),
+    )
+    try:
+        for who in ("alice", "bob"):
+            await owner.execute(
+                f"INSERT INTO {SCHEMA}.facts VALUES ($1, 'tool_affinity:probe_tool', "
+                "'tool_affinity', 'likes it', 0.9, 1, $2, $2, $2, $2, NULL)",
+                who,
+                datetime(2026, 1, 1, tzinfo=UTC),
+            )
+        service.emit_observation(
+            "alice", tool_ok("probe_tool", at=datetime(2026, 1, 5, 9, tzinfo=UTC))
+        )
+        await service.drain()
+        await _set_floor(tenancy, 2)
+        await analyst.execute("SET coda_memory.analytics_window = '0 days'")
+        seen = {}
+        for day in (4, 5, 6):
+            await analyst.execute(f"SET coda_memory.analytics_now = '2026-01-0{day}T12:00:00Z'")
+            seen[day] = await analyst.fetch(
+                f"SELECT users FROM {SCHEMA}.tool_effectiveness WHERE tool_name = 'probe_tool'"
+            )
+        assert seen == {4: [], 5: [], 6: []}
+        # The owner sees the tool every day, and alice's use on the 5th.
+        await owner.execute("SET coda_memory.analytics_window = '0 days'")
+        await owner.execute("SET coda_memory.analytics_now = '2026-01-05T12:00:00Z'")
+        assert (
+            await owner.fetchval(
+                f"SELECT users FROM {SCHEMA}.tool_effectiveness WHERE tool_name = 'probe_tool'"
+            )
+            == 1
+        )
+    finally:
+        await service.close()
         await analyst.close()
         await owner.close()
 
@@ -541,7 +588,9 @@ async def test_an_analyst_gets_rounded_means_and_no_small_bucket(tenancy: Tenanc
         assert sorted(buckets, reverse=True)[:2] == [2, 1]
         mean, withheld = await analyst.fetchrow(summary)
         assert mean == round(exact_mean, 2) != exact_mean
-        assert withheld == [None if b == 1 else b for b in buckets]
+        # The whole histogram (migration 0014): with the bucket of one withheld alone,
+        # the row's facts less the other buckets gave it back.
+        assert withheld == [None] * 10
     finally:
         await analyst.close()
         await owner.close()
