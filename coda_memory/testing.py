@@ -14,11 +14,14 @@ from collections import defaultdict
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from datetime import datetime
 
 from coda_memory.core.consolidation import (
     REINFORCING,
     ConsolidationInput,
     ConsolidationPlan,
+    ended_lives,
+    lives_asked,
 )
 from coda_memory.core.model import Fact, FactEvent, Observation
 from coda_memory.ports import AppendOutcome, Forgotten, ObservationRecord, check_plan_identity
@@ -31,6 +34,8 @@ class _Identity:
     events: list[FactEvent] = field(default_factory=list)
     cursor: int = 0
     runs: int = 0
+    #: The ``now`` of the last consolidation that wrote (None: none has).
+    consolidated_at: datetime | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,8 +70,13 @@ class InMemoryConsolidationUnit:
         self._loaded_upto = max((o.id for o in new), default=state.cursor)
         sessions = {o.session_id for o in new if o.session_id is not None}
         events = [e for e in state.events if e.session_id in sessions and e.kind in REINFORCING]
+        facts = list(state.facts.values())
+        asked = lives_asked(new, facts, state.consolidated_at)
         return ConsolidationInput(
-            observations=new, facts=list(state.facts.values()), session_events=events
+            observations=new,
+            facts=facts,
+            session_events=events,
+            ended=ended_lives(state.events, asked) if asked else [],
         )
 
     async def write(self, plan: ConsolidationPlan) -> None:
@@ -89,6 +99,7 @@ class InMemoryConsolidationUnit:
         state.events.extend(plan.events)
         state.cursor = loaded_upto
         state.runs += 1
+        state.consolidated_at = plan.now
         # Retention: only observations this run loaded (or earlier runs consumed).
         for seq in [
             seq

@@ -15,10 +15,10 @@ The rules, which fix the original design's flaws:
 * Stored confidence is the value at the last reinforcement; decay is computed from there
   and never written back, so there is no compounding.
 * A fact already expired at a session's reinforcement time starts again at 0.5 with
-  count 1. A fact expired at ``now`` is deleted and never returned. The state of a
-  deleted fact is not read back for a new session: an observation dated from before
-  the fact expired, arriving after a consolidation deleted it, starts it again too
-  (where the stored fact would have been reinforced; the README's "Expiry" says so).
+  count 1. A fact expired at ``now`` is deleted and never returned. An observation dated
+  from before a deleted fact expired (it arrived late, after a consolidation deleted the
+  fact) resumes the fact's last life, read back from its history (``ended``), as the
+  stored fact would have been reinforced had no consolidation deleted it.
 
 Grouping a run's observations per session and fact (and ``fact_key``) lives in
 :mod:`.sessions`; this module folds the groups into facts and events.
@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
@@ -47,7 +47,12 @@ from coda_memory.core.model import (
 )
 from coda_memory.core.rank import score_key
 from coda_memory.core.sessions import FactKey as FactKey
-from coda_memory.core.sessions import SessionGroup, group_by_session, prior_tool_counts
+from coda_memory.core.sessions import (
+    SessionGroup,
+    group_by_session,
+    prior_tool_counts,
+    subjects_reached,
+)
 from coda_memory.core.sessions import fact_key as fact_key
 from coda_memory.core.turns import SLICE, Steps, finished
 
@@ -67,6 +72,10 @@ class ConsolidationInput:
     #: Reinforcing events (created/reinforced/extended) of the sessions in ``observations``,
     #: from earlier runs: they stop a session from reinforcing a fact twice.
     session_events: list[FactEvent]
+    #: For the subjects of :func:`lives_asked`: when a subject's latest event is an
+    #: expiry (a consolidation deleted its fact), that expiry and the reinforcing event
+    #: before it, in any order (see :func:`ended_lives`); nothing for the others.
+    ended: list[FactEvent] = field(default_factory=list)
     #: True when ``facts`` were built for this consolidation and nothing else holds them
     #: (the Postgres unit's): the plan then turns the facts it leaves unchanged into
     #: their views in place, a copy fewer per fact. Never for facts a store keeps.
@@ -110,6 +119,9 @@ class _Run:
     events: list[FactEvent] = field(default_factory=list)
     #: The latest reinforcing event per (subject, session id), from earlier runs and this one.
     reinforced_by: dict[tuple[str, str], FactEvent] = field(default_factory=dict)
+    #: The last life of a deleted fact, by subject: its last reinforcing event and its
+    #: expiry (``ConsolidationInput.ended``).
+    ended: dict[str, tuple[FactEvent, FactEvent]] = field(default_factory=dict)
 
     # Facts and events below are built without validation (``trusted``): every value is
     # a stored or validated one, or computed here (``now`` is made UTC by the plan).
@@ -149,6 +161,23 @@ class _Run:
             return until
         days = math.log(threshold / fact.confidence) / math.log(one_day / fact.confidence)
         return min(until, days_after(fact.anchor, max(0.0, days)))
+
+    def resumed(self, group: SessionGroup) -> Fact | None:
+        """The fact as its last life left it, when a consolidation deleted it on its
+        expiry after ``group``'s time (None otherwise): rebuilt from its last reinforcing
+        event (``created_at``, which the event does not hold, is that event's time)."""
+        ended = self.ended.pop(group.key.subject, None)
+        if ended is None or group.at is None:
+            return None
+        reinforced, expiry = ended
+        if group.at >= expiry.at or reinforced.confidence_after is None:
+            return None
+        return replaced(
+            self.fresh(group, reinforced.at),
+            confidence=reinforced.confidence_after,
+            reinforcement_count=reinforced.count_after or 1,
+            ease_factor=reinforced.ease_after,
+        )
 
     def expire(self, fact: Fact, at: datetime) -> None:
         self.events.append(
@@ -228,13 +257,17 @@ class _Run:
         if prior is None:
             if group.at is None:
                 return False  # nothing of this session reinforced the fact before
+            # A fact deleted since, which was alive at the group's time (it arrived late):
+            # its last life resumes, as the stored fact would have been reinforced.
+            resumed = current is None and (current := self.resumed(group)) is not None
             at = group.at if current is None else max(group.at, current.last_reinforced_at)
             at = min(at, self.now)  # a future date must not carry a fact forward
             if (
                 current is not None
                 and self.decay.decayed(current, at) < self.decay.expiry_threshold
             ):
-                self.expire(current, at)
+                if not resumed:  # (a resumed life's expiry is recorded already)
+                    self.expire(current, at)
                 current = None
             self.reinforce(current, group, at, FactEventKind.REINFORCED, group.hits, group.trials)
             return True
@@ -267,6 +300,42 @@ class _Run:
         before = _state_before(prior, current)
         self.reinforce(before, group, at, FactEventKind.EXTENDED, group.hits, group.trials)
         return True
+
+
+def lives_asked(
+    observations: Iterable[Observation], stored: Iterable[Fact], before: datetime | None
+) -> set[str]:
+    """The subjects whose last life a store reads for ``ConsolidationInput.ended``: those
+    that observations dated before ``before`` reach (the instant of the identity's last
+    consolidation, after which no fact was deleted; None: never consolidated, none was)
+    and no ``stored`` fact holds. Most runs have no such observation, and read nothing."""
+    if before is None:
+        return set()
+    late = [o for o in observations if o.created_at < before]
+    if not late:
+        return set()
+    return subjects_reached(late) - {fact.subject for fact in stored}
+
+
+def ended_lives(events: Iterable[FactEvent], subjects: Collection[str]) -> list[FactEvent]:
+    """``ConsolidationInput.ended`` from an identity's history (``events``, in the order
+    written): for each of ``subjects`` whose latest event is an expiry, that expiry and
+    the reinforcing event before it."""
+    wanted = set(subjects)
+    last: dict[str, FactEvent] = {}
+    reinforcing: dict[str, FactEvent] = {}
+    for event in events:
+        if event.subject not in wanted:
+            continue
+        if event.kind in REINFORCING:
+            reinforcing[event.subject] = event
+        last[event.subject] = event
+    return [
+        event
+        for subject, expiry in last.items()
+        if expiry.kind is FactEventKind.EXPIRED and subject in reinforcing
+        for event in (reinforcing[subject], expiry)
+    ]
 
 
 def _state_before(event: FactEvent, current: Fact) -> Fact | None:
@@ -423,6 +492,12 @@ def planning(
     for event in batch.session_events:
         if event.kind in REINFORCING and event.session_id is not None:
             run.reinforced_by[(event.subject, event.session_id)] = event
+    lives: dict[str, dict[bool, FactEvent]] = {}
+    for event in batch.ended:
+        lives.setdefault(event.subject, {})[event.kind is FactEventKind.EXPIRED] = event
+    for subject, life in lives.items():
+        if True in life and False in life and subject not in stored:
+            run.ended[subject] = (life[False], life[True])
 
     changed: set[str] = set()
     tool_counts = prior_tool_counts(run.reinforced_by.values())

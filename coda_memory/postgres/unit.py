@@ -7,8 +7,9 @@ statements that asyncpg prepares once per connection, and keeps round trips to a
   time an identity is seen);
 * load: the current snapshot and the new observations in one statement, the stored facts
   in a second (unless this process knows the facts of the checkpoint's version, see
-  :mod:`~coda_memory.postgres.known`), and the earlier fact events of the sessions that
-  have some in a third;
+  :mod:`~coda_memory.postgres.known`), the earlier fact events of the sessions that
+  have some in a third, and, in the rare run where observations dated before the last
+  consolidation reach facts deleted since, those facts' last lives in a fourth;
 * write: every write (fact upserts and deletes, history, checkpoint, prune) in one
   statement of data-modifying CTEs.
 
@@ -21,9 +22,11 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from datetime import datetime
 from functools import partial
 from typing import Any
 
+from coda_memory.core.consolidation import lives_asked
 from coda_memory.core.logs import identity_label
 from coda_memory.core.model import Fact, gc_paused
 from coda_memory.core.sessions import subjects_reached
@@ -52,6 +55,7 @@ class Statements:
     new_since: Query
     facts: Query
     session_events: Query
+    ended: Query
     write: Query
     peek: Query
     delete: Query
@@ -66,6 +70,7 @@ class Statements:
             self.new_since,
             self.facts,
             self.session_events,
+            self.ended,
             self.write,
             self.peek,
             self.delete,
@@ -81,6 +86,7 @@ class Statements:
             new_since=query("new_observations_since", schema),
             facts=query("stored_facts", schema),
             session_events=query("session_fact_events", schema),
+            ended=query("ended_lives", schema),
             write=query("consolidation_write", schema),
             peek=query("peek", schema),
             delete=query("facts_delete", schema),
@@ -96,6 +102,8 @@ class Locked:
     snapshot: str | None
     #: The version of the identity's facts (:mod:`~coda_memory.postgres.known`).
     version: str
+    #: When the identity was last consolidated (None: never).
+    consolidated_at: datetime | None = None
 
 
 async def stored_facts(raw: Any, statements: Statements, identity_id: str) -> list[Fact]:
@@ -113,7 +121,7 @@ async def lock_identity(raw: Any, statements: Statements, identity_id: str) -> L
     for _ in range(LOCK_ATTEMPTS):
         row = await raw.fetchrow(lock.text, *lock.arguments(identity_id=identity_id))
         if row is not None:
-            return Locked(row["snapshot"], row["version"])
+            return Locked(row["snapshot"], row["version"], row["consolidated_at"])
         # First consolidation (or a concurrent forget removed the row): create it.
         await raw.execute(ensure.text, *ensure.arguments(identity_id=identity_id))
     raise RuntimeError(f"could not lock the checkpoint of {identity_label(identity_id)}")
@@ -210,6 +218,8 @@ class PostgresConsolidationUnit:
         self.stored_snapshot = locked.snapshot
         #: The version of the identity's facts as the lock found them.
         self.locked_version = locked.version
+        #: When the identity was last consolidated, as the lock found it (None: never).
+        self.consolidated_at = locked.consolidated_at
         self._snapshot: str | None = None
         self._commit = commit
         self._committed = False
@@ -262,9 +272,23 @@ class PostgresConsolidationUnit:
                 event_from_row(identity_id, r)
                 for r in await self._raw.fetch(earlier.text, *arguments)
             ]
+        # The last lives of deleted facts that late observations may resume (rarely any).
+        ended = []
+        asked = lives_asked(observations, stored, self.consolidated_at)
+        if asked:
+            lives = sql.ended
+            arguments = lives.arguments(identity_id=identity_id, subjects=sorted(asked))
+            ended = [
+                event_from_row(identity_id, r)
+                for r in await self._raw.fetch(lives.text, *arguments)
+            ]
         # The facts are new models (the kept ones are dicts): the plan may make them views.
         return ConsolidationInput(
-            observations=observations, facts=stored, session_events=events, facts_owned=True
+            observations=observations,
+            facts=stored,
+            session_events=events,
+            ended=ended,
+            facts_owned=True,
         )
 
     async def write(self, plan: ConsolidationPlan) -> None:

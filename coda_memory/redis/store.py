@@ -293,6 +293,7 @@ class RedisStore:
                     read_sessions=lambda sessions: self.client.hmget(
                         self.keys.of("sessions", identity_id), sessions
                     ),
+                    read_history=lambda: self.history(identity_id),
                     history_limit=self.history_limit,
                     session_horizon=self.session_horizon,
                 )

@@ -31,7 +31,13 @@ from datetime import timedelta
 from typing import Any
 
 from coda_memory.core.caps import LogThrottle
-from coda_memory.core.consolidation import REINFORCING, ConsolidationInput, ConsolidationPlan
+from coda_memory.core.consolidation import (
+    REINFORCING,
+    ConsolidationInput,
+    ConsolidationPlan,
+    ended_lives,
+    lives_asked,
+)
 from coda_memory.core.logs import identity_label, without_identities
 from coda_memory.core.model import Fact, FactEvent, Observation, fact_id
 from coda_memory.ports import check_plan_identity
@@ -42,6 +48,7 @@ from coda_memory.redis.codec import (
     event_value,
     fact_from_json,
     fact_json,
+    from_ms,
     observation_from_json,
     to_ms,
 )
@@ -86,6 +93,7 @@ class RedisConsolidationUnit:
         load_script: Script,
         commit_script: Script,
         read_sessions: Callable[[list[str]], Awaitable[list[bytes | str | None]]],
+        read_history: Callable[[], Awaitable[list[FactEvent]]],
         history_limit: int,
         session_horizon: timedelta,
     ) -> None:
@@ -95,6 +103,7 @@ class RedisConsolidationUnit:
         self._load = load_script
         self._commit = commit_script
         self._read_sessions = read_sessions
+        self._read_history = read_history
         self._history_limit = history_limit
         self._session_horizon = session_horizon
         self._loaded = False
@@ -123,8 +132,8 @@ class RedisConsolidationUnit:
     async def load(self) -> ConsolidationInput:
         self._check_open()
         k, identity = self._keys, self.identity_id
-        checkpoint, pending, after, fact_values = await self._load(
-            keys=k.read_keys(identity),
+        checkpoint, pending, after, fact_values, consolidated = await self._load(
+            keys=[*k.read_keys(identity), k.of("state", identity)],
             args=[identity],
         )
         waiting = set(pending)
@@ -164,8 +173,13 @@ class RedisConsolidationUnit:
                 }
                 self._sessions[session] = latest_by_subject
                 events.extend(latest_by_subject.values())
+        # The last lives of deleted facts that late observations may resume (rarely any;
+        # the history is capped, so a life it no longer holds starts anew).
+        before = None if consolidated is None else from_ms(float(consolidated), "consolidatedAt")
+        asked = lives_asked(new, facts, before)
+        ended = ended_lives(await self._read_history(), asked) if asked else []
         self._loaded = True
-        return ConsolidationInput(observations=new, facts=facts, session_events=events)
+        return ConsolidationInput(observations=new, facts=facts, session_events=events, ended=ended)
 
     async def write(self, plan: ConsolidationPlan) -> None:
         self._check_open()

@@ -263,6 +263,62 @@ async def test_an_expired_fact_restarts_from_scratch_even_without_a_consolidatio
     ]
 
 
+@pytest.mark.parametrize(
+    ("decay", "late", "deleted"),
+    # The fact (count 5 at day 4) expires at about day 44, or 120 (ease 2.9).
+    [(ExponentialDecay(), 30, 50), (AdaptiveDecay(), 118, 130)],
+    ids=["exp", "adaptive"],
+)
+async def test_a_late_observation_resumes_a_fact_deleted_after_its_date(
+    make_service: ServiceFactory, clock: FakeClock, decay: DecayStrategy, late: int, deleted: int
+) -> None:
+    """Two identities, the same observations; one is also consolidated once its fact has
+    expired, which deletes it. An observation of a new session dated from when the fact
+    was alive arrives a day later. The deleted fact restarted at 0.5 with count 1,
+    where the stored one was reinforced: how often consolidation ran changed the result."""
+    service = await make_service(decay=decay)
+    for day in range(5):
+        for who in ("frequent", "rare"):
+            at = T0 + timedelta(days=day)
+            service.emit_observation(who, tool_ok("t", session=f"d{day}", at=at))
+        clock.now = T0 + timedelta(days=day, hours=1)
+        await service.drain()
+        for who in ("frequent", "rare"):
+            await service.consolidate(who)
+    clock.now = T0 + timedelta(days=deleted)
+    assert await service.consolidate("frequent") == []  # expired, and deleted
+    assert await service.store.facts("frequent") == []
+    clock.now = T0 + timedelta(days=deleted + 1)
+    for who in ("frequent", "rare"):
+        service.emit_observation(who, tool_ok("t", session="late", at=T0 + timedelta(days=late)))
+    await service.drain()
+    (resumed,) = await service.consolidate("frequent")
+    (kept,) = await service.consolidate("rare")
+    assert resumed.reinforcement_count == kept.reinforcement_count == 6
+    assert resumed.confidence == pytest.approx(kept.confidence, abs=1e-12)
+    assert resumed.last_reinforced_at == kept.last_reinforced_at == T0 + timedelta(days=late)
+    assert resumed.ease_factor == kept.ease_factor
+    # The history says what happened: the expiry, then the late reinforcement of that
+    # life, as for the fact no consolidation deleted.
+    history = await service.history("frequent", "tool_affinity:t")
+    assert [(e.kind, e.count_after) for e in history[-2:]] == [
+        (FactEventKind.EXPIRED, None),
+        (FactEventKind.REINFORCED, 6),
+    ]
+    # A late observation dated after the expiry starts the fact anew, as before.
+    clock.now = T0 + timedelta(days=400)
+    assert await service.consolidate("frequent") == []
+    service.emit_observation("frequent", tool_ok("t", session="later", at=T0 + timedelta(days=300)))
+    await service.drain()
+    assert await service.consolidate("frequent") == []  # created at day 300, expired since
+    history = await service.history("frequent", "tool_affinity:t")
+    assert [e.kind for e in history[-3:]] == [
+        FactEventKind.EXPIRED,
+        FactEventKind.CREATED,
+        FactEventKind.EXPIRED,
+    ]
+
+
 async def test_adaptive_quality_is_the_share_of_successes_or_failures(
     make_service: ServiceFactory, clock: FakeClock
 ) -> None:

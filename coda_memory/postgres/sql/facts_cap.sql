@@ -180,11 +180,18 @@ dropped AS (
     RETURNING 1
 ),
 -- A new version of the identity's facts (coda_memory.postgres.known) when any went: the
--- checkpoint row written again, its cursor unchanged. (A data-modifying CTE runs whether
--- or not the query reads it.)
+-- checkpoint row written again, its cursor unchanged; when expired ones went, its
+-- consolidated_at moved to :now as a consolidation's deletes move it (an observation
+-- dated before it that arrives late resumes a deleted fact's last life, see
+-- ended_lives.sql). (A data-modifying CTE runs whether or not the query reads it.)
 touched AS (
     UPDATE {schema}.checkpoints
-    SET snapshot = snapshot
+    SET snapshot = snapshot,
+        consolidated_at = CASE
+            WHEN EXISTS (SELECT 1 FROM expired)
+                THEN greatest(consolidated_at, CAST(:now AS timestamptz))
+            ELSE consolidated_at
+        END
     WHERE identity_id = :identity_id
         AND (EXISTS (SELECT 1 FROM dropped) OR EXISTS (SELECT 1 FROM expired))
 )

@@ -1,7 +1,10 @@
 -- Under the lock, in one atomic read: the checkpoint, the pending observations, the
 -- observations scored after the checkpoint (the original server's new ones are among
--- them), and the stored facts. An append lands wholly before or wholly after this read.
--- KEYS[1] checkpoint map, KEYS[2] pending, KEYS[3] observations (seed), KEYS[4] facts
+-- them), the stored facts, and when coda-memory last consolidated the identity (an
+-- observation dated before it arrived late). An append lands wholly before or wholly
+-- after this read.
+-- KEYS[1] checkpoint map, KEYS[2] pending, KEYS[3] observations (seed), KEYS[4] facts,
+-- KEYS[5] state
 -- ARGV[1] identity id
 local checkpoint = redis.call('HGET', KEYS[1], ARGV[1])
 local after = '-inf'
@@ -15,4 +18,5 @@ return {
   redis.call('ZRANGE', KEYS[2], 0, -1),
   redis.call('ZRANGEBYSCORE', KEYS[3], after, '+inf', 'WITHSCORES'),
   redis.call('HVALS', KEYS[4]),
+  redis.call('HGET', KEYS[5], 'consolidatedAt'),
 }
