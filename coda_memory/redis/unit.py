@@ -27,7 +27,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Awaitable, Callable, Sequence
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
 from coda_memory.core.caps import LogThrottle
@@ -175,11 +175,22 @@ class RedisConsolidationUnit:
                 events.extend(latest_by_subject.values())
         # The last lives of deleted facts that late observations may resume (rarely any;
         # the history is capped, so a life it no longer holds starts anew).
-        before = None if consolidated is None else from_ms(float(consolidated), "consolidatedAt")
-        asked = lives_asked(new, facts, before)
+        asked = lives_asked(new, facts, self._consolidated_at(consolidated))
         ended = ended_lives(await self._read_history(), asked) if asked else []
         self._loaded = True
         return ConsolidationInput(observations=new, facts=facts, session_events=events, ended=ended)
+
+    def _consolidated_at(self, raw: bytes | str | None) -> datetime | None:
+        """When coda-memory last consolidated the identity (the state's
+        ``consolidatedAt``); None when it never did, or when the value does not parse
+        (reported: late observations then start deleted facts anew)."""
+        if raw is None:
+            return None
+        try:
+            return from_ms(float(raw), "consolidatedAt")
+        except (ValueError, BadRecord) as exc:
+            self._bad("state")(f"consolidatedAt is not epoch ms ({type(exc).__name__})")
+            return None
 
     async def write(self, plan: ConsolidationPlan) -> None:
         self._check_open()

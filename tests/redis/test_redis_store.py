@@ -120,6 +120,26 @@ async def test_a_late_observation_stamped_before_the_checkpoint_is_consumed_once
         await service.close()
 
 
+async def test_a_state_whose_consolidation_time_does_not_parse_consolidates_all_the_same(
+    redis_url: str, redis_client: aioredis.Redis, redis_prefix: str
+) -> None:
+    """The load reads when coda-memory last consolidated the identity, to know whether an
+    observation arrived late; a value that does not parse is reported, not raised."""
+    clock = FakeClock(T0 + timedelta(days=5))
+    service = MemoryService.from_url(redis_url, clock=clock, load_timeout=5.0)
+    try:
+        service.emit_observation("u1", tool_ok("t", session="s1"))
+        await service.drain()
+        await service.consolidate("u1")
+        await redis_client.hset(f"{redis_prefix}state:u1", "consolidatedAt", "yesterday")
+        service.emit_observation("u1", tool_ok("u", session="s0", at=T0 + timedelta(days=1)))
+        await service.drain()
+        facts = {f.subject for f in await service.consolidate("u1")}
+        assert facts == {"tool_affinity:t", "tool_affinity:u"}
+    finally:
+        await service.close()
+
+
 async def test_an_append_during_a_consolidation_is_left_for_the_next_one(
     redis_store: RedisStore, redis_url: str
 ) -> None:
