@@ -59,6 +59,7 @@ most one in flight (single flight).
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import dataclasses
 import itertools
 import logging
@@ -106,6 +107,12 @@ from coda_memory.telemetry import NoTelemetry, Telemetry, telemetry_for
 from coda_memory.writer import CLOSE_GRACE, DEFAULT_QUEUE_BYTES, Clock, ObservationWriter
 
 logger = logging.getLogger("coda_memory")
+
+#: The identities whose facts the store capped on the server during the peek of the
+#: consolidation under way in this context (see ``MemoryService._consolidate``).
+_CAPPED_BY_STORE: contextvars.ContextVar[list[str] | None] = contextvars.ContextVar(
+    "coda_memory_capped_by_store", default=None
+)
 
 R = TypeVar("R")
 
@@ -279,9 +286,6 @@ class MemoryService(ObservationWriter):
         self._slots = LifoSlots(max_consolidations)
         self._log = LogThrottle(logger)
         self._facts_cap = CapCounter(self._log, "facts per identity capped")
-        #: Identities whose facts the store capped during the peek of a load under way:
-        #: the consolidation that follows finishes that cap, and counts no second one.
-        self._capped_by_store: set[str] = set()
         cap_facts: Callable[[FactCap], None] | None = getattr(store, "cap_facts", None)
         formula = decay_formula(self.decay)
         if cap_facts is not None and max_facts is not None and formula is not None:
@@ -413,12 +417,26 @@ class MemoryService(ObservationWriter):
         were made from (read where they were, not after: another consolidation of the
         identity may end meanwhile). A load keeps an answer only with a version (see
         ``_load``)."""
+        # Whether the store capped the identity's facts during this call's peek (its
+        # consolidation then finishes that cap, and counts no second one): this call's
+        # own, as concurrent calls for the identity may differ.
+        capped: list[str] = []
+        token = _CAPPED_BY_STORE.set(capped)
+        try:
+            return await self._consolidate_counting(identity_id, capped)
+        finally:
+            _CAPPED_BY_STORE.reset(token)
+
+    async def _consolidate_counting(
+        self, identity_id: str, capped: list[str]
+    ) -> tuple[list[Fact], str | None]:
+        """:meth:`_consolidate`, with the identities that the store capped during the
+        peek in ``capped``."""
         # When this service stored observations of the identity since it last consolidated
         # it, and the store keeps the identity's facts, there is no need to peek. (What is
         # stored from here on marks the identity again.)
         skip_peek = identity_id in self.stored_for and self._keeps_facts(identity_id)
         self.stored_for.discard(identity_id)
-        self._capped_by_store.discard(identity_id)
         if not skip_peek:
             async with self._slots:
                 stored, pending, version = await self._peek(identity_id)
@@ -442,9 +460,8 @@ class MemoryService(ObservationWriter):
             if plan.writes_anything:
                 await unit.write(plan)
                 await unit.commit()
-        if identity_id in self._capped_by_store:
+        if identity_id in capped:
             # The cap the store applied on the server, finished exactly: counted once.
-            self._capped_by_store.discard(identity_id)
             self._facts_cap.dropped += len(plan.evicted)
         elif plan.evicted:
             self._facts_cap.hit(
@@ -458,7 +475,9 @@ class MemoryService(ObservationWriter):
         return self.clock()
 
     def _capped_in_store(self, identity_id: str, deleted: int) -> None:
-        self._capped_by_store.add(identity_id)
+        capped = _CAPPED_BY_STORE.get()
+        if capped is not None:
+            capped.append(identity_id)
         self._facts_cap.hit(
             deleted,
             f"{self._label(identity_id)} keeps its best ranked facts, {deleted} deleted "

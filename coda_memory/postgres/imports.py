@@ -21,7 +21,7 @@ from datetime import datetime
 from sqlalchemy.ext.asyncio import AsyncConnection
 from sqlalchemy.sql.expression import Executable
 
-from coda_memory.core.model import Fact, FactEvent, ObservationType
+from coda_memory.core.model import Fact, FactEvent, FactEventKind, ObservationType
 from coda_memory.core.sanitize import ObservationRecord
 from coda_memory.postgres.connection import lock_timeout_clause
 from coda_memory.postgres.engine import driver_connection
@@ -179,6 +179,7 @@ def _rest(copy: IdentityCopy, now: datetime) -> dict[str, object]:
         "observation_count": len(copy.consumed) + len(copy.pending),
         "consumed_count": len(copy.consumed),
         "checkpoint_at": copy.checkpoint_at,
+        "last_expiry": max((e.at for e in events if e.kind is FactEventKind.EXPIRED), default=None),
         "has_consumed": bool(copy.consumed),
         "fact_subjects": [f.subject for f in facts],
         "fact_categories": [f.category.value for f in facts],

@@ -20,7 +20,7 @@ import contextlib
 import functools
 import io
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 # Absolute imports: the real Alembic, never the sibling module coda_memory.alembic.
 from alembic import command
@@ -73,16 +73,39 @@ _UNLOCK = text(f"SELECT pg_advisory_unlock({_MIGRATION_LOCK_KEY})")
 MIGRATION_LOCK_POLL = 0.2
 
 
-def lock_for_transaction(connection: Connection, schema: str) -> None:
-    """Take ``schema``'s migration lock until ``connection``'s transaction ends (what the
-    migration environment does on a caller's connection, which the caller commits), or
-    :class:`MigrationUnderWay` when another migration holds it: waiting inside the
-    transaction would hold a snapshot that the other one's index builds wait for."""
-    try_lock = text(f"SELECT pg_try_advisory_xact_lock({_MIGRATION_LOCK_KEY})")
-    if not connection.scalar(try_lock, {"schema": schema}):
+@contextlib.contextmanager
+def held_while_migrating(connection: Connection, schema: str) -> Iterator[None]:
+    """Hold ``schema``'s migration lock while the migrations in the block run on
+    ``connection`` (a caller's, which the caller commits, or one of
+    :func:`migrating_alone`'s, which holds it already): for the session, since a
+    migration's own commits (around its ``CONCURRENTLY`` index builds) would release a
+    transaction's; at the end of the block it passes to the transaction, which the
+    caller's commit ends. :class:`MigrationUnderWay` when another migration holds it:
+    waiting inside the caller's transaction would hold a snapshot that the other one's
+    index builds wait for."""
+    key = {"schema": schema}
+    if not connection.scalar(_TRY_LOCK, key):
         raise MigrationUnderWay(
             f"another migration of schema {schema!r} is under way; migrate again once it is done"
         )
+    try:
+        yield
+    except BaseException:
+        _unlock_after_failure(connection, key)
+        raise
+    connection.scalar(text(f"SELECT pg_try_advisory_xact_lock({_MIGRATION_LOCK_KEY})"), key)
+    connection.execute(_UNLOCK, key)
+
+
+def _unlock_after_failure(connection: Connection, key: dict[str, str]) -> None:
+    """Release the session's migration lock after a failed migration; a transaction the
+    failure aborted (the caller can only roll it back) is rolled back first."""
+    try:
+        connection.execute(_UNLOCK, key)
+    except Exception:
+        with contextlib.suppress(Exception):  # the connection may be gone: it goes anyway
+            connection.rollback()
+            connection.execute(_UNLOCK, key)
 
 
 def migrating_alone(connection: Connection, schema: str, run: Callable[[], None]) -> None:

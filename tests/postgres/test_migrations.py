@@ -9,6 +9,7 @@ import re
 import secrets
 import subprocess
 import sys
+import threading
 import warnings
 from pathlib import Path
 from typing import Any
@@ -17,7 +18,7 @@ import asyncpg
 import pytest
 from alembic import command
 from alembic.script import ScriptDirectory
-from sqlalchemy import text
+from sqlalchemy import event, text
 
 from coda_memory.errors import ForeignAlembicHistory, MigrationUnderWay
 from coda_memory.postgres.engine import asyncpg_url
@@ -676,3 +677,49 @@ async def test_a_store_without_a_schema_has_nothing_to_migrate(url: str) -> None
     "unsupported database URL scheme 'memory'"."""
     await migrate_async(url)
     await asyncio.to_thread(migrate, url)
+
+
+async def test_a_callers_connection_holds_the_migration_lock_past_0002(
+    empty_pg_url: str,
+) -> None:
+    """On a caller's connection the lock was the transaction's: 0002's own commit (around
+    its CONCURRENTLY builds) released it, and every revision after ran unguarded."""
+    dsn = empty_pg_url.replace("postgresql+asyncpg://", "postgresql://")
+    probes: list[bool] = []
+
+    async def probe() -> bool:
+        other = await asyncpg.connect(dsn)
+        try:
+            key = "hashtextextended('coda_memory.migrate:' || $1, 0)"
+            got = bool(await other.fetchval(f"SELECT pg_try_advisory_lock({key})", "coda_memory"))
+            if got:
+                await other.fetchval(f"SELECT pg_advisory_unlock({key})", "coda_memory")
+            return got
+        finally:
+            await other.close()
+
+    def probed(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
+        # A table of 0005, long after 0002's commit: is the lock still held?
+        if statement.startswith("\nCREATE TABLE") and "ingest_batches (" in statement:
+            result: list[bool] = []
+            thread = threading.Thread(target=lambda: result.append(asyncio.run(probe())))
+            thread.start()
+            thread.join()
+            probes.extend(result)
+
+    own = engine(empty_pg_url)
+    try:
+        async with own.connect() as connection:
+
+            def upgrade(sync: Any) -> None:
+                event.listen(sync, "before_cursor_execute", probed)
+                config = alembic_config()
+                config.attributes["connection"] = sync
+                command.upgrade(config, "head")
+
+            await connection.run_sync(upgrade)
+            await connection.commit()
+    finally:
+        await own.dispose()
+    assert probes == [False]  # held: another migrator could not have taken it
+    assert await probe()  # and released once the caller committed

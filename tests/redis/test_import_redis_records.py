@@ -19,7 +19,7 @@ from coda_memory.migration import import_redis
 from coda_memory.postgres import PostgresStore
 from coda_memory.redis import RedisStore
 from coda_memory.redis.codec import BadRecord
-from tests.helpers import T0, FakeClock
+from tests.helpers import T0, FakeClock, tool_ok
 from tests.redis.test_import_redis import EVENT, fact, fact_rows, ms, now, observation
 
 #: After every observation and fact below.
@@ -173,3 +173,39 @@ async def test_a_checkpoint_map_of_another_type_stops_the_run_naming_the_key(
             await import_redis(source, None, now=now)
     finally:
         await source.close()
+
+
+async def test_a_late_observation_pending_in_redis_resumes_a_deleted_fact_after_the_import(
+    redis_url: str, pg_url: str
+) -> None:
+    """The import left the checkpoint's consolidated_at empty: the first consolidation in
+    Postgres never looked for a deleted fact's last life, and started the fact anew where
+    the Redis store resumed it."""
+    clock = FakeClock()
+    on_redis = MemoryService.from_url(redis_url, clock=clock, load_timeout=5.0)
+    target = PostgresStore.from_url(pg_url)
+    on_postgres = MemoryService(target, clock=clock, load_timeout=5.0)
+    try:
+        for day in range(5):
+            on_redis.emit_observation(
+                "u", tool_ok("t", session=f"d{day}", at=T0 + timedelta(days=day))
+            )
+            clock.now = T0 + timedelta(days=day, hours=1)
+            await on_redis.drain()
+            await on_redis.consolidate("u")
+        clock.now = T0 + timedelta(days=50)
+        assert await on_redis.consolidate("u") == []  # expired at about day 44: deleted
+        clock.now = T0 + timedelta(days=51)
+        on_redis.emit_observation("u", tool_ok("t", session="late", at=T0 + timedelta(days=30)))
+        await on_redis.drain()
+        source = on_redis.store
+        assert isinstance(source, RedisStore)
+        summary = await import_redis(source, target, now=clock)  # still pending
+        assert (summary.copied, summary.failed) == (1, [])
+        (in_postgres,) = await on_postgres.consolidate("u")
+        (in_redis,) = await on_redis.consolidate("u")
+        assert in_postgres.reinforcement_count == in_redis.reinforcement_count == 6
+        assert in_postgres.confidence == pytest.approx(in_redis.confidence, abs=1e-12)
+    finally:
+        await on_postgres.close()
+        await on_redis.close()

@@ -1493,3 +1493,53 @@ async def test_a_batch_stored_as_close_stops_the_writer_counts_as_stored() -> No
     stats = service.stats()
     assert (stats.stored, stats.dropped, stats.pending) == (10, 0, 0)
     assert len(await store.observations("alice")) == 10
+
+
+class _CappingStore(InMemoryStore):
+    """The in-memory store, with a cap applied "on the server" in the first peek (which
+    then waits for ``release``), and a second peek that finds nothing to consolidate."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cap: Any = None
+        self.capped, self.release = asyncio.Event(), asyncio.Event()
+        self.peeks = 0
+
+    def cap_facts(self, cap: Any) -> None:
+        self.cap = cap
+
+    async def peek(self, identity_id: str) -> tuple[list[Fact], bool]:
+        if self.cap is None:  # (the seeding service's)
+            return await super().peek(identity_id)
+        self.peeks += 1
+        if self.peeks == 1:
+            self.cap.applied(identity_id, 7)
+            self.capped.set()
+            await self.release.wait()
+            return await super().peek(identity_id)
+        return [], False
+
+
+async def test_a_cap_the_store_applied_is_counted_once_whatever_runs_meanwhile() -> None:
+    """The mark that the store capped an identity during a call's peek was the service's,
+    per identity: another call for the identity meanwhile cleared it, and the first call's
+    consolidation, which finishes that cap, counted it a second time."""
+    clock = FakeClock()
+    store = _CappingStore()
+    seeding = MemoryService(store, clock=clock, max_facts=None)
+    for n in range(5):
+        seeding.emit_observation("u1", tool_ok(f"t{n}"))
+    await seeding.drain()
+    await seeding.consolidate("u1")
+    service = MemoryService(store, clock=clock, max_facts=3)
+    try:
+        first = asyncio.create_task(service.consolidate("u1"))
+        await store.capped.wait()
+        assert await service.consolidate("u1") == []  # meanwhile: nothing to do
+        store.release.set()
+        assert len(await first) == 3
+        stats = service.stats()
+        assert (stats.facts_capped, stats.facts_evicted) == (1, 7 + 2)
+    finally:
+        await service.close()
+        await seeding.close()

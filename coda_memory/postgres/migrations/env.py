@@ -35,8 +35,8 @@ from sqlalchemy.schema import CreateSchema
 from coda_memory.errors import ForeignAlembicHistory
 from coda_memory.postgres.engine import asyncpg_url
 from coda_memory.postgres.migrate import (
+    held_while_migrating,
     known_revision,
-    lock_for_transaction,
     migrating_alone,
     migrating_alone_async,
 )
@@ -168,16 +168,16 @@ def do_run_migrations(connection: Connection) -> None:
     dialect: Any = connection.dialect
     dialect.ischema_names = {**dialect.ischema_names, "xid8": Xid8}
     _configure(connection=connection)
-    # A caller's connection (committed by the caller) holds the schema's migration lock
-    # for its transaction; one of migrating_alone already holds it for the session.
-    lock_for_transaction(connection, SCHEMA)
-    _refuse_foreign_history(connection)
-    with context.begin_transaction():
-        connection.execute(migration_lock_timeout())
-        # The version table lives in the schema, and Alembic creates it before running
-        # the first migration.
-        connection.execute(CreateSchema(SCHEMA, if_not_exists=True))
-        context.run_migrations()
+    # The schema's migration lock, from before the version table is read until the
+    # caller commits (one of migrating_alone's connections holds it already).
+    with held_while_migrating(connection, SCHEMA):
+        _refuse_foreign_history(connection)
+        with context.begin_transaction():
+            connection.execute(migration_lock_timeout())
+            # The version table lives in the schema, and Alembic creates it before
+            # running the first migration.
+            connection.execute(CreateSchema(SCHEMA, if_not_exists=True))
+            context.run_migrations()
 
 
 # On a connection of this module's own: committed here, after any other migration of

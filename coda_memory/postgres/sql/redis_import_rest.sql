@@ -107,10 +107,13 @@ copied_events AS (
 ),
 -- An identity never consolidated here gets a snapshot in which only transaction ids
 -- below 4 are visible: the consumed copies (id 3) are read as consumed, and every other
--- observation (this copy's pending ones, and any a live server stored) stays new.
+-- observation (this copy's pending ones, and any a live server stored) stays new. Here
+-- and below, consolidated_at is at least the latest expiry copied: an observation dated
+-- before it that arrives late may resume a deleted fact's last life (ended_lives.sql).
 cursor_set AS (
     UPDATE {schema}.checkpoints
-    SET snapshot = '4:4:'
+    SET snapshot = '4:4:',
+        consolidated_at = greatest(consolidated_at, CAST(:last_expiry AS timestamptz))
     WHERE identity_id = :identity_id
         AND snapshot IS NULL
         AND :has_consumed::boolean
@@ -121,7 +124,8 @@ cursor_set AS (
 -- (coda_memory.postgres.known). Disjoint from cursor_set, so no row is updated twice.
 versioned AS (
     UPDATE {schema}.checkpoints
-    SET snapshot = snapshot
+    SET snapshot = snapshot,
+        consolidated_at = greatest(consolidated_at, CAST(:last_expiry AS timestamptz))
     WHERE identity_id = :identity_id
         AND NOT (snapshot IS NULL AND :has_consumed::boolean)
     RETURNING 1
