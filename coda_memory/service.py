@@ -93,7 +93,7 @@ from coda_memory.core.decay import DecayStrategy, ExponentialDecay, decay_formul
 from coda_memory.core.logs import short_error
 from coda_memory.core.model import DEFAULT_MAX_CLOCK_SKEW as DEFAULT_MAX_CLOCK_SKEW
 from coda_memory.core.model import MAX_SPAN, Fact, FactEvent, LoadedMemory
-from coda_memory.core.options import require_types, seconds_or_none
+from coda_memory.core.options import NONE, require_types, seconds_or_none
 from coda_memory.core.prompt import section_steps
 from coda_memory.core.rank import ranked_facts
 from coda_memory.core.sanitize import ObservationRejected, check_identity
@@ -247,16 +247,13 @@ class MemoryService(ObservationWriter):
             raise TypeError("tool_catalog must be a collection of tool names, not one string")
         if not 0 < load_timeout < float("inf"):  # NaN fails too
             raise ValueError("load_timeout must be a positive, finite number of seconds")
-        integers = (
-            ("queue_size", queue_size),
-            ("batch_size", batch_size),
-            ("queue_bytes", queue_bytes),
-            ("max_facts", max_facts),
-            ("max_consolidations", max_consolidations),
+        require_types(
+            queue_size=(queue_size, int, "a whole number"),
+            batch_size=(batch_size, int, "a whole number"),
+            queue_bytes=(queue_bytes, int, "a whole number"),
+            max_facts=(max_facts, (int, NONE), "a whole number"),
+            max_consolidations=(max_consolidations, (int, NONE), "a whole number"),
         )
-        for name, number in integers:
-            if number is not None:
-                require_types(**{name: (number, int, "a whole number")})
         if prompt_budget_tokens < 0:
             raise ValueError("prompt_budget_tokens must not be negative")
         if not timedelta(0) <= max_clock_skew <= MAX_DURATION:

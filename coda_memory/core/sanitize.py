@@ -258,18 +258,16 @@ _DATETIME_EDGES = (datetime.min.replace(tzinfo=UTC), datetime.max.replace(tzinfo
 
 def _check_created_at(value: object) -> datetime:
     if type(value) is datetime and value.tzinfo is UTC:
-        # The common case: the service's clock, already in UTC.
-        if value in _DATETIME_EDGES:
-            raise ObservationRejected("created_at is the first or last instant of datetime")
-        return value
-    if not isinstance(value, datetime):
+        utc = value  # the common case: the service's clock, already in UTC
+    elif not isinstance(value, datetime):
         raise ObservationRejected("created_at is not a datetime")
-    if value.tzinfo is None or value.utcoffset() is None:
+    elif value.tzinfo is None or value.utcoffset() is None:
         raise ObservationRejected("created_at is not timezone-aware")
-    try:
-        utc = value.astimezone(UTC)
-    except OverflowError:
-        raise ObservationRejected("created_at is out of range") from None
+    else:
+        try:
+            utc = value.astimezone(UTC)
+        except OverflowError:
+            raise ObservationRejected("created_at is out of range") from None
     if utc in _DATETIME_EDGES:
         raise ObservationRejected("created_at is the first or last instant of datetime")
     return utc
