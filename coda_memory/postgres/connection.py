@@ -23,8 +23,9 @@ driver connection) and SQLAlchemy's wrapped ones.
 
 from __future__ import annotations
 
+import asyncio
 import weakref
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection
 from contextlib import asynccontextmanager
 from datetime import timedelta
 from functools import partial
@@ -38,7 +39,7 @@ from coda_memory.core.cancellation import run_to_end
 from coda_memory.core.model import MAX_INT32
 from coda_memory.core.options import NONE, require_types
 from coda_memory.errors import ConnectionLost
-from coda_memory.postgres.engine import driver_connection, schema_required
+from coda_memory.postgres.engine import driver_connection, opened_connections, schema_required
 
 T = TypeVar("T")
 
@@ -174,6 +175,31 @@ def released(engine: AsyncEngine) -> None:
     """Mark ``engine`` as released by its store (before it is disposed): from then on, a
     connection that work gives back is closed, not pooled, and none is retried."""
     _RELEASED.add(engine)
+
+
+#: Seconds :func:`dispose` waits for the server to answer the close of its connections.
+GRACEFUL_CLOSE = 1.0
+
+
+async def dispose(engines: Collection[AsyncEngine], graceful: float = GRACEFUL_CLOSE) -> None:
+    """Close the pooled connections of ``engines``, all at once. A server that does not
+    answer within ``graceful`` seconds (or a caller cancelled meanwhile) has the engines'
+    connections ended from this side: their sockets are closed, and the disposal ends
+    at once. Cut short instead, it left a connection half-closed and SQLAlchemy's pool
+    logged an error with its traceback."""
+    tasks = [asyncio.ensure_future(engine.dispose()) for engine in engines]
+    try:
+        await asyncio.wait(tasks, timeout=graceful)
+    finally:
+        if not all(task.done() for task in tasks):
+            for engine in engines:
+                for driver in opened_connections(engine):
+                    driver.terminate()  # does nothing to one already closed
+            # Each close now finds its connection closed (or its wait ended), at once.
+            await asyncio.shield(asyncio.wait(tasks, timeout=graceful))
+    for task in tasks:
+        if task.done() and not task.cancelled():
+            task.result()
 
 
 def _may_replace(engine: AsyncEngine, error: BaseException) -> bool:

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import functools
 import inspect
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import asyncpg
-from sqlalchemy.engine import URL, make_url
+from sqlalchemy import event
+from sqlalchemy.engine import URL, Engine, make_url
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 
@@ -90,12 +92,32 @@ def create_engine(
     options = dict(engine_kwargs.pop("execution_options", {}))
     options["schema_translate_map"] = schema_translate_map(schema)
     engine_kwargs.setdefault("hide_parameters", True)
-    return create_async_engine(
+    engine = create_async_engine(
         asyncpg_url(url),
         pool_size=pool_size,
         execution_options=options,
         **engine_kwargs,
     )
+    opened: weakref.WeakSet[Any] = weakref.WeakSet()
+    _OPENED[engine.sync_engine] = opened
+
+    def connected(dbapi_connection: Any, _record: Any) -> None:
+        opened.add(dbapi_connection.driver_connection)
+
+    # On the engine, so that the pools that replace this one keep it.
+    event.listen(engine.sync_engine, "connect", connected)
+    return engine
+
+
+#: The asyncpg connections that each engine of :func:`create_engine` opened.
+_OPENED: weakref.WeakKeyDictionary[Engine, weakref.WeakSet[Any]] = weakref.WeakKeyDictionary()
+
+
+def opened_connections(engine: AsyncEngine) -> list[Any]:
+    """The asyncpg connections that ``engine`` (made by :func:`create_engine`) opened and
+    that are still referenced: in its pool, in use, or closed but not yet collected (one
+    being closed counts as closed in asyncpg's ``is_closed``)."""
+    return list(_OPENED.get(engine.sync_engine, ()))
 
 
 async def driver_connection(conn: AsyncConnection) -> Any:

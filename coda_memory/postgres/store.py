@@ -110,6 +110,7 @@ from coda_memory.postgres.append import IngestCounts, append_observations, encod
 from coda_memory.postgres.connection import (
     LOCK_NOT_AVAILABLE,
     QUERY_CANCELED,
+    dispose,
     driver_transaction,
     is_connection_error,
     let_go,
@@ -714,8 +715,7 @@ class PostgresStore:
         engines = {self.request_engine, self.writer_engine, self.engine}
         for engine in engines:
             released(engine)
-        for engine in engines:
-            await engine.dispose()
+        await dispose(engines)
 
 
 async def _warm(engine: AsyncEngine, schema: str, statements: list[str]) -> None:

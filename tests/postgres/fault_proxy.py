@@ -8,6 +8,9 @@ and, on connections it picks, acts once the client sends a simple-query ``COMMIT
 * ``blackhole``: forward nothing more in either direction, but keep both sockets open,
   so the client waits for an answer that never comes.
 
+With ``hold_terminate`` set, a client's Terminate message (a graceful close) is
+swallowed the same way: the client waits for a close that the server never makes.
+
 The client must not ask for TLS (``ssl=False``): the proxy reads plain messages.
 """
 
@@ -34,8 +37,12 @@ class FaultProxy:
     decide: Decision
     #: The server's Unix socket directory, when it listens on one instead of TCP.
     socket_dir: str | None = None
+    #: Swallow every Terminate from now on (see above).
+    hold_terminate: bool = False
     cuts: int = 0
     blackholes: int = 0
+    #: Terminates swallowed.
+    held_terminates: int = 0
     commits: int = 0
     _server: asyncio.Server | None = None
     _held: list[asyncio.StreamWriter] = field(default_factory=list)
@@ -112,9 +119,13 @@ class FaultProxy:
                 if is_commit:
                     self.commits += 1
                     fault = self.decide(self.commits)
-                if fault == "blackhole" and is_commit:
-                    # Swallow the COMMIT and everything after it; keep the sockets open.
-                    self.blackholes += 1
+                held = kind == b"X" and self.hold_terminate
+                if held or (fault == "blackhole" and is_commit):
+                    # Swallow the message and everything after it; keep the sockets open.
+                    if held:
+                        self.held_terminates += 1
+                    else:
+                        self.blackholes += 1
                     state["stopped"] = state["held"] = True
                     self._held.extend([client_w, server_w])
                     while await reader.read(65536):

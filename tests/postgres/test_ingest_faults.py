@@ -8,12 +8,15 @@ keeps the connection open without a word.
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
 
+import pytest
 from sqlalchemy.engine import make_url
 
 from coda_memory import MemoryService, NewObservation
+from coda_memory.postgres.connection import GRACEFUL_CLOSE
 from tests.helpers import FakeClock, domain, entity, tool_ok
 from tests.postgres.fault_proxy import FaultProxy
 from tests.postgres.helpers import fetch
@@ -130,3 +133,40 @@ async def test_lost_commit_acknowledgements_store_nothing_twice(pg_url: str) -> 
     # The swallowed COMMIT never reached the server: its transaction is rolled back when
     # the proxy lets go of the connection, so the table holds exactly what stats() says.
     assert (await _counts(pg_url))["observations"] == stats.stored
+
+
+async def test_close_ends_connections_whose_server_does_not_answer_without_an_error_logged(
+    pg_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A server that stops answering after the pool is warm: the graceful close of each
+    # connection (its Terminate message) is never answered. Cancelled half-way, SQLAlchemy's
+    # pool logged "Exception closing connection" at ERROR, with a traceback, per connection,
+    # and close() waited out its whole grace.
+    target = make_url(pg_url)
+    socket_dir = target.query.get("host")
+    proxy = FaultProxy(
+        target.host or "127.0.0.1",
+        target.port or 5432,
+        lambda _commit: None,
+        socket_dir=socket_dir if isinstance(socket_dir, str) else None,
+    )
+    port = await proxy.start()
+    service = MemoryService.from_url(
+        _via(port, pg_url), clock=FakeClock(), connect_args={"ssl": False}, pool_size=3
+    )
+    try:
+        await service.start()
+        assert (await service.load_memory("alice")).facts == []
+        proxy.hold_terminate = True
+        with caplog.at_level(logging.WARNING):
+            started = time.monotonic()
+            await service.close(timeout=1)
+            took = time.monotonic() - started
+        errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+        assert errors == []
+        assert proxy.held_terminates >= 3  # the warmed pool's connections, at least
+        said = [r.getMessage() for r in caplog.records]
+        assert not any("did not close" in line for line in said), said
+        assert took < GRACEFUL_CLOSE + 0.9
+    finally:
+        await proxy.close()
