@@ -31,12 +31,12 @@ append goes on. Reading other transactions' observations needs the writer policy
 of the transactions listed, comma-separated, in the ``coda_memory.rollup_xid`` setting;
 the folding sets it for its own subtransaction.
 
-Until folded, the analytics lag by the owed rows (``coda-memory prune`` folds first, and
-never deletes an observation whose rollup is owed). ``forget`` deletes the identity's
-records; a rebuild empties the table, since it recomputes everything; and the folding
-tolerates rows that are gone (it counts what is still stored). The consolidation's own
-pruning (``retention``) does not look at the records, so a debt left unpaid for longer
-than the retention loses the counts of the rows pruned meanwhile.
+Until folded, the analytics lag by the owed rows. Neither ``coda-memory prune`` (which
+folds first) nor a consolidation's own pruning (``retention``) deletes an observation
+whose rollup is owed. ``forget`` folds the identity's records before it deletes its
+rows, and deletes those a lock still keeps from folding (their counts are lost); a
+rebuild empties the table, since it recomputes everything; and the folding tolerates
+rows that are gone (it counts what is still stored).
 """
 
 from __future__ import annotations
@@ -155,16 +155,26 @@ class Folded:
         return not self.blocked and not self.full
 
 
-async def fold_owed(driver: Any, schema: str, shard: int, *, limit: int = FOLD_ROWS) -> Folded:
-    """Fold up to ``limit`` owed records into the rollup, in the caller's transaction
-    (the writer's, or the owner's across identities): all of them in one savepoint, and
-    when that meets an error other than a lock, each owed transaction in a savepoint of
-    its own. Every lock wait is bounded by :data:`ROLLUP_LOCK_TIMEOUT`. Records whose
-    folding meets a lock or an error stay. Connection errors propagate."""
+async def fold_owed(
+    driver: Any,
+    schema: str,
+    shard: int,
+    *,
+    limit: int = FOLD_ROWS,
+    identity_id: str | None = None,
+) -> Folded:
+    """Fold up to ``limit`` owed records into the rollup (``identity_id``'s only, when
+    given), in the caller's transaction (the writer's, a forget's, or the owner's across
+    identities): all of them in one savepoint, and when that meets an error other than a
+    lock, each owed transaction in a savepoint of its own. Every lock wait is bounded by
+    :data:`ROLLUP_LOCK_TIMEOUT`. Records whose folding meets a lock or an error stay.
+    Connection errors propagate."""
     await driver.execute(short_locks("coda_owed", ROLLUP_LOCK_TIMEOUT))
     try:
         claim = query("rollup_owed_claim", schema)
-        rows = await driver.fetch(claim.text, *claim.arguments(limit=limit))
+        rows = await driver.fetch(
+            claim.text, *claim.arguments(limit=limit, identity_id=identity_id)
+        )
     except Exception as exc:
         if sqlstate(exc) is None:
             raise

@@ -1,5 +1,5 @@
 """Rollup upkeep outside the append path: forgetting an identity's per-identity rows
-(and its place in the user counters, and its owed rollups), and rebuilding the whole
+(and its place in the user counters, after folding its owed rollups), and rebuilding the whole
 rollup from the stored observations (see :mod:`.rollup` for the design, and
 :mod:`.rollup_owed` for owed rollups)."""
 
@@ -14,6 +14,7 @@ from sqlalchemy.ext.compiler import compiles
 from sqlalchemy.schema import ExecutableDDLElement
 from sqlalchemy.sql.dml import Insert
 
+from coda_memory.postgres.engine import driver_connection
 from coda_memory.postgres.rollup import (
     add_to_daily,
     connection_shard,
@@ -21,6 +22,7 @@ from coda_memory.postgres.rollup import (
     entity_rollup,
     tool_rollup,
 )
+from coda_memory.postgres.rollup_owed import fold_owed
 from coda_memory.postgres.schema import (
     domain_daily,
     domain_users,
@@ -83,12 +85,16 @@ async def _lock_in_key_order(
     )
 
 
-async def forget_identity(conn: AsyncConnection, identity_id: str) -> None:
+async def forget_identity(conn: AsyncConnection, schema: str, identity_id: str) -> None:
     """Delete the identity's per-identity rollup rows and its place in the user counts;
-    the anonymous call, access and query counts stay. Its owed rollups go first (the
-    order a folding append locks them in), so none is folded after the forget; then each
-    table's rows, locked in key order first (see :func:`_lock_in_key_order`)."""
+    the anonymous call, access and query counts stay. Call it before the identity's
+    observations are deleted: its owed rollups are folded first, so that those counts
+    include its calls too; the records a lock still keeps from folding (a rollup table
+    locked right then) are deleted unfolded, and their counts lost. The records go first
+    (the order a folding append locks them in), so none is folded after the forget; then
+    each table's rows, locked in key order first (see :func:`_lock_in_key_order`)."""
     shard = await connection_shard(conn)
+    await fold_owed(await driver_connection(conn), schema, shard, identity_id=identity_id)
     await conn.execute(delete(rollup_owed).where(rollup_owed.c.identity_id == identity_id))
     await _lock_in_key_order(conn, tool_users, identity_id, ["tool_name"])
     await conn.execute(_forget_latest(identity_id, tool_users, tool_daily, ["tool_name"], shard))

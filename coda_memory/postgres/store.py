@@ -676,13 +676,16 @@ class PostgresStore:
             driver = await driver_connection(conn)
             await lock_identity(driver, self._statements, identity_id)
             await CheckpointRepository(conn).delete(identity_id)
+            fact_events = await FactEventRepository(conn).delete_identity(identity_id)
+            facts = await FactRepository(conn).delete_identity(identity_id)
+            # The identity's rows of the analytics rollup, its owed rollups folded first
+            # (while the observations they count are still there); anonymous counts stay.
+            await forget_identity(conn, self.schema, identity_id)
             forgotten = Forgotten(
-                fact_events=await FactEventRepository(conn).delete_identity(identity_id),
-                facts=await FactRepository(conn).delete_identity(identity_id),
+                fact_events=fact_events,
+                facts=facts,
                 observations=await ObservationRepository(conn).delete_identity(identity_id),
             )
-            # The identity's rows of the analytics rollup; anonymous counts stay.
-            await forget_identity(conn, identity_id)
             await conn.execute(
                 delete(redis_imports).where(redis_imports.c.identity_id == identity_id)
             )

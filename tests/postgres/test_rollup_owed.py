@@ -170,7 +170,11 @@ async def test_a_retried_batch_is_neither_stored_nor_counted_twice(pg_url: str) 
         await store.close()
 
 
-async def test_forget_leaves_nothing_of_the_identity_in_owed_records(pg_url: str) -> None:
+async def test_forget_folds_the_identitys_owed_rollup_first_and_leaves_no_record(
+    pg_url: str,
+) -> None:
+    # The anonymous counts stay after a forget, those of calls whose rollup was owed too:
+    # the forget deleted the owed records, and the calls were never counted.
     store = writer(pg_url)
     try:
         async with locked(pg_url, "entity_users"):
@@ -179,7 +183,38 @@ async def test_forget_leaves_nothing_of_the_identity_in_owed_records(pg_url: str
         assert await owed(pg_url) == [("ben", ALL_KINDS), ("cy", ALL_KINDS)]
         await store.append([call("ben", "t", True, D2)])
         assert await owed(pg_url) == []
-        # ana's rows were never counted, and are gone: the rollup is the others'.
+        tools = await rollup_rows(store, "tool_daily")
+        assert sum(successes + failures for *_, successes, failures, _ in tools) == 9 + 1
+        assert sum(row[3] for row in await rollup_rows(store, "entity_daily")) == 7
+        assert sum(row[2] for row in await rollup_rows(store, "domain_daily")) == 5
+        # ana is no user any more.
+        users = await fetch(
+            pg_url,
+            "SELECT count(*) FROM coda_memory.tool_users WHERE identity_id = 'ana' UNION ALL "
+            "SELECT count(*) FROM coda_memory.entity_users WHERE identity_id = 'ana' UNION ALL "
+            "SELECT count(*) FROM coda_memory.domain_users WHERE identity_id = 'ana'",
+        )
+        assert users == [(0,), (0,), (0,)]
+        # The others' rows are what a rebuild computes from theirs; ana's counts are not.
+        assert (await rollup(store))["tool_users"] == (await rebuilt(store))["tool_users"]
+    finally:
+        await store.close()
+
+
+async def test_forget_goes_on_while_a_table_only_the_folding_needs_stays_locked(
+    pg_url: str,
+) -> None:
+    store = writer(pg_url)
+    try:
+        # A forget writes to the other rollup tables itself, and waits for their locks.
+        async with locked(pg_url, "tool_durations"):
+            await timed_append(store, FIXTURE)
+            started = time.monotonic()
+            await asyncio.wait_for(store.forget("ana"), 10)
+            assert time.monotonic() - started < PROMPTLY
+            assert await owed(pg_url) == [("ben", ALL_KINDS), ("cy", ALL_KINDS)]
+        await store.append([call("ben", "t", True, D2)])
+        # ana's calls, owed until the forget, were not counted: the others' are.
         assert await rollup(store) == await rebuilt(store)
     finally:
         await store.close()
@@ -220,6 +255,32 @@ async def test_prune_folds_first_and_never_deletes_an_observation_still_owed(
         assert sum(successes + failures for *_, successes, failures, _ in tools) == 9
         assert sum(row[3] for row in await rollup_rows(store, "entity_daily")) == 7
         assert sum(row[2] for row in await rollup_rows(store, "domain_daily")) == 5
+    finally:
+        await store.close()
+
+
+async def test_a_consolidation_never_prunes_an_observation_whose_rollup_is_owed(
+    pg_url: str,
+) -> None:
+    # Observations dated further back than the retention, stored while a rollup table is
+    # locked: the consolidation's own pruning deleted them before a later append folded
+    # their owed rollup, which then counted nothing of them.
+    store = writer(pg_url)
+    try:
+        async with locked(pg_url, "tool_daily"):
+            await timed_append(store, FIXTURE)
+            for identity in ("ana", "ben", "cy"):
+                await consolidate(store, identity, now=LATER, retention=timedelta(days=7))
+            assert await stored(pg_url) == len(FIXTURE)
+        await store.append([call("dee", "t", True, D2)])
+        assert await owed(pg_url) == []
+        tools = await rollup_rows(store, "tool_daily")
+        assert sum(successes + failures for *_, successes, failures, _ in tools) == 9 + 1
+        # Folded, they go at the identity's next consolidation.
+        await consolidate(store, "ana", now=LATER, retention=timedelta(days=7))
+        assert await fetch(
+            pg_url, "SELECT count(*) FROM coda_memory.observations WHERE identity_id = 'ana'"
+        ) == [(0,)]
     finally:
         await store.close()
 

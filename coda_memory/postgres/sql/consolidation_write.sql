@@ -131,12 +131,19 @@ advanced AS (
     WHERE identity_id = :identity_id
     RETURNING {checkpoint_version(snapshot=snapshot, xmin=xmin)} AS version
 ),
--- Retention: only rows this run's snapshot saw.
+-- Retention: only rows this run's snapshot saw, and none whose rollup an append still
+-- owes (coda_memory.postgres.rollup_owed): the folding reads them back, as
+-- `coda-memory prune` leaves them for it.
 pruned AS (
-    DELETE FROM {schema}.observations
-    WHERE identity_id = :identity_id
-        AND created_at < :prune_before
-        AND pg_visible_in_snapshot(xid, :snapshot::text::pg_snapshot)
+    DELETE FROM {schema}.observations AS o
+    WHERE o.identity_id = :identity_id
+        AND o.created_at < :prune_before
+        AND pg_visible_in_snapshot(o.xid, :snapshot::text::pg_snapshot)
+        AND NOT EXISTS (
+            SELECT 1
+            FROM {schema}.rollup_owed AS r
+            WHERE r.identity_id = o.identity_id AND r.xid = o.xid
+        )
     RETURNING 1
 )
 SELECT
