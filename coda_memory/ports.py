@@ -57,7 +57,9 @@ class ConsolidationUnit(Protocol):
     """A unit of work for consolidating one identity; it holds the identity's lock."""
 
     async def load(self) -> ConsolidationInput:
-        """Read new observations, stored facts and the relevant session events."""
+        """Read new observations, stored facts and the relevant session events, and, for
+        observations dated before the last consolidation, the last lives of facts deleted
+        since (``ended``)."""
         ...
 
     async def write(self, plan: ConsolidationPlan) -> None:

@@ -18,7 +18,7 @@ class), the counters in :mod:`coda_memory.stats`, the choice of store for a URL 
 Peeking. A load first reads, without a lock, whether anything new waits (``peek``), and
 answers from that read when nothing does. It skips the peek when this service stored
 observations of the identity since it last consolidated it there and the store keeps the
-identity's facts (``kept_facts``): then something new waits for sure.
+identity's facts (``keeps_facts``): then something new waits for sure.
 
 Keeping the loop responsive. Everything ``load_memory`` does in Python is proportional
 to the identity's facts, which ``max_facts`` caps (best ranked kept, the rest deleted by
@@ -337,7 +337,8 @@ class MemoryService(ObservationWriter):
         ``rediss://…``; needs the ``redis`` extra) or ``null://`` (memory switched off).
         Extra keyword options go to the service (``retention``, ``queue_size``,
         ``batch_size``, ``prompt_budget_tokens``, ``max_clock_skew``, ``tool_catalog``,
-        ``token_counter``, ``telemetry``, ``max_facts``, ``max_consolidations``, ``hold_gc``)
+        ``token_counter``, ``telemetry``, ``max_facts``, ``max_consolidations``, ``hold_gc``,
+        ``queue_bytes``, ``log_identities``)
         or to the store
         (Postgres: ``schema``, ``pool_size``, ``lock_timeout``, ``known_facts``, …; Redis:
         ``prefix``, ``lock_timeout``, ``history_limit``, …)."""

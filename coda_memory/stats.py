@@ -38,7 +38,8 @@ class MemoryStats(BaseModel):
     #: Loads answered with the identity's answer of less than a second before, its facts
     #: unchanged and nothing waiting (``coda_memory.core.answers``); also in ``loads``.
     loads_reused: int = 0
-    #: Consolidations where the ``max_facts`` cap applied, and the facts it deleted.
+    #: Times the ``max_facts`` cap applied (in a consolidation, or by the store on the
+    #: server during a peek: once for both), and the facts it deleted.
     facts_capped: int = 0
     facts_evicted: int = 0
     #: Tool results (in this process) whose entities were cut to ``max_entities``.

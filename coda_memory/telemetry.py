@@ -8,11 +8,13 @@ a service records:
 - spans ``coda_memory.load_memory``, ``coda_memory.consolidate`` and
   ``coda_memory.append`` (one per batch the background writer stores);
 - a histogram ``coda_memory.load_memory.duration`` (seconds, attribute
-  ``coda_memory.outcome``: ``ok``, ``timeout`` or ``error``);
-- observable counters for the :meth:`~coda_memory.MemoryService.stats` counters
-  (``coda_memory.observations.emitted``, ``.stored``, ``.rejected``, ``.dropped``,
-  ``.discarded``, ``coda_memory.loads``, ``coda_memory.load_timeouts``,
-  ``coda_memory.load_errors``) and an up-down counter
+  ``coda_memory.outcome``: ``ok``, ``stale``, ``timeout`` or ``error``);
+- observable counters for the :meth:`~coda_memory.MemoryService.stats` counters, one per
+  entry of ``_COUNTERS`` (``coda_memory.observations.emitted``, ``.stored``,
+  ``.rejected``, ``.dropped``, ``.discarded``, ``coda_memory.loads``,
+  ``coda_memory.load_timeouts``, ``coda_memory.load_errors``, ``coda_memory.load_stale``,
+  the rollups owed and folded, the keys spilled, the peeks and consolidations held out)
+  and an up-down counter
   ``coda_memory.observations.pending``, read from ``stats()`` when the host's reader
   collects, so the hot path does no metric work. Each service's counts carry the
   attribute ``coda_memory.service``, a number per service in the process (the instruments

@@ -416,7 +416,10 @@ class ObservationWriter:
                 except StoreBusy as error:
                     # A lock or a timeout: the attempt already waited (the writer's lock
                     # timeout), so the same batch goes again at once, and goes in as soon as
-                    # the lock is released.
+                    # the lock is released. When the store lost a connection around a COMMIT
+                    # before that, the batch may be stored: the next attempt looks for it.
+                    if error.may_have_stored:
+                        first_attempt = False
                     self._log.warning(
                         "store busy",
                         "coda-memory: storing %d observation(s) waits (%s); retrying",

@@ -5,7 +5,8 @@ Postgres in ``$CODA_MEMORY_DATA_DIR`` (default ``./.coda-memory/pgdata``), creat
 migrated on first use. Only that embedded database is migrated automatically: an
 operator's database is migrated by ``coda-memory migrate`` alone.
 
-Errors are one line on stderr and a non-zero exit (1; 2 for bad usage); ``--debug``
+Errors are one line on stderr and a non-zero exit (1; 2 for bad usage; 3 when a lock or a
+busy identity kept the command out, to run again later); ``--debug``
 (anywhere on the line) shows the traceback instead. Listings print as tables, or as JSON
 with ``--format json``.
 

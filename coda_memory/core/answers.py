@@ -11,7 +11,8 @@ What a reused answer says is what a new one would say, but for time: its confide
 those of up to :data:`REUSE_FOR` ago (under the default decay, a relative difference
 below one in a million per second), and its prompt section and affinities are made from
 them. Anything that changes the facts changes their version (a consolidation in any
-process, ``forget``, an import), and an answer of another version is not reused.
+process, ``forget``, an import, the cap applied on the server), and an answer of another
+version is not reused.
 
 The answers are kept per identity, most recently used last, at most
 :data:`CAPACITY_FACTS` facts in all: their models are objects that the cyclic garbage

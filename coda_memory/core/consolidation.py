@@ -90,7 +90,7 @@ class ConsolidationPlan:
     now: datetime
     #: Facts to insert or overwrite, in stored form.
     upserts: list[Fact]
-    #: Subjects of stored facts to delete (expired).
+    #: Subjects of stored facts to delete (expired, or evicted by the cap).
     deletes: list[str]
     #: History entries to append, in order.
     events: list[FactEvent]

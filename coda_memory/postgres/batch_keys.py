@@ -43,7 +43,7 @@ from coda_memory.postgres.connection import (
     undo_savepoint,
 )
 from coda_memory.postgres.rollup import SHARDS
-from coda_memory.postgres.sql import in_schema, query, source
+from coda_memory.postgres.sql import in_schema, query, source, strip_comments
 
 #: How long a first attempt waits for ``ingest_batches`` before it records its key in
 #: ``ingest_batches_spill`` instead.
@@ -79,7 +79,9 @@ class Claim:
 
 
 def _statement(name: str, schema: str) -> Any:
-    return text(in_schema(source(name), schema))
+    """``name``.sql through SQLAlchemy (its ``:name`` parameters bound by name): these run
+    on the append's SQLAlchemy connection, not on the driver's prepared path."""
+    return text(in_schema(strip_comments(source(name)), schema))
 
 
 async def _claim_in(

@@ -10,7 +10,8 @@ of an identity's facts changes it, in the transaction of the write:
 
 * a consolidation updates the checkpoint row in its write statement;
 * ``forget`` deletes the row (a later one is a new row, with a new ``xmin``);
-* ``import-redis`` updates the row of an identity it copies facts to.
+* ``import-redis`` updates the row of an identity it copies facts to;
+* the cap applied on the server (``facts_cap.sql``) rewrites the row when it deletes.
 
 So equal versions mean equal facts; a process that reads a version it knows uses the
 facts it keeps, whoever wrote them, and one that reads another version reads the facts

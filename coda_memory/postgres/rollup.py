@@ -1,9 +1,10 @@
 """The rollup: compact usage counts that outlive the raw observations.
 
-Raw observations are pruned a week after they are consolidated, but analytics answer over
-months, so every append also folds the rows it stored into a rollup, in the same
-transaction: the counts can never disagree with what was stored, and a refused row (see
-``append``) is never counted because the rollup reads the rows back from the table.
+Raw observations are pruned once consolidated and older than ``retention`` (a week by
+default), but analytics answer over months, so every append also folds the rows it
+stored into a rollup, in the same transaction: the counts can never disagree with what
+was stored, and a refused row (see ``append``) is never counted because the rollup reads
+the rows back from the table.
 When a rollup table is locked, the append owes the rollup instead, and a later
 transaction folds it by running the same statements on the owed transactions' rows (by
 their ``xid``): :mod:`.rollup_owed`. Until then the counts lag by those rows.

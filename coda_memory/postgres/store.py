@@ -7,8 +7,8 @@ Each observation row records the id of the transaction that wrote it
 consolidation that last advanced it. A consolidation
 
 1. locks the identity's checkpoint row (``SELECT … FOR UPDATE``), then
-2. takes the *current* snapshot in a statement of its own, so it is taken after the lock
-   was granted, then
+2. takes the *current* snapshot in the next statement (the one that reads the new
+   observations), so it is taken after the lock was granted, then
 3. reads as new exactly the observations whose ``xid`` is visible in the current snapshot
    and was not visible in the stored one (all visible ones when none is stored), and
 4. stores the current snapshot on the checkpoint in the same transaction.
@@ -424,7 +424,11 @@ class PostgresStore:
                 ) from error
             state = sqlstate(error)
             if state in _BUSY:
-                raise StoreBusy(f"the batch was kept out by {_BUSY[state]} ({state})") from error
+                raise StoreBusy(
+                    f"the batch was kept out by {_BUSY[state]} ({state})",
+                    # The connection died around an earlier try's COMMIT: stored, maybe.
+                    may_have_stored=attempts > 1,
+                ) from error
             raise
 
     @asynccontextmanager
@@ -608,7 +612,8 @@ class PostgresStore:
                 cap.applied(identity_id, dropped)
 
     async def _cap_chunk(self, identity_id: str, cap: FactCap) -> Any:
-        """One transaction of :meth:`_apply_cap`: its row (``dropped``, ``beyond``)."""
+        """One transaction of :meth:`_apply_cap`: its row (``dropped``, ``beyond``, ``expired``,
+        ``expirable``)."""
         statement, formula = self._statements.cap, cap.formula
         doing = f"while capping the facts of {identity_label(identity_id)}"
         begin = self._cap_begin

@@ -3,15 +3,16 @@
 This is the hot path of every agent request, so it talks to asyncpg directly, with
 statements that asyncpg prepares once per connection, and keeps round trips to a minimum:
 
-* lock: one ``SELECT … FOR UPDATE`` (plus an ``INSERT … ON CONFLICT DO NOTHING`` the first
-  time an identity is seen);
+* lock: one ``SELECT … FOR UPDATE`` (the first time an identity is seen, an ``INSERT … ON
+  CONFLICT DO NOTHING`` and the ``SELECT`` again);
 * load: the current snapshot and the new observations in one statement, the stored facts
   in a second (unless this process knows the facts of the checkpoint's version, see
   :mod:`~coda_memory.postgres.known`), the earlier fact events of the sessions that
   have some in a third, and, in the rare run where observations dated before the last
   consolidation reach facts deleted since, those facts' last lives in a fourth;
 * write: every write (fact upserts and deletes, history, checkpoint, prune) in one
-  statement of data-modifying CTEs.
+  statement of data-modifying CTEs (a plan that deletes more than ``DELETE_SLICE`` facts
+  sends those deletes ahead, in slices of ``facts_delete.sql``).
 
 The statements are the named files of :mod:`coda_memory.postgres.sql`, read once per
 schema; every value is a bound parameter, passed by name. The cursor's correctness
@@ -62,7 +63,8 @@ class Statements:
     cap: Query
 
     def all(self) -> list[Query]:
-        """Every statement, to prepare on a new connection."""
+        """Every hot-path statement, to prepare on a new connection (not ``cap``, which runs
+        once for an identity far over its cap)."""
         return [
             self.lock,
             self.ensure,

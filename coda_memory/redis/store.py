@@ -10,7 +10,8 @@ observation exactly once; a capped fact history; and per-session reinforcement r
 
 Everything that must change together is one Lua script, which Redis runs atomically.
 redis-py is imported here, so the package needs the ``redis`` extra
-(``pip install 'coda-memory[redis]'``); nothing else in coda-memory imports it.
+(``pip install 'coda-memory[redis]'``); nothing outside ``coda_memory.redis`` imports it
+(``export``, the import's reader, does too).
 """
 
 from __future__ import annotations

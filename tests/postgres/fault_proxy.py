@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import struct
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 #: What to do at the n-th COMMIT (counted over every connection, from 1): None
@@ -39,6 +39,8 @@ class FaultProxy:
     socket_dir: str | None = None
     #: Swallow every Terminate from now on (see above).
     hold_terminate: bool = False
+    #: Awaited after a COMMIT to cut was forwarded, before the sockets close.
+    before_cut: Callable[[], Awaitable[None]] | None = None
     cuts: int = 0
     blackholes: int = 0
     #: Terminates swallowed.
@@ -131,11 +133,15 @@ class FaultProxy:
                     while await reader.read(65536):
                         pass
                     return
+                if fault == "cut" and is_commit:
+                    # Nothing of the server's answer reaches the client from now on.
+                    state["stopped"] = True
                 server_w.write(message)
                 await server_w.drain()
                 if fault == "cut" and is_commit:
                     self.cuts += 1
-                    state["stopped"] = True
+                    if self.before_cut is not None:
+                        await self.before_cut()
                     # close() sends what is buffered (the COMMIT) before the FIN.
                     server_w.close()
                     client_w.close()

@@ -8,10 +8,13 @@ keeps the connection open without a word.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
+from datetime import timedelta
 from typing import Any
 
+import asyncpg
 import pytest
 from sqlalchemy.engine import make_url
 
@@ -170,3 +173,74 @@ async def test_close_ends_connections_whose_server_does_not_answer_without_an_er
         assert took < GRACEFUL_CLOSE + 0.9
     finally:
         await proxy.close()
+
+
+async def test_a_commit_landed_unacknowledged_is_stored_once_when_a_lock_then_holds_the_retry(
+    pg_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    # The COMMIT of a batch lands, its acknowledgement is lost, and the store's own retry
+    # (on a new connection) finds ingest_batches locked: StoreBusy. The writer took its next
+    # try for a first attempt, which records the key without looking for it (in the spill
+    # table, ingest_batches being locked) and stored the batch a second time.
+    target = make_url(pg_url)
+    socket_dir = target.query.get("host")
+    plan = {"cut": True}
+
+    def decide(_commit: int) -> str | None:
+        if plan["cut"]:
+            plan["cut"] = False
+            return "cut"
+        return None
+
+    locker = await asyncpg.connect(target.set(drivername="postgresql").render_as_string(False))
+    lock = locker.transaction()
+
+    async def lock_batches_once_committed() -> None:
+        # Granted once the forwarded COMMIT ended the batch's transaction.
+        await lock.start()
+        await locker.execute("LOCK TABLE coda_memory.ingest_batches IN ACCESS EXCLUSIVE MODE")
+
+    proxy = FaultProxy(
+        target.host or "127.0.0.1",
+        target.port or 5432,
+        decide,
+        socket_dir=socket_dir if isinstance(socket_dir, str) else None,
+        before_cut=lock_batches_once_committed,
+    )
+    port = await proxy.start()
+    service = MemoryService.from_url(
+        _via(port, pg_url),
+        clock=FakeClock(),
+        connect_args={"ssl": False},
+        writer_lock_timeout=timedelta(milliseconds=300),
+    )
+    try:
+        with caplog.at_level(logging.WARNING, "coda_memory"):
+            for who, obs in _observations(10):
+                service.emit_observation(who, obs)
+            deadline = time.monotonic() + 30
+            while not any("waits" in r.getMessage() for r in caplog.records):
+                assert time.monotonic() < deadline, (proxy.cuts, service.stats())
+                await asyncio.sleep(0.01)
+            # Its next try waits for the lock too (a second line), unless it stored the
+            # batch again meanwhile, in the spill table.
+            busy = sum("waits" in r.getMessage() for r in caplog.records)
+            while sum("waits" in r.getMessage() for r in caplog.records) == busy:
+                if service.stats().stored:
+                    break
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.01)
+            await lock.rollback()
+            await service.drain(30)
+        assert proxy.cuts == 1
+        assert service.stats().stored == 10
+        assert await _counts(pg_url) == {
+            "observations": 10,
+            "tool calls": 4,
+            "entity accesses": 3,
+            "queries": 3,
+        }
+    finally:
+        await service.close()
+        await proxy.close()
+        await locker.close()

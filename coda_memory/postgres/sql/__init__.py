@@ -12,7 +12,10 @@ saying why it exists. Three kinds of placeholder appear in it:
   asyncpg's ``$1, $2, …``, and builds the argument list from a mapping by name, so no
   value is ever matched to a position by hand.
 
-Lines that start with ``--`` are comments and are not sent to the server.
+Lines that start with ``--`` are comments and are not sent to the server. Most files run
+through :func:`query` on the driver; the idempotency keys' (``ingest_*``) run through
+SQLAlchemy's ``text()`` instead (:mod:`~coda_memory.postgres.batch_keys`), and the rollup's
+statements are built with SQLAlchemy Core in :mod:`~coda_memory.postgres.rollup`.
 """
 
 from __future__ import annotations

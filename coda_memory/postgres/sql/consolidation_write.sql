@@ -41,7 +41,7 @@ upserted AS (
         ease_factor = EXCLUDED.ease_factor
     RETURNING 1
 ),
--- Facts that expired (never among the upserts).
+-- Facts that expired or that the cap evicted (never among the upserts).
 deleted AS (
     DELETE FROM {schema}.facts
     WHERE identity_id = :identity_id
