@@ -402,7 +402,6 @@ class MemoryService(ObservationWriter):
         loop = self._check_loop()
         if self._loop is None:  # the store's connections will belong to this loop
             self._loop, self._loop_thread = loop, threading.get_ident()
-        # Most requests find nothing new: answer those from one read, without the lock.
         with self._telemetry.span("consolidate") as span:
             facts, version = await self._consolidate(identity_id)
             if span is not None:
@@ -421,15 +420,16 @@ class MemoryService(ObservationWriter):
         capped: list[str] = []
         token = _CAPPED_BY_STORE.set(capped)
         try:
-            return await self._consolidate_counting(identity_id, capped)
+            return await self._peek_then_consolidate(identity_id, capped)
         finally:
             _CAPPED_BY_STORE.reset(token)
 
-    async def _consolidate_counting(
+    async def _peek_then_consolidate(
         self, identity_id: str, capped: list[str]
     ) -> tuple[list[Fact], str | None]:
         """:meth:`_consolidate`, with the identities that the store capped during the
-        peek in ``capped``."""
+        peek in ``capped``: the consolidation itself."""
+        # Most requests find nothing new: answer those from one read, without the lock.
         # When this service stored observations of the identity since it last consolidated
         # it, and the store keeps the identity's facts, there is no need to peek. (What is
         # stored from here on marks the identity again.)
@@ -591,6 +591,12 @@ class MemoryService(ObservationWriter):
             )
 
     async def _answer(self, identity_id: str) -> tuple[LoadedMemory, str]:
+        """:meth:`load_memory`'s steps, with the outcome its telemetry records (``ok``,
+        ``stale``, ``timeout`` or ``error``): the identity checked; one load in flight per
+        identity (``_load``, shared by concurrent callers); a wait up to :data:`HEDGE_AT`
+        of the timeout, then, with a fallback answer made meanwhile, up to
+        :data:`ANSWER_BY` of it; and when that runs out, the fallback (the facts of the
+        identity's last consolidation, or empty)."""
         if self._closed:  # its store is closed: asking it would open connections again
             self._load_errors += 1
             self._log.warning(

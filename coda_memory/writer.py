@@ -278,6 +278,8 @@ class ObservationWriter:
         return loop
 
     def _wake(self) -> None:
+        """Tell the writer that the queue grew, starting it first when it does not run
+        (on the caller's event loop, or through the service's loop from another thread)."""
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:

@@ -352,11 +352,6 @@ def _state_before(event: FactEvent, current: Fact) -> Fact | None:
     )
 
 
-def view_at(fact: Fact, decay: DecayStrategy, now: datetime) -> Fact:
-    """The fact as seen at ``now``: effective confidence, ``confidence_at = now``."""
-    return with_confidence(fact, decay.decayed(fact, now), now)
-
-
 def active_views(
     facts: Iterable[Fact],
     decay: DecayStrategy,

@@ -77,10 +77,6 @@ VIEWS = (
     "analytics_window",
 )
 
-#: The settings the views read their instant and window from (``analytics_settings.sql``).
-NOW_SETTING = "coda_memory.analytics_now"
-WINDOW_SETTING = "coda_memory.analytics_window"
-
 
 class ToolEffectiveness(BaseModel):
     """One tool: usage in the window and the active affinity/avoidance facts about it.

@@ -80,10 +80,6 @@ class Keys:
             self.of("facts", identity_id),
         ]
 
-    def identity_keys(self, identity_id: str) -> list[str]:
-        """Every per-identity key, in :data:`IDENTITY_KINDS` order."""
-        return [self.of(kind, identity_id) for kind in IDENTITY_KINDS]
-
     def pattern(self, kind: str) -> str:
         """A SCAN MATCH pattern for every identity's key of ``kind``."""
         return f"{glob_escape(self.prefix)}{kind}:*"

@@ -68,6 +68,16 @@ async def stored(url: str) -> int:
     return int((await fetch(url, "SELECT count(*) FROM coda_memory.observations"))[0][0])
 
 
+async def counted(store: PostgresStore) -> tuple[int, int, int]:
+    """The rollup's tool calls, entity accesses and domain queries."""
+    tools = await rollup_rows(store, "tool_daily")
+    return (
+        sum(successes + failures for *_, successes, failures, _ in tools),
+        sum(row[3] for row in await rollup_rows(store, "entity_daily")),
+        sum(row[2] for row in await rollup_rows(store, "domain_daily")),
+    )
+
+
 async def timed_append(store: PostgresStore, batch: list[ObservationRecord], **kw: Any) -> Any:
     started = time.monotonic()
     outcome = await asyncio.wait_for(store.append(batch, **kw), 10)
@@ -173,8 +183,8 @@ async def test_a_retried_batch_is_neither_stored_nor_counted_twice(pg_url: str) 
 async def test_forget_folds_the_identitys_owed_rollup_first_and_leaves_no_record(
     pg_url: str,
 ) -> None:
-    # The anonymous counts stay after a forget, those of calls whose rollup was owed too:
-    # the forget deleted the owed records, and the calls were never counted.
+    # The anonymous counts stay after a forget, those of calls whose rollup was owed too
+    # (the forget deleted the owed records unfolded, and those calls were never counted).
     store = writer(pg_url)
     try:
         async with locked(pg_url, "entity_users"):
@@ -183,10 +193,7 @@ async def test_forget_folds_the_identitys_owed_rollup_first_and_leaves_no_record
         assert await owed(pg_url) == [("ben", ALL_KINDS), ("cy", ALL_KINDS)]
         await store.append([call("ben", "t", True, D2)])
         assert await owed(pg_url) == []
-        tools = await rollup_rows(store, "tool_daily")
-        assert sum(successes + failures for *_, successes, failures, _ in tools) == 9 + 1
-        assert sum(row[3] for row in await rollup_rows(store, "entity_daily")) == 7
-        assert sum(row[2] for row in await rollup_rows(store, "domain_daily")) == 5
+        assert await counted(store) == (9 + 1, 7, 5)
         # ana is no user any more.
         users = await fetch(
             pg_url,
@@ -251,10 +258,7 @@ async def test_prune_folds_first_and_never_deletes_an_observation_still_owed(
         assert (outcome.owed_folded, outcome.deleted) == (1, len(FIXTURE))
         assert await owed(pg_url) == []
         # Every pruned row was counted first.
-        tools = await rollup_rows(store, "tool_daily")
-        assert sum(successes + failures for *_, successes, failures, _ in tools) == 9
-        assert sum(row[3] for row in await rollup_rows(store, "entity_daily")) == 7
-        assert sum(row[2] for row in await rollup_rows(store, "domain_daily")) == 5
+        assert await counted(store) == (9, 7, 5)
     finally:
         await store.close()
 
@@ -274,8 +278,7 @@ async def test_a_consolidation_never_prunes_an_observation_whose_rollup_is_owed(
             assert await stored(pg_url) == len(FIXTURE)
         await store.append([call("dee", "t", True, D2)])
         assert await owed(pg_url) == []
-        tools = await rollup_rows(store, "tool_daily")
-        assert sum(successes + failures for *_, successes, failures, _ in tools) == 9 + 1
+        assert (await counted(store))[0] == 9 + 1
         # Folded, they go at the identity's next consolidation.
         await consolidate(store, "ana", now=LATER, retention=timedelta(days=7))
         assert await fetch(

@@ -1,5 +1,5 @@
 -- Every write of a consolidation plan, in one statement: fact upserts and deletes, the
--- history, the checkpoint and the prune. Returns how many rows each part touched.
+-- history, the checkpoint and the prune. Returns the checkpoint row's new version.
 WITH
 -- Facts the plan created or reinforced, in stored form.
 upserted AS (
@@ -39,14 +39,12 @@ upserted AS (
         created_at = EXCLUDED.created_at,
         updated_at = EXCLUDED.updated_at,
         ease_factor = EXCLUDED.ease_factor
-    RETURNING 1
 ),
 -- Facts that expired or that the cap evicted (never among the upserts).
 deleted AS (
     DELETE FROM {schema}.facts
     WHERE identity_id = :identity_id
         AND subject = ANY(:deleted_subjects::text[])
-    RETURNING 1
 ),
 -- The history, in the plan's order: ids follow ORDER BY ord.
 recorded AS (
@@ -118,7 +116,6 @@ recorded AS (
         ord
     )
     ORDER BY e.ord
-    RETURNING 1
 ),
 -- The cursor moves to this run's snapshot; the row's new version is that of the facts
 -- this statement leaves (coda_memory.postgres.known).
@@ -144,12 +141,6 @@ pruned AS (
             FROM {schema}.rollup_owed AS r
             WHERE r.identity_id = o.identity_id AND r.xid = o.xid
         )
-    RETURNING 1
 )
-SELECT
-    (SELECT count(*) FROM upserted),
-    (SELECT count(*) FROM deleted),
-    (SELECT count(*) FROM recorded),
-    (SELECT count(*) FROM advanced),
-    (SELECT count(*) FROM pruned),
-    (SELECT version FROM advanced) AS version
+-- Every data-modifying CTE runs whether or not it is read; the caller needs the version.
+SELECT (SELECT version FROM advanced) AS version
