@@ -12,6 +12,7 @@ from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from coda_memory.core.caps import FactCap
 from coda_memory.core.consolidation import ConsolidationInput, ConsolidationPlan
 from coda_memory.core.logs import identity_label
 from coda_memory.core.model import Fact, FactEvent
@@ -109,7 +110,7 @@ class MemoryStore(Protocol):
         last consolidation wait. Lets a consolidation with nothing to do skip the lock.
         When observations wait, a store may leave the facts out (an empty list): the
         consolidation that follows reads them, and a store that keeps them between
-        requests answers ``kept_facts`` with them meanwhile."""
+        requests answers ``kept_facts`` with them meanwhile (see :class:`StoreExtras`)."""
         ...
 
     async def history(self, identity_id: str, subject: str | None = None) -> list[FactEvent]:
@@ -126,6 +127,59 @@ class MemoryStore(Protocol):
         ...
 
 
+class StoreExtras(Protocol):
+    """What a store may offer beyond :class:`MemoryStore`. The service looks each one up
+    by name (``getattr``) and does without it when a store lacks it; the Postgres store
+    offers them all, the Redis and in-memory stores none. Follow ``load_memory`` through
+    them: ``unchanged`` (is the last answer still good?), then ``keeps_facts`` (may the
+    peek be skipped?), then ``peek_versioned`` (with ``cap_facts`` applied on the way),
+    and ``kept_facts`` when the load runs out of time."""
+
+    @property
+    def request_slots(self) -> int:
+        """How many peeks and consolidations may hold a connection at once (the service's
+        default ``max_consolidations``)."""
+        ...
+
+    async def start(self) -> None:
+        """Open and warm the connections before the first request."""
+        ...
+
+    def cap_facts(self, cap: FactCap | None) -> None:
+        """Apply ``cap`` on the server to an identity that a peek finds far over it."""
+        ...
+
+    async def peek_versioned(self, identity_id: str) -> tuple[list[Fact], bool, str | None]:
+        """:meth:`MemoryStore.peek`, with the version of the facts it returns (None when
+        not known)."""
+        ...
+
+    async def unchanged(self, identity_id: str, version: str) -> bool:
+        """Whether the identity's facts still have ``version`` and nothing waits, without
+        reading a fact."""
+        ...
+
+    def keeps_facts(self, identity_id: str) -> bool:
+        """Whether the store keeps the identity's facts between requests."""
+        ...
+
+    async def kept_facts(self, identity_id: str) -> list[Fact]:
+        """The facts kept between requests (none when not kept), as new models."""
+        ...
+
+    @property
+    def ingest_counts(self) -> object:
+        """What the appends did around locks, for ``stats()``: its ``rollups_owed``,
+        ``rollups_folded`` and ``keys_spilled``."""
+        ...
+
+    @property
+    def held_out(self) -> object:
+        """The peeks and consolidations a held table kept out, for ``stats()``: its
+        ``peeks`` and ``consolidations``."""
+        ...
+
+
 __all__ = [
     "AppendOutcome",
     "ConsolidationInput",
@@ -134,4 +188,5 @@ __all__ = [
     "Forgotten",
     "MemoryStore",
     "ObservationRecord",
+    "StoreExtras",
 ]
