@@ -79,8 +79,9 @@ class Claim:
 
 
 def _statement(name: str, schema: str) -> Any:
-    """``name``.sql through SQLAlchemy (its ``:name`` parameters bound by name): these run
-    on the append's SQLAlchemy connection, not on the driver's prepared path."""
+    """``name``.sql through SQLAlchemy (its ``:name`` parameters bound by name): the claim
+    runs on the append's SQLAlchemy connection, where it opens the transaction that the
+    append's driver statements then join and that SQLAlchemy commits or rolls back."""
     return text(in_schema(strip_comments(source(name)), schema))
 
 
