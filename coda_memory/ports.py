@@ -130,10 +130,11 @@ class MemoryStore(Protocol):
 class StoreExtras(Protocol):
     """What a store may offer beyond :class:`MemoryStore`. The service looks each one up
     by name (``getattr``) and does without it when a store lacks it; the Postgres store
-    offers them all, the Redis and in-memory stores none. Follow ``load_memory`` through
-    them: ``unchanged`` (is the last answer still good?), then ``keeps_facts`` (may the
-    peek be skipped?), then ``peek_versioned`` (with ``cap_facts`` applied on the way),
-    and ``kept_facts`` when the load runs out of time."""
+    offers them all, the Redis store ``start``, the in-memory store none. Follow
+    ``load_memory`` through them: ``unchanged`` (is the last answer still good?), then
+    ``keeps_facts`` (may the peek be skipped?), then ``peek_versioned`` (with
+    ``cap_facts`` applied on the way), and ``kept_facts`` when the load runs out of
+    time."""
 
     @property
     def request_slots(self) -> int:

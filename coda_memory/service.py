@@ -93,10 +93,16 @@ from coda_memory.core.decay import DecayStrategy, ExponentialDecay, decay_formul
 from coda_memory.core.logs import short_error
 from coda_memory.core.model import DEFAULT_MAX_CLOCK_SKEW as DEFAULT_MAX_CLOCK_SKEW
 from coda_memory.core.model import MAX_SPAN, Fact, FactEvent, LoadedMemory
-from coda_memory.core.options import NONE, require_types, seconds_or_none
+from coda_memory.core.options import (
+    NONE,
+    require_callables,
+    require_flags,
+    require_types,
+    seconds_or_none,
+)
 from coda_memory.core.prompt import section_steps
 from coda_memory.core.rank import ranked_facts
-from coda_memory.core.sanitize import ObservationRejected, check_identity
+from coda_memory.core.sanitize import ObservationRejected, check_identity, has_nul_or_surrogate
 from coda_memory.core.turns import Steps, collector_scope, finished, stepped, taking_turns
 from coda_memory.errors import ServiceClosed
 from coda_memory.ports import Forgotten, MemoryStore
@@ -175,6 +181,24 @@ def _identity_argument(identity_id: object) -> str:
         raise ValueError(rejected.reason) from None
 
 
+def _tool_catalog(tool_catalog: object) -> frozenset[str] | None:
+    """``tool_catalog`` as a set of tool names; TypeError naming it otherwise."""
+    if tool_catalog is None:
+        return None
+    if isinstance(tool_catalog, str | bytes):
+        raise TypeError("tool_catalog must be a collection of tool names, not one string")
+    try:
+        names: frozenset[object] = frozenset(tool_catalog)  # type: ignore[call-overload]
+    except TypeError:
+        raise TypeError(
+            f"tool_catalog must be a collection of tool names, not {type(tool_catalog).__name__}"
+        ) from None
+    odd = next((name for name in names if not isinstance(name, str)), None)
+    if odd is not None:
+        raise TypeError(f"tool_catalog holds a {type(odd).__name__}, not a tool name (str)")
+    return frozenset(name for name in names if isinstance(name, str))
+
+
 def _answered(loaded: LoadedMemory | None) -> LoadedMemory:
     """A consolidation's answer, read by a load that waited for it (one is made whenever
     a load waits, see ``MemoryService._load``), as that load's own: concurrent loads of
@@ -243,8 +267,16 @@ class MemoryService(ObservationWriter):
             retention=(retention, timedelta, "a timedelta, e.g. timedelta(days=7)"),
             prompt_budget_tokens=(prompt_budget_tokens, int, "a number of tokens, e.g. 300"),
         )
-        if isinstance(tool_catalog, str | bytes):
-            raise TypeError("tool_catalog must be a collection of tool names, not one string")
+        require_flags(log_identities=log_identities, hold_gc=hold_gc)
+        require_callables(clock=clock, token_counter=token_counter)
+        if decay is not None and not all(
+            hasattr(decay, name) for name in ("expiry_threshold", "decayed", "reinforce")
+        ):
+            raise TypeError(
+                "decay must be a decay strategy (e.g. ExponentialDecay()), "
+                f"not {type(decay).__name__}"
+            )
+        catalog = _tool_catalog(tool_catalog)
         if not 0 < load_timeout < float("inf"):  # NaN fails too
             raise ValueError("load_timeout must be a positive, finite number of seconds")
         require_types(
@@ -276,7 +308,7 @@ class MemoryService(ObservationWriter):
         self.prompt_budget_tokens = prompt_budget_tokens
         self.max_clock_skew = max_clock_skew
         #: When set, only tool observations naming one of these tools are stored.
-        self.tool_catalog = None if tool_catalog is None else frozenset(tool_catalog)
+        self.tool_catalog = catalog
         #: Exact token counting for the prompt section (default: a conservative estimate).
         self.token_counter = token_counter
         self.max_facts = max_facts
@@ -515,6 +547,9 @@ class MemoryService(ObservationWriter):
         if subject is not None and not isinstance(subject, str):
             raise TypeError(f"subject must be a str (or None), not {type(subject).__name__}")
         async with self._using_store():
+            if subject is not None and has_nul_or_surrogate(subject):
+                # No stored subject holds one; the Postgres driver's error would quote it.
+                return []
             return await self.store.history(identity_id, subject)
 
     async def load_memory(self, identity_id: str) -> LoadedMemory:

@@ -3,7 +3,9 @@
 Pure functions that turn what a host application already has (Bedrock Converse style
 tool-use and tool-result blocks, parsed tool results, the user's message) into
 :class:`~coda_memory.core.model.NewObservation` values. ``created_at`` is left None: the
-service stamps it. Nothing here raises on unexpected shapes; it emits less instead.
+service stamps it. Nothing here raises on unexpected shapes of the data (blocks, results,
+queries); it emits less instead. An option of the wrong type (``max_entities``) is a
+TypeError naming it.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from coda_memory.core.caps import DEFAULT_MAX_ENTITIES_PER_RESULT, CapCounter, LogThrottle
 from coda_memory.core.model import NewObservation, ObservationType, is_identifier, is_tool_name
@@ -38,23 +40,45 @@ ENTITY_CAP = CapCounter(_throttled, "entities per tool result capped")
 
 
 class ToolUse(BaseModel):
-    """A tool invocation requested by the model (a Converse ``toolUse`` block)."""
+    """A tool invocation requested by the model (a Converse ``toolUse`` block; the block as
+    received, with ``toolUseId``, validates too)."""
 
     model_config = ConfigDict(frozen=True)
 
-    id: str
+    id: str = Field(validation_alias=AliasChoices("id", "toolUseId"))
     name: str
     input: Any = None
 
 
 class ToolResult(BaseModel):
-    """The result of one tool invocation (a Converse ``toolResult`` block)."""
+    """The result of one tool invocation (a Converse ``toolResult`` block; the block as
+    received, with ``toolUseId`` and ``status``, validates too: ``"error"`` is an error)."""
 
     model_config = ConfigDict(frozen=True)
 
-    tool_use_id: str
+    tool_use_id: str = Field(validation_alias=AliasChoices("tool_use_id", "toolUseId"))
     is_error: bool = False
     content: Any = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _converse_status(cls, data: Any) -> Any:
+        if isinstance(data, Mapping) and "status" in data and "is_error" not in data:
+            return {**data, "is_error": data["status"] == "error"}
+        return data
+
+
+def _blocks(blocks: Iterable[Any], model: type[ToolUse] | type[ToolResult]) -> Iterator[Any]:
+    """The blocks as models: a model as it is, a mapping (a block as received) validated,
+    anything that does not validate skipped."""
+    for block in blocks:
+        if isinstance(block, model):
+            yield block
+        elif isinstance(block, Mapping):
+            try:
+                yield model.model_validate(block)
+            except ValidationError:
+                continue
 
 
 _COMPACT = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, default=str)
@@ -99,9 +123,9 @@ def _duration(value: object) -> float | int | None:
 
 
 def tool_observations(
-    tool_uses: Sequence[ToolUse],
-    tool_results: Sequence[ToolResult],
-    timings_ms: Mapping[str, float],
+    tool_uses: Sequence[ToolUse | Mapping[str, Any]],
+    tool_results: Sequence[ToolResult | Mapping[str, Any]],
+    timings_ms: Mapping[str, float] | None,
     *,
     session_id: str | None = None,
     meta_tools: Collection[str] = META_TOOLS,
@@ -117,10 +141,12 @@ def tool_observations(
     content list, else compact JSON), cleaned to one line of at most 500 characters.
     """
     results: dict[str, ToolResult] = {}
-    for tool_result in tool_results:
+    for tool_result in _blocks(tool_results, ToolResult):
         results.setdefault(tool_result.tool_use_id, tool_result)
+    if not isinstance(timings_ms, Mapping):
+        timings_ms = {}
     observations: list[NewObservation] = []
-    for use in tool_uses:
+    for use in _blocks(tool_uses, ToolUse):
         result = results.get(use.id)
         if result is None or use.name in meta_tools or not is_tool_name(use.name):
             continue
@@ -312,6 +338,10 @@ def entity_observations(
     :data:`ENTITY_CAP` (``applied``; ``dropped`` counts one a result, the rest being
     unread) and logged.
     """
+    if max_entities is not None and (
+        isinstance(max_entities, bool) or not isinstance(max_entities, int) or max_entities < 0
+    ):
+        raise TypeError(f"max_entities must be a whole number or None, not {max_entities!r}")
     registry = DEFAULT_ENTITY_EXTRACTORS if extractors is None else extractors
     try:
         refs = _capped_refs(registry.refs(tool_name, result), max_entities)
@@ -386,11 +416,13 @@ def query_pattern_observation(
     ``patterns`` defaults to :data:`DEFAULT_DOMAIN_PATTERNS`; domains that are not
     identifiers are skipped.
     """
+    if not isinstance(query, str):
+        return None
     text = clean_text(query, len(query))
     if not text:
         return None
     for domain, pattern in (DEFAULT_DOMAIN_PATTERNS if patterns is None else patterns).items():
-        if is_identifier(domain) and pattern.search(text):
+        if is_identifier(domain) and isinstance(pattern, re.Pattern) and pattern.search(text):
             return NewObservation(
                 type=ObservationType.QUERY_PATTERN,
                 content=f"Asked about {domain}",

@@ -16,6 +16,21 @@ def require_types(**options: tuple[object, type | tuple[type, ...], str]) -> Non
             raise TypeError(f"{name} must be {example}, not {type(value).__name__}")
 
 
+def require_flags(**flags: object) -> None:
+    """TypeError naming the first option that is not True or False: a string from the
+    environment ("false", "0") would otherwise count as True."""
+    for name, value in flags.items():
+        if not isinstance(value, bool):
+            raise TypeError(f"{name} must be True or False, not {type(value).__name__}")
+
+
+def require_callables(**functions: object) -> None:
+    """TypeError naming the first option that is neither None nor callable."""
+    for name, value in functions.items():
+        if value is not None and not callable(value):
+            raise TypeError(f"{name} must be a function (or None), not {type(value).__name__}")
+
+
 def seconds_or_none(name: str, value: object) -> float | None:
     """``value`` as a timeout in seconds: None (no limit) or a number that is finite and
     not negative; TypeError or ValueError naming ``name`` otherwise (a string from the

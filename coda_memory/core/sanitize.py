@@ -201,7 +201,9 @@ def _value_drop(char: str) -> bool:
     return char == "\x00" or _is_surrogate(char)
 
 
-def _has_nul_or_surrogate(value: str) -> bool:
+def has_nul_or_surrogate(value: str) -> bool:
+    """Whether ``value`` holds NUL or a lone surrogate, which no stored text holds (and
+    which Postgres and UTF-8 refuse)."""
     if value.isascii():
         return "\x00" in value
     return any(_value_drop(char) for char in value)
@@ -217,7 +219,7 @@ def check_identity(identity_id: object) -> str:
         raise ObservationRejected("identity_id is empty")
     if len(identity_id) > MAX_IDENTITY_CHARS:
         raise ObservationRejected(f"identity_id is longer than {MAX_IDENTITY_CHARS} characters")
-    if _has_nul_or_surrogate(identity_id):
+    if has_nul_or_surrogate(identity_id):
         raise ObservationRejected("identity_id contains NUL or a lone surrogate")
     # Its value: str() of a str enum member is "Class.MEMBER", which the store would not
     # find again under the value that load_memory passes.
@@ -233,7 +235,7 @@ def _check_session(session_id: object) -> str | None:
         raise ObservationRejected("session_id is empty")
     if len(session_id) > MAX_SESSION_CHARS:
         raise ObservationRejected(f"session_id is longer than {MAX_SESSION_CHARS} characters")
-    if _has_nul_or_surrogate(session_id):
+    if has_nul_or_surrogate(session_id):
         raise ObservationRejected("session_id contains NUL or a lone surrogate")
     return str(session_id)
 

@@ -173,6 +173,8 @@ async def _fetch(
     window set for its transaction."""
     settings = query("analytics_settings", store.schema)
     statement = query(name, store.schema)
+    if now is not None and not isinstance(now, datetime):
+        raise TypeError(f"now must be a datetime (or None), not {type(now).__name__}")
     window = {"now": None if now is None else as_utc(now), "since": since}
 
     async def read(conn: AsyncConnection) -> list[RowMapping]:

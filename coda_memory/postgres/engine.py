@@ -71,6 +71,58 @@ def _check_parts(parsed: URL) -> None:
             f"unknown URL parameter {unknown[0]!r} (asyncpg's connection parameters are "
             f"taken, with sslmode: {', '.join(sorted(_query_parameters()))})"
         )
+    for name, value in parsed.query.items():
+        if not isinstance(value, str):
+            raise ValueError(f"the URL parameter {name!r} is given more than once")
+        _check_value(name, value)
+
+
+#: URL parameters whose value is a whole number, not negative (a negative statement
+#: cache size made SQLAlchemy's cache spin for ever on the event loop).
+_COUNTS = frozenset(
+    {
+        "prepared_statement_cache_size",
+        "statement_cache_size",
+        "max_cacheable_statement_size",
+        "max_cached_statement_lifetime",
+    }
+)
+#: URL parameters whose value is a positive number of seconds.
+_SECONDS = frozenset({"timeout", "command_timeout"})
+_SSL_MODES = ("disable", "allow", "prefer", "require", "verify-ca", "verify-full")
+#: URL parameters that take one of a few words.
+_WORDS: dict[str, tuple[str, ...]] = {
+    "sslmode": _SSL_MODES,
+    "ssl": (*_SSL_MODES, "true", "false"),
+    "target_session_attrs": (
+        "any",
+        "primary",
+        "standby",
+        "read-write",
+        "read-only",
+        "prefer-standby",
+    ),
+}
+
+
+def _check_value(name: str, value: str) -> None:
+    """Refuse a URL parameter's value that the driver would refuse (or misuse) later."""
+    if name in _COUNTS and not (value.isascii() and value.isdigit()):
+        raise ValueError(f"the URL parameter {name!r} must be a whole number, not {value!r}")
+    if name in _SECONDS:
+        try:
+            seconds = float(value)
+        except ValueError:
+            seconds = float("nan")
+        if not 0 < seconds < float("inf"):  # NaN fails too
+            raise ValueError(
+                f"the URL parameter {name!r} must be a positive number of seconds, not {value!r}"
+            )
+    words = _WORDS.get(name)
+    if words is not None and value not in words:
+        raise ValueError(
+            f"the URL parameter {name!r} must be one of {', '.join(words)}, not {value!r}"
+        )
 
 
 def create_engine(

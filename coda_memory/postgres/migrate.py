@@ -201,8 +201,11 @@ def migrate(url: str, *, schema: str = DEFAULT_SCHEMA, revision: str = "head") -
 
 
 def _schemaless(url: str) -> bool:
-    """Whether ``url`` names a store without a schema (nothing to migrate)."""
-    return isinstance(url, str) and url.split(":", 1)[0].lower() in _SCHEMALESS
+    """Whether ``url`` names a store without a schema (nothing to migrate); TypeError for
+    anything but a string (an unset environment variable gives None)."""
+    if not isinstance(url, str):
+        raise TypeError(f"the database URL must be a str, not {type(url).__name__}")
+    return url.split(":", 1)[0].lower() in _SCHEMALESS
 
 
 #: The schemes of the stores with no schema.

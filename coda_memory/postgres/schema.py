@@ -63,7 +63,9 @@ _SYSTEM_SCHEMAS = frozenset({"information_schema"})
 
 def validate_schema_name(name: str) -> str:
     """Return ``name`` if it is a plain lower-case identifier that is safe as a schema."""
-    if not isinstance(name, str) or _SCHEMA_NAME.fullmatch(name) is None:
+    if not isinstance(name, str):
+        raise TypeError(f"the schema name must be a str, not {type(name).__name__}")
+    if _SCHEMA_NAME.fullmatch(name) is None:
         raise ValueError(
             f"invalid schema name {name!r}: use lower-case letters, digits and '_' "
             "(at most 63 characters, not starting with a digit)"

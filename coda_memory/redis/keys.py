@@ -44,6 +44,7 @@ IDENTITY_KINDS = (
     "history",
     "sessions",
     "session-times",
+    "batches",
     "lock",
 )
 

@@ -22,6 +22,8 @@ import functools
 import inspect
 import json
 import secrets
+import time
+import uuid
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -59,6 +61,12 @@ DEFAULT_LOCK_TTL = timedelta(seconds=30)
 DEFAULT_HISTORY_LIMIT = 1_000
 #: How long a session's reinforcement records are kept after its latest reinforcement.
 DEFAULT_SESSION_HORIZON = timedelta(days=30)
+
+#: How long, and how many, of an identity's batch keys its ``batches:`` set keeps: a batch
+#: retried after a lost reply finds its key there, and is not stored again, unless more
+#: than this many later batches of the identity were stored meanwhile, or a day passed.
+BATCH_KEYS_FOR_MS = 24 * 60 * 60 * 1000
+BATCH_KEYS_KEPT = 1_000
 
 _SCRIPTS = ("append", "peek", "load", "commit", "unlock", "forget")
 
@@ -141,6 +149,7 @@ class RedisStore:
             lock_timeout=(lock_timeout, (timedelta, NONE), "a timedelta (or None)"),
             lock_ttl=(lock_ttl, timedelta, "a timedelta"),
             session_horizon=(session_horizon, timedelta, "a timedelta"),
+            history_limit=(history_limit, int, "a whole number (0: unbounded)"),
         )
         if history_limit < 0:
             raise ValueError("history_limit must be 0 (unbounded) or more")
@@ -177,6 +186,21 @@ class RedisStore:
     def _script(self, name: str) -> Any:
         return self._scripts[name]
 
+    async def start(self) -> None:
+        """Reach the server once before the first request (one ``PING``), so that a
+        host learns at startup that it cannot; ConnectionLost, naming it, if not."""
+        try:
+            await self.client.ping()
+        except (RedisConnectionError, RedisTimeoutError, OSError) as error:
+            options = self.client.connection_pool.connection_kwargs
+            where = options.get("path") or f"{options.get('host', 'localhost')}:" + str(
+                options.get("port", 6379)
+            )
+            raise ConnectionLost(
+                f"cannot reach Redis at {where} ({type(error).__name__}); the service "
+                "starts on first use once it answers"
+            ) from error
+
     # -- writes -------------------------------------------------------------------------
 
     async def append(
@@ -186,14 +210,14 @@ class RedisStore:
         batch_key: str | None = None,
         first_attempt: bool = False,
     ) -> AppendOutcome:
-        """Store a batch (``batch_key`` is not recorded: a retried batch whose reply was
-        lost is stored again); a lost connection raises ConnectionLost."""
+        """Store a batch once per ``batch_key`` (see :data:`BATCH_KEYS_KEPT`); a lost
+        connection raises ConnectionLost."""
         try:
-            return await self._append(records)
+            return await self._append(records, batch_key or str(uuid.uuid4()))
         except (RedisConnectionError, RedisTimeoutError) as error:
             raise ConnectionLost(f"redis: {type(error).__name__}") from error
 
-    async def _append(self, records: Sequence[ObservationRecord]) -> AppendOutcome:
+    async def _append(self, records: Sequence[ObservationRecord], key: str) -> AppendOutcome:
         by_identity: dict[str, list[tuple[int, ObservationRecord]]] = {}
         for index, record in enumerate(records):
             by_identity.setdefault(record.identity_id, []).append((index, record))
@@ -201,6 +225,8 @@ class RedisStore:
         # One MULTI/EXEC: a batch cut off on its way (the writer cancels an append that
         # outlives close()'s grace) stores nothing, as the writer then counts it, rather
         # than the identities whose scripts had reached the server.
+        now_ms = round(time.time() * 1000)
+        kept = [key, now_ms, BATCH_KEYS_FOR_MS, BATCH_KEYS_KEPT]
         async with self.client.pipeline(transaction=True) as pipe:
             calls = 0
             for identity, rows in by_identity.items():
@@ -214,8 +240,12 @@ class RedisStore:
                     args += [to_ms(record.created_at), body]
                 if not args:
                     continue
-                keys = [self.keys.of(kind, identity) for kind in ("state", "obs", "pending")]
-                await self._script("append")(keys=keys, args=[len(args) // 2, *args], client=pipe)
+                keys = [
+                    self.keys.of(kind, identity) for kind in ("state", "obs", "pending", "batches")
+                ]
+                await self._script("append")(
+                    keys=keys, args=[*kept, len(args) // 2, *args], client=pipe
+                )
                 calls += 1
             if calls:
                 await pipe.execute()
@@ -242,9 +272,19 @@ class RedisStore:
         )
         delay = 0.001
         while True:
-            taken, cancelled = await to_the_end(
-                self.client.set(key, token, nx=True, px=ttl_ms), limit=self.lock_ttl.total_seconds()
-            )
+            try:
+                taken, cancelled = await to_the_end(
+                    self.client.set(key, token, nx=True, px=ttl_ms),
+                    limit=self.lock_ttl.total_seconds(),
+                )
+            except (RedisConnectionError, RedisTimeoutError) as error:
+                # The SET may have reached the server with its reply lost: a lock that
+                # nobody would release for lock_ttl, every consolidation of the identity
+                # meanwhile timing out. Released with the token (nothing if not taken).
+                await self._release(identity_id, token)
+                raise ConnectionLost(
+                    f"redis: {type(error).__name__} while locking {identity_label(identity_id)}"
+                ) from error
             if cancelled is not None:
                 if taken:
                     await self._release(identity_id, token)

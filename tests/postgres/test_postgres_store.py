@@ -11,6 +11,7 @@ import pytest
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import DBAPIError
 
+from coda_memory import MemoryService
 from coda_memory.core.model import ObservationType
 from coda_memory.core.turns import SLICE
 from coda_memory.errors import SchemaNotMigrated
@@ -315,6 +316,17 @@ def test_unix_socket_and_sslmode_urls() -> None:
         ("postgresql://u@db.example:99999/app", "from 1 to 65535, not 99999"),
         ("postgresql://u@db.example:0/app", "from 1 to 65535, not 0"),
         ("postgresql://u@db.example/app?foo=bar", "unknown URL parameter 'foo'"),
+        # A negative cache size made SQLAlchemy's cache spin on the event loop for ever.
+        (
+            "postgresql://u@db.example/app?prepared_statement_cache_size=-5",
+            "'prepared_statement_cache_size' must be a whole number, not '-5'",
+        ),
+        ("postgresql://u@db.example/app?statement_cache_size=abc", "must be a whole number"),
+        # Each became "cannot reach the database" at start(), and memory silently off.
+        ("postgresql://u@db.example/app?sslmode=bogus", "'sslmode' must be one of disable"),
+        ("postgresql://u@db.example/app?target_session_attrs=x", "must be one of any, primary"),
+        ("postgresql://u@db.example/app?timeout=0", "a positive number of seconds, not '0'"),
+        ("postgresql://u@db.example/app?ssl=require&ssl=disable", "given more than once"),
     ],
 )
 def test_urls_the_driver_would_refuse_on_connecting_are_refused_first(
@@ -347,6 +359,18 @@ async def test_an_error_raised_to_the_host_carries_no_statement_parameter(
             assert not [e for e in chain if secret in str(e)], call
     finally:
         await store.close()
+
+
+@pytest.mark.parametrize("subject", ["entity_frequency:account:ann\x00", "tool_affinity:\ud800"])
+async def test_a_subject_no_stored_fact_can_hold_finds_no_history(
+    pg_url: str, subject: str
+) -> None:
+    # The driver refused to encode it, and its error quoted the value (an entity id).
+    service = MemoryService.from_url(pg_url)
+    try:
+        assert await service.history("alice", subject) == []
+    finally:
+        await service.close()
 
 
 @pytest.mark.parametrize(("table", "call"), [("facts", "facts"), ("fact_events", "history")])

@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
+from redis.exceptions import ConnectionError as RedisConnectionError
 
 from coda_memory import Fact, FactEvent, FactEventKind, MemoryService, NewObservation
 from coda_memory import service as service_module
@@ -406,3 +407,59 @@ async def test_an_option_nobody_takes_is_refused_when_the_service_is_made(redis_
         assert memory.stats().stored == 1
         pool = memory.store.client.connection_pool  # type: ignore[attr-defined]
         assert pool.max_connections == 4
+
+
+async def test_a_batch_retried_with_its_key_is_stored_once(
+    redis_store: RedisStore, redis_prefix: str, redis_client: aioredis.Redis
+) -> None:
+    # A retry after a lost reply (the append ran, the reply never came) sends the same
+    # batch with the same key: it was stored a second time, and consolidated twice.
+    records = [
+        sanitize_observation(identity, obs, T0)
+        for identity, obs in [("u1", tool_ok("t", session=None)), ("u2", tool_ok("t"))]
+    ]
+    key = str(uuid.uuid4())
+    first = await redis_store.append(records, batch_key=key)
+    again = await redis_store.append(records, batch_key=key)
+    assert first == again and first.stored == 2
+    assert await redis_client.zcard(f"{redis_prefix}obs:u1") == 1
+    assert await redis_client.zcard(f"{redis_prefix}pending:u2") == 1
+    # Another batch (another key) of the same rows is stored.
+    await redis_store.append(records, batch_key=str(uuid.uuid4()))
+    assert await redis_client.zcard(f"{redis_prefix}obs:u1") == 2
+    # The keys expire with the set that holds them.
+    assert 0 < await redis_client.pttl(f"{redis_prefix}batches:u1") <= 24 * 3600 * 1000
+
+
+async def test_a_lock_whose_reply_was_lost_is_released(
+    redis_store: RedisStore, redis_prefix: str, redis_client: aioredis.Redis, monkeypatch: Any
+) -> None:
+    # The SET NX reached the server and took the lock, and its reply was lost: nobody held
+    # the token to release it, and every consolidation of the identity timed out for
+    # lock_ttl (30 s).
+    real_set = redis_store.client.set
+
+    async def reply_lost(*args: Any, **kwargs: Any) -> Any:
+        await real_set(*args, **kwargs)
+        raise RedisConnectionError("Connection closed by server.")
+
+    monkeypatch.setattr(redis_store.client, "set", reply_lost)
+    with pytest.raises(ConnectionLost):
+        async with redis_store.consolidation("u1"):
+            pass
+    monkeypatch.undo()
+    assert await redis_client.exists(f"{redis_prefix}lock:u1") == 0
+
+
+async def test_start_reaches_the_server_or_says_it_cannot(redis_url: str) -> None:
+    service = MemoryService.from_url(redis_url)
+    try:
+        await service.start()
+    finally:
+        await service.close()
+    unreachable = MemoryService.from_url("redis://127.0.0.1:1/0")
+    try:
+        with pytest.raises(ConnectionLost, match=r"cannot reach Redis at 127\.0\.0\.1:1 "):
+            await unreachable.start()
+    finally:
+        await unreachable.close()

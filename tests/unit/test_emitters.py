@@ -421,3 +421,36 @@ def test_entities_past_the_cap_are_not_read() -> None:
     observations = entity_observations("list_tables", {}, extractors=extractors, max_entities=3)
     assert [o.metadata["entityId"] for o in observations] == ["t0", "t1", "t2"]
     assert read == 4
+
+
+def test_converse_blocks_as_received_are_read_and_odd_ones_skipped() -> None:
+    # A host passed the blocks it got from Converse: AttributeError from deep inside.
+    uses: list[Any] = [
+        {"toolUseId": "t1", "name": "get_account", "input": {"id": "a"}},
+        {"toolUseId": "t2", "name": "run_sql", "input": {}},
+        {"name": "no_id"},
+        "not a block",
+    ]
+    results: list[Any] = [
+        {"toolUseId": "t1", "content": [{"json": {}}], "status": "success"},
+        {"toolUseId": "t2", "content": [{"text": "boom"}], "status": "error"},
+    ]
+    observations = tool_observations(uses, results, None, session_id="s1")
+    assert [(o.type, o.metadata) for o in observations] == [
+        (ObservationType.TOOL_SUCCESS, {"toolName": "get_account"}),
+        (ObservationType.TOOL_FAILURE, {"toolName": "run_sql", "error": "boom"}),
+    ]
+    assert ToolResult.model_validate({"toolUseId": "t", "status": "error"}).is_error
+
+
+def test_a_query_or_patterns_of_another_shape_give_no_observation() -> None:
+    assert query_pattern_observation(None) is None  # type: ignore[arg-type]
+    assert query_pattern_observation(b"royalty") is None  # type: ignore[arg-type]
+    odd: Any = {"royalty": "royalt"}
+    assert query_pattern_observation("royalty totals", patterns=odd) is None
+
+
+@pytest.mark.parametrize("max_entities", [2.5, "5", -1, True])
+def test_max_entities_of_the_wrong_type_is_named(max_entities: Any) -> None:
+    with pytest.raises(TypeError, match="max_entities"):
+        entity_observations("get_account", {"id": "a"}, max_entities=max_entities)

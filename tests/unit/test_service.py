@@ -460,6 +460,16 @@ def test_bad_options_are_refused() -> None:
         ({"load_timeout": float("nan")}, ValueError, "load_timeout must be a positive, finite"),
         ({"queue_size": "1000"}, TypeError, "queue_size must be a whole number, not str"),
         ({"max_facts": 10.0}, TypeError, "max_facts must be a whole number, not float"),
+        # "false" from an environment variable logged every identity in the clear.
+        ({"log_identities": "false"}, TypeError, "log_identities must be True or False"),
+        ({"hold_gc": 1}, TypeError, "hold_gc must be True or False, not int"),
+        # Each made every load empty (and every observation rejected, for the clock).
+        ({"clock": "now"}, TypeError, "clock must be a function (or None), not str"),
+        ({"token_counter": 5}, TypeError, "token_counter must be a function"),
+        ({"decay": "exponential"}, TypeError, "decay must be a decay strategy"),
+        ({"tool_catalog": 3}, TypeError, "tool_catalog must be a collection of tool names"),
+        # Accepted, then every tool observation was rejected as not in the catalogue.
+        ({"tool_catalog": [1]}, TypeError, "tool_catalog holds a int, not a tool name"),
     ],
 )
 def test_options_of_the_wrong_kind_are_refused_by_name(

@@ -1,15 +1,27 @@
--- Append a batch of one identity's observations, atomically.
+-- Append a batch of one identity's observations, atomically, once per batch key.
 -- Each observation takes the next number of the identity's ingest sequence as its id,
 -- goes into the seed's sorted set scored by createdAt (what the original server reads),
 -- and into the pending set scored by that number (what consolidation consumes).
--- KEYS[1] state hash, KEYS[2] observations (seed), KEYS[3] pending
--- ARGV[1] count; then per observation: createdAt (epoch ms), JSON after its "id" field
-local count = tonumber(ARGV[1])
+-- A batch key already among the identity's recent ones was stored by an earlier attempt
+-- whose reply was lost: nothing is stored again.
+-- KEYS[1] state hash, KEYS[2] observations (seed), KEYS[3] pending, KEYS[4] the recent
+-- batch keys (a sorted set scored by when each was stored)
+-- ARGV[1] batch key, ARGV[2] now (epoch ms), ARGV[3] how long a key is kept (ms),
+-- ARGV[4] how many keys are kept at most, ARGV[5] count; then per observation:
+-- createdAt (epoch ms), JSON after its "id" field
+if redis.call('ZSCORE', KEYS[4], ARGV[1]) then
+  return 0
+end
+redis.call('ZADD', KEYS[4], ARGV[2], ARGV[1])
+redis.call('ZREMRANGEBYSCORE', KEYS[4], '-inf', '(' .. (tonumber(ARGV[2]) - tonumber(ARGV[3])))
+redis.call('ZREMRANGEBYRANK', KEYS[4], 0, -1 - tonumber(ARGV[4]))
+redis.call('PEXPIRE', KEYS[4], ARGV[3])
+local count = tonumber(ARGV[5])
 local last = redis.call('HINCRBY', KEYS[1], 'seq', count)
 for i = 1, count do
   local seq = last - count + i
-  local member = '{"id":"' .. string.format('%d', seq) .. '",' .. ARGV[2 * i + 1]
-  redis.call('ZADD', KEYS[2], ARGV[2 * i], member)
+  local member = '{"id":"' .. string.format('%d', seq) .. '",' .. ARGV[2 * i + 5]
+  redis.call('ZADD', KEYS[2], ARGV[2 * i + 4], member)
   redis.call('ZADD', KEYS[3], seq, member)
 end
 return last
