@@ -69,9 +69,13 @@ class ToolResult(BaseModel):
 
 
 def _blocks(blocks: Iterable[Any], model: type[ToolUse] | type[ToolResult]) -> Iterator[Any]:
-    """The blocks as models: a model as it is, a mapping (a block as received) validated,
-    anything that does not validate skipped."""
+    """The blocks as models: a model as it is, a mapping (a block as received, or a
+    content block that wraps one: ``{"toolUse": {…}}``) validated, anything that does not
+    validate skipped."""
+    wrapper = "toolUse" if model is ToolUse else "toolResult"
     for block in blocks:
+        if isinstance(block, Mapping) and isinstance(block.get(wrapper), Mapping):
+            block = block[wrapper]
         if isinstance(block, model):
             yield block
         elif isinstance(block, Mapping):
@@ -422,7 +426,8 @@ def query_pattern_observation(
     if not text:
         return None
     for domain, pattern in (DEFAULT_DOMAIN_PATTERNS if patterns is None else patterns).items():
-        if is_identifier(domain) and isinstance(pattern, re.Pattern) and pattern.search(text):
+        search = getattr(pattern, "search", None)  # a compiled pattern (re's, or regex's)
+        if is_identifier(domain) and callable(search) and search(text):
             return NewObservation(
                 type=ObservationType.QUERY_PATTERN,
                 content=f"Asked about {domain}",

@@ -34,7 +34,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 from coda_memory.core.turns import SLICE
 from coda_memory.ports import AppendOutcome, ObservationRecord
 from coda_memory.postgres import batch_keys
-from coda_memory.postgres.connection import sqlstate
+from coda_memory.postgres.connection import error_reason, sqlstate
 from coda_memory.postgres.documents import NotJson, document, instant
 from coda_memory.postgres.rollup_batch import write_rollup_part
 from coda_memory.postgres.rollup_owed import Folded, RollupDebt, fold_owed, rollup_or_owe
@@ -66,14 +66,6 @@ class _Row(NamedTuple):
     #: :func:`~coda_memory.postgres.documents.instant`): one element of the batch's JSON
     #: document.
     values: tuple[str, str, str, dict[str, Any], str | None, str | datetime]
-
-
-def _reason(exc: BaseException) -> str:
-    """The first line of a server's or encoder's message (no statement, no parameters)."""
-    orig = getattr(exc, "orig", None)
-    cause = exc.__cause__ if orig is None else (orig.__cause__ or orig)
-    lines = str(cause if cause is not None else exc).strip().splitlines()
-    return lines[0][:200] if lines else type(exc).__name__
 
 
 def _is_row_error(exc: BaseException) -> bool:
@@ -128,7 +120,7 @@ def _encode(
         try:
             part = document(row.values)
         except NotJson as exc:
-            refused.append((row.position, f"not JSON: {_reason(exc)}"))
+            refused.append((row.position, f"not JSON: {error_reason(exc)}"))
             continue
         if _NUL_ESCAPE in part and _has_nul(row.values):
             refused.append((row.position, "text holds NUL (0x00), which Postgres can't store"))
@@ -218,7 +210,7 @@ async def _bisect(
         if not _is_row_error(exc):
             raise
         if len(rows) == 1:
-            return [(rows[0].position, _reason(exc))]
+            return [(rows[0].position, error_reason(exc))]
         middle = len(rows) // 2
         return [
             *await _bisect(conn, driver, schema, shard, rows[:middle]),

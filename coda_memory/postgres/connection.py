@@ -53,6 +53,15 @@ _DEAD = (
 )
 
 
+def error_reason(exc: BaseException) -> str:
+    """The first line of a server's, driver's or encoder's message, without SQLAlchemy's
+    wrapping (no statement, no parameters)."""
+    orig = getattr(exc, "orig", None)
+    cause = exc.__cause__ if orig is None else (orig.__cause__ or orig)
+    lines = str(cause if cause is not None else exc).strip().splitlines()
+    return lines[0][:200] if lines else type(exc).__name__
+
+
 def is_dead_connection(error: BaseException) -> bool:
     """True when ``error`` (asyncpg's or SQLAlchemy's) says the connection is gone."""
     if isinstance(error, DBAPIError) and error.connection_invalidated:
@@ -181,13 +190,18 @@ def released(engine: AsyncEngine) -> None:
 GRACEFUL_CLOSE = 1.0
 
 
-async def dispose(engines: Collection[AsyncEngine], graceful: float = GRACEFUL_CLOSE) -> None:
+async def dispose(engines: Collection[AsyncEngine], graceful: float | None = None) -> None:
     """Close the pooled connections of ``engines``, all at once. A server that does not
-    answer within ``graceful`` seconds (or a caller cancelled meanwhile) has the engines'
-    connections ended from this side: their sockets are closed, and the disposal ends
-    at once. Cut short instead, it left a connection half-closed and SQLAlchemy's pool
-    logged an error with its traceback."""
+    answer within ``graceful`` seconds (None: :data:`GRACEFUL_CLOSE`), or a caller
+    cancelled meanwhile, has the engines' connections ended from this side: their sockets
+    are closed, and the disposal ends at once. Cut short instead, it left a connection
+    half-closed and SQLAlchemy's pool logged an error with its traceback."""
+    if graceful is None:
+        graceful = GRACEFUL_CLOSE
     tasks = [asyncio.ensure_future(engine.dispose()) for engine in engines]
+    for task in tasks:
+        # Read even when nobody awaits it any more (a caller cancelled twice).
+        task.add_done_callback(_retrieved)
     try:
         await asyncio.wait(tasks, timeout=graceful)
     finally:
@@ -200,6 +214,11 @@ async def dispose(engines: Collection[AsyncEngine], graceful: float = GRACEFUL_C
     for task in tasks:
         if task.done() and not task.cancelled():
             task.result()
+
+
+def _retrieved(task: asyncio.Future[Any]) -> None:
+    if not task.cancelled():
+        task.exception()
 
 
 def _may_replace(engine: AsyncEngine, error: BaseException) -> bool:

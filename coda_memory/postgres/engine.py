@@ -72,28 +72,31 @@ def _check_parts(parsed: URL) -> None:
             f"taken, with sslmode: {', '.join(sorted(_query_parameters()))})"
         )
     for name, value in parsed.query.items():
-        if not isinstance(value, str):
-            raise ValueError(f"the URL parameter {name!r} is given more than once")
-        _check_value(name, value)
+        if name in _CHECKED_VALUES:
+            if not isinstance(value, str):
+                raise ValueError(f"the URL parameter {name!r} is given more than once")
+            _check_value(name, value)
 
 
-#: URL parameters whose value is a whole number, not negative (a negative statement
-#: cache size made SQLAlchemy's cache spin for ever on the event loop).
-_COUNTS = frozenset(
-    {
-        "prepared_statement_cache_size",
-        "statement_cache_size",
-        "max_cacheable_statement_size",
-        "max_cached_statement_lifetime",
-    }
+#: Given in a URL, asyncpg gets these as strings, and refuses them at the first
+#: connection whatever the value: they go in ``connect_args`` instead.
+_NOT_FROM_A_URL = frozenset(
+    {"statement_cache_size", "max_cacheable_statement_size", "max_cached_statement_lifetime"}
 )
-#: URL parameters whose value is a positive number of seconds.
-_SECONDS = frozenset({"timeout", "command_timeout"})
-_SSL_MODES = ("disable", "allow", "prefer", "require", "verify-ca", "verify-full")
-#: URL parameters that take one of a few words.
+_SSL_MODES = (
+    "disable",
+    "allow",
+    "prefer",
+    "require",
+    "verify-ca",
+    "verify_ca",
+    "verify-full",
+    "verify_full",
+)
+#: URL parameters that take one of a few words (asyncpg's spellings).
 _WORDS: dict[str, tuple[str, ...]] = {
     "sslmode": _SSL_MODES,
-    "ssl": (*_SSL_MODES, "true", "false"),
+    "ssl": _SSL_MODES,
     "target_session_attrs": (
         "any",
         "primary",
@@ -103,21 +106,21 @@ _WORDS: dict[str, tuple[str, ...]] = {
         "prefer-standby",
     ),
 }
+#: The URL parameters whose value is checked. (``timeout`` and ``command_timeout`` are
+#: not: the store's own connection settings replace them.)
+_CHECKED_VALUES = frozenset({"prepared_statement_cache_size", *_NOT_FROM_A_URL, *_WORDS})
 
 
 def _check_value(name: str, value: str) -> None:
     """Refuse a URL parameter's value that the driver would refuse (or misuse) later."""
-    if name in _COUNTS and not (value.isascii() and value.isdigit()):
+    if name == "prepared_statement_cache_size" and not (value.isascii() and value.isdigit()):
+        # A negative size made SQLAlchemy's statement cache spin on the event loop.
         raise ValueError(f"the URL parameter {name!r} must be a whole number, not {value!r}")
-    if name in _SECONDS:
-        try:
-            seconds = float(value)
-        except ValueError:
-            seconds = float("nan")
-        if not 0 < seconds < float("inf"):  # NaN fails too
-            raise ValueError(
-                f"the URL parameter {name!r} must be a positive number of seconds, not {value!r}"
-            )
+    if name in _NOT_FROM_A_URL:
+        raise ValueError(
+            f"the URL parameter {name!r} reaches asyncpg as a string, which it refuses: "
+            f"pass connect_args={{{name!r}: …}} instead"
+        )
     words = _WORDS.get(name)
     if words is not None and value not in words:
         raise ValueError(

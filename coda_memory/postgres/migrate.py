@@ -28,6 +28,7 @@ from alembic.config import Config
 from alembic.script import ScriptDirectory
 from alembic.util.exc import CommandError
 from sqlalchemy import Connection, pool, text
+from sqlalchemy.engine import URL
 from sqlalchemy.ext.asyncio import AsyncConnection, create_async_engine
 
 from coda_memory.errors import MigrationUnderWay
@@ -200,9 +201,11 @@ def migrate(url: str, *, schema: str = DEFAULT_SCHEMA, revision: str = "head") -
     asyncio.run(migrate_async(url, schema=schema, revision=revision))
 
 
-def _schemaless(url: str) -> bool:
+def _schemaless(url: str | URL) -> bool:
     """Whether ``url`` names a store without a schema (nothing to migrate); TypeError for
-    anything but a string (an unset environment variable gives None)."""
+    anything but a string or a SQLAlchemy URL (an unset environment variable gives None)."""
+    if isinstance(url, URL):
+        return False
     if not isinstance(url, str):
         raise TypeError(f"the database URL must be a str, not {type(url).__name__}")
     return url.split(":", 1)[0].lower() in _SCHEMALESS

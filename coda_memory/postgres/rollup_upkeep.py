@@ -94,7 +94,12 @@ async def forget_identity(conn: AsyncConnection, schema: str, identity_id: str) 
     (the order a folding append locks them in), so none is folded after the forget; then
     each table's rows, locked in key order first (see :func:`_lock_in_key_order`)."""
     shard = await connection_shard(conn)
-    await fold_owed(await driver_connection(conn), schema, shard, identity_id=identity_id)
+    driver = await driver_connection(conn)
+    # More than one claim's worth may be owed (after a long lock): fold them all, unless a
+    # lock stops the folding (the same records would be claimed again).
+    folded = await fold_owed(driver, schema, shard, identity_id=identity_id)
+    while folded.full and not folded.blocked:
+        folded = await fold_owed(driver, schema, shard, identity_id=identity_id)
     await conn.execute(delete(rollup_owed).where(rollup_owed.c.identity_id == identity_id))
     await _lock_in_key_order(conn, tool_users, identity_id, ["tool_name"])
     await conn.execute(_forget_latest(identity_id, tool_users, tool_daily, ["tool_name"], shard))

@@ -112,6 +112,7 @@ from coda_memory.postgres.connection import (
     QUERY_CANCELED,
     dispose,
     driver_transaction,
+    error_reason,
     is_connection_error,
     let_go,
     lock_timeout_clause,
@@ -375,7 +376,7 @@ class PostgresStore:
             url = self.request_engine.url
             raise ConnectionLost(
                 f"cannot reach the database at {url.host or 'localhost'}:{url.port or 5432} "
-                f"({type(error).__name__}: {_driver_reason(error)}); the service starts on "
+                f"({type(error).__name__}: {error_reason(error)}); the service starts on "
                 "first use once it answers"
             ) from error
 
@@ -725,14 +726,6 @@ class PostgresStore:
         for engine in engines:
             released(engine)
         await dispose(engines)
-
-
-def _driver_reason(error: BaseException) -> str:
-    """The first line of what the driver said (``database "x" does not exist``, a refused
-    connection), without SQLAlchemy's wrapping."""
-    cause = getattr(error, "orig", None) or error.__cause__ or error
-    lines = str(cause).strip().splitlines()
-    return lines[0][:200] if lines else type(cause).__name__
 
 
 async def _warm(engine: AsyncEngine, schema: str, statements: list[str]) -> None:

@@ -22,6 +22,8 @@ key                                     type        holds
 ``coda:memory:sessions:{identityId}``   hash        session id -> the session's latest
                                                     reinforcing event per fact (JSON array)
 ``coda:memory:session-times:{id}``      sorted set  session id, scored by its latest event
+``coda:memory:batches:{identityId}``    sorted set  recent batch keys, scored by when each
+                                                    was stored (a retry stores nothing twice)
 ``coda:memory:lock:{identityId}``       string      the consolidation lock's token (expires)
 ======================================  ==========  =========================================
 

@@ -62,11 +62,13 @@ DEFAULT_HISTORY_LIMIT = 1_000
 #: How long a session's reinforcement records are kept after its latest reinforcement.
 DEFAULT_SESSION_HORIZON = timedelta(days=30)
 
-#: How long, and how many, of an identity's batch keys its ``batches:`` set keeps: a batch
-#: retried after a lost reply finds its key there, and is not stored again, unless more
-#: than this many later batches of the identity were stored meanwhile, or a day passed.
+#: How long, and how many, of an identity's batch keys its ``batches:`` set keeps (about
+#: 26 KB at most): a batch retried after a lost reply finds its key there, and is not
+#: stored again, unless a day passed or more than this many later batches of the
+#: identity were stored meanwhile (while the writer retries, Redis is mostly unreachable
+#: for the other writers too).
 BATCH_KEYS_FOR_MS = 24 * 60 * 60 * 1000
-BATCH_KEYS_KEPT = 1_000
+BATCH_KEYS_KEPT = 200
 
 _SCRIPTS = ("append", "peek", "load", "commit", "unlock", "forget")
 
@@ -280,8 +282,9 @@ class RedisStore:
             except (RedisConnectionError, RedisTimeoutError) as error:
                 # The SET may have reached the server with its reply lost: a lock that
                 # nobody would release for lock_ttl, every consolidation of the identity
-                # meanwhile timing out. Released with the token (nothing if not taken).
-                await self._release(identity_id, token)
+                # meanwhile timing out. Released with the token (nothing if not taken), a
+                # second at most: a server that does not answer has the lock expire.
+                await self._release(identity_id, token, limit=1.0)
                 raise ConnectionLost(
                     f"redis: {type(error).__name__} while locking {identity_label(identity_id)}"
                 ) from error
@@ -299,16 +302,17 @@ class RedisStore:
             await asyncio.sleep(delay)
             delay = min(delay * 2, 0.025)
 
-    async def _release(self, identity_id: str, token: str) -> None:
+    async def _release(self, identity_id: str, token: str, limit: float | None = None) -> None:
         """Release the identity's lock if ``token`` still holds it, to the end even when
-        the caller is cancelled meanwhile (then raised after); on a dead connection the
+        the caller is cancelled meanwhile (then raised after), waiting at most ``limit``
+        seconds (``lock_ttl``, when the lock has expired anyway); on a dead connection the
         lock expires by itself after ``lock_ttl``."""
 
         async def release() -> None:
             with contextlib.suppress(RedisConnectionError, RedisTimeoutError):
                 await self._script("unlock")(keys=[self.keys.of("lock", identity_id)], args=[token])
 
-        await run_to_end(release(), limit=self.lock_ttl.total_seconds())
+        await run_to_end(release(), limit=self.lock_ttl.total_seconds() if limit is None else limit)
 
     @asynccontextmanager
     async def _locked(self, identity_id: str) -> AsyncIterator[str]:

@@ -321,11 +321,12 @@ def test_unix_socket_and_sslmode_urls() -> None:
             "postgresql://u@db.example/app?prepared_statement_cache_size=-5",
             "'prepared_statement_cache_size' must be a whole number, not '-5'",
         ),
-        ("postgresql://u@db.example/app?statement_cache_size=abc", "must be a whole number"),
+        # A bare TypeError at start(), whatever the value.
+        ("postgresql://u@db.example/app?statement_cache_size=0", "pass connect_args="),
         # Each became "cannot reach the database" at start(), and memory silently off.
         ("postgresql://u@db.example/app?sslmode=bogus", "'sslmode' must be one of disable"),
+        ("postgresql://u@db.example/app?ssl=true", "'ssl' must be one of disable"),
         ("postgresql://u@db.example/app?target_session_attrs=x", "must be one of any, primary"),
-        ("postgresql://u@db.example/app?timeout=0", "a positive number of seconds, not '0'"),
         ("postgresql://u@db.example/app?ssl=require&ssl=disable", "given more than once"),
     ],
 )
@@ -337,6 +338,19 @@ def test_urls_the_driver_would_refuse_on_connecting_are_refused_first(
     # What the driver takes still passes: an encoded '@', its parameters, libpq's sslmode.
     encoded = asyncpg_url("postgresql://u:p%40ss@db.example:65535/app?sslmode=require&timeout=5")
     assert (encoded.password, encoded.host, encoded.port) == ("p@ss", "db.example", 65535)
+
+
+@pytest.mark.parametrize(
+    "query",
+    [
+        "host=h1:5432&host=h2:5432",  # SQLAlchemy's multi-host form
+        "ssl=verify_full",
+        "sslmode=verify-ca&target_session_attrs=read-write",
+        "prepared_statement_cache_size=0&timeout=0&command_timeout=0",
+    ],
+)
+def test_urls_the_driver_takes_are_taken(query: str) -> None:
+    assert asyncpg_url(f"postgresql://u@/app?{query}").drivername == "postgresql+asyncpg"
 
 
 async def test_an_error_raised_to_the_host_carries_no_statement_parameter(

@@ -426,14 +426,14 @@ def test_entities_past_the_cap_are_not_read() -> None:
 def test_converse_blocks_as_received_are_read_and_odd_ones_skipped() -> None:
     # A host passed the blocks it got from Converse: AttributeError from deep inside.
     uses: list[Any] = [
-        {"toolUseId": "t1", "name": "get_account", "input": {"id": "a"}},
+        {"toolUse": {"toolUseId": "t1", "name": "get_account", "input": {"id": "a"}}},
         {"toolUseId": "t2", "name": "run_sql", "input": {}},
         {"name": "no_id"},
         "not a block",
     ]
     results: list[Any] = [
         {"toolUseId": "t1", "content": [{"json": {}}], "status": "success"},
-        {"toolUseId": "t2", "content": [{"text": "boom"}], "status": "error"},
+        {"toolResult": {"toolUseId": "t2", "content": [{"text": "boom"}], "status": "error"}},
     ]
     observations = tool_observations(uses, results, None, session_id="s1")
     assert [(o.type, o.metadata) for o in observations] == [
