@@ -90,10 +90,27 @@ async def forget_identity(conn: AsyncConnection, schema: str, identity_id: str) 
     the anonymous call, access and query counts stay. Call it before the identity's
     observations are deleted: its owed rollups are folded first, so that those counts
     include its calls too; the records a lock still keeps from folding (a rollup table
-    locked right then) are deleted unfolded, and their counts lost. The records go first
-    (the order a folding append locks them in), so none is folded after the forget; then
-    each table's rows, locked in key order first (see :func:`_lock_in_key_order`)."""
+    locked right then) are deleted unfolded, and their counts lost.
+
+    The locks are taken in the order a folding append takes them, so that the two never
+    wait for each other in a circle: the identity's owed records (waiting for a folder
+    that holds some to commit), then its per-identity rows of each table in key order
+    (see :func:`_lock_in_key_order`), then the shared daily rows (the folding's, and the
+    forget's own)."""
     shard = await connection_shard(conn)
+    await conn.execute(
+        select(literal(1))
+        .select_from(rollup_owed)
+        .where(rollup_owed.c.identity_id == identity_id)
+        .with_for_update()
+    )
+    user_keys = (
+        (tool_users, ["tool_name"]),
+        (entity_users, ["entity_type", "entity_id"]),
+        (domain_users, ["domain", "day"]),
+    )
+    for users, keys in user_keys:
+        await _lock_in_key_order(conn, users, identity_id, keys)
     driver = await driver_connection(conn)
     # More than one claim's worth may be owed (after a long lock): fold them all, unless a
     # lock stops the folding (the same records would be claimed again).
@@ -101,12 +118,9 @@ async def forget_identity(conn: AsyncConnection, schema: str, identity_id: str) 
     while folded.full and not folded.blocked:
         folded = await fold_owed(driver, schema, shard, identity_id=identity_id)
     await conn.execute(delete(rollup_owed).where(rollup_owed.c.identity_id == identity_id))
-    await _lock_in_key_order(conn, tool_users, identity_id, ["tool_name"])
     await conn.execute(_forget_latest(identity_id, tool_users, tool_daily, ["tool_name"], shard))
     keys = ["entity_type", "entity_id"]
-    await _lock_in_key_order(conn, entity_users, identity_id, keys)
     await conn.execute(_forget_latest(identity_id, entity_users, entity_daily, keys, None))
-    await _lock_in_key_order(conn, domain_users, identity_id, ["domain", "day"])
     await conn.execute(_forget_domains(identity_id, shard))
 
 
