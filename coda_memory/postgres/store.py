@@ -69,7 +69,8 @@ does not wait for such a lock longer than ``table_lock_timeout`` (25 ms):
   the new observations wait, unconsumed, for a load that can consolidate them;
 * a consolidation first locks the four tables it writes in ``ROW EXCLUSIVE`` mode (the
   mode its statements take anyway, which no other consolidation, append or prune
-  conflicts with) under it, in the round trip of its ``BEGIN``; a held table fails the
+  conflicts with), and ``rollup_owed``, which its prune reads, in ``ACCESS SHARE``
+  mode, under it, in the round trip of its ``BEGIN``; a held table fails the
   consolidation at once, and the load answers from the facts at hand, instead of
   holding a slot and a connection for the statement timeout while every other load
   waits for a slot. Only then does it wait for the checkpoint row (``lock_timeout``),
@@ -259,9 +260,11 @@ class PostgresStore:
         # Its tables first, in the mode its statements take them anyway, waiting at most
         # table_lock_timeout; then the checkpoint row, waiting at most lock_timeout.
         tables = ", ".join(f'"{self.schema}".{table}' for table in _CONSOLIDATION_TABLES)
+        # (rollup_owed is only read, by the retention prune: see consolidation_write.sql.)
         self._begin = (
             f"BEGIN; {lock_timeout_clause(table_lock_timeout, 'table_lock_timeout')}; "
             f"LOCK TABLE {tables} IN ROW EXCLUSIVE MODE; "
+            f'LOCK TABLE "{self.schema}".rollup_owed IN ACCESS SHARE MODE; '
             f"{self._lock_timeout}; SET LOCAL synchronous_commit = off"
         )
         # The cap's transactions: the same, under CAP_STATEMENT_TIMEOUT.
