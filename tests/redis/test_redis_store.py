@@ -463,3 +463,32 @@ async def test_start_reaches_the_server_or_says_it_cannot(redis_url: str) -> Non
             await unreachable.start()
     finally:
         await unreachable.close()
+
+
+async def test_the_writer_retries_a_batch_whose_reply_was_lost_and_it_is_stored_once(
+    redis_url: str, redis_prefix: str, redis_client: aioredis.Redis, monkeypatch: Any
+) -> None:
+    # The EXEC ran on the server and its reply was lost: the writer retried the batch (the
+    # same key), which was stored, and consolidated, a second time.
+    real_execute = aioredis.client.Pipeline.execute
+    lost: list[int] = []
+
+    async def reply_lost_once(self: Any, *args: Any, **kwargs: Any) -> Any:
+        result = await real_execute(self, *args, **kwargs)
+        if not lost:
+            lost.append(1)
+            raise RedisConnectionError("Connection closed by server.")
+        return result
+
+    monkeypatch.setattr(aioredis.client.Pipeline, "execute", reply_lost_once)
+    service = MemoryService.from_url(redis_url, load_timeout=5.0, clock=FakeClock())
+    try:
+        service.emit_observation("u1", tool_ok("t", session=None))
+        service.emit_observation("u1", tool_ok("t", session="s2"))
+        await service.drain(10)
+        assert lost and service.stats().stored == 2
+        assert await redis_client.zcard(f"{redis_prefix}obs:u1") == 2
+        facts = await service.consolidate("u1")
+        assert [(f.subject, f.reinforcement_count) for f in facts] == [("tool_affinity:t", 2)]
+    finally:
+        await service.close()
