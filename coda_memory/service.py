@@ -68,7 +68,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection
 from contextlib import asynccontextmanager
 from datetime import UTC, datetime, timedelta
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 from coda_memory.core import emitters
 from coda_memory.core.affinity import extract_tool_affinities
@@ -196,7 +196,7 @@ def _tool_catalog(tool_catalog: object) -> frozenset[str] | None:
     odd = next((name for name in names if not isinstance(name, str)), None)
     if odd is not None:
         raise TypeError(f"tool_catalog holds a {type(odd).__name__}, not a tool name (str)")
-    return frozenset(name for name in names if isinstance(name, str))
+    return cast(frozenset[str], names)
 
 
 def _answered(loaded: LoadedMemory | None) -> LoadedMemory:
