@@ -24,7 +24,7 @@ import json
 import secrets
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -214,10 +214,8 @@ class RedisStore:
     ) -> AppendOutcome:
         """Store a batch once per ``batch_key`` (see :data:`BATCH_KEYS_KEPT`); a lost
         connection raises ConnectionLost."""
-        try:
+        with _lost_while("storing observations"):
             return await self._append(records, batch_key or str(uuid.uuid4()))
-        except (RedisConnectionError, RedisTimeoutError) as error:
-            raise ConnectionLost(f"redis: {type(error).__name__}") from error
 
     async def _append(self, records: Sequence[ObservationRecord], key: str) -> AppendOutcome:
         by_identity: dict[str, list[tuple[int, ObservationRecord]]] = {}
@@ -361,20 +359,26 @@ class RedisStore:
     # -- reads --------------------------------------------------------------------------
 
     async def facts(self, identity_id: str) -> list[Fact]:
-        values = await self.client.hvals(self.keys.of("facts", identity_id))
+        with _lost_while("reading facts"):
+            values = await self.client.hvals(self.keys.of("facts", identity_id))
         return sorted(parse_facts(identity_id, values), key=lambda f: f.subject)
 
     async def peek(self, identity_id: str) -> tuple[list[Fact], bool]:
-        reply = await self._script("peek")(
-            keys=self.keys.read_keys(identity_id),
-            args=[identity_id],
-        )
-        if int(reply[0]):
-            return [], True
-        return parse_facts(identity_id, reply[1]), False
+        """Whether observations wait, and the facts: left out when observations wait,
+        unless the identity's lock is held (see ``peek.lua``), so that a load that cannot
+        consolidate in time, behind a lock that a dead process left for ``lock_ttl``,
+        answers with the facts of the last consolidation rather than empty."""
+        with _lost_while("reading facts"):
+            reply = await self._script("peek")(
+                keys=[*self.keys.read_keys(identity_id), self.keys.of("lock", identity_id)],
+                args=[identity_id],
+            )
+        values = reply[1] if len(reply) > 1 else []
+        return parse_facts(identity_id, values), bool(int(reply[0]))
 
     async def history(self, identity_id: str, subject: str | None = None) -> list[FactEvent]:
-        raw = await self.client.lrange(self.keys.of("history", identity_id), 0, -1)
+        with _lost_while("reading fact history"):
+            raw = await self.client.lrange(self.keys.of("history", identity_id), 0, -1)
         events = []
         for record in raw:
             try:
@@ -386,7 +390,8 @@ class RedisStore:
     async def observations(self, identity_id: str) -> list[Observation]:
         """The identity's stored (not yet pruned) observations, oldest ``createdAt``
         first; records that do not parse are left out."""
-        members: list[Any] = await self.client.zrange(self.keys.of("obs", identity_id), 0, -1)
+        with _lost_while("reading observations"):
+            members: list[Any] = await self.client.zrange(self.keys.of("obs", identity_id), 0, -1)
         observations: list[Observation] = []
         for member in members:
             try:
@@ -397,56 +402,59 @@ class RedisStore:
 
     async def checkpoint(self, identity_id: str) -> datetime | None:
         """The checkpoint map's entry: ``createdAt`` of the latest consumed observation."""
-        raw = await self.client.hget(self.keys.checkpoint, identity_id)
+        with _lost_while("reading a checkpoint"):
+            raw = await self.client.hget(self.keys.checkpoint, identity_id)
         return None if raw is None else from_ms(float(raw), "checkpoint")
 
     async def identities(self) -> list[str]:
         """Every identity with observations, facts, history or a checkpoint, sorted. A key
         that is not UTF-8 (no identity coda-memory stores) gives an identity with its
         bytes as surrogate escapes, which the caller can tell apart and report."""
-        found: set[str] = set()
-        for kind in ("obs", "facts", "pending", "history"):
-            async for key in self.client.scan_iter(match=self.keys.pattern(kind), count=1000):
-                text = _decoded(key)
-                found.add(self.keys.identity_of(kind, text))
-        try:
-            fields = await self.client.hkeys(self.keys.checkpoint)
-        except ResponseError as exc:
-            if not str(exc).startswith("WRONGTYPE"):
-                raise
-            raise BadRecord(
-                f"{self.keys.checkpoint} holds a value of another type than a hash (the"
-                " checkpoint map): no identity's checkpoint can be read"
-            ) from None
-        found.update(_decoded(field) for field in fields)
-        return sorted(found)
+        with _lost_while("listing identities"):
+            found: set[str] = set()
+            for kind in ("obs", "facts", "pending", "history"):
+                async for key in self.client.scan_iter(match=self.keys.pattern(kind), count=1000):
+                    text = _decoded(key)
+                    found.add(self.keys.identity_of(kind, text))
+            try:
+                fields = await self.client.hkeys(self.keys.checkpoint)
+            except ResponseError as exc:
+                if not str(exc).startswith("WRONGTYPE"):
+                    raise
+                raise BadRecord(
+                    f"{self.keys.checkpoint} holds a value of another type than a hash (the"
+                    " checkpoint map): no identity's checkpoint can be read"
+                ) from None
+            found.update(_decoded(field) for field in fields)
+            return sorted(found)
 
     async def stats(self) -> RedisStoreStats:
         """Counts over every identity under the prefix (a SCAN: for operators)."""
-        identities = await self.identities()
-        observations = pending = facts = events = 0
-        for start in range(0, len(identities), 500):
-            async with self.client.pipeline(transaction=False) as pipe:
-                for identity in identities[start : start + 500]:
-                    pipe.zcard(_encoded(self.keys.of("obs", identity)))
-                    pipe.zcard(_encoded(self.keys.of("pending", identity)))
-                    pipe.hlen(_encoded(self.keys.of("facts", identity)))
-                    pipe.llen(_encoded(self.keys.of("history", identity)))
-                counts = await pipe.execute()
-            observations += sum(counts[0::4])
-            pending += sum(counts[1::4])
-            facts += sum(counts[2::4])
-            events += sum(counts[3::4])
-        memory = await self.client.info("memory")
-        return RedisStoreStats(
-            prefix=self.keys.prefix,
-            identities=len(identities),
-            observations=observations,
-            pending_observations=pending,
-            facts=facts,
-            fact_events=events,
-            used_memory_bytes=int(memory.get("used_memory", 0)),
-        )
+        with _lost_while("counting"):
+            identities = await self.identities()
+            observations = pending = facts = events = 0
+            for start in range(0, len(identities), 500):
+                async with self.client.pipeline(transaction=False) as pipe:
+                    for identity in identities[start : start + 500]:
+                        pipe.zcard(_encoded(self.keys.of("obs", identity)))
+                        pipe.zcard(_encoded(self.keys.of("pending", identity)))
+                        pipe.hlen(_encoded(self.keys.of("facts", identity)))
+                        pipe.llen(_encoded(self.keys.of("history", identity)))
+                    counts = await pipe.execute()
+                observations += sum(counts[0::4])
+                pending += sum(counts[1::4])
+                facts += sum(counts[2::4])
+                events += sum(counts[3::4])
+            memory = await self.client.info("memory")
+            return RedisStoreStats(
+                prefix=self.keys.prefix,
+                identities=len(identities),
+                observations=observations,
+                pending_observations=pending,
+                facts=facts,
+                fact_events=events,
+                used_memory_bytes=int(memory.get("used_memory", 0)),
+            )
 
     # -- administration -----------------------------------------------------------------
 
@@ -457,11 +465,12 @@ class RedisStore:
         # the release after it, for a script that never ran, finds it gone).
         others = (*_FORGET_COUNTED, "lock")
         rest = [k.of(kind, identity_id) for kind in IDENTITY_KINDS if kind not in others]
-        async with self._locked(identity_id) as token:
-            observations, facts, events = await self._script("forget")(
-                keys=[k.of("lock", identity_id), k.checkpoint, *counted, *rest],
-                args=[token, identity_id],
-            )
+        with _lost_while(f"forgetting {identity_label(identity_id)}"):
+            async with self._locked(identity_id) as token:
+                observations, facts, events = await self._script("forget")(
+                    keys=[k.of("lock", identity_id), k.checkpoint, *counted, *rest],
+                    args=[token, identity_id],
+                )
         return Forgotten(observations=observations, facts=facts, fact_events=events)
 
     async def close(self) -> None:
@@ -469,6 +478,19 @@ class RedisStore:
 
 
 __all__ = ["LockLost", "LockTimeout", "RedisStore", "RedisStoreStats", "split_prefix"]
+
+
+@contextlib.contextmanager
+def _lost_while(doing: str) -> Iterator[None]:
+    """A connection to Redis that drops or times out, as the :class:`ConnectionLost` that
+    the Postgres store raises too ("while <doing>"): a host catches one error whatever the
+    store, and never the driver's own."""
+    try:
+        yield
+    except (RedisConnectionError, RedisTimeoutError) as error:
+        raise ConnectionLost(
+            f"the connection to Redis failed while {doing}: {type(error).__name__}"
+        ) from error
 
 
 def _decoded(raw: bytes | str) -> str:

@@ -203,6 +203,37 @@ async def test_a_busy_lock_times_out(redis_store: RedisStore, redis_url: str) ->
         await impatient.close()
 
 
+async def test_a_load_behind_a_dead_holders_lock_answers_with_the_last_facts(
+    redis_url: str, redis_prefix: str, redis_client: aioredis.Redis
+) -> None:
+    # A process that died holding an identity's lock leaves it for lock_ttl (30 s). The
+    # peek left the facts out whenever observations waited, so every load of the identity
+    # came back empty meanwhile: the consolidation waited for the lock, and the load had
+    # nothing at hand to answer with when its timeout fired.
+    clock = FakeClock()
+    service = MemoryService.from_url(
+        redis_url, clock=clock, load_timeout=0.2, lock_timeout=timedelta(milliseconds=500)
+    )
+    try:
+        service.emit_observation("u1", tool_ok("t", session="s1"))
+        await service.drain()
+        before = await service.consolidate("u1")
+        assert before
+        service.emit_observation("u1", tool_ok("u", session="s2"))
+        await service.drain()
+        peeked, pending = await service.store.peek("u1")
+        assert (peeked, pending) == ([], True)  # no lock held: the facts are left out
+        await redis_client.set(f"{redis_prefix}lock:u1", "a dead process's token", px=30_000)
+        peeked, pending = await service.store.peek("u1")
+        assert pending and {f.subject for f in peeked} == {f.subject for f in before}
+        loaded = await service.load_memory("u1")
+        assert {f.subject for f in loaded.facts} == {f.subject for f in before}
+        stats = service.stats()
+        assert (stats.load_stale, stats.load_timeouts) == (1, 0)
+    finally:
+        await service.close()
+
+
 async def test_the_history_is_capped_per_identity(redis_url: str) -> None:
     clock = FakeClock()
     service = MemoryService.from_url(redis_url, clock=clock, history_limit=5, load_timeout=5.0)
@@ -449,6 +480,35 @@ async def test_a_lock_whose_reply_was_lost_is_released(
             pass
     monkeypatch.undo()
     assert await redis_client.exists(f"{redis_prefix}lock:u1") == 0
+
+
+@pytest.mark.parametrize(
+    ("call", "doing"),
+    [
+        (lambda s: s.facts("u1"), "reading facts"),
+        (lambda s: s.peek("u1"), "reading facts"),
+        (lambda s: s.history("u1"), "reading fact history"),
+        (lambda s: s.observations("u1"), "reading observations"),
+        (lambda s: s.checkpoint("u1"), "reading a checkpoint"),
+        (lambda s: s.identities(), "listing identities"),
+        (lambda s: s.stats(), "listing identities"),
+        (lambda s: s.forget("u1"), "while locking"),
+        (lambda s: s.append([sanitize_observation("u1", tool_ok("t"), T0)]), "storing"),
+    ],
+)
+async def test_every_call_raises_connection_lost_when_redis_cannot_be_reached(
+    call: Any, doing: str
+) -> None:
+    # Postgres raises ConnectionLost for a connection that died; the Redis store let
+    # redis-py's own ConnectionError out of its reads and of forget, so a host that caught
+    # the library's error on one store missed it on the other.
+    store = RedisStore.from_url("redis://127.0.0.1:1/0")
+    try:
+        with pytest.raises(ConnectionLost, match=doing) as raised:
+            await call(store)
+        assert isinstance(raised.value.__cause__, RedisConnectionError)
+    finally:
+        await store.close()
 
 
 async def test_start_reaches_the_server_or_says_it_cannot(redis_url: str) -> None:

@@ -2,10 +2,22 @@
 -- Observations wait when the pending set is not empty, or when the seed's sorted set
 -- holds one scored after the checkpoint (written by the original server, which knows no
 -- pending set): every observation coda-memory consumed is scored at or before it.
--- KEYS[1] checkpoint map, KEYS[2] pending, KEYS[3] observations (seed), KEYS[4] facts
+-- When observations wait and the identity's lock is held (a consolidation under way, in
+-- this process or another, or one whose process died holding it until the lock expires),
+-- the facts come too: the consolidation that follows waits for the lock, and a load that
+-- runs out of time answers with them rather than empty. Otherwise they are left out, as
+-- the consolidation reads them anyway.
+-- KEYS[1] checkpoint map, KEYS[2] pending, KEYS[3] observations (seed), KEYS[4] facts,
+-- KEYS[5] lock
 -- ARGV[1] identity id
-if redis.call('ZCARD', KEYS[2]) > 0 then
+local function waiting()
+  if redis.call('EXISTS', KEYS[5]) == 1 then
+    return {1, redis.call('HVALS', KEYS[4])}
+  end
   return {1}
+end
+if redis.call('ZCARD', KEYS[2]) > 0 then
+  return waiting()
 end
 local checkpoint = redis.call('HGET', KEYS[1], ARGV[1])
 local after = '-inf'
@@ -13,6 +25,6 @@ if checkpoint and tonumber(checkpoint) then
   after = '(' .. checkpoint
 end
 if redis.call('ZCOUNT', KEYS[3], after, '+inf') > 0 then
-  return {1}
+  return waiting()
 end
 return {0, redis.call('HVALS', KEYS[4])}
