@@ -79,10 +79,22 @@ def _check_parts(parsed: URL) -> None:
 
 
 #: Given in a URL, asyncpg gets these as strings, and refuses them at the first
-#: connection whatever the value: they go in ``connect_args`` instead.
+#: connection whatever the value (``direct_tls=false``, a true string, turned direct TLS
+#: on): they go in ``connect_args`` instead, or in the store's options of the same
+#: meaning (which replaced a URL's ``timeout`` and ``command_timeout`` without a word).
 _NOT_FROM_A_URL = frozenset(
-    {"statement_cache_size", "max_cacheable_statement_size", "max_cached_statement_lifetime"}
+    {
+        "statement_cache_size",
+        "max_cacheable_statement_size",
+        "max_cached_statement_lifetime",
+        "timeout",
+        "command_timeout",
+        "direct_tls",
+        "server_settings",
+    }
 )
+#: The store's option for a URL parameter that asyncpg cannot take from a URL.
+_STORE_OPTIONS = {"timeout": "connect_timeout", "command_timeout": "command_timeout"}
 _SSL_MODES = (
     "disable",
     "allow",
@@ -106,8 +118,7 @@ _WORDS: dict[str, tuple[str, ...]] = {
         "prefer-standby",
     ),
 }
-#: The URL parameters whose value is checked. (``timeout`` and ``command_timeout`` are
-#: not: the store's own connection settings replace them.)
+#: The URL parameters whose value is checked.
 _CHECKED_VALUES = frozenset({"prepared_statement_cache_size", *_NOT_FROM_A_URL, *_WORDS})
 
 
@@ -117,9 +128,13 @@ def _check_value(name: str, value: str) -> None:
         # A negative size made SQLAlchemy's statement cache spin on the event loop.
         raise ValueError(f"the URL parameter {name!r} must be a whole number, not {value!r}")
     if name in _NOT_FROM_A_URL:
+        option = _STORE_OPTIONS.get(name)
+        instead = f"connect_args={{{name!r}: …}}"
+        if option is not None:
+            instead = f"the store's {option}=… (seconds), or {instead},"
         raise ValueError(
             f"the URL parameter {name!r} reaches asyncpg as a string, which it refuses: "
-            f"pass connect_args={{{name!r}: …}} instead"
+            f"pass {instead} instead"
         )
     words = _WORDS.get(name)
     if words is not None and value not in words:

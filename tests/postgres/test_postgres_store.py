@@ -323,6 +323,13 @@ def test_unix_socket_and_sslmode_urls() -> None:
         ),
         # A bare TypeError at start(), whatever the value.
         ("postgresql://u@db.example/app?statement_cache_size=0", "pass connect_args="),
+        # The store replaced them with its own options without a word, and migrate failed
+        # on them with "unsupported operand type(s) for +: 'float' and 'str'".
+        ("postgresql://u@db.example/app?timeout=5", "pass the store's connect_timeout="),
+        ("postgresql://u@db.example/app?command_timeout=5", "store's command_timeout="),
+        # "false" is a true string: direct TLS went on.
+        ("postgresql://u@db.example/app?direct_tls=false", "pass connect_args="),
+        ("postgresql://u@db.example/app?server_settings=x", "pass connect_args="),
         # Each became "cannot reach the database" at start(), and memory silently off.
         ("postgresql://u@db.example/app?sslmode=bogus", "'sslmode' must be one of disable"),
         ("postgresql://u@db.example/app?ssl=true", "'ssl' must be one of disable"),
@@ -336,7 +343,7 @@ def test_urls_the_driver_would_refuse_on_connecting_are_refused_first(
     with pytest.raises(ValueError, match=reason):
         asyncpg_url(url)
     # What the driver takes still passes: an encoded '@', its parameters, libpq's sslmode.
-    encoded = asyncpg_url("postgresql://u:p%40ss@db.example:65535/app?sslmode=require&timeout=5")
+    encoded = asyncpg_url("postgresql://u:p%40ss@db.example:65535/app?sslmode=require&krbsrvname=k")
     assert (encoded.password, encoded.host, encoded.port) == ("p@ss", "db.example", 65535)
 
 
@@ -346,7 +353,7 @@ def test_urls_the_driver_would_refuse_on_connecting_are_refused_first(
         "host=h1:5432&host=h2:5432",  # SQLAlchemy's multi-host form
         "ssl=verify_full",
         "sslmode=verify-ca&target_session_attrs=read-write",
-        "prepared_statement_cache_size=0&timeout=0&command_timeout=0",
+        "prepared_statement_cache_size=0&passfile=/run/pgpass",
     ],
 )
 def test_urls_the_driver_takes_are_taken(query: str) -> None:
