@@ -135,7 +135,12 @@ from coda_memory.postgres.rollup_batch import batch_statements
 from coda_memory.postgres.rollup_owed import RollupDebt
 from coda_memory.postgres.rollup_upkeep import forget_identity
 from coda_memory.postgres.schema import DEFAULT_SCHEMA, redis_imports, validate_schema_name
-from coda_memory.postgres.tenancy import SET_TENANT, SET_TENANT_SESSION, set_tenant
+from coda_memory.postgres.tenancy import (
+    CLEAR_TENANT_SESSION,
+    SET_TENANT,
+    SET_TENANT_SESSION,
+    set_tenant,
+)
 from coda_memory.postgres.unit import (
     PostgresConsolidationUnit,
     Statements,
@@ -578,9 +583,21 @@ class PostgresStore:
         async def read(conn: AsyncConnection) -> T:
             raw = await driver_connection(conn)
             # No transaction: the tenant is the session's, until the connection's next
-            # transaction sets its own.
+            # transaction sets its own. The request pool's connections serve only such
+            # reads and consolidations, each setting its tenant first; on a pool that
+            # other work shares (a store made on one engine), a connection that sets none
+            # must see no row, so the setting is cleared after the read (a round trip),
+            # and a connection whose read failed or was cancelled is not given back.
             await raw.execute(SET_TENANT_SESSION, identity_id)
-            return await work(raw)
+            if self.request_engine is not self.engine:
+                return await work(raw)
+            try:
+                result = await work(raw)
+                await raw.execute(CLEAR_TENANT_SESSION)
+            except BaseException:
+                raw.terminate()
+                raise
+            return result
 
         return await run(self.request_engine, self.schema, read, idempotent=True)
 

@@ -48,6 +48,8 @@ ALL_IDENTITIES = {ALL_IDENTITIES_SETTING: "on"}
 SET_TENANT = f"SELECT set_config('{TENANT_SETTING}', $1, true)"
 #: Sets the tenant for the session: for a statement run outside a transaction.
 SET_TENANT_SESSION = f"SELECT set_config('{TENANT_SETTING}', $1, false)"
+#: Clears the session's tenant (back to empty: no identity's rows).
+CLEAR_TENANT_SESSION = f"RESET {TENANT_SETTING}"
 
 #: The kinds of role ``coda-memory grant`` knows, and their grant scripts.
 ROLE_KINDS = {"app": "grant_app", "analyst": "grant_analyst"}

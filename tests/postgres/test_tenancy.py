@@ -18,7 +18,7 @@ from typing import Any
 import asyncpg
 import pytest
 from alembic import command
-from sqlalchemy import Connection, pool
+from sqlalchemy import Connection, pool, text
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import create_async_engine
@@ -29,6 +29,7 @@ from coda_memory import analytics as coda_analytics
 from coda_memory.cli import app
 from coda_memory.errors import AccessDenied
 from coda_memory.postgres import PostgresStore, analytics, maintenance
+from coda_memory.postgres.engine import create_engine
 from coda_memory.postgres.migrate import alembic_config
 from coda_memory.postgres.schema import validate_schema_name
 from coda_memory.postgres.tenancy import ALL_IDENTITIES, apply_grants, grant_script, quote_role
@@ -195,6 +196,41 @@ async def test_the_app_role_sees_and_changes_one_identity_only(tenancy: Tenancy)
     finally:
         await app_conn.close()
         await superuser.close()
+
+
+async def test_a_store_on_one_engine_leaves_no_tenant_on_its_connections(
+    tenancy: Tenancy,
+) -> None:
+    # load_memory's lock-free read sets the tenant for the connection's session. On a
+    # store made on one engine, whose other work sets no tenant, the next such work on
+    # that connection saw (and could write) the identity last read: every_observation()
+    # gave alice's rows, and run() her facts.
+    await _populate(tenancy)
+    engine = create_engine(
+        tenancy.url, schema=SCHEMA, pool_size=1, max_overflow=0, **tenancy.as_role(tenancy.app)
+    )
+    store = PostgresStore(engine, schema=SCHEMA)
+    service = MemoryService(store, clock=FakeClock(), load_timeout=5.0)
+
+    async def seen(conn: Any) -> tuple[str | None, int]:
+        row = (
+            await conn.execute(
+                text(
+                    "SELECT current_setting('coda_memory.identity_id', true),"
+                    f" (SELECT count(*) FROM {SCHEMA}.facts)"
+                )
+            )
+        ).one()
+        return row[0], row[1]
+
+    try:
+        for who in ("alice", "bob"):
+            assert (await service.load_memory(who)).facts
+            assert await store.every_observation() == []
+            tenant, facts = await store.run(seen)
+            assert (tenant or "", facts) == ("", 0)
+    finally:
+        await service.close()
 
 
 async def test_the_service_as_the_app_role_forgets_one_identity(tenancy: Tenancy) -> None:
