@@ -356,8 +356,9 @@ async def test_the_analyst_role_reads_only_the_aggregate_views(tenancy: Tenancy)
             r["category"]: r["users"]
             for r in await conn.fetch(f"SELECT * FROM {SCHEMA}.fact_summary")
         }
-        assert summary["tool_affinity"] == 2
-        assert summary["tool_avoidance"] == 2
+        assert summary["tool_avoidance"] == 2  # both avoid run_sql
+        # Each likes a tool of its own: subjects of one identity are not counted (0015).
+        assert "tool_affinity" not in summary
         tools = {
             r["tool_name"]: r["avoidance_users"]
             for r in await conn.fetch(f"SELECT * FROM {SCHEMA}.tool_effectiveness")
@@ -425,11 +426,14 @@ async def test_the_analyst_sees_no_group_below_the_floor_that_only_the_owner_set
             "tool_effectiveness": [("run_sql", 2, None, False, 2, True)],
             "entity_popularity": [],
             "domain_trends": [("royalty", 2)],
+            # Only subjects both hold count (0015): no entity (each has its own account),
+            # and of the affinities only legacy_tool.
             "fact_summary": [
-                (category, users) for category, users in everything["fact_summary"] if users >= 2
+                ("domain_preference", 2),
+                ("tool_affinity", 2),
+                ("tool_avoidance", 2),
             ],
         }
-        assert len((await _aggregates(analyst))["fact_summary"]) >= 2
         await _set_floor(tenancy, 3)
         assert (await _aggregates(analyst))["tool_effectiveness"] == []
         assert await _aggregates(owner) == everything
@@ -501,6 +505,49 @@ async def test_stepping_the_window_tells_nothing_of_a_tool_a_few_used(tenancy: T
             )
             == 1
         )
+    finally:
+        await service.close()
+        await analyst.close()
+        await owner.close()
+
+
+async def test_no_count_the_floor_withholds_is_the_remainder_of_another_view(
+    tenancy: Tenancy,
+) -> None:
+    """Under a floor of 2, alice and bob like rare_tool and avoid flaky_tool; carol alone
+    avoids rare_tool. tool_effectiveness withholds rare_tool's avoidance_users (1), but
+    fact_summary counted every avoidance: its 3 less flaky_tool's 2 gave carol's back."""
+    owner = await tenancy.connect(tenancy.owner, **ALL_IDENTITIES)
+    analyst = await tenancy.connect(tenancy.analyst)
+    service = MemoryService.from_url(
+        tenancy.url,
+        schema=SCHEMA,
+        clock=FakeClock(),
+        load_timeout=5.0,
+        **tenancy.as_role(tenancy.app),
+    )
+    try:
+        for who in ("alice", "bob"):
+            service.emit_observation(who, tool_ok("rare_tool"))
+            service.emit_observation(who, tool_failed("flaky_tool"))
+        service.emit_observation("carol", tool_failed("rare_tool"))
+        await service.drain()
+        for who in ("alice", "bob", "carol"):
+            await service.consolidate(who)
+        await _set_floor(tenancy, 2)
+        read = (
+            f"SELECT tool_name, avoidance_users FROM {SCHEMA}.tool_effectiveness",
+            f"SELECT facts FROM {SCHEMA}.fact_summary WHERE category = 'tool_avoidance'",
+        )
+        for conn in (analyst, owner):
+            await conn.execute("SET coda_memory.analytics_now = '2026-01-01T10:00:00Z'")
+        shown = dict(await analyst.fetch(read[0]))
+        assert shown == {"rare_tool": None, "flaky_tool": 2}
+        # What the analyst can subtract is made of subjects it could be shown.
+        assert await analyst.fetchval(read[1]) == 2
+        # The owner, whom the floor does not bind, counts every fact.
+        assert dict(await owner.fetch(read[0])) == {"rare_tool": 1, "flaky_tool": 2}
+        assert await owner.fetchval(read[1]) == 3
     finally:
         await service.close()
         await analyst.close()
@@ -611,17 +658,25 @@ async def test_an_analyst_gets_rounded_means_and_no_small_bucket(tenancy: Tenanc
     summary = f"SELECT mean_confidence, histogram FROM {SCHEMA}.fact_summary "
     summary += "WHERE category = 'tool_affinity'"
     try:
-        # A third affinity, far more confident than the two others: a bucket of its own.
-        await owner.execute(
-            f"INSERT INTO {SCHEMA}.facts VALUES ('alice', 'tool_affinity:legacy_tool', "
-            "'tool_affinity', 'likes it', 0.95, 1, $1, $1, $1, $1, NULL)",
-            datetime(2026, 1, 1, tzinfo=UTC),
-        )
+        # An affinity both hold (the analyst counts no other: each of _populate's is one
+        # identity's), far more confident for alice than for bob: a bucket each.
+        for who, confidence in (("alice", 0.95), ("bob", 0.45)):
+            await owner.execute(
+                f"INSERT INTO {SCHEMA}.facts VALUES ($1, 'tool_affinity:legacy_tool', "
+                "'tool_affinity', 'likes it', $2, 1, $3, $3, $3, $3, NULL)",
+                who,
+                confidence,
+                datetime(2026, 1, 1, tzinfo=UTC),
+            )
         await _set_floor(tenancy, 2)
         for conn in (analyst, owner):
             await conn.execute("SET coda_memory.analytics_now = '2026-01-04T00:00:00Z'")
-        exact_mean, buckets = await owner.fetchrow(summary)
-        assert sorted(buckets, reverse=True)[:2] == [2, 1]
+        _, buckets = await owner.fetchrow(summary)
+        assert 1 in buckets
+        exact_mean = await owner.fetchval(
+            f"SELECT avg(effective_confidence) FROM {SCHEMA}.active_facts "
+            "WHERE subject = 'tool_affinity:legacy_tool'"
+        )
         mean, withheld = await analyst.fetchrow(summary)
         assert mean == round(exact_mean, 2) != exact_mean
         # The whole histogram (migration 0014): with the bucket of one withheld alone,
