@@ -18,7 +18,8 @@ from typing import Any
 from benchmarks.server import quiesce
 from benchmarks.stats import percentile
 from benchmarks.workloads import Database, names, new_observations, seed_identities
-from coda_memory import MemoryService
+from coda_memory import MemoryService, MemoryStats
+from coda_memory.service import ANSWER_BY
 
 #: Observations each request emits: one session of an agent's tool calls.
 OBSERVATIONS_PER_REQUEST = 10
@@ -32,6 +33,20 @@ async def seed_host(db: Database, prefix: str, identities: int, facts: int) -> l
     )
     await quiesce(db.conn)
     return chosen
+
+
+def timed_out(service: MemoryService, seconds: float) -> bool:
+    """Whether a load of ``seconds`` outlived its consolidation's wait: it answered from
+    the facts at hand (``load_stale``) or empty (``load_timeouts``). Both come at
+    ``ANSWER_BY`` of the timeout; an answer of the load's own comes before."""
+    return seconds >= service.load_timeout * ANSWER_BY
+
+
+def timeouts_between(before: MemoryStats, after: MemoryStats) -> int:
+    """The loads that timed out between two ``stats()``, whatever they answered: the
+    empty ones (``load_timeouts``) and those answered from the facts at hand
+    (``load_stale``, which a failed consolidation also counts)."""
+    return (after.load_timeouts - before.load_timeouts) + (after.load_stale - before.load_stale)
 
 
 @dataclass
@@ -59,6 +74,8 @@ class HostRequests:
         self.facts = facts
         self.rng = random.Random(seed)
         self.numbers = itertools.count()
+        #: How many facts the last load answered with.
+        self.last_facts = 0
 
     async def one(self, service: MemoryService, identity: str | None = None) -> tuple[float, bool]:
         """Emit one session's observations, then load_memory: (seconds, came back empty)."""
@@ -76,6 +93,7 @@ class HostRequests:
             service.emit_observation(who, observation)
         start = time.perf_counter()
         loaded = await service.load_memory(who)
+        self.last_facts = len(loaded.facts)
         return time.perf_counter() - start, not loaded.facts
 
     async def run(self, service: MemoryService, requests: int, concurrency: int) -> Requests:

@@ -65,8 +65,10 @@ def _fmt(value: float, unit: str) -> str:
 
 def markdown(result: dict[str, Any]) -> str:
     m = result["machine"]
+    only = result.get("only")
+    sections = f"; sections {', '.join(only)} only" if only else ""
     lines = [
-        f"# coda-memory benchmark ({result['mode']})",
+        f"# coda-memory benchmark ({result['mode']}{sections})",
         "",
         f"- date: {result['date']}",
         f"- command: `{result['command']}`",
@@ -92,7 +94,12 @@ def markdown(result: dict[str, Any]) -> str:
     for title, rows in result["tables"].items():
         if not rows:
             continue
-        keys = [k for k in rows[0] if not isinstance(rows[0][k], list | dict)]
+        # Every row's columns (a later row may have some the first lacks).
+        keys = [
+            k
+            for k in dict.fromkeys(k for row in rows for k in row)
+            if not any(isinstance(row.get(k), list | dict) for row in rows)
+        ]
         lines += ["", f"### {title}", "", "| " + " | ".join(keys) + " |"]
         lines.append("| " + " | ".join("---" for _ in keys) + " |")
         for row in rows:
@@ -130,16 +137,22 @@ def _cell(value: Any) -> str:
 
 
 def write_results(out: Path, result: dict[str, Any]) -> list[Path]:
+    """The result as JSON and Markdown, named by the run's start (``bench-<UTC start>-``
+    and its mode, or the sections of an ``--only`` run); a whole run is also the
+    ``latest-<mode>.md``, which a run of some sections leaves alone."""
     out.mkdir(parents=True, exist_ok=True)
-    stamp = datetime.now(UTC).strftime("%Y%m%d-%H%M")
-    stem = f"bench-{stamp}-{result['mode']}"
+    stamp = datetime.fromisoformat(result["date"]).astimezone(UTC).strftime("%Y%m%d-%H%M")
+    only = result.get("only")
+    stem = f"bench-{stamp}-{result['mode'] if not only else '-'.join(only)}"
     text = markdown(result)
     written: list[Path] = []
-    for path, content in (
+    files = [
         (out / f"{stem}.json", json.dumps(result, indent=2, default=str) + "\n"),
         (out / f"{stem}.md", text),
-        (out / f"latest-{result['mode']}.md", text),
-    ):
+    ]
+    if not only:
+        files.append((out / f"latest-{result['mode']}.md", text))
+    for path, content in files:
         partial = path.with_name(path.name + ".tmp")
         partial.write_text(content)
         partial.replace(path)

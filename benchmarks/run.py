@@ -99,6 +99,8 @@ def benchmark(args: argparse.Namespace, sizes: Sizes) -> dict[str, Any]:
     info = asyncio.run(run(args, sizes, report))
     return {
         "mode": sizes.mode,
+        # The sections asked for with --only (None: every section, a whole run).
+        "only": sorted(selected(args.only)) if args.only else None,
         "date": date.isoformat(timespec="seconds"),
         "command": command_line(),
         "duration_s": time.perf_counter() - started,

@@ -358,7 +358,8 @@ async def timed_loads(service: MemoryService, identities: Sequence[str]) -> Time
         seconds,
         empty,
         complete,
-        after.load_timeouts - before.load_timeouts,
+        # Timed out: answered empty, or from the facts at hand (load_stale).
+        after.load_timeouts - before.load_timeouts + after.load_stale - before.load_stale,
         after.load_errors - before.load_errors,
     )
 

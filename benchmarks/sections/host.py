@@ -20,7 +20,7 @@ from typing import Any
 
 import uvloop
 
-from benchmarks.host import HostRequests, LagTicker, Requests, seed_host
+from benchmarks.host import HostRequests, LagTicker, Requests, seed_host, timeouts_between
 from benchmarks.logcount import counted_logs
 from benchmarks.profiling.statements import log_offset
 from benchmarks.report import Figure
@@ -73,7 +73,7 @@ async def _measured(
     lag = ticker.summary() if concurrency > 1 else {}
     await ticker.stop()
     after = service.stats()
-    timeouts = after.load_timeouts - before.load_timeouts
+    timeouts = timeouts_between(before, after)
     errors = after.load_errors - before.load_errors
     row = _row(mode, seen, timeouts, errors) | {"warnings_logged": logs.lines}
     return row | slow_since(server, log_start), lag
