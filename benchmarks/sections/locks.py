@@ -15,13 +15,12 @@ import time
 from typing import Any
 
 from benchmarks.environment import stolen_seconds
-from benchmarks.host import HostRequests, collector_pauses, seed_host
+from benchmarks.host import HostRequests, collector_pauses, seed_host, timed_out
 from benchmarks.logcount import counted_logs
 from benchmarks.report import Figure
 from benchmarks.section import Context, Section
 from benchmarks.workloads import DRAIN_TIMEOUT, SCHEMA, Database
 from coda_memory import MemoryService
-from coda_memory.service import HEDGE_AT
 
 #: How long recovery after a release may take before the run stops waiting.
 RECOVERY_LIMIT = 30.0
@@ -68,8 +67,9 @@ async def _hold(
     """The lock held for ``lock_seconds`` while 8 requests stay in flight, and then,
     with the same 8 still coming, the recovery: the seconds from the release until every
     observation emitted before it is stored and a load that began after that answered
-    fresh (facts, before the service's hedge: not an answer from the facts at hand, which
-    comes later); RECOVERY_LIMIT if that never happens."""
+    fresh: facts, from its own consolidation (an answer from the facts at hand comes at
+    ``ANSWER_BY`` of the timeout, see :func:`~benchmarks.host.timed_out`); RECOVERY_LIMIT
+    if that never happens."""
     locker = await ctx.server.connect(db.name)
     held: list[float] = []  # the loads that began while the lock was held
     empty = 0
@@ -77,7 +77,6 @@ async def _hold(
     backlog = 0
     caught_up: float | None = None
     recovered: float | None = None
-    fresh_within = service.load_timeout * HEDGE_AT
     probe = _Probe(service)
     try:
         transaction = locker.transaction()
@@ -100,7 +99,7 @@ async def _hold(
                 stats = service.stats()
                 if caught_up is None and stats.emitted - stats.pending >= backlog:
                     caught_up = time.perf_counter()
-                fresh = not was_empty and elapsed < fresh_within
+                fresh = not was_empty and not timed_out(service, elapsed)
                 if caught_up is not None and began >= caught_up and fresh:
                     recovered = time.perf_counter()
 
@@ -246,27 +245,33 @@ async def locks_section(db: Database, ctx: Context) -> None:
 
     # Pool exhaustion: a checkout that waits longer than a load may take. (SQLAlchemy's
     # "QueuePool limit ... timed out" comes only after its 30 s pool timeout, longer than
-    # the hold: counting those lines alone could not fail.)
-    def slowest_checkout(pool: str) -> dict[str, Any]:
-        return max(rows, key=lambda r: float(r[f"longest_{pool}_checkout_ms"]))
-
-    waits = {pool: slowest_checkout(pool) for pool in ("request", "writer")}
-    longest = max(r[f"longest_{pool}_checkout_ms"] for pool, r in waits.items())
-    report.add(
-        Figure(
-            section,
-            f"{held}: longest wait to check a connection out of the request or writer pool "
-            f"(a probe every {PROBE_EVERY * 1000:g} ms)",
-            longest,
-            "ms",
-            target=f"< timeout ({service.load_timeout * 1000:g} ms)",
-            met=longest < service.load_timeout * 1000,
-            details={
-                f"{pool}_pool": {"table": r["table"], "ms": r[f"longest_{pool}_checkout_ms"]}
-                for pool, r in waits.items()
-            },
+    # the hold: counting those lines alone could not fail.) The requests take their
+    # connections from the request pool; the writer's pool serves the writer alone, whose
+    # connections wait on a locked observations table by design (that stall is ingest's),
+    # so its waits count for the other tables.
+    timeout_ms = service.load_timeout * 1000
+    for pool, held_tables in (
+        ("request", rows),
+        ("writer", [r for r in rows if r["table"] != "observations"]),
+    ):
+        worst = max(held_tables, key=lambda r: float(r[f"longest_{pool}_checkout_ms"]))
+        wait = worst[f"longest_{pool}_checkout_ms"]
+        others = "" if pool == "request" else " (tables other than observations)"
+        report.add(
+            Figure(
+                section,
+                f"{held}: longest wait to check a connection out of the {pool} pool{others} "
+                f"(a probe every {PROBE_EVERY * 1000:g} ms)",
+                wait,
+                "ms",
+                target=f"< timeout ({timeout_ms:g} ms)",
+                met=wait < timeout_ms,
+                details={
+                    "table": worst["table"],
+                    "every_table_ms": {r["table"]: r[f"longest_{pool}_checkout_ms"] for r in rows},
+                },
+            )
         )
-    )
     exhausted = sum(r["pool_exhausted_lines"] for r in rows)
     report.add(
         Figure(
