@@ -72,6 +72,7 @@ async def _hold(
     if that never happens."""
     locker = await ctx.server.connect(db.name)
     held: list[float] = []  # the loads that began while the lock was held
+    ended_after_release: list[float] = []  # those of them that ended after the release
     empty = 0
     released: float | None = None
     backlog = 0
@@ -94,6 +95,8 @@ async def _hold(
                 elapsed, was_empty = await requests.one(service)
                 if released is None or began < released:
                     held.append(elapsed)
+                    if released is not None:
+                        ended_after_release.append(elapsed)
                     empty += was_empty
                     continue
                 stats = service.stats()
@@ -128,6 +131,11 @@ async def _hold(
         "loads": len(ms),
         "max_load_ms": max(ms, default=0.0),
         "loads_over_limit": sum(1 for v in ms if v > limit_ms),
+        # Of those, the loads in flight at the release (ended after it), when the
+        # consolidations the lock held out and the writer's backlog start at once.
+        "over_limit_ended_after_release": sum(
+            1 for s in ended_after_release if s * 1000 > limit_ms
+        ),
         "empty": empty,
         "emitted": during.emitted - before.emitted,
         "stored": during.stored - before.stored,
@@ -208,7 +216,14 @@ async def locks_section(db: Database, ctx: Context) -> None:
             "ms",
             target=f"<= timeout + 10 ms ({limit:g} ms)",
             met=slowest["max_load_ms"] <= limit,
-            details={"table": slowest["table"]},
+            details={
+                "table": slowest["table"],
+                "loads_over_limit": sum(r["loads_over_limit"] for r in rows),
+                "of_them_in_flight_at_the_release": sum(
+                    r["over_limit_ended_after_release"] for r in rows
+                ),
+                "loads": sum(r["loads"] for r in rows),
+            },
         )
     )
     # Ingest continued: observations were stored in the last second of the hold too (one
