@@ -132,7 +132,11 @@ class InMemoryStore:
     ) -> AppendOutcome:
         if batch_key is not None and batch_key in self._batches:
             return self._batches[batch_key]
-        for record in records:
+        refused: list[tuple[int, str]] = []
+        for index, record in enumerate(records):
+            if not record.identity_id:  # as every store: it passed no sanitize_observation
+                refused.append((index, "identity_id is empty"))
+                continue
             seq = next(self._ids)
             self._identities[record.identity_id].observations[seq] = Observation(
                 id=seq,
@@ -143,7 +147,7 @@ class InMemoryStore:
                 session_id=record.session_id,
                 created_at=record.created_at,
             )
-        outcome = AppendOutcome(stored=len(records))
+        outcome = AppendOutcome(stored=len(records) - len(refused), refused=refused)
         if batch_key is not None:
             self._batches[batch_key] = outcome
         return outcome

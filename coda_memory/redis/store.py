@@ -230,6 +230,9 @@ class RedisStore:
         async with self.client.pipeline(transaction=True) as pipe:
             calls = 0
             for identity, rows in by_identity.items():
+                if not identity:  # passed no sanitize_observation: no identity's keys
+                    refused += [(index, "identity_id is empty") for index, _ in rows]
+                    continue
                 args: list[Any] = []
                 for index, record in rows:
                     try:

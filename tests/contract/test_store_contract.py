@@ -54,6 +54,16 @@ async def test_append_stores_and_counts_the_batch(store: InspectableStore) -> No
     assert contents(await store.observations("bob")) == ["bob's"]
 
 
+async def test_append_refuses_a_record_without_an_identity(store: InspectableStore) -> None:
+    # A record that passed no sanitize_observation (a store used directly). On Postgres a
+    # connection whose tenant was reset reads as the empty identity, and saw such rows.
+    outcome = await store.append([record("kept"), record("nobody's", identity_id="")])
+
+    assert (outcome.stored, outcome.refused) == (1, [(1, "identity_id is empty")])
+    assert contents(await store.observations("alice")) == ["kept"]
+    assert await store.observations("") == []
+
+
 async def test_append_of_nothing_stores_nothing(store: InspectableStore) -> None:
     outcome = await store.append([])
 
@@ -369,7 +379,8 @@ async def test_peek_equals_consolidation_when_nothing_is_new(store: InspectableS
 # Identities
 
 
-TRICKY_IDENTITIES = ["a'; DROP TABLE x; --", "%", "_", "A", "a", "a%", "a\\", ""]
+# (The empty identity is refused: see test_append_refuses_a_record_without_an_identity.)
+TRICKY_IDENTITIES = ["a'; DROP TABLE x; --", "%", "_", "A", "a", "a%", "a\\"]
 
 
 async def test_identity_ids_are_compared_exactly(store: InspectableStore) -> None:
