@@ -18,7 +18,7 @@ from typing import Any
 from benchmarks.server import quiesce
 from benchmarks.stats import percentile
 from benchmarks.workloads import Database, names, new_observations, seed_identities
-from coda_memory import MemoryService, MemoryStats
+from coda_memory import MemoryService
 from coda_memory.service import ANSWER_BY
 
 #: Observations each request emits: one session of an agent's tool calls.
@@ -40,13 +40,6 @@ def timed_out(service: MemoryService, seconds: float) -> bool:
     the facts at hand (``load_stale``) or empty (``load_timeouts``). Both come at
     ``ANSWER_BY`` of the timeout; an answer of the load's own comes before."""
     return seconds >= service.load_timeout * ANSWER_BY
-
-
-def timeouts_between(before: MemoryStats, after: MemoryStats) -> int:
-    """The loads that timed out between two ``stats()``, whatever they answered: the
-    empty ones (``load_timeouts``) and those answered from the facts at hand
-    (``load_stale``, which a failed consolidation also counts)."""
-    return (after.load_timeouts - before.load_timeouts) + (after.load_stale - before.load_stale)
 
 
 @dataclass

@@ -12,7 +12,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from benchmarks.server import Server, quiesce
-from coda_memory import MemoryService, NewObservation, ObservationType
+from coda_memory import MemoryService, MemoryStats, NewObservation, ObservationType
 from coda_memory.ports import ObservationRecord
 from coda_memory.postgres.migrate import migrate_async
 
@@ -342,6 +342,13 @@ class TimedLoads:
     errors: int
 
 
+def timeouts_between(before: MemoryStats, after: MemoryStats) -> int:
+    """The loads that timed out between two ``stats()``, whatever they answered: the
+    empty ones (``load_timeouts``) and those answered from the facts at hand
+    (``load_stale``, which a failed consolidation also counts)."""
+    return (after.load_timeouts - before.load_timeouts) + (after.load_stale - before.load_stale)
+
+
 async def timed_loads(service: MemoryService, identities: Sequence[str]) -> TimedLoads:
     """``load_memory`` for each identity in turn, timed, with the service's counters."""
     before = service.stats()
@@ -358,8 +365,7 @@ async def timed_loads(service: MemoryService, identities: Sequence[str]) -> Time
         seconds,
         empty,
         complete,
-        # Timed out: answered empty, or from the facts at hand (load_stale).
-        after.load_timeouts - before.load_timeouts + after.load_stale - before.load_stale,
+        timeouts_between(before, after),
         after.load_errors - before.load_errors,
     )
 

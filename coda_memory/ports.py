@@ -41,6 +41,19 @@ class Forgotten:
     fact_events: int = 0
 
 
+def unidentified(records: Sequence[ObservationRecord], start: int = 0) -> list[tuple[int, str]]:
+    """(place in the batch, counted from ``start``; reason) of each record whose identity
+    is empty, which every store's ``append`` refuses. Such a record passed no
+    ``sanitize_observation`` (a store used directly), and on Postgres a connection whose
+    tenant was reset reads as the empty identity: row-level security would show it the
+    rows."""
+    return [
+        (index, "identity_id is empty")
+        for index, record in enumerate(records, start)
+        if not record.identity_id
+    ]
+
+
 def check_plan_identity(plan: ConsolidationPlan, identity_id: str) -> None:
     """Refuse a plan that touches any identity but the unit's own (every store's write)."""
     owners = {plan.identity_id}

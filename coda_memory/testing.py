@@ -24,7 +24,13 @@ from coda_memory.core.consolidation import (
     lives_asked,
 )
 from coda_memory.core.model import Fact, FactEvent, Observation
-from coda_memory.ports import AppendOutcome, Forgotten, ObservationRecord, check_plan_identity
+from coda_memory.ports import (
+    AppendOutcome,
+    Forgotten,
+    ObservationRecord,
+    check_plan_identity,
+    unidentified,
+)
 
 
 @dataclass(slots=True)
@@ -132,10 +138,9 @@ class InMemoryStore:
     ) -> AppendOutcome:
         if batch_key is not None and batch_key in self._batches:
             return self._batches[batch_key]
-        refused: list[tuple[int, str]] = []
-        for index, record in enumerate(records):
-            if not record.identity_id:  # as every store: it passed no sanitize_observation
-                refused.append((index, "identity_id is empty"))
+        refused = unidentified(records)
+        for record in records:
+            if not record.identity_id:  # refused above
                 continue
             seq = next(self._ids)
             self._identities[record.identity_id].observations[seq] = Observation(

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from benchmarks.host import HostRequests, seed_host, timeouts_between
+from benchmarks.host import HostRequests, seed_host
 from benchmarks.report import Figure
 from benchmarks.section import Context, Section
 from benchmarks.stats import percentile
-from benchmarks.workloads import DRAIN_TIMEOUT, Database
+from benchmarks.workloads import DRAIN_TIMEOUT, Database, timeouts_between
 from coda_memory import MemoryService
 
 #: Requests measured after each start.

@@ -20,7 +20,7 @@ from typing import Any
 
 import uvloop
 
-from benchmarks.host import HostRequests, LagTicker, Requests, seed_host, timeouts_between
+from benchmarks.host import HostRequests, LagTicker, Requests, seed_host
 from benchmarks.logcount import counted_logs
 from benchmarks.profiling.statements import log_offset
 from benchmarks.report import Figure
@@ -33,7 +33,7 @@ from benchmarks.slow_statements import (
     slow_statements_logged,
 )
 from benchmarks.stats import latency_summary
-from benchmarks.workloads import DRAIN_TIMEOUT, Database
+from benchmarks.workloads import DRAIN_TIMEOUT, Database, timeouts_between
 from coda_memory import MemoryService
 
 #: The target of a load under concurrency: loads over it are counted.

@@ -17,14 +17,19 @@ from benchmarks.host import (
     collector_pauses,
     seed_host,
     timed_out,
-    timeouts_between,
 )
 from benchmarks.logcount import counted_logs
 from benchmarks.report import Figure
 from benchmarks.section import Context, Section
 from benchmarks.server import quiesce
 from benchmarks.stats import latency_summary
-from benchmarks.workloads import DRAIN_TIMEOUT, SCHEMA, Database, seed_identities
+from benchmarks.workloads import (
+    DRAIN_TIMEOUT,
+    SCHEMA,
+    Database,
+    seed_identities,
+    timeouts_between,
+)
 from coda_memory import MemoryService
 
 NEIGHBOUR = "nn-big"

@@ -32,7 +32,7 @@ from typing import Any, NamedTuple
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from coda_memory.core.turns import SLICE
-from coda_memory.ports import AppendOutcome, ObservationRecord
+from coda_memory.ports import AppendOutcome, ObservationRecord, unidentified
 from coda_memory.postgres import batch_keys
 from coda_memory.postgres.connection import error_reason, sqlstate
 from coda_memory.postgres.documents import NotJson, document, instant
@@ -111,14 +111,8 @@ def _encode(
         for index, record in enumerate(records, start)
         if record.identity_id
     ]
-    # A record with an empty identity passed no sanitize_observation (a store used
-    # directly): a connection whose tenant was reset reads as the empty identity, so
-    # row-level security would show it such rows.
-    empty: list[tuple[int, str]] = [
-        (index, "identity_id is empty")
-        for index, record in enumerate(records, start)
-        if not record.identity_id
-    ]
+    # (Only when one was left out: a second pass over every batch otherwise.)
+    empty = unidentified(records, start) if len(rows) < len(records) else []
     try:
         text = document([row.values for row in rows])
     except NotJson:

@@ -42,7 +42,7 @@ from coda_memory.core.logs import identity_label
 from coda_memory.core.model import Fact, FactEvent, Observation
 from coda_memory.core.options import NONE, require_types
 from coda_memory.errors import ConnectionLost
-from coda_memory.ports import AppendOutcome, Forgotten, ObservationRecord
+from coda_memory.ports import AppendOutcome, Forgotten, ObservationRecord, unidentified
 from coda_memory.redis.codec import (
     BadRecord,
     event_from_value,
@@ -221,7 +221,7 @@ class RedisStore:
         by_identity: dict[str, list[tuple[int, ObservationRecord]]] = {}
         for index, record in enumerate(records):
             by_identity.setdefault(record.identity_id, []).append((index, record))
-        refused: list[tuple[int, str]] = []
+        refused = unidentified(records)
         # One MULTI/EXEC: a batch cut off on its way (the writer cancels an append that
         # outlives close()'s grace) stores nothing, as the writer then counts it, rather
         # than the identities whose scripts had reached the server.
@@ -230,8 +230,7 @@ class RedisStore:
         async with self.client.pipeline(transaction=True) as pipe:
             calls = 0
             for identity, rows in by_identity.items():
-                if not identity:  # passed no sanitize_observation: no identity's keys
-                    refused += [(index, "identity_id is empty") for index, _ in rows]
+                if not identity:  # refused above: no identity's keys
                     continue
                 args: list[Any] = []
                 for index, record in rows:
@@ -275,20 +274,20 @@ class RedisStore:
         )
         delay = 0.001
         while True:
-            try:
-                taken, cancelled = await to_the_end(
-                    self.client.set(key, token, nx=True, px=ttl_ms),
-                    limit=self.lock_ttl.total_seconds(),
-                )
-            except (RedisConnectionError, RedisTimeoutError) as error:
-                # The SET may have reached the server with its reply lost: a lock that
-                # nobody would release for lock_ttl, every consolidation of the identity
-                # meanwhile timing out. Released with the token (nothing if not taken), a
-                # second at most: a server that does not answer has the lock expire.
-                await self._release(identity_id, token, limit=1.0)
-                raise ConnectionLost(
-                    f"redis: {type(error).__name__} while locking {identity_label(identity_id)}"
-                ) from error
+            with _lost_while(f"locking {identity_label(identity_id)}"):
+                try:
+                    taken, cancelled = await to_the_end(
+                        self.client.set(key, token, nx=True, px=ttl_ms),
+                        limit=self.lock_ttl.total_seconds(),
+                    )
+                except (RedisConnectionError, RedisTimeoutError):
+                    # The SET may have reached the server with its reply lost: a lock that
+                    # nobody would release for lock_ttl, every consolidation of the
+                    # identity meanwhile timing out. Released with the token (nothing if
+                    # not taken), a second at most: a server that does not answer has the
+                    # lock expire.
+                    await self._release(identity_id, token, limit=1.0)
+                    raise
             if cancelled is not None:
                 if taken:
                     await self._release(identity_id, token)
