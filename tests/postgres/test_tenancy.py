@@ -198,6 +198,40 @@ async def test_the_app_role_sees_and_changes_one_identity_only(tenancy: Tenancy)
         await superuser.close()
 
 
+async def test_a_connection_whose_tenant_was_reset_sees_no_row_of_the_empty_identity(
+    tenancy: Tenancy,
+) -> None:
+    # RESET leaves the setting empty, not missing, and the policy of 0004 compared
+    # identity_id with it: rows of the empty identity (which stores wrote before they
+    # refused it) were the tenant's of every connection whose tenant had been reset.
+    await _populate(tenancy)
+    await _superuser(
+        tenancy.url,
+        f"INSERT INTO {SCHEMA}.facts VALUES ('', 'domain_preference:x', "
+        "'domain_preference', 'x', 0.5, 1, now(), now(), now(), now(), null)",
+        f"INSERT INTO {SCHEMA}.observations (identity_id, type, content, created_at) "
+        "VALUES ('', 'query_pattern', 'q', now())",
+    )
+    app_conn = await tenancy.connect(tenancy.app)
+    try:
+        await app_conn.execute("SELECT set_config('coda_memory.identity_id', 'alice', false)")
+        assert await _count(app_conn, "facts") > 0
+        await app_conn.execute("RESET coda_memory.identity_id")
+        assert (
+            await app_conn.fetchval("SELECT current_setting('coda_memory.identity_id', true)") == ""
+        )
+        for table in PER_IDENTITY:
+            assert await _count(app_conn, table) == 0, table
+        # Nor may it write a row of the empty identity.
+        with pytest.raises(asyncpg.InsufficientPrivilegeError):
+            await app_conn.execute(
+                f"INSERT INTO {SCHEMA}.facts VALUES ('', 'domain_preference:y', "
+                "'domain_preference', 'y', 0.5, 1, now(), now(), now(), now(), null)"
+            )
+    finally:
+        await app_conn.close()
+
+
 async def test_a_store_on_one_engine_leaves_no_tenant_on_its_connections(
     tenancy: Tenancy,
 ) -> None:
