@@ -29,7 +29,7 @@ from typing import Any
 
 from coda_memory.core.consolidation import lives_asked
 from coda_memory.core.logs import identity_label
-from coda_memory.core.model import Fact, gc_paused
+from coda_memory.core.model import Fact, FactEvent
 from coda_memory.core.sessions import subjects_reached
 from coda_memory.core.turns import mapped
 from coda_memory.ports import ConsolidationInput, ConsolidationPlan, check_plan_identity
@@ -259,31 +259,30 @@ class PostgresConsolidationUnit:
             )
             self.known = await Known.read(self.locked_version, identity_id, fact_rows)
         stored = await self.known.facts()
-        with gc_paused():
-            observations = [
-                observation_from_row(identity_id, r) for r in rows if r["id"] is not None
-            ]
+        # In slices, in the load's turn (a held table leaves hundreds waiting).
+        read = [r for r in rows if r["id"] is not None]
+        observations = await mapped(read, partial(observation_from_row, identity_id))
         sessions = sorted(
             {r["session_id"] for r in rows if r["session_seen"] and r["session_id"] is not None}
         )
-        events = []
+        events: list[FactEvent] = []
         if sessions:
             earlier = sql.session_events
             arguments = earlier.arguments(identity_id=identity_id, session_ids=sessions)
-            events = [
-                event_from_row(identity_id, r)
-                for r in await self._raw.fetch(earlier.text, *arguments)
-            ]
+            events = await mapped(
+                await self._raw.fetch(earlier.text, *arguments),
+                partial(event_from_row, identity_id),
+            )
         # The last lives of deleted facts that late observations may resume (rarely any).
-        ended = []
+        ended: list[FactEvent] = []
         asked = lives_asked(observations, stored, self.consolidated_at)
         if asked:
             lives = sql.ended
             arguments = lives.arguments(identity_id=identity_id, subjects=sorted(asked))
-            ended = [
-                event_from_row(identity_id, r)
-                for r in await self._raw.fetch(lives.text, *arguments)
-            ]
+            ended = await mapped(
+                await self._raw.fetch(lives.text, *arguments),
+                partial(event_from_row, identity_id),
+            )
         # The facts are new models (the kept ones are dicts): the plan may make them views.
         return ConsolidationInput(
             observations=observations,

@@ -17,6 +17,8 @@ from coda_memory.core.turns import SLICE
 from coda_memory.errors import SchemaNotMigrated
 from coda_memory.postgres import PostgresStore
 from coda_memory.postgres import append as append_module
+from coda_memory.postgres import rows as rows_module
+from coda_memory.postgres import unit as unit_module
 from coda_memory.postgres.connection import LOCK_NOT_AVAILABLE, sqlstate
 from coda_memory.postgres.engine import asyncpg_url
 from coda_memory.postgres.migrate import migrate_async
@@ -156,6 +158,38 @@ async def test_poison_rows_are_refused_and_every_good_row_is_stored(
     # Rows written under the bisection's savepoints carry the top-level transaction id.
     assert contents((await consolidate(pg_store)).observations) == good
     assert (await consolidate(pg_store)).observations == []
+
+
+async def test_a_backlog_of_observations_is_read_into_models_with_turns_of_the_loop(
+    pg_store: PostgresStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A held table leaves hundreds of observations waiting per identity; built in one
+    # go, the models of each load at the release held the loop for milliseconds.
+    assert (await pg_store.append([record(f"row {i}") for i in range(2_000)])).stored == 2_000
+    built = 0
+    convert = rows_module.observation_from_row
+
+    def counted(identity_id: str, row: Any) -> Any:
+        nonlocal built
+        built += 1
+        return convert(identity_id, row)
+
+    monkeypatch.setattr(unit_module, "observation_from_row", counted, raising=True)
+    seen: set[int] = set()  # how many were built, as other tasks saw it at each turn
+
+    async def ticker() -> None:
+        while True:
+            seen.add(built)
+            await asyncio.sleep(0)
+
+    task = asyncio.get_running_loop().create_task(ticker())
+    async with pg_store.consolidation("alice") as unit:
+        batch = await unit.load()
+    task.cancel()
+
+    assert [o.content for o in batch.observations] == [f"row {i}" for i in range(2_000)]
+    between = {n for n in seen if 0 < n < 2_000}
+    assert len(between) >= 2_000 // SLICE - 1, sorted(seen)
 
 
 async def test_a_large_batch_is_encoded_in_slices_with_turns_of_the_loop() -> None:

@@ -389,6 +389,37 @@ def test_the_plan_yields_after_folding_and_every_slice_of_facts_it_decays_or_vie
     assert views == active_views(facts, decay, later)
 
 
+@pytest.mark.parametrize("groups", [4, 5, 23])
+def test_the_plan_folds_a_backlog_of_sessions_in_steps(
+    monkeypatch: pytest.MonkeyPatch, groups: int
+) -> None:
+    """Hundreds of observations wait after a held table kept consolidations out: folding
+    them in one step stalled the loop for milliseconds per load, under 8 loads at the
+    release. The plan yields after every half SLICE of session groups it folds."""
+    monkeypatch.setattr(consolidation, "SLICE", 10)
+    decay = ExponentialDecay()
+    later = T0 + timedelta(hours=1)
+    observations = [
+        Observation(
+            id=n,
+            identity_id="u",
+            type=ObservationType.TOOL_SUCCESS,
+            content="",
+            metadata={"toolName": f"tool_{n:02}"},
+            session_id="s1",
+            created_at=T0,
+        )
+        for n in range(groups)
+    ]
+    batch = ConsolidationInput(observations, [], [])
+    plan, yields = run_counting(planning("u", batch, later, decay))
+    # One per five groups folded, one after folding, then one per ten facts decayed and
+    # one per further ten views (each group made a fact).
+    assert yields == groups // 5 + 1 + groups // 10 + (groups - 1) // 10
+    assert plan == plan_consolidation("u", batch, later, decay)
+    assert len(plan.upserts) == groups
+
+
 @pytest.mark.parametrize("decay", [ExponentialDecay(), AdaptiveDecay(), PowerLawDecay()], ids=repr)
 def test_a_fact_anchored_at_the_end_of_time_expires_without_an_overflow(
     decay: DecayStrategy,
