@@ -6,9 +6,10 @@ than as one Postgres array per column. The driver checks every element of an arr
 parameter in Python, a few abstract-base-class checks each; one JSON text is made by
 one call of orjson's encoder (compiled; a tenth of the standard library's C encoder's
 time on a batch of observations, and it writes an aware datetime as ISO 8601 itself),
-and the server parses it about as fast as the arrays. (The consolidation's write takes
-arrays still: there it made no measurable difference, its arrays being a few dozen
-elements long.)
+and the server parses it about as fast as the arrays. The consolidation's write takes
+its facts and events so too (:func:`rows_document`): the arguments of a plan of 600 rows
+(the backlog that a held table leaves) took 6.5 ms to build and encode as arrays, in one
+go, and 1 ms as documents; a typical plan's write took 3.2 ms instead of 3.6.
 
 Values travel as JSON does: strings, numbers (a float as its shortest repr, read back
 exactly by ``::float8``), true, false and null; an instant as its ISO 8601 text with
@@ -83,4 +84,31 @@ def document(rows: Sequence[Any]) -> str:
     # A NaN or an infinity became null: look for one only where a null was written.
     if b"null" in text and _has_non_finite(rows):
         raise NotJson("NaN and infinities are not JSON")
+    return text.decode()
+
+
+#: How a non-finite float is spelled where a document must carry it: a JSON string that
+#: ``::float8`` reads back as the same value.
+_SPELLED = {math.inf: "Infinity", -math.inf: "-Infinity"}
+
+
+def _spelled(value: object) -> object:
+    if isinstance(value, float) and not math.isfinite(value):
+        return "NaN" if math.isnan(value) else _SPELLED[value]
+    return value
+
+
+def rows_document(rows: Sequence[tuple[Any, ...]]) -> str:
+    """The JSON document of ``rows`` (tuples of strings, numbers, instants and None) for
+    a statement that reads each float with ``::float8``: as :func:`document`, but NaN and
+    the infinities are written as the strings ``::float8`` reads back as them (computed
+    values are stored as they are, as an array parameter stored them). orjson writes them
+    as ``null``: they are looked for only when the document holds more nulls than the
+    rows hold None (counted in C; walking every value took longer than the encoding)."""
+    try:
+        text = orjson.dumps(rows)
+    except orjson.JSONEncodeError:
+        return document(rows)
+    if text.count(b"null") > sum(row.count(None) for row in rows) and _has_non_finite(rows):
+        return document([tuple(_spelled(value) for value in row) for row in rows])
     return text.decode()

@@ -33,6 +33,7 @@ from coda_memory.core.model import Fact, FactEvent
 from coda_memory.core.sessions import subjects_reached
 from coda_memory.core.turns import mapped
 from coda_memory.ports import ConsolidationInput, ConsolidationPlan, check_plan_identity
+from coda_memory.postgres.documents import instant, rows_document
 from coda_memory.postgres.known import Known, written
 from coda_memory.postgres.rows import event_from_row, fact_from_row, observation_from_row
 from coda_memory.postgres.sql import Query, query
@@ -161,36 +162,48 @@ def write_arguments(
     statement: Query, plan: ConsolidationPlan, snapshot: str, deletes: Sequence[str]
 ) -> list[Any]:
     """The arguments of ``consolidation_write.sql`` for ``plan``, by parameter name; the
-    facts it deletes are ``deletes`` (those of the plan not sent ahead in slices)."""
-    upserts, events = plan.upserts, plan.events
+    facts it deletes are ``deletes`` (those of the plan not sent ahead in slices). The
+    facts and events go as JSON documents of rows (see the statement)."""
+    facts = [
+        (
+            f.subject,
+            f.category.value,
+            f.content,
+            f.confidence,
+            f.reinforcement_count,
+            instant(f.last_reinforced_at),
+            instant(f.anchor),
+            instant(f.created_at),
+            instant(f.updated_at),
+            f.ease_factor,
+        )
+        for f in plan.upserts
+    ]
+    events = [
+        (
+            e.subject,
+            e.category.value,
+            e.kind.value,
+            e.session_id,
+            instant(e.at),
+            e.confidence_before,
+            e.confidence_after,
+            e.count_before,
+            e.count_after,
+            e.ease_before,
+            e.ease_after,
+            e.quality,
+            e.hits,
+            e.trials,
+        )
+        for e in plan.events
+    ]
     return statement.arguments(
         identity_id=plan.identity_id,
-        fact_subjects=[f.subject for f in upserts],
-        fact_categories=[f.category.value for f in upserts],
-        fact_contents=[f.content for f in upserts],
-        fact_confidences=[f.confidence for f in upserts],
-        fact_reinforcement_counts=[f.reinforcement_count for f in upserts],
-        fact_last_reinforced_ats=[f.last_reinforced_at for f in upserts],
-        fact_confidence_ats=[f.anchor for f in upserts],
-        fact_created_ats=[f.created_at for f in upserts],
-        fact_updated_ats=[f.updated_at for f in upserts],
-        fact_ease_factors=[f.ease_factor for f in upserts],
+        facts=rows_document(facts),
         deleted_subjects=list(deletes),
         now=plan.now,
-        event_subjects=[e.subject for e in events],
-        event_categories=[e.category.value for e in events],
-        event_kinds=[e.kind.value for e in events],
-        event_session_ids=[e.session_id for e in events],
-        event_ats=[e.at for e in events],
-        event_confidences_before=[e.confidence_before for e in events],
-        event_confidences_after=[e.confidence_after for e in events],
-        event_counts_before=[e.count_before for e in events],
-        event_counts_after=[e.count_after for e in events],
-        event_eases_before=[e.ease_before for e in events],
-        event_eases_after=[e.ease_after for e in events],
-        event_qualities=[e.quality for e in events],
-        event_hits=[e.hits for e in events],
-        event_trials=[e.trials for e in events],
+        events=rows_document(events),
         snapshot=snapshot,
         consumed=plan.consumed,
         prune_before=plan.prune_before,

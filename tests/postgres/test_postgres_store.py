@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 from datetime import UTC, datetime, timedelta, timezone
 from typing import Any, cast
 
@@ -27,6 +28,7 @@ from tests.postgres.helpers import (
     NOW,
     consolidate,
     contents,
+    event,
     fact,
     fetch,
     plan,
@@ -158,6 +160,44 @@ async def test_poison_rows_are_refused_and_every_good_row_is_stored(
     # Rows written under the bisection's savepoints carry the top-level transaction id.
     assert contents((await consolidate(pg_store)).observations) == good
     assert (await consolidate(pg_store)).observations == []
+
+
+async def test_a_plan_is_written_exactly_floats_instants_and_non_finite_values_too(
+    pg_store: PostgresStore,
+) -> None:
+    # The write takes the plan's facts and events as JSON documents of rows: a float
+    # read back to its last bit, an instant to the microsecond whatever its offset, and
+    # NaN and the infinities (which JSON has not) stored as an array parameter stored them.
+    at = datetime(2026, 3, 1, 14, 30, 15, 123457, tzinfo=timezone(timedelta(hours=5, minutes=30)))
+    stored = fact(confidence=0.30000000000000004, at=at).model_copy(
+        update={"ease_factor": 1e-300, "confidence_at": at + timedelta(microseconds=1)}
+    )
+    odd = event(at=at, session_id=None).model_copy(
+        update={
+            "confidence_before": math.nan,
+            "ease_before": math.inf,
+            "ease_after": -math.inf,
+            "quality": 5e-324,
+            "count_before": None,
+        }
+    )
+    plain = event("domain_preference:royalty", at=at + timedelta(seconds=1))
+    async with pg_store.consolidation("alice") as unit:
+        await unit.load()
+        await unit.write(plan(upserts=[stored], events=[odd, plain], consumed=0))
+        await unit.commit()
+
+    [read] = await pg_store.facts("alice")
+    assert read.confidence == 0.30000000000000004 and read.ease_factor == 1e-300
+    assert read.last_reinforced_at == at and read.confidence_at == at + timedelta(microseconds=1)
+    first, second = await pg_store.history("alice")
+    assert math.isnan(first.confidence_before or 0.0)
+    assert (first.ease_before, first.ease_after) == (math.inf, -math.inf)
+    assert first.quality == 5e-324 and first.count_before is None and first.session_id is None
+    assert first.at == at and first.subject == "tool_affinity:get_account"
+    assert second.model_dump(exclude={"id", "recorded_at"}) == plain.model_dump(
+        exclude={"id", "recorded_at"}
+    )
 
 
 async def test_a_backlog_of_observations_is_read_into_models_with_turns_of_the_loop(

@@ -1,5 +1,12 @@
 -- Every write of a consolidation plan, in one statement: fact upserts and deletes, the
 -- history, the checkpoint and the prune. Returns the checkpoint row's new version.
+-- The facts and the events come as JSON arrays of rows (coda_memory.postgres.documents):
+-- the driver encodes an array parameter element by element, 6 ms for the arrays of a
+-- plan of 600 rows, holding the event loop, where the documents take 1 ms to build.
+-- A fact's row: subject, category, content, confidence, reinforcement_count,
+-- last_reinforced_at, confidence_at, created_at, updated_at, ease_factor. An event's:
+-- subject, category, kind, session_id, at, confidence_before, confidence_after,
+-- count_before, count_after, ease_before, ease_after, quality, hits, trials.
 WITH
 -- Facts the plan created or reinforced, in stored form.
 upserted AS (
@@ -16,19 +23,19 @@ upserted AS (
         updated_at,
         ease_factor
     )
-    SELECT :identity_id, *
-    FROM unnest(
-        :fact_subjects::text[],
-        :fact_categories::text[],
-        :fact_contents::text[],
-        :fact_confidences::float8[],
-        :fact_reinforcement_counts::int[],
-        :fact_last_reinforced_ats::timestamptz[],
-        :fact_confidence_ats::timestamptz[],
-        :fact_created_ats::timestamptz[],
-        :fact_updated_ats::timestamptz[],
-        :fact_ease_factors::float8[]
-    )
+    SELECT
+        :identity_id,
+        f.r ->> 0,
+        f.r ->> 1,
+        f.r ->> 2,
+        (f.r ->> 3)::float8,
+        (f.r ->> 4)::int,
+        (f.r ->> 5)::timestamptz,
+        (f.r ->> 6)::timestamptz,
+        (f.r ->> 7)::timestamptz,
+        (f.r ->> 8)::timestamptz,
+        (f.r ->> 9)::float8
+    FROM jsonb_array_elements(:facts::jsonb) AS f (r)
     ON CONFLICT (identity_id, subject) DO UPDATE SET
         category = EXCLUDED.category,
         content = EXCLUDED.content,
@@ -46,7 +53,7 @@ deleted AS (
     WHERE identity_id = :identity_id
         AND subject = ANY(:deleted_subjects::text[])
 ),
--- The history, in the plan's order: ids follow ORDER BY ord.
+-- The history, in the plan's order: ids follow ORDER BY ord (the document's order).
 recorded AS (
     INSERT INTO {schema}.fact_events (
         identity_id,
@@ -69,52 +76,21 @@ recorded AS (
     SELECT
         :identity_id,
         :now,
-        e.subject,
-        e.category,
-        e.kind,
-        e.session_id,
-        e.at,
-        e.confidence_before,
-        e.confidence_after,
-        e.count_before,
-        e.count_after,
-        e.ease_before,
-        e.ease_after,
-        e.quality,
-        e.hits,
-        e.trials
-    FROM unnest(
-        :event_subjects::text[],
-        :event_categories::text[],
-        :event_kinds::text[],
-        :event_session_ids::text[],
-        :event_ats::timestamptz[],
-        :event_confidences_before::float8[],
-        :event_confidences_after::float8[],
-        :event_counts_before::int[],
-        :event_counts_after::int[],
-        :event_eases_before::float8[],
-        :event_eases_after::float8[],
-        :event_qualities::float8[],
-        :event_hits::int[],
-        :event_trials::int[]
-    ) WITH ORDINALITY AS e(
-        subject,
-        category,
-        kind,
-        session_id,
-        at,
-        confidence_before,
-        confidence_after,
-        count_before,
-        count_after,
-        ease_before,
-        ease_after,
-        quality,
-        hits,
-        trials,
-        ord
-    )
+        e.r ->> 0,
+        e.r ->> 1,
+        e.r ->> 2,
+        e.r ->> 3,
+        (e.r ->> 4)::timestamptz,
+        (e.r ->> 5)::float8,
+        (e.r ->> 6)::float8,
+        (e.r ->> 7)::int,
+        (e.r ->> 8)::int,
+        (e.r ->> 9)::float8,
+        (e.r ->> 10)::float8,
+        (e.r ->> 11)::float8,
+        (e.r ->> 12)::int,
+        (e.r ->> 13)::int
+    FROM jsonb_array_elements(:events::jsonb) WITH ORDINALITY AS e (r, ord)
     ORDER BY e.ord
 ),
 -- The cursor moves to this run's snapshot; the row's new version is that of the facts
