@@ -507,7 +507,7 @@ def planning(
             if run.fold_group(group):
                 changed.add(subject)
             folded += 1
-            if folded % (SLICE // 2) == 0:
+            if folded % max(1, SLICE // 2) == 0:
                 yield
 
     yield

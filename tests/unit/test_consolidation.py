@@ -389,14 +389,15 @@ def test_the_plan_yields_after_folding_and_every_slice_of_facts_it_decays_or_vie
     assert views == active_views(facts, decay, later)
 
 
-@pytest.mark.parametrize("groups", [4, 5, 23])
+@pytest.mark.parametrize(("slice_size", "groups"), [(10, 4), (10, 5), (10, 23), (1, 3)])
 def test_the_plan_folds_a_backlog_of_sessions_in_steps(
-    monkeypatch: pytest.MonkeyPatch, groups: int
+    monkeypatch: pytest.MonkeyPatch, slice_size: int, groups: int
 ) -> None:
     """Hundreds of observations wait after a held table kept consolidations out: folding
     them in one step stalled the loop for milliseconds per load, under 8 loads at the
-    release. The plan yields after every half SLICE of session groups it folds."""
-    monkeypatch.setattr(consolidation, "SLICE", 10)
+    release. The plan yields after every half SLICE of session groups it folds (every
+    group, for a SLICE of 1)."""
+    monkeypatch.setattr(consolidation, "SLICE", slice_size)
     decay = ExponentialDecay()
     later = T0 + timedelta(hours=1)
     observations = [
@@ -413,9 +414,10 @@ def test_the_plan_folds_a_backlog_of_sessions_in_steps(
     ]
     batch = ConsolidationInput(observations, [], [])
     plan, yields = run_counting(planning("u", batch, later, decay))
-    # One per five groups folded, one after folding, then one per ten facts decayed and
-    # one per further ten views (each group made a fact).
-    assert yields == groups // 5 + 1 + groups // 10 + (groups - 1) // 10
+    # One per half slice of groups folded, one after folding, then one per slice of facts
+    # decayed and one per further slice of views (each group made a fact).
+    half = max(1, slice_size // 2)
+    assert yields == groups // half + 1 + groups // slice_size + (groups - 1) // slice_size
     assert plan == plan_consolidation("u", batch, later, decay)
     assert len(plan.upserts) == groups
 
