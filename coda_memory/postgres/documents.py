@@ -108,7 +108,11 @@ def rows_document(rows: Sequence[tuple[Any, ...]]) -> str:
     try:
         text = orjson.dumps(rows)
     except orjson.JSONEncodeError:
-        return document(rows)
+        return document(_all_spelled(rows))  # the standard library's encoder, spelled too
     if text.count(b"null") > sum(row.count(None) for row in rows) and _has_non_finite(rows):
-        return document([tuple(_spelled(value) for value in row) for row in rows])
+        return document(_all_spelled(rows))
     return text.decode()
+
+
+def _all_spelled(rows: Sequence[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
+    return [tuple(_spelled(value) for value in row) for row in rows]
