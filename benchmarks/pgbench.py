@@ -82,15 +82,19 @@ def _search(pattern: str, text: str) -> str:
     return match.group(1)
 
 
+def pgbench_scale(sizes: Sizes) -> int:
+    """TPC-B's scale: at least the clients. At scale 1 every transaction updates the one
+    branch row, and 8 clients mostly waited for each other's lock on it (about half the
+    tps of scale 8 here), which doubled every ratio to "pgbench -c8 tps"."""
+    return max(1, sizes.workers)
+
+
 async def pgbench_baselines(
     server: Server, sizes: Sizes, report: Report
 ) -> tuple[PgbenchResult, PgbenchResult]:
     name, _ = await server.create_database("pgbench")
     env = server.pgbench_env()
-    # A scale of at least the clients: at scale 1 every TPC-B transaction updates the one
-    # branch row, and 8 clients mostly waited for each other's lock on it (about half the
-    # tps of scale 8 here), which doubled every ratio to "pgbench -c8 tps".
-    scale = str(max(1, sizes.workers))
+    scale = str(pgbench_scale(sizes))
     subprocess.run(
         [server.pgbench, "-i", "-s", scale, "-q", name], env=env, capture_output=True, check=True
     )
@@ -147,7 +151,7 @@ async def pgbench_again(
     report.note(
         f"pgbench -c1 p50 was {one.p50_ms:.3f} ms at the start and {again_one.p50_ms:.3f} ms "
         f"at the end; -c1 {one.tps:,.0f} and {again_one.tps:,.0f} tps; -c{sizes.workers} "
-        f"{eight.tps:,.0f} and {again_eight.tps:,.0f} tps (scale {max(1, sizes.workers)}). "
+        f"{eight.tps:,.0f} and {again_eight.tps:,.0f} tps (scale {pgbench_scale(sizes)}). "
         "Baselines are the means."
     )
 
