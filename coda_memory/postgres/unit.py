@@ -158,46 +158,52 @@ async def subjects_waiting(
     return sorted(subjects_reached(waiting))
 
 
-def write_arguments(
+def _fact_row(f: Fact) -> tuple[Any, ...]:
+    """A fact as a row of the write's ``facts`` document."""
+    return (
+        f.subject,
+        f.category.value,
+        f.content,
+        f.confidence,
+        f.reinforcement_count,
+        instant(f.last_reinforced_at),
+        instant(f.anchor),
+        instant(f.created_at),
+        instant(f.updated_at),
+        f.ease_factor,
+    )
+
+
+def _event_row(e: FactEvent) -> tuple[Any, ...]:
+    """An event as a row of the write's ``events`` document."""
+    return (
+        e.subject,
+        e.category.value,
+        e.kind.value,
+        e.session_id,
+        instant(e.at),
+        e.confidence_before,
+        e.confidence_after,
+        e.count_before,
+        e.count_after,
+        e.ease_before,
+        e.ease_after,
+        e.quality,
+        e.hits,
+        e.trials,
+    )
+
+
+async def write_arguments(
     statement: Query, plan: ConsolidationPlan, snapshot: str, deletes: Sequence[str]
 ) -> list[Any]:
     """The arguments of ``consolidation_write.sql`` for ``plan``, by parameter name; the
     facts it deletes are ``deletes`` (those of the plan not sent ahead in slices). The
-    facts and events go as JSON documents of rows (see the statement)."""
-    facts = [
-        (
-            f.subject,
-            f.category.value,
-            f.content,
-            f.confidence,
-            f.reinforcement_count,
-            instant(f.last_reinforced_at),
-            instant(f.anchor),
-            instant(f.created_at),
-            instant(f.updated_at),
-            f.ease_factor,
-        )
-        for f in plan.upserts
-    ]
-    events = [
-        (
-            e.subject,
-            e.category.value,
-            e.kind.value,
-            e.session_id,
-            instant(e.at),
-            e.confidence_before,
-            e.confidence_after,
-            e.count_before,
-            e.count_after,
-            e.ease_before,
-            e.ease_after,
-            e.quality,
-            e.hits,
-            e.trials,
-        )
-        for e in plan.events
-    ]
+    facts and events go as JSON documents of rows (see the statement), made in slices
+    with turns of the event loop between them (the plan of a backlog of 600 observations
+    has about 250 facts and 600 events: 1 to 3 ms in one go)."""
+    facts = await mapped(plan.upserts, _fact_row)
+    events = await mapped(plan.events, _event_row)
     return statement.arguments(
         identity_id=plan.identity_id,
         facts=rows_document(facts),
@@ -320,7 +326,7 @@ class PostgresConsolidationUnit:
                 await self._raw.execute(delete.text, *arguments)
             deletes = []
         write = self._sql.write
-        arguments = write_arguments(write, plan, self._snapshot, deletes)
+        arguments = await write_arguments(write, plan, self._snapshot, deletes)
         row = await self._raw.fetchrow(write.text, *arguments)
         if self.known is not None:
             self._written = written(row["version"], self.known, plan.upserts, plan.deletes)

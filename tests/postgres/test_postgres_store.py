@@ -13,6 +13,8 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.exc import DBAPIError
 
 from coda_memory import MemoryService
+from coda_memory.core.consolidation import plan_consolidation
+from coda_memory.core.decay import ExponentialDecay
 from coda_memory.core.model import ObservationType
 from coda_memory.core.turns import SLICE
 from coda_memory.errors import SchemaNotMigrated
@@ -230,6 +232,50 @@ async def test_a_backlog_of_observations_is_read_into_models_with_turns_of_the_l
     assert [o.content for o in batch.observations] == [f"row {i}" for i in range(2_000)]
     between = {n for n in seen if 0 < n < 2_000}
     assert len(between) >= 2_000 // SLICE - 1, sorted(seen)
+
+
+async def test_a_large_plan_is_written_from_rows_made_with_turns_of_the_loop(
+    pg_store: PostgresStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The plan of a backlog: made in one go, the rows of its facts and events held the
+    # loop for milliseconds, at the release of a held table, for every load in flight.
+    batch = [record(f"call {i}", metadata={"toolName": f"tool_{i:04}"}) for i in range(1_000)]
+    assert (await pg_store.append(batch)).stored == 1_000
+    made = 0
+    fact_row, event_row = unit_module._fact_row, unit_module._event_row
+
+    def counted(convert: Any) -> Any:
+        def count(item: Any) -> Any:
+            nonlocal made
+            made += 1
+            return convert(item)
+
+        return count
+
+    monkeypatch.setattr(unit_module, "_fact_row", counted(fact_row))
+    monkeypatch.setattr(unit_module, "_event_row", counted(event_row))
+    seen: set[int] = set()  # how many rows were made, as other tasks saw it at each turn
+
+    async def ticker() -> None:
+        while True:
+            seen.add(made)
+            await asyncio.sleep(0)
+
+    async with pg_store.consolidation("alice") as unit:
+        loaded = await unit.load()
+        plan = plan_consolidation("alice", loaded, NOW, ExponentialDecay())
+        task = asyncio.get_running_loop().create_task(ticker())
+        await asyncio.sleep(0)
+        await unit.write(plan)
+        task.cancel()
+        await unit.commit()
+
+    rows = len(plan.upserts) + len(plan.events)
+    assert (len(plan.upserts), made) == (1_000, rows)
+    between = {n for n in seen if 0 < n < rows}
+    assert len(between) >= rows // SLICE - 1, sorted(seen)
+    stored = await pg_store.facts("alice")
+    assert sorted(f.subject for f in stored) == sorted(f.subject for f in plan.upserts)
 
 
 async def test_a_large_batch_is_encoded_in_slices_with_turns_of_the_loop() -> None:

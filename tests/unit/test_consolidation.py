@@ -379,24 +379,25 @@ def test_the_plan_yields_after_folding_and_every_slice_of_facts_it_decays_or_vie
     facts = [made_fact(f"tool_affinity:t{n:02}", at=T0) for n in range(stored)]
     batch = ConsolidationInput([_get_account_called(T0)], facts, [])
     plan, yields = run_counting(planning("u", batch, later, decay))
-    # One after folding; then one before each tenth fact decayed (the new fact is one),
-    # and one before each further ten views.
+    # One once the groups are made, one after folding; then one before each tenth fact
+    # decayed (the new fact is one), and one before each further ten views.
     facts_planned = stored + 1
-    assert yields == 1 + facts_planned // 10 + (facts_planned - 1) // 10
+    assert yields == 2 + facts_planned // 10 + (facts_planned - 1) // 10
     assert plan == plan_consolidation("u", batch, later, decay)
     views, yields = run_counting(viewing(facts, decay, later))
     assert yields == stored // 10 + max(0, stored - 1) // 10
     assert views == active_views(facts, decay, later)
 
 
-@pytest.mark.parametrize(("slice_size", "groups"), [(10, 4), (10, 5), (10, 23), (1, 3)])
+@pytest.mark.parametrize(("slice_size", "groups"), [(10, 4), (10, 5), (10, 23), (40, 600), (1, 3)])
 def test_the_plan_folds_a_backlog_of_sessions_in_steps(
     monkeypatch: pytest.MonkeyPatch, slice_size: int, groups: int
 ) -> None:
     """Hundreds of observations wait after a held table kept consolidations out: folding
     them in one step stalled the loop for milliseconds per load, under 8 loads at the
-    release. The plan yields after every half SLICE of session groups it folds (every
-    group, for a SLICE of 1)."""
+    release. The plan yields after every half SLICE of the observations it groups by
+    session, and after every quarter SLICE of the session groups it folds (every one,
+    for a SLICE of 1)."""
     monkeypatch.setattr(consolidation, "SLICE", slice_size)
     decay = ExponentialDecay()
     later = T0 + timedelta(hours=1)
@@ -414,10 +415,14 @@ def test_the_plan_folds_a_backlog_of_sessions_in_steps(
     ]
     batch = ConsolidationInput(observations, [], [])
     plan, yields = run_counting(planning("u", batch, later, decay))
-    # One per half slice of groups folded, one after folding, then one per slice of facts
-    # decayed and one per further slice of views (each group made a fact).
-    half = max(1, slice_size // 2)
-    assert yields == groups // half + 1 + groups // slice_size + (groups - 1) // slice_size
+    # One per half slice of observations grouped (each one a group) and one once the
+    # groups are made; one per quarter slice of groups folded and one after folding;
+    # then one per slice of facts decayed and one per further slice of views (each
+    # group made a fact).
+    half, quarter = max(1, slice_size // 2), max(1, slice_size // 4)
+    grouping = groups // half + 1
+    folding = groups // quarter + 1
+    assert yields == grouping + folding + groups // slice_size + (groups - 1) // slice_size
     assert plan == plan_consolidation("u", batch, later, decay)
     assert len(plan.upserts) == groups
 
