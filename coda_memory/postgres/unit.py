@@ -29,7 +29,7 @@ from typing import Any
 
 from coda_memory.core.consolidation import lives_asked
 from coda_memory.core.logs import identity_label
-from coda_memory.core.model import Fact, FactEvent
+from coda_memory.core.model import Fact, FactEvent, Observation
 from coda_memory.core.sessions import subjects_reached
 from coda_memory.core.turns import mapped
 from coda_memory.ports import ConsolidationInput, ConsolidationPlan, check_plan_identity
@@ -145,6 +145,14 @@ async def waiting_rows(
     return list(await raw.fetch(new.text, *arguments))
 
 
+async def waiting_observations(identity_id: str, rows: Sequence[Any]) -> list[Observation]:
+    """The observations of :func:`waiting_rows` (a row without an id only carries the
+    snapshot), made in slices with turns of the loop between them, in the load's turn:
+    a held table leaves hundreds, or thousands, waiting."""
+    read = [r for r in rows if r["id"] is not None]
+    return await mapped(read, partial(observation_from_row, identity_id))
+
+
 async def subjects_waiting(
     raw: Any, statements: Statements, identity_id: str, locked: Locked
 ) -> list[str]:
@@ -152,10 +160,7 @@ async def subjects_waiting(
     consolidation may change (:func:`~coda_memory.core.sessions.subjects_reached`), read
     under the checkpoint row's lock ``locked``."""
     rows = await waiting_rows(raw, statements, identity_id, locked.snapshot)
-    # In slices with turns of the loop between them: thousands may wait.
-    read = [r for r in rows if r["id"] is not None]
-    waiting = await mapped(read, partial(observation_from_row, identity_id))
-    return sorted(subjects_reached(waiting))
+    return sorted(subjects_reached(await waiting_observations(identity_id, rows)))
 
 
 def _fact_row(f: Fact) -> tuple[Any, ...]:
@@ -278,9 +283,7 @@ class PostgresConsolidationUnit:
             )
             self.known = await Known.read(self.locked_version, identity_id, fact_rows)
         stored = await self.known.facts()
-        # In slices, in the load's turn (a held table leaves hundreds waiting).
-        read = [r for r in rows if r["id"] is not None]
-        observations = await mapped(read, partial(observation_from_row, identity_id))
+        observations = await waiting_observations(identity_id, rows)
         sessions = sorted(
             {r["session_id"] for r in rows if r["session_seen"] and r["session_id"] is not None}
         )
