@@ -24,6 +24,7 @@ from sqlalchemy.sql.expression import Executable
 from coda_memory.core.model import Fact, FactEvent, FactEventKind, ObservationType
 from coda_memory.core.sanitize import ObservationRecord
 from coda_memory.postgres.connection import lock_timeout_clause
+from coda_memory.postgres.documents import event_row, fact_row, rows_document
 from coda_memory.postgres.engine import driver_connection
 from coda_memory.postgres.rollup import (
     TOOL_TYPES,
@@ -181,28 +182,6 @@ def _rest(copy: IdentityCopy, now: datetime) -> dict[str, object]:
         "checkpoint_at": copy.checkpoint_at,
         "last_expiry": max((e.at for e in events if e.kind is FactEventKind.EXPIRED), default=None),
         "has_consumed": bool(copy.consumed),
-        "fact_subjects": [f.subject for f in facts],
-        "fact_categories": [f.category.value for f in facts],
-        "fact_contents": [f.content for f in facts],
-        "fact_confidences": [f.confidence for f in facts],
-        "fact_reinforcement_counts": [f.reinforcement_count for f in facts],
-        "fact_last_reinforced_ats": [f.last_reinforced_at for f in facts],
-        "fact_confidence_ats": [f.anchor for f in facts],
-        "fact_created_ats": [f.created_at for f in facts],
-        "fact_updated_ats": [f.updated_at for f in facts],
-        "fact_ease_factors": [f.ease_factor for f in facts],
-        "event_subjects": [e.subject for e in events],
-        "event_categories": [e.category.value for e in events],
-        "event_kinds": [e.kind.value for e in events],
-        "event_session_ids": [e.session_id for e in events],
-        "event_ats": [e.at for e in events],
-        "event_confidences_before": [e.confidence_before for e in events],
-        "event_confidences_after": [e.confidence_after for e in events],
-        "event_counts_before": [e.count_before for e in events],
-        "event_counts_after": [e.count_after for e in events],
-        "event_eases_before": [e.ease_before for e in events],
-        "event_eases_after": [e.ease_after for e in events],
-        "event_qualities": [e.quality for e in events],
-        "event_hits": [e.hits for e in events],
-        "event_trials": [e.trials for e in events],
+        "facts": rows_document([fact_row(f) for f in facts]),
+        "events": rows_document([event_row(e) for e in events]),
     }

@@ -33,7 +33,7 @@ from coda_memory.core.model import Fact, FactEvent, Observation
 from coda_memory.core.sessions import subjects_reached
 from coda_memory.core.turns import mapped
 from coda_memory.ports import ConsolidationInput, ConsolidationPlan, check_plan_identity
-from coda_memory.postgres.documents import instant, rows_document
+from coda_memory.postgres.documents import event_row, fact_row, rows_document
 from coda_memory.postgres.known import Known, written
 from coda_memory.postgres.rows import event_from_row, fact_from_row, observation_from_row
 from coda_memory.postgres.sql import Query, query
@@ -163,42 +163,6 @@ async def subjects_waiting(
     return sorted(subjects_reached(await waiting_observations(identity_id, rows)))
 
 
-def _fact_row(f: Fact) -> tuple[Any, ...]:
-    """A fact as a row of the write's ``facts`` document."""
-    return (
-        f.subject,
-        f.category.value,
-        f.content,
-        f.confidence,
-        f.reinforcement_count,
-        instant(f.last_reinforced_at),
-        instant(f.anchor),
-        instant(f.created_at),
-        instant(f.updated_at),
-        f.ease_factor,
-    )
-
-
-def _event_row(e: FactEvent) -> tuple[Any, ...]:
-    """An event as a row of the write's ``events`` document."""
-    return (
-        e.subject,
-        e.category.value,
-        e.kind.value,
-        e.session_id,
-        instant(e.at),
-        e.confidence_before,
-        e.confidence_after,
-        e.count_before,
-        e.count_after,
-        e.ease_before,
-        e.ease_after,
-        e.quality,
-        e.hits,
-        e.trials,
-    )
-
-
 async def write_arguments(
     statement: Query, plan: ConsolidationPlan, snapshot: str, deletes: Sequence[str]
 ) -> list[Any]:
@@ -207,8 +171,8 @@ async def write_arguments(
     facts and events go as JSON documents of rows (see the statement), made in slices
     with turns of the event loop between them (the plan of a backlog of 600 observations
     has about 250 facts and 600 events: 1 to 3 ms in one go)."""
-    facts = await mapped(plan.upserts, _fact_row)
-    events = await mapped(plan.events, _event_row)
+    facts = await mapped(plan.upserts, fact_row)
+    events = await mapped(plan.events, event_row)
     return statement.arguments(
         identity_id=plan.identity_id,
         facts=rows_document(facts),

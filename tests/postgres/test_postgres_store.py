@@ -20,6 +20,7 @@ from coda_memory.core.turns import SLICE
 from coda_memory.errors import SchemaNotMigrated
 from coda_memory.postgres import PostgresStore
 from coda_memory.postgres import append as append_module
+from coda_memory.postgres import documents as documents_module
 from coda_memory.postgres import rows as rows_module
 from coda_memory.postgres import unit as unit_module
 from coda_memory.postgres.connection import LOCK_NOT_AVAILABLE, sqlstate
@@ -242,7 +243,7 @@ async def test_a_large_plan_is_written_from_rows_made_with_turns_of_the_loop(
     batch = [record(f"call {i}", metadata={"toolName": f"tool_{i:04}"}) for i in range(1_000)]
     assert (await pg_store.append(batch)).stored == 1_000
     made = 0
-    fact_row, event_row = unit_module._fact_row, unit_module._event_row
+    fact_row, event_row = documents_module.fact_row, documents_module.event_row
 
     def counted(convert: Any) -> Any:
         def count(item: Any) -> Any:
@@ -252,8 +253,8 @@ async def test_a_large_plan_is_written_from_rows_made_with_turns_of_the_loop(
 
         return count
 
-    monkeypatch.setattr(unit_module, "_fact_row", counted(fact_row))
-    monkeypatch.setattr(unit_module, "_event_row", counted(event_row))
+    monkeypatch.setattr(unit_module, "fact_row", counted(fact_row))
+    monkeypatch.setattr(unit_module, "event_row", counted(event_row))
     seen: set[int] = set()  # how many rows were made, as other tasks saw it at each turn
 
     async def ticker() -> None:

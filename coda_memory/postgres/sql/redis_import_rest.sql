@@ -1,5 +1,7 @@
 -- The rest of one identity's copy from Redis, in one statement: facts as they were,
 -- their history, the checkpoint, and the ledger row that makes a rerun skip it.
+-- The facts and the events come as JSON arrays of rows, as consolidation_write.sql takes
+-- them (coda_memory.postgres.documents: fact_row, event_row).
 WITH
 -- Facts with their confidence, anchor, counts and times; a fact Postgres already has
 -- (written by a live server since) is newer and stays.
@@ -17,23 +19,24 @@ copied_facts AS (
         updated_at,
         ease_factor
     )
-    SELECT :identity_id, *
-    FROM unnest(
-        :fact_subjects::text[],
-        :fact_categories::text[],
-        :fact_contents::text[],
-        :fact_confidences::float8[],
-        :fact_reinforcement_counts::int[],
-        :fact_last_reinforced_ats::timestamptz[],
-        :fact_confidence_ats::timestamptz[],
-        :fact_created_ats::timestamptz[],
-        :fact_updated_ats::timestamptz[],
-        :fact_ease_factors::float8[]
-    )
+    SELECT
+        :identity_id,
+        f.r ->> 0,
+        f.r ->> 1,
+        f.r ->> 2,
+        (f.r ->> 3)::float8,
+        (f.r ->> 4)::int,
+        (f.r ->> 5)::timestamptz,
+        (f.r ->> 6)::timestamptz,
+        (f.r ->> 7)::timestamptz,
+        (f.r ->> 8)::timestamptz,
+        (f.r ->> 9)::float8
+    FROM jsonb_array_elements(:facts::jsonb) AS f (r)
     ON CONFLICT (identity_id, subject) DO NOTHING
     RETURNING 1
 ),
--- The history coda-memory kept in Redis, in its order (the original server kept none).
+-- The history coda-memory kept in Redis, in its order (the original server kept none),
+-- recorded at the instant it happened.
 copied_events AS (
     INSERT INTO {schema}.fact_events (
         identity_id,
@@ -55,53 +58,22 @@ copied_events AS (
     )
     SELECT
         :identity_id,
-        e.at,
-        e.subject,
-        e.category,
-        e.kind,
-        e.session_id,
-        e.at,
-        e.confidence_before,
-        e.confidence_after,
-        e.count_before,
-        e.count_after,
-        e.ease_before,
-        e.ease_after,
-        e.quality,
-        e.hits,
-        e.trials
-    FROM unnest(
-        :event_subjects::text[],
-        :event_categories::text[],
-        :event_kinds::text[],
-        :event_session_ids::text[],
-        :event_ats::timestamptz[],
-        :event_confidences_before::float8[],
-        :event_confidences_after::float8[],
-        :event_counts_before::int[],
-        :event_counts_after::int[],
-        :event_eases_before::float8[],
-        :event_eases_after::float8[],
-        :event_qualities::float8[],
-        :event_hits::int[],
-        :event_trials::int[]
-    ) WITH ORDINALITY AS e(
-        subject,
-        category,
-        kind,
-        session_id,
-        at,
-        confidence_before,
-        confidence_after,
-        count_before,
-        count_after,
-        ease_before,
-        ease_after,
-        quality,
-        hits,
-        trials,
-        ord
-    )
+        (e.r ->> 4)::timestamptz,
+        e.r ->> 0,
+        e.r ->> 1,
+        e.r ->> 2,
+        e.r ->> 3,
+        (e.r ->> 4)::timestamptz,
+        (e.r ->> 5)::float8,
+        (e.r ->> 6)::float8,
+        (e.r ->> 7)::int,
+        (e.r ->> 8)::int,
+        (e.r ->> 9)::float8,
+        (e.r ->> 10)::float8,
+        (e.r ->> 11)::float8,
+        (e.r ->> 12)::int,
+        (e.r ->> 13)::int
+    FROM jsonb_array_elements(:events::jsonb) WITH ORDINALITY AS e (r, ord)
     ORDER BY e.ord
     RETURNING 1
 ),
