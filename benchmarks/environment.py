@@ -27,6 +27,87 @@ def stolen_seconds() -> float:
     return float(psutil.cpu_times()._asdict().get("steal", 0.0))
 
 
+def family_cpu(root: int, *, reaped: bool = False) -> dict[int, float]:
+    """CPU seconds (user and system) of process ``root`` and of each of its descendants,
+    by pid; nothing for a process that is gone. ``reaped``: with the user CPU of the
+    children each one waited for after they exited (pgbench, for this process)."""
+    try:
+        process = psutil.Process(root)
+        family = [process, *process.children(recursive=True)]
+    except psutil.Error:
+        return {}
+    cpu: dict[int, float] = {}
+    for member in family:
+        try:
+            times = member.cpu_times()
+        except psutil.Error:
+            continue
+        cpu[member.pid] = times.user + times.system + (times.children_user if reaped else 0.0)
+    return cpu
+
+
+class CpuMeter:
+    """CPU seconds that a block used: in this process (every thread but the meter's own)
+    and in the server's processes (the embedded server's postmaster and every backend it
+    forks; None for a server given by ``--url``, whose processes this run cannot see).
+
+    Backends come and go (pgbench's, a pool's replacements), so the server's processes
+    are sampled every ``interval`` seconds in a thread: one that starts during the block
+    counts from zero, and one that exits loses what it used after its last sample (at
+    most an interval's worth)."""
+
+    def __init__(self, server_pid: int | None, interval: float = 0.05) -> None:
+        self._root = server_pid
+        self._interval = interval
+        self._first: dict[int, float] = {}
+        self._last: dict[int, float] = {}
+        #: CPU of processes whose pid came back as a new process (counted, then reset).
+        self._gone = 0.0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._process_start = 0.0
+        self._meter_seconds = 0.0
+        #: This process's CPU seconds in the block (set when it ends).
+        self.process_seconds = 0.0
+        #: The server's CPU seconds in the block (None: not seen).
+        self.server_seconds: float | None = None
+
+    def _sample(self) -> None:
+        assert self._root is not None
+        for pid, cpu in family_cpu(self._root).items():
+            last = self._last.get(pid)
+            if last is None:
+                self._first[pid] = 0.0  # started during the block
+            elif cpu < last:  # the pid was reused by a new process
+                self._gone += last - self._first[pid]
+                self._first[pid] = 0.0
+            self._last[pid] = cpu
+
+    def _run(self) -> None:
+        started = time.thread_time()
+        while not self._stop.wait(self._interval):
+            self._sample()
+        self._meter_seconds = time.thread_time() - started
+
+    def __enter__(self) -> CpuMeter:
+        self._process_start = time.process_time()
+        if self._root is not None:
+            self._first = family_cpu(self._root)
+            self._last = dict(self._first)
+            self._thread = threading.Thread(target=self._run, name="cpu-meter", daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join()
+            self._sample()
+            used = sum(cpu - self._first[pid] for pid, cpu in self._last.items())
+            self.server_seconds = self._gone + used
+        self.process_seconds = time.process_time() - self._process_start - self._meter_seconds
+
+
 class LoadMonitor:
     """Samples how much CPU processes other than this run's use meanwhile: this machine
     is shared, and a busy neighbour slows every figure down. "Ours" is this process, its
@@ -47,17 +128,7 @@ class LoadMonitor:
     def _ours(self) -> dict[int, float]:
         cpu: dict[int, float] = {}
         for root in self._roots:
-            try:
-                process = psutil.Process(root)
-                family = [process, *process.children(recursive=True)]
-            except psutil.Error:
-                continue
-            for member in family:
-                try:
-                    times = member.cpu_times()
-                except psutil.Error:
-                    continue
-                cpu[member.pid] = times.user + times.system + times.children_user
+            cpu.update(family_cpu(root, reaped=True))
         return cpu
 
     @staticmethod

@@ -11,6 +11,7 @@ import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from benchmarks.environment import CpuMeter
 from benchmarks.report import Report
 from benchmarks.server import Server, quiesce
 from benchmarks.sizes import Sizes
@@ -29,6 +30,8 @@ class PgbenchResult:
     p50_ms: float
     p99_ms: float
     per_statement_ms: dict[str, float]
+    #: The server's CPU per transaction (None: a server given by --url, not seen).
+    server_cpu_ms_per_tx: float | None = None
 
 
 def run_pgbench(server: Server, database: str, clients: int, seconds: int) -> PgbenchResult:
@@ -48,7 +51,8 @@ def run_pgbench(server: Server, database: str, clients: int, seconds: int) -> Pg
             f"--log-prefix={logs}/tx",
             database,
         ]
-        done = subprocess.run(command, env=env, capture_output=True, text=True, check=True)
+        with CpuMeter(server.postmaster_pid()) as cpu:
+            done = subprocess.run(command, env=env, capture_output=True, text=True, check=True)
         latencies: list[float] = []
         for path in Path(logs).iterdir():
             for line in path.read_text().splitlines():
@@ -72,6 +76,11 @@ def run_pgbench(server: Server, database: str, clients: int, seconds: int) -> Pg
         p50_ms=percentile(latencies, 50),
         p99_ms=percentile(latencies, 99),
         per_statement_ms=statements,
+        server_cpu_ms_per_tx=(
+            None
+            if cpu.server_seconds is None or not latencies
+            else cpu.server_seconds * 1000 / len(latencies)
+        ),
     )
 
 

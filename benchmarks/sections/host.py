@@ -10,16 +10,21 @@ service of its own on a uvloop loop in a thread, while the run's loop waits for 
 Targets are judged on the standard library's loop, the library's default.
 
 Each concurrent row counts the statements that were slow on the server meanwhile
-(``benchmarks.slow_statements``), beside the loads over the 25 ms target."""
+(``benchmarks.slow_statements``), beside the loads over the 25 ms target. Each row also
+has the CPU per request in this process and on the server (``CpuMeter``): beside the
+server's CPU per pgbench transaction, and, for the 8 in flight, both together beside
+what the throughput target leaves per request of the machine's cores."""
 
 from __future__ import annotations
 
 import asyncio
 import gc
+import os
 from typing import Any
 
 import uvloop
 
+from benchmarks.environment import CpuMeter
 from benchmarks.host import HostRequests, LagTicker, Requests, seed_host
 from benchmarks.logcount import counted_logs
 from benchmarks.profiling.statements import log_offset
@@ -68,7 +73,7 @@ async def _measured(
     log_start = log_offset(server)
     if concurrency > 1:
         ticker.start()
-    with counted_logs() as logs:
+    with counted_logs() as logs, CpuMeter(server.postmaster_pid()) as cpu:
         seen = await requests.run(service, count, concurrency)
     lag = ticker.summary() if concurrency > 1 else {}
     await ticker.stop()
@@ -76,6 +81,10 @@ async def _measured(
     timeouts = timeouts_between(before, after)
     errors = after.load_errors - before.load_errors
     row = _row(mode, seen, timeouts, errors) | {"warnings_logged": logs.lines}
+    row["process_cpu_ms_per_request"] = cpu.process_seconds * 1000 / seen.count
+    row["server_cpu_ms_per_request"] = (
+        None if cpu.server_seconds is None else cpu.server_seconds * 1000 / seen.count
+    )
     return row | slow_since(server, log_start), lag
 
 
@@ -254,6 +263,7 @@ def _report(
                 row["requests_per_s"] >= 0.25 * pgbench.tps if row is concurrent else None,
             )
         )
+    _cpu_figures(ctx, concurrent, sequential)
     report.tables["event_loop_lag"] = [
         {"during": concurrent["mode"], **lag},
         {"during": frozen_row["mode"], **frozen_lag},
@@ -281,6 +291,57 @@ def _report(
                     details=lags,
                 )
             )
+
+
+def _cpu_figures(ctx: Context, concurrent: dict[str, Any], sequential: dict[str, Any]) -> None:
+    """CPU per request, in this process and on the server, beside the server's CPU per
+    pgbench transaction; and what the throughput target leaves of the machine's cores
+    per request: a run whose CPU per request is over it cannot reach the target on this
+    machine, whatever the scheduling."""
+    sizes, report, section = ctx.sizes, ctx.report, "8 host-shaped"
+    for row, pgbench, clients in (
+        (concurrent, ctx.eight, sizes.workers),
+        (sequential, ctx.one, 1),
+    ):
+        report.add(
+            Figure(
+                section,
+                f"{row['mode']}: CPU per request, this process",
+                row["process_cpu_ms_per_request"],
+                "ms",
+            )
+        )
+        server_ms = row["server_cpu_ms_per_request"]
+        if server_ms is not None and pgbench.server_cpu_ms_per_tx:
+            report.add(
+                Figure(
+                    section,
+                    f"{row['mode']}: CPU per request, the server",
+                    server_ms,
+                    "ms",
+                    pgbench.server_cpu_ms_per_tx,
+                    f"pgbench -c{clients} (start): server CPU per transaction",
+                    server_ms / pgbench.server_cpu_ms_per_tx,
+                )
+            )
+    server_ms = concurrent["server_cpu_ms_per_request"]
+    if server_ms is None:
+        return
+    cores = os.cpu_count() or 1
+    total = concurrent["process_cpu_ms_per_request"] + server_ms
+    budget = cores * 1000 / (0.25 * ctx.eight.tps)
+    report.add(
+        Figure(
+            section,
+            f"{concurrent['mode']}: CPU per request, this process and the server",
+            total,
+            "ms",
+            budget,
+            f"{cores} cores' CPU per request at 0.25x pgbench -c{sizes.workers} tps (start)",
+            total / budget,
+            details={"most_requests_per_s_on_these_cores": cores * 1000 / total},
+        )
+    )
 
 
 SECTION = Section(

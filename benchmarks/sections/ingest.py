@@ -1,4 +1,5 @@
-"""4. Ingest: emit_observation + drain against COPY and INSERT per row; emit cost; memory bound."""
+"""4. Ingest: emit_observation + drain against COPY and INSERT per row, and the CPU per
+observation in this process and on the server against the COPY's; emit cost; memory bound."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import random
 import time
 from datetime import UTC, datetime
 
+from benchmarks.environment import CpuMeter
 from benchmarks.queueing import emit_cost, memory_bound
 from benchmarks.report import Figure
 from benchmarks.section import Context, Section
@@ -33,9 +35,10 @@ async def ingest_section(db: Database, ctx: Context) -> None:
 
     # The limit: the same rows in one COPY.
     start = time.perf_counter()
-    await db.conn.copy_records_to_table(
-        "observations", schema_name=SCHEMA, columns=OBSERVATION_COLUMNS, records=rows
-    )
+    with CpuMeter(ctx.server.postmaster_pid()) as copy_cpu:
+        await db.conn.copy_records_to_table(
+            "observations", schema_name=SCHEMA, columns=OBSERVATION_COLUMNS, records=rows
+        )
     copy_rate = len(rows) / (time.perf_counter() - start)
 
     # The service's own batching, without validation: COPY per batch_size rows.
@@ -53,16 +56,16 @@ async def ingest_section(db: Database, ctx: Context) -> None:
     # The service: emit_observation + drain, the writer validating and batching.
     service = db.service
     start = time.perf_counter()
-    cpu_start = time.process_time()
-    for n, (identity, observation) in enumerate(items, 1):
-        service.emit_observation(identity, observation)
-        if n % 1_000 == 0:
-            await asyncio.sleep(0)
-            while service.stats().pending > 20_000:
-                await asyncio.sleep(0.001)
-    await service.drain(DRAIN_TIMEOUT)
+    with CpuMeter(ctx.server.postmaster_pid()) as service_cpu:
+        for n, (identity, observation) in enumerate(items, 1):
+            service.emit_observation(identity, observation)
+            if n % 1_000 == 0:
+                await asyncio.sleep(0)
+                while service.stats().pending > 20_000:
+                    await asyncio.sleep(0.001)
+        await service.drain(DRAIN_TIMEOUT)
     elapsed = time.perf_counter() - start
-    cpu = time.process_time() - cpu_start
+    cpu = service_cpu.process_seconds
     service_rate = len(items) / elapsed
 
     # The naive way: one INSERT (and one commit) per row.
@@ -122,6 +125,29 @@ async def ingest_section(db: Database, ctx: Context) -> None:
             service_rate / naive_rate,
         )
     )
+    # CPU per observation: ingest is CPU-bound on both sides of the connection.
+    report.add(
+        Figure(
+            "4 ingest",
+            "emit_observation + drain: CPU per observation, this process",
+            cpu * 1e6 / len(items),
+            "us",
+        )
+    )
+    if service_cpu.server_seconds is not None and copy_cpu.server_seconds:
+        per_row = copy_cpu.server_seconds * 1e6 / len(rows)
+        server_us = service_cpu.server_seconds * 1e6 / len(items)
+        report.add(
+            Figure(
+                "4 ingest",
+                "emit_observation + drain: CPU per observation, the server",
+                server_us,
+                "us",
+                per_row,
+                "one COPY: server CPU per row",
+                server_us / per_row,
+            )
+        )
     await emit_cost(sizes, report)
     await memory_bound(sizes, report)
 

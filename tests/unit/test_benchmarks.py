@@ -10,11 +10,15 @@ import importlib
 import inspect
 import pkgutil
 import re
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import benchmarks
 import benchmarks.sections
 from benchmarks.__main__ import main, parse_args
+from benchmarks.environment import CpuMeter
 from benchmarks.profiling.run import profile_main
 from benchmarks.profiling.statements import server_entries
 from benchmarks.run import benchmark, selected
@@ -147,3 +151,81 @@ def test_server_entries_reads_the_slow_statements_between_two_offsets(tmp_path: 
     entries = server_entries(log, len(before.encode()), log.stat().st_size)
 
     assert entries == [(12.679, "facts: load"), (5.5, "COMMIT")]
+
+
+#: Burns CPU for a number of seconds of process time, given as its first argument.
+_BURN = """
+import sys, time
+def burn(seconds):
+    end = time.process_time() + seconds
+    while time.process_time() < end:
+        pass
+"""
+
+#: A process of the stand-in server that starts during the block: it burns 0.2 s, says
+#: so, and stays alive until its input closes.
+_CHILD = (
+    _BURN
+    + """
+burn(0.2)
+print("done", flush=True)
+sys.stdin.read()
+"""
+)
+
+#: A stand-in for the server: it burns 0.3 s before it says "ready" (not the block's);
+#: then, told "go", it starts a child (above), burns 0.3 s itself, and says "done" once
+#: both are done; it stays alive until its input closes.
+_SERVER = (
+    _BURN
+    + """
+import subprocess
+burn(0.3)
+print("ready", flush=True)
+sys.stdin.readline()
+child = subprocess.Popen(
+    [sys.executable, sys.argv[1]], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+)
+burn(0.3)
+child.stdout.readline()
+print("done", flush=True)
+sys.stdin.read()
+child.stdin.close()
+child.wait()
+"""
+)
+
+
+def test_cpu_meter_counts_the_servers_processes_from_the_block_on(tmp_path: Path) -> None:
+    (tmp_path / "server.py").write_text(_SERVER)
+    (tmp_path / "child.py").write_text(_CHILD)
+    with subprocess.Popen(
+        [sys.executable, str(tmp_path / "server.py"), str(tmp_path / "child.py")],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    ) as server:
+        assert server.stdin is not None and server.stdout is not None
+        try:
+            assert server.stdout.readline().strip() == "ready"
+            with CpuMeter(server.pid) as cpu:
+                server.stdin.write("go\n")
+                server.stdin.flush()
+                assert server.stdout.readline().strip() == "done"
+        finally:
+            server.stdin.close()
+            server.wait(timeout=10)
+    # 0.5 s burnt in the block (the child's interpreter start adds a little); the 0.3 s
+    # burnt before it is not counted, and this process only waited.
+    assert cpu.server_seconds is not None
+    assert 0.45 <= cpu.server_seconds <= 0.75
+    assert cpu.process_seconds < 0.2
+
+
+def test_cpu_meter_without_a_server_process_counts_this_process_only() -> None:
+    with CpuMeter(None) as cpu:
+        end = time.process_time() + 0.1
+        while time.process_time() < end:
+            pass
+    assert cpu.server_seconds is None
+    assert 0.09 <= cpu.process_seconds <= 0.3
