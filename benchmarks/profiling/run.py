@@ -8,16 +8,18 @@ import json
 import logging
 import random
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 
 from benchmarks.environment import LoadMonitor, command_line, git_commit, machine
+from benchmarks.host import HostRequests, seed_host
 from benchmarks.profiling.pieces import micro_costs
-from benchmarks.profiling.sampling import profiled
+from benchmarks.profiling.sampling import profiled, profiled_work
 from benchmarks.profiling.statements import DriverRecorder, log_offset, recorded, server_times
 from benchmarks.profiling.variants import collections, interleaved
 from benchmarks.server import start_server
 from benchmarks.sizes import Sizes
-from benchmarks.workloads import names, open_database, prepare_profile
+from benchmarks.workloads import Database, names, open_database, prepare_profile
 from coda_memory import MemoryService
 
 log = logging.getLogger("bench")
@@ -111,6 +113,9 @@ async def profile_run(args: argparse.Namespace, sizes: Sizes) -> dict[str, Any]:
         ):
             path = args.out / f"profile-{stamp}-{sizes.mode}-{name}.txt"
             profiles[name] = await profiled(operation, identities, path)
+        profiles[f"host-shaped, {sizes.host_concurrency} in flight, per request"] = await _host(
+            db, sizes, args.out / f"profile-{stamp}-{sizes.mode}-host.txt"
+        )
         result["sampling"] = profiles
 
         pinging, trusting = (
@@ -150,6 +155,27 @@ async def profile_run(args: argparse.Namespace, sizes: Sizes) -> dict[str, Any]:
     )
     result["stamp"] = stamp
     return result
+
+
+async def _host(db: Database, sizes: Sizes, out: Path) -> dict[str, Any]:
+    """The host-shaped run (the host section's workload: each request emits a session's
+    observations for a random identity, then loads it; library defaults, started)
+    under the sampling profiler: where a request's CPU goes in this process, the
+    writer's share included."""
+    identities = await seed_host(db, "ph", sizes.host_identities, sizes.host_facts)
+    requests = HostRequests(identities, sizes.host_facts, seed=17)
+    service = MemoryService.from_url(db.url)
+    try:
+        await service.start()
+        await requests.run(service, sizes.host_requests // 4, sizes.host_concurrency)  # warm
+
+        async def run() -> None:
+            await requests.run(service, sizes.host_requests, sizes.host_concurrency)
+            await service.drain()  # what the writer has left of them counts too
+
+        return await profiled_work(run, sizes.host_requests, out)
+    finally:
+        await service.close()
 
 
 def profile_markdown(result: dict[str, Any]) -> str:

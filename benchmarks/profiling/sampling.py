@@ -22,16 +22,25 @@ from sqlalchemy.pool.base import _ConnectionFairy
 from sqlalchemy.sql.elements import ClauseElement
 
 from benchmarks.server import ROOT
+from benchmarks.workloads import new_observations
+from coda_memory import MemoryService
 from coda_memory.core.affinity import extract_tool_affinities
-from coda_memory.core.consolidation import plan_consolidation
+from coda_memory.core.consolidation import plan_consolidation, planning
 from coda_memory.core.prompt import format_memory_section
 from coda_memory.postgres import PostgresStore, unit
+from coda_memory.postgres.append import append_observations
+from coda_memory.postgres.known import Known
 from coda_memory.postgres.repositories import FactRepository
 
 #: Where sampled CPU time goes: the first frame from the leaf up that matches decides. C
 #: code (asyncpg's protocol, SQLAlchemy's row processing, pydantic-core) has no frames of
-#: its own, so its time lands on the Python frame that called it.
+#: its own, so its time lands on the Python frame that called it; pyinstrument records
+#: the built-in functions called from Python, such as a socket's send (py-spy does not).
 PROFILE_CATEGORIES: tuple[tuple[str, Callable[[str, str], bool]], ...] = (
+    (
+        "socket send and receive (system calls; the kernel's loopback TCP)",
+        lambda f, p: p == "<built-in>" and f in ("socket.send", "socket.recv", "socket.recv_into"),
+    ),
     (
         "asyncpg (protocol, row decoding; mostly C)",
         lambda f, p: "/asyncpg/" in p or (p.endswith("selector_events.py") and "_read_" in f),
@@ -75,6 +84,7 @@ def _where(code: CodeType) -> tuple[str, str]:
 #: from the functions themselves, so a renamed one fails here instead of reading zero.
 _CHOSEN: tuple[tuple[str, CodeType], ...] = (
     ("plan_consolidation (pure Python)", plan_consolidation.__code__),
+    ("the plan in steps, as a load runs it (pure Python)", planning.__code__),
     ("PostgresStore.peek (lock-free read)", PostgresStore.peek.__code__),
     ("unit.load (snapshot + 3 reads)", unit.PostgresConsolidationUnit.load.__code__),
     ("unit.write (one write)", unit.PostgresConsolidationUnit.write.__code__),
@@ -84,6 +94,11 @@ _CHOSEN: tuple[tuple[str, CodeType], ...] = (
     ("SQLAlchemy pool checkout", _ConnectionFairy._checkout.__code__),
     ("format_memory_section", format_memory_section.__code__),
     ("extract_tool_affinities", extract_tool_affinities.__code__),
+    ("a load's answer (rank, prompt section, affinities)", MemoryService._answer_steps.__code__),
+    ("kept facts made into models (Known.facts)", Known.facts.__code__),
+    ("the writer: validating a batch", MemoryService._validate.__code__),
+    ("the writer: storing a batch (append_observations)", append_observations.__code__),
+    ("the benchmark: making a request's observations", new_observations.__code__),
 )
 PROFILE_FUNCTIONS: tuple[tuple[str, str, str], ...] = (
     *((label, *_where(code)) for label, code in _CHOSEN),
@@ -175,8 +190,19 @@ def shorten_paths(path: Path) -> None:
 async def profiled(
     operation: Callable[[str], Awaitable[Any]], identities: Sequence[str], out: Path
 ) -> dict[str, Any]:
-    """Run ``operation`` for each identity under a sampling profiler: py-spy when it is
-    installed (it samples from outside, so the code runs at full speed), else
+    """Run ``operation`` for each identity, one after another, under a sampling profiler
+    (see :func:`profiled_work`)."""
+
+    async def each() -> None:
+        for identity in identities:
+            await operation(identity)
+
+    return await profiled_work(each, len(identities), out)
+
+
+async def profiled_work(work: Callable[[], Awaitable[Any]], runs: int, out: Path) -> dict[str, Any]:
+    """Run ``work`` (``runs`` runs of something) under a sampling profiler: py-spy when
+    it is installed (it samples from outside, so the code runs at full speed), else
     pyinstrument. Returns wall and CPU time per run and where the CPU time went."""
     spy = py_spy()
     recorder: subprocess.Popen[bytes] | None = None
@@ -191,10 +217,8 @@ async def profiled(
         profiler = Profiler(interval=0.0005, async_mode="disabled")
         profiler.start()
     wall, cpu = time.perf_counter(), time.process_time()
-    for identity in identities:
-        await operation(identity)
+    await work()
     wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
-    runs = len(identities)
     samples: list[tuple[Stack, float]]
     if recorder is not None:
         recorder.send_signal(signal.SIGINT)

@@ -20,6 +20,7 @@ import benchmarks.sections
 from benchmarks.__main__ import main, parse_args
 from benchmarks.environment import CpuMeter
 from benchmarks.profiling.run import profile_main
+from benchmarks.profiling.sampling import profile_breakdown
 from benchmarks.profiling.statements import server_entries
 from benchmarks.run import benchmark, selected
 from benchmarks.section import Section
@@ -229,3 +230,24 @@ def test_cpu_meter_without_a_server_process_counts_this_process_only() -> None:
             pass
     assert cpu.server_seconds is None
     assert 0.09 <= cpu.process_seconds <= 0.3
+
+
+def test_the_profile_puts_socket_calls_apart_and_scales_to_the_cpu_measured() -> None:
+    loop = ("_run_once", "/usr/lib/python3.11/asyncio/base_events.py")
+    write = ("write", "/usr/lib/python3.11/asyncio/selector_events.py")
+    plan = ("planning", "/src/coda_memory/core/consolidation.py")
+    samples = [
+        ([loop, write, ("socket.send", "<built-in>")], 3.0),
+        ([loop, write], 1.0),  # the transport's own Python: the event loop's
+        ([loop, plan], 4.0),
+        ([loop, ("select", "/usr/lib/python3.11/selectors.py")], 10.0),  # idle: left out
+    ]
+    breakdown = profile_breakdown(samples, cpu_ms=2.0)
+    categories = breakdown["categories_ms_per_run"]
+    assert categories == {
+        "consolidation engine (plan, decay, model)": 1.0,
+        "socket send and receive (system calls; the kernel's loopback TCP)": 0.75,
+        "asyncio event loop (task switches, callbacks)": 0.25,
+    }
+    functions = breakdown["functions_ms_per_run"]
+    assert functions["the plan in steps, as a load runs it (pure Python)"] == 1.0
