@@ -38,7 +38,7 @@ from coda_memory.postgres.repositories import FactRepository
 #: the built-in functions called from Python, such as a socket's send (py-spy does not).
 PROFILE_CATEGORIES: tuple[tuple[str, Callable[[str, str], bool]], ...] = (
     (
-        "socket send and receive (system calls; the kernel's loopback TCP)",
+        "socket send and receive (system calls)",
         lambda f, p: p == "<built-in>" and f in ("socket.send", "socket.recv", "socket.recv_into"),
     ),
     (

@@ -246,7 +246,7 @@ def test_the_profile_puts_socket_calls_apart_and_scales_to_the_cpu_measured() ->
     categories = breakdown["categories_ms_per_run"]
     assert categories == {
         "consolidation engine (plan, decay, model)": 1.0,
-        "socket send and receive (system calls; the kernel's loopback TCP)": 0.75,
+        "socket send and receive (system calls)": 0.75,
         "asyncio event loop (task switches, callbacks)": 0.25,
     }
     functions = breakdown["functions_ms_per_run"]
