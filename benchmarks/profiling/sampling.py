@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import inspect
 import os
 import re
 import shutil
@@ -89,6 +90,10 @@ _CHOSEN: tuple[tuple[str, CodeType], ...] = (
     ("unit.load (snapshot + 3 reads)", unit.PostgresConsolidationUnit.load.__code__),
     ("unit.write (one write)", unit.PostgresConsolidationUnit.write.__code__),
     ("lock_identity (ensure, lock)", unit.lock_identity.__code__),
+    (
+        "a consolidation's transaction opened and closed (PostgresStore.consolidation)",
+        inspect.unwrap(PostgresStore.consolidation).__code__,  # an asynccontextmanager
+    ),
     ("FactRepository.stored (SELECT + rows -> Fact)", FactRepository.stored.__code__),
     ("SQLAlchemy statement compile (cache lookups)", ClauseElement._compile_w_cache.__code__),
     ("SQLAlchemy pool checkout", _ConnectionFairy._checkout.__code__),
@@ -176,8 +181,8 @@ def read_spy(path: Path) -> list[tuple[Stack, float]]:
 
 
 def shorten_paths(path: Path) -> None:
-    """Strip install prefixes from the collapsed stacks' file names (a third of the size),
-    once they have been read."""
+    """Strip install prefixes from a profile's file names (a third of py-spy's collapsed
+    stacks), once they have been read."""
     prefixes = sorted(
         {str(ROOT) + "/", *(p + "/" for p in sys.path if p and Path(p).is_dir())},
         key=len,
@@ -229,6 +234,7 @@ async def profiled_work(work: Callable[[], Awaitable[Any]], runs: int, out: Path
     else:
         session = profiler.stop()
         out.write_text(ConsoleRenderer(unicode=False, color=False).render(session))
+        shorten_paths(out)  # its header names this file by its absolute path
         samples = pyinstrument_samples(session)
         sampler, tree = "pyinstrument (0.5 ms; adds per-call overhead)", out.name
     return {
