@@ -19,7 +19,7 @@ from benchmarks.profiling.statements import DriverRecorder, log_offset, recorded
 from benchmarks.profiling.variants import collections, interleaved
 from benchmarks.server import start_server
 from benchmarks.sizes import Sizes
-from benchmarks.workloads import Database, names, open_database, prepare_profile
+from benchmarks.workloads import DRAIN_TIMEOUT, Database, names, open_database, prepare_profile
 from coda_memory import MemoryService
 
 log = logging.getLogger("bench")
@@ -171,7 +171,7 @@ async def _host(db: Database, sizes: Sizes, out: Path) -> dict[str, Any]:
 
         async def run() -> None:
             await requests.run(service, sizes.host_requests, sizes.host_concurrency)
-            await service.drain()  # what the writer has left of them counts too
+            await service.drain(DRAIN_TIMEOUT)  # what the writer has left of them counts too
 
         return await profiled_work(run, sizes.host_requests, out)
     finally:
