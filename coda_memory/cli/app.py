@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
+import re
 import sys
 from collections.abc import Sequence
 from enum import StrEnum
@@ -13,6 +15,7 @@ from typing import Annotated, Any
 import typer
 from typer.core import TyperGroup
 
+from coda_memory import __version__
 from coda_memory.cli.runtime import (
     SCHEMA_VARIABLE,
     URL_VARIABLE,
@@ -48,9 +51,43 @@ _ClickException = _click_class("ClickException")
 _UsageError = _click_class("UsageError")
 
 
+#: A paragraph line that starts a list item (``- ``, ``* ``, ``1. ``) or is indented:
+#: the paragraph's line breaks are meant, and stay.
+_LAID_OUT = re.compile(r"^(?:[-*] |\d+\. |\s)")
+
+
+def unwrapped(text: str | None) -> str | None:
+    """Help text with each paragraph's lines joined, so that the terminal wraps it at its
+    own width: the docstrings are wrapped at the source's width, and typer's help keeps
+    their line breaks (at 80 columns a sentence then broke in the middle of the line).
+    Paragraphs that start with click's ``\\b`` or hold a list or indented lines stay as
+    they are."""
+    if not text:
+        return text
+    paragraphs = inspect.cleandoc(text).split("\n\n")
+    return "\n\n".join(
+        paragraph
+        if paragraph.startswith("\b")
+        or any(_LAID_OUT.match(line) for line in paragraph.splitlines()[1:])
+        else " ".join(line.strip() for line in paragraph.splitlines())
+        for paragraph in paragraphs
+    )
+
+
+def _unwrap_help(command: Any) -> None:
+    """:func:`unwrapped` on the help of ``command``, its options and its subcommands."""
+    command.help = unwrapped(command.help)
+    for param in command.params:
+        if getattr(param, "help", None):
+            param.help = unwrapped(param.help)
+    for sub in getattr(command, "commands", {}).values():
+        _unwrap_help(sub)
+
+
 class _OneLineErrors(TyperGroup):
-    """The root command: ``--debug`` anywhere, and usage errors and a command's CliError
-    (outside :func:`~coda_memory.cli.runtime.run` too) as one line on stderr."""
+    """The root command: ``--debug`` anywhere, usage errors and a command's CliError
+    (outside :func:`~coda_memory.cli.runtime.run` too) as one line on stderr, and help
+    texts that the terminal wraps (:func:`unwrapped`)."""
 
     def main(
         self,
@@ -62,6 +99,7 @@ class _OneLineErrors(TyperGroup):
         **extra: Any,
     ) -> Any:
         argv = hoist_debug(sys.argv[1:] if args is None else args)
+        _unwrap_help(self)
         try:
             result = super().main(
                 argv, prog_name, complete_var, False, windows_expand_args, **extra
@@ -206,10 +244,25 @@ def decay_strategy(name: DecayName) -> DecayStrategy:
     return ExponentialDecay()
 
 
+def _print_version(value: bool) -> None:
+    if value:
+        typer.echo(f"coda-memory {__version__}")
+        raise typer.Exit()
+
+
 @app.callback()
 def _main(
     debug: Annotated[
         bool, typer.Option(DEBUG_FLAG, help="Show tracebacks of errors (anywhere on the line).")
+    ] = False,
+    version: Annotated[
+        bool,
+        typer.Option(
+            "--version",
+            help="Print coda-memory's version and exit.",
+            is_eager=True,
+            callback=_print_version,
+        ),
     ] = False,
 ) -> None:
     """Memory across sessions for LLM agents: inspect and maintain it in Postgres.
