@@ -32,7 +32,13 @@ from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
-from coda_memory.core.decay import DecayStrategy, days_after, initial_ease
+from coda_memory.core.decay import (
+    DecayStrategy,
+    Reinforcing,
+    days_after,
+    initial_ease,
+    reinforcing,
+)
 from coda_memory.core.model import (
     Fact,
     FactEvent,
@@ -43,6 +49,7 @@ from coda_memory.core.model import (
     gc_paused,
     replaced,
     trusted,
+    trusted_from,
     with_confidence,
 )
 from coda_memory.core.rank import score_key
@@ -116,6 +123,8 @@ class _Run:
     now: datetime
     decay: DecayStrategy
     current: dict[str, Fact]
+    #: ``decay``'s reinforcement from a known confidence (see :func:`reinforcing`).
+    reinforce_with: Reinforcing
     events: list[FactEvent] = field(default_factory=list)
     #: The latest reinforcing event per (subject, session id), from earlier runs and this one.
     reinforced_by: dict[tuple[str, str], FactEvent] = field(default_factory=dict)
@@ -209,39 +218,46 @@ class _Run:
         kind: FactEventKind,
         hits: int,
         trials: int,
+        decayed: float | None = None,
     ) -> None:
-        """Reinforce ``before`` (or create the fact) at ``at`` and record the event."""
+        """Reinforce ``before`` (or create the fact) at ``at`` and record the event.
+        ``decayed``: ``before``'s confidence at ``at``, when the caller has it already."""
         quality = hits / trials if trials else 1.0
         threshold = self.decay.expiry_threshold
-        confidence_before = None if before is None else self.decay.decayed(before, at)
+        confidence_before = decayed
+        if confidence_before is None and before is not None:
+            confidence_before = self.decay.decayed(before, at)
         if before is None or confidence_before is None or confidence_before < threshold:
             after = self.fresh(group, at)
             if kind is FactEventKind.REINFORCED:
                 kind = FactEventKind.CREATED
         else:
-            after = replaced(
-                self.decay.reinforce(before, quality, at),
-                content=group.content,
-                updated_at=self.now,
-                confidence_at=at,
+            after = self.reinforce_with(
+                before,
+                confidence_before,
+                quality,
+                at,
+                {"content": group.content, "updated_at": self.now, "confidence_at": at},
             )
-        event = trusted(
+        event = trusted_from(
             FactEvent,
-            identity_id=self.identity_id,
-            subject=group.key.subject,
-            category=group.key.category,
-            kind=kind,
-            session_id=group.session_id,
-            at=at,
-            confidence_before=confidence_before,
-            confidence_after=after.confidence,
-            count_before=None if before is None else before.reinforcement_count,
-            count_after=after.reinforcement_count,
-            ease_before=None if before is None else before.ease_factor,
-            ease_after=after.ease_factor,
-            quality=quality,
-            hits=hits,
-            trials=trials,
+            {
+                "identity_id": self.identity_id,
+                "subject": group.key.subject,
+                "category": group.key.category,
+                "kind": kind,
+                "session_id": group.session_id,
+                "at": at,
+                "confidence_before": confidence_before,
+                "confidence_after": after.confidence,
+                "count_before": None if before is None else before.reinforcement_count,
+                "count_after": after.reinforcement_count,
+                "ease_before": None if before is None else before.ease_factor,
+                "ease_after": after.ease_factor,
+                "quality": quality,
+                "hits": hits,
+                "trials": trials,
+            },
         )
         self.events.append(event)
         self.current[group.key.subject] = after
@@ -262,14 +278,16 @@ class _Run:
             resumed = current is None and (current := self.resumed(group)) is not None
             at = group.at if current is None else max(group.at, current.last_reinforced_at)
             at = min(at, self.now)  # a future date must not carry a fact forward
-            if (
-                current is not None
-                and self.decay.decayed(current, at) < self.decay.expiry_threshold
-            ):
-                if not resumed:  # (a resumed life's expiry is recorded already)
-                    self.expire(current, at)
-                current = None
-            self.reinforce(current, group, at, FactEventKind.REINFORCED, group.hits, group.trials)
+            decayed = None  # (the fact's confidence at ``at``, which reinforce needs too)
+            if current is not None:
+                decayed = self.decay.decayed(current, at)
+                if decayed < self.decay.expiry_threshold:
+                    if not resumed:  # (a resumed life's expiry is recorded already)
+                        self.expire(current, at)
+                    current = decayed = None
+            self.reinforce(
+                current, group, at, FactEventKind.REINFORCED, group.hits, group.trials, decayed
+            )
             return True
         # The session already reinforced this fact in an earlier run. Only the fact's
         # latest reinforcement can be redone: at a later time, or with a new quality.
@@ -486,7 +504,7 @@ def planning(
     every SLICE facts it decays."""
     now = as_utc(now)  # the facts and events below take it unvalidated
     stored = {f.subject: f for f in batch.facts}
-    run = _Run(identity_id, now, decay, dict(stored))
+    run = _Run(identity_id, now, decay, dict(stored), reinforcing(decay))
     for event in batch.session_events:
         if event.kind in REINFORCING and event.session_id is not None:
             run.reinforced_by[(event.subject, event.session_id)] = event

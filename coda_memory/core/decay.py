@@ -8,11 +8,18 @@ from a previous decayed value, so how often consolidation runs does not matter.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
-from coda_memory.core.model import MAX_REINFORCEMENT_COUNT, Fact, replaced
+from coda_memory.core.model import (
+    MAX_REINFORCEMENT_COUNT,
+    Fact,
+    replaced,
+    trusted_fact,
+    trusted_from,
+)
 
 SECONDS_PER_DAY = 86_400.0
 #: The most a reinforcement raises an ease under :class:`AdaptiveDecay` (quality 1).
@@ -61,18 +68,25 @@ def _check_amounts(reinforce_amount: float, expiry_threshold: float) -> None:
         raise ValueError("expiry_threshold must be in [0, 1)")
 
 
-def _reinforced(fact: Fact, confidence: float, now: datetime, ease: float | None) -> Fact:
+def _reinforced(
+    fact: Fact,
+    confidence: float,
+    now: datetime,
+    ease: float | None,
+    changes: dict[str, Any] | None = None,
+) -> Fact:
     """``fact`` reinforced at ``now``: its new confidence, count (up to
-    MAX_REINFORCEMENT_COUNT) and ease (one copy)."""
-    return replaced(
-        fact,
-        confidence=confidence,
-        confidence_at=now,
-        reinforcement_count=min(fact.reinforcement_count + 1, MAX_REINFORCEMENT_COUNT),
-        last_reinforced_at=now,
-        updated_at=now,
-        ease_factor=ease,
-    )
+    MAX_REINFORCEMENT_COUNT) and ease, and then ``changes`` (one copy)."""
+    values = fact.__dict__.copy()
+    values["confidence"] = confidence
+    values["confidence_at"] = now
+    values["reinforcement_count"] = min(fact.reinforcement_count + 1, MAX_REINFORCEMENT_COUNT)
+    values["last_reinforced_at"] = now
+    values["updated_at"] = now
+    values["ease_factor"] = ease
+    if changes:
+        values.update(changes)
+    return trusted_fact(values) if type(fact) is Fact else trusted_from(type(fact), values)
 
 
 @runtime_checkable
@@ -142,8 +156,20 @@ class ExponentialDecay:
         return fact.ease_factor
 
     def reinforce(self, fact: Fact, quality: float, now: datetime) -> Fact:
-        confidence = min(1.0, self.decayed(fact, now) + self.reinforce_amount)
-        return _reinforced(fact, confidence, now, self._next_ease(fact, quality))
+        return self._reinforce_at(fact, self.decayed(fact, now), quality, now, None)
+
+    def _reinforce_at(
+        self,
+        fact: Fact,
+        current: float,
+        quality: float,
+        now: datetime,
+        changes: dict[str, Any] | None,
+    ) -> Fact:
+        """:meth:`reinforce` of a fact whose ``decayed`` at ``now`` is ``current``, with
+        ``changes`` made in the same copy (see :func:`reinforcing`)."""
+        confidence = min(1.0, current + self.reinforce_amount)
+        return _reinforced(fact, confidence, now, self._next_ease(fact, quality), changes)
 
     def half_life_days(self, ease: float = 1.0) -> float:
         """Days for confidence to halve without reinforcement."""
@@ -312,11 +338,23 @@ class PowerLawDecay:
         return float((self._position(fact.confidence) + step) ** -self.power)
 
     def reinforce(self, fact: Fact, quality: float, now: datetime) -> Fact:
+        return self._reinforce_at(fact, self.decayed(fact, now), quality, now, None)
+
+    def _reinforce_at(
+        self,
+        fact: Fact,
+        current: float,
+        quality: float,
+        now: datetime,
+        changes: dict[str, Any] | None,
+    ) -> Fact:
+        """:meth:`reinforce` of a fact whose ``decayed`` at ``now`` is ``current``, with
+        ``changes`` made in the same copy (see :func:`reinforcing`)."""
         quality = min(1.0, max(0.0, quality))
-        confidence = min(1.0, self.decayed(fact, now) + self.reinforce_amount)
+        confidence = min(1.0, current + self.reinforce_amount)
         stability = self.stability(fact) * (1.0 + self.growth * (2.0 * quality - 1.0))
         ease = min(self.max_stability, max(self.min_stability, stability))
-        return _reinforced(fact, confidence, now, ease)
+        return _reinforced(fact, confidence, now, ease, changes)
 
     def expires_at(self, fact: Fact) -> datetime:
         """When the fact's confidence falls below the threshold, never reinforced again."""
@@ -339,3 +377,27 @@ class PowerLawDecay:
             f"PowerLawDecay(power={self.power}, initial_stability={self.initial_stability}, "
             f"growth={self.growth}, reinforce_amount={self.reinforce_amount})"
         )
+
+
+#: ``reinforce(fact, current, quality, now, changes)``: see :func:`reinforcing`.
+Reinforcing = Callable[[Fact, float, float, datetime, dict[str, Any]], Fact]
+
+
+def reinforcing(decay: DecayStrategy) -> Reinforcing:
+    """How a consolidation reinforces a fact under ``decay``, given its confidence at
+    ``now`` (``current``: what ``decay.decayed(fact, now)`` returns, which the caller
+    computed already) and the other fields it sets (``changes``): the built-in
+    strategies reinforce from ``current`` in one copy of the fact, where
+    ``replaced(decay.reinforce(fact, quality, now), **changes)`` would decay it again and
+    copy it twice (a backlog of 600 observations makes about 600 reinforcements). Any
+    other strategy, a subclass too (it may reinforce otherwise), is called as that."""
+    if type(decay) in (ExponentialDecay, AdaptiveDecay, PowerLawDecay):
+        built_in: ExponentialDecay | PowerLawDecay = decay  # type: ignore[assignment]
+        return built_in._reinforce_at
+
+    def general(
+        fact: Fact, current: float, quality: float, now: datetime, changes: dict[str, Any]
+    ) -> Fact:
+        return replaced(decay.reinforce(fact, quality, now), **changes)
+
+    return general

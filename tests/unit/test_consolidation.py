@@ -124,6 +124,59 @@ def test_how_often_consolidation_runs_does_not_change_the_facts(
         assert abs((fact.ease_factor or 0) - (other.ease_factor or 0)) < 1e-9
 
 
+class _Exponential(ExponentialDecay):
+    """The default strategy as a subclass: a consolidation calls its ``reinforce``."""
+
+
+class _Adaptive(AdaptiveDecay):
+    pass
+
+
+class _PowerLaw(PowerLawDecay):
+    pass
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    history=histories(),
+    cut=st.integers(0, 40),
+    strategies=st.sampled_from(
+        [(ExponentialDecay, _Exponential), (AdaptiveDecay, _Adaptive), (PowerLawDecay, _PowerLaw)]
+    ),
+)
+def test_the_built_in_strategies_plan_as_their_own_reinforce_would(
+    history: list[Observation],
+    cut: int,
+    strategies: tuple[type[DecayStrategy], type[DecayStrategy]],
+) -> None:
+    """A built-in strategy reinforces from the confidence the plan decayed already, in one
+    copy (see ``reinforcing``); a subclass goes through its ``reinforce``: the same plans."""
+    plans = []
+    for strategy in strategies:
+        decay = strategy()
+        ledger = Ledger()
+        earlier, later = history[:cut], history[cut:]
+        if earlier:
+            ledger.run(earlier, earlier[-1].created_at, decay)
+        sessions = {o.session_id for o in later}
+        batch = ConsolidationInput(
+            observations=later,
+            facts=list(ledger.facts.values()),
+            session_events=[e for e in ledger.events if e.session_id in sessions],
+        )
+        end = history[-1].created_at + timedelta(days=3)
+        plan = plan_consolidation("u", batch, end, decay)
+        plans.append(
+            (
+                [f.model_dump() for f in plan.upserts],
+                [e.model_dump() for e in plan.events],
+                [f.model_dump() for f in plan.active],
+                plan.deletes,
+            )
+        )
+    assert plans[0] == plans[1]
+
+
 @settings(max_examples=100, deadline=None)
 @given(history=histories())
 def test_counts_never_exceed_sessions_and_confidence_stays_in_bounds(

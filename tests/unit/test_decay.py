@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from datetime import timedelta
+from datetime import datetime, timedelta
 
 import pytest
 
@@ -16,8 +16,8 @@ from coda_memory import (
     FactCategory,
     PowerLawDecay,
 )
-from coda_memory.core.decay import ease_bounds, initial_ease
-from coda_memory.core.model import MAX_REINFORCEMENT_COUNT
+from coda_memory.core.decay import ease_bounds, initial_ease, reinforcing
+from coda_memory.core.model import MAX_REINFORCEMENT_COUNT, replaced
 from tests.helpers import T0
 
 
@@ -92,6 +92,44 @@ def test_every_strategy_reinforces_by_0_1_from_the_decayed_value(decay: DecayStr
     assert reinforced.reinforcement_count == 4
     assert reinforced.last_reinforced_at == reinforced.confidence_at == at
     assert decay.reinforce(make_fact(1.0), 1.0, T0).confidence == 1.0
+
+
+@each_strategy
+@pytest.mark.parametrize("quality", [0.0, 0.4, 1.0])
+def test_reinforcing_from_the_decayed_confidence_is_reinforce_then_the_changes(
+    decay: DecayStrategy, quality: float
+) -> None:
+    """What a consolidation does per reinforcement (the built-in strategies in one copy,
+    from the confidence it decayed already) equals the strategy's own reinforce followed
+    by a copy with the changes; the fact reinforced is left as it was."""
+    fact = make_fact(0.5, ease=initial_ease(decay), count=3)
+    before = fact.model_dump()
+    at = T0 + timedelta(days=2)
+    changes = {
+        "content": "Uses x again",
+        "updated_at": at + timedelta(hours=1),
+        "confidence_at": at,
+    }
+    fast = reinforcing(decay)(fact, decay.decayed(fact, at), quality, at, dict(changes))
+    assert fast.model_dump() == replaced(decay.reinforce(fact, quality, at), **changes).model_dump()
+    assert fast.content == "Uses x again"
+    assert fact.model_dump() == before
+
+
+def test_reinforcing_calls_the_reinforce_of_any_other_strategy_a_subclass_too() -> None:
+    class Generous(ExponentialDecay):
+        def reinforce(self, fact: Fact, quality: float, now: datetime) -> Fact:
+            return replaced(super().reinforce(fact, quality, now), confidence=1.0)
+
+    decay = Generous()
+    at = T0 + timedelta(days=2)
+    changes = {"content": "Uses x again"}
+    reinforced = reinforcing(decay)(
+        make_fact(0.5), decay.decayed(make_fact(0.5), at), 1.0, at, changes
+    )
+    assert reinforced.confidence == 1.0
+    assert reinforced.reinforcement_count == 2
+    assert reinforced.content == "Uses x again"
 
 
 @each_strategy
