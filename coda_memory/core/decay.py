@@ -68,12 +68,12 @@ def _check_amounts(reinforce_amount: float, expiry_threshold: float) -> None:
         raise ValueError("expiry_threshold must be in [0, 1)")
 
 
+#: Other fields a reinforcement sets, in the same copy of the fact (see :func:`reinforcing`).
+Changes = dict[str, Any] | None
+
+
 def _reinforced(
-    fact: Fact,
-    confidence: float,
-    now: datetime,
-    ease: float | None,
-    changes: dict[str, Any] | None = None,
+    fact: Fact, confidence: float, now: datetime, ease: float | None, changes: Changes = None
 ) -> Fact:
     """``fact`` reinforced at ``now``: its new confidence, count (up to
     MAX_REINFORCEMENT_COUNT) and ease, and then ``changes`` (one copy)."""
@@ -159,12 +159,7 @@ class ExponentialDecay:
         return self._reinforce_at(fact, self.decayed(fact, now), quality, now, None)
 
     def _reinforce_at(
-        self,
-        fact: Fact,
-        current: float,
-        quality: float,
-        now: datetime,
-        changes: dict[str, Any] | None,
+        self, fact: Fact, current: float, quality: float, now: datetime, changes: Changes
     ) -> Fact:
         """:meth:`reinforce` of a fact whose ``decayed`` at ``now`` is ``current``, with
         ``changes`` made in the same copy (see :func:`reinforcing`)."""
@@ -341,15 +336,9 @@ class PowerLawDecay:
         return self._reinforce_at(fact, self.decayed(fact, now), quality, now, None)
 
     def _reinforce_at(
-        self,
-        fact: Fact,
-        current: float,
-        quality: float,
-        now: datetime,
-        changes: dict[str, Any] | None,
+        self, fact: Fact, current: float, quality: float, now: datetime, changes: Changes
     ) -> Fact:
-        """:meth:`reinforce` of a fact whose ``decayed`` at ``now`` is ``current``, with
-        ``changes`` made in the same copy (see :func:`reinforcing`)."""
+        """As :meth:`ExponentialDecay._reinforce_at`."""
         quality = min(1.0, max(0.0, quality))
         confidence = min(1.0, current + self.reinforce_amount)
         stability = self.stability(fact) * (1.0 + self.growth * (2.0 * quality - 1.0))

@@ -63,6 +63,20 @@ class Ledger:
         self.events.extend(plan.events)
 
 
+def batch_after(history: list[Observation], cut: int, decay: DecayStrategy) -> ConsolidationInput:
+    """The input of a run over ``history[cut:]``, after one over ``history[:cut]``."""
+    earlier, later = history[:cut], history[cut:]
+    ledger = Ledger()
+    if earlier:
+        ledger.run(earlier, earlier[-1].created_at, decay)
+    sessions = {o.session_id for o in later}
+    return ConsolidationInput(
+        observations=later,
+        facts=list(ledger.facts.values()),
+        session_events=[e for e in ledger.events if e.session_id in sessions],
+    )
+
+
 @st.composite
 def histories(draw: st.DrawFn) -> list[Observation]:
     """Sessions of a few observations each, spread over 40 days, in time order."""
@@ -154,16 +168,7 @@ def test_the_built_in_strategies_plan_as_their_own_reinforce_would(
     plans = []
     for strategy in strategies:
         decay = strategy()
-        ledger = Ledger()
-        earlier, later = history[:cut], history[cut:]
-        if earlier:
-            ledger.run(earlier, earlier[-1].created_at, decay)
-        sessions = {o.session_id for o in later}
-        batch = ConsolidationInput(
-            observations=later,
-            facts=list(ledger.facts.values()),
-            session_events=[e for e in ledger.events if e.session_id in sessions],
-        )
+        batch = batch_after(history, cut, decay)
         end = history[-1].created_at + timedelta(days=3)
         plan = plan_consolidation("u", batch, end, decay)
         plans.append(
@@ -202,16 +207,8 @@ def test_a_run_changes_only_the_facts_of_the_subjects_its_observations_reach(
     observations (a session's later calls of a tool requalify both of the tool's facts,
     also the one no new call of the run reached)."""
     decay = ExponentialDecay()
-    earlier, later = history[:cut], history[cut:]
-    ledger = Ledger()
-    if earlier:
-        ledger.run(earlier, earlier[-1].created_at, decay)
-    sessions = {o.session_id for o in later}
-    batch = ConsolidationInput(
-        observations=later,
-        facts=list(ledger.facts.values()),
-        session_events=[e for e in ledger.events if e.session_id in sessions],
-    )
+    batch = batch_after(history, cut, decay)
+    later = batch.observations
     plan = plan_consolidation("u", batch, history[-1].created_at + timedelta(hours=1), decay)
     reached = subjects_reached(later)
     assert {f.subject for f in plan.upserts} <= reached
