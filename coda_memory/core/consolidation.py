@@ -518,8 +518,9 @@ def planning(
     changed: set[str] = set()
     tool_counts = prior_tool_counts(run.reinforced_by.values())
     # A backlog of hundreds of observations (the sessions a held table kept waiting) is
-    # grouped and folded in steps of about half a millisecond: an observation is keyed
-    # in 4 to 7 us, a group folded in 9 to 14 us (a quiet and a busy 2-core machine).
+    # grouped and folded in steps of at most about half a millisecond: an observation is
+    # keyed in 2 to 7 us, a group folded in 4 to 14 us (2-core machines, quiet to busy;
+    # the 4 us since a reinforcement decays and copies its fact once).
     grouped = yield from grouping_by_session(
         batch.observations, tool_counts, step=max(1, SLICE // 2)
     )
