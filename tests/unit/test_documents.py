@@ -9,7 +9,9 @@ from datetime import UTC, datetime
 
 import pytest
 
-from coda_memory.postgres.documents import NotJson, document, rows_document
+from coda_memory.core.model import FactEventKind
+from coda_memory.postgres.documents import NotJson, document, event_row, fact_row, rows_document
+from tests.builders import NOW, event, fact
 
 AT = datetime(2026, 3, 1, 12, 0, 0, 123456, tzinfo=UTC)
 
@@ -43,3 +45,44 @@ def test_a_string_holding_null_is_no_non_finite_float() -> None:
 def test_document_still_refuses_what_json_cannot_hold() -> None:
     with pytest.raises(NotJson):
         document([("s", math.nan)])
+
+
+@pytest.mark.parametrize("refused_by_orjson", [False, True], ids=["orjson", "stdlib"])
+def test_a_fact_s_and_an_event_s_rows_hold_their_columns_with_enums_as_values(
+    refused_by_orjson: bool,
+) -> None:
+    # Both encoders write a StrEnum member as its value; an integer past 64 bits in
+    # another row sends the document to the standard library's.
+    later = datetime(2026, 3, 2, tzinfo=UTC)
+    made = fact("entity_frequency:table:orders", confidence_at=later, ease_factor=2.5)
+    extra = [(2**70,)] if refused_by_orjson else []
+    assert json.loads(rows_document([fact_row(made), *extra]))[0] == [
+        "entity_frequency:table:orders",
+        "entity_frequency",
+        "uses entity_frequency:table:orders",
+        0.5,
+        1,
+        NOW.isoformat(),
+        later.isoformat(),  # the anchor: confidence_at when set
+        NOW.isoformat(),
+        NOW.isoformat(),
+        2.5,
+    ]
+    assert json.loads(rows_document([fact_row(fact()), *extra]))[0][6] == NOW.isoformat()
+    happened = event(kind=FactEventKind.REINFORCED)
+    assert json.loads(rows_document([event_row(happened), *extra]))[0] == [
+        "tool_affinity:get_account",
+        "tool_affinity",
+        "reinforced",
+        "s1",
+        NOW.isoformat(),
+        None,
+        0.5,
+        None,
+        1,
+        None,
+        2.5,
+        1.0,
+        1,
+        1,
+    ]
