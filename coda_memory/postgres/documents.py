@@ -129,7 +129,6 @@ def fact_row(f: Fact) -> tuple[Any, ...]:
     as its value): a plan of 600 observations has as many rows, and the attribute and
     enum lookups were most of their cost."""
     d = f.__dict__
-    anchor = d["confidence_at"]
     return (
         d["subject"],
         d["category"],
@@ -137,7 +136,7 @@ def fact_row(f: Fact) -> tuple[Any, ...]:
         d["confidence"],
         d["reinforcement_count"],
         instant(d["last_reinforced_at"]),
-        instant(d["last_reinforced_at"] if anchor is None else anchor),
+        instant(f.anchor),
         instant(d["created_at"]),
         instant(d["updated_at"]),
         d["ease_factor"],
