@@ -123,14 +123,17 @@ class _Run:
     now: datetime
     decay: DecayStrategy
     current: dict[str, Fact]
-    #: ``decay``'s reinforcement from a known confidence (see :func:`reinforcing`).
-    reinforce_with: Reinforcing
     events: list[FactEvent] = field(default_factory=list)
     #: The latest reinforcing event per (subject, session id), from earlier runs and this one.
     reinforced_by: dict[tuple[str, str], FactEvent] = field(default_factory=dict)
     #: The last life of a deleted fact, by subject: its last reinforcing event and its
     #: expiry (``ConsolidationInput.ended``).
     ended: dict[str, tuple[FactEvent, FactEvent]] = field(default_factory=dict)
+    #: ``decay``'s reinforcement from a known confidence (see :func:`reinforcing`).
+    reinforce_with: Reinforcing = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.reinforce_with = reinforcing(self.decay)
 
     # Facts and events below are built without validation (``trusted``): every value is
     # a stored or validated one, or computed here (``now`` is made UTC by the plan).
@@ -504,7 +507,7 @@ def planning(
     every SLICE facts it decays."""
     now = as_utc(now)  # the facts and events below take it unvalidated
     stored = {f.subject: f for f in batch.facts}
-    run = _Run(identity_id, now, decay, dict(stored), reinforcing(decay))
+    run = _Run(identity_id, now, decay, dict(stored))
     for event in batch.session_events:
         if event.kind in REINFORCING and event.session_id is not None:
             run.reinforced_by[(event.subject, event.session_id)] = event

@@ -380,9 +380,10 @@ def reinforcing(decay: DecayStrategy) -> Reinforcing:
     ``replaced(decay.reinforce(fact, quality, now), **changes)`` would decay it again and
     copy it twice (a backlog of 600 observations makes about 600 reinforcements). Any
     other strategy, a subclass too (it may reinforce otherwise), is called as that."""
-    if type(decay) in (ExponentialDecay, AdaptiveDecay, PowerLawDecay):
-        built_in: ExponentialDecay | PowerLawDecay = decay  # type: ignore[assignment]
-        return built_in._reinforce_at
+    if type(decay) in (ExponentialDecay, AdaptiveDecay, PowerLawDecay) and isinstance(
+        decay, ExponentialDecay | PowerLawDecay
+    ):
+        return decay._reinforce_at
 
     def general(
         fact: Fact, current: float, quality: float, now: datetime, changes: dict[str, Any]
