@@ -188,6 +188,12 @@ class StoreExtras(Protocol):
         ...
 
     @property
+    def kept_facts_counts(self) -> object:
+        """The facts kept between requests, for ``stats()``: its ``dropped`` (to make
+        room for others) and ``reads`` (of an identity's facts from the store)."""
+        ...
+
+    @property
     def held_out(self) -> object:
         """The peeks and consolidations a held table kept out, for ``stats()``: its
         ``peeks`` and ``consolidations``."""

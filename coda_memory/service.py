@@ -950,9 +950,10 @@ class MemoryService(ObservationWriter):
     def stats(self) -> MemoryStats:
         """Counts of observations emitted, stored, rejected, dropped and pending."""
         # The store's counts of what its appends, peeks and consolidations did around
-        # locks (Postgres only).
+        # locks, and of the facts it keeps between requests (Postgres only).
         ingest = getattr(self.store, "ingest_counts", None)
         held_out = getattr(self.store, "held_out", None)
+        kept = getattr(self.store, "kept_facts_counts", None)
         return MemoryStats(
             emitted=self._emitted,
             stored=self._stored,
@@ -974,6 +975,8 @@ class MemoryService(ObservationWriter):
             keys_spilled=getattr(ingest, "keys_spilled", 0),
             peeks_held_out=getattr(held_out, "peeks", 0),
             consolidations_held_out=getattr(held_out, "consolidations", 0),
+            kept_facts_dropped=getattr(kept, "dropped", 0),
+            facts_reads=getattr(kept, "reads", 0),
         )
 
     async def close(self, timeout: float | None = 30.0) -> None:

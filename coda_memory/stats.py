@@ -57,3 +57,11 @@ class MemoryStats(BaseModel):
     #: a load's also counts in ``load_errors``). See "Tables held" in the README.
     peeks_held_out: int = 0
     consolidations_held_out: int = 0
+    #: Postgres store: facts dropped from those kept between requests to make room for
+    #: other identities' (``known_facts``); while it grows, this process serves more
+    #: facts than it keeps. Requests that read an identity's facts from the database
+    #: because none were kept at their current version: its first request in this
+    #: process, a write by another process, or its facts dropped. See "Facts kept
+    #: between requests" in the README.
+    kept_facts_dropped: int = 0
+    facts_reads: int = 0

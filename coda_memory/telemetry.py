@@ -64,6 +64,11 @@ _COUNTERS = {
         "coda_memory.consolidations.held_out",
         "Consolidations a lock wait kept out",
     ),
+    "kept_facts_dropped": (
+        "coda_memory.kept_facts.dropped",
+        "Facts kept between requests dropped to make room",
+    ),
+    "facts_reads": ("coda_memory.facts.reads", "Reads of an identity's facts from the store"),
 }
 
 

@@ -144,6 +144,11 @@ class KnownFacts:
         self.capacity = capacity
         self._entries: OrderedDict[str, Known] = OrderedDict()
         self._size = 0
+        #: Facts dropped to make room for other identities' (``stats().kept_facts_dropped``).
+        self.dropped = 0
+        #: Requests that read an identity's facts from the database, none being kept at
+        #: its current version (``stats().facts_reads``).
+        self.reads = 0
 
     def __len__(self) -> int:
         """How many facts are kept, all identities together."""
@@ -167,6 +172,7 @@ class KnownFacts:
         while self._size > self.capacity:
             _, evicted = self._entries.popitem(last=False)
             self._size -= len(evicted)
+            self.dropped += len(evicted)
         return True
 
     def seen(self, identity_id: str, version: str | None) -> None:

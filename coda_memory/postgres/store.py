@@ -469,7 +469,11 @@ class PostgresStore:
                     # Kept facts of another version (another process wrote, or forgot
                     # the identity) may not answer should this consolidation fail.
                     self._known.seen(identity_id, unit.locked_version)
-                yield unit
+                try:
+                    yield unit
+                finally:
+                    if unit.facts_read:
+                        self._known.reads += 1
                 # The facts as the unit left them (committed) or found them (not
                 # committed).
                 if unit.known is not None:
@@ -499,6 +503,12 @@ class PostgresStore:
             return await scoped(conn)
 
         return bounded
+
+    @property
+    def kept_facts_counts(self) -> KnownFacts:
+        """The facts kept between requests, for ``stats()``: its ``dropped`` (to make
+        room) and ``reads`` (of an identity's facts from the database)."""
+        return self._known
 
     def keeps_facts(self, identity_id: str) -> bool:
         """Whether this store keeps the identity's facts between requests."""
@@ -567,6 +577,7 @@ class PostgresStore:
         if not peeked.read:
             self._known.seen(identity_id, peeked.version)
         else:
+            self._known.reads += 1
             # Kept for later peeks and the consolidation that follows (see "Facts read
             # once" above).
             kept = self._known.put(identity_id, peeked.known)
@@ -668,6 +679,7 @@ class PostgresStore:
         good as any)."""
         if known is not None:
             return await known.facts()
+        self._known.reads += 1
         return await self._read(
             identity_id, lambda raw: stored_facts(raw, self._statements, identity_id)
         )

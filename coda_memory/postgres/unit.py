@@ -216,6 +216,8 @@ class PostgresConsolidationUnit:
         #: The stored facts with their version, as this transaction sees them; after a
         #: commit, as it left them (None until known).
         self.known: Known | None = known
+        #: The stored facts were read (none were known at the locked version).
+        self.facts_read = False
         self._written: Known | None = None
 
     @classmethod
@@ -245,6 +247,7 @@ class PostgresConsolidationUnit:
             fact_rows = await self._raw.fetch(
                 sql.facts.text, *sql.facts.arguments(identity_id=identity_id)
             )
+            self.facts_read = True
             self.known = await Known.read(self.locked_version, identity_id, fact_rows)
         stored = await self.known.facts()
         observations = await waiting_observations(identity_id, rows)

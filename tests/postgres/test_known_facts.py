@@ -121,6 +121,61 @@ async def test_a_consolidation_by_another_process_is_seen(pg_url: str) -> None:
         await second.close()
 
 
+@pytest.mark.parametrize(("capacity", "reads", "dropped"), [(1, 5, 5), (10, 0, 0)])
+async def test_stats_count_the_kept_facts_dropped_for_room_and_the_reads_they_cost(
+    pg_url: str, capacity: int, reads: int, dropped: int
+) -> None:
+    """With room for one identity's fact, peeks of two identities in turn drop each
+    other's and read it again every time, and so does the peek of a consolidation; with
+    room for both, nothing is dropped or read again."""
+    store = PostgresStore.from_url(pg_url, known_facts=capacity)
+    service = MemoryService(store, clock=lambda: NOW)
+    try:
+        for who in ("alice", "bob"):
+            await store.append([record(identity_id=who)])
+            await service.consolidate(who)
+        before = service.stats()
+        for who in ("alice", "bob", "alice", "bob"):
+            facts, pending = await store.peek(who)
+            assert len(facts) == 1 and not pending
+        later = NOW + timedelta(hours=1)
+        await store.append([record(session_id="s2", created_at=later)])
+        await MemoryService(store, clock=lambda: later).consolidate("alice")
+        after = service.stats()
+        assert after.facts_reads - before.facts_reads == reads
+        assert after.kept_facts_dropped - before.kept_facts_dropped == dropped
+        assert [f.reinforcement_count for f in await store.facts("alice")] == [2]
+    finally:
+        await service.close()
+
+
+async def test_an_identity_with_more_facts_than_the_room_is_read_by_each_request(
+    pg_url: str,
+) -> None:
+    """Facts that can't be kept are read by every peek, and again by the consolidation
+    that follows one (it finds none kept); none is counted as dropped."""
+    store = PostgresStore.from_url(pg_url, known_facts=1)
+    service = MemoryService(store, clock=lambda: NOW)
+    try:
+        await store.append(
+            [record(f"called {tool}", metadata={"toolName": tool}) for tool in ("a", "b")]
+        )
+        await service.consolidate("alice")
+        before = service.stats()
+        facts, _ = await store.peek("alice")
+        assert len(facts) == 2
+        middle = service.stats()
+        later = NOW + timedelta(hours=1)
+        await store.append([record("called a", metadata={"toolName": "a"}, created_at=later)])
+        await MemoryService(store, clock=lambda: later).consolidate("alice")
+        after = service.stats()
+        assert middle.facts_reads - before.facts_reads == 1
+        assert after.facts_reads - middle.facts_reads == 2
+        assert after.kept_facts_dropped == before.kept_facts_dropped
+    finally:
+        await service.close()
+
+
 async def test_a_peek_that_finds_observations_waiting_leaves_the_facts_to_the_kept_ones(
     pg_url: str,
 ) -> None:

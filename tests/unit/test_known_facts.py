@@ -40,6 +40,11 @@ async def test_the_least_recently_used_identities_go_first() -> None:
     assert known.entry("b") is None
     assert known.entry("a") is not None and known.entry("c") is not None
     assert len(known) == 4
+    # b's two facts made room for c's; an identity's facts replaced by its own are not
+    # dropped.
+    assert known.dropped == 2
+    known.put("a", await _known("w", 2))
+    assert known.dropped == 2 and len(known) == 4
 
 
 async def test_an_identity_above_the_capacity_is_not_kept() -> None:

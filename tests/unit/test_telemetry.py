@@ -170,7 +170,7 @@ def test_without_telemetry_nothing_is_recorded_even_with_global_providers() -> N
     assert out[0] == "off: 0 []"
     spans, instruments = out[1].removeprefix("on: ").split()
     assert int(spans) == 3  # append, load_memory, consolidate: telemetry=True uses them
-    assert int(instruments) == 16
+    assert int(instruments) == 18
 
 
 def test_without_telemetry_opentelemetry_is_never_imported() -> None:
