@@ -58,6 +58,10 @@ class Sizes:
     lock_seconds: float
     #: Fresh services started in the cold-start section (10 requests each).
     cold_starts: int
+    #: Rounds of ``host_requests`` in the long run, before the tables are rewritten.
+    long_run_rounds: int
+    #: Requests one at a time after each round of the long run (its probe).
+    long_run_probe: int
 
 
 FULL = Sizes(
@@ -95,6 +99,8 @@ FULL = Sizes(
     cap_facts=(150_000, 400_000),
     lock_seconds=10.0,
     cold_starts=5,
+    long_run_rounds=12,
+    long_run_probe=200,
 )
 
 QUICK = Sizes(
@@ -132,4 +138,6 @@ QUICK = Sizes(
     cap_facts=(60_000,),
     lock_seconds=2.0,
     cold_starts=2,
+    long_run_rounds=3,
+    long_run_probe=50,
 )

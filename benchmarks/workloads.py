@@ -290,6 +290,16 @@ class Database:
         await self.conn.close()
 
 
+async def facts_per_identity(db: Database, identities: Sequence[str]) -> float:
+    """The mean number of stored facts of ``identities``."""
+    value = await db.conn.fetchval(
+        f"SELECT count(*)::float8 / cardinality($1::text[]) FROM {SCHEMA}.facts "
+        "WHERE identity_id = ANY($1::text[])",
+        list(identities),
+    )
+    return float(value)
+
+
 async def open_database(server: Server, suffix: str, now: datetime, pool_size: int = 8) -> Database:
     name, url = await server.create_database(suffix)
     await migrate_async(url)

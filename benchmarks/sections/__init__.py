@@ -14,6 +14,7 @@ from benchmarks.sections import (
     ingest,
     load,
     locks,
+    long_run,
     neighbour,
     redis_store,
     replay,
@@ -41,6 +42,7 @@ SECTIONS: tuple[Section, ...] = (
     locks.SECTION,
     cold_start.SECTION,
     far_over_cap.SECTION,
+    long_run.SECTION,
 )
 
 #: The names ``--only`` accepts.

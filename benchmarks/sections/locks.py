@@ -19,7 +19,7 @@ from benchmarks.host import HostRequests, collector_pauses, seed_host, timed_out
 from benchmarks.logcount import counted_logs
 from benchmarks.report import Figure
 from benchmarks.section import Context, Section
-from benchmarks.workloads import DRAIN_TIMEOUT, SCHEMA, Database
+from benchmarks.workloads import DRAIN_TIMEOUT, SCHEMA, Database, facts_per_identity
 from coda_memory import MemoryService
 
 #: How long recovery after a release may take before the run stops waiting.
@@ -179,15 +179,6 @@ async def _fresh_requests(
     return requests
 
 
-async def _facts_per_identity(db: Database, requests: HostRequests) -> float:
-    value = await db.conn.fetchval(
-        f"SELECT count(*)::float8 / cardinality($1::text[]) FROM {SCHEMA}.facts "
-        "WHERE identity_id = ANY($1::text[])",
-        requests.identities,
-    )
-    return float(value)
-
-
 async def locks_section(db: Database, ctx: Context) -> None:
     report = ctx.report
     tables = [
@@ -204,7 +195,9 @@ async def locks_section(db: Database, ctx: Context) -> None:
         for n, table in enumerate(tables):
             requests = await _fresh_requests(db, n, service, ctx)
             row = await _hold(db, ctx, service, requests, table)
-            rows.append(row | {"facts_per_identity": await _facts_per_identity(db, requests)})
+            rows.append(
+                row | {"facts_per_identity": await facts_per_identity(db, requests.identities)}
+            )
         await service.drain(DRAIN_TIMEOUT)
     finally:
         await service.close()
