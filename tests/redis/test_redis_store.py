@@ -406,14 +406,31 @@ async def test_a_call_that_outlives_the_grace_of_close_leaves_no_connection_open
     service = MemoryService(store, clock=FakeClock())
     lock = store.keys.of("lock", "u1")
     consolidating: asyncio.Task[list[Fact]] | None = None
+    # The lock's polls pass a gate: closed, the next poll waits before it is sent, so that
+    # close() releases the store between two polls, never under one in flight (whose
+    # command would then fail, and nothing would connect again).
+    gate, parked = asyncio.Event(), asyncio.Event()
+    gate.set()
+    poll = store.client.set
+
+    async def gated(*args: Any, **kwargs: Any) -> Any:
+        if not gate.is_set():
+            parked.set()
+            await gate.wait()
+        return await poll(*args, **kwargs)
+
+    monkeypatch.setattr(store.client, "set", gated)
     try:
         service.emit_observation("u1", tool_ok("get_account"))
         await service.drain(5)
         await redis_client.set(lock, "another consolidation", px=30_000)
         consolidating = asyncio.create_task(service.consolidate("u1"))
         await _until_named(redis_client, name, 1, 10)  # it polls the lock
+        gate.clear()
+        await asyncio.wait_for(parked.wait(), 5)
         await service.close()  # past its grace: the consolidation still polls
         assert not consolidating.done()
+        gate.set()
         await _until_named(redis_client, name, 1, 10)  # over a connection opened again
         await redis_client.delete(lock)
         [fact] = await consolidating
