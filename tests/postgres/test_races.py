@@ -292,6 +292,7 @@ async def test_under_a_held_table_a_load_answers_from_the_stored_facts_at_once(
             1,
             0,
         )
+        assert service.stats().facts_reads == 1  # the facts alone, none being kept
         said = [r.getMessage() for r in caplog.records if r.name == "coda_memory"]
         assert any("a table the peek reads is held" in line for line in said)
         await asyncio.wait_for(service.drain(), 4)
