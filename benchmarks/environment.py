@@ -107,6 +107,12 @@ class CpuMeter:
             self.server_seconds = self._gone + used
         self.process_seconds = time.process_time() - self._process_start - self._meter_seconds
 
+    def per_item_ms(self, count: int) -> tuple[float, float | None]:
+        """Milliseconds of CPU per item of ``count`` in the block: this process's, and the
+        server's (None when not seen)."""
+        server = None if self.server_seconds is None else self.server_seconds * 1000 / count
+        return self.process_seconds * 1000 / count, server
+
 
 class LoadMonitor:
     """Samples how much CPU processes other than this run's use meanwhile: this machine

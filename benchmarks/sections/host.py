@@ -81,9 +81,8 @@ async def _measured(
     timeouts = timeouts_between(before, after)
     errors = after.load_errors - before.load_errors
     row = _row(mode, seen, timeouts, errors) | {"warnings_logged": logs.lines}
-    row["process_cpu_ms_per_request"] = cpu.process_seconds * 1000 / seen.count
-    row["server_cpu_ms_per_request"] = (
-        None if cpu.server_seconds is None else cpu.server_seconds * 1000 / seen.count
+    row["process_cpu_ms_per_request"], row["server_cpu_ms_per_request"] = cpu.per_item_ms(
+        seen.count
     )
     return row | slow_since(server, log_start), lag
 

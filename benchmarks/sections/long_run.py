@@ -30,7 +30,7 @@ from benchmarks.environment import CpuMeter
 from benchmarks.host import HostRequests, seed_host
 from benchmarks.report import Figure
 from benchmarks.section import Context, Section
-from benchmarks.stats import latency_summary, percentile
+from benchmarks.stats import latency_summary
 from benchmarks.workloads import (
     DRAIN_TIMEOUT,
     SCHEMA,
@@ -98,6 +98,9 @@ async def _round(
         probe = await requests.run(service, sizes.long_run_probe, 1)
     await service.drain(DRAIN_TIMEOUT)
     ended = service.stats()
+    process_ms, server_ms = cpu.per_item_ms(seen.count)
+    probe_process_ms, probe_server_ms = probe_cpu.per_item_ms(probe.count)
+    probed = latency_summary(probe.seconds)
     return {
         "round": label,
         **latency_summary(seen.seconds),
@@ -105,12 +108,12 @@ async def _round(
         "empty": seen.empty,
         "timeouts": timeouts_between(before, after),
         "errors": after.load_errors - before.load_errors,
-        "process_cpu_ms_per_request": _per_request(cpu.process_seconds, seen.count),
-        "server_cpu_ms_per_request": _per_request(cpu.server_seconds, seen.count),
-        "probe_p50_ms": percentile([s * 1000 for s in probe.seconds], 50),
-        "probe_p99_ms": percentile([s * 1000 for s in probe.seconds], 99),
-        "probe_process_cpu_ms": _per_request(probe_cpu.process_seconds, probe.count),
-        "probe_server_cpu_ms": _per_request(probe_cpu.server_seconds, probe.count),
+        "process_cpu_ms_per_request": process_ms,
+        "server_cpu_ms_per_request": server_ms,
+        "probe_p50_ms": probed["p50_ms"],
+        "probe_p99_ms": probed["p99_ms"],
+        "probe_process_cpu_ms": probe_process_ms,
+        "probe_server_cpu_ms": probe_server_ms,
         "facts_per_identity": await facts_per_identity(db, requests.identities),
         # The facts kept between requests: those dropped for room, and the reads of an
         # identity's facts that none kept spared (both phases of the round).
@@ -118,10 +121,6 @@ async def _round(
         "facts_reads": ended.facts_reads - before.facts_reads,
         **await _table_state(db),
     }
-
-
-def _per_request(seconds: float | None, count: int) -> float | None:
-    return None if seconds is None else seconds * 1000 / count
 
 
 async def long_run_section(db: Database, ctx: Context) -> None:
