@@ -62,6 +62,9 @@ class Sizes:
     long_run_rounds: int
     #: Requests one at a time after each round of the long run (its probe).
     long_run_probe: int
+    #: Facts per identity at which a request's cost is measured, and requests at each.
+    facts_cost_levels: tuple[int, ...]
+    facts_cost_requests: int
 
 
 FULL = Sizes(
@@ -101,6 +104,8 @@ FULL = Sizes(
     cold_starts=5,
     long_run_rounds=12,
     long_run_probe=200,
+    facts_cost_levels=(100, 200, 400),
+    facts_cost_requests=400,
 )
 
 QUICK = Sizes(
@@ -140,4 +145,6 @@ QUICK = Sizes(
     cold_starts=2,
     long_run_rounds=3,
     long_run_probe=50,
+    facts_cost_levels=(100, 200, 400),
+    facts_cost_requests=100,
 )

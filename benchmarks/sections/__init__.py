@@ -9,6 +9,7 @@ from benchmarks.sections import (
     analytics,
     cold_start,
     consolidation,
+    facts_cost,
     far_over_cap,
     host,
     ingest,
@@ -43,6 +44,7 @@ SECTIONS: tuple[Section, ...] = (
     cold_start.SECTION,
     far_over_cap.SECTION,
     long_run.SECTION,
+    facts_cost.SECTION,
 )
 
 #: The names ``--only`` accepts.

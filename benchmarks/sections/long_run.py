@@ -27,7 +27,7 @@ from __future__ import annotations
 from typing import Any
 
 from benchmarks.environment import CpuMeter
-from benchmarks.host import HostRequests, seed_host
+from benchmarks.host import HostRequests, collector_pauses, seed_host
 from benchmarks.report import Figure
 from benchmarks.section import Context, Section
 from benchmarks.stats import latency_summary
@@ -90,7 +90,7 @@ async def _round(
     """One round: the requests 8 in flight, then the probe's one at a time."""
     sizes = ctx.sizes
     before = service.stats()
-    with CpuMeter(ctx.server.postmaster_pid()) as cpu:
+    with CpuMeter(ctx.server.postmaster_pid()) as cpu, collector_pauses() as pauses:
         seen = await requests.run(service, sizes.host_requests, sizes.host_concurrency)
     after = service.stats()
     await service.drain(DRAIN_TIMEOUT)
@@ -110,6 +110,8 @@ async def _round(
         "errors": after.load_errors - before.load_errors,
         "process_cpu_ms_per_request": process_ms,
         "server_cpu_ms_per_request": server_ms,
+        # The collector's runs among the 8 in flight: a full one stalls every load.
+        **pauses.summary(),
         "probe_p50_ms": probed["p50_ms"],
         "probe_p99_ms": probed["p99_ms"],
         "probe_process_cpu_ms": probe_process_ms,
