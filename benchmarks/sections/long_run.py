@@ -8,8 +8,8 @@ Each round is followed by a probe: requests one at a time (200 in full), whose l
 and CPU per request show the work a request costs without the queueing of 8 in flight
 (on a machine that 8 in flight saturate, their latency is mostly the wait for the CPU,
 and loads that time out add the CPU of their fallback answers). Per round: the 8 in
-flight's requests per second, ``load_memory`` p50 and p99, empty and timed-out loads and
-CPU per request (this process and the server); the probe's p50, p99 and CPU per request;
+flight's requests per second, ``load_memory`` p50 and p99, empty and timed-out loads,
+CPU per request (this process and the server) and the garbage collector's runs; the probe's p50, p99 and CPU per request;
 the facts per identity (the requests add entities, so an identity's facts grow towards
 ``max_facts``, and a load's work with them); the facts the service dropped from those it
 keeps between requests to make room (``known_facts``) and the reads of an identity's
