@@ -9,12 +9,13 @@ and CPU per request show the work a request costs without the queueing of 8 in f
 (on a machine that 8 in flight saturate, their latency is mostly the wait for the CPU,
 and loads that time out add the CPU of their fallback answers). Per round: the 8 in
 flight's requests per second, ``load_memory`` p50 and p99, empty and timed-out loads,
-CPU per request (this process and the server) and the garbage collector's runs; the probe's p50, p99 and CPU per request;
-the facts per identity (the requests add entities, so an identity's facts grow towards
-``max_facts``, and a load's work with them); the facts the service dropped from those it
-keeps between requests to make room (``known_facts``) and the reads of an identity's
-facts that none kept spared; and the dead rows the server counts in the
-tables the requests write, their live observations and their size.
+CPU per request (this process and the server) and the garbage collector's runs; the
+probe's p50, p99 and CPU per request; the facts per identity (the requests add entities,
+so an identity's facts grow towards ``max_facts``, and a load's work with them); the
+facts the service dropped from those it keeps between requests to make room
+(``known_facts``) and the reads of an identity's facts that none kept spared; and the
+dead rows the server counts in the tables the requests write, their live observations
+and their size.
 
 Growing facts make a request dearer whatever the tables' age, so the age is measured
 apart: after the last round the tables are rewritten (``VACUUM (FULL, ANALYZE)``: no dead
