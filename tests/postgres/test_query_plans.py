@@ -12,14 +12,16 @@ import asyncio
 import json
 import os
 import secrets
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from datetime import UTC, datetime
 from typing import Any
 
+import asyncpg
 import pytest
 from sqlalchemy import event, make_url, pool, text
 from sqlalchemy.ext.asyncio import create_async_engine
 
+from coda_memory import MemoryService
 from coda_memory.postgres import PostgresStore
 from coda_memory.postgres.analytics import (
     domain_trends,
@@ -388,3 +390,93 @@ async def test_the_peek_reads_no_fact_when_the_caller_knows_their_version(
     nodes, rows = await _peek_plan(loaded, "user-12", None, 5)
     assert rows_read(nodes, "facts") <= 6
     assert [(r["over"], r["subject"]) for r in rows] == [(True, None)]
+
+
+class SentToDriver:
+    """The statements (and their arguments) that asyncpg connections send while recording:
+    the hot path talks to asyncpg directly, beside SQLAlchemy."""
+
+    METHODS = ("execute", "fetch", "fetchrow", "fetchval")
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.statements: list[tuple[str, tuple[Any, ...]]] = []
+        for name in self.METHODS:
+            original = getattr(asyncpg.Connection, name)
+
+            async def recording(
+                conn: Any, query: str, *args: Any, _original: Any = original, **kwargs: Any
+            ) -> Any:
+                self.statements.append((query, args))
+                return await _original(conn, query, *args, **kwargs)
+
+            monkeypatch.setattr(asyncpg.Connection, name, recording)
+
+
+async def generic_plan(driver: Any, query: str, arguments: Sequence[Any]) -> list[dict[str, Any]]:
+    """The nodes of the plan that ``query`` runs on when planned for any value of its
+    parameters (``plan_cache_mode = force_generic_plan``), as ``EXPLAIN EXECUTE`` of it
+    prepared with the parameter types the server infers; nothing is executed. (``EXECUTE``
+    takes no bound parameter: the values go as literals that the server quotes.)"""
+    types = [f"{p.schema}.{p.name}" for p in (await driver.prepare(query)).get_parameters()]
+    values = [
+        await driver.fetchval(f"SELECT quote_nullable(CAST($1 AS {kind})::text)", value)
+        for value, kind in zip(arguments, types, strict=True)
+    ]
+    async with driver.transaction():
+        await driver.execute("SET LOCAL plan_cache_mode = force_generic_plan")
+        await driver.execute(f"PREPARE generic_probe ({', '.join(types)}) AS {query}")
+        try:
+            literals = ", ".join(f"{v}::{kind}" for v, kind in zip(values, types, strict=True))
+            raw = await driver.fetchval(f"EXPLAIN (FORMAT JSON) EXECUTE generic_probe ({literals})")
+        finally:
+            await driver.execute("DEALLOCATE generic_probe")
+    explained = json.loads(raw) if isinstance(raw, str) else raw
+    return list(plan_nodes(explained[0]["Plan"]))
+
+
+def consolidation_service(store: PostgresStore) -> MemoryService:
+    return MemoryService(store, clock=lambda: NOW)
+
+
+async def test_a_consolidation_plans_its_statements_once_per_connection(
+    loaded_url: str,
+) -> None:
+    """Postgres would plan the write again at every consolidation, with that run's values
+    (it judges that cheaper than a plan for any value): the consolidation's transaction
+    asks for the generic plans, made once per connection."""
+    store = PostgresStore.from_url(loaded_url, pool_size=1)
+    service = consolidation_service(store)
+    try:
+        for identity in ("user-14", "user-15", "user-16"):  # 50 observations waiting each
+            assert await service.consolidate(identity)
+        async with store.request_engine.connect() as conn:
+            driver = await driver_connection(conn)
+            plans = await driver.fetch(
+                "SELECT statement, generic_plans, custom_plans FROM pg_prepared_statements"
+            )
+    finally:
+        await service.close()
+    write = [p for p in plans if Statements.for_schema(store.schema).write.text in p["statement"]]
+    assert [(p["generic_plans"], p["custom_plans"]) for p in write] == [(3, 0)]
+
+
+async def test_a_consolidations_generic_plans_read_the_identitys_rows_by_index(
+    loaded: PostgresStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Planned for any identity, each statement of a consolidation still reaches the
+    identity's facts, observations and events through its indexes: no scan of a table
+    that holds every identity's rows."""
+    service = consolidation_service(loaded)
+    sent = SentToDriver(monkeypatch)
+    assert await service.consolidate("user-17")
+    monkeypatch.undo()
+    statements = Statements.for_schema(loaded.schema)
+    expected = {statements.lock.text, statements.new_first.text, statements.write.text}
+    explained = [(q, a) for q, a in sent.statements if q in {s.text for s in statements.all()}]
+    assert expected <= {q for q, _ in explained}
+    async with loaded.engine.connect() as conn:
+        driver = await driver_connection(conn)
+        for query, arguments in explained:
+            nodes = await generic_plan(driver, query, arguments)
+            assert not scanned(nodes) & {"facts", "observations", "fact_events"}, query
+        await conn.rollback()
