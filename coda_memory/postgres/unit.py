@@ -1,7 +1,9 @@
 """The consolidation unit of work on Postgres, and the read-only peek before it.
 
 This is the hot path of every agent request, so it talks to asyncpg directly, with
-statements that asyncpg prepares once per connection, and keeps round trips to a minimum:
+statements that asyncpg prepares once per connection and that the server plans once per
+connection too (the store's transaction asks for their generic plans), and keeps round
+trips to a minimum:
 
 * lock: one ``SELECT … FOR UPDATE`` (the first time an identity is seen, an ``INSERT … ON
   CONFLICT DO NOTHING`` and the ``SELECT`` again);
