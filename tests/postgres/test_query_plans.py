@@ -16,11 +16,11 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequen
 from datetime import UTC, datetime
 from typing import Any
 
-import asyncpg
 import pytest
 from sqlalchemy import event, make_url, pool, text
 from sqlalchemy.ext.asyncio import create_async_engine
 
+from benchmarks.replay import SqlCapture, literal
 from coda_memory import MemoryService
 from coda_memory.postgres import PostgresStore
 from coda_memory.postgres.analytics import (
@@ -392,41 +392,20 @@ async def test_the_peek_reads_no_fact_when_the_caller_knows_their_version(
     assert [(r["over"], r["subject"]) for r in rows] == [(True, None)]
 
 
-class SentToDriver:
-    """The statements (and their arguments) that asyncpg connections send while recording:
-    the hot path talks to asyncpg directly, beside SQLAlchemy."""
-
-    METHODS = ("execute", "fetch", "fetchrow", "fetchval")
-
-    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        self.statements: list[tuple[str, tuple[Any, ...]]] = []
-        for name in self.METHODS:
-            original = getattr(asyncpg.Connection, name)
-
-            async def recording(
-                conn: Any, query: str, *args: Any, _original: Any = original, **kwargs: Any
-            ) -> Any:
-                self.statements.append((query, args))
-                return await _original(conn, query, *args, **kwargs)
-
-            monkeypatch.setattr(asyncpg.Connection, name, recording)
-
-
 async def generic_plan(driver: Any, query: str, arguments: Sequence[Any]) -> list[dict[str, Any]]:
     """The nodes of the plan that ``query`` runs on when planned for any value of its
     parameters (``plan_cache_mode = force_generic_plan``), as ``EXPLAIN EXECUTE`` of it
     prepared with the parameter types the server infers; nothing is executed. (``EXECUTE``
-    takes no bound parameter: the values go as literals that the server quotes.)"""
-    types = [f"{p.schema}.{p.name}" for p in (await driver.prepare(query)).get_parameters()]
-    values = [
-        await driver.fetchval(f"SELECT quote_nullable(CAST($1 AS {kind})::text)", value)
-        for value, kind in zip(arguments, types, strict=True)
-    ]
+    takes no bound parameter: the values go as typed literals, as the replay writes them.)"""
+    parameters = (await driver.prepare(query)).get_parameters()
+    types = ", ".join(f"{p.schema}.{p.name}" for p in parameters)
+    literals = ", ".join(
+        literal(value, p.schema, p.name) for value, p in zip(arguments, parameters, strict=True)
+    )
     async with driver.transaction():
         await driver.execute("SET LOCAL plan_cache_mode = force_generic_plan")
-        await driver.execute(f"PREPARE generic_probe ({', '.join(types)}) AS {query}")
+        await driver.execute(f"PREPARE generic_probe ({types}) AS {query}")
         try:
-            literals = ", ".join(f"{v}::{kind}" for v, kind in zip(values, types, strict=True))
             raw = await driver.fetchval(f"EXPLAIN (FORMAT JSON) EXECUTE generic_probe ({literals})")
         finally:
             await driver.execute("DEALLOCATE generic_probe")
@@ -461,18 +440,17 @@ async def test_a_consolidation_plans_its_statements_once_per_connection(
 
 
 async def test_a_consolidations_generic_plans_read_the_identitys_rows_by_index(
-    loaded: PostgresStore, monkeypatch: pytest.MonkeyPatch
+    loaded: PostgresStore,
 ) -> None:
     """Planned for any identity, each statement of a consolidation still reaches the
     identity's facts, observations and events through its indexes: no scan of a table
     that holds every identity's rows."""
     service = consolidation_service(loaded)
-    sent = SentToDriver(monkeypatch)
-    assert await service.consolidate("user-17")
-    monkeypatch.undo()
+    with SqlCapture() as sent:
+        assert await service.consolidate("user-17")
     statements = Statements.for_schema(loaded.schema)
     expected = {statements.lock.text, statements.new_first.text, statements.write.text}
-    explained = [(q, a) for q, a in sent.statements if q in {s.text for s in statements.all()}]
+    explained = [(q, a) for q, a in sent.calls if q in {s.text for s in statements.all()}]
     assert expected <= {q for q, _ in explained}
     async with loaded.engine.connect() as conn:
         driver = await driver_connection(conn)
