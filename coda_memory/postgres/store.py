@@ -78,7 +78,8 @@ does not wait for such a lock longer than ``table_lock_timeout`` (25 ms):
 
 The service runs at most ``request_slots`` consolidations at once, so requests queue in
 the event loop rather than on the pool. :meth:`PostgresStore.start` opens the request
-and writer connections and prepares the hot-path statements on each before the first
+and writer connections, prepares the hot-path statements on each request connection and
+runs them there once (:func:`~coda_memory.postgres.unit.rehearse`), before the first
 request.
 """
 
@@ -146,6 +147,7 @@ from coda_memory.postgres.unit import (
     Statements,
     lock_identity,
     peek,
+    rehearse,
     stored_facts,
     subjects_waiting,
     unchanged,
@@ -378,11 +380,15 @@ class PostgresStore:
 
     async def start(self) -> None:
         """Open every connection of the request and writer pools, and prepare the
-        hot-path statements on the request connections, before the first request."""
+        hot-path statements on the request connections and run each once there (a
+        rehearsal that writes nothing: :func:`~coda_memory.postgres.unit.rehearse`),
+        before the first request."""
         batch_statements(self.schema)  # the rollup statements, compiled once
+        hot_path = [SET_TENANT, SET_TENANT_SESSION, *(q.text for q in self._statements.all())]
+        rehearsal = partial(rehearse, statements=self._statements, begin=self._begin)
         try:
             await asyncio.gather(
-                _warm(self.request_engine, self.schema, [q.text for q in self._statements.all()]),
+                _warm(self.request_engine, self.schema, hot_path, rehearsal),
                 _warm(self.writer_engine, self.schema, []),
             )
         except Exception as error:
@@ -770,10 +776,16 @@ class PostgresStore:
         await dispose(engines)
 
 
-async def _warm(engine: AsyncEngine, schema: str, statements: list[str]) -> None:
+async def _warm(
+    engine: AsyncEngine,
+    schema: str,
+    statements: list[str],
+    rehearsal: Callable[[Any], Awaitable[None]] | None = None,
+) -> None:
     """Check out as many connections as the pool holds, at once (so that each is a new
-    one), and prepare ``statements`` on each into asyncpg's statement cache, which the
-    hot path's ``fetch`` calls then hit."""
+    one), prepare ``statements`` on each into asyncpg's statement cache, which the hot
+    path's ``fetch`` calls then hit, and run ``rehearsal`` on each (its asyncpg
+    connection)."""
     size: Any = getattr(engine.pool, "size", None)
     count = int(size()) if callable(size) else 1
 
@@ -781,7 +793,10 @@ async def _warm(engine: AsyncEngine, schema: str, statements: list[str]) -> None
         conn = await engine.connect().start()
         prepared = False
         try:
-            await _prepare(await driver_connection(conn), statements)
+            driver = await driver_connection(conn)
+            await _prepare(driver, statements)
+            if rehearsal is not None:
+                await rehearsal(driver)
             prepared = True
         finally:
             # Cut short (cancelled, failed), the prepares may have left their implicit

@@ -14,7 +14,9 @@ trips to a minimum:
   consolidation reach facts deleted since, those facts' last lives in a fourth;
 * write: every write (fact upserts and deletes, history, checkpoint, prune) in one
   statement of data-modifying CTEs (a plan that deletes more than ``DELETE_SLICE`` facts
-  sends those deletes ahead, in slices of ``facts_delete.sql``).
+  sends those deletes ahead, in slices of ``facts_delete.sql``);
+* rehearse: each of these once on a new connection, for no identity and rolled back, so
+  that its first requests do not pay for the server's first runs (:func:`rehearse`).
 
 The statements are the named files of :mod:`coda_memory.postgres.sql`, read once per
 schema; every value is a bound parameter, passed by name. The cursor's correctness
@@ -25,7 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC, datetime
 from functools import partial
 from typing import Any
 
@@ -39,6 +41,7 @@ from coda_memory.postgres.documents import event_row, fact_row, rows_document
 from coda_memory.postgres.known import Known, written
 from coda_memory.postgres.rows import event_from_row, fact_from_row, observation_from_row
 from coda_memory.postgres.sql import Query, query
+from coda_memory.postgres.tenancy import SET_TENANT
 
 #: How often to try locking a checkpoint that is missing (first consolidation) or that a
 #: concurrent ``forget`` deleted between creating and locking it.
@@ -373,3 +376,50 @@ async def unchanged(raw: Any, statements: Statements, identity_id: str, version:
     arguments = statement.arguments(identity_id=identity_id, known_version=version, read_limit=0)
     rows = await raw.fetch(statement.text, *arguments)
     return bool(rows) and rows[0]["version"] == version and not rows[0]["pending"]
+
+
+#: The identity a rehearsal runs for: no identity is empty (``check_identity`` refuses
+#: it), so no row has it, and the statements find nothing and write nothing.
+REHEARSAL_IDENTITY = ""
+
+
+async def rehearse(raw: Any, statements: Statements, begin: str) -> None:
+    """Run every statement of a peek and a consolidation once on ``raw`` (an asyncpg
+    connection with the statements prepared, outside a transaction), for
+    :data:`REHEARSAL_IDENTITY`, in a transaction that ``begin`` opens (the consolidation's
+    own ``BEGIN``) and that is rolled back.
+
+    The first run of a statement on a connection costs the server more than the runs
+    after it: its backend reads the catalog entries and statistics its plan needs, and the
+    consolidation's statements make their generic plans (see ``GENERIC_PLANS`` in the
+    store), which later runs on the connection reuse. :meth:`PostgresStore.start` has each
+    request connection rehearse, so the first requests do not pay for it (about 1 to 3 ms
+    for the first consolidation on each connection of a 2-core machine)."""
+    identity_id = REHEARSAL_IDENTITY
+    await raw.execute(begin)
+    try:
+        await raw.execute(SET_TENANT, identity_id)
+        await peek(raw, statements, identity_id, None)
+        lock = statements.lock
+        await raw.fetchrow(lock.text, *lock.arguments(identity_id=identity_id))
+        rows = await waiting_rows(raw, statements, identity_id, None)
+        snapshot = rows[0]["snapshot"]
+        await waiting_rows(raw, statements, identity_id, snapshot)
+        await stored_facts(raw, statements, identity_id)
+        earlier, lives = statements.session_events, statements.ended
+        await raw.fetch(earlier.text, *earlier.arguments(identity_id=identity_id, session_ids=[""]))
+        await raw.fetch(lives.text, *lives.arguments(identity_id=identity_id, subjects=[""]))
+        write = statements.write
+        arguments = write.arguments(
+            identity_id=identity_id,
+            facts=rows_document([]),
+            deleted_subjects=[],
+            now=datetime.now(UTC),
+            events=rows_document([]),
+            snapshot=snapshot,
+            consumed=0,
+            prune_before=None,
+        )
+        await raw.fetchrow(write.text, *arguments)
+    finally:
+        await raw.execute("ROLLBACK")

@@ -20,6 +20,7 @@ from coda_memory.errors import StoreBusy
 from coda_memory.postgres import PostgresStore
 from coda_memory.postgres.connection import MAX_TIMEOUT, sqlstate
 from coda_memory.postgres.engine import driver_connection
+from coda_memory.postgres.unit import Statements
 from tests.helpers import tool_ok
 from tests.postgres.helpers import NOW, backends, consolidate, engine, fact, fetch, locked, record
 
@@ -225,6 +226,76 @@ async def test_start_opens_the_pools_and_prepares_the_statements(
             assert prepared >= 8
             await conn.close()
         assert await backends(admin_url, database) == 5
+    finally:
+        await service.close()
+
+
+async def _contents(url: str) -> dict[str, str]:
+    """Every table of the schema, as a digest of its rows."""
+    tables = await fetch(
+        url,
+        "SELECT table_name FROM information_schema.tables "
+        "WHERE table_schema = 'coda_memory' AND table_type = 'BASE TABLE'",
+    )
+    contents = {}
+    for (table,) in tables:
+        rows = await fetch(
+            url,
+            f"SELECT count(*) || ':' || coalesce(md5(string_agg(t::text, ',' ORDER BY t::text)),"
+            f" '') FROM coda_memory.{table} AS t",
+        )
+        contents[table] = rows[0][0]
+    return contents
+
+
+async def test_start_runs_the_hot_path_once_on_each_request_connection_and_writes_nothing(
+    pg_url: str,
+) -> None:
+    """A statement's first run on a connection costs its backend the catalog entries of
+    its plan and, for a consolidation's statements, their generic plan: start() has each
+    request connection run the peek's and the consolidation's statements once, for the
+    empty identity, in a transaction rolled back."""
+    seeding = PostgresStore.from_url(pg_url)
+    try:
+        await seeding.append([record("observed")])
+        await consolidate(seeding, "alice", upserts=[fact()])
+        await seeding.append([record("waiting", created_at=NOW + timedelta(minutes=1))])
+    finally:
+        await seeding.close()
+    # Rows of the empty identity, as stores wrote them before they refused it: the
+    # rehearsal runs as this superuser, whom row-level security does not bound.
+    await fetch(pg_url, "INSERT INTO coda_memory.checkpoints (identity_id) VALUES ('')")
+    await fetch(
+        pg_url,
+        "INSERT INTO coda_memory.observations (identity_id, type, content, created_at) "
+        "VALUES ('', 'query_pattern', 'q', now())",
+    )
+    before = await _contents(pg_url)
+    store = PostgresStore.from_url(pg_url, pool_size=3, writer_pool_size=1)
+    service = MemoryService(store)
+    try:
+        await service.start()
+        assert await _contents(pg_url) == before
+        statements = Statements.for_schema(store.schema)
+        # All but the first consolidation's INSERT (a write) and the deletes sent ahead of
+        # a write that deletes thousands of facts.
+        skipped = (statements.ensure, statements.delete)
+        run = {q.text: q.name for q in statements.all() if q not in skipped}
+        held = [await store.request_engine.connect() for _ in range(3)]
+        for conn in held:
+            driver = await driver_connection(conn)
+            plans = await driver.fetch(
+                "SELECT statement, generic_plans, custom_plans FROM pg_prepared_statements"
+            )
+            ran = {
+                run[p["statement"]]: (p["generic_plans"], p["custom_plans"])
+                for p in plans
+                if p["statement"] in run
+            }
+            # Each once, on its generic plan (the consolidation's transaction asks for them).
+            once = dict.fromkeys(run.values(), (1, 0))
+            assert ran == once
+            await conn.close()
     finally:
         await service.close()
 

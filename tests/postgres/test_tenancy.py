@@ -29,10 +29,11 @@ from coda_memory import analytics as coda_analytics
 from coda_memory.cli import app
 from coda_memory.errors import AccessDenied
 from coda_memory.postgres import PostgresStore, analytics, maintenance
-from coda_memory.postgres.engine import create_engine
+from coda_memory.postgres.engine import create_engine, driver_connection
 from coda_memory.postgres.migrate import alembic_config
 from coda_memory.postgres.schema import validate_schema_name
 from coda_memory.postgres.tenancy import ALL_IDENTITIES, apply_grants, grant_script, quote_role
+from coda_memory.postgres.unit import Statements
 from tests.helpers import FakeClock, domain, entity, tool_failed, tool_ok
 from tests.postgres.test_analytics import D1, call
 
@@ -280,6 +281,44 @@ async def test_the_service_as_the_app_role_forgets_one_identity(tenancy: Tenancy
         assert await store.checkpoint("bob") is not None
     finally:
         await store.close()
+
+
+async def test_start_as_the_app_role_rehearses_the_hot_path_and_changes_nothing(
+    tenancy: Tenancy,
+) -> None:
+    """start() runs the peek's and the consolidation's statements once on each request
+    connection, for the empty identity, which the app role may neither see nor write: as
+    that role too they run, on their generic plans, and leave every row as it was."""
+    await _populate(tenancy)
+    tables = (*PER_IDENTITY, *AGGREGATE_TABLES)
+    digest = (
+        "SELECT count(*) || ':' || md5(coalesce(string_agg(t::text, ',' ORDER BY t::text), ''))"
+    )
+    superuser = await asyncpg.connect(
+        make_url(tenancy.url).set(drivername="postgresql").render_as_string(False)
+    )
+    store = PostgresStore.from_url(
+        tenancy.url, schema=SCHEMA, pool_size=2, **tenancy.as_role(tenancy.app)
+    )
+    try:
+        before = [await superuser.fetchval(f"{digest} FROM {SCHEMA}.{t} AS t") for t in tables]
+        await store.start()
+        write = Statements.for_schema(SCHEMA).write.text
+        held = [await store.request_engine.connect() for _ in range(2)]
+        for conn in held:
+            driver = await driver_connection(conn)
+            plans = await driver.fetchrow(
+                "SELECT generic_plans, custom_plans FROM pg_prepared_statements "
+                "WHERE statement = $1",
+                write,
+            )
+            assert tuple(plans) == (1, 0)
+            await conn.close()
+        after = [await superuser.fetchval(f"{digest} FROM {SCHEMA}.{t} AS t") for t in tables]
+        assert after == before
+    finally:
+        await store.close()
+        await superuser.close()
 
 
 async def test_analytics_as_the_app_role_raise_access_denied(tenancy: Tenancy) -> None:
