@@ -36,7 +36,7 @@ from coda_memory.ports import AppendOutcome, ObservationRecord, unidentified
 from coda_memory.postgres import batch_keys
 from coda_memory.postgres.connection import error_reason, sqlstate
 from coda_memory.postgres.documents import NotJson, document, instant
-from coda_memory.postgres.rollup_batch import write_rollup_part
+from coda_memory.postgres.rollup_batch import batch_statements, write_rollup_part
 from coda_memory.postgres.rollup_owed import Folded, RollupDebt, fold_owed, rollup_or_owe
 from coda_memory.postgres.sql import query
 
@@ -180,6 +180,13 @@ def _documents(rows: Sequence[_Row], text: str | None = None) -> list[str]:
         return [text]
     middle = len(rows) // 2
     return [*_documents(rows[:middle]), *_documents(rows[middle:])]
+
+
+def prepared_statements(schema: str) -> list[str]:
+    """The statements an append sends through asyncpg's statement cache (the insert and
+    the batch's rollup), for :meth:`PostgresStore.start` to prepare on each writer
+    connection: the first append on it then skips their Parse round trips."""
+    return [query("observations_insert", schema).text, *(c.sql for c in batch_statements(schema))]
 
 
 async def _insert(driver: Any, schema: str, rows: Sequence[_Row], text: str) -> None:

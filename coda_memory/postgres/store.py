@@ -79,8 +79,8 @@ does not wait for such a lock longer than ``table_lock_timeout`` (25 ms):
 The service runs at most ``request_slots`` consolidations at once, so requests queue in
 the event loop rather than on the pool. :meth:`PostgresStore.start` opens the request
 and writer connections, prepares the hot-path statements on each request connection and
-runs them there once (:func:`~coda_memory.postgres.unit.rehearse`), before the first
-request.
+runs them there once (:func:`~coda_memory.postgres.unit.rehearse`), and prepares an
+append's statements on each writer connection, before the first request.
 """
 
 from __future__ import annotations
@@ -108,7 +108,12 @@ from coda_memory.ports import (
     Forgotten,
     ObservationRecord,
 )
-from coda_memory.postgres.append import IngestCounts, append_observations, encode
+from coda_memory.postgres.append import (
+    IngestCounts,
+    append_observations,
+    encode,
+    prepared_statements,
+)
 from coda_memory.postgres.connection import (
     LOCK_NOT_AVAILABLE,
     QUERY_CANCELED,
@@ -132,7 +137,6 @@ from coda_memory.postgres.repositories import (
     FactRepository,
     ObservationRepository,
 )
-from coda_memory.postgres.rollup_batch import batch_statements
 from coda_memory.postgres.rollup_owed import RollupDebt
 from coda_memory.postgres.rollup_upkeep import forget_identity
 from coda_memory.postgres.schema import DEFAULT_SCHEMA, redis_imports, validate_schema_name
@@ -379,17 +383,16 @@ class PostgresStore:
         return int(size()) if callable(size) else DEFAULT_POOL_SIZE
 
     async def start(self) -> None:
-        """Open every connection of the request and writer pools, and prepare the
-        hot-path statements on the request connections and run each once there (a
-        rehearsal that writes nothing: :func:`~coda_memory.postgres.unit.rehearse`),
-        before the first request."""
-        batch_statements(self.schema)  # the rollup statements, compiled once
+        """Open every connection of the request and writer pools, prepare the hot-path
+        statements on the request connections and run each once there (a rehearsal that
+        writes nothing: :func:`~coda_memory.postgres.unit.rehearse`), and prepare an
+        append's on the writer connections, before the first request."""
         hot_path = [SET_TENANT, SET_TENANT_SESSION, *(q.text for q in self._statements.all())]
         rehearsal = partial(rehearse, statements=self._statements, begin=self._begin)
         try:
             await asyncio.gather(
                 _warm(self.request_engine, self.schema, hot_path, rehearsal),
-                _warm(self.writer_engine, self.schema, []),
+                _warm(self.writer_engine, self.schema, prepared_statements(self.schema)),
             )
         except Exception as error:
             # One line that says what failed (a refused connection, a server that never

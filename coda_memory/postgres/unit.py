@@ -379,7 +379,9 @@ async def unchanged(raw: Any, statements: Statements, identity_id: str, version:
 
 
 #: The identity a rehearsal runs for: no identity is empty (``check_identity`` refuses
-#: it), so no row has it, and the statements find nothing and write nothing.
+#: it). The app role may neither see nor write its rows; an owner, whom row-level
+#: security does not bound, may find some (stores wrote them before they refused it),
+#: and what its statements change of them is rolled back.
 REHEARSAL_IDENTITY = ""
 
 

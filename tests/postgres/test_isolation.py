@@ -18,6 +18,7 @@ from coda_memory import Fact, MemoryService
 from coda_memory import service as service_module
 from coda_memory.errors import StoreBusy
 from coda_memory.postgres import PostgresStore
+from coda_memory.postgres.append import prepared_statements
 from coda_memory.postgres.connection import MAX_TIMEOUT, sqlstate
 from coda_memory.postgres.engine import driver_connection
 from coda_memory.postgres.unit import Statements
@@ -224,6 +225,13 @@ async def test_start_opens_the_pools_and_prepares_the_statements(
             driver = await driver_connection(conn)
             prepared = await driver.fetchval("SELECT count(*) FROM pg_prepared_statements")
             assert prepared >= 8
+            await conn.close()
+        # And every writer connection an append's insert and rollup statements.
+        writers = [await store.writer_engine.connect() for _ in range(2)]
+        for conn in writers:
+            driver = await driver_connection(conn)
+            prepared = await driver.fetch("SELECT statement FROM pg_prepared_statements")
+            assert set(prepared_statements(store.schema)) <= {p["statement"] for p in prepared}
             await conn.close()
         assert await backends(admin_url, database) == 5
     finally:
