@@ -1,5 +1,6 @@
 """Isolation on a real server: statement timeouts on the request path, separate request
-and writer pools of the configured sizes, and ``start()`` opening and preparing them."""
+and writer pools of the configured sizes, and ``start()`` opening and preparing them (and
+rehearsing the hot path on the request connections)."""
 
 from __future__ import annotations
 
