@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -22,7 +22,9 @@ __all__ = [
     "fact",
     "fetch",
     "plan",
+    "prepared_plans",
     "record",
+    "table_digests",
 ]
 
 
@@ -40,6 +42,39 @@ async def fetch(url: str, sql: str, **params: Any) -> list[tuple[Any, ...]]:
             return [tuple(row) for row in result] if result.returns_rows else []
     finally:
         await own.dispose()
+
+
+async def table_digests(
+    url: str, schema: str = "coda_memory", tables: Sequence[str] | None = None
+) -> dict[str, str]:
+    """Each of ``tables`` of ``schema`` (None: every table of it) as its row count and a
+    digest of its rows, read as the role of ``url``: equal digests, equal contents."""
+    if tables is None:
+        rows = await fetch(
+            url,
+            "SELECT table_name FROM information_schema.tables "
+            "WHERE table_schema = :schema AND table_type = 'BASE TABLE'",
+            schema=schema,
+        )
+        tables = [table for (table,) in rows]
+    digests = {}
+    for table in tables:
+        rows = await fetch(
+            url,
+            "SELECT count(*) || ':' || md5(coalesce(string_agg(t::text, ',' ORDER BY t::text), ''))"
+            f' FROM "{schema}".{table} AS t',
+        )
+        digests[table] = rows[0][0]
+    return digests
+
+
+async def prepared_plans(driver: Any) -> dict[str, tuple[int, int]]:
+    """The statements prepared on ``driver`` (an asyncpg connection), each with how many
+    times it ran on its generic plan and on a custom one."""
+    rows = await driver.fetch(
+        "SELECT statement, generic_plans, custom_plans FROM pg_prepared_statements"
+    )
+    return {r["statement"]: (r["generic_plans"], r["custom_plans"]) for r in rows}
 
 
 async def backends(admin_url: str, database: str | None, *, in_transaction: bool = False) -> int:

@@ -24,7 +24,18 @@ from coda_memory.postgres.connection import MAX_TIMEOUT, sqlstate
 from coda_memory.postgres.engine import driver_connection
 from coda_memory.postgres.unit import Statements
 from tests.helpers import tool_ok
-from tests.postgres.helpers import NOW, backends, consolidate, engine, fact, fetch, locked, record
+from tests.postgres.helpers import (
+    NOW,
+    backends,
+    consolidate,
+    engine,
+    fact,
+    fetch,
+    locked,
+    prepared_plans,
+    record,
+    table_digests,
+)
 
 #: On both event loops (see tests/conftest.py).
 pytestmark = pytest.mark.both_loops
@@ -231,30 +242,11 @@ async def test_start_opens_the_pools_and_prepares_the_statements(
         writers = [await store.writer_engine.connect() for _ in range(2)]
         for conn in writers:
             driver = await driver_connection(conn)
-            prepared = await driver.fetch("SELECT statement FROM pg_prepared_statements")
-            assert set(prepared_statements(store.schema)) <= {p["statement"] for p in prepared}
+            assert set(prepared_statements(store.schema)) <= set(await prepared_plans(driver))
             await conn.close()
         assert await backends(admin_url, database) == 5
     finally:
         await service.close()
-
-
-async def _contents(url: str) -> dict[str, str]:
-    """Every table of the schema, as a digest of its rows."""
-    tables = await fetch(
-        url,
-        "SELECT table_name FROM information_schema.tables "
-        "WHERE table_schema = 'coda_memory' AND table_type = 'BASE TABLE'",
-    )
-    contents = {}
-    for (table,) in tables:
-        rows = await fetch(
-            url,
-            f"SELECT count(*) || ':' || coalesce(md5(string_agg(t::text, ',' ORDER BY t::text)),"
-            f" '') FROM coda_memory.{table} AS t",
-        )
-        contents[table] = rows[0][0]
-    return contents
 
 
 async def test_start_runs_the_hot_path_once_on_each_request_connection_and_writes_nothing(
@@ -279,12 +271,12 @@ async def test_start_runs_the_hot_path_once_on_each_request_connection_and_write
         "INSERT INTO coda_memory.observations (identity_id, type, content, created_at) "
         "VALUES ('', 'query_pattern', 'q', now())",
     )
-    before = await _contents(pg_url)
+    before = await table_digests(pg_url)
     store = PostgresStore.from_url(pg_url, pool_size=3, writer_pool_size=1)
     service = MemoryService(store)
     try:
         await service.start()
-        assert await _contents(pg_url) == before
+        assert await table_digests(pg_url) == before
         statements = Statements.for_schema(store.schema)
         # All but the first consolidation's INSERT (a write) and the deletes sent ahead of
         # a write that deletes thousands of facts.
@@ -293,14 +285,8 @@ async def test_start_runs_the_hot_path_once_on_each_request_connection_and_write
         held = [await store.request_engine.connect() for _ in range(3)]
         for conn in held:
             driver = await driver_connection(conn)
-            plans = await driver.fetch(
-                "SELECT statement, generic_plans, custom_plans FROM pg_prepared_statements"
-            )
-            ran = {
-                run[p["statement"]]: (p["generic_plans"], p["custom_plans"])
-                for p in plans
-                if p["statement"] in run
-            }
+            plans = await prepared_plans(driver)
+            ran = {run[text]: runs for text, runs in plans.items() if text in run}
             # Each once, on its generic plan (the consolidation's transaction asks for them).
             once = dict.fromkeys(run.values(), (1, 0))
             assert ran == once

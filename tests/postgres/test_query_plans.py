@@ -32,8 +32,9 @@ from coda_memory.postgres.analytics import (
 from coda_memory.postgres.engine import driver_connection
 from coda_memory.postgres.migrate import migrate_async
 from coda_memory.postgres.rollup_batch import batch_statements
+from coda_memory.postgres.store import GENERIC_PLANS
 from coda_memory.postgres.unit import Statements
-from tests.postgres.helpers import consolidate, record
+from tests.postgres.helpers import consolidate, prepared_plans, record
 
 NOW = datetime(2026, 3, 1, 12, 0, tzinfo=UTC)
 
@@ -403,7 +404,7 @@ async def generic_plan(driver: Any, query: str, arguments: Sequence[Any]) -> lis
         literal(value, p.schema, p.name) for value, p in zip(arguments, parameters, strict=True)
     )
     async with driver.transaction():
-        await driver.execute("SET LOCAL plan_cache_mode = force_generic_plan")
+        await driver.execute(GENERIC_PLANS)
         await driver.execute(f"PREPARE generic_probe ({types}) AS {query}")
         try:
             raw = await driver.fetchval(f"EXPLAIN (FORMAT JSON) EXECUTE generic_probe ({literals})")
@@ -429,14 +430,10 @@ async def test_a_consolidation_plans_its_statements_once_per_connection(
         for identity in ("user-14", "user-15", "user-16"):  # 50 observations waiting each
             assert await service.consolidate(identity)
         async with store.request_engine.connect() as conn:
-            driver = await driver_connection(conn)
-            plans = await driver.fetch(
-                "SELECT statement, generic_plans, custom_plans FROM pg_prepared_statements"
-            )
+            plans = await prepared_plans(await driver_connection(conn))
     finally:
         await service.close()
-    write = [p for p in plans if Statements.for_schema(store.schema).write.text in p["statement"]]
-    assert [(p["generic_plans"], p["custom_plans"]) for p in write] == [(3, 0)]
+    assert plans[Statements.for_schema(store.schema).write.text] == (3, 0)
 
 
 async def test_a_consolidations_generic_plans_read_the_identitys_rows_by_index(
@@ -450,7 +447,8 @@ async def test_a_consolidations_generic_plans_read_the_identitys_rows_by_index(
         assert await service.consolidate("user-17")
     statements = Statements.for_schema(loaded.schema)
     expected = {statements.lock.text, statements.new_first.text, statements.write.text}
-    explained = [(q, a) for q, a in sent.calls if q in {s.text for s in statements.all()}]
+    hot_path = {s.text for s in statements.all()}
+    explained = [(q, a) for q, a in sent.calls if q in hot_path]
     assert expected <= {q for q, _ in explained}
     async with loaded.engine.connect() as conn:
         driver = await driver_connection(conn)

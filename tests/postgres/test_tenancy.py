@@ -35,6 +35,7 @@ from coda_memory.postgres.schema import validate_schema_name
 from coda_memory.postgres.tenancy import ALL_IDENTITIES, apply_grants, grant_script, quote_role
 from coda_memory.postgres.unit import Statements
 from tests.helpers import FakeClock, domain, entity, tool_failed, tool_ok
+from tests.postgres.helpers import prepared_plans, table_digests
 from tests.postgres.test_analytics import D1, call
 
 SCHEMA = "tenancy"
@@ -291,34 +292,21 @@ async def test_start_as_the_app_role_rehearses_the_hot_path_and_changes_nothing(
     that role too they run, on their generic plans, and leave every row as it was."""
     await _populate(tenancy)
     tables = (*PER_IDENTITY, *AGGREGATE_TABLES)
-    digest = (
-        "SELECT count(*) || ':' || md5(coalesce(string_agg(t::text, ',' ORDER BY t::text), ''))"
-    )
-    superuser = await asyncpg.connect(
-        make_url(tenancy.url).set(drivername="postgresql").render_as_string(False)
-    )
     store = PostgresStore.from_url(
         tenancy.url, schema=SCHEMA, pool_size=2, **tenancy.as_role(tenancy.app)
     )
     try:
-        before = [await superuser.fetchval(f"{digest} FROM {SCHEMA}.{t} AS t") for t in tables]
+        before = await table_digests(tenancy.url, SCHEMA, tables)
         await store.start()
         write = Statements.for_schema(SCHEMA).write.text
         held = [await store.request_engine.connect() for _ in range(2)]
         for conn in held:
-            driver = await driver_connection(conn)
-            plans = await driver.fetchrow(
-                "SELECT generic_plans, custom_plans FROM pg_prepared_statements "
-                "WHERE statement = $1",
-                write,
-            )
-            assert tuple(plans) == (1, 0)
+            plans = await prepared_plans(await driver_connection(conn))
+            assert plans[write] == (1, 0)
             await conn.close()
-        after = [await superuser.fetchval(f"{digest} FROM {SCHEMA}.{t} AS t") for t in tables]
-        assert after == before
+        assert await table_digests(tenancy.url, SCHEMA, tables) == before
     finally:
         await store.close()
-        await superuser.close()
 
 
 async def test_analytics_as_the_app_role_raise_access_denied(tenancy: Tenancy) -> None:
