@@ -71,6 +71,28 @@ def test_using_it_is_a_complete_script() -> None:
     assert "async with MemoryService.from_url(DATABASE_URL) as memory:" in code
 
 
+def _broken_table_rows(text: str) -> list[int]:
+    """The numbers of the lines that continue a table row on a line of their own (outside
+    code blocks): Markdown ends a row at its line's end and makes each such line a row of
+    its own, its text in the first column."""
+    broken: list[int] = []
+    in_table = in_code = False
+    for number, line in enumerate(text.splitlines(), 1):
+        if line.startswith("```"):
+            in_code = not in_code
+        if in_code:
+            continue
+        if in_table and line.strip() and not line.startswith("|"):
+            broken.append(number)
+        in_table = line.startswith("|") or (in_table and bool(line.strip()))
+    return broken
+
+
+def test_every_table_row_of_the_readme_is_one_line() -> None:
+    assert _broken_table_rows("| a | b |\n| --- | --- |\n| one | row\nwrapped |\n") == [4]
+    assert _broken_table_rows(README) == []
+
+
 def test_every_environment_variable_is_documented() -> None:
     table = set(re.findall(r"^\| `(CODA_MEMORY_[A-Z_]+)` \|", README, re.M))
     read: dict[str, Path] = {}
