@@ -17,6 +17,7 @@ from asyncpg.prepared_stmt import PreparedStatement
 
 from benchmarks.server import Server
 from benchmarks.workloads import SCHEMA
+from coda_memory.postgres.tenancy import TENANT_SETTING
 from coda_memory.postgres.unit import Statements
 
 #: Statement labels, by the first pattern that matches the SQL text.
@@ -25,7 +26,9 @@ STATEMENT_LABELS: tuple[tuple[str, str], ...] = (
     (r"^COMMIT", "COMMIT"),
     (r"^ROLLBACK", "ROLLBACK"),
     (r"^;$", "pre-ping ';'"),
-    (r"set_config", "set lock_timeout"),
+    (rf"set_config\('{re.escape(TENANT_SETTING)}'", "set the tenant (set_config)"),
+    (r"set_config\('lock_timeout'|lock_timeout =", "set lock_timeout"),
+    (r"set_config", "set_config (other settings)"),
     (r"^INSERT INTO \w+\.checkpoints", "checkpoint: ensure (INSERT .. ON CONFLICT)"),
     (r"FROM \w+\.checkpoints .*FOR UPDATE", "checkpoint: lock (SELECT .. FOR UPDATE)"),
     (r"pg_current_snapshot", "snapshot (pg_current_snapshot)"),
