@@ -50,11 +50,13 @@ Three pools, so that what blocks one kind of work cannot take the connections of
 
 * the request pool (``pool_size``, no overflow) runs peeks and consolidations, the work of
   ``load_memory``; every statement on it runs under ``statement_timeout`` (which bounds
-  lock waits as well), so a locked table costs a request at most that long;
+  lock waits as well), so a locked table costs a request at most that long (but the
+  cap's, which ranks every fact of an identity once in a long while, under
+  ``CAP_STATEMENT_TIMEOUT``);
 * the writer pool (``writer_pool_size``, no overflow) runs appends, under
   ``writer_lock_timeout``: a writer stuck behind a lock fails, backs off and retries
   instead of holding its connection;
-* the admin pool (the ``engine``; history, forget, maintenance, analytics) opens
+* the admin pool (the ``engine``; facts, history, forget, maintenance, analytics) opens
   connections only when such work runs.
 
 Tables held
@@ -79,7 +81,8 @@ does not wait for such a lock longer than ``table_lock_timeout`` (25 ms):
 The service runs at most ``request_slots`` consolidations at once, so requests queue in
 the event loop rather than on the pool. :meth:`PostgresStore.start` opens the request
 and writer connections, prepares the hot-path statements on each request connection and
-runs them there once (:func:`~coda_memory.postgres.unit.rehearse`), and prepares an
+runs those of a peek and a consolidation there once
+(:func:`~coda_memory.postgres.unit.rehearse`), and prepares an
 append's statements on each writer connection, before the first request.
 """
 

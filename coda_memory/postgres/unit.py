@@ -1,9 +1,9 @@
 """The consolidation unit of work on Postgres, and the read-only peek before it.
 
 This is the hot path of every agent request, so it talks to asyncpg directly, with
-statements that asyncpg prepares once per connection and that the server plans once per
-connection too (the store's transaction asks for their generic plans), and keeps round
-trips to a minimum:
+statements that asyncpg prepares once per connection (the consolidation's transaction also
+asks the server for their generic plans, made once per connection; the peek, outside a
+transaction, is planned as Postgres decides), and keeps round trips to a minimum:
 
 * lock: one ``SELECT … FOR UPDATE`` (the first time an identity is seen, an ``INSERT … ON
   CONFLICT DO NOTHING`` and the ``SELECT`` again);
@@ -15,8 +15,10 @@ trips to a minimum:
 * write: every write (fact upserts and deletes, history, checkpoint, prune) in one
   statement of data-modifying CTEs (a plan that deletes more than ``DELETE_SLICE`` facts
   sends those deletes ahead, in slices of ``facts_delete.sql``);
-* rehearse: each of these once on a new connection, for no identity and rolled back, so
-  that its first requests do not pay for the server's first runs (:func:`rehearse`).
+* rehearse: the peek, the lock and the reads and write above once on a new connection,
+  for no identity and rolled back, so that its first requests do not pay for the
+  server's first runs (:func:`rehearse`; not the first lock's ``INSERT`` nor the deletes
+  sent ahead, which are rare).
 
 The statements are the named files of :mod:`coda_memory.postgres.sql`, read once per
 schema; every value is a bound parameter, passed by name. The cursor's correctness
@@ -386,7 +388,7 @@ REHEARSAL_IDENTITY = ""
 
 
 async def rehearse(raw: Any, statements: Statements, begin: str) -> None:
-    """Run every statement of a peek and a consolidation once on ``raw`` (an asyncpg
+    """Run the statements of a peek and a consolidation once on ``raw`` (an asyncpg
     connection with the statements prepared, outside a transaction), for
     :data:`REHEARSAL_IDENTITY`, in a transaction that ``begin`` opens (the consolidation's
     own ``BEGIN``) and that is rolled back.
