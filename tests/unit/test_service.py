@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 import uvloop
 
-from coda_memory import Fact, MemoryService, NewObservation, ObservationType
+from coda_memory import Fact, LoadedMemory, MemoryService, NewObservation, ObservationType
 from coda_memory import service as service_module
 from coda_memory.core import consolidation, prompt, turns
 from coda_memory.core.logs import identity_label
@@ -1244,21 +1244,32 @@ async def test_a_late_load_makes_its_fallback_before_the_timeout_fires(
     assert (service.stats().load_stale, service.stats().load_timeouts) == (1, 0)
 
 
-async def test_a_late_load_answers_from_facts_its_peek_read_after_the_hedge() -> None:
+async def test_a_late_load_answers_from_facts_its_peek_read_after_the_hedge(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """Nothing was at hand at the hedge (the identity's facts are not kept, and its peek
     had not returned); the peek read them before the load gave up: the load answers from
     them rather than empty."""
     store = GatedStore()
     service = MemoryService(store, clock=FakeClock(), load_timeout=0.2)
+    hedged: list[LoadedMemory | None] = []
+    stale_answer = service._stale_answer
+
+    async def hedge_then_peek(identity_id: str) -> LoadedMemory | None:
+        answer = await stale_answer(identity_id)
+        if not hedged:  # the hedge's answer: then the peek returns
+            store.gate.set()
+        hedged.append(answer)
+        return answer
+
+    monkeypatch.setattr(service, "_stale_answer", hedge_then_peek)
     try:
         await _old_consolidated_new_stored(service)
-        store.gate.clear()  # the peek waits
+        store.gate.clear()  # the peek waits until the hedge has found nothing at hand
         store.consolidation_gate.clear()  # and then the consolidation
-        loop = asyncio.get_running_loop()
-        # The peek returns at 60 % of the timeout: after the hedge, before ANSWER_BY.
-        loop.call_later(service.load_timeout * 0.6, store.gate.set)
         memory = await service.load_memory("u1")
         assert [f.subject for f in memory.facts] == ["tool_affinity:old"]
+        assert hedged[0] is None  # nothing was at hand at the hedge
         assert (service.stats().load_stale, service.stats().load_timeouts) == (1, 0)
     finally:
         store.gate.set()
