@@ -551,12 +551,44 @@ def table_locked(url: str, table: str) -> AbstractContextManager[threading.Event
     return held(url, text(f"LOCK TABLE coda_memory.{table} IN ACCESS EXCLUSIVE MODE"))
 
 
+class ReleaseOnceWaitedFor(threading.Thread):
+    """Sets ``release`` once a backend of the database at ``url`` waits for a lock (a
+    command queued behind the one held), polling ``pg_stat_activity`` for 10 s at most;
+    ``saw_waiter`` says whether one did."""
+
+    def __init__(self, url: str, release: threading.Event) -> None:
+        super().__init__(daemon=True)
+        self.url, self.release, self.saw_waiter = url, release, False
+
+    def run(self) -> None:
+        try:
+            self.saw_waiter = asyncio.run(self._waiter())
+        finally:
+            self.release.set()
+
+    async def _waiter(self) -> bool:
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            waiting = await fetch(
+                self.url,
+                "SELECT count(*) FROM pg_stat_activity "
+                "WHERE datname = current_database() AND wait_event_type = 'Lock'",
+            )
+            if waiting[0][0]:
+                return True
+            await asyncio.sleep(0.01)
+        return False
+
+
 def test_consolidate_waits_for_live_traffic_on_the_same_identity(pg_url: str) -> None:
     seed_alice(pg_url)
     emit_pending(pg_url, ["alice"])
     with checkpoint_locked(pg_url, "alice") as release:
-        threading.Timer(0.5, release.set).start()
+        watcher = ReleaseOnceWaitedFor(pg_url, release)
+        watcher.start()
         result = run("consolidate", "--all", "--lock-wait", "10s", "--url", pg_url)
+        watcher.join(10)
+    assert watcher.saw_waiter  # it waited for the lock, and went on once it was released
     assert result.exit_code == 0, result.output
     assert "consolidated 1 of 1 identities" in result.stdout
     assert pending(pg_url, "alice") == 0
@@ -602,8 +634,11 @@ def test_a_table_locked_past_lock_wait_ends_the_command_as_busy(
 def test_a_lock_released_within_lock_wait_is_waited_for(pg_url: str) -> None:
     seed_alice(pg_url)
     with table_locked(pg_url, "facts") as release:
-        threading.Timer(0.3, release.set).start()
+        watcher = ReleaseOnceWaitedFor(pg_url, release)
+        watcher.start()
         result = run("facts", "alice", "--url", pg_url, "-f", "json")
+        watcher.join(10)
+    assert watcher.saw_waiter
     assert result.exit_code == 0, result.output
     assert len(json.loads(result.stdout)) == 4
 
