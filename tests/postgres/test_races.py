@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import random
 from collections.abc import AsyncIterator
 from datetime import timedelta
+from typing import Any
 
 import asyncpg
 import pytest
@@ -16,6 +16,7 @@ from asyncpg.transaction import Transaction
 from coda_memory import Fact, FactEventKind, MemoryService
 from coda_memory.core.caps import LogThrottle
 from coda_memory.postgres import store as store_module
+from coda_memory.postgres.unit import PostgresConsolidationUnit
 from tests.helpers import T0, FakeClock, domain, entity, tool_failed, tool_ok
 
 #: On both event loops (see tests/conftest.py).
@@ -166,37 +167,65 @@ async def test_an_observation_stamped_before_the_checkpoint_is_counted_once(
         await service.close()
 
 
+@pytest.mark.parametrize("point", ["load", "write"])
 async def test_connections_killed_mid_consolidation_never_leave_partial_state(
-    pg_url: str, clock: FakeClock, admin: asyncpg.Connection
+    pg_url: str,
+    clock: FakeClock,
+    admin: asyncpg.Connection,
+    monkeypatch: pytest.MonkeyPatch,
+    point: str,
 ) -> None:
-    rng = random.Random(20261130)
+    """Every backend of the database is killed while a consolidation waits right after
+    its reads (``load``) or after its write, before its commit (``write``), in two rounds
+    of every three; a killed run that left anything behind, or whose retry counted a session
+    again, would show in the final counts."""
+    reached, go_on = asyncio.Event(), asyncio.Event()
+    strike = {"armed": False}
+    original = getattr(PostgresConsolidationUnit, point)
+
+    async def parked(self: PostgresConsolidationUnit, *args: Any) -> Any:
+        result = await original(self, *args)
+        if strike["armed"]:  # once a round: a retry goes through
+            strike["armed"] = False
+            reached.set()
+            await go_on.wait()
+        return result
+
+    monkeypatch.setattr(PostgresConsolidationUnit, point, parked)
     service = MemoryService.from_url(pg_url, clock=clock)
     database = await admin.fetchval("SELECT current_database()")
-    outcomes = {"committed": 0, "killed": 0}
+    rounds, struck, killed = 12, 0, 0
     try:
-        for round_ in range(25):
+        for round_ in range(rounds):
             emit_sessions(service, "u1", range(round_ * 4, round_ * 4 + 4))
             await service.drain()
             clock.advance(hours=3)
+            strike["armed"] = round_ % 3 != 2
+            reached.clear()
+            go_on.clear()
             task = asyncio.create_task(service.consolidate("u1"))
-            await asyncio.sleep(rng.uniform(0, 0.01))  # a random moment to strike
-            await admin.execute(
-                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
-                "WHERE datname = $1 AND pid <> pg_backend_pid()",
-                database,
-            )
+            if strike["armed"]:
+                await asyncio.wait_for(reached.wait(), 10)
+                terminated = await admin.fetchval(
+                    "SELECT count(*) FILTER (WHERE pg_terminate_backend(pid)) "
+                    "FROM pg_stat_activity WHERE datname = $1 AND pid <> pg_backend_pid()",
+                    database,
+                )
+                assert terminated >= 1  # the consolidation's own backend among them
+                struck += 1
+                go_on.set()
             try:
                 await task
-                outcomes["committed"] += 1
             except Exception:
-                outcomes["killed"] += 1
+                killed += 1
         final = await service.consolidate("u1")
     finally:
+        go_on.set()
         await service.close()
-    assert outcomes["killed"] > 0, outcomes
+    assert (struck, killed) == (8, 8)  # every struck run failed: none was retried
     # A killed run that left anything behind would double count a session here.
     expected = MemoryService.from_url("memory://", clock=clock)
-    for round_ in range(25):
+    for round_ in range(rounds):
         emit_sessions(expected, "u1", range(round_ * 4, round_ * 4 + 4))
     await expected.drain()
     counts = {f.subject: f.reinforcement_count for f in final}
