@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import time
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
@@ -88,6 +90,20 @@ async def backends(admin_url: str, database: str | None, *, in_transaction: bool
         tx=in_transaction,
     )
     return int(rows[0][0])
+
+
+async def backends_once_closed(
+    admin_url: str, database: str | None, *, in_transaction: bool = False
+) -> int:
+    """:func:`backends`, once those whose client closed its connection have exited: the
+    server ends such a backend a moment after the close, so right after it the backend
+    may still be listed. A connection left open stays listed, and is counted after 10 s."""
+    deadline = time.monotonic() + 10
+    count = await backends(admin_url, database, in_transaction=in_transaction)
+    while count and time.monotonic() < deadline:
+        await asyncio.sleep(0.01)  # polling the server until the backend exits
+        count = await backends(admin_url, database, in_transaction=in_transaction)
+    return count
 
 
 @asynccontextmanager

@@ -21,20 +21,7 @@ from coda_memory import MemoryService
 from coda_memory.postgres import PostgresStore, connection
 from coda_memory.postgres import store as store_module
 from coda_memory.postgres.connection import driver_transaction
-from tests.postgres.helpers import backends, fetch
-
-
-async def in_transaction_once_closed(admin_url: str, database: str | None) -> int:
-    """The backends of ``database`` inside a transaction, once those whose client closed
-    its connection have exited: the server ends such a backend a moment after the close,
-    so right after it the backend may still be listed. A connection left open in its
-    transaction stays listed, and is counted after 10 s."""
-    deadline = time.monotonic() + 10
-    count = await backends(admin_url, database, in_transaction=True)
-    while count and time.monotonic() < deadline:
-        await asyncio.sleep(0.01)  # polling the server until the backend exits
-        count = await backends(admin_url, database, in_transaction=True)
-    return count
+from tests.postgres.helpers import backends, backends_once_closed, fetch
 
 
 async def cancel_twice(task: asyncio.Task[Any]) -> None:
@@ -101,12 +88,14 @@ async def test_a_statement_cancelled_while_the_server_runs_it_leaves_no_transact
             pass
 
     task = asyncio.create_task(beginning())
+    deadline = time.monotonic() + 10
     while not await fetch(
         admin_url,
         "SELECT 1 FROM pg_stat_activity WHERE datname = :db AND query LIKE 'BEGIN; SELECT%'"
         " AND state = 'active'",
         db=database,
     ):
+        assert time.monotonic() < deadline, "the server never ran the statement"
         await asyncio.sleep(0.01)  # polling the server until it runs the statement
     await cancel_twice(task)
 
@@ -140,7 +129,7 @@ async def test_a_start_cancelled_half_way_leaves_no_lock(
         await cancel_twice(starting)
         database = make_url(pg_url).database
         # The connection that was preparing is closed, not pooled: its backend exits.
-        assert await in_transaction_once_closed(admin_url, database) == 0
+        assert await backends_once_closed(admin_url, database, in_transaction=True) == 0
         locks = await fetch(
             admin_url,
             "SELECT count(*) FROM pg_locks l JOIN pg_stat_activity a USING (pid) "
@@ -166,6 +155,6 @@ async def test_a_cancelled_close_still_releases_every_connection(
         await cancel_twice(closing)
 
         await service.close()  # returns once the first close has released the store
-        assert await backends(admin_url, database) == 0
+        assert await backends_once_closed(admin_url, database) == 0
     finally:
         await service.close()

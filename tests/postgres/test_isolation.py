@@ -27,6 +27,7 @@ from tests.helpers import tool_ok
 from tests.postgres.helpers import (
     NOW,
     backends,
+    backends_once_closed,
     consolidate,
     engine,
     fact,
@@ -449,7 +450,7 @@ async def test_close_leaves_no_connection_open_when_a_consolidate_in_flight_ends
         [preference] = await consolidating
         await closing
         assert preference.id == "fact:tool_affinity:get_account"
-        assert await backends(admin_url, database) == 0
+        assert await backends_once_closed(admin_url, database) == 0
     finally:
         if consolidating is not None:
             await asyncio.wait({consolidating}, timeout=5)
