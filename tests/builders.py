@@ -123,6 +123,7 @@ async def consolidate(
     now: datetime = NOW,
     retention: timedelta | None = None,
     upserts: Sequence[Fact] = (),
+    events: Sequence[FactEvent] = (),
 ) -> ConsolidationInput:
     """One committed run that consumes whatever it loads; returns what it loaded."""
     async with store.consolidation(identity_id) as unit:
@@ -134,6 +135,7 @@ async def consolidate(
                 consumed=len(loaded.observations),
                 now=now,
                 upserts=upserts,
+                events=events,
                 prune_before=prune_before,
             )
         )

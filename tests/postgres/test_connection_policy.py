@@ -27,7 +27,7 @@ from coda_memory.postgres.maintenance import (
     prune_consolidated,
     store_stats,
 )
-from tests.postgres.helpers import NOW, consolidate, fetch, record
+from tests.postgres.helpers import NOW, consolidate, event, fact, fetch, record
 
 
 async def kill_pooled_connections(store: PostgresStore, admin_url: str) -> None:
@@ -108,21 +108,61 @@ async def consolidation(store: PostgresStore) -> Any:
     return await consolidate(store)
 
 
-PATHS: dict[str, Callable[[PostgresStore], Awaitable[Any]]] = {
-    "append": lambda store: store.append([record("after")]),
-    "consolidation": consolidation,
-    "peek": lambda store: store.peek("alice"),
-    "facts": lambda store: store.facts("alice"),
-    "history": lambda store: store.history("alice"),
-    "observations": lambda store: store.observations("alice"),
-    "checkpoint": lambda store: store.checkpoint("alice"),
-    "forget": lambda store: store.forget("alice"),
-    "pending_identities": pending_identities,
-    "pending_observations": pending_observations,
-    "prune_consolidated": lambda store: prune_consolidated(store, before=NOW - timedelta(days=7)),
-    "store_stats": store_stats,
-    "tool_effectiveness": lambda store: tool_effectiveness(store, min_users=1),
-    "rebuild_rollups": rebuild_rollups,
+async def rebuilt(store: PostgresStore) -> Any:
+    await rebuild_rollups(store)
+    url = store.engine.url.render_as_string(hide_password=False)
+    return await fetch(url, "SELECT sum(successes) FROM coda_memory.tool_daily")
+
+
+SUBJECT = "tool_affinity:get_account"
+
+#: Each path, and what it gives on the data of the test below (alice: one observation
+#: consumed by a run that wrote one fact and its event, one observation waiting): a
+#: path that swallowed the error and answered empty would not give it.
+PATHS: dict[str, tuple[Callable[[PostgresStore], Awaitable[Any]], Callable[[Any], Any], Any]] = {
+    "append": (lambda store: store.append([record("after")]), lambda r: r.stored, 1),
+    "consolidation": (
+        consolidation,
+        lambda r: ([o.content for o in r.observations], [f.subject for f in r.facts]),
+        (["pending"], [SUBJECT]),
+    ),
+    # No facts when observations wait, and that some do (see PostgresStore.peek).
+    "peek": (lambda store: store.peek("alice"), lambda r: (r[0], r[1]), ([], True)),
+    "facts": (lambda store: store.facts("alice"), lambda r: [f.subject for f in r], [SUBJECT]),
+    "history": (lambda store: store.history("alice"), lambda r: [e.subject for e in r], [SUBJECT]),
+    "observations": (
+        lambda store: store.observations("alice"),
+        lambda r: [o.content for o in r],
+        ["before", "pending"],
+    ),
+    "checkpoint": (
+        lambda store: store.checkpoint("alice"),
+        lambda r: (r.runs, r.observations_consumed),
+        (1, 1),
+    ),
+    "forget": (
+        lambda store: store.forget("alice"),
+        lambda r: (r.observations, r.facts, r.fact_events),
+        (2, 1, 1),
+    ),
+    "pending_identities": (pending_identities, list, ["alice"]),
+    "pending_observations": (pending_observations, int, 1),
+    "prune_consolidated": (
+        lambda store: prune_consolidated(store, before=NOW - timedelta(days=7)),
+        lambda r: (r.identities, r.deleted),
+        (1, 0),
+    ),
+    "store_stats": (
+        store_stats,
+        lambda r: (r.identities, r.observations, r.pending_observations, r.facts, r.fact_events),
+        (1, 2, 1, 1, 1),
+    ),
+    "tool_effectiveness": (
+        lambda store: tool_effectiveness(store, min_users=1, now=NOW),
+        lambda r: [(t.tool_name, t.successes) for t in r],
+        [("get_account", 2)],
+    ),
+    "rebuild_rollups": (rebuilt, lambda r: r[0][0], 2),
 }
 
 
@@ -131,9 +171,12 @@ async def test_every_path_recovers_from_a_dead_pooled_connection(
     pg_store: PostgresStore, admin_url: str, path: str
 ) -> None:
     await pg_store.append([record("before")])
-    await consolidate(pg_store)
+    await consolidate(pg_store, upserts=[fact(SUBJECT)], events=[event(SUBJECT)])
+    await pg_store.append([record("pending", session_id="s2")])
     await kill_pooled_connections(pg_store, admin_url)
-    await PATHS[path](pg_store)  # would raise if the dead connection were not replaced
+    work, seen, expected = PATHS[path]
+    # It would raise if the dead connection were not replaced.
+    assert seen(await work(pg_store)) == expected
 
 
 async def test_the_admin_pool_has_a_command_timeout_of_its_own(pg_url: str) -> None:
