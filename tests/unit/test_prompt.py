@@ -223,6 +223,8 @@ def test_the_budget_is_never_exceeded_and_the_structure_holds(
 ) -> None:
     section = format_memory_section(facts, budget_tokens=budget)
     if not section:
+        # Empty only when no fact fits on its own (one that does not fit is skipped).
+        assert all(not format_memory_section([f], budget_tokens=budget) for f in facts)
         return
     assert estimate_tokens(section) <= budget
     result = lines(section)
