@@ -620,11 +620,13 @@ class PostgresStore:
             # reads and consolidations, each setting its tenant first; on a pool that
             # other work shares (a store made on one engine), a connection that sets none
             # must see no row, so the setting is cleared after the read (a round trip),
-            # and a connection whose read failed or was cancelled is not given back.
-            await raw.execute(SET_TENANT_SESSION, identity_id)
+            # and a connection whose read failed or was cancelled (the setting itself
+            # too: the server may have applied it) is not given back.
             if self.request_engine is not self.engine:
+                await raw.execute(SET_TENANT_SESSION, identity_id)
                 return await work(raw)
             try:
+                await raw.execute(SET_TENANT_SESSION, identity_id)
                 result = await work(raw)
                 await raw.execute(CLEAR_TENANT_SESSION)
             except BaseException:

@@ -8,6 +8,7 @@ role with the ``role`` server setting, as ``SET ROLE`` would.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import secrets
 from collections.abc import AsyncIterator
@@ -32,7 +33,13 @@ from coda_memory.postgres import PostgresStore, analytics, maintenance
 from coda_memory.postgres.engine import create_engine, driver_connection
 from coda_memory.postgres.migrate import alembic_config
 from coda_memory.postgres.schema import validate_schema_name
-from coda_memory.postgres.tenancy import ALL_IDENTITIES, apply_grants, grant_script, quote_role
+from coda_memory.postgres.tenancy import (
+    ALL_IDENTITIES,
+    SET_TENANT_SESSION,
+    apply_grants,
+    grant_script,
+    quote_role,
+)
 from coda_memory.postgres.unit import Statements
 from tests.helpers import FakeClock, domain, entity, tool_failed, tool_ok
 from tests.postgres.helpers import prepared_plans, table_digests
@@ -267,6 +274,49 @@ async def test_a_store_on_one_engine_leaves_no_tenant_on_its_connections(
             assert (tenant or "", facts) == ("", 0)
     finally:
         await service.close()
+
+
+async def test_a_read_cancelled_as_it_sets_the_tenant_leaves_no_tenant_on_the_connection(
+    tenancy: Tenancy, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Cancelled once the server applied the session's tenant (the reply on its way), a
+    read on a store made on one engine gave its connection back to the pool with the
+    identity set: the next work that sets none saw her rows."""
+    await _populate(tenancy)
+    engine = create_engine(
+        tenancy.url, schema=SCHEMA, pool_size=1, max_overflow=0, **tenancy.as_role(tenancy.app)
+    )
+    store = PostgresStore(engine, schema=SCHEMA)
+    execute = asyncpg.Connection.execute
+    armed = [True]
+
+    async def cancelled_once_applied(self: asyncpg.Connection, query: str, *args: Any) -> Any:
+        result = await execute(self, query, *args)
+        if query == SET_TENANT_SESSION and armed[0]:
+            armed[0] = False
+            raise asyncio.CancelledError
+        return result
+
+    async def seen(conn: Any) -> tuple[str | None, int]:
+        row = (
+            await conn.execute(
+                text(
+                    "SELECT current_setting('coda_memory.identity_id', true),"
+                    f" (SELECT count(*) FROM {SCHEMA}.facts)"
+                )
+            )
+        ).one()
+        return row[0], row[1]
+
+    monkeypatch.setattr(asyncpg.Connection, "execute", cancelled_once_applied)
+    try:
+        with pytest.raises(asyncio.CancelledError):
+            await store.peek("alice")
+        assert not armed[0]
+        tenant, facts = await store.run(seen)
+        assert (tenant or "", facts) == ("", 0)
+    finally:
+        await store.close()
 
 
 async def test_the_service_as_the_app_role_forgets_one_identity(tenancy: Tenancy) -> None:
