@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping
 
-from coda_memory.core.model import Fact, FactCategory
+from coda_memory.core.model import TOOL_NAME_PATTERN, Fact, FactCategory
 
 AFFINITY_WEIGHT = 2.0
 
@@ -18,14 +18,17 @@ _SIGNS: Mapping[FactCategory, float] = {
     FactCategory.TOOL_AVOIDANCE: -1.0,
 }
 _PREFIXES: Mapping[FactCategory, str] = {category: f"{category.value}:" for category in _SIGNS}
+_tool_name = TOOL_NAME_PATTERN.fullmatch
 
 
 def extract_tool_affinities(facts: Iterable[Fact]) -> dict[str, float]:
     """Net affinity per tool: + confidence per tool_affinity fact, - per tool_avoidance.
 
     The tool is the subject without its ``"<category>:"`` prefix; facts of other
-    categories, facts whose subject lacks that prefix and facts with a non-finite
-    confidence are ignored.
+    categories, facts whose subject lacks that prefix or whose tool is not a tool name
+    (:data:`~coda_memory.core.model.TOOL_NAME_PATTERN`: the names a host may show or put in
+    a prompt; a fact from outside, such as an imported Redis one, may hold any text) and
+    facts with a non-finite confidence are ignored.
     """
     affinities: dict[str, float] = {}
     for fact in facts:
@@ -36,7 +39,7 @@ def extract_tool_affinities(facts: Iterable[Fact]) -> dict[str, float]:
         if not fact.subject.startswith(prefix):
             continue
         tool = fact.subject.removeprefix(prefix)
-        if not tool or not math.isfinite(fact.confidence):
+        if not _tool_name(tool) or not math.isfinite(fact.confidence):
             continue
         affinities[tool] = affinities.get(tool, 0.0) + sign * fact.confidence
     return affinities
