@@ -25,7 +25,11 @@ the instruments hold it weakly.
 
 The background writer's ``append`` spans are root spans: the writer runs on its own, not
 inside the request that happened to start it. Identity ids are never attributes (they may
-identify people). Without ``telemetry=`` coda-memory imports nothing from OpenTelemetry
+identify people), and a span that ends in an error records its class only (status
+``ERROR`` with the class's name, attribute ``error.type``): a driver's message may quote
+an identity or a row (``Key (identity_id, subject)=(…)``, ``Failing row contains (…)``),
+which OpenTelemetry's default would put in the span's status and an ``exception`` event.
+Without ``telemetry=`` coda-memory imports nothing from OpenTelemetry
 and records nothing (a driver may import it on its own: redis-py does when the SDK is
 installed).
 """
@@ -37,7 +41,7 @@ import itertools
 import threading
 import weakref
 from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -85,6 +89,7 @@ class Telemetry:
             ) from exc
         from coda_memory import __version__
 
+        self._error_status = functools.partial(trace.Status, trace.StatusCode.ERROR)
         self._tracer = trace.get_tracer(
             INSTRUMENTATION, __version__, tracer_provider=tracer_provider
         )
@@ -99,11 +104,23 @@ class Telemetry:
             description="load_memory latency, consolidation included",
         )
 
-    def span(self, name: str, **attributes: Any) -> AbstractContextManager[Any]:
-        """A span named ``coda_memory.<name>``; yields it, for attributes set later."""
-        return self._tracer.start_as_current_span(
-            f"{INSTRUMENTATION}.{name}", attributes=attributes
-        )
+    @contextmanager
+    def span(self, name: str, **attributes: Any) -> Iterator[Any]:
+        """A span named ``coda_memory.<name>``; yields it, for attributes set later. An
+        error ends it with its class only (see above)."""
+        with self._tracer.start_as_current_span(
+            f"{INSTRUMENTATION}.{name}",
+            attributes=attributes,
+            record_exception=False,
+            set_status_on_exception=False,
+        ) as span:
+            try:
+                yield span
+            except BaseException as error:
+                kind = type(error)
+                span.set_attribute("error.type", f"{kind.__module__}.{kind.__qualname__}")
+                span.set_status(self._error_status(kind.__name__))
+                raise
 
     def load_finished(self, seconds: float, outcome: str) -> None:
         self._load_duration.record(seconds, {"coda_memory.outcome": outcome})

@@ -87,6 +87,47 @@ async def test_spans_and_metrics_of_a_service_with_telemetry(clock: FakeClock) -
     assert 0 < latency.sum < 5
 
 
+class UniqueViolation(Exception):
+    """A driver error whose message quotes the row, as asyncpg's DETAIL does."""
+
+
+async def test_a_span_that_ends_in_an_error_records_its_class_only(
+    clock: FakeClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    exporter = InMemorySpanExporter()
+    tracer_provider = TracerProvider()
+    tracer_provider.add_span_processor(SimpleSpanProcessor(exporter))
+    service = MemoryService.from_url(
+        "memory://",
+        clock=clock,
+        load_timeout=5.0,
+        telemetry=Telemetry(tracer_provider=tracer_provider),
+    )
+    quoted = "Key (identity_id, subject)=(alice@example.com, tool_affinity:x) already exists."
+
+    def failing(identity_id: str) -> Any:
+        raise UniqueViolation(f"duplicate key value\nDETAIL:  {quoted}")
+
+    try:
+        service.emit_observation("alice@example.com", tool_ok("get_account"))
+        await service.drain()
+        monkeypatch.setattr(service.store, "consolidation", failing)
+        with pytest.raises(UniqueViolation):
+            await service.consolidate("alice@example.com")
+    finally:
+        await service.close()
+
+    (span,) = [s for s in exporter.get_finished_spans() if s.name == "coda_memory.consolidate"]
+    assert (span.status.status_code.name, span.status.description) == (
+        "ERROR",
+        "UniqueViolation",
+    )
+    assert span.attributes is not None
+    assert span.attributes["error.type"] == f"{__name__}.UniqueViolation"
+    assert span.events == ()  # no exception event, whose message would quote the row
+    assert "alice" not in str(span.to_json())
+
+
 GLOBAL_PROVIDERS = """
 import asyncio
 import sys
