@@ -49,6 +49,13 @@ class MigrationUnderWay(CodaMemoryError):
     ``coda-memory migrate`` and ``alembic upgrade`` with a URL wait their turn.)"""
 
 
+class HostCallbackError(CodaMemoryError):
+    """A function the host gave the service (its ``token_counter``) raised. The message
+    names the function and the error's class only: the function was given the prompt
+    section's text, which its own message may quote, and the log line that reports the
+    failed load must not carry it."""
+
+
 class ServiceClosed(CodaMemoryError):
     """The service was closed: it takes no more work (``load_memory`` answers empty, and
     ``emit_observation`` drops what it is given)."""

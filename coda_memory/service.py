@@ -104,7 +104,7 @@ from coda_memory.core.prompt import section_steps
 from coda_memory.core.rank import ranked_facts
 from coda_memory.core.sanitize import ObservationRejected, check_identity, has_nul_or_surrogate
 from coda_memory.core.turns import Steps, collector_scope, finished, stepped, taking_turns
-from coda_memory.errors import ServiceClosed
+from coda_memory.errors import HostCallbackError, ServiceClosed
 from coda_memory.ports import Forgotten, MemoryStore
 from coda_memory.slots import LifoSlots
 from coda_memory.stats import MemoryStats as MemoryStats
@@ -167,6 +167,20 @@ async def _within(task: asyncio.Task[R], seconds: float) -> R:
 
 class LoadCancelled(Exception):
     """A load in flight was cancelled under its callers (by ``close``)."""
+
+
+def _host_counter(counter: Callable[[str], int]) -> Callable[[str], int]:
+    """The host's ``token_counter``, whose errors are a :class:`HostCallbackError` that
+    names their class only: it is given the prompt section's text, which the error's
+    message may quote, and the load's log line reports the error."""
+
+    def count(text: str) -> int:
+        try:
+            return counter(text)
+        except Exception as error:
+            raise HostCallbackError(f"token_counter raised {type(error).__name__}") from None
+
+    return count
 
 
 def _identity_argument(identity_id: object) -> str:
@@ -311,6 +325,7 @@ class MemoryService(ObservationWriter):
         self.tool_catalog = catalog
         #: Exact token counting for the prompt section (default: a conservative estimate).
         self.token_counter = token_counter
+        self._count_tokens = None if token_counter is None else _host_counter(token_counter)
         self.max_facts = max_facts
         self._slots = LifoSlots(max_consolidations)
         self._log = LogThrottle(logger)
@@ -889,7 +904,7 @@ class MemoryService(ObservationWriter):
         ranked = ranked_facts(facts)
         yield
         section = yield from section_steps(
-            ranked, self.prompt_budget_tokens, token_counter=self.token_counter
+            ranked, self.prompt_budget_tokens, token_counter=self._count_tokens
         )
         return LoadedMemory(
             facts=facts,

@@ -128,6 +128,31 @@ async def test_load_memory_gives_facts_prompt_and_affinities() -> None:
     await service.close()
 
 
+async def test_a_token_counter_that_fails_is_logged_by_its_class_not_its_message(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The host's counter is given the prompt section's text, and its error's message may
+    quote it (a tokenizer quoting what it refused): the load's log line said it all."""
+
+    def count(text: str) -> int:
+        raise ValueError(f"cannot count {text!r}")
+
+    service = MemoryService.from_url(
+        "memory://", clock=FakeClock(), load_timeout=5.0, token_counter=count
+    )
+    try:
+        service.emit_observation("u1", entity("account", "42", "Alice Smith", "s1"))
+        await service.drain()
+        with caplog.at_level(logging.WARNING, "coda_memory"):
+            memory = await service.load_memory("u1")
+    finally:
+        await service.close()
+    assert memory.prompt_section == ""
+    assert service.stats().load_errors == 1
+    assert "(HostCallbackError: token_counter raised ValueError)" in caplog.text
+    assert "Alice" not in caplog.text and "cannot count" not in caplog.text
+
+
 async def test_concurrent_loads_of_one_identity_get_answers_of_their_own() -> None:
     """They shared one consolidation and got the same object: a request that changed its
     answer (popped an affinity, cleared the facts) changed the other request's too."""
