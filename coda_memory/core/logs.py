@@ -55,12 +55,24 @@ def identity_label(identity_id: object, *, show: bool = False) -> str:
     return f"id:{hashlib.blake2b(data, digest_size=6, key=_LabelKey.value).hexdigest()}"
 
 
+#: asyncpg's message for a value its codec refused quotes the value (the start of its
+#: ``repr``) on the first line: ``invalid input for query argument $3: 'the value' (why)``.
+_ARGUMENT_VALUE = re.compile(r"(invalid input for query argument \$\d+: ).*( \()")
+
+
+def without_argument_values(text: str) -> str:
+    """``text`` without the value a driver's message quotes for a query argument it
+    refused (replaced by ``<value>``): it may be a tenant's data."""
+    return _ARGUMENT_VALUE.sub(r"\1<value>\2", text)
+
+
 def short_error(
     error: BaseException, identities: tuple[str, ...] = (), *, show: bool = False
 ) -> str:
-    """``Class: first line of the message``, capped; ``identities`` in it become labels."""
+    """``Class: first line of the message``, capped; ``identities`` in it become labels,
+    and a query argument's value quoted by the driver goes."""
     lines = str(error).strip().splitlines()
-    message = lines[0] if lines else ""
+    message = without_argument_values(lines[0]) if lines else ""
     if not show:
         message = without_identities(message, identities)
     message = message[:MAX_MESSAGE_CHARS]

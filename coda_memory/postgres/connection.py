@@ -36,6 +36,7 @@ from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from coda_memory.core.cancellation import run_to_end
+from coda_memory.core.logs import without_argument_values
 from coda_memory.core.model import MAX_INT32
 from coda_memory.core.options import NONE, require_types
 from coda_memory.errors import ConnectionLost
@@ -55,11 +56,12 @@ _DEAD = (
 
 def error_reason(exc: BaseException) -> str:
     """The first line of a server's, driver's or encoder's message, without SQLAlchemy's
-    wrapping (no statement, no parameters)."""
+    wrapping (no statement, no parameters) nor a query argument's value that the driver
+    quotes."""
     orig = getattr(exc, "orig", None)
     cause = exc.__cause__ if orig is None else (orig.__cause__ or orig)
     lines = str(cause if cause is not None else exc).strip().splitlines()
-    return lines[0][:200] if lines else type(exc).__name__
+    return without_argument_values(lines[0])[:200] if lines else type(exc).__name__
 
 
 def is_dead_connection(error: BaseException) -> bool:

@@ -16,10 +16,11 @@ from sqlalchemy import text
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncConnection
 
+from coda_memory.core.logs import short_error
 from coda_memory.errors import ConnectionLost
 from coda_memory.postgres import PostgresStore
 from coda_memory.postgres.analytics import rebuild_rollups, tool_effectiveness
-from coda_memory.postgres.connection import is_connection_error, run
+from coda_memory.postgres.connection import error_reason, is_connection_error, run
 from coda_memory.postgres.engine import driver_connection
 from coda_memory.postgres.maintenance import (
     pending_identities,
@@ -223,3 +224,27 @@ def test_an_error_of_the_connection_itself_is_worth_retrying(
 ) -> None:
     error = DBAPIError(statement, None, _ServerError(state))
     assert is_connection_error(error) is transient
+
+
+async def test_a_value_the_driver_refused_is_not_quoted_in_a_logged_reason(
+    pg_store: PostgresStore,
+) -> None:
+    """asyncpg quotes the start of a refused argument's value on its message's first
+    line, which the log lines keep: it may be a tenant's data."""
+    value = "alice@example.com (her notes)"
+
+    async def refused(conn: AsyncConnection) -> None:
+        await conn.execute(text("SELECT CAST(:n AS integer)"), {"n": value})
+
+    with pytest.raises(DBAPIError) as wrapped:
+        await run(pg_store.engine, pg_store.schema, refused, idempotent=True)
+    driver_error = wrapped.value.orig.__cause__  # type: ignore[union-attr]
+    assert driver_error is not None and "alice" in str(driver_error)  # asyncpg quotes it
+    for reason in (
+        error_reason(wrapped.value),
+        error_reason(driver_error),
+        short_error(driver_error),
+        short_error(wrapped.value),
+    ):
+        assert "alice" not in reason and "notes" not in reason, reason
+    assert "invalid input for query argument $1: <value> (" in short_error(driver_error)
