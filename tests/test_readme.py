@@ -35,7 +35,24 @@ def _blocks() -> list[tuple[str, str, str | None]]:
 
 
 BLOCKS = _blocks()
-RUNNABLE = [pytest.param(code, id=name) for name, code, covered in BLOCKS if covered is None]
+RUNNABLE = [pytest.param(name, code, id=name) for name, code, covered in BLOCKS if covered is None]
+#: Lines a block prints, by block (the others print what the data of the moment gives).
+PRINTED = {
+    "Using it #0": [
+        "## What you know about this user",
+        "- Uses get_account successfully",
+        '- Works with account "Northwind" (id "acct-118")',
+        "- Asks about royalty",
+        "You are an analyst's assistant.",
+    ],
+    "OpenTelemetry #0": ["['coda_memory.consolidate', 'coda_memory.load_memory']"],
+}
+#: The service a block makes, given a timeout that a busy machine does not outlast (the
+#: default 100 ms answers with the base prompt alone when the load is late).
+PATIENT = (
+    "MemoryService.from_url(DATABASE_URL)",
+    "MemoryService.from_url(DATABASE_URL, load_timeout=5.0)",
+)
 
 
 def test_the_readme_has_python_blocks_and_every_fragment_names_an_existing_test() -> None:
@@ -45,10 +62,11 @@ def test_the_readme_has_python_blocks_and_every_fragment_names_an_existing_test(
             assert (REPOSITORY / covered.split("::")[0]).is_file(), (name, covered)
 
 
-@pytest.mark.parametrize("code", RUNNABLE)
-def test_a_readme_block_runs(code: str, pg_url: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize(("name", "code"), RUNNABLE)
+def test_a_readme_block_runs(name: str, code: str, pg_url: str, tmp_path: Path) -> None:
+    code = EXAMPLE_URL.sub(lambda _: pg_url, code).replace(*PATIENT)
     result = subprocess.run(
-        [sys.executable, "-W", "error", "-c", EXAMPLE_URL.sub(lambda _: pg_url, code)],
+        [sys.executable, "-W", "error", "-c", code],
         cwd=tmp_path,
         capture_output=True,
         text=True,
@@ -56,10 +74,15 @@ def test_a_readme_block_runs(code: str, pg_url: str, tmp_path: Path) -> None:
         check=False,
     )
 
-    # -W error: a Python warning fails the block. (A load_memory timeout on a busy machine
-    # is a log line, not a failure: the example then prints the base prompt.)
+    # -W error: a Python warning fails the block.
     assert result.returncode == 0, result.stderr
     assert "Traceback" not in result.stderr
+    printed = result.stdout.splitlines()
+    assert [line for line in PRINTED.get(name, []) if line not in printed] == [], printed
+
+
+def test_every_block_expected_to_print_exists() -> None:
+    assert set(PRINTED) <= {name for name, _, covered in BLOCKS if covered is None}
 
 
 def test_using_it_is_a_complete_script() -> None:
