@@ -390,12 +390,14 @@ class ObservationWriter:
                 await asyncio.wait(appends)
 
     async def _take(self) -> tuple[list[_Item], list[ObservationRecord]]:
-        """The next batch off the queue (a full one, or what there is), validated."""
+        """The next batch off the queue (a full one, or what there is), validated: the
+        items that became records, and the records (the others were rejected, and are
+        no longer in flight)."""
         count = min(self._batch_size, len(self._queue))
         items = [self._queue.popleft() for _ in range(count)]
         self._inflight += len(items)
         with collector_scope(self.hold_gc, self._may_collect):
-            return items, await self._validate(items)
+            return await self._validate(items)
 
     async def _append(self, items: list[_Item], records: list[ObservationRecord]) -> None:
         """Store one validated batch, retrying while the store is unreachable."""
@@ -508,10 +510,14 @@ class ObservationWriter:
     def _identities(records: list[ObservationRecord]) -> tuple[str, ...]:
         return tuple({record.identity_id for record in records})
 
-    async def _validate(self, items: list[_Item]) -> list[ObservationRecord]:
+    async def _validate(self, items: list[_Item]) -> tuple[list[_Item], list[ObservationRecord]]:
         """Sanitise ``items``, letting the event loop run other work every
         :data:`VALIDATE_CHUNK` observations: a batch that piled up while the store was
-        slow takes a moment to validate, and requests must not wait for all of it."""
+        slow takes a moment to validate, and requests must not wait for all of it. Returns
+        the items that became records, and the records; a rejected item is settled at once
+        (counted as rejected, no longer in flight: ``close()`` would count it as dropped
+        too, were it stopped before the batch's append ends)."""
+        kept: list[_Item] = []
         records: list[ObservationRecord] = []
         now = self.clock()
         latest = now + self.max_clock_skew
@@ -532,13 +538,17 @@ class ObservationWriter:
                     record = dataclasses.replace(record, created_at=now)
                     self._future_clamped += 1
                 records.append(record)
+                kept.append(item)
+                continue
             except ObservationRejected as rejected:
-                self._reject(identity_id, rejected.reason)
+                reason = rejected.reason
             except Exception as error:  # a bug must not lose the rest of the batch
                 # By its class only: a host's object raised it, and its message may
                 # quote anything the observation held.
-                self._reject(identity_id, f"unexpected {type(error).__name__}")
-        return records
+                reason = f"unexpected {type(error).__name__}"
+            self._settled([item])
+            self._reject(identity_id, reason)
+        return kept, records
 
     def _reject(self, identity_id: str, reason: str) -> None:
         self._rejected += 1
@@ -570,13 +580,24 @@ class ObservationWriter:
             await self._progress.wait()
 
     def _forget_queued(self, identity_id: str) -> int:
-        """Drop (and count) the identity's observations still in the queue; how many."""
-        kept = deque(item for item in self._queue if item[0] != identity_id)
-        dropped = len(self._queue) - len(kept)
+        """Drop (and count) the identity's observations still in the queue; how many.
+
+        The queue is filtered in place, each item taken off its front and put back at
+        its end unless it is the identity's: another thread may append meanwhile (a
+        deque's append and popleft are atomic), and an item it appends is never lost, as
+        it was to a copy of the queue put in its place."""
+        queue = self._queue
+        dropped = freed = 0
+        for _ in range(len(queue)):
+            item = queue.popleft()
+            if item[0] == identity_id:
+                dropped += 1
+                freed += item[5]
+            else:
+                queue.append(item)
         if dropped:
-            self._held_bytes -= sum(item[5] for item in self._queue if item[0] == identity_id)
+            self._held_bytes -= freed
             self._dropped += dropped  # asked for (forget): counted, with no warning
-            self._queue = kept
         return dropped
 
     async def _stop_writer(self) -> None:

@@ -46,11 +46,23 @@ def set_log_key(key: str | bytes | None) -> None:
     _LabelKey.value = hashlib.blake2b(key, digest_size=32).digest()
 
 
+def _repr(value: object) -> str:
+    """``repr(value)``, which never raises: a string's as a plain ``str``'s (a subclass's
+    own may raise), another object's, else its class's name (a host's object whose
+    ``__repr__`` raises must not stop the writer that logs it)."""
+    if isinstance(value, str):
+        return str.__repr__(value)
+    try:
+        return repr(value)
+    except Exception:
+        return f"<{type(value).__name__}>"
+
+
 def identity_label(identity_id: object, *, show: bool = False) -> str:
     """How a log line names an identity: a short keyed hash, or (``show``) the id."""
     if show:
-        return repr(identity_id)[:80]
-    raw = identity_id if isinstance(identity_id, str) else repr(identity_id)
+        return _repr(identity_id)[:80]
+    raw = str.__str__(identity_id) if isinstance(identity_id, str) else _repr(identity_id)
     data = raw.encode("utf-8", "surrogatepass")
     return f"id:{hashlib.blake2b(data, digest_size=6, key=_LabelKey.value).hexdigest()}"
 
@@ -87,6 +99,6 @@ def without_identities(text: str, identities: Iterable[object]) -> str:
     for identity in identities:
         if identity and isinstance(identity, str):
             label = identity_label(identity)
-            text = text.replace(repr(identity), label)
+            text = text.replace(_repr(identity), label)
             text = re.sub(rf"(?<!\w){re.escape(identity)}(?!\w)", label, text)
     return text

@@ -12,6 +12,7 @@ import itertools
 import logging
 import re
 import threading
+from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from datetime import timedelta
@@ -1023,10 +1024,10 @@ def _counting_validations(service: MemoryService) -> list[int]:
     validated: list[int] = []
     validate = service._validate
 
-    async def counted(items: list[Any]) -> list[ObservationRecord]:
-        records = await validate(items)
+    async def counted(items: list[Any]) -> tuple[list[Any], list[ObservationRecord]]:
+        kept, records = await validate(items)
         validated.append(len(records))
-        return records
+        return kept, records
 
     service._validate = counted  # type: ignore[method-assign]
     return validated
@@ -1591,3 +1592,104 @@ async def test_a_cap_the_store_applied_is_counted_once_whatever_runs_meanwhile()
     finally:
         await service.close()
         await seeding.close()
+
+
+async def test_close_counts_an_observation_rejected_in_a_batch_it_cuts_short_once() -> None:
+    """The batch's append waits (the gate) when close() stops the writer: its valid
+    observations are dropped, the one rejected when the batch was validated stays
+    rejected only (it was counted as dropped too, and pending went below zero)."""
+    store = GatedStore()
+    service = MemoryService(store, clock=FakeClock())
+    store.gate.clear()
+    for n in range(5):
+        service.emit_observation("u1", tool_ok("get_account", f"s{n}"))
+    service.emit_observation("", tool_ok("get_account"))  # no identity: rejected
+    await _until(lambda: store.append_calls == 1)  # validated, its append waits
+    await service.close(timeout=0.05)
+    stats = service.stats()
+    assert (stats.emitted, stats.stored, stats.rejected, stats.dropped) == (6, 0, 1, 5)
+    assert stats.pending == 0
+
+
+class ReprRaises:
+    """A host's identity object (not a string) whose repr() raises."""
+
+    def __repr__(self) -> str:
+        raise ValueError("no repr")
+
+
+class StrReprRaises(str):
+    """A str subclass whose repr() raises."""
+
+    def __repr__(self) -> str:
+        raise ValueError("no repr")
+
+
+@pytest.mark.parametrize("log_identities", [False, True])
+async def test_an_identity_whose_repr_raises_is_rejected_and_the_writer_goes_on(
+    log_identities: bool,
+) -> None:
+    """Labelling it for the log line raised in the writer, which stopped: the valid
+    observations around it were never stored, drain() never returned, and the next
+    emit_observation raised to its caller."""
+    service = MemoryService.from_url("memory://", clock=FakeClock(), log_identities=log_identities)
+    try:
+        service.emit_observation("ok", tool_ok("get_account", "s1"))
+        service.emit_observation(ReprRaises(), tool_ok("get_account"))  # type: ignore[arg-type]
+        service.emit_observation(StrReprRaises("ok2"), tool_ok("get_account", "s2"))
+        service.emit_observation("ok", tool_ok("get_account", "s3"))
+        await service.drain(timeout=5)
+        service.emit_observation(ReprRaises(), None)  # type: ignore[arg-type]
+        await service.drain(timeout=5)
+        stats = service.stats()
+        assert (stats.emitted, stats.stored, stats.rejected, stats.pending) == (5, 3, 2, 0)
+    finally:
+        await service.close()
+
+
+async def test_an_observation_queued_while_forget_filters_the_queue_is_kept() -> None:
+    """Another thread may append to the queue while forget() takes the identity's
+    observations out of it: such an observation was lost (the queue was replaced by a
+    filtered copy), or forget() raised "deque mutated during iteration"."""
+    store = GatedStore()
+    service = MemoryService(store, clock=FakeClock())
+    store.gate.clear()  # the queue holds what is emitted
+    service.emit_observation("u0", tool_ok("get_account", "first"))
+    await _until(lambda: store.append_calls == 1)
+    for identity in ("u1", "u2", "u1"):
+        service.emit_observation(identity, tool_ok("get_account"))
+    late = service._queue[-1]  # an item like it, for u2, comes in meanwhile
+
+    class AppendedMeanwhile(deque[Any]):
+        """Appends one more item once its first item was looked at (by an iteration or
+        a pop), as another thread's emit_observation would."""
+
+        appended = False
+
+        def _meanwhile(self) -> None:
+            if not self.appended:
+                self.appended = True
+                self.append(("u2", *late[1:]))
+                service._emitted += 1  # that emit's own count
+
+        def __iter__(self) -> Any:
+            for n, item in enumerate(super().__iter__()):
+                yield item
+                if n == 0:
+                    self._meanwhile()
+
+        def popleft(self) -> Any:
+            self._meanwhile()
+            return super().popleft()
+
+    service._queue = AppendedMeanwhile(service._queue)
+    try:
+        assert service._forget_queued("u1") == 2
+        assert [item[0] for item in service._queue] == ["u2", "u2"]
+        store.gate.set()
+        await service.drain(timeout=5)
+        stats = service.stats()
+        assert (stats.emitted, stats.stored, stats.dropped, stats.pending) == (5, 3, 2, 0)
+    finally:
+        store.gate.set()
+        await service.close()
