@@ -77,6 +77,12 @@ def to_ms(at: datetime) -> int | float:
     return whole if rest == 0 else micros / 1000
 
 
+#: A checkpoint field as the stores write it: epoch ms in decimal. Anything else is
+#: refused, by the store's scripts (``load.lua``, ``peek.lua``) and by the import alike:
+#: read as no checkpoint, every observation consumed before would count again.
+CHECKPOINT_TEXT = re.compile(r"-?[0-9]+\.?[0-9]*")
+
+
 def from_ms(value: object, field: str) -> datetime:
     """The UTC datetime of an epoch-ms number; :class:`BadRecord` for anything else."""
     if isinstance(value, bool) or not isinstance(value, int | float):

@@ -23,6 +23,7 @@ from redis.exceptions import ResponseError
 from coda_memory.core.decay import ease_bounds
 from coda_memory.core.model import Fact, FactEvent, Observation
 from coda_memory.redis.codec import (
+    CHECKPOINT_TEXT,
     BadRecord,
     checked_event_from_value,
     fact_from_json,
@@ -82,8 +83,11 @@ async def export_identity(store: RedisStore, identity_id: str) -> ExportedIdenti
     limit: float | None = None
     if checkpoint is not None:
         try:
-            out.checkpoint_at = from_ms(float(checkpoint), "checkpoint")
-            limit = float(checkpoint)
+            text = checkpoint.decode() if isinstance(checkpoint, bytes) else str(checkpoint)
+            if not CHECKPOINT_TEXT.fullmatch(text):
+                raise BadRecord("not decimal")
+            out.checkpoint_at = from_ms(float(text), "checkpoint")
+            limit = float(text)
         except (ValueError, BadRecord) as exc:
             # Without it, nothing tells the consumed observations from the new ones: all
             # would count again. (The exception quotes the value: a corrupt field may

@@ -71,6 +71,8 @@ BATCH_KEYS_FOR_MS = 24 * 60 * 60 * 1000
 BATCH_KEYS_KEPT = 200
 
 _SCRIPTS = ("append", "peek", "load", "commit", "unlock", "forget")
+#: The keys of an identity that an append writes, in the order append.lua takes them.
+_APPEND_KEYS = ("state", "obs", "pending", "batches")
 
 
 @functools.cache
@@ -228,11 +230,12 @@ class RedisStore:
         now_ms = round(time.time() * 1000)
         kept = [key, now_ms, BATCH_KEYS_FOR_MS, BATCH_KEYS_KEPT]
         async with self.client.pipeline(transaction=True) as pipe:
-            calls = 0
+            called: list[list[int]] = []  # the batch's indexes that each call stores
             for identity, rows in by_identity.items():
                 if not identity:  # refused above: no identity's keys
                     continue
                 args: list[Any] = []
+                indexes: list[int] = []
                 for index, record in rows:
                     try:
                         body = observation_body(record)
@@ -240,17 +243,23 @@ class RedisStore:
                         refused.append((index, f"metadata is not JSON: {exc}"))
                         continue
                     args += [to_ms(record.created_at), body]
+                    indexes.append(index)
                 if not args:
                     continue
-                keys = [
-                    self.keys.of(kind, identity) for kind in ("state", "obs", "pending", "batches")
-                ]
                 await self._script("append")(
-                    keys=keys, args=[*kept, len(args) // 2, *args], client=pipe
+                    keys=[self.keys.of(kind, identity) for kind in _APPEND_KEYS],
+                    args=[*kept, len(args) // 2, *args],
+                    client=pipe,
                 )
-                calls += 1
-            if calls:
-                await pipe.execute()
+                called.append(indexes)
+            results = await pipe.execute() if called else []
+        # An identity whose keys something else wrote with another type stores nothing of
+        # its rows (the script checks before it writes); the other identities' are stored.
+        for indexes, result in zip(called, results, strict=True):
+            if int(result) < 0:
+                kind = _APPEND_KEYS[-int(result) - 1]
+                reason = f"the identity's {kind} key in Redis holds another type of value"
+                refused.extend((index, reason) for index in indexes)
         refused.sort()
         return AppendOutcome(stored=len(records) - len(refused), refused=refused)
 

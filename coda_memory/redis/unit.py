@@ -43,8 +43,8 @@ from coda_memory.core.model import Fact, FactEvent, Observation, fact_id
 from coda_memory.ports import check_plan_identity
 from coda_memory.redis.codec import (
     BadRecord,
+    checked_event_from_value,
     dumps,
-    event_from_value,
     event_value,
     fact_from_json,
     fact_json,
@@ -79,6 +79,22 @@ def parse_facts(
             if on_bad is not None:
                 on_bad(str(exc))
     return facts
+
+
+def _session_events(identity_id: str, raw: str | bytes) -> dict[str, FactEvent]:
+    """The latest event of each subject in a session's record (a JSON array of events),
+    checked as a record anything may have written; :class:`BadRecord` when it is not
+    one."""
+    try:
+        values = json.loads(raw)
+    except ValueError as exc:  # not JSON (its message quotes no value)
+        raise BadRecord(f"not JSON ({exc})") from None
+    if not isinstance(values, list):
+        raise BadRecord("not a JSON array")
+    return {
+        event.subject: event
+        for event in (checked_event_from_value(identity_id, value) for value in values)
+    }
 
 
 class RedisConsolidationUnit:
@@ -167,10 +183,14 @@ class RedisConsolidationUnit:
             for session, raw in zip(sessions, await self._read_sessions(sessions), strict=True):
                 if raw is None:
                     continue
-                latest_by_subject = {
-                    event.subject: event
-                    for event in (event_from_value(identity, v) for v in json.loads(raw))
-                }
+                try:
+                    latest_by_subject = _session_events(identity, raw)
+                except BadRecord as exc:
+                    # Skipped as a bad fact or observation is: read as a session without
+                    # earlier events (its own consolidation writes its record anew),
+                    # rather than failing every consolidation of the identity for ever.
+                    self._bad("session's events")(str(exc))
+                    continue
                 self._sessions[session] = latest_by_subject
                 events.extend(latest_by_subject.values())
         # The last lives of deleted facts that late observations may resume (rarely any;

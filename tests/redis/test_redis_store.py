@@ -569,3 +569,72 @@ async def test_the_writer_retries_a_batch_whose_reply_was_lost_and_it_is_stored_
         assert [(f.subject, f.reinforcement_count) for f in facts] == [("tool_affinity:t", 2)]
     finally:
         await service.close()
+
+
+async def test_an_identity_whose_key_holds_another_type_refuses_its_rows_alone(
+    redis_url: str, redis_client: aioredis.Redis, redis_prefix: str
+) -> None:
+    """MULTI/EXEC rolls nothing back: one identity's script failed on a key of another
+    type, the batch was counted as rejected, and the other identities' rows were stored
+    all the same (its batch key too, so that a retry stored nothing)."""
+    await redis_client.set(f"{redis_prefix}state:bad", "x")
+    service = MemoryService.from_url(redis_url, clock=FakeClock(), load_timeout=5.0)
+    try:
+        for identity in ("good1", "bad", "good2"):
+            service.emit_observation(identity, tool_ok("t"))
+        await service.drain()
+        stats = service.stats()
+        assert (stats.stored, stats.rejected) == (2, 1)
+        assert await redis_client.exists(f"{redis_prefix}batches:bad") == 0
+        assert await redis_client.zcard(f"{redis_prefix}pending:bad") == 0
+        for identity in ("good1", "good2"):
+            assert [f.subject for f in await service.consolidate(identity)] == ["tool_affinity:t"]
+    finally:
+        await service.close()
+
+
+@pytest.mark.parametrize("record", ["{not json", '[{"subject": 5}]', '"a string"'])
+async def test_a_session_record_that_does_not_parse_is_skipped(
+    redis_url: str, redis_client: aioredis.Redis, redis_prefix: str, record: str
+) -> None:
+    """It made every consolidation of the identity raise, for ever: its loads answered
+    empty and its observations stayed pending."""
+    service = MemoryService.from_url(redis_url, clock=FakeClock(), load_timeout=5.0)
+    try:
+        service.emit_observation("u1", tool_ok("t", session="s0"))
+        await service.drain()
+        await service.consolidate("u1")
+        await redis_client.hset(f"{redis_prefix}sessions:u1", "s0", record)
+        service.emit_observation("u1", tool_ok("u", session="s0"))
+        await service.drain()
+        facts = await service.consolidate("u1")
+        assert {f.subject for f in facts} == {"tool_affinity:t", "tool_affinity:u"}
+        assert await redis_client.zcard(f"{redis_prefix}pending:u1") == 0
+    finally:
+        await service.close()
+
+
+@pytest.mark.parametrize("checkpoint", ["garbage", "-inf", "0x10", "nan", "1e3", ""])
+async def test_a_checkpoint_that_is_not_epoch_ms_is_refused_not_read_as_none(
+    redis_url: str, redis_client: aioredis.Redis, redis_prefix: str, checkpoint: str
+) -> None:
+    """Read as no checkpoint, every observation consumed before counted again (or the
+    load and Python parsed it differently, and every consolidation failed): the
+    identity's consolidation is refused, and nothing counts twice."""
+    clock = FakeClock()
+    service = MemoryService.from_url(redis_url, clock=clock, load_timeout=5.0)
+    try:
+        for _ in range(3):
+            service.emit_observation("u1", tool_ok("t", session=None))
+        await service.drain()
+        (fact,) = await service.consolidate("u1")
+        await redis_client.hset(f"{redis_prefix}checkpoint", "u1", checkpoint)
+        clock.advance(minutes=1)
+        with pytest.raises(Exception, match="checkpoint is not epoch ms"):
+            await service.consolidate("u1")
+        loaded = await service.load_memory("u1")
+        assert [f.reinforcement_count for f in loaded.facts] in ([], [1])
+        (again,) = await service.facts("u1")
+        assert again.reinforcement_count == fact.reinforcement_count == 1
+    finally:
+        await service.close()

@@ -9,6 +9,16 @@
 -- ARGV[1] batch key, ARGV[2] now (epoch ms), ARGV[3] how long a key is kept (ms),
 -- ARGV[4] how many keys are kept at most, ARGV[5] count; then per observation:
 -- createdAt (epoch ms), JSON after its "id" field
+-- Returns the identity's last sequence number; 0 for a batch stored before; -i when
+-- KEYS[i] holds a key of another type (written by something else), before anything is
+-- written: a script that fails half-way keeps what it wrote.
+local kinds = {'hash', 'zset', 'zset', 'zset'}
+for i = 1, 4 do
+  local kind = redis.call('TYPE', KEYS[i])['ok']
+  if kind ~= 'none' and kind ~= kinds[i] then
+    return -i
+  end
+end
 if redis.call('ZSCORE', KEYS[4], ARGV[1]) then
   return 0
 end

@@ -8,10 +8,13 @@
 -- ARGV[1] identity id
 local checkpoint = redis.call('HGET', KEYS[1], ARGV[1])
 local after = '-inf'
-if checkpoint and tonumber(checkpoint) then
+if checkpoint then
+  -- Anything but epoch ms written in decimal is refused: read as no checkpoint, every
+  -- observation consumed before would count again.
+  if not string.match(checkpoint, '^%-?%d+%.?%d*$') then
+    return redis.error_reply('BADCHECKPOINT the identity\'s checkpoint is not epoch ms')
+  end
   after = '(' .. checkpoint
-else
-  checkpoint = false
 end
 return {
   checkpoint,

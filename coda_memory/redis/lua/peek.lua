@@ -21,7 +21,11 @@ if redis.call('ZCARD', KEYS[2]) > 0 then
 end
 local checkpoint = redis.call('HGET', KEYS[1], ARGV[1])
 local after = '-inf'
-if checkpoint and tonumber(checkpoint) then
+if checkpoint then
+  -- As load.lua: anything but epoch ms written in decimal is refused.
+  if not string.match(checkpoint, '^%-?%d+%.?%d*$') then
+    return redis.error_reply('BADCHECKPOINT the identity\'s checkpoint is not epoch ms')
+  end
   after = '(' .. checkpoint
 end
 if redis.call('ZCOUNT', KEYS[3], after, '+inf') > 0 then
