@@ -102,8 +102,8 @@ def facts(
         if wide:
             add_row(table, fact.subject, fact.category.value, *numbers, fact.content)
         else:
-            cell = Text(fact.subject)
-            cell.append("\n" + fact.content, style="dim")
+            cell = Text(printable(fact.subject))
+            cell.append("\n" + printable(fact.content), style="dim")
             add_row(table, cell, *numbers)
     if ranked:
         console.print(table)

@@ -208,7 +208,9 @@ def _list_bad(bad: list[tuple[str, str]], *, stderr: bool = False) -> None:
     """The bad records, by key with the reason (the first :data:`_LISTED_BAD`)."""
     console = make_console(stderr=stderr)
     for key, reason in bad[:_LISTED_BAD]:
-        console.print(f"bad record: {key}: {printable(reason)}", markup=False, highlight=False)
+        console.print(
+            f"bad record: {printable(key)}: {printable(reason)}", markup=False, highlight=False
+        )
     if len(bad) > _LISTED_BAD:
         console.print(f"… and {len(bad) - _LISTED_BAD:,} more (see --format json)")
 

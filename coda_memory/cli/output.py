@@ -76,14 +76,17 @@ _WRAPPING = frozenset({"subject", "content", "tool", "entity id", "subject / con
 
 def add_row(table: Table, *cells: str | Text) -> None:
     """Add a row whose strings are shown as they are: identity ids, sessions and contents
-    are data, never rich markup."""
-    table.add_row(*(cell if isinstance(cell, Text) else Text(cell) for cell in cells))
+    are data, never rich markup, and what a terminal would act on in them is escaped
+    (:func:`printable`: an escape sequence in a session id or an imported fact's content
+    reached the operator's terminal). A :class:`Text` cell is the caller's, made of
+    :func:`printable` strings."""
+    table.add_row(*(cell if isinstance(cell, Text) else Text(printable(cell)) for cell in cells))
 
 
 def new_table(title: str | None, columns: Sequence[tuple[str, str]]) -> Table:
     """A table with these (header, justify) columns; fill it with :func:`add_row`."""
     table = Table(
-        title=None if title is None else Text(title),
+        title=None if title is None else Text(printable(title)),
         title_justify="left",
         caption_justify="left",
         header_style="bold",

@@ -48,7 +48,9 @@ def grant(
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc
     if print_only:
-        typer.echo(script)
+        # As it would run: echo drops what reads as a colour code when stdout is no
+        # terminal, and a saved script then named another role.
+        typer.echo(script, color=True)
         return
 
     async def main() -> None:

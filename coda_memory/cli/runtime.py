@@ -113,7 +113,7 @@ def run(main: Callable[[], Coroutine[Any, Any, T]], schema: str = DEFAULT_SCHEMA
     """Run a command's coroutine; turn every failure into one line and an exit code."""
     try:
         return asyncio.run(main())
-    except typer.Exit:
+    except (typer.Exit, typer.Abort):  # Abort: the app says "aborted" (input ended)
         raise
     except CliError as exc:
         if debug_enabled() and exc.__cause__ is not None:

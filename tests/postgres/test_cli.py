@@ -428,6 +428,19 @@ def test_forget_asks_on_a_terminal(pg_url: str, monkeypatch: pytest.MonkeyPatch)
     assert_one_line_error(run("facts", "alice", "--url", pg_url), 1, "unknown identity")
 
 
+def test_forget_whose_question_meets_the_end_of_input_erases_nothing(
+    pg_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A terminal whose input ends (Ctrl-D) at the question: "error: Abort: Abort (run
+    with --debug for details)"."""
+    seed_alice(pg_url)
+    monkeypatch.setattr(identity_commands, "stdin_is_interactive", lambda: True)
+    ended = run("forget", "alice", "--url", pg_url, input="")
+    assert_one_line_error(ended, 1, "aborted")
+    assert ended.stderr.strip().splitlines()[-1] == "error: aborted"
+    assert run("facts", "alice", "--url", pg_url).exit_code == 0
+
+
 def test_forget_with_yes_erases_only_that_identity(pg_url: str) -> None:
     seed_alice(pg_url)
     emit_pending(pg_url, ["bob"])
@@ -991,3 +1004,41 @@ def test_replay_scores_the_observations_the_database_holds(pg_url: str) -> None:
     assert rows["exponential"]["hit@5"] == 1.0
     assert isinstance(rows["exponential"]["Brier"], float)
     assert rows["recency only"]["Brier"] is None
+
+
+@pytest.mark.parametrize(
+    ("command", "columns"),
+    [
+        (["facts", "alice"], None),  # wide: content in a column of its own
+        (["facts", "alice"], "100"),  # narrow: content under the subject
+        (["history", "alice"], None),
+        (["history", "alice", "tool_affinity:get_account"], None),
+    ],
+)
+def test_data_with_terminal_escape_sequences_is_printed_escaped(
+    pg_url: str, command: list[str], columns: str | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A session id and a fact's content (a fact copied from Redis may hold any text)
+    reached the operator's terminal as they were: colours, a window title, a clipboard
+    write (OSC 52)."""
+    seed_alice(pg_url)
+    asyncio.run(
+        fetch(
+            pg_url,
+            "UPDATE coda_memory.facts SET content = content || "
+            "E' \\x1b]52;c;ZWNobyBwd25lZA==\\x1b\\\\ \\x1b[31mred' WHERE identity_id = 'alice'",
+        )
+    )
+    asyncio.run(
+        fetch(
+            pg_url,
+            "UPDATE coda_memory.fact_events SET session_id = E's0\\x1b[41mX\\x1b[0m' "
+            "WHERE identity_id = 'alice'",
+        )
+    )
+    if columns is not None:
+        monkeypatch.setenv("COLUMNS", columns)
+    result = run(*command, "--url", pg_url)
+    assert result.exit_code == 0, result.output
+    assert "\x1b" not in result.stdout
+    assert "\\x1b" in result.stdout

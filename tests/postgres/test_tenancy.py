@@ -874,6 +874,10 @@ def test_grant_prints_statements_with_the_role_quoted() -> None:
     result = CliRunner().invoke(app, ["grant", "analyst", 'odd "name"; DROP', "--print"])
     assert result.exit_code == 0, result.output
     assert '"odd ""name""; DROP"' in result.stdout
+    # Piped, the script names the role the command would grant (a colour code stayed).
+    piped = CliRunner().invoke(app, ["grant", "app", "r\x1b[31m", "--print"])
+    assert piped.exit_code == 0, piped.output
+    assert 'TO "r\x1b[31m"' in piped.stdout
     assert 'GRANT SELECT\n    ON "coda_memory".analytics_window' in result.stdout
     assert "active_facts" not in result.stdout.replace("(active_facts)", "")
     for bad in ("", "public", "pg_monitor", "x" * 64, "a\x00b"):

@@ -329,3 +329,19 @@ async def test_a_server_that_knows_an_identity_sees_the_facts_an_import_adds(
     finally:
         await source.close()
         await target.close()
+
+
+def test_a_bad_record_whose_key_holds_an_escape_sequence_is_listed_escaped(
+    redis_url: str, redis_prefix: str, pg_url: str
+) -> None:
+    """The key holds the identity, which a tenant chooses: the line carried its escape
+    sequence to the operator's terminal."""
+    server, _ = split_prefix(redis_url)
+    client = redis.Redis.from_url(server)
+    client.zadd(f"{redis_prefix}obs:evil\x1b[31mred\x1b[0m", {"{oops": ms(1)})
+    client.close()
+    base = ["import-redis", server, "--prefix", redis_prefix, "--url", pg_url, "--dry-run"]
+    result = CliRunner().invoke(app, base)
+    assert result.exit_code == 0, result.output
+    assert "\x1b" not in result.stdout
+    assert f"bad record: {redis_prefix}obs:evil\\x1b[31mred\\x1b[0m member" in result.stdout

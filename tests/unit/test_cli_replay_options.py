@@ -82,10 +82,18 @@ def test_a_plot_that_can_not_be_written_is_a_usage_error(tmp_path: Path, plot: s
 
 
 @pytest.mark.parametrize(
-    ("store", "says"), [("null://", "keeps nothing"), ("ftp://x", "unsupported")]
+    ("store", "says"),
+    [
+        ("null://", "keeps nothing"),
+        ("ftp://x", "unsupported"),
+        ("postgresql://u:p@127.0.0.1:99999/x", "port must be from 1 to 65535"),
+        ("postgres://u@127.0.0.1/x?foo=1", "foo"),
+    ],
 )
 def test_a_store_that_can_not_serve_the_replay_is_a_usage_error(store: str, says: str) -> None:
-    """ftp:// exited 1 once every event was read; null:// scored zeros and exited 0."""
+    """ftp:// and a Postgres URL the driver refuses (a bad port, an unknown parameter)
+    exited 1 once every event was read; null:// scored zeros and exited 0. (The events'
+    database, --url, is never reached: port 1.)"""
     result = CliRunner().invoke(
         app, ["replay", "--url", "postgresql://u@127.0.0.1:1/x", "--store", store]
     )
