@@ -42,7 +42,9 @@ class Spans(Protocol):
 #: Seconds between attempts of a batch that a lock or a timeout kept out (StoreBusy).
 BUSY_RETRY = 0.05
 
-#: Appends in flight at once, when a backlog of full batches waits (see ``_write_loop``).
+#: Seconds the writer waits before it goes on after an unexpected error that lost nothing.
+WRITER_FAILED_RETRY = 0.1
+#: Appends in flight at once, when a backlog of full batches waits (see ``_write_batches``).
 MAX_APPENDS = 2
 #: Full batches the writer validates ahead while an append waits to be retried (a lock,
 #: an unreachable server), so that once the store answers again only the appends remain.
@@ -334,6 +336,30 @@ class ObservationWriter:
         )
 
     async def _write_loop(self) -> None:
+        """:meth:`_write_batches`, for as long as the writer runs: an unexpected error (a
+        bug) loses the batches it held, counted as dropped with a log line, and the
+        writer goes on with what is queued. (Stopped, it left them in flight for ever:
+        ``drain()`` never returned, and nothing emitted was stored again.)"""
+        while True:
+            try:
+                await self._write_batches()
+            except Exception as error:
+                if not self._writer_failed(error):
+                    await asyncio.sleep(WRITER_FAILED_RETRY)  # nothing was lost: no spin
+
+    def _writer_failed(self, error: Exception) -> int:
+        """Count what the writer held when ``error`` stopped it as dropped; how many."""
+        assert self._progress is not None
+        lost = self._inflight + self._ahead
+        self._inflight = self._ahead = 0
+        self._ahead_batches.clear()
+        self._held_bytes = sum(item[5] for item in self._queue)
+        if lost:
+            self._drop(lost, f"the writer met an unexpected {type(error).__name__}")
+        self._progress.set()
+        return lost
+
+    async def _write_batches(self) -> None:
         """Take batches off the queue and store them. One append at a time, and what
         arrives meanwhile makes the next batch; when a full batch waits (a backlog), a
         second append starts beside the first, so that the Python work of one batch
@@ -382,7 +408,7 @@ class ObservationWriter:
                 done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
                 for task in done & appends:
                     appends.discard(task)
-                    task.result()  # an unexpected error stops the writer, as before
+                    task.result()  # an unexpected error: see _write_loop
         finally:
             for task in (*appends, *waiters.values()):
                 task.cancel()

@@ -1693,3 +1693,32 @@ async def test_an_observation_queued_while_forget_filters_the_queue_is_kept() ->
     finally:
         store.gate.set()
         await service.close()
+
+
+async def test_a_writer_that_meets_a_bug_counts_the_batch_it_held_and_goes_on(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """An unexpected error stopped the writer with its batch in flight: drain() never
+    returned, and nothing emitted afterwards was stored."""
+    service = MemoryService.from_url("memory://", clock=FakeClock())
+    validate = service._validate
+    failures = [RuntimeError("a bug")]
+
+    async def once_broken(items: list[Any]) -> tuple[list[Any], list[ObservationRecord]]:
+        if failures:
+            raise failures.pop()
+        return await validate(items)
+
+    service._validate = once_broken  # type: ignore[method-assign]
+    try:
+        with caplog.at_level(logging.WARNING, "coda_memory"):
+            for n in range(3):
+                service.emit_observation("u1", tool_ok("get_account", f"s{n}"))
+            await service.drain(timeout=5)
+            service.emit_observation("u1", tool_ok("get_account", "s9"))
+            await service.drain(timeout=5)
+        stats = service.stats()
+        assert (stats.emitted, stats.stored, stats.dropped, stats.pending) == (4, 1, 3, 0)
+        assert "the writer met an unexpected RuntimeError" in caplog.text
+    finally:
+        await service.close()
