@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import re
 from collections.abc import Sequence
 
 from coda_memory.core.model import Fact, FactCategory
@@ -38,16 +39,34 @@ _GROUP_OF: dict[FactCategory, int] = {
 }
 
 
+#: What would make a line's text a block of its own inside its list item: a heading, a
+#: list item, a quote, a rule, a fence or a table row (a tool named "-" or "1.", an
+#: imported fact's text); escaped with a backslash.
+_BLOCK_START = re.compile(r"\d{1,9}(?=[.)])|[#>*+\-|=~`_]")
+
+
 @functools.lru_cache(maxsize=16_384)
 def _fact_line(content: str) -> str:
     """The list item showing ``content`` as data, or "" when nothing of it is left
     (remembered: a fact's content is the same from one load to the next)."""
-    text = data_text(content, MAX_FACT_CHARS)
+    for limit in range(MAX_FACT_CHARS, MAX_FACT_CHARS - 3, -1):
+        # The closing quote and the escape count in the line's MAX_FACT_CHARS.
+        text = _inline(data_text(content, limit))
+        if len(text) <= MAX_FACT_CHARS:
+            break
+    return f"- {text}" if text else ""
+
+
+def _inline(text: str) -> str:
+    """``text`` as the inline text of one list item."""
     if text.count('"') % 2:
         # A quote left open (the line cut inside a quoted name, or an imported fact's
         # text) is closed: no text after it reads as outside the quotes.
         text += '"'
-    return f"- {text}" if text else ""
+    start = _BLOCK_START.match(text)
+    if start is not None:
+        text = f"{text[: start.end()]}\\{text[start.end() :]}" if text[0].isdigit() else f"\\{text}"
+    return text
 
 
 def _render(lines_by_group: list[list[str]]) -> str:

@@ -126,17 +126,29 @@ _URL = re.compile(
     r"|(?<![\w/])//[^\s\"'<>()\[\]{}/]+[^\s\"'<>()\[\]{}]*"  # protocol-relative //host
     r"|\bwww\d{0,3}\.[^\s\"'<>()\[\]{}]+"  # www.host
     r"|\b(?:javascript|vbscript|data|file|mailto|blob|ftp):[^\s\"'<>()\[\]{}]*"
-    r"|\b(?:[a-z0-9\-]+\.)+[a-z]{2,24}(?::\d{1,5})?/[^\s\"'<>()\[\]{}]*",  # host.tld/path
+    # http: and ws: without "//", which a browser reads as the same link
+    r"|\b(?:https?|wss?):[^\s\"'<>()\[\]{}]+"
+    # host.tld/path: labels of any script or with "_", a punycode top level, a dot of
+    # another script (what browsers take for one); not after a word or "@"
+    r"|(?<![\w.\-@\u3002\uff0e\uff61])(?:[\w\-]+[.\u3002\uff0e\uff61])+"
+    r"(?:[^\W\d_]{2,24}|xn--[a-z0-9\-]{1,59})(?::\d{1,5})?/[^\s\"'<>()\[\]{}]*"
+    r"|(?<![\w.])(?:\d{1,3}\.){3}\d{1,3}(?::\d{1,5})?/[^\s\"'<>()\[\]{}]*",  # IPv4/path
     re.IGNORECASE,
 )
 _TAG = re.compile(r"<[^<>]{0,64}>|[<>]")
 _BRACKET_MARKER = re.compile(
-    r"\[\s*/?\s*(?:inst|sys|system|user|assistant|human|ai|bot)\s*\]", re.IGNORECASE
+    r"\[\s*/?\s*(?:inst|sys|system|user|assistant|human|ai|bot"
+    # Mistral's control tokens beside [INST]
+    r"|system[\s_]*prompt|tool[\s_]*calls?|available[\s_]*tools|tool[\s_]*results?"
+    r"|tool[\s_]*content)\s*\]",
+    re.IGNORECASE,
 )
 _ROLE = re.compile(
     # (also right after an escaped line break, "\nSYSTEM:", as JSON-escaped text has it;
     # every colon of a run, "SYSTEM::" or "SYSTEM: :", or one would stay behind)
-    r"(?:(?<=\\[nrt])|(?<![A-Za-z0-9_]))(system|developer|assistant|user|human|ai|model|"
+    # (or after one escaped as JSON, C or in a URL: "\u000a", "\x0a", "%0a")
+    r"(?:(?<=\\[nrt])|(?<=\\u000[ad])|(?<=\\u202[89])|(?<=\\x0[ad])|(?<=%0[ad])"
+    r"|(?<![A-Za-z0-9_]))(system|developer|assistant|user|human|ai|model|"
     r"bot|instructions?|response|prompt|tool|function|ipython)(?:\s*:)+",
     re.IGNORECASE,
 )
@@ -149,7 +161,9 @@ _ANY_MARKER = re.compile(
 _HASHES_OR_ENTITY = re.compile(r"#{2,}|&#?[a-z0-9]{1,10};", re.IGNORECASE)
 #: Printable ASCII that may hold any of the structures above (``.tld/`` for the
 #: ``host.tld/path`` links; with a port, the colon already is).
-_SUSPICIOUS_ASCII = re.compile(r"[<>\[\]#&:]|www|//|\.[a-z]{2,24}/", re.IGNORECASE)
+_SUSPICIOUS_ASCII = re.compile(
+    r"[<>\[\]#&:]|www|//|\.[a-z]{2,24}/|\.xn--|\.\d{1,3}/", re.IGNORECASE
+)
 
 _Pair = tuple[str, str]
 
