@@ -241,6 +241,19 @@ async def test_a_connection_whose_tenant_was_reset_sees_no_row_of_the_empty_iden
         await app_conn.close()
 
 
+async def tenant_and_facts_seen(conn: Any) -> tuple[str | None, int]:
+    """The tenant a connection holds, and how many facts it sees."""
+    row = (
+        await conn.execute(
+            text(
+                "SELECT current_setting('coda_memory.identity_id', true),"
+                f" (SELECT count(*) FROM {SCHEMA}.facts)"
+            )
+        )
+    ).one()
+    return row[0], row[1]
+
+
 async def test_a_store_on_one_engine_leaves_no_tenant_on_its_connections(
     tenancy: Tenancy,
 ) -> None:
@@ -255,22 +268,11 @@ async def test_a_store_on_one_engine_leaves_no_tenant_on_its_connections(
     store = PostgresStore(engine, schema=SCHEMA)
     service = MemoryService(store, clock=FakeClock(), load_timeout=5.0)
 
-    async def seen(conn: Any) -> tuple[str | None, int]:
-        row = (
-            await conn.execute(
-                text(
-                    "SELECT current_setting('coda_memory.identity_id', true),"
-                    f" (SELECT count(*) FROM {SCHEMA}.facts)"
-                )
-            )
-        ).one()
-        return row[0], row[1]
-
     try:
         for who in ("alice", "bob"):
             assert (await service.load_memory(who)).facts
             assert await store.every_observation() == []
-            tenant, facts = await store.run(seen)
+            tenant, facts = await store.run(tenant_and_facts_seen)
             assert (tenant or "", facts) == ("", 0)
     finally:
         await service.close()
@@ -297,23 +299,12 @@ async def test_a_read_cancelled_as_it_sets_the_tenant_leaves_no_tenant_on_the_co
             raise asyncio.CancelledError
         return result
 
-    async def seen(conn: Any) -> tuple[str | None, int]:
-        row = (
-            await conn.execute(
-                text(
-                    "SELECT current_setting('coda_memory.identity_id', true),"
-                    f" (SELECT count(*) FROM {SCHEMA}.facts)"
-                )
-            )
-        ).one()
-        return row[0], row[1]
-
     monkeypatch.setattr(asyncpg.Connection, "execute", cancelled_once_applied)
     try:
         with pytest.raises(asyncio.CancelledError):
             await store.peek("alice")
         assert not armed[0]
-        tenant, facts = await store.run(seen)
+        tenant, facts = await store.run(tenant_and_facts_seen)
         assert (tenant or "", facts) == ("", 0)
     finally:
         await store.close()
