@@ -9,6 +9,7 @@ role with the ``role`` server setting, as ``SET ROLE`` would.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import secrets
 from collections.abc import AsyncIterator
@@ -494,6 +495,56 @@ async def _aggregates(conn: asyncpg.Connection) -> dict[str, list[tuple[Any, ...
         view: [tuple(r) for r in await conn.fetch(f"SELECT {c} FROM {SCHEMA}.{view} ORDER BY 1")]
         for view, c in columns.items()
     }
+
+
+def _removed_by_filters(plan: dict[str, Any]) -> int:
+    """The rows every filter of an ``EXPLAIN (ANALYZE, FORMAT JSON)`` plan removed."""
+    removed = int(plan.get("Rows Removed by Filter", 0))
+    return removed + sum(_removed_by_filters(child) for child in plan.get("Plans", []))
+
+
+async def test_a_limit_tells_the_analyst_nothing_of_the_groups_left_out(
+    tenancy: Tenancy,
+) -> None:
+    """The views streamed their rows: under LIMIT n the plan stopped after the n-th row
+    kept, and EXPLAIN ANALYZE's counts for LIMIT 1, 2, … told where a left-out group
+    sorts among the names shown, and how many identities it holds (migration 0017)."""
+    await _populate(tenancy)
+    clock = FakeClock()
+    service = MemoryService.from_url(
+        tenancy.url, schema=SCHEMA, clock=clock, load_timeout=5.0, **tenancy.as_role(tenancy.app)
+    )
+    try:
+        # Left out at a floor of 2 and sorting first: alice's alone.
+        service.emit_observation("alice", tool_ok("a_tool"))
+        service.emit_observation("alice", entity("account", "acct-a"))
+        service.emit_observation("alice", domain("contract"))
+        for who in ("alice", "bob"):  # shown: both use them
+            service.emit_observation(who, entity("account", "acct-shared"))
+        await service.drain()
+        for who in ("alice", "bob"):
+            await service.consolidate(who)
+    finally:
+        await service.close()
+    await _set_floor(tenancy, 2)
+    analyst = await tenancy.connect(tenancy.analyst)
+    try:
+        await analyst.execute("SET coda_memory.analytics_now = '2026-01-01T10:00:00Z'")
+        # As a reader may: plans that stream, without hashing (a small table hashes).
+        for setting in ("enable_hashagg", "enable_hashjoin", "enable_sort"):
+            await analyst.execute(f"SET {setting} = off")
+        for view in ("tool_effectiveness", "entity_popularity", "domain_trends"):
+            removed = []
+            for limit in ("LIMIT 1", ""):
+                explained = await analyst.fetchval(
+                    f"EXPLAIN (ANALYZE, FORMAT JSON) SELECT * FROM {SCHEMA}.{view} {limit}"
+                )
+                removed.append(_removed_by_filters(json.loads(explained)[0]["Plan"]))
+            shown = await analyst.fetch(f"SELECT * FROM {SCHEMA}.{view}")
+            assert shown, view  # a row is shown, so LIMIT 1 could stop after it
+            assert removed[0] == removed[1] > 0, (view, removed)
+    finally:
+        await analyst.close()
 
 
 async def test_the_analyst_sees_no_group_below_the_floor_that_only_the_owner_sets(
