@@ -103,6 +103,12 @@ def demo(
     from coda_memory.cli.demo.demo import DEMO_SCHEMA, run_demo
 
     started = time.perf_counter()
+    try:  # before the month is simulated, not after: a directory it cannot write
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise typer.BadParameter(
+            f"cannot write {out}: {exc.strerror or type(exc).__name__}", param_hint="--out"
+        ) from None
     console = make_console()
     if not console.is_terminal:
         console.width = 100  # piped to a file: the width the output is written for

@@ -103,3 +103,16 @@ def test_a_rerun_starts_from_a_clean_schema(pg_url: str, tmp_path: Path) -> None
     assert first.exit_code == second.exit_code == 0, second.output
     assert summary(first.stdout) == summary(second.stdout)
     assert asyncio.run(_remains(pg_url)) == ([], 0, False)
+
+
+def test_an_out_directory_it_cannot_write_is_refused_before_the_month_runs(
+    pg_url: str, tmp_path: Path
+) -> None:
+    """It ran the whole simulation, then failed with FileNotFoundError's one line."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    result = demo(pg_url, blocker / "charts")
+    assert result.exit_code == 2, result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "--out" in lines[0] and "cannot write" in lines[0], lines
+    assert "coda-memory demo" not in result.stdout  # nothing was simulated
