@@ -65,6 +65,13 @@ def _check_parts(parsed: URL) -> None:
         )
     if parsed.port is not None and not 1 <= parsed.port <= 65535:
         raise ValueError(f"the port must be from 1 to 65535, not {parsed.port}")
+    # Several hosts: ?host=h1,h2&port=p1,p2 (SQLAlchemy's int() refused a bad one only
+    # when the engine was made, in a line naming no URL).
+    ports = parsed.query.get("port", ())
+    for given in (ports,) if isinstance(ports, str) else ports:
+        for port in given.split(","):
+            if not (port.isascii() and port.isdigit() and 1 <= int(port) <= 65535):
+                raise ValueError(f"the port must be from 1 to 65535, not {port!r}")
     unknown = sorted(set(parsed.query) - _query_parameters())
     if unknown:
         raise ValueError(

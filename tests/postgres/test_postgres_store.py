@@ -436,6 +436,8 @@ def test_unix_socket_and_sslmode_urls() -> None:
         ("postgresql://u:p@ss@db.example/app", "must be written %40"),
         ("postgresql://u@db.example:99999/app", "from 1 to 65535, not 99999"),
         ("postgresql://u@db.example:0/app", "from 1 to 65535, not 0"),
+        ("postgresql://u@/app?host=h1,h2&port=1,abc", "from 1 to 65535, not 'abc'"),
+        ("postgresql://u@/app?host=h1,h2&port=5432,70000", "from 1 to 65535, not '70000'"),
         ("postgresql://u@db.example/app?foo=bar", "unknown URL parameter 'foo'"),
         # A negative cache size made SQLAlchemy's cache spin on the event loop for ever.
         (
@@ -466,6 +468,8 @@ def test_urls_the_driver_would_refuse_on_connecting_are_refused_first(
     # What the driver takes still passes: an encoded '@', its parameters, libpq's sslmode.
     encoded = asyncpg_url("postgresql://u:p%40ss@db.example:65535/app?sslmode=require&krbsrvname=k")
     assert (encoded.password, encoded.host, encoded.port) == ("p@ss", "db.example", 65535)
+    hosts = asyncpg_url("postgresql://u@/app?host=h1,h2&port=5432,5433")
+    assert (hosts.query["host"], hosts.query["port"]) == ("h1,h2", "5432,5433")
 
 
 @pytest.mark.parametrize(
