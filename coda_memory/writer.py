@@ -221,13 +221,19 @@ class ObservationWriter:
         try:
             self._emitted += 1
             size = _approximate_bytes(obs)
+            # A service whose event loop is closed (an asyncio.run() that ended) has no
+            # writer that could store it: queued, it stayed pending for ever.
+            loop_closed = self._loop is not None and self._loop.is_closed()
             if (
                 self._closed
+                or loop_closed
                 or len(self._queue) + self._ahead >= self._queue_size
                 or self._held_bytes + size > self._queue_bytes
             ):
                 if self._closed:
                     reason = "service closed"
+                elif loop_closed:
+                    reason = "the service's event loop is closed (one service per event loop)"
                 elif size > self._queue_bytes:
                     reason = "observation larger than queue_bytes"
                 else:

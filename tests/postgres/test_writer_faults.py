@@ -251,3 +251,20 @@ def test_start_and_close_from_a_second_event_loop_say_so_and_leave_the_service_b
         asyncio.run(second())
         runner.run(back_on_the_first())
     assert service.stats().stored == 1
+
+
+def test_an_observation_emitted_once_the_services_loop_is_closed_is_dropped() -> None:
+    """Its writer can never run again: queued, it stayed pending for ever."""
+    service = MemoryService.from_url("memory://", clock=FakeClock())
+
+    async def first() -> None:
+        service.emit_observation("alice", tool_ok("get_account"))
+        await service.drain(5)
+
+    async def second() -> None:
+        service.emit_observation("alice", tool_ok("run_sql"))
+
+    asyncio.run(first())
+    asyncio.run(second())
+    stats = service.stats()
+    assert (stats.emitted, stats.stored, stats.dropped, stats.pending) == (2, 1, 1, 0)
