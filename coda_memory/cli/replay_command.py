@@ -29,6 +29,7 @@ from coda_memory.cli.output import (
 from coda_memory.cli.runtime import (
     CliError,
     Target,
+    check_database_url,
     describe,
     fail,
     masked_url,
@@ -36,7 +37,6 @@ from coda_memory.cli.runtime import (
     run_on_store,
 )
 from coda_memory.core.model import MAX_SPAN
-from coda_memory.postgres.engine import asyncpg_url
 from coda_memory.postgres.schema import DEFAULT_SCHEMA
 from coda_memory.postgres.store import PostgresStore
 from coda_memory.replay import (
@@ -140,7 +140,7 @@ def replay(
         )
     if scheme in ("postgresql", "postgres"):
         try:  # what the driver would refuse only on connecting, after every event was read
-            asyncpg_url(store)
+            check_database_url(store)
         except ValueError as exc:
             raise typer.BadParameter(str(exc), param_hint="--store") from None
     stream = _file_events(events) if events is not None else _stored_events(url, schema)

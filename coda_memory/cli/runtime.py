@@ -208,6 +208,18 @@ def masked_url(url: str) -> str:
     return f"{scheme}://{user}{':***' if colon else ''}@{host}"
 
 
+def check_database_url(url: str) -> None:
+    """Refuse, with a ``ValueError`` whose message says why in one line, a Postgres URL
+    that SQLAlchemy cannot parse or that the driver would refuse only on connecting."""
+    try:
+        asyncpg_url(url)
+    except (ArgumentError, ValueError, TypeError) as exc:
+        reason = _first_line(exc)
+        if reason.startswith("invalid literal for int()"):
+            reason = "the port is not a number"
+        raise ValueError(reason) from exc
+
+
 def resolve_target(url: str | None, schema: str, *, announce: bool = True) -> Target:
     """The database named by ``--url``/the environment, or the embedded one (started
     here, and named on stderr unless ``announce`` is false)."""
@@ -234,12 +246,9 @@ def resolve_target(url: str | None, schema: str, *, announce: bool = True) -> Ta
         )
     if url:
         try:
-            asyncpg_url(url)
-        except (ArgumentError, ValueError, TypeError) as exc:
-            reason = _first_line(exc)
-            if reason.startswith("invalid literal for int()"):
-                reason = "the port is not a number"
-            raise CliError(f"invalid database URL {masked_url(url)!r}: {reason}", code=2) from exc
+            check_database_url(url)
+        except ValueError as exc:
+            raise CliError(f"invalid database URL {masked_url(url)!r}: {exc}", code=2) from exc
         return Target(url, schema, masked_url(url), embedded=False)
     from coda_memory.postgres.embedded import DEFAULT_DATA_DIR, embedded_url
 

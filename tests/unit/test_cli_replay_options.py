@@ -88,6 +88,8 @@ def test_a_plot_that_can_not_be_written_is_a_usage_error(tmp_path: Path, plot: s
         ("ftp://x", "unsupported"),
         ("postgresql://u:p@127.0.0.1:99999/x", "port must be from 1 to 65535"),
         ("postgres://u@127.0.0.1/x?foo=1", "foo"),
+        ("postgresql://u@127.0.0.1:abc/x", "the port is not a number"),
+        ("postgresql", "Could not parse"),  # a traceback, from SQLAlchemy's ArgumentError
     ],
 )
 def test_a_store_that_can_not_serve_the_replay_is_a_usage_error(store: str, says: str) -> None:
