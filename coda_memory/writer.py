@@ -356,13 +356,22 @@ class ObservationWriter:
     def _writer_failed(self, error: Exception) -> int:
         """Count what the writer held when ``error`` stopped it as dropped; how many."""
         assert self._progress is not None
-        lost = self._inflight + self._ahead
-        self._inflight = self._ahead = 0
+        lost = self._drop_held(f"the writer met an unexpected {type(error).__name__}")
+        self._progress.set()
+        return lost
+
+    def _drop_held(self, reason: str, *, queued: bool = False) -> int:
+        """Count what the writer holds as dropped, for ``reason``, and let it go: its
+        batches in flight (those validated ahead among them), and the queue too when
+        ``queued``; how many."""
+        lost = self._inflight + (len(self._queue) if queued else 0)
+        if queued:
+            self._queue.clear()
         self._ahead_batches.clear()
+        self._inflight = self._ahead = 0
         self._held_bytes = sum(item[5] for item in self._queue)
         if lost:
-            self._drop(lost, f"the writer met an unexpected {type(error).__name__}")
-        self._progress.set()
+            self._drop(lost, reason)
         return lost
 
     async def _write_batches(self) -> None:
@@ -638,10 +647,4 @@ class ObservationWriter:
             self._writer.cancel()
             await asyncio.wait([self._writer], timeout=CLOSE_GRACE)
             self._writer = None
-        leftover = len(self._queue) + self._inflight
-        if leftover:
-            self._queue.clear()
-            self._ahead_batches.clear()
-            self._inflight = self._ahead = 0
-            self._held_bytes = 0
-            self._drop(leftover, "service closed before they were stored")
+        self._drop_held("service closed before they were stored", queued=True)

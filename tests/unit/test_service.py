@@ -1722,3 +1722,29 @@ async def test_a_writer_that_meets_a_bug_counts_the_batch_it_held_and_goes_on(
         assert "the writer met an unexpected RuntimeError" in caplog.text
     finally:
         await service.close()
+
+
+async def test_a_writer_that_meets_a_bug_with_batches_validated_ahead_counts_each_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The batches validated ahead are in flight too: counted again as ahead, they made
+    the drop twice their size and pending go below zero."""
+    store = BusyStore()
+    async with _writing(store) as service:
+        validated = _counting_validations(service)
+        emitted = 10 * (2 + MAX_AHEAD + 1) + 3
+        for n in range(emitted):
+            service.emit_observation("u1", tool_ok("get_account", f"s{n}"))
+        await _until(lambda: len(validated) == 2 + MAX_AHEAD)  # 2 appends, 4 ahead
+
+        def broken(records: list[ObservationRecord]) -> tuple[str, ...]:
+            raise RuntimeError("a bug")  # on the appends' next retry
+
+        monkeypatch.setattr(service, "_identities", broken)
+        await _until(lambda: service.stats().dropped > 0)
+        monkeypatch.undo()
+        store.busy = False
+        await service.drain(timeout=5)
+        stats = service.stats()
+        held = 10 * (2 + MAX_AHEAD)  # in the two appends and validated ahead
+        assert (stats.stored, stats.dropped, stats.pending) == (emitted - held, held, 0)
