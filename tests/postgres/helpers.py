@@ -92,6 +92,23 @@ async def backends(admin_url: str, database: str | None, *, in_transaction: bool
     return int(rows[0][0])
 
 
+async def waiting_for_a_lock(admin_url: str, database: str | None) -> int:
+    """How many backends of ``database`` wait for a lock."""
+    rows = await fetch(
+        admin_url,
+        "SELECT count(*) FROM pg_stat_activity WHERE datname = :db AND wait_event_type = 'Lock'",
+        db=database,
+    )
+    return int(rows[0][0])
+
+
+async def until_waiting(admin_url: str, database: str | None, count: int) -> None:
+    """Until ``count`` backends of ``database`` wait for a lock (TimeoutError after 10 s)."""
+    async with asyncio.timeout(10):
+        while await waiting_for_a_lock(admin_url, database) < count:
+            await asyncio.sleep(0.01)  # polling the server until they wait
+
+
 async def backends_once_closed(
     admin_url: str, database: str | None, *, in_transaction: bool = False
 ) -> int:

@@ -25,6 +25,7 @@ from typing import Any
 
 import pytest
 from sqlalchemy import Executable, pool, select, text
+from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import create_async_engine
 from typer.testing import CliRunner, Result
 
@@ -34,7 +35,7 @@ from coda_memory.cli.demo.simulation import SimulatedClock, simulate
 from coda_memory.postgres import PostgresStore, maintenance
 from coda_memory.postgres.schema import checkpoints
 from tests.helpers import FakeClock, domain, entity, tool_failed, tool_ok
-from tests.postgres.helpers import consolidate, fetch, record
+from tests.postgres.helpers import consolidate, fetch, record, until_waiting
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 HEAD = runtime.head_revision()
@@ -580,17 +581,11 @@ class ReleaseOnceWaitedFor(threading.Thread):
             self.release.set()
 
     async def _waiter(self) -> bool:
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            waiting = await fetch(
-                self.url,
-                "SELECT count(*) FROM pg_stat_activity "
-                "WHERE datname = current_database() AND wait_event_type = 'Lock'",
-            )
-            if waiting[0][0]:
-                return True
-            await asyncio.sleep(0.01)
-        return False
+        try:
+            await until_waiting(self.url, make_url(self.url).database, 1)
+        except TimeoutError:
+            return False
+        return True
 
 
 def test_consolidate_waits_for_live_traffic_on_the_same_identity(pg_url: str) -> None:

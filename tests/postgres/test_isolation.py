@@ -36,6 +36,8 @@ from tests.postgres.helpers import (
     prepared_plans,
     record,
     table_digests,
+    until_waiting,
+    waiting_for_a_lock,
 )
 
 #: On both event loops (see tests/conftest.py).
@@ -43,21 +45,6 @@ pytestmark = pytest.mark.both_loops
 
 #: Generous: the statements must fail within their timeout, not within this.
 SLACK = 2.0
-
-
-async def waiting_for_a_lock(admin_url: str, database: str | None) -> int:
-    rows = await fetch(
-        admin_url,
-        "SELECT count(*) FROM pg_stat_activity WHERE datname = :db AND wait_event_type = 'Lock'",
-        db=database,
-    )
-    return int(rows[0][0])
-
-
-async def until_waiting(admin_url: str, database: str | None, count: int) -> None:
-    async with asyncio.timeout(10):
-        while await waiting_for_a_lock(admin_url, database) < count:
-            await asyncio.sleep(0.01)
 
 
 @pytest.mark.parametrize(
