@@ -9,6 +9,7 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from sqlalchemy import pool, text
+from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
 from tests.builders import EPOCH, NOW, consolidate, contents, event, fact, plan, record
@@ -33,6 +34,11 @@ __all__ = [
 def engine(url: str) -> AsyncEngine:
     """An engine of its own (no pool), for connections the store must not share."""
     return create_async_engine(url, poolclass=pool.NullPool)
+
+
+def dsn(url: str) -> str:
+    """``url`` (SQLAlchemy's) as asyncpg connects to it: a libpq URL, password included."""
+    return make_url(url).set(drivername="postgresql").render_as_string(False)
 
 
 async def fetch(url: str, sql: str, **params: Any) -> list[tuple[Any, ...]]:

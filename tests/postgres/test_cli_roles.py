@@ -16,6 +16,7 @@ import asyncpg
 import pytest
 from sqlalchemy.engine import make_url
 
+from tests.postgres.helpers import dsn
 from tests.postgres.test_cli import assert_one_line_error, run, seed_alice
 
 README = Path(__file__).resolve().parents[2] / "README.md"
@@ -30,12 +31,8 @@ def _owner_policy_snippet() -> str:
     return found[1].replace(":'schema'", "'coda_memory'")
 
 
-def _dsn(url: str) -> str:
-    return make_url(url).set(drivername="postgresql").render_as_string(False)
-
-
 async def _superuser(url: str, *statements: str) -> None:
-    conn = await asyncpg.connect(_dsn(url))
+    conn = await asyncpg.connect(dsn(url))
     try:
         for statement in statements:
             await conn.execute(statement)

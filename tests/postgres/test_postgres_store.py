@@ -9,7 +9,6 @@ from typing import Any, cast
 
 import asyncpg
 import pytest
-from sqlalchemy.engine import make_url
 from sqlalchemy.exc import DBAPIError
 
 from coda_memory import MemoryService
@@ -31,6 +30,7 @@ from tests.postgres.helpers import (
     NOW,
     consolidate,
     contents,
+    dsn,
     event,
     fact,
     fetch,
@@ -525,9 +525,7 @@ async def test_facts_and_history_wait_for_a_locked_table_at_most_the_lock_timeou
 ) -> None:
     """They waited as long as the table was held: more than ten minutes in an audit."""
     store = PostgresStore.from_url(pg_url, lock_timeout=timedelta(milliseconds=300))
-    holder = await asyncpg.connect(
-        make_url(pg_url).set(drivername="postgresql").render_as_string(False)
-    )
+    holder = await asyncpg.connect(dsn(pg_url))
     try:
         await holder.execute("BEGIN")
         await holder.execute(f"LOCK TABLE coda_memory.{table} IN ACCESS EXCLUSIVE MODE")

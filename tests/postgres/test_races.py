@@ -18,14 +18,10 @@ from coda_memory.core.caps import LogThrottle
 from coda_memory.postgres import store as store_module
 from coda_memory.postgres.unit import PostgresConsolidationUnit
 from tests.helpers import T0, FakeClock, domain, entity, tool_failed, tool_ok
+from tests.postgres.helpers import dsn
 
 #: On both event loops (see tests/conftest.py).
 pytestmark = [pytest.mark.postgres, pytest.mark.both_loops]
-
-
-def dsn(url: str) -> str:
-    """A libpq-style DSN for asyncpg from a SQLAlchemy URL."""
-    return url.replace("postgresql+asyncpg://", "postgresql://", 1)
 
 
 @pytest.fixture

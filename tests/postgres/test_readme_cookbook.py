@@ -10,8 +10,8 @@ from pathlib import Path
 from typing import Any
 
 import asyncpg
-from sqlalchemy.engine import make_url
 
+from tests.postgres.helpers import dsn
 from tests.postgres.test_cli import seed_alice
 
 README = Path(__file__).resolve().parents[2] / "README.md"
@@ -27,7 +27,7 @@ def _cookbook() -> list[str]:
 
 
 async def _run(url: str, statements: list[str]) -> list[list[dict[str, Any]]]:
-    conn = await asyncpg.connect(make_url(url).set(drivername="postgresql").render_as_string(False))
+    conn = await asyncpg.connect(dsn(url))
     try:
         return [[dict(r) for r in await conn.fetch(s)] for s in statements]
     finally:

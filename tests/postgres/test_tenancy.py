@@ -43,7 +43,7 @@ from coda_memory.postgres.tenancy import (
 )
 from coda_memory.postgres.unit import Statements
 from tests.helpers import FakeClock, domain, entity, tool_failed, tool_ok
-from tests.postgres.helpers import prepared_plans, table_digests
+from tests.postgres.helpers import dsn, prepared_plans, table_digests
 from tests.postgres.test_analytics import D1, call
 
 SCHEMA = "tenancy"
@@ -82,12 +82,11 @@ class Tenancy:
         return {"connect_args": {"server_settings": {"role": role, **settings}}}
 
     async def connect(self, role: str, **settings: str) -> asyncpg.Connection:
-        dsn = make_url(self.url).set(drivername="postgresql").render_as_string(False)
-        return await asyncpg.connect(dsn, server_settings={"role": role, **settings})
+        return await asyncpg.connect(dsn(self.url), server_settings={"role": role, **settings})
 
 
 async def _superuser(url: str, *statements: str) -> None:
-    conn = await asyncpg.connect(make_url(url).set(drivername="postgresql").render_as_string(False))
+    conn = await asyncpg.connect(dsn(url))
     try:
         for statement in statements:
             await conn.execute(statement)
@@ -167,9 +166,7 @@ async def _count(conn: asyncpg.Connection, table: str, where: str = "true") -> i
 
 async def test_the_app_role_sees_and_changes_one_identity_only(tenancy: Tenancy) -> None:
     await _populate(tenancy)
-    superuser = await asyncpg.connect(
-        make_url(tenancy.url).set(drivername="postgresql").render_as_string(False)
-    )
+    superuser = await asyncpg.connect(dsn(tenancy.url))
     app_conn = await tenancy.connect(tenancy.app)
     try:
         before = {t: await _count(superuser, t, "identity_id = 'bob'") for t in PER_IDENTITY}
@@ -941,9 +938,7 @@ def test_grant_applies_the_grants(pg_url: str) -> None:
         assert result.exit_code == 0, result.output
 
         async def privileges() -> list[bool]:
-            conn = await asyncpg.connect(
-                make_url(pg_url).set(drivername="postgresql").render_as_string(False)
-            )
+            conn = await asyncpg.connect(dsn(pg_url))
             try:
                 return [
                     await conn.fetchval(
