@@ -333,7 +333,10 @@ def _visible_line(text: str, max_chars: int) -> str:
         kept.append(char)
         if len(kept) > max_chars + 1:
             break
-    return "".join(kept)
+    line = "".join(kept)
+    if not unicodedata.is_normalized("NFKC", line):  # a removed character parted a letter
+        line = ELLIPSIS.join(unicodedata.normalize("NFKC", part) for part in line.split(ELLIPSIS))
+    return line
 
 
 #: Longer values are not worth keeping in the cache.

@@ -305,6 +305,25 @@ def test_accents_hide_no_marker_and_cleaning_twice_changes_nothing(value: str) -
 
 
 @pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        # An invisible character between a letter and its mark: once removed, the two
+        # compose (the result is NFKC, so cleaning it again changes nothing).
+        ("w\u200d\u0301", "\u1e83"),
+        ("e\u2060\u0301 x", "\u00e9 x"),
+        ("\u1100\u200b\u1161", "\uac00"),  # Hangul jamo compose too
+    ],
+)
+def test_a_letter_and_its_mark_parted_by_an_invisible_character_compose(
+    value: str, expected: str
+) -> None:
+    result = data_text(value, 200)
+    assert result == expected
+    assert unicodedata.is_normalized("NFKC", result)
+    assert data_text(result, 200) == result
+
+
+@pytest.mark.parametrize(
     "value",
     [
         "evil.io/path",
