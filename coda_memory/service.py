@@ -71,7 +71,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any, TypeVar, cast
 
 from coda_memory.core import emitters
-from coda_memory.core.affinity import extract_tool_affinities
+from coda_memory.core.affinity import extract_tool_affinities, outside_catalog
 from coda_memory.core.answers import RecentAnswers, own_copy
 from coda_memory.core.caps import (
     DEFAULT_MAX_FACTS,
@@ -115,8 +115,9 @@ from coda_memory.writer import CLOSE_GRACE, DEFAULT_QUEUE_BYTES, Clock, Observat
 logger = logging.getLogger("coda_memory")
 
 #: The identities whose facts the store capped on the server during the peek of the
-#: consolidation under way in this context (see ``MemoryService._consolidate``).
-_CAPPED_BY_STORE: contextvars.ContextVar[list[str] | None] = contextvars.ContextVar(
+#: consolidation under way in this context, with how many facts it deleted (see
+#: ``MemoryService._consolidate``).
+_CAPPED_BY_STORE: contextvars.ContextVar[dict[str, int] | None] = contextvars.ContextVar(
     "coda_memory_capped_by_store", default=None
 )
 
@@ -241,6 +242,18 @@ def _drop_traceback(error: BaseException) -> None:
     error.__traceback__ = None
 
 
+def _check_clock(clock: Clock) -> None:
+    """Ask ``clock`` once: a naive datetime (or none) would date every observation with a
+    time no store can compare, and memory would stop working without a word."""
+    now: object = clock()
+    if not isinstance(now, datetime):
+        raise TypeError(f"clock must return a datetime, not {type(now).__name__}")
+    if now.utcoffset() is None:
+        raise ValueError(
+            "clock must return a timezone-aware datetime (e.g. datetime.now(UTC)), not a naive one"
+        )
+
+
 def system_clock() -> datetime:
     """The default clock: the system's UTC time."""
     return datetime.now(UTC)
@@ -291,6 +304,8 @@ class MemoryService(ObservationWriter):
                 f"not {type(decay).__name__}"
             )
         catalog = _tool_catalog(tool_catalog)
+        if clock is not None:
+            _check_clock(clock)
         if not 0 < load_timeout < float("inf"):  # NaN fails too
             raise ValueError("load_timeout must be a positive, finite number of seconds")
         require_types(
@@ -462,17 +477,19 @@ class MemoryService(ObservationWriter):
         identity may end meanwhile). A load keeps an answer only with a version (see
         ``_load``)."""
         # Whether the store capped the identity's facts during this call's peek (its
-        # consolidation then finishes that cap, and counts no second one): this call's
-        # own, as concurrent calls for the identity may differ.
-        capped: list[str] = []
+        # consolidation then finishes that cap, and counts and logs it once, with what it
+        # deleted itself): this call's own, as concurrent calls for the identity may differ.
+        capped: dict[str, int] = {}
         token = _CAPPED_BY_STORE.set(capped)
         try:
             return await self._peek_then_consolidate(identity_id, capped)
         finally:
             _CAPPED_BY_STORE.reset(token)
+            for capped_identity, deleted in capped.items():  # no consolidation finished it
+                self._capped_by_store(capped_identity, deleted)
 
     async def _peek_then_consolidate(
-        self, identity_id: str, capped: list[str]
+        self, identity_id: str, capped: dict[str, int]
     ) -> tuple[list[Fact], str | None]:
         """:meth:`_consolidate`, with the identities that the store capped during the
         peek in ``capped``: the consolidation itself."""
@@ -505,9 +522,10 @@ class MemoryService(ObservationWriter):
             if plan.writes_anything:
                 await unit.write(plan)
                 await unit.commit()
-        if identity_id in capped:
+        deleted = capped.pop(identity_id, None)
+        if deleted is not None:
             # The cap the store applied on the server, finished exactly: counted once.
-            self._facts_cap.dropped += len(plan.evicted)
+            self._capped_by_store(identity_id, deleted, plan)
         elif plan.evicted:
             self._facts_cap.hit(
                 len(plan.evicted),
@@ -520,14 +538,29 @@ class MemoryService(ObservationWriter):
         return self.clock()
 
     def _capped_in_store(self, identity_id: str, deleted: int) -> None:
+        """The store's report of the cap it applied on the server (:class:`FactCap`),
+        counted and logged when the consolidation under way has finished it."""
         capped = _CAPPED_BY_STORE.get()
-        if capped is not None:
-            capped.append(identity_id)
-        self._facts_cap.hit(
-            deleted,
-            f"{self._label(identity_id)} keeps its best ranked facts, {deleted} deleted "
-            "by the store",
+        if capped is None:
+            self._capped_by_store(identity_id, deleted)
+        else:
+            capped[identity_id] = capped.get(identity_id, 0) + deleted
+
+    def _capped_by_store(
+        self, identity_id: str, deleted: int, plan: ConsolidationPlan | None = None
+    ) -> None:
+        """Count and log the cap the store applied (``deleted`` facts), with what the
+        consolidation that finished it deleted more (``plan``)."""
+        kept = (
+            "its best ranked facts" if plan is None else f"its {len(plan.active)} best ranked facts"
         )
+        evicted = 0 if plan is None else len(plan.evicted)
+        how = (
+            f"{deleted + evicted} deleted ({deleted} by the store, {evicted} by the consolidation)"
+            if evicted
+            else f"{deleted} deleted by the store"
+        )
+        self._facts_cap.hit(deleted + evicted, f"{self._label(identity_id)} keeps {kept}, {how}")
 
     def _keeps_facts(self, identity_id: str) -> bool:
         """Whether the store keeps the identity's facts between requests (the Postgres
@@ -900,7 +933,11 @@ class MemoryService(ObservationWriter):
     def _answer_steps(self, facts: list[Fact]) -> Steps[LoadedMemory]:
         """The answer from ``facts`` (views at now) as steps: ranking them, then the
         prompt section of the ranked facts (every SLICE facts a step) and the tool
-        affinities."""
+        affinities. With a ``tool_catalog``, facts about tools outside it (learnt before
+        the host dropped the tool) are left out of all three."""
+        if self.tool_catalog is not None:
+            catalog = self.tool_catalog
+            facts = [fact for fact in facts if not outside_catalog(fact, catalog)]
         ranked = ranked_facts(facts)
         yield
         section = yield from section_steps(

@@ -7,7 +7,7 @@ to a tool's relevance score, a fully confident avoidance subtracts it.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 
 from coda_memory.core.model import TOOL_NAME_PATTERN, Fact, FactCategory
 
@@ -21,6 +21,21 @@ _PREFIXES: Mapping[FactCategory, str] = {category: f"{category.value}:" for cate
 _tool_name = TOOL_NAME_PATTERN.fullmatch
 
 
+def fact_tool(fact: Fact) -> str | None:
+    """The tool a ``tool_affinity`` or ``tool_avoidance`` fact is about; None for facts of
+    other categories (and for a subject without its category's prefix)."""
+    prefix = _PREFIXES.get(fact.category)
+    if prefix is None or not fact.subject.startswith(prefix):
+        return None
+    return fact.subject.removeprefix(prefix)
+
+
+def outside_catalog(fact: Fact, catalog: Collection[str]) -> bool:
+    """True for a tool fact whose tool ``catalog`` (the host's tools) does not hold: a
+    tool the host has dropped since the fact was learnt."""
+    return fact.category in _SIGNS and fact_tool(fact) not in catalog
+
+
 def extract_tool_affinities(facts: Iterable[Fact]) -> dict[str, float]:
     """Net affinity per tool: + confidence per tool_affinity fact, - per tool_avoidance.
 
@@ -32,16 +47,10 @@ def extract_tool_affinities(facts: Iterable[Fact]) -> dict[str, float]:
     """
     affinities: dict[str, float] = {}
     for fact in facts:
-        sign = _SIGNS.get(fact.category)
-        if sign is None:
+        tool = fact_tool(fact)
+        if tool is None or not _tool_name(tool) or not math.isfinite(fact.confidence):
             continue
-        prefix = _PREFIXES[fact.category]
-        if not fact.subject.startswith(prefix):
-            continue
-        tool = fact.subject.removeprefix(prefix)
-        if not _tool_name(tool) or not math.isfinite(fact.confidence):
-            continue
-        affinities[tool] = affinities.get(tool, 0.0) + sign * fact.confidence
+        affinities[tool] = affinities.get(tool, 0.0) + _SIGNS[fact.category] * fact.confidence
     return affinities
 
 

@@ -281,6 +281,8 @@ class _Run:
             resumed = current is None and (current := self.resumed(group)) is not None
             at = group.at if current is None else max(group.at, current.last_reinforced_at)
             at = min(at, self.now)  # a future date must not carry a fact forward
+            if current is not None and group.at < current.last_reinforced_at:
+                group.content = current.content  # (a late name is older than the one shown)
             decayed = None  # (the fact's confidence at ``at``, which reinforce needs too)
             if current is not None:
                 decayed = self.decay.decayed(current, at)
@@ -316,7 +318,7 @@ class _Run:
             return True
         if not is_latest or unchanged:
             return False
-        if group.at is None:
+        if group.at is None or group.at < current.last_reinforced_at:
             group.content = current.content
         before = _state_before(prior, current)
         self.reinforce(before, group, at, FactEventKind.EXTENDED, group.hits, group.trials)

@@ -8,7 +8,7 @@ import pytest
 
 from coda_memory import FactEventKind, MemoryService
 from tests.conftest import ServiceFactory
-from tests.helpers import T0, FakeClock, tool_ok
+from tests.helpers import T0, FakeClock, domain, tool_failed, tool_ok
 
 TEN_YEARS = timedelta(days=3650)
 
@@ -63,6 +63,29 @@ async def test_only_tools_of_the_catalog_become_facts(make_service: ServiceFacto
     await service.drain()
     assert (service.stats().stored, service.stats().rejected) == (1, 1)
     assert [f.subject for f in await service.consolidate("u1")] == ["tool_affinity:get_account"]
+
+
+async def test_a_tool_the_catalog_dropped_is_left_out_of_every_answer(
+    make_service: ServiceFactory,
+) -> None:
+    before = await make_service()
+    for name in ("get_account", "legacy_tool"):
+        before.emit_observation("u1", tool_ok(name, session="s1"))
+    before.emit_observation("u1", tool_failed("legacy_tool", session="s2"))
+    before.emit_observation("u1", domain("royalty"))
+    await before.drain()
+    await before.consolidate("u1")
+    # The host restarts without legacy_tool: its facts stay stored, but no answer shows them.
+    after = await make_service(tool_catalog=frozenset({"get_account"}))
+    loaded = await after.load_memory("u1")
+    assert sorted(f.subject for f in loaded.facts) == [
+        "domain_preference:royalty",
+        "tool_affinity:get_account",
+    ]
+    assert set(loaded.tool_affinities) == {"get_account"}
+    assert "legacy_tool" not in loaded.prompt_section
+    assert "get_account" in loaded.prompt_section
+    assert len(await after.facts("u1")) == 4  # stored, for an operator to see or forget
 
 
 async def test_a_tool_name_that_reads_as_a_role_marker_is_rejected(

@@ -145,6 +145,28 @@ async def test_sessions_apply_in_time_order_and_never_before_the_last_reinforcem
     assert fact.confidence == pytest.approx(expected)
 
 
+async def test_a_late_observation_does_not_bring_back_an_older_name(
+    make_service: ServiceFactory, clock: FakeClock
+) -> None:
+    service = await make_service()
+    clock.advance(days=2)
+    service.emit_observation("u1", entity("account", "7", "Old Name", "s1", T0))
+    service.emit_observation("u1", entity("account", "7", "New Name", "s2", clock.now))
+    await service.drain()
+    await service.consolidate("u1")
+    # Arrives after the rename, dated before it: it reinforces, and the newer name stays.
+    service.emit_observation("u1", entity("account", "7", "Old Name", "s3", T0 + timedelta(days=1)))
+    await service.drain()
+    fact = by_subject(await service.consolidate("u1"))["entity_frequency:account:7"]
+    assert fact.reinforcement_count == 3
+    assert fact.content == 'Works with account "New Name" (id "7")'
+    # A later observation dated after the rename does rename it.
+    service.emit_observation("u1", entity("account", "7", "Newest", "s4", clock.now))
+    await service.drain()
+    fact = by_subject(await service.consolidate("u1"))["entity_frequency:account:7"]
+    assert fact.content == 'Works with account "Newest" (id "7")'
+
+
 @pytest.mark.parametrize("decay_name", ["exponential", "adaptive", "power-law"])
 async def test_consolidating_daily_or_once_at_day_20_gives_the_same_facts(
     make_service: ServiceFactory, clock: FakeClock, decay_name: str

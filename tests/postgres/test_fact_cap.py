@@ -210,7 +210,13 @@ async def test_an_identity_far_over_the_cap_keeps_what_the_consolidation_would_k
         # logged once, as the reference's.
         assert service.stats().facts_capped == reference.stats().facts_capped == 1
         lines = [r for r in caplog.records if "facts per identity capped" in r.getMessage()]
-        assert len(lines) == 1 and "deleted by the store" in lines[0].getMessage()
+        assert len(lines) == 1
+        # ... with every fact the cap deleted, the server's and the consolidation's.
+        by_server = FACTS - len(gone) - cap.kept_on_server
+        by_consolidation = cap.kept_on_server - KEEP
+        assert f"{evicted} deleted ({by_server} by the store, {by_consolidation} by the " in (
+            lines[0].getMessage()
+        )
         # Live facts beyond what the server keeps, deleted CAP_CHUNK (50 when so set) or
         # a quarter of those left at a time, whichever is more.
         beyond = FACTS - len(gone) - cap.kept_on_server

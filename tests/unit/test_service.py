@@ -15,7 +15,7 @@ import threading
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
-from datetime import timedelta
+from datetime import datetime, timedelta
 from enum import Enum
 from typing import Any
 
@@ -491,6 +491,10 @@ def test_bad_options_are_refused() -> None:
         ({"hold_gc": 1}, TypeError, "hold_gc must be True or False, not int"),
         # Each made every load empty (and every observation rejected, for the clock).
         ({"clock": "now"}, TypeError, "clock must be a function (or None), not str"),
+        # A naive clock: every observation rejected ("created_at is not timezone-aware"),
+        # every load of an identity with facts empty, and facts() raised a TypeError.
+        ({"clock": lambda: datetime(2026, 1, 1)}, ValueError, "clock must return a timezone-aware"),
+        ({"clock": lambda: "2026-01-01"}, TypeError, "clock must return a datetime, not str"),
         ({"token_counter": 5}, TypeError, "token_counter must be a function"),
         ({"decay": "exponential"}, TypeError, "decay must be a decay strategy"),
         ({"tool_catalog": 3}, TypeError, "tool_catalog must be a collection of tool names"),
