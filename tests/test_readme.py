@@ -116,28 +116,32 @@ def test_every_table_row_of_the_readme_is_one_line() -> None:
     assert _broken_table_rows(README) == []
 
 
+#: The folders whose files may read an environment variable.
+_SOURCE_FOLDERS = ("coda_memory", "scripts", "benchmarks", "tests", "examples", ".ci")
+#: What a benchmark, a server or a tool leaves in them: not the project's files.
+_LEFT_BEHIND = {"results", ".pgdata", ".cache", "__pycache__"}
+
+
+def _source_files() -> list[Path]:
+    """The repository's own files in :data:`_SOURCE_FOLDERS`: git's list in a checkout;
+    in an unpacked sdist (no git), every file but what runs leave behind."""
+    listed = subprocess.run(
+        ["git", "ls-files", "-z", *_SOURCE_FOLDERS], cwd=REPOSITORY, capture_output=True
+    )
+    if listed.returncode == 0 and (REPOSITORY / ".git").exists():
+        return [REPOSITORY / name for name in filter(None, listed.stdout.decode().split("\0"))]
+    return [
+        path
+        for folder in _SOURCE_FOLDERS
+        for path in sorted((REPOSITORY / folder).rglob("*"))
+        if not _LEFT_BEHIND & set(path.relative_to(REPOSITORY).parts)
+    ]
+
+
 def test_every_environment_variable_is_documented() -> None:
     table = set(re.findall(r"^\| `(CODA_MEMORY_[A-Z_]+)` \|", README, re.M))
     read: dict[str, Path] = {}
-    # The repository's own files only: not the data a benchmark or a server left behind.
-    tracked = subprocess.run(
-        [
-            "git",
-            "ls-files",
-            "-z",
-            "coda_memory",
-            "scripts",
-            "benchmarks",
-            "tests",
-            "examples",
-            ".ci",
-        ],
-        cwd=REPOSITORY,
-        capture_output=True,
-        check=True,
-    ).stdout.decode()
-    for relative in filter(None, tracked.split("\0")):
-        path = REPOSITORY / relative
+    for path in _source_files():
         if path.is_file() and path.suffix in ("", ".py", ".sh", ".toml"):
             for name in re.findall(r"\b(CODA_MEMORY_[A-Z][A-Z_]*[A-Z])\b", path.read_text()):
                 read.setdefault(name, path)

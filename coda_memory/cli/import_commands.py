@@ -82,9 +82,16 @@ def import_redis(
     Dates more than 5 minutes in the future are copied as now, and counted. Bad records are
     counted and listed by key, and never stop the copy.
     """
-    from coda_memory.migration import ImportSummary
-    from coda_memory.migration import import_redis as copy_all
-    from coda_memory.redis import RedisStore
+    try:
+        from coda_memory.migration import ImportSummary
+        from coda_memory.migration import import_redis as copy_all
+        from coda_memory.redis import RedisStore
+    except ModuleNotFoundError as missing:
+        if missing.name != "redis":
+            raise
+        raise CliError(
+            "import-redis needs the redis extra: pip install 'coda-memory[cli,redis]'"
+        ) from None
 
     _checked_redis_url(redis_url)
 

@@ -32,7 +32,6 @@ def embedded_url(data_dir: str | os.PathLike[str] | None = None) -> str:
     with _lock:
         url = _urls.get(path)
         if url is None:
-            path.parent.mkdir(parents=True, exist_ok=True)
             with warnings.catch_warnings():
                 # platformdirs warns at import time when XDG_RUNTIME_DIR is unset; the
                 # server then uses a temporary directory for its lock file, which is fine.
@@ -48,6 +47,7 @@ def embedded_url(data_dir: str | os.PathLike[str] | None = None) -> str:
                         name=missing.name,
                     ) from None
 
+            path.parent.mkdir(parents=True, exist_ok=True)  # (not without the extra)
             server = get_server(path, cleanup_mode="stop")
             url = asyncpg_url(server.get_uri()).render_as_string(hide_password=False)
             _urls[path] = url

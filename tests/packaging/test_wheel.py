@@ -216,3 +216,14 @@ def test_the_sdist_holds_sources_not_caches(tmp_path: Path) -> None:
     unwanted = {".hypothesis", ".import_linter_cache", ".venv", ".mypy_cache", ".coda-memory"}
     assert not tops & unwanted
     assert not [name for name in names if "/benchmarks/results" in name]
+    # The benchmark's code, which tests import (test_benchmarks, test_query_plans, ...).
+    packaged = {name.split("/", 1)[1] for name in names if "/" in name}
+    benchmark_code = subprocess.run(
+        ["git", "ls-files", "benchmarks/*.py"],
+        cwd=REPOSITORY,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
+    assert len(benchmark_code) > 20
+    assert set(benchmark_code) - packaged == set()

@@ -396,7 +396,7 @@ def test_a_missing_matplotlib_is_a_one_line_hint(
     result = run(
         "history", "alice", "tool_affinity:get_account", "--url", pg_url, "--plot", str(plot)
     )
-    assert_one_line_error(result, 1, "plots need matplotlib: pip install coda-memory[plot]")
+    assert_one_line_error(result, 1, "plots need matplotlib: pip install 'coda-memory[plot]'")
     assert not plot.exists()
 
 

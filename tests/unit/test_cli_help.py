@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from importlib import metadata
+
 from typer.testing import CliRunner
 
 from coda_memory import __version__
@@ -13,6 +15,11 @@ def test_version_prints_the_library_version_and_exits() -> None:
     result = CliRunner().invoke(app, ["--version"])
     assert result.exit_code == 0
     assert result.stdout == f"coda-memory {__version__}\n"
+
+
+def test_the_library_version_is_the_package_version() -> None:
+    """Two strings kept by hand (``__version__`` and pyproject's ``version``)."""
+    assert __version__ == metadata.version("coda-memory")
 
 
 def test_version_with_a_command_after_it_runs_no_command() -> None:

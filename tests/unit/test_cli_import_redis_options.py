@@ -3,6 +3,8 @@ bad record can't drive the operator's terminal."""
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 from typer.testing import CliRunner
 
@@ -48,3 +50,20 @@ def test_a_bad_records_reason_is_printed_with_its_control_characters_escaped() -
         "ZRANGE coda:memory:obs:\\x1b[2J\\x1b]0;TITLE\\x07 0 -1"
     )
     assert printable("not JSON (JSONDecodeError)") == "not JSON (JSONDecodeError)"
+
+
+def test_without_the_redis_extra_the_error_names_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """It was a 46-line traceback ending in "No module named 'redis'"."""
+    for name in [n for n in sys.modules if n.startswith(("coda_memory.redis", "coda_memory.migr"))]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "redis", None)
+    result = CliRunner().invoke(
+        app, ["import-redis", "redis://127.0.0.1:1/0", "--url", UNREACHABLE]
+    )
+    assert result.exit_code == 1, result.output
+    assert result.stderr == (
+        "error: import-redis needs the redis extra: pip install 'coda-memory[cli,redis]'\n"
+    )
+    # And the adapter names its extra to a program that imports it.
+    with pytest.raises(ModuleNotFoundError, match=r"needs the redis extra: pip install"):
+        import coda_memory.redis  # noqa: F401

@@ -27,7 +27,7 @@ if TYPE_CHECKING:
         ToolEffectiveness,
     )
 
-INSTALL_HINT = "plots need matplotlib: pip install coda-memory[plot]"
+INSTALL_HINT = "plots need matplotlib: pip install 'coda-memory[plot]'"
 
 #: Points drawn per decay segment between two events.
 _SAMPLES = 80
