@@ -70,9 +70,11 @@ CONFUSABLES: dict[int, str] = {
         "ꓦ": "V", "ꓧ": "H", "ꓪ": "W", "ꓫ": "X", "ꓬ": "Y", "ꓮ": "A", "ꓰ": "E", "ꓲ": "I",
         "ꓳ": "O", "ꓴ": "U",
         # Colons that NFKC leaves alone: modifier letters, ratio, Armenian, Hebrew,
-        # Syriac, runic, Lisu, two-dot punctuation
+        # Syriac, runic, Lisu, two-dot punctuation, Mongolian, Ethiopic, the Devanagari
+        # and Gujarati visarga, the Z notation type colon, tricolon
         "꞉": ":", "ː": ":", "˸": ":", "∶": ":", "։": ":", "׃": ":", "܃": ":", "܄": ":",
-        "᛬": ":", "ꓽ": ":", "⁚": ":",
+        "᛬": ":", "ꓽ": ":", "⁚": ":", "᠄": ":", "፥": ":", "ः": ":", "ઃ": ":", "⦂": ":",
+        "⁝": ":",
     }.items()
 }  # fmt: skip
 
