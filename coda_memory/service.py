@@ -431,6 +431,8 @@ class MemoryService(ObservationWriter):
         every background consolidation has finished. With ``timeout``, raise
         ``TimeoutError`` after that many seconds."""
         timeout = seconds_or_none("timeout", timeout)
+        if self._close_done is not None and self._close_done.is_set():
+            return  # closed: nothing is queued or running (whatever the loop)
         loop = self._check_loop()
         async with asyncio.timeout(timeout):
             await self._written(loop)
@@ -685,6 +687,15 @@ class MemoryService(ObservationWriter):
             self._log.warning(
                 "load failed: closed",
                 "coda-memory: load_memory after close(); returning empty",
+            )
+            return LoadedMemory.empty(), "error"
+        if self._loop is not None and self._loop is not asyncio.get_running_loop():
+            # Its connections live on the other loop: not one is touched from this one.
+            self._load_errors += 1
+            self._log.warning(
+                "load failed: wrong loop",
+                "coda-memory: load_memory from an event loop the service does not run on; "
+                "returning empty (create one service per event loop)",
             )
             return LoadedMemory.empty(), "error"
         if not isinstance(identity_id, str):  # a UUID or an int from a host: no store is asked
@@ -994,9 +1005,11 @@ class MemoryService(ObservationWriter):
                     "storing (the store unreachable, or a table held): nothing stored was "
                     "erased, run it again"
                 ) from error
-            forgotten = await self.store.forget(identity_id)
-        self.stored_for.discard(identity_id)
-        self._recent.discard(identity_id)
+            try:
+                forgotten = await self.store.forget(identity_id)
+            finally:  # (also when cancelled: the erasure may have committed)
+                self.stored_for.discard(identity_id)
+                self._recent.discard(identity_id)
         return dataclasses.replace(forgotten, observations=forgotten.observations + queued)
 
     def stats(self) -> MemoryStats:
@@ -1058,7 +1071,12 @@ class MemoryService(ObservationWriter):
         try:
             await self.drain(timeout)
         except TimeoutError:
-            logger.warning("coda-memory: close timed out with %d pending", self.stats().pending)
+            logger.warning(
+                "coda-memory: close timed out with %d observation(s) pending and %d "
+                "consolidation(s) running",
+                self.stats().pending,
+                len(self._background),
+            )
         finally:
             try:
                 # Each wait below is bounded: a connection that never answers (its

@@ -312,11 +312,19 @@ class ObservationWriter:
         elif (
             self._loop is not None
             and self._loop_thread != threading.get_ident()
-            and self._wakeup is not None
             and not self._loop.is_closed()
         ):
-            self._loop.call_soon_threadsafe(self._signal)
+            # (The loop may be bound by a load with no writer started yet: no start(),
+            # and nothing emitted on the loop. The writer starts there, then.)
+            self._loop.call_soon_threadsafe(self._wake_on_loop)
         # Otherwise no loop runs yet: the items wait until the writer starts.
+
+    def _wake_on_loop(self) -> None:
+        """:meth:`_wake` for an emit of another thread, run on the service's loop."""
+        if self._loop is None or self._closed:  # close() has dealt with what was queued
+            return
+        self._ensure_writer(self._loop)
+        self._signal()
 
     def _signal(self) -> None:
         """Tell the writer that the queue grew (and whether it holds a full batch)."""

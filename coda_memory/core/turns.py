@@ -68,6 +68,8 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import itertools
+import os
 import sys
 import threading
 import time
@@ -145,6 +147,9 @@ class _Holds:
         self.lock = threading.Lock()
         self.count = 0
         self.was_enabled = False
+        #: Each hold by its token, with the event loop its scope opened on (None: none).
+        self.holders: dict[int, asyncio.AbstractEventLoop | None] = {}
+        self.tokens = itertools.count()
         #: When each generation was last collected (a collection of one collects the
         #: younger ones too).
         self.young_at = self.middle_at = self.full_at = 0.0
@@ -152,8 +157,13 @@ class _Holds:
         #: counts from then on).
         self.heap: Heap | None = None
 
-    def take(self, may_collect: Callable[[], bool] | None = None) -> None:
+    def take(self, may_collect: Callable[[], bool] | None = None) -> int:
+        """Hold the collector off; the token for :meth:`give_back`."""
         with self.lock:
+            if self.holders:
+                self._drop_stranded()
+            token = next(self.tokens)
+            self.holders[token] = asyncio._get_running_loop()
             now = self.clock()
             if self.count == 0:
                 self.was_enabled = gc.isenabled()
@@ -162,7 +172,7 @@ class _Holds:
                 self.young_at = self.middle_at = self.full_at = now
             self.count += 1
             if not self.was_enabled:
-                return
+                return token
             generation = self._due(now, may_collect)
             if generation is not None:
                 self._collected(generation, now)
@@ -173,6 +183,26 @@ class _Holds:
             gc.collect(generation)
             if generation == 2:
                 self.heap = Heap.now()
+        return token
+
+    def _drop_stranded(self) -> None:
+        """Drop the holds of scopes whose event loop is closed (one closed with a load in
+        flight, its tasks never cancelled): they can never close, and the collector would
+        stay off for the rest of the process."""
+        stranded = [t for t, loop in self.holders.items() if loop is not None and loop.is_closed()]
+        for token in stranded:
+            del self.holders[token]
+            self.count -= 1
+        if stranded and self.count == 0 and self.was_enabled:
+            gc.enable()
+
+    def forked(self) -> None:
+        """In a forked child: none of the parent's scopes will close there."""
+        self.lock = threading.Lock()  # (another thread may have held it at the fork)
+        if self.count and self.was_enabled:
+            gc.enable()
+        self.count = 0
+        self.holders.clear()
 
     def _collected(self, generation: int, now: float) -> None:
         """Note a collection of ``generation`` (and of the younger ones) at ``now``."""
@@ -202,14 +232,19 @@ class _Holds:
                 return generation
         return None
 
-    def give_back(self) -> None:
+    def give_back(self, token: int) -> None:
         with self.lock:
+            if self.holders.pop(token, _DROPPED) is _DROPPED:
+                return  # dropped already (its loop closed, or a fork)
             self.count -= 1
             if self.count == 0 and self.was_enabled:
                 gc.enable()
 
 
+_DROPPED = object()
 _HOLDS = _Holds()
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_HOLDS.forked)
 
 
 @contextmanager
@@ -222,11 +257,11 @@ def collector_scope(
     if not hold:
         yield
         return
-    _HOLDS.take(may_collect)
+    token = _HOLDS.take(may_collect)
     try:
         yield
     finally:
-        _HOLDS.give_back()
+        _HOLDS.give_back(token)
 
 
 def collector_held() -> bool:

@@ -762,9 +762,12 @@ class PostgresStore:
 
         # Forgetting twice forgets the same: retried on a dead connection (the counts are
         # those of the attempt that committed: 0 if a lost COMMIT had in fact committed).
-        forgotten = await self.run(forget)
-        self._known.discard(identity_id)
-        return forgotten
+        # The kept facts go whatever the outcome: a forget cancelled once its COMMIT was
+        # sent may have erased them, and a stale answer must not bring them back.
+        try:
+            return await self.run(forget)
+        finally:
+            self._known.discard(identity_id)
 
     async def run(
         self, work: Callable[[AsyncConnection], Awaitable[T]], *, idempotent: bool = True

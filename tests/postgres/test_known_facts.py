@@ -3,6 +3,7 @@ stored for the version it keeps them with, read again whenever the version moves
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import random
 from collections.abc import Callable
@@ -226,6 +227,36 @@ async def test_forget_drops_the_kept_facts(pg_url: str) -> None:
         await store.close()
 
 
+async def test_a_forget_cancelled_after_its_commit_leaves_no_fact_of_it_here(
+    pg_url: str,
+) -> None:
+    """The caller cannot tell whether a cancelled forget erased the identity: kept facts
+    and answers of it then served the forgotten facts to a late or stale load."""
+    store = await _consolidated(pg_url)
+    service = MemoryService(store, clock=lambda: NOW)
+    run = store.run
+
+    async def cancelled_after(work: Any, **options: Any) -> Any:
+        await run(work, **options)  # committed ...
+        raise asyncio.CancelledError  # ... and the cancellation arrives then
+
+    try:
+        assert [f.subject for f in (await service.load_memory("alice")).facts] == [
+            "tool_affinity:get_account"
+        ]
+        assert service._recent.fresh("alice", NOW) is not None
+        assert await _kept(store, "alice") is not None
+        store.run = cancelled_after  # type: ignore[method-assign]
+        with pytest.raises(asyncio.CancelledError):
+            await service.forget("alice")
+        assert await fetch(pg_url, "SELECT count(*) FROM coda_memory.facts") == [(0,)]
+        assert await _kept(store, "alice") is None
+        assert service._recent.fresh("alice", NOW) is None
+    finally:
+        store.run = run  # type: ignore[method-assign]
+        await service.close()
+
+
 async def test_no_facts_are_kept_with_a_capacity_of_zero(pg_url: str) -> None:
     store = PostgresStore.from_url(pg_url, known_facts=0)
     try:
@@ -322,9 +353,9 @@ async def test_a_cap_that_drops_many_facts_deletes_them_in_slices_and_keeps_the_
     held: list[bool] = []
     take = turns._HOLDS.take
 
-    def counted_take(may_collect: Callable[[], bool] | None = None) -> None:
+    def counted_take(may_collect: Callable[[], bool] | None = None) -> int:
         held.append(True)
-        take(may_collect)
+        return take(may_collect)
 
     monkeypatch.setattr(turns._HOLDS, "take", counted_take)
     service = MemoryService(store, clock=lambda: NOW, max_facts=8)

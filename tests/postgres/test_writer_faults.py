@@ -253,6 +253,63 @@ def test_start_and_close_from_a_second_event_loop_say_so_and_leave_the_service_b
     assert service.stats().stored == 1
 
 
+def test_a_load_from_a_second_event_loop_is_empty_and_touches_no_connection(
+    pg_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """It asked the store whether its last answer still held on a connection of the
+    first loop (the answers given again), then failed with a RuntimeError."""
+    service = MemoryService.from_url(pg_url)
+    asked: list[str] = []
+    unchanged = service.store.unchanged  # type: ignore[attr-defined]
+
+    async def counted(identity_id: str, version: str) -> bool:
+        asked.append(identity_id)
+        return bool(await unchanged(identity_id, version))
+
+    service.store.unchanged = counted  # type: ignore[attr-defined]
+
+    async def first() -> None:
+        service.emit_observation("alice", tool_ok("get_account"))
+        await service.drain(5)
+        await service.load_memory("alice")  # consolidates: its answer is not kept
+        await service.load_memory("alice")  # nothing new: its answer is kept ...
+        assert (await service.load_memory("alice")).facts  # ... and given again
+        assert asked == ["alice"]
+
+    async def second() -> None:
+        with caplog.at_level(logging.WARNING, "coda_memory"):
+            loaded = await service.load_memory("alice")
+        assert loaded.facts == [] and loaded.prompt_section == ""
+        assert asked == ["alice"]  # no store asked from this loop
+        assert service.stats().load_errors == 1
+        assert "event loop the service does not run on" in caplog.text
+
+    async def back_on_the_first() -> None:
+        assert (await service.load_memory("alice")).facts
+        await service.close()
+
+    with asyncio.Runner() as runner:
+        runner.run(first())
+        asyncio.run(second())
+        runner.run(back_on_the_first())
+
+
+def test_drain_after_close_returns_at_once_on_any_loop() -> None:
+    """As documented; on another loop than the closed service's it raised RuntimeError."""
+    service = MemoryService.from_url("memory://", clock=FakeClock())
+
+    async def first() -> None:
+        service.emit_observation("alice", tool_ok("get_account"))
+        await service.close()
+
+    async def second() -> None:
+        await asyncio.wait_for(service.drain(), 1)
+
+    asyncio.run(first())
+    asyncio.run(second())
+    assert service.stats().stored == 1
+
+
 def test_an_observation_emitted_once_the_services_loop_is_closed_is_dropped() -> None:
     """Its writer can never run again: queued, it stayed pending for ever."""
     service = MemoryService.from_url("memory://", clock=FakeClock())

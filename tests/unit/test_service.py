@@ -443,6 +443,28 @@ async def test_emit_from_another_thread_reaches_the_store() -> None:
     await service.close()
 
 
+async def test_emit_from_another_thread_starts_the_writer_a_load_did_not() -> None:
+    """A load binds the service to its loop without starting the writer (no start()):
+    what threads emitted then stayed pending until something was emitted on the loop."""
+    service = MemoryService.from_url("memory://", clock=FakeClock())
+    stored = asyncio.Event()
+    append = service.store.append
+
+    async def appending(records: Any, **options: Any) -> Any:
+        result = await append(records, **options)
+        stored.set()
+        return result
+
+    service.store.append = appending  # type: ignore[method-assign]
+    assert (await service.load_memory("u1")).facts == []
+    thread = threading.Thread(target=lambda: service.emit_observation("u1", tool_ok("t")))
+    thread.start()
+    thread.join()
+    await asyncio.wait_for(stored.wait(), timeout=5)  # no drain(): it starts the writer
+    assert service.stats().stored == 1
+    await service.close()
+
+
 async def test_close_drains_and_later_emits_are_dropped() -> None:
     service = MemoryService.from_url("memory://", clock=FakeClock())
     for i in range(10):
@@ -454,15 +476,20 @@ async def test_close_drains_and_later_emits_are_dropped() -> None:
 
 
 async def test_close_gives_up_after_its_timeout_and_counts_what_it_lost(
-    gated: tuple[MemoryService, GatedStore],
+    gated: tuple[MemoryService, GatedStore], caplog: pytest.LogCaptureFixture
 ) -> None:
     service, store = gated
     store.failing = True
     for i in range(5):
         service.emit_observation("u1", tool_ok(f"t{i}"))
-    await service.close(timeout=0.2)
+    with caplog.at_level(logging.WARNING, "coda_memory"):
+        await service.close(timeout=0.2)
     stats = service.stats()
     assert (stats.stored, stats.dropped, stats.pending) == (0, 5, 0)
+    # What it waited for when it gave up (it said "0 pending" while consolidations ran).
+    assert "close timed out with 5 observation(s) pending and 0 consolidation(s) running" in (
+        caplog.text
+    )
 
 
 def test_bad_options_are_refused() -> None:

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import os
 import threading
+import warnings
 
 import pytest
 
@@ -292,3 +294,45 @@ def test_young_collections_age_what_they_find_before_the_old_generation_takes_it
         with collector_scope():  # MIDDLE_EVERY since the last of both: both
             pass
         assert generation_of(held) == 2  # still alive: long-lived after all
+
+
+def test_a_forked_child_collects_again() -> None:
+    """A child forked while a load was in flight (a worker of a process pool) had the
+    collector off for good: none of the parent's scopes closes there."""
+    assert gc.isenabled()
+    with collector_scope():
+        assert not gc.isenabled()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)  # (threads at the fork)
+            pid = os.fork()
+        if pid == 0:
+            os._exit(0 if gc.isenabled() and not collector_held() else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert gc.isenabled()  # the parent's scope closed as usual
+
+
+def test_the_hold_of_a_load_left_on_a_closed_loop_is_dropped_by_the_next_scope() -> None:
+    """A loop closed with a load in flight, its tasks never cancelled: the scope never
+    closed, and the collector stayed off for the rest of the process."""
+    assert gc.isenabled()
+    loop = asyncio.new_event_loop()
+    entered = loop.create_future()
+
+    async def load() -> None:
+        with collector_scope():
+            entered.set_result(None)
+            await loop.create_future()  # never done
+
+    task = loop.create_task(load())
+    loop.run_until_complete(entered)
+    loop.close()
+    assert not gc.isenabled() and collector_held()
+    with collector_scope():
+        assert not gc.isenabled()
+    assert gc.isenabled() and not collector_held()
+    task.get_coro().close()  # its scope closes at last: it gives back nothing twice
+    assert gc.isenabled() and not collector_held()
+    with collector_scope():
+        assert collector_held()
+    assert not collector_held()
