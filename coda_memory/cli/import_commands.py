@@ -83,7 +83,7 @@ def import_redis(
     counted and listed by key, and never stop the copy.
     """
     try:
-        from coda_memory.migration import ImportSummary
+        from coda_memory.migration import IMPORT_SOCKET_TIMEOUT, ImportSummary
         from coda_memory.migration import import_redis as copy_all
         from coda_memory.redis import RedisStore
     except ModuleNotFoundError as missing:
@@ -97,7 +97,9 @@ def import_redis(
 
     async def main() -> ImportSummary:
         try:
-            source = RedisStore.from_url(redis_url, prefix=prefix)
+            source = RedisStore.from_url(
+                redis_url, prefix=prefix, socket_timeout=IMPORT_SOCKET_TIMEOUT
+            )
         except ValueError as exc:  # its message may hold the password: not shown
             raise CliError(
                 f"invalid Redis URL {masked_url(redis_url)} (a password holding /, #, ? or @ "

@@ -27,10 +27,11 @@ PIPE_WIDTH = 160
 
 
 def make_console(*, stderr: bool = False) -> Console:
-    """A console on stdout (or stderr) that never highlights or reads data as markup."""
+    """A console on stdout (or stderr) that never highlights or reads data as markup or
+    as emoji codes (an identity `:ok:` printed as 🆗)."""
     # Made per command: CliRunner and pipes swap sys.stdout, and rich drops colour codes
     # when the stream is not a terminal.
-    console = Console(stderr=stderr, highlight=False, soft_wrap=False)
+    console = Console(stderr=stderr, highlight=False, soft_wrap=False, emoji=False)
     if not console.is_terminal and not os.environ.get("COLUMNS"):
         console.width = PIPE_WIDTH
     return console

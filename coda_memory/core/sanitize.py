@@ -201,6 +201,13 @@ def _value_drop(char: str) -> bool:
     return char == "\x00" or _is_surrogate(char)
 
 
+def without_nul_or_surrogates(value: str) -> str:
+    """``value`` without NUL and lone surrogates (see :func:`has_nul_or_surrogate`)."""
+    if not has_nul_or_surrogate(value):
+        return value
+    return "".join(char for char in value if not _value_drop(char))
+
+
 def has_nul_or_surrogate(value: str) -> bool:
     """Whether ``value`` holds NUL or a lone surrogate, which no stored text holds (and
     which Postgres and UTF-8 refuse)."""

@@ -6,6 +6,10 @@ adapter and writes with the Postgres one.
 
 from __future__ import annotations
 
-from coda_memory.migration.redis_to_postgres import ImportSummary, import_redis
+from coda_memory.migration.redis_to_postgres import (
+    IMPORT_SOCKET_TIMEOUT,
+    ImportSummary,
+    import_redis,
+)
 
-__all__ = ["ImportSummary", "import_redis"]
+__all__ = ["IMPORT_SOCKET_TIMEOUT", "ImportSummary", "import_redis"]

@@ -9,7 +9,8 @@ reported by key, never stopping the copy. An identity whose records fail in a wa
 checks did not foresee (a key of another type, a value Postgres refuses, an identity that
 is not UTF-8 text) is left out whole and reported, and the next one goes on; so is one
 whose checkpoint live traffic holds locked past the store's lock timeout (``busy``: a
-later run copies it). A store that fails stops the run.
+later run copies it), and one that the ledger says was copied from another key prefix
+(two deployments' users of one name would become one). A store that fails stops the run.
 
 Dates ahead. An observation dated more than the clock skew
 (:data:`~coda_memory.core.model.DEFAULT_MAX_CLOCK_SKEW`) after the run's now is copied as
@@ -28,6 +29,8 @@ from datetime import datetime
 from functools import partial
 from typing import TypeVar
 
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
 from coda_memory.core.logs import short_error
 from coda_memory.core.model import DEFAULT_MAX_CLOCK_SKEW, Fact, Observation, replaced
 from coda_memory.core.sanitize import MAX_IDENTITY_CHARS, ObservationRecord
@@ -37,7 +40,12 @@ from coda_memory.postgres.connection import (
     is_data_error,
     sqlstate,
 )
-from coda_memory.postgres.imports import IdentityCopy, copied_identities, copy_identity
+from coda_memory.postgres.imports import (
+    CopiedFromAnotherSource,
+    IdentityCopy,
+    copied_identities,
+    copy_identity,
+)
 from coda_memory.postgres.store import PostgresStore
 from coda_memory.redis.codec import BadRecord, sanitized
 from coda_memory.redis.export import ExportedIdentity, export_identity
@@ -71,6 +79,11 @@ class ImportSummary:
 
 #: SQLSTATEs of a lock wait given up on: the lock timeout, or the statement timeout.
 _BUSY = frozenset({LOCK_NOT_AVAILABLE, QUERY_CANCELED})
+
+#: Seconds the import's Redis client waits for one reply (``socket_timeout``, which a
+#: Redis URL's ``?socket_timeout=`` overrides): one identity is read in one reply, and
+#: one with 500,000 observations took 25 to 32 s, where redis-py's default is 5 s.
+IMPORT_SOCKET_TIMEOUT = 300.0
 
 
 def _clean(
@@ -111,6 +124,18 @@ async def import_redis(
         if problem is None:
             try:
                 await _copy_one(source, target, identity, summary, now)
+            except RedisTimeoutError as exc:
+                raise TimeoutError(
+                    f"Redis did not answer within its socket timeout while the identity "
+                    f"{_label(identity)} was read (a large one: give it longer with "
+                    "?socket_timeout=SECONDS in the Redis URL); the next run resumes there"
+                ) from exc
+            except CopiedFromAnotherSource as exc:
+                problem = (
+                    f"not copied: copied from the prefix {exc.source!r} already (two "
+                    "deployments' users of one name would become one; copy this prefix "
+                    "into a schema of its own, --schema)"
+                )
             except Exception as exc:
                 if sqlstate(exc) in _BUSY:
                     # Live traffic is consolidating it: the others go on.

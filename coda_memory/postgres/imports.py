@@ -55,6 +55,15 @@ class IdentityCopy:
     checkpoint_at: datetime | None
 
 
+class CopiedFromAnotherSource(Exception):
+    """The identity was copied from another source (another Redis key prefix) already:
+    copying this one too would merge two deployments' users of one name."""
+
+    def __init__(self, source: str) -> None:
+        super().__init__(source)
+        self.source = source
+
+
 @dataclass(frozen=True, slots=True)
 class CopyCounts:
     """Rows one identity's copy wrote."""
@@ -100,14 +109,21 @@ async def copy_identity(
         async with conn.begin():
             # A crash may lose the last copies with their ledger rows: a rerun redoes them.
             await conn.exec_driver_sql(lock_timeout_clause(store.lock_timeout))
+            # Only the lock waits are bounded: a statement_timeout that the role or the
+            # database sets (a managed server's parameter group) cut a large identity's
+            # copy on every run, which then read as a lock held by live traffic.
+            await conn.exec_driver_sql("SET LOCAL statement_timeout = 0")
             await conn.exec_driver_sql("SET LOCAL synchronous_commit = off")
             driver = await driver_connection(conn)
             await lock_identity(driver, statements, identity)
             done = query("redis_import_done", schema)
-            if await driver.fetchval(
+            ledger = await driver.fetchrow(
                 done.text, *done.arguments(identity_id=identity, source=copy.source)
-            ):
+            )
+            if ledger["done"]:
                 return None
+            if ledger["other"] is not None:
+                raise CopiedFromAnotherSource(ledger["other"])
             observations = query("redis_import_observations", schema)
             consumed_ids: list[int] = []
             for records, consumed in ((copy.consumed, True), (copy.pending, False)):

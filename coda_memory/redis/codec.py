@@ -43,7 +43,9 @@ from coda_memory.core.sanitize import (
     MAX_SESSION_CHARS,
     ObservationRecord,
     ObservationRejected,
+    has_nul_or_surrogate,
     sanitize_observation,
+    without_nul_or_surrogates,
 )
 
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
@@ -252,13 +254,22 @@ def _probability(value: object, field: str) -> float:
     return float(value)
 
 
-def _text(value: dict[str, Any], field: str, *, empty: bool = False) -> str:
+def _text(value: dict[str, Any], field: str) -> str:
+    """A name (an id, a subject, a session id): one a store could not hold, or that
+    would name another record once cleaned, is a bad record."""
     text = value.get(field)
-    if not isinstance(text, str) or not (text or empty):
+    if not isinstance(text, str) or not text:
         raise BadRecord(f"{field} is not a non-empty string")
-    if "\x00" in text:  # Postgres text cannot hold it
-        raise BadRecord(f"{field} holds a NUL character")
+    if has_nul_or_surrogate(text):  # Postgres text and UTF-8 cannot hold them
+        raise BadRecord(f"{field} holds a NUL character or a lone surrogate")
     return text
+
+
+def _content(value: dict[str, Any]) -> str:
+    """A fact's text, without what a store cannot hold: a NUL, or a lone surrogate (the
+    half of an emoji that a JavaScript ``slice`` cut)."""
+    text = value.get("content")
+    return without_nul_or_surrogates(text) if isinstance(text, str) else ""
 
 
 def _subject(value: dict[str, Any]) -> str:
@@ -302,9 +313,7 @@ def fact_from_json(identity_id: str, raw: str | bytes) -> Fact:
         identity_id=identity_id,
         category=category,
         subject=subject,
-        content=_text(value, "content", empty=True)
-        if isinstance(value.get("content"), str)
-        else "",
+        content=_content(value),
         confidence=_probability(value.get("confidence"), "confidence"),
         reinforcement_count=count,
         last_reinforced_at=from_ms(value.get("lastReinforcedAt"), "lastReinforcedAt"),

@@ -15,6 +15,7 @@ without it, nothing tells the consumed observations from the new ones.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from datetime import datetime
 
@@ -49,18 +50,35 @@ class ExportedIdentity:
     labels: dict[int, str] = field(default_factory=dict)
 
 
-def _text(value: bytes) -> str:
-    return value.decode(errors="replace")
+#: A name shown as it is in a bad record's label: what the layout's ids and subjects are
+#: made of. Anything else is shown by its size (a corrupt record may hold anything:
+#: personal data, or a megabyte of it).
+_SHOWN = re.compile(r"[A-Za-z0-9_.:\-/@]{1,200}")
 
 
-def _member_label(key: str, member: bytes) -> str:
+def _field_label(key: str, name: bytes) -> str:
+    """A field of a hash, by its name when it is one (else its place and size)."""
+    text = name.decode(errors="replace")
+    shown = repr(text) if _SHOWN.fullmatch(text) else f"of {len(name):,} bytes"
+    return f"{key} field {shown}"
+
+
+def _member_label(key: str, member: bytes, index: int) -> str:
+    """A member of a sorted set: by its observation id when it holds a usable one, else
+    by its place (``ZRANGE key index index`` finds it) and size."""
     try:
         value = json.loads(member)
-        if isinstance(value, dict) and "id" in value:
-            return f"{key} id {value['id']!r}"
     except ValueError:
-        pass
-    return f"{key} member {_text(member)[:40]!r}"
+        value = None
+    if isinstance(value, dict):
+        found = value.get(
+            "id"
+        )  # (the original server's ids are strings, coda-memory's whole numbers)
+        if isinstance(found, int) and not isinstance(found, bool):
+            return f"{key} id {found}"
+        if isinstance(found, str) and _SHOWN.fullmatch(found):
+            return f"{key} id {found!r}"
+    return f"{key} member #{index} ({len(member):,} bytes)"
 
 
 async def export_identity(store: RedisStore, identity_id: str) -> ExportedIdentity:
@@ -102,14 +120,21 @@ async def export_identity(store: RedisStore, identity_id: str) -> ExportedIdenti
     # them. (Their score is the pending set's, which only says they are pending.)
     held = {member for member, _ in members}
     pending_key = k.of("pending", identity_id)
-    lost = [(member, None, pending_key) for member in pending if member not in held]
-    for member, score, key in [*((m, s, obs_key) for m, s in members), *lost]:
+    lost = [
+        (member, None, pending_key, index)
+        for index, member in enumerate(pending)
+        if member not in held
+    ]
+    for member, score, key, index in [
+        *((m, s, obs_key, i) for i, (m, s) in enumerate(members)),
+        *lost,
+    ]:
         try:
             observation = observation_from_json(identity_id, member)
         except BadRecord as exc:
-            out.bad.append((_member_label(key, member), str(exc)))
+            out.bad.append((_member_label(key, member, index), str(exc)))
             continue
-        out.labels[observation.id] = _member_label(key, member)
+        out.labels[observation.id] = _member_label(key, member, index)
         if member in in_pending or limit is None or score is None or score > limit:
             out.pending.append(observation)
         else:
@@ -119,14 +144,15 @@ async def export_identity(store: RedisStore, identity_id: str) -> ExportedIdenti
         try:
             fact = _with_usable_ease(fact_from_json(identity_id, raw))
         except BadRecord as exc:
-            out.bad.append((f"{facts_key} field {_text(name)!r}", str(exc)))
+            out.bad.append((_field_label(facts_key, name), str(exc)))
             continue
         first = first_field.setdefault(fact.subject, name)
         if first != name:
+            kept = _field_label(facts_key, first).removeprefix(f"{facts_key} ")
             out.bad.append(
                 (
-                    f"{facts_key} field {_text(name)!r}",
-                    f"a second fact about its subject (field {_text(first)!r} is copied)",
+                    _field_label(facts_key, name),
+                    f"a second fact about its subject ({kept} is copied)",
                 )
             )
             continue

@@ -7,20 +7,30 @@ import asyncio
 import json
 import secrets
 from datetime import UTC, datetime
+from typing import Any
 
 import asyncpg
+import pytest
 import redis
 import redis.asyncio as aioredis
+from sqlalchemy import make_url
 from typer.testing import CliRunner
 
 from coda_memory import MemoryService
 from coda_memory.cli import app
 from coda_memory.core.sanitize import sanitize_observation
-from coda_memory.migration import ImportSummary, import_redis
+from coda_memory.migration import (
+    IMPORT_SOCKET_TIMEOUT,
+    ImportSummary,
+    import_redis,
+    redis_to_postgres,
+)
 from coda_memory.postgres import PostgresStore
 from coda_memory.redis import RedisStore
+from coda_memory.redis.export import export_identity
 from coda_memory.redis.store import split_prefix
 from tests.helpers import tool_ok
+from tests.postgres.helpers import until_waiting
 from tests.redis.test_import_redis import fact, ms, now, observation, row_counts
 
 
@@ -115,7 +125,7 @@ async def test_records_postgres_cannot_hold_leave_out_what_they_must_and_no_more
         "reinforcementCount is not an integer"
     )
     assert reasons[f"{p}facts:b-case field 'fact:tool_affinity:nul'"] == (
-        "subject holds a NUL character"
+        "subject holds a NUL character or a lone surrogate"
     )
     assert reasons[f"{p}*:c-type"].startswith("not copied: BadRecord: a key of the wrong type")
     assert reasons[f"{p}history:d-event"] == "fact event: countAfter is out of range"
@@ -190,6 +200,70 @@ async def test_a_second_fact_about_a_subject_and_a_rejected_observation_are_name
     [(key, _)] = reasons.items()
     assert key == f"{p}obs:h-dup id 'n2'"
     assert (summary.copied, summary.facts) == (1, 1)
+
+
+async def test_a_lone_surrogate_leaves_out_its_record_or_is_removed_from_a_facts_text(
+    redis_client: aioredis.Redis, redis_url: str, redis_prefix: str, pg_url: str
+) -> None:
+    """One lone surrogate (half an emoji that a JavaScript ``slice`` cut) kept the whole
+    identity out of Postgres on every run, and the dry run said nothing of it."""
+    p, cut = redis_prefix, "\ud83d"
+    await _seed_good(redis_client, p, "j-cut")
+    await redis_client.hset(
+        f"{p}facts:j-cut",
+        mapping={
+            "fact:tool_affinity:emoji": fact(
+                "j-cut", "emoji", 0.5, 1, content=f"Uses emoji {cut}successfully"
+            ),
+            "fact:tool_affinity:half": fact(
+                "j-cut", "half", 0.5, 1, subject=f"tool_affinity:half{cut}"
+            ),
+        },
+    )
+    await redis_client.rpush(f"{p}history:j-cut", _event("j-cut", 2, f"s{cut}"))
+    source = RedisStore.from_url(redis_url)
+    target = PostgresStore.from_url(pg_url)
+    try:
+        dry = await import_redis(source, None, now=now)
+        summary = await import_redis(source, target, now=now)
+        copied = {f.subject: f.content for f in await target.facts("j-cut")}
+    finally:
+        await source.close()
+        await target.close()
+    expected = [
+        (
+            f"{p}facts:j-cut field 'fact:tool_affinity:half'",
+            "subject holds a NUL character or a lone surrogate",
+        ),
+        (f"{p}history:j-cut", "fact event: sessionId holds a NUL character or a lone surrogate"),
+    ]
+    assert sorted(dry.bad) == sorted(summary.bad) == sorted(expected)
+    assert (summary.copied, summary.failed) == (1, [])
+    assert copied["tool_affinity:emoji"] == "Uses emoji successfully"
+    assert "tool_affinity:half\ud83d" not in copied
+
+
+async def test_a_bad_record_is_named_without_what_it_holds(
+    redis_client: aioredis.Redis, redis_url: str, redis_prefix: str, pg_url: str
+) -> None:
+    """Labels quoted up to 40 characters of a member that was no observation, and a
+    field's whole name: both may hold anything a tool wrote (here a name and an address)."""
+    p = redis_prefix
+    field = "fact:entity_frequency:person:Jane Roe <jane@example.org>"
+    await redis_client.hset(f"{p}facts:h-pii", field, "{not json")
+    text, named = "Jane Roe, jane@example.org, +1 555 0100", '{"id": "Jane <jane@example.org>"}'
+    await redis_client.zadd(
+        f"{p}obs:h-pii",
+        {observation("h-pii", "n1", 1, "get_account"): ms(1), text: ms(2), named: ms(3)},
+    )
+    summary = await _imported_once(redis_url, pg_url)
+    assert sorted(key for key, _ in summary.bad) == [
+        f"{p}facts:h-pii field of {len(field)} bytes",
+        f"{p}obs:h-pii member #1 ({len(text)} bytes)",
+        f"{p}obs:h-pii member #2 ({len(named)} bytes)",
+    ]
+    assert "jane" not in repr(summary.bad).lower()
+    assert (summary.copied, summary.observations) == (1, 1)
 
 
 async def test_an_identity_live_traffic_holds_is_left_busy_and_the_others_are_copied(
@@ -273,3 +347,113 @@ def test_a_dry_run_checks_the_target_it_was_given(redis_url: str, empty_pg_url: 
         result = CliRunner().invoke(app, ["import-redis", redis_url, "--dry-run", "--url", target])
         assert result.exit_code == 1, result.output
         assert says in result.stderr, result.stderr
+
+
+async def test_a_redis_timeout_names_the_identity_and_the_remedy(
+    redis_client: aioredis.Redis,
+    redis_url: str,
+    redis_prefix: str,
+    pg_url: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An identity too large to read within redis-py's 5 s stopped the run with a bare
+    "Timeout reading from host:port"."""
+    for identity in ("a-small", "whale"):
+        await _seed_good(redis_client, redis_prefix, identity)
+    read = export_identity
+
+    async def slow(store: RedisStore, identity: str) -> Any:
+        if identity == "whale":
+            raise redis.exceptions.TimeoutError("Timeout reading from 127.0.0.1:6379")
+        return await read(store, identity)
+
+    monkeypatch.setattr(redis_to_postgres, "export_identity", slow)
+    summary = ImportSummary()
+    with pytest.raises(TimeoutError, match=r"identity whale was read .*\?socket_timeout="):
+        source = RedisStore.from_url(redis_url)
+        try:
+            await import_redis(source, None, now=now, summary=summary)
+        finally:
+            await source.close()
+    assert summary.copied == 1  # a-small, before it
+
+
+def test_the_command_reads_redis_with_a_long_socket_timeout_unless_the_url_says(
+    redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    made: list[float | None] = []
+    from_url = RedisStore.from_url
+
+    def recorded(url: str, **options: Any) -> RedisStore:
+        store = from_url(url, **options)
+        made.append(store.client.connection_pool.connection_kwargs.get("socket_timeout"))
+        return store
+
+    monkeypatch.setattr(RedisStore, "from_url", recorded)
+    server, _ = split_prefix(redis_url)
+    for url in (server, f"{server}?socket_timeout=7"):
+        CliRunner().invoke(app, ["import-redis", url, "--dry-run", "--prefix", "none:"])
+    assert made == [IMPORT_SOCKET_TIMEOUT, 7.0]
+
+
+async def test_a_statement_timeout_of_the_database_does_not_cut_a_copy(
+    redis_client: aioredis.Redis, redis_url: str, redis_prefix: str, pg_url: str, admin_url: str
+) -> None:
+    """A statement_timeout set on the database or the role (a managed server's parameter
+    group) cut each copy that waited or ran longer, which was then reported "busy (locked
+    by live traffic)", exit 3, on every run."""
+    await _seed_good(redis_client, redis_prefix, "bob")
+    store = PostgresStore.from_url(pg_url)
+    try:
+        await store.append([sanitize_observation("bob", tool_ok("t"), datetime.now(UTC))])
+        await MemoryService(store).consolidate("bob")
+    finally:
+        await store.close()
+    database = make_url(pg_url).database
+    plain = pg_url.replace("postgresql+asyncpg://", "postgresql://")
+    holder = await asyncpg.connect(plain)
+    try:
+        await holder.execute(f"ALTER DATABASE \"{database}\" SET statement_timeout = '200ms'")
+        lock = holder.transaction()
+        await lock.start()
+        await holder.execute(
+            "SELECT 1 FROM coda_memory.checkpoints WHERE identity_id = 'bob' FOR UPDATE"
+        )
+        copy = asyncio.create_task(_imported_once(redis_url, pg_url))
+        await until_waiting(admin_url, database, 1)
+        await asyncio.sleep(0.4)  # held past the database's statement timeout
+        await lock.rollback()
+        summary = await copy
+    finally:
+        await holder.close()
+    assert (summary.copied, summary.busy, summary.failed) == (1, [], [])
+
+
+async def test_an_identity_copied_from_another_prefix_is_not_merged_into(
+    redis_client: aioredis.Redis, redis_url: str, redis_prefix: str, pg_url: str
+) -> None:
+    """Two deployments under two prefixes, each with a user "ana": the second copy went
+    into the first's identity without a word (its facts lost to the first's)."""
+    other = f"{redis_prefix}eu:"
+    for prefix in (redis_prefix, other):
+        await _seed_good(redis_client, prefix, "ana")
+    await _seed_good(redis_client, other, "bo")
+    first = await _imported_once(redis_url, pg_url)
+    target = PostgresStore.from_url(pg_url)
+    source = RedisStore.from_url(redis_url, prefix=other)
+    try:
+        second = await import_redis(source, target, now=now)
+    finally:
+        await source.close()
+        await target.close()
+    assert (first.copied, second.copied, second.failed) == (1, 1, ["ana"])
+    assert second.bad == [
+        (
+            f"{other}*:ana",
+            f"not copied: copied from the prefix {redis_prefix!r} already (two deployments' "
+            "users of one name would become one; copy this prefix into a schema of its own, "
+            "--schema)",
+        )
+    ]
+    counts = await row_counts(pg_url)
+    assert (counts["observations"], counts["redis_imports"]) == (2, 2)  # ana's, and bo's

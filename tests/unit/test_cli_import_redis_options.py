@@ -67,3 +67,13 @@ def test_without_the_redis_extra_the_error_names_it(monkeypatch: pytest.MonkeyPa
     # And the adapter names its extra to a program that imports it.
     with pytest.raises(ModuleNotFoundError, match=r"needs the redis extra: pip install"):
         import coda_memory.redis  # noqa: F401
+
+
+def test_keys_in_the_listing_are_printed_as_they_are(capsys: pytest.CaptureFixture[str]) -> None:
+    """Rich read ``:x:`` and ``:m:`` in keys as emoji codes (❌, Ⓜ)."""
+    from coda_memory.cli import import_commands
+
+    import_commands._list_bad([("p:s1:*:x:", "not copied"), ("p:s1:history:m", "fact event")])
+    assert capsys.readouterr().out == (
+        "bad record: p:s1:*:x:: not copied\nbad record: p:s1:history:m: fact event\n"
+    )
