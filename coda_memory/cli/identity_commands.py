@@ -263,9 +263,10 @@ def forget(
     async def work(
         store: PostgresStore, target: Target
     ) -> Forgotten | Literal["absent", "declined"]:
-        if if_exists and not await maintenance.identity_exists(store, identity):
-            return "absent"
-        await require_identity(store, identity)
+        if not await maintenance.identity_anywhere(store, identity):
+            if if_exists:
+                return "absent"
+            raise CliError(f"unknown identity: {identity!r}")
         question = (
             f"Erase every observation, fact, fact event, checkpoint and rollup row of "
             f"{identity!r} in {target.display} (schema {target.schema})?"

@@ -51,11 +51,15 @@ from coda_memory.postgres.schema import (
     DEFAULT_SCHEMA,
     PgSnapshot,
     checkpoints,
+    domain_users,
+    entity_users,
     fact_events,
     facts,
     metadata,
     observations,
+    redis_imports,
     rollup_owed,
+    tool_users,
 )
 from coda_memory.postgres.sql import fragment
 from coda_memory.postgres.store import PostgresStore
@@ -219,6 +223,16 @@ async def identity_exists(store: PostgresStore, identity_id: str) -> bool:
         )
     )
     return bool(await _scalar(store, statement))
+
+
+async def identity_anywhere(store: PostgresStore, identity_id: str) -> bool:
+    """True when anything of the identity is stored: what :func:`identity_exists` looks
+    for, its fact history, its rows of the rollup's user counts, its owed rollups or its
+    import ledger (what ``forget`` erases; rows an earlier version's forget could leave
+    behind when an append raced it)."""
+    tables = (fact_events, tool_users, entity_users, domain_users, rollup_owed, redis_imports)
+    statement = select(or_(*(exists().where(t.c.identity_id == identity_id) for t in tables)))
+    return await identity_exists(store, identity_id) or bool(await _scalar(store, statement))
 
 
 #: The largest batch: the statements take it as an integer.

@@ -486,6 +486,24 @@ def test_forget_if_exists_runs_again_without_an_error(pg_url: str) -> None:
     assert_one_line_error(without, 1, "unknown identity: 'alice'")
 
 
+def test_forget_erases_an_identity_that_left_only_rollup_rows(pg_url: str) -> None:
+    """Rows a forget raced by an append could leave (before forget ran on one snapshot):
+    with no observation, fact or checkpoint, forget said "unknown identity" and kept them."""
+    asyncio.run(
+        fetch(
+            pg_url,
+            "INSERT INTO coda_memory.tool_users (identity_id, tool_name, last_day) "
+            "VALUES ('ghost', 'run_sql', '2026-12-01')",
+        )
+    )
+    forgotten = run("forget", "ghost", "--yes", "--url", pg_url)
+    assert forgotten.exit_code == 0, forgotten.output
+    left = asyncio.run(fetch(pg_url, "SELECT count(*) FROM coda_memory.tool_users"))
+    assert left == [(0,)]
+    again = run("forget", "ghost", "--yes", "--if-exists", "--url", pg_url)
+    assert "nothing to forget" in again.stdout
+
+
 # -- consolidate ---------------------------------------------------------------------------
 
 

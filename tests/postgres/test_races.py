@@ -446,3 +446,54 @@ async def test_forget_takes_the_rollup_rows_in_the_order_appends_do(
         await forgetting.close()
     assert forgotten.observations == 2
     assert await admin.fetchval("SELECT count(*) FROM coda_memory.tool_users") == 0
+
+
+async def test_an_append_that_commits_while_forget_runs_stays_whole(
+    pg_url: str, admin: asyncpg.Connection
+) -> None:
+    """forget deleted the identity's rollup rows, then its observations, each statement
+    with a snapshot of its own: an append of the identity that committed between the two
+    lost its observations and kept its rollup rows, so the forgotten identity stayed
+    counted as a user of a tool it had no observation of (and the CLI, finding no
+    observation, fact or checkpoint, refused to forget it again)."""
+    service = MemoryService.from_url(pg_url, load_timeout=5.0)
+    try:
+        service.emit_observation("u1", tool_ok("get_account"))
+        service.emit_observation("u1", domain("royalty"))
+        await service.drain()
+    finally:
+        await service.close()
+    forgetting = MemoryService.from_url(pg_url, load_timeout=5.0)
+    appending = MemoryService.from_url(pg_url, load_timeout=5.0)
+    holder = await asyncpg.connect(dsn(pg_url))
+    try:
+        hold = holder.transaction()
+        await hold.start()
+        # domain_daily: what forget writes last of the rollup, and a tool's append never.
+        await holder.execute("LOCK TABLE coda_memory.domain_daily IN SHARE MODE")
+        forget = asyncio.ensure_future(forgetting.forget("u1"))
+        waiting = (
+            "SELECT count(*) FROM pg_stat_activity "
+            "WHERE datname = current_database() AND wait_event_type = 'Lock'"
+        )
+        async with asyncio.timeout(10):
+            while await admin.fetchval(waiting) == 0:
+                await asyncio.sleep(0.005)  # polling the server until forget waits
+        appending.emit_observation("u1", tool_ok("run_sql"))  # a tool new to u1
+        await asyncio.wait_for(appending.drain(), 10)
+        await hold.rollback()
+        forgotten = await asyncio.wait_for(forget, 10)
+    finally:
+        await holder.close()
+        await forgetting.close()
+        await appending.close()
+    # What was there before it is gone; the append that came meanwhile stays, whole: its
+    # observation and its place among run_sql's users, as an identity that came back.
+    assert forgotten.observations == 2
+    rows = await admin.fetch("SELECT type FROM coda_memory.observations WHERE identity_id = 'u1'")
+    assert [row["type"] for row in rows] == ["tool_success"]
+    users = await admin.fetch(
+        "SELECT tool_name FROM coda_memory.tool_users WHERE identity_id = 'u1'"
+    )
+    assert [row["tool_name"] for row in users] == ["run_sql"]
+    assert await admin.fetchval("SELECT count(*) FROM coda_memory.domain_users") == 0
