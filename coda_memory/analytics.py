@@ -66,7 +66,11 @@ async def tool_effectiveness(
     now: datetime | None = None,
     schema: str = DEFAULT_SCHEMA,
 ) -> list[ToolEffectiveness]:
-    """Tools used by at least ``min_users`` identities in the window, most used first."""
+    """Tools used by at least ``min_users`` identities in the window, most used first.
+
+    The window is whole UTC days, the day of ``now - since`` to the day of ``now`` (both
+    included). For a window that ends before today, ``users`` counts only identities
+    whose latest use of the tool falls inside it (see the README, "Analytics")."""
     async with _postgres(source, schema) as store:
         return await _queries.tool_effectiveness(store, since=since, min_users=min_users, now=now)
 
@@ -113,7 +117,10 @@ async def fact_summary(
 
 
 async def rebuild_rollups(source: AnalyticsSource, *, schema: str = DEFAULT_SCHEMA) -> None:
-    """Recompute the usage rollup from the observations stored now."""
+    """Recompute the usage rollup from the observations stored now: the counts of
+    observations already pruned (older than ``retention``) are lost, and readers holding
+    an older snapshot (a repeatable-read report) see the rollup empty (it is truncated).
+    For observations loaded in bulk; not routine maintenance."""
     async with _postgres(source, schema) as store:
         await _queries.rebuild_rollups(store)
 

@@ -213,7 +213,8 @@ async def tool_effectiveness(
     min_users: int = DEFAULT_MIN_USERS,
     now: datetime | None = None,
 ) -> list[ToolEffectiveness]:
-    """Tools used by at least ``min_users`` identities in the window, most used first."""
+    """Tools used by at least ``min_users`` identities in the window, most used first
+    (for a window that ends before today, identities whose latest use falls inside it)."""
     _check(since, min_users)
     rows = await _fetch(store, "analytics_tools", since, now, min_users=min_users)
     return [ToolEffectiveness.model_validate(dict(row)) for row in rows]
@@ -288,7 +289,9 @@ async def rebuild_rollups(store: PostgresStore) -> None:
     """Recompute the usage rollup from the observations stored now, in one transaction.
 
     For observations loaded in bulk, bypassing :meth:`PostgresStore.append`. Counts of
-    observations already pruned are lost, so this is not routine maintenance.
+    observations already pruned are lost, so this is not routine maintenance. The tables
+    are truncated: a reader holding a snapshot from before the rebuild (a repeatable-read
+    report, ``pg_dump``) sees them empty.
     """
 
     async def rebuild(conn: AsyncConnection) -> None:

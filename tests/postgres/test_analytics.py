@@ -500,6 +500,28 @@ async def test_now_defaults_to_the_database_clock(pg_store: PostgresStore) -> No
     assert [(t.day, t.queries) for t in trends] == [(recent.date(), 1)]
 
 
+async def test_now_means_the_same_instant_whatever_the_sessions_date_style(pg_url: str) -> None:
+    """``now`` reached the views as text written in the session's DateStyle: with a zone
+    abbreviation that Postgres reads back as another zone (IST: Israel, not India), the
+    window moved by hours, here a day that began after ``now``."""
+    store = PostgresStore.from_url(pg_url)
+    await store.append(
+        [call(f"u{i}", "nov1", True, datetime(2026, 11, 1, 12, tzinfo=UTC)) for i in range(2)]
+        + [call(f"v{i}", "nov2", True, datetime(2026, 11, 2, 2, tzinfo=UTC)) for i in range(2)]
+    )
+    await store.close()
+    database = (await fetch(pg_url, "SELECT current_database()"))[0][0]
+    await fetch(pg_url, f"ALTER DATABASE \"{database}\" SET DateStyle = 'Postgres, DMY'")
+    await fetch(pg_url, f"ALTER DATABASE \"{database}\" SET TimeZone = 'Asia/Kolkata'")
+    store = PostgresStore.from_url(pg_url)  # connections that take the settings
+    try:
+        now = datetime(2026, 11, 1, 21, tzinfo=UTC)
+        tools = await tool_effectiveness(store, now=now, since=timedelta(days=1), min_users=1)
+    finally:
+        await store.close()
+    assert [(t.tool_name, t.users) for t in tools] == [("nov1", 2)]
+
+
 # -- history beyond raw retention -----------------------------------------------------
 
 
