@@ -10,7 +10,14 @@ import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from coda_memory.cli.app import FormatOption, OutputFormat, SchemaOption, UrlOption, app
-from coda_memory.cli.output import add_row, make_console, new_table, print_json, printable
+from coda_memory.cli.output import (
+    add_row,
+    make_console,
+    new_table,
+    note,
+    print_json,
+    printable,
+)
 from coda_memory.cli.runtime import (
     BUSY_EXIT_CODE,
     CliError,
@@ -106,6 +113,7 @@ def import_redis(
                 "must be percent-encoded)",
                 code=2,
             ) from exc
+        scanned.append(source.keys.prefix)
         try:
             try:
                 await source.client.ping()
@@ -152,7 +160,16 @@ def import_redis(
             await source.close()
 
     partial = ImportSummary()
+    scanned: list[str] = []  # the key prefix read
     summary = run(main, schema)
+    if summary.identities == 0:
+        # A prefix without its closing ':' or the wrong database finds nothing, and a
+        # copy of nothing looked like success.
+        note(
+            f"no identity found under the key prefix {printable(repr(scanned[0]))} in "
+            f"{masked_url(redis_url)}: check --prefix (or the URL's ?prefix=) and the "
+            "database number"
+        )
     if output is OutputFormat.JSON:
         print_json(
             {

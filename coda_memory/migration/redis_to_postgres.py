@@ -29,11 +29,13 @@ from datetime import datetime
 from functools import partial
 from typing import TypeVar
 
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from coda_memory.core.logs import short_error
 from coda_memory.core.model import DEFAULT_MAX_CLOCK_SKEW, Fact, Observation, replaced
 from coda_memory.core.sanitize import MAX_IDENTITY_CHARS, ObservationRecord
+from coda_memory.errors import ConnectionLost
 from coda_memory.postgres.connection import (
     LOCK_NOT_AVAILABLE,
     QUERY_CANCELED,
@@ -124,12 +126,6 @@ async def import_redis(
         if problem is None:
             try:
                 await _copy_one(source, target, identity, summary, now)
-            except RedisTimeoutError as exc:
-                raise TimeoutError(
-                    f"Redis did not answer within its socket timeout while the identity "
-                    f"{_label(identity)} was read (a large one: give it longer with "
-                    "?socket_timeout=SECONDS in the Redis URL); the next run resumes there"
-                ) from exc
             except CopiedFromAnotherSource as exc:
                 problem = (
                     f"not copied: copied from the prefix {exc.source!r} already (two "
@@ -214,7 +210,19 @@ async def _copy_one(
     now: Callable[[], datetime],
 ) -> None:
     """Read ``identity`` from ``source``, and copy it into ``target`` (None: count it)."""
-    exported = await export_identity(source, identity)
+    try:
+        exported = await export_identity(source, identity)
+    except RedisTimeoutError as exc:
+        raise TimeoutError(
+            f"Redis did not answer within its socket timeout while the identity "
+            f"{_label(identity)} was read (a large one: give it longer with "
+            "?socket_timeout=SECONDS in the Redis URL); the next run resumes there"
+        ) from exc
+    except RedisConnectionError as exc:
+        raise ConnectionLost(
+            f"the connection to Redis was lost while the identity {_label(identity)} was "
+            f"read ({exc}); the next run resumes there"
+        ) from exc
     obs_key = source.keys.of("obs", identity)
     at = now()
     records = partial(_not_ahead, now=at, times=_RECORD_TIMES, replace=dataclasses.replace)

@@ -19,6 +19,7 @@ from typer.testing import CliRunner
 from coda_memory import MemoryService
 from coda_memory.cli import app
 from coda_memory.core.sanitize import sanitize_observation
+from coda_memory.errors import ConnectionLost
 from coda_memory.migration import (
     IMPORT_SOCKET_TIMEOUT,
     ImportSummary,
@@ -349,27 +350,46 @@ def test_a_dry_run_checks_the_target_it_was_given(redis_url: str, empty_pg_url: 
         assert says in result.stderr, result.stderr
 
 
-async def test_a_redis_timeout_names_the_identity_and_the_remedy(
+@pytest.mark.parametrize(
+    ("failure", "raised", "says"),
+    [
+        # An identity too large to read within redis-py's 5 s: a bare "Timeout reading
+        # from host:port" stopped the run.
+        (
+            redis.exceptions.TimeoutError("Timeout reading from 127.0.0.1:6379"),
+            TimeoutError,
+            r"identity whale was read .*\?socket_timeout=",
+        ),
+        # Redis gone: "ConnectionError: Connection closed by server.", Redis unnamed.
+        (
+            redis.exceptions.ConnectionError("Connection closed by server."),
+            ConnectionLost,
+            r"connection to Redis was lost while the identity whale was read",
+        ),
+    ],
+)
+async def test_a_redis_failure_names_redis_the_identity_and_the_remedy(
     redis_client: aioredis.Redis,
     redis_url: str,
     redis_prefix: str,
     pg_url: str,
     monkeypatch: pytest.MonkeyPatch,
+    failure: Exception,
+    raised: type[Exception],
+    says: str,
 ) -> None:
-    """An identity too large to read within redis-py's 5 s stopped the run with a bare
-    "Timeout reading from host:port"."""
     for identity in ("a-small", "whale"):
         await _seed_good(redis_client, redis_prefix, identity)
     read = export_identity
 
     async def slow(store: RedisStore, identity: str) -> Any:
         if identity == "whale":
-            raise redis.exceptions.TimeoutError("Timeout reading from 127.0.0.1:6379")
+            raise failure
         return await read(store, identity)
 
     monkeypatch.setattr(redis_to_postgres, "export_identity", slow)
     summary = ImportSummary()
-    with pytest.raises(TimeoutError, match=r"identity whale was read .*\?socket_timeout="):
+    with pytest.raises(raised, match=says):
         source = RedisStore.from_url(redis_url)
         try:
             await import_redis(source, None, now=now, summary=summary)
@@ -457,3 +477,13 @@ async def test_an_identity_copied_from_another_prefix_is_not_merged_into(
     ]
     counts = await row_counts(pg_url)
     assert (counts["observations"], counts["redis_imports"]) == (2, 2)  # ana's, and bo's
+
+
+def test_a_prefix_that_finds_nothing_says_so(redis_url: str) -> None:
+    """A prefix without its closing ':' (or the wrong database) copied nothing, exit 0,
+    as if the copy had succeeded."""
+    server, _ = split_prefix(redis_url)
+    result = CliRunner().invoke(app, ["import-redis", server, "--dry-run", "--prefix", "none"])
+    assert result.exit_code == 0, result.output
+    assert "no identity found under the key prefix 'none' in redis://" in result.stderr
+    assert "check --prefix" in result.stderr
