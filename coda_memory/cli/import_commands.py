@@ -151,9 +151,9 @@ def import_redis(
                     return await copy_all(
                         source, store, now=_now, on_identity=advance, summary=partial
                     )
-        except Exception:
-            # The identities copied before the store failed are in the ledger: the next
-            # run skips them, and would never list their bad records.
+        except BaseException:
+            # The identities copied before the store failed (or Ctrl-C) are in the
+            # ledger: the next run skips them, and only counts their bad records.
             _list_bad(partial.bad, stderr=True)
             raise
         finally:
@@ -176,6 +176,7 @@ def import_redis(
                 "dry_run": dry_run,
                 **{k: getattr(summary, k) for k in _COUNTS},
                 "bad_records": [{"key": key, "reason": reason} for key, reason in summary.bad],
+                "bad_records_earlier": summary.bad_earlier,
                 "busy": summary.busy,
                 "failed": summary.failed,
             }
@@ -199,6 +200,9 @@ def import_redis(
     for key, label in labels.items():
         add_row(table, label, f"{getattr(summary, key):,}")
     add_row(table, "bad records (left out)", f"{len(summary.bad):,}")
+    if summary.bad_earlier:
+        label = "bad records left out by earlier runs (--dry-run lists them)"
+        add_row(table, label, f"{summary.bad_earlier:,}")
     add_row(table, "identities busy (not copied: run it again)", f"{len(summary.busy):,}")
     make_console().print(table)
     _list_bad(summary.bad)

@@ -71,6 +71,9 @@ class ImportSummary:
     future_clamped: int = 0
     #: (key, reason) of every record left out.
     bad: list[tuple[str, str]] = field(default_factory=list)
+    #: Records left out by earlier runs' copies of the identities skipped (the ledger
+    #: counts them; ``--dry-run`` lists them).
+    bad_earlier: int = 0
     #: Identities (as printable labels) that live traffic held locked: not copied, and
     #: not in the ledger, so a later run copies them.
     busy: list[str] = field(default_factory=list)
@@ -115,10 +118,11 @@ async def import_redis(
     identities = await source.identities()
     summary = summary if summary is not None else ImportSummary()
     summary.identities = len(identities)
-    copied_before = set() if target is None else await copied_identities(target, source.keys.prefix)
+    copied_before = {} if target is None else await copied_identities(target, source.keys.prefix)
     for done, identity in enumerate(identities, start=1):
         if identity in copied_before:
             summary.skipped += 1
+            summary.bad_earlier += copied_before[identity]
             if on_identity is not None:
                 on_identity(identity, done, len(identities))
             continue
@@ -237,6 +241,7 @@ async def _copy_one(
         facts=facts,
         events=exported.events,
         checkpoint_at=exported.checkpoint_at,
+        bad_records=len(exported.bad),
     )
     ahead = consumed_ahead + pending_ahead + facts_ahead
     if target is None:

@@ -53,6 +53,8 @@ class IdentityCopy:
     events: Sequence[FactEvent]
     #: The source's checkpoint (None: never consolidated there).
     checkpoint_at: datetime | None
+    #: Records of the identity left out of the copy (kept in the ledger).
+    bad_records: int = 0
 
 
 class CopiedFromAnotherSource(Exception):
@@ -75,14 +77,15 @@ class CopyCounts:
     checkpoints: int
 
 
-async def copied_identities(store: PostgresStore, source: str) -> set[str]:
-    """Identities the ledger says were copied from ``source``."""
+async def copied_identities(store: PostgresStore, source: str) -> dict[str, int]:
+    """Identities the ledger says were copied from ``source``, with the records each
+    copy left out."""
     ledger = query("redis_import_ledger", store.schema)
 
-    async def read(conn: AsyncConnection) -> set[str]:
+    async def read(conn: AsyncConnection) -> dict[str, int]:
         driver = await driver_connection(conn)
         rows = await driver.fetch(ledger.text, *ledger.arguments(source=source))
-        return {row["identity_id"] for row in rows}
+        return {row["identity_id"]: row["bad_records"] for row in rows}
 
     return await store.run(read)
 
@@ -198,6 +201,7 @@ def _rest(copy: IdentityCopy, now: datetime) -> dict[str, object]:
         "checkpoint_at": copy.checkpoint_at,
         "last_expiry": max((e.at for e in events if e.kind is FactEventKind.EXPIRED), default=None),
         "has_consumed": bool(copy.consumed),
+        "bad_records": copy.bad_records,
         "facts": rows_document([fact_row(f) for f in facts]),
         "events": rows_document([event_row(e) for e in events]),
     }

@@ -237,6 +237,8 @@ redis_imports = Table(
     Column("fact_events", Integer, nullable=False),
     #: The Redis checkpoint: createdAt of the latest observation it had consumed.
     Column("checkpoint_at", DateTime(timezone=True), nullable=True),
+    #: Records of the identity the copy left out (``--dry-run`` lists them).
+    Column("bad_records", Integer, nullable=False, server_default=text("0")),
     PrimaryKeyConstraint("identity_id", "source"),
 )
 

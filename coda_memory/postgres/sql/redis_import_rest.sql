@@ -112,7 +112,8 @@ ledger AS (
         consumed_observations,
         facts,
         fact_events,
-        checkpoint_at
+        checkpoint_at,
+        bad_records
     )
     VALUES (
         :identity_id,
@@ -122,7 +123,8 @@ ledger AS (
         :consumed_count,
         (SELECT count(*) FROM copied_facts),
         (SELECT count(*) FROM copied_events),
-        :checkpoint_at
+        :checkpoint_at,
+        :bad_records
     )
     RETURNING 1
 )
