@@ -195,6 +195,11 @@ def observation_from_json(identity_id: str, raw: str | bytes) -> Observation:
 #: The optional metadata a stored observation may hold in a form a live server refuses
 #: (the original server wrote what its tools gave): no fact depends on them.
 _OPTIONAL_METADATA = re.compile(r"metadata\.(durationMs|error|entityName|query)\b")
+#: The metadata that facts and the analytics rollup read: all an observation keeps when
+#: the rest makes its metadata one a live server refuses (too large, too deep).
+_READ_METADATA = frozenset(
+    {"toolName", "durationMs", "entityType", "entityId", "entityName", "domain"}
+)
 
 
 def sanitized(observation: Observation) -> ObservationRecord:
@@ -203,7 +208,8 @@ def sanitized(observation: Observation) -> ObservationRecord:
     optional value a live server would refuse (:data:`_OPTIONAL_METADATA`: a negative
     ``durationMs``, an ``error`` that is not a string, a null ``entityName`` or
     ``query``) is dropped instead, as it makes no fact: the Redis store consolidates the
-    observation, so the copy must hold it too."""
+    observation, so the copy must hold it too. So are the keys no fact or rollup reads
+    (:data:`_READ_METADATA` stays) when they make the metadata too large or too deep."""
     metadata = observation.metadata
     while True:
         emitted = NewObservation.model_construct(
@@ -217,9 +223,13 @@ def sanitized(observation: Observation) -> ObservationRecord:
             return sanitize_observation(observation.identity_id, emitted, observation.created_at)
         except ObservationRejected as exc:
             optional = _OPTIONAL_METADATA.match(exc.reason)
-            if optional is None or optional[1] not in metadata:
+            if optional is not None and optional[1] in metadata:
+                metadata = {k: v for k, v in metadata.items() if k != optional[1]}
+                continue
+            read = {k: v for k, v in metadata.items() if k in _READ_METADATA}
+            if not exc.reason.startswith("metadata") or read == metadata:
                 raise BadRecord(exc.reason) from exc
-            metadata = {k: v for k, v in metadata.items() if k != optional[1]}
+            metadata = read
 
 
 # -- facts ------------------------------------------------------------------------------

@@ -63,6 +63,17 @@ async def test_a_pending_observation_the_sorted_set_lost_is_copied(
         await target.close()
 
 
+def _nested(depth: int) -> dict[str, Any]:
+    value: dict[str, Any] = {}
+    for _ in range(depth):
+        value = {"x": value}
+    return value
+
+
+def _large(size: int) -> dict[str, str]:
+    return {f"k{i}": "x" * 900 for i in range(size // 900 + 1)}
+
+
 @pytest.mark.parametrize(
     ("kind", "metadata"),
     [
@@ -70,6 +81,9 @@ async def test_a_pending_observation_the_sorted_set_lost_is_copied(
         ("tool_failure", {"toolName": "run_sql", "durationMs": 3, "error": {"code": 500}}),
         ("entity_access", {"entityType": "account", "entityId": "acct-9", "entityName": None}),
         ("query_pattern", {"domain": "royalty", "query": None}),
+        # Metadata too deep or too large for a live server, in keys no fact reads.
+        ("tool_success", {"toolName": "get_account", "raw": _nested(10)}),
+        ("entity_access", {"entityType": "a", "entityId": "1", "trace": _large(20_000)}),
     ],
 )
 async def test_an_optional_value_a_live_server_refuses_is_dropped_not_the_observation(
