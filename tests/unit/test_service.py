@@ -460,7 +460,8 @@ async def test_emit_from_another_thread_starts_the_writer_a_load_did_not() -> No
     thread = threading.Thread(target=lambda: service.emit_observation("u1", tool_ok("t")))
     thread.start()
     thread.join()
-    await asyncio.wait_for(stored.wait(), timeout=5)  # no drain(): it starts the writer
+    await asyncio.wait_for(stored.wait(), timeout=5)  # stored with no drain() to start it
+    await service.drain()  # (the writer counts it once the append has returned)
     assert service.stats().stored == 1
     await service.close()
 
