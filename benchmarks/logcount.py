@@ -5,26 +5,33 @@ from __future__ import annotations
 
 import logging
 import re
-from collections import Counter
+from collections import Counter, defaultdict
 from collections.abc import Iterator
 from contextlib import contextmanager
+
+from coda_memory.core.caps import CAUSE_ATTRIBUTE
 
 #: Log lines that say the connection pool ran out.
 POOL_EXHAUSTED = re.compile(r"QueuePool limit|pool.*timed out|TimeoutError", re.I)
 
 
 class LogCounter(logging.Handler):
-    """Counts WARNING and worse records by cause (logger and message template) and by
-    the second they were written in."""
+    """Counts WARNING and worse records by cause and by when they were written. The
+    cause is the one the library's throttle names (``coda_memory_cause``: its lines of
+    one cause differ in text, "… (and 13 more like it …)", and its held-back summary has
+    a template of its own), else the logger and message template."""
 
     def __init__(self) -> None:
         super().__init__(logging.WARNING)
         self.by_second: Counter[tuple[str, str, int]] = Counter()
+        #: When each cause's lines were written.
+        self.times: defaultdict[tuple[str, str], list[float]] = defaultdict(list)
         self.pool_exhausted = 0
 
     def emit(self, record: logging.LogRecord) -> None:
-        cause = (record.name, str(record.msg))
+        cause = (record.name, str(vars(record).get(CAUSE_ATTRIBUTE, record.msg)))
         self.by_second[(*cause, int(record.created))] += 1
+        self.times[cause].append(record.created)
         text = record.getMessage()
         if record.exc_info and record.exc_info[1] is not None:
             text += f" {record.exc_info[1]!r}"
@@ -36,7 +43,17 @@ class LogCounter(logging.Handler):
 
     @property
     def max_per_second_per_cause(self) -> int:
-        return max(self.by_second.values(), default=0)
+        """The most lines of one cause within any one second (a sliding window, not
+        calendar seconds: two lines 0.2 s apart across a second's boundary count)."""
+        most = 0
+        for times in self.times.values():
+            times.sort()
+            first = 0
+            for last, at in enumerate(times):
+                while at - times[first] >= 1.0:
+                    first += 1
+                most = max(most, last - first + 1)
+        return most
 
     def causes(self) -> dict[str, int]:
         totals: Counter[str] = Counter()

@@ -24,6 +24,8 @@ from coda_memory import MemoryService
 
 #: How long recovery after a release may take before the run stops waiting.
 RECOVERY_LIMIT = 30.0
+#: The interval of the library's log throttle (one line a second per cause).
+LOG_INTERVAL = 1.0
 #: How often the probe checks a connection out of each pool, and the stats are read.
 PROBE_EVERY = 0.1
 
@@ -55,10 +57,12 @@ class _Probe:
     def stop(self) -> None:
         self._stop.set()
 
-    def stored_since(self, since: float) -> int:
-        """Observations stored from the first sample at or after ``since`` to the last."""
-        after = [stored for at, stored in self.samples if at >= since]
-        return after[-1] - after[0] if len(after) > 1 else 0
+    def stored_between(self, since: float, until: float) -> int:
+        """Observations stored from the first sample at or after ``since`` to the last
+        at or before ``until`` (the release: what the writer stored after it is the
+        recovery's, not ingest going on under the lock)."""
+        within = [stored for at, stored in self.samples if since <= at <= until]
+        return within[-1] - within[0] if len(within) > 1 else 0
 
 
 async def _hold(
@@ -115,12 +119,18 @@ async def _hold(
                 await asyncio.sleep(max(0.0, held_until - time.perf_counter()))
                 during = service.stats()
                 stolen_cores = (stolen_seconds() - stolen) / (time.perf_counter() - started)
+                # Stamped before the ROLLBACK goes out: the recovery counts from the
+                # instant the lock starts to go, not once this task hears it went.
+                released_at = time.perf_counter()
                 await transaction.rollback()
                 backlog = service.stats().emitted
-                released = time.perf_counter()
+                released = released_at
                 await clients
             probe.stop()
             await probing
+            # The throttle reports a cause's held-back lines once it has been quiet for
+            # two intervals: they count as lines of their cause.
+            await asyncio.sleep(2 * LOG_INTERVAL + 0.1)
     finally:
         await locker.close()
     recovery = RECOVERY_LIMIT if recovered is None else recovered - released
@@ -142,7 +152,7 @@ async def _hold(
         "empty": empty,
         "emitted": during.emitted - before.emitted,
         "stored": during.stored - before.stored,
-        "stored_last_second": probe.stored_since(held_until - 1.0),
+        "stored_last_second": probe.stored_between(held_until - 1.0, released),
         "pending_at_release": during.pending,
         "longest_request_checkout_ms": probe.longest_wait["request"] * 1000,
         "longest_writer_checkout_ms": probe.longest_wait["writer"] * 1000,

@@ -39,6 +39,15 @@ def flush_held() -> None:
         throttle.flush()
 
 
+#: The attribute of a throttled line's log record that names its cause (the lines of one
+#: cause share it, whatever their text: a log handler can count them, or group them).
+CAUSE_ATTRIBUTE = "coda_memory_cause"
+
+
+def _cause(cause: str) -> dict[str, str]:
+    return {CAUSE_ATTRIBUTE: cause}
+
+
 class LogThrottle:
     """Warnings at most once per ``interval`` seconds per cause; the line after a quiet
     spell says how many were held back. When none comes, a timer of the event loop that
@@ -92,7 +101,7 @@ class LogThrottle:
         suffix = (
             f" (and {held} more like it in the last {now - last:.1f}s)" if held and last else ""
         )
-        self.logger.log(level, message + suffix, *args, exc_info=exc_info)
+        self.logger.log(level, message + suffix, *args, exc_info=exc_info, extra=_cause(cause))
 
     def flush(self) -> None:
         """Log, for each cause, the lines held back since its last line, which no later
@@ -112,6 +121,9 @@ class LogThrottle:
         if not held:
             return
         since = now - self._last.get(cause, now)
+        # A line of the cause too: the next one waits an interval after it (a line half
+        # a second after this report made two of one cause in a second).
+        self._last[cause] = now
         # The cause in the template, not an argument: a line per cause, each its own
         # template, as a log handler that groups lines by template counts causes.
         named = repr(cause).replace("%", "%%")
@@ -120,6 +132,7 @@ class LogThrottle:
             f"coda-memory: %d more line(s) of cause {named} were held back in the last %.1fs",
             held,
             since,
+            extra=_cause(cause),
         )
 
     def _quiet_at(self, last: float) -> float:

@@ -11,7 +11,7 @@ import pytest
 
 from coda_memory import entity_observations
 from coda_memory.core import emitters
-from coda_memory.core.caps import DEFAULT_MAX_ENTITIES_PER_RESULT, LogThrottle
+from coda_memory.core.caps import CAUSE_ATTRIBUTE, DEFAULT_MAX_ENTITIES_PER_RESULT, LogThrottle
 from tests.conftest import ServiceFactory
 from tests.helpers import FakeClock, tool_ok
 
@@ -141,6 +141,29 @@ def test_flush_reports_each_cause_held_back_once_at_its_level(
         now[0] += 1.0
         throttle.warning("timeout", "load timed out")
         assert [r.getMessage() for r in caplog.records] == ["load timed out"]
+
+
+def test_a_report_of_held_lines_counts_as_a_line_of_its_cause(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The next line of the cause half a second after the report was written too: two
+    lines of one cause in one second. Every line carries its cause for a handler."""
+    throttle, now = throttle_on_a_fake_clock()
+    with caplog.at_level(logging.WARNING, "coda_memory.test"):
+        throttle.warning("timeout", "load timed out")
+        throttle.warning("timeout", "load timed out")
+        now[0] += 2.0
+        throttle.flush()  # as the quiet timer does
+        now[0] += 0.5
+        throttle.warning("timeout", "load timed out")
+        now[0] += 0.6
+        throttle.warning("timeout", "load timed out")
+    lines = [(r.getMessage()[:40], getattr(r, CAUSE_ATTRIBUTE)) for r in caplog.records]
+    assert lines == [
+        ("load timed out", "timeout"),
+        ("coda-memory: 1 more line(s) of cause 'ti", "timeout"),
+        ("load timed out (and 1 more like it in th", "timeout"),
+    ]
 
 
 def test_each_cause_flushed_is_a_template_of_its_own(caplog: pytest.LogCaptureFixture) -> None:

@@ -253,3 +253,21 @@ def test_the_profile_puts_socket_calls_apart_and_scales_to_the_cpu_measured() ->
     }
     functions = breakdown["functions_ms_per_run"]
     assert functions["the plan in steps, as a load runs it (pure Python)"] == 1.0
+
+
+def test_log_lines_count_by_the_throttles_cause_in_any_one_second() -> None:
+    """Counted by message text and calendar second, one cause's lines ("… (and 13 more
+    like it …)", its held-back report) counted as several causes, and two lines 0.2 s
+    apart across a second's boundary as one a second."""
+    import logging
+
+    from benchmarks.logcount import LogCounter
+    from coda_memory.core.caps import CAUSE_ATTRIBUTE
+
+    counter = LogCounter()
+    for created, text in ((10.9, "load timed out"), (11.1, "load timed out (and 3 more)")):
+        record = logging.LogRecord("coda_memory", logging.WARNING, "", 0, text, (), None)
+        record.created = created
+        vars(record)[CAUSE_ATTRIBUTE] = "timeout"
+        counter.emit(record)
+    assert counter.max_per_second_per_cause == 2
