@@ -31,7 +31,7 @@ from coda_memory.redis import RedisStore
 from coda_memory.redis.export import export_identity
 from coda_memory.redis.store import split_prefix
 from tests.helpers import tool_ok
-from tests.postgres.helpers import until_waiting
+from tests.postgres.helpers import dsn, until_waiting
 from tests.redis.test_import_redis import fact, ms, now, observation, row_counts
 
 
@@ -267,6 +267,17 @@ async def test_a_bad_record_is_named_without_what_it_holds(
     assert (summary.copied, summary.observations) == (1, 1)
 
 
+async def _served_live(pg_url: str, identity: str) -> None:
+    """A live server on Postgres stored and consolidated ``identity``: its checkpoint row,
+    which a consolidation would lock, is there."""
+    store = PostgresStore.from_url(pg_url)
+    try:
+        await store.append([sanitize_observation(identity, tool_ok("t"), datetime.now(UTC))])
+        await MemoryService(store).consolidate(identity)
+    finally:
+        await store.close()
+
+
 async def test_an_identity_live_traffic_holds_is_left_busy_and_the_others_are_copied(
     redis_client: aioredis.Redis, redis_url: str, redis_prefix: str, pg_url: str
 ) -> None:
@@ -276,14 +287,8 @@ async def test_an_identity_live_traffic_holds_is_left_busy_and_the_others_are_co
     for identity in ("alice", "bob", "carol"):
         await _seed_good(redis_client, redis_prefix, identity)
     await redis_client.zadd(f"{redis_prefix}obs:carol", {"{broken": ms(2)})
-    store = PostgresStore.from_url(pg_url)
-    try:
-        # A live server on Postgres made bob's checkpoint row.
-        await store.append([sanitize_observation("bob", tool_ok("t"), datetime.now(UTC))])
-        await MemoryService(store).consolidate("bob")
-    finally:
-        await store.close()
-    holder = await asyncpg.connect(pg_url.replace("postgresql+asyncpg://", "postgresql://"))
+    await _served_live(pg_url, "bob")
+    holder = await asyncpg.connect(dsn(pg_url))
     try:
         lock = holder.transaction()
         await lock.start()
@@ -423,15 +428,9 @@ async def test_a_statement_timeout_of_the_database_does_not_cut_a_copy(
     group) cut each copy that waited or ran longer, which was then reported "busy (locked
     by live traffic)", exit 3, on every run."""
     await _seed_good(redis_client, redis_prefix, "bob")
-    store = PostgresStore.from_url(pg_url)
-    try:
-        await store.append([sanitize_observation("bob", tool_ok("t"), datetime.now(UTC))])
-        await MemoryService(store).consolidate("bob")
-    finally:
-        await store.close()
+    await _served_live(pg_url, "bob")
     database = make_url(pg_url).database
-    plain = pg_url.replace("postgresql+asyncpg://", "postgresql://")
-    holder = await asyncpg.connect(plain)
+    holder = await asyncpg.connect(dsn(pg_url))
     try:
         await holder.execute(f"ALTER DATABASE \"{database}\" SET statement_timeout = '200ms'")
         lock = holder.transaction()

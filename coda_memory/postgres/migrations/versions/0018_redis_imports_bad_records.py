@@ -20,26 +20,22 @@ from collections.abc import Sequence
 import sqlalchemy as sa
 from alembic import op
 
+from coda_memory.postgres.views import migrating_schema
+
 revision: str = "0018"
 down_revision: str | Sequence[str] | None = "0017"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 
-SCHEMA = "coda_memory"
-
-
-def _schema() -> str:
-    # (An ALTER TABLE names its schema as given: the configured one, not translated.)
-    return op.get_context().version_table_schema or SCHEMA
-
 
 def upgrade() -> None:
+    # (An ALTER TABLE names its schema as given: the configured one, not translated.)
     op.add_column(
         "redis_imports",
         sa.Column("bad_records", sa.Integer(), nullable=False, server_default="0"),
-        schema=_schema(),
+        schema=migrating_schema(op.get_context()),
     )
 
 
 def downgrade() -> None:
-    op.drop_column("redis_imports", "bad_records", schema=_schema())
+    op.drop_column("redis_imports", "bad_records", schema=migrating_schema(op.get_context()))
