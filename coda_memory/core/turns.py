@@ -163,7 +163,7 @@ class _Holds:
             if self.holders:
                 self._drop_stranded()
             token = next(self.tokens)
-            self.holders[token] = asyncio._get_running_loop()
+            self.holders[token] = _running_loop()
             now = self.clock()
             if self.count == 0:
                 self.was_enabled = gc.isenabled()
@@ -239,6 +239,14 @@ class _Holds:
             self.count -= 1
             if self.count == 0 and self.was_enabled:
                 gc.enable()
+
+
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    """The running event loop, or None (a scope opened off any loop, in a thread)."""
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
 
 
 _DROPPED = object()
