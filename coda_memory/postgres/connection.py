@@ -83,8 +83,6 @@ INSUFFICIENT_PRIVILEGE = "42501"
 #: SQLSTATE of a statement, or a lock wait, that ``statement_timeout`` ended
 #: (query_canceled; also a cancel request).
 QUERY_CANCELED = "57014"
-#: A repeatable-read transaction found a row changed since its snapshot: run it again.
-SERIALIZATION_FAILURE = "40001"
 
 
 #: SQLSTATEs of a server that can't serve the connection now: connection exceptions (08),

@@ -90,7 +90,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import random
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
@@ -121,7 +120,6 @@ from coda_memory.postgres.append import (
 from coda_memory.postgres.connection import (
     LOCK_NOT_AVAILABLE,
     QUERY_CANCELED,
-    SERIALIZATION_FAILURE,
     dispose,
     driver_transaction,
     error_reason,
@@ -202,8 +200,6 @@ DEFAULT_CONNECT_TIMEOUT = 10.0
 DEFAULT_COMMAND_TIMEOUT = 60.0
 #: The same for the admin pool, whose rebuilds and analytics scan whole tables.
 DEFAULT_ADMIN_COMMAND_TIMEOUT = 3600.0
-#: Attempts of a forget whose snapshot a concurrent append of the identity outdated.
-FORGET_ATTEMPTS = 10
 #: Every so many appends, one also deletes the idempotency keys older than a day.
 _EXPIRE_KEYS_EVERY = 1_000
 
@@ -753,6 +749,16 @@ class PostgresStore:
                 facts=facts,
                 observations=await ObservationRepository(conn).delete_identity(identity_id),
             )
+            # Again, after the observations (each statement reads what is committed when
+            # it starts): an append of the identity that committed between the first
+            # pass and the observations' delete lost its observations there, and its
+            # rollup rows go now, so the forgotten identity is not left counted as a user
+            # of what it has no observation of. One that commits after this pass stays
+            # whole, as an identity that came back. (One snapshot for the whole erasure,
+            # repeatable read, made every append of any identity to a shared daily row
+            # fail the forget with a serialization failure: under steady ingest, all of
+            # them.)
+            await forget_identity(conn, self.schema, identity_id)
             await conn.execute(
                 delete(redis_imports).where(redis_imports.c.identity_id == identity_id)
             )
@@ -761,24 +767,8 @@ class PostgresStore:
         bounded = self._bounded(identity_id, erase)
 
         async def forget(conn: AsyncConnection) -> Forgotten:
-            # One snapshot for every statement (repeatable read): under read committed,
-            # an append of the identity that committed between the rollup's deletes and
-            # the observations' lost its observations but kept its rollup rows, and the
-            # forgotten identity stayed counted as a user. An append after the snapshot
-            # now stays whole; one that touched a row the forget deletes fails it with a
-            # serialization failure, and it runs again, seeing that append.
-            for attempt in range(1, FORGET_ATTEMPTS + 1):
-                try:
-                    async with conn.begin():  # committed whole
-                        await conn.exec_driver_sql(
-                            "SET TRANSACTION ISOLATION LEVEL REPEATABLE READ"
-                        )
-                        return await bounded(conn)
-                except Exception as error:
-                    if sqlstate(error) != SERIALIZATION_FAILURE or attempt == FORGET_ATTEMPTS:
-                        raise
-                await asyncio.sleep(random.uniform(0, 0.01 * attempt))
-            raise AssertionError("unreachable")  # (the last attempt returns or raises)
+            async with conn.begin():  # committed whole
+                return await bounded(conn)
 
         # Forgetting twice forgets the same: retried on a dead connection (the counts are
         # those of the attempt that committed: 0 if a lost COMMIT had in fact committed).

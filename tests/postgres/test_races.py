@@ -448,14 +448,14 @@ async def test_forget_takes_the_rollup_rows_in_the_order_appends_do(
     assert await admin.fetchval("SELECT count(*) FROM coda_memory.tool_users") == 0
 
 
-async def test_an_append_that_commits_while_forget_runs_stays_whole(
+async def test_an_append_that_commits_while_forget_runs_leaves_no_user_behind(
     pg_url: str, admin: asyncpg.Connection
 ) -> None:
     """forget deleted the identity's rollup rows, then its observations, each statement
-    with a snapshot of its own: an append of the identity that committed between the two
-    lost its observations and kept its rollup rows, so the forgotten identity stayed
-    counted as a user of a tool it had no observation of (and the CLI, finding no
-    observation, fact or checkpoint, refused to forget it again)."""
+    reading what was committed when it started: an append of the identity that committed
+    between the two lost its observations and kept its rollup rows, so the forgotten
+    identity stayed counted as a user of a tool it had no observation of (and the CLI,
+    finding no observation, fact or checkpoint, refused to forget it again)."""
     service = MemoryService.from_url(pg_url, load_timeout=5.0)
     try:
         service.emit_observation("u1", tool_ok("get_account"))
@@ -487,13 +487,58 @@ async def test_an_append_that_commits_while_forget_runs_stays_whole(
         await holder.close()
         await forgetting.close()
         await appending.close()
-    # What was there before it is gone; the append that came meanwhile stays, whole: its
-    # observation and its place among run_sql's users, as an identity that came back.
-    assert forgotten.observations == 2
-    rows = await admin.fetch("SELECT type FROM coda_memory.observations WHERE identity_id = 'u1'")
-    assert [row["type"] for row in rows] == ["tool_success"]
-    users = await admin.fetch(
-        "SELECT tool_name FROM coda_memory.tool_users WHERE identity_id = 'u1'"
+    # The append came before the observations' delete: it is erased with the rest, its
+    # place among run_sql's users too (its call stays in the anonymous counts).
+    assert forgotten.observations == 3
+    assert await admin.fetchval("SELECT count(*) FROM coda_memory.observations") == 0
+    for table in ("tool_users", "entity_users", "domain_users"):
+        assert await admin.fetchval(f"SELECT count(*) FROM coda_memory.{table}") == 0
+    users = await admin.fetchval(
+        "SELECT coalesce(sum(latest_users), 0) FROM coda_memory.tool_daily"
     )
-    assert [row["tool_name"] for row in users] == ["run_sql"]
-    assert await admin.fetchval("SELECT count(*) FROM coda_memory.domain_users") == 0
+    assert users == 0
+
+
+async def test_forget_goes_through_while_other_identities_append(
+    pg_url: str, admin: asyncpg.Connection
+) -> None:
+    """Every append of any identity updates the shared daily rows that forget takes the
+    identity out of: a forget on one snapshot (repeatable read) failed with a
+    serialization failure whenever one committed meanwhile, every time under steady
+    ingest."""
+    seeding = MemoryService.from_url(pg_url, load_timeout=5.0)
+    try:
+        for n in range(5):
+            seeding.emit_observation(f"gone{n}", tool_ok("get_account"))
+            seeding.emit_observation(f"gone{n}", entity("account", "42", "Acme"))
+        await seeding.drain()
+    finally:
+        await seeding.close()
+    busy = MemoryService.from_url(pg_url, load_timeout=5.0, batch_size=1)
+    forgetting = MemoryService.from_url(pg_url, load_timeout=5.0)
+    stop = asyncio.Event()
+
+    async def ingest() -> int:
+        sent = 0
+        while not stop.is_set():
+            for n in range(4):
+                busy.emit_observation(f"other{n}", tool_ok("get_account"))
+                busy.emit_observation(f"other{n}", entity("account", "42", "Acme"))
+            sent += 8
+            await busy.drain()
+        return sent
+
+    appends = asyncio.ensure_future(ingest())
+    try:
+        forgotten = [await forgetting.forget(f"gone{n}") for n in range(5)]
+    finally:
+        stop.set()
+        sent = await appends
+        await busy.close()
+        await forgetting.close()
+    assert [f.observations for f in forgotten] == [2] * 5
+    assert sent > 0
+    left = await admin.fetchval(
+        "SELECT count(*) FROM coda_memory.tool_users WHERE identity_id LIKE 'gone%'"
+    )
+    assert left == 0
