@@ -863,7 +863,10 @@ class MemoryService(ObservationWriter):
             stale = await self._kept_facts(identity_id)
         if not stale:
             return None
-        return await self._loaded_as_of_last_consolidation(stale, owned=owned)
+        loaded = await self._loaded_as_of_last_consolidation(stale, owned=owned)
+        # None when nothing is left to answer with (every fact expired by now, or about a
+        # tool the catalog dropped): the load is then empty, not answered "stale".
+        return loaded if loaded.facts else None
 
     async def _load(self, identity_id: str) -> LoadedMemory | None:
         """One consolidation and its prompt section, shared by concurrent loads. The

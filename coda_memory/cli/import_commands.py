@@ -23,6 +23,7 @@ from coda_memory.cli.runtime import (
     CliError,
     masked_url,
     open_store,
+    require_head,
     resolve_target,
     run,
 )
@@ -139,14 +140,16 @@ def import_redis(
                     # The target too, so that the dry run finds what would stop the real
                     # one before it begins: a server it cannot reach, a schema not
                     # migrated, a role that cannot see every identity's rows.
-                    async with open_store(resolve_target(url, schema)):
-                        pass
+                    checked = resolve_target(url, schema)
+                    async with open_store(checked) as store:
+                        await require_head(store, checked, "import-redis")
                 with progress:
                     return await copy_all(
                         source, None, now=_now, on_identity=advance, summary=partial
                     )
             target = resolve_target(url, schema)
             async with open_store(target) as store:
+                await require_head(store, target, "import-redis")
                 with progress:
                     return await copy_all(
                         source, store, now=_now, on_identity=advance, summary=partial

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import math
 import os
 from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
@@ -69,16 +68,16 @@ def fmt_count(value: int | None) -> str:
 
 
 def fmt_percent(value: float | None) -> str:
-    """A share as a whole percentage, or ``-`` for None; within half a percent of 0 or
-    100, to a tenth, and never 0 % or 100 % unless it is (a tool that failed 1 call in
-    2,000 showed a success of 100 %)."""
+    """A share as a whole percentage, or ``-`` for None; below 1 % and from 99.5 %, to a
+    tenth, and never 0 % or 100 % unless it is (a tool that failed 1 call in 2,000 showed
+    a success of 100 %)."""
     if value is None:
         return "-"
     percent = 100 * value
-    if 0 < percent < 0.5:
-        return f"{math.ceil(percent * 10) / 10:.1f}%"
+    if 0 < percent < 1:  # (0.5 would round to an even 0)
+        return f"{max(round(percent, 1), 0.1):.1f}%"
     if 99.5 <= percent < 100:
-        return f"{math.floor(percent * 10) / 10:.1f}%"
+        return f"{min(round(percent, 1), 99.9):.1f}%"
     return f"{percent:.0f}%"
 
 

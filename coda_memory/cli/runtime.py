@@ -78,8 +78,8 @@ def describe(exc: BaseException, schema: str = DEFAULT_SCHEMA) -> str:
     """One line about an unexpected failure: its type and the first line of its message."""
     if isinstance(exc, SchemaNotMigrated):
         return _not_migrated(schema)
-    if isinstance(exc, TimeoutError):
-        return "timed out"
+    if isinstance(exc, TimeoutError):  # (asyncio's say nothing more; the library's say what)
+        return f"timed out: {_first_line(exc)}" if str(exc) else "timed out"
     return f"{type(exc).__name__}: {_first_line(exc)}"
 
 
@@ -422,6 +422,18 @@ async def require_identity(store: PostgresStore, identity_id: str) -> None:
     """Fail with "unknown identity" unless it has a checkpoint, a fact or an observation."""
     if not await maintenance.identity_exists(store, identity_id):
         raise CliError(f"unknown identity: {identity_id!r}")
+
+
+async def require_head(store: PostgresStore, target: Target, command: str) -> None:
+    """Fail unless the schema is at the latest revision (a command that writes what the
+    latest migration added; the others work on any revision this release knows)."""
+    revision, head = await _revision(store), head_revision()
+    if revision not in (head, "unknown"):
+        option = "" if target.schema == DEFAULT_SCHEMA else f" --schema {target.schema}"
+        raise CliError(
+            f"schema {target.schema} is at revision {revision}, and {command} needs {head}: "
+            f"run coda-memory migrate{option}"
+        )
 
 
 def head_revision() -> str | None:

@@ -257,6 +257,29 @@ async def test_a_forget_cancelled_after_its_commit_leaves_no_fact_of_it_here(
         await service.close()
 
 
+async def test_facts_at_hand_that_the_catalog_leaves_out_are_no_stale_answer(
+    pg_url: str,
+) -> None:
+    """Every kept fact about a tool the catalog dropped: the failed load's answer from
+    them was empty, yet counted in ``load_stale`` (an answer that is not empty) and
+    logged as answering with the facts of the last consolidation."""
+    store = await _consolidated(pg_url)  # alice: tool_affinity:get_account, kept
+    service = MemoryService(store, clock=lambda: NOW, tool_catalog={"run_sql"})
+
+    async def failing(identity_id: str) -> Any:
+        raise RuntimeError("the store failed")
+
+    store.peek_versioned = failing  # type: ignore[method-assign]
+    try:
+        assert await _kept(store, "alice") is not None
+        loaded = await service.load_memory("alice")
+        stats = service.stats()
+        assert loaded.facts == [] and loaded.prompt_section == ""
+        assert (stats.load_stale, stats.load_errors) == (0, 1)
+    finally:
+        await service.close()
+
+
 async def test_no_facts_are_kept_with_a_capacity_of_zero(pg_url: str) -> None:
     store = PostgresStore.from_url(pg_url, known_facts=0)
     try:

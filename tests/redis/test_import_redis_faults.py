@@ -27,6 +27,7 @@ from coda_memory.migration import (
     redis_to_postgres,
 )
 from coda_memory.postgres import PostgresStore
+from coda_memory.postgres.migrate import migrate_async
 from coda_memory.redis import RedisStore
 from coda_memory.redis.export import export_identity
 from coda_memory.redis.store import split_prefix
@@ -486,3 +487,46 @@ def test_a_prefix_that_finds_nothing_says_so(redis_url: str) -> None:
     assert result.exit_code == 0, result.output
     assert "no identity found under the key prefix 'none' in redis://" in result.stderr
     assert "check --prefix" in result.stderr
+
+
+async def test_the_command_says_which_identity_redis_timed_out_on(
+    redis_client: aioredis.Redis,
+    redis_url: str,
+    redis_prefix: str,
+    pg_url: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The command line printed any TimeoutError as "timed out", the identity and the
+    remedy lost."""
+    await _seed_good(redis_client, redis_prefix, "whale")
+
+    async def slow(store: RedisStore, identity: str) -> Any:
+        raise redis.exceptions.TimeoutError("Timeout reading from 127.0.0.1:6379")
+
+    monkeypatch.setattr(redis_to_postgres, "export_identity", slow)
+    result = await asyncio.to_thread(
+        CliRunner().invoke, app, ["import-redis", redis_url, "--url", pg_url]
+    )
+    assert result.exit_code == 1
+    assert "error: timed out: Redis did not answer within its socket timeout while the " in (
+        result.stderr
+    )
+    assert "identity whale was read" in result.stderr
+
+
+async def test_a_schema_behind_the_latest_migration_is_named_before_anything_is_read(
+    redis_client: aioredis.Redis, redis_url: str, redis_prefix: str, empty_pg_url: str
+) -> None:
+    """At 0017 the copy failed with "UndefinedColumnError: column bad_records does not
+    exist", and the dry run said the target was fine."""
+    await _seed_good(redis_client, redis_prefix, "ana")
+    await migrate_async(empty_pg_url, revision="0017")
+    for dry in ([], ["--dry-run"]):
+        result = await asyncio.to_thread(
+            CliRunner().invoke, app, ["import-redis", redis_url, "--url", empty_pg_url, *dry]
+        )
+        assert result.exit_code == 1, result.output
+        assert result.stderr == (
+            "error: schema coda_memory is at revision 0017, and import-redis needs 0018: run "
+            "coda-memory migrate\n"
+        )

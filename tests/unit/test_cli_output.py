@@ -20,6 +20,8 @@ from coda_memory.cli.output import fmt_percent
         (0.995, "99.5%"),
         (0.00004, "0.1%"),  # and 0 % as if none had succeeded
         (0.003, "0.3%"),
+        (0.005, "0.5%"),  # 1 in 200: "0%", Python rounding 0.5 to an even 0
+        (0.007, "0.7%"),
     ],
 )
 def test_a_share_is_never_rounded_to_all_or_none(share: float | None, shown: str) -> None:
