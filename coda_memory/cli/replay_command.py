@@ -216,3 +216,10 @@ def replay(
         draw_plot(draw)
     if math.isnan(comparison.baselines[0].test.ranking.hit_at_5):
         note("no session was scored in the held-out period (too few sessions per identity?)")
+    elif not any(
+        timeline.held_out(s) and timeline.seen_through_horizon(s) for s in timeline.sessions
+    ):
+        note(
+            f"no held-out session starts {horizon:g} days (--horizon-days) before the "
+            "events end, so nothing is calibrated: give a shorter horizon, or more days"
+        )

@@ -25,6 +25,12 @@ from typing import Any
 
 from coda_memory.core.consolidation import fact_key
 from coda_memory.core.model import NewObservation, Observation, ObservationType, is_identifier
+from coda_memory.core.sanitize import (
+    MAX_SESSION_CHARS,
+    ObservationRejected,
+    check_identity,
+    has_nul_or_surrogate,
+)
 
 FIELDS = ("identity", "time", "kind", "subject", "session")
 
@@ -120,7 +126,19 @@ def event_from_mapping(row: dict[str, Any], where: str) -> Event:
     if not identity or not all(is_identifier(part) for part in subject.split(":", 1)):
         raise ValueError(f"{where}: bad identity or subject {subject!r}")
     session = row.get("session") or None
-    return Event(identity, time, kind, subject, None if session is None else str(session))
+    session = None if session is None else str(session)
+    # What the service would reject (its writer drops it with a log line): memory would
+    # then score nothing, while the baselines score the event.
+    try:
+        check_identity(identity)
+    except ObservationRejected as exc:
+        raise ValueError(f"{where}: the service refuses the identity ({exc})") from None
+    if session is not None and (len(session) > MAX_SESSION_CHARS or has_nul_or_surrogate(session)):
+        raise ValueError(
+            f"{where}: the service refuses the session (longer than {MAX_SESSION_CHARS} "
+            "characters, or holding NUL or a lone surrogate)"
+        )
+    return Event(identity, time, kind, subject, session)
 
 
 def read_events(path: Path) -> list[Event]:

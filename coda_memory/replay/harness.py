@@ -18,7 +18,7 @@ from typing import Any
 from coda_memory.core.decay import DecayStrategy
 from coda_memory.core.model import Fact
 from coda_memory.core.rank import ranked_facts
-from coda_memory.replay.events import event_observation
+from coda_memory.replay.events import event_observation, fact_subject
 from coda_memory.replay.metrics import Calibration, RankingScore
 from coda_memory.replay.timeline import Session, Timeline
 from coda_memory.service import MemoryService
@@ -70,6 +70,8 @@ def _score(
     scores = result.period(timeline.held_out(session))
     scores.ranking.add([f.subject for f in ranked_facts(facts)], session.subjects)
     scores.facts_total += len(facts)
+    if not timeline.seen_through_horizon(session):
+        return  # its "used within the horizon" would count only what the data still holds
     for fact in facts:
         used = timeline.used_within(session.identity, fact.subject, session.start)
         scores.calibration.add(fact.confidence, used)
@@ -99,18 +101,18 @@ async def replay_decay(
     try:
         if not url.startswith("memory:"):  # a memory:// store is new, so empty
             await _check_scratch(service, sorted(timeline.scored))
-        for session in timeline.sessions:
+        for at, session, event in timeline.in_time_order():
             identity = session.identity
             if identity not in timeline.scored:
                 continue
-            clock.now = session.start
-            if identity in seen:
+            clock.now = at
+            if event is not None:
+                service.emit_observation(identity, event_observation(event, session.key))
+                continue
+            if identity in seen:  # a session starts: it is scored on what came before
                 await service.drain()
                 _score(result, timeline, session, await service.consolidate(identity))
             seen.add(identity)
-            for event in session.events:
-                clock.now = event.time
-                service.emit_observation(identity, event_observation(event, session.key))
         await service.drain()
         for identity in sorted(seen):
             await service.forget(identity)
@@ -169,23 +171,31 @@ def replay_baselines(timeline: Timeline) -> list[ReplayResult]:
     frequency = ReplayResult("all-time frequency")
     global_counts = _Popularity()
     last_used: dict[str, dict[str, tuple[datetime, int]]] = {}
-    for session in timeline.sessions:
+    counted: set[tuple[int, str]] = set()  # (session, subject): a session counts once
+    for _, session, event in timeline.in_time_order():
         identity = session.identity
+        if event is not None:  # what a session used, as it happens (see in_time_order)
+            subject = fact_subject(event)
+            if subject is None or (id(session), subject) in counted:
+                continue
+            counted.add((id(session), subject))
+            global_counts.add(subject)
+            used_by = last_used.setdefault(identity, {})
+            count = used_by.get(subject, (session.start, 0))[1]
+            used_by[subject] = (session.start, count + 1)
+            continue
         history = last_used.get(identity)
         if identity in timeline.scored and history is not None:
             held_out = timeline.held_out(session)
             used = session.subjects
             popularity.period(held_out).ranking.add(global_counts.top, used)
             known = history
-            by_recency = heapq.nlargest(TOP, known, key=lambda s: (known[s][0], s))
-            by_count = heapq.nlargest(TOP, known, key=lambda s: (known[s][1], s))
+            # Ties by subject, as memory ranks its facts (coda_memory.core.rank).
+            by_recency = heapq.nsmallest(TOP, known, key=lambda s: (-known[s][0].timestamp(), s))
+            by_count = heapq.nsmallest(TOP, known, key=lambda s: (-known[s][1], s))
             for result, ranked in ((recency, by_recency), (frequency, by_count)):
                 scores = result.period(held_out)
                 scores.ranking.add(ranked, used)
                 scores.facts_total += len(history)
-        history = last_used.setdefault(identity, {})
-        for subject in session.subjects:
-            global_counts.add(subject)
-            count = history.get(subject, (session.start, 0))[1]
-            history[subject] = (session.start, count + 1)
+        last_used.setdefault(identity, {})
     return [popularity, recency, frequency]

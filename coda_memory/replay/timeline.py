@@ -37,6 +37,8 @@ class Timeline:
     split_at: datetime
     horizon: timedelta
     scored: frozenset[str]
+    #: The last event's time (None: the last session's start).
+    ends_at: datetime | None = None
     _uses: dict[tuple[str, str], list[datetime]] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
@@ -54,6 +56,29 @@ class Timeline:
 
     def held_out(self, session: Session) -> bool:
         return session.start >= self.split_at
+
+    def seen_through_horizon(self, session: Session) -> bool:
+        """Whether the data runs a whole horizon past ``session``'s start: nearer its
+        end, whether a subject is used again within the horizon is not known (taken as
+        not used, it made confidence look over-confident). Calibration leaves such
+        sessions out; their ranking counts."""
+        end = self.ends_at if self.ends_at is not None else self.sessions[-1].start
+        return session.start + self.horizon <= end
+
+    def in_time_order(self) -> list[tuple[datetime, Session, Event | None]]:
+        """Each session's start (with no event: the instant it is scored) and each of its
+        events, in time order; at one instant, sessions start before events happen. A
+        session scored at its start sees only what happened before it: the events of an
+        earlier session that go on after it starts (sessions that overlap, a session id
+        used again days later) come after, where sending each session whole before the
+        next one starts gave its prediction what the earlier session did later."""
+        steps: list[tuple[datetime, int, int, int, Session, Event | None]] = []
+        for order, session in enumerate(self.sessions):
+            steps.append((session.start, 0, order, -1, session, None))
+            for position, event in enumerate(session.events):
+                steps.append((event.time, 1, order, position, session, event))
+        steps.sort(key=lambda step: step[:4])
+        return [(at, session, event) for at, _, _, _, session, event in steps]
 
     def identities(self) -> list[str]:
         return sorted({s.identity for s in self.sessions})
@@ -98,4 +123,5 @@ def build_timeline(
         split_at=first + (last - first) * split,
         horizon=timedelta(days=horizon_days),
         scored=frozenset(eligible),
+        ends_at=last,
     )

@@ -1005,6 +1005,14 @@ def test_replay_scores_the_observations_the_database_holds(pg_url: str) -> None:
     seed_alice(pg_url, "bob")
     result = run("replay", "--url", pg_url, "--split", "0.2", "--format", "json")
     assert result.exit_code == 0, result.output
+    # Three days of data: none runs 30 days on, so nothing is calibrated, and it says so.
+    assert "nothing is calibrated" in result.stderr
+    uncalibrated = {row["method"]: row for row in json.loads(result.stdout)["results"]}
+    assert uncalibrated["exponential"]["Brier"] is None
+    result = run(
+        "replay", "--url", pg_url, "--split", "0.2", "--horizon-days", "0.5", "--format", "json"
+    )
+    assert result.exit_code == 0, result.output
     report = json.loads(result.stdout)
     # Four observations a day for three days each, one session a day.
     assert (report["events"], report["sessions"], report["scored_identities"]) == (24, 6, 2)

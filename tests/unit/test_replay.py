@@ -7,6 +7,7 @@ import heapq
 import json
 import math
 import random
+import re
 from datetime import timedelta
 from pathlib import Path
 
@@ -120,9 +121,45 @@ async def test_a_replay_through_the_service_ranks_scores_and_forgets(decay: obje
     # One-off files are forgotten, so memory holds fewer facts than the baselines' all.
     _, recency, _ = replay_baselines(timeline)
     assert result.test.facts_per_identity < recency.test.facts_per_identity
-    # Every fact held at a scored session's start was scored as a probability.
-    assert result.test.calibration.count == result.test.facts_total
+    # Every fact held at a scored session's start was scored as a probability, but those
+    # of the last 7 days' sessions, whose "used within 7 days" the data cannot tell.
+    last_week = sum(1 for s in timeline.sessions if not timeline.seen_through_horizon(s))
+    assert last_week == 2 * 7
+    assert 0 < result.test.calibration.count < result.test.facts_total
     assert 0.0 < result.test.calibration.base_rate < 1.0
+
+
+async def test_a_session_is_scored_on_nothing_that_happened_after_it_began() -> None:
+    """Sessions went through whole, in order of start: a session that began while an
+    earlier one went on was scored with what the earlier one did later (here doc:fut, at
+    12:00, predicted at 10:00), by memory and the baselines alike."""
+    at = T0.replace(hour=0)
+
+    def used(session: str, hours: float, subject: str) -> Event:
+        return Event("u", at + timedelta(hours=hours), ENTITY, subject, session)
+
+    events = [
+        used("A", 9, "doc:x1"),
+        used("A", 12, "doc:fut"),
+        used("B", 10, "doc:fut"),
+        used("B", 10.5, "doc:zzz"),
+    ]
+    timeline = build_timeline(events, split=0.3)  # B, at 10:00, after the split: held out
+    memory = await replay_decay(timeline, ExponentialDecay(), name="x")
+    _, recency, frequency = replay_baselines(timeline)
+    for result in (memory, recency, frequency):
+        assert result.test.ranking.sessions == 1
+        assert result.test.ranking.hit_at_5 == 0.0  # doc:x1 only was known at 10:00
+    assert memory.test.facts_total == 1
+
+
+async def test_calibration_leaves_out_sessions_the_data_does_not_see_a_horizon_past() -> None:
+    """Near the data's end, "used again within 30 days" counted as no for want of data,
+    and confidence looked over-confident; the ranking still counts them."""
+    timeline = build_timeline(drifting_stream(20), split=0.5, horizon_days=30)
+    result = await replay_decay(timeline, ExponentialDecay(), name="x")
+    assert result.test.ranking.sessions > 0 and result.test.facts_total > 0
+    assert result.test.calibration.count == 0
 
 
 async def test_the_replay_uses_the_store_the_url_names() -> None:
@@ -168,6 +205,25 @@ def test_a_bad_event_names_its_line(tmp_path: Path) -> None:
         json.dumps({**good, "subject": "file:x"}) + "\n" + json.dumps({**good, "kind": "x"})
     )
     with pytest.raises(ValueError, match=r"events.jsonl:2"):
+        read_events(path)
+
+
+@pytest.mark.parametrize(
+    ("change", "says"),
+    [
+        ({"identity": "u" * 300}, "the service refuses the identity (identity_id is longer"),
+        ({"session": "s" * 201}, "the service refuses the session (longer than 200"),
+    ],
+)
+def test_an_event_the_service_would_reject_names_its_line(
+    tmp_path: Path, change: dict[str, str], says: str
+) -> None:
+    """Read, then rejected by the service's writer: memory scored nothing for such an
+    identity or session, while the baselines scored its events."""
+    path = tmp_path / "events.jsonl"
+    good = {"identity": "a", "time": "2026-01-01T00:00:00Z", "kind": "entity_access"}
+    path.write_text(json.dumps({**good, "subject": "file:x", **change}) + "\n")
+    with pytest.raises(ValueError, match=re.escape(f"events.jsonl:1: {says}")):
         read_events(path)
 
 
