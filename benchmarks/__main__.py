@@ -50,7 +50,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--quality",
         action="store_true",
-        help="the memory-quality section only: glibc's ChangeLogs replayed (no Postgres)",
+        help="the memory-quality section only: glibc's ChangeLogs replayed (no Postgres; "
+        "always whole: --quick does not shorten it)",
     )
     parser.add_argument("--memory-child", type=int, help=argparse.SUPPRESS)
     return parser.parse_args(argv)

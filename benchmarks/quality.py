@@ -73,7 +73,7 @@ async def _run(out: Path) -> list[Path]:
     png = out / f"quality-{stamp}-reliability.png"
     plot_reliability(results, png)
     elapsed = time.perf_counter() - started
-    held_out = sum(1 for s in scored if timeline.held_out(s))
+    held_out = baselines[0].test.ranking.sessions  # scored (an author's first is not)
     text = "\n".join(
         [
             f"# Memory quality, {datetime.now(UTC):%Y-%m-%d %H:%M} UTC",

@@ -1022,6 +1022,7 @@ def test_replay_scores_the_observations_the_database_holds(pg_url: str) -> None:
     # Numbers as numbers (they were the table's strings: "4", "1.000"), and null where
     # the table shows nothing.
     assert {row["sessions"] for row in rows.values()} == {4}
+    assert report["held_out_sessions"] == 4  # those scored
     assert rows["exponential"]["hit@5"] == 1.0
     assert isinstance(rows["exponential"]["Brier"], float)
     assert rows["recency only"]["Brier"] is None
