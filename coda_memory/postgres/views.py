@@ -9,8 +9,11 @@ revision always builds the same views, and a downgrade can put back the ones bef
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from pathlib import Path
 
+import sqlalchemy as sa
+from alembic import op
 from alembic.runtime.migration import MigrationContext
 
 from coda_memory.postgres.schema import DEFAULT_SCHEMA, validate_schema_name
@@ -44,3 +47,13 @@ def migrating_schema(context: MigrationContext) -> str:
     assert context.connection is not None  # online: alembic gave the migration a connection
     translate = context.connection.get_execution_options().get("schema_translate_map") or {}
     return validate_schema_name(translate.get(DEFAULT_SCHEMA, DEFAULT_SCHEMA))
+
+
+def replace_views(definitions: Mapping[str, str]) -> None:
+    """In a migration: replace each view named in ``definitions`` in place with its
+    definition of the revision given for it (``CREATE OR REPLACE``: its grants, owner and
+    comment stay), in the schema the migration runs in, in order."""
+    schema = migrating_schema(op.get_context())
+    for name, revision in definitions.items():
+        for statement in view_statements(revision, name, schema, replace=True):
+            op.execute(sa.text(statement))

@@ -23,10 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import sqlalchemy as sa
-from alembic import op
-
-from coda_memory.postgres.views import migrating_schema, view_statements
+from coda_memory.postgres.views import replace_views
 
 revision: str = "0012"
 down_revision: str | Sequence[str] | None = "0011"
@@ -37,16 +34,9 @@ depends_on: str | Sequence[str] | None = None
 VIEWS = ("active_facts", "tool_effectiveness", "entity_popularity", "fact_summary")
 
 
-def _replace_views(source_revision: str) -> None:
-    schema = migrating_schema(op.get_context())
-    for name in VIEWS:
-        for statement in view_statements(source_revision, name, schema, replace=True):
-            op.execute(sa.text(statement))
-
-
 def upgrade() -> None:
-    _replace_views(revision)
+    replace_views(dict.fromkeys(VIEWS, revision))
 
 
 def downgrade() -> None:
-    _replace_views("0002")
+    replace_views(dict.fromkeys(VIEWS, "0002"))

@@ -50,7 +50,7 @@ import sqlalchemy as sa
 from alembic import op
 
 from coda_memory.postgres.sql import in_schema
-from coda_memory.postgres.views import migrating_schema, view_statements
+from coda_memory.postgres.views import migrating_schema, replace_views, view_statements
 
 revision: str = "0013"
 down_revision: str | Sequence[str] | None = "0012"
@@ -92,16 +92,12 @@ def upgrade() -> None:
     op.execute(sa.text(in_schema("INSERT INTO {schema}.analytics_floor DEFAULT VALUES", schema)))
     for statement in view_statements(revision, "analytics_reader_floor", schema):
         op.execute(sa.text(statement))
-    for name in VIEWS:
-        for statement in view_statements(revision, name, schema, replace=True):
-            op.execute(sa.text(statement))
+    replace_views(dict.fromkeys(VIEWS, revision))
 
 
 def downgrade() -> None:
     schema = migrating_schema(op.get_context())
-    for name, source_revision in VIEWS.items():
-        # (CREATE OR REPLACE resets a view's options: no barrier, as before.)
-        for statement in view_statements(source_revision, name, schema, replace=True):
-            op.execute(sa.text(statement))
+    # (CREATE OR REPLACE resets a view's options: no barrier, as before.)
+    replace_views(VIEWS)
     op.execute(sa.text(in_schema("DROP VIEW {schema}.analytics_reader_floor", schema)))
     op.drop_table("analytics_floor", schema=SCHEMA)

@@ -23,10 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import sqlalchemy as sa
-from alembic import op
-
-from coda_memory.postgres.views import migrating_schema, view_statements
+from coda_memory.postgres.views import replace_views
 
 revision: str = "0014"
 down_revision: str | Sequence[str] | None = "0013"
@@ -38,14 +35,8 @@ VIEWS = ("tool_effectiveness", "fact_summary")
 
 
 def upgrade() -> None:
-    schema = migrating_schema(op.get_context())
-    for name in VIEWS:
-        for statement in view_statements(revision, name, schema, replace=True):
-            op.execute(sa.text(statement))
+    replace_views(dict.fromkeys(VIEWS, revision))
 
 
 def downgrade() -> None:
-    schema = migrating_schema(op.get_context())
-    for name in VIEWS:
-        for statement in view_statements("0013", name, schema, replace=True):
-            op.execute(sa.text(statement))
+    replace_views(dict.fromkeys(VIEWS, "0013"))

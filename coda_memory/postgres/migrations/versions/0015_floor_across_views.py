@@ -22,10 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import sqlalchemy as sa
-from alembic import op
-
-from coda_memory.postgres.views import migrating_schema, view_statements
+from coda_memory.postgres.views import replace_views
 
 revision: str = "0015"
 down_revision: str | Sequence[str] | None = "0014"
@@ -37,14 +34,8 @@ VIEWS = ("fact_summary",)
 
 
 def upgrade() -> None:
-    schema = migrating_schema(op.get_context())
-    for name in VIEWS:
-        for statement in view_statements(revision, name, schema, replace=True):
-            op.execute(sa.text(statement))
+    replace_views(dict.fromkeys(VIEWS, revision))
 
 
 def downgrade() -> None:
-    schema = migrating_schema(op.get_context())
-    for name in VIEWS:
-        for statement in view_statements("0014", name, schema, replace=True):
-            op.execute(sa.text(statement))
+    replace_views(dict.fromkeys(VIEWS, "0014"))

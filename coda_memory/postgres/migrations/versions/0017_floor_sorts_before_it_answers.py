@@ -22,10 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import sqlalchemy as sa
-from alembic import op
-
-from coda_memory.postgres.views import migrating_schema, view_statements
+from coda_memory.postgres.views import replace_views
 
 revision: str = "0017"
 down_revision: str | Sequence[str] | None = "0016"
@@ -37,14 +34,8 @@ VIEWS = {"tool_effectiveness": "0014", "entity_popularity": "0013", "domain_tren
 
 
 def upgrade() -> None:
-    schema = migrating_schema(op.get_context())
-    for name in VIEWS:
-        for statement in view_statements(revision, name, schema, replace=True):
-            op.execute(sa.text(statement))
+    replace_views(dict.fromkeys(VIEWS, revision))
 
 
 def downgrade() -> None:
-    schema = migrating_schema(op.get_context())
-    for name, earlier in VIEWS.items():
-        for statement in view_statements(earlier, name, schema, replace=True):
-            op.execute(sa.text(statement))
+    replace_views(VIEWS)
