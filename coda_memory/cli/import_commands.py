@@ -114,7 +114,6 @@ def import_redis(
                 "must be percent-encoded)",
                 code=2,
             ) from exc
-        scanned.append(source.keys.prefix)
         try:
             try:
                 await source.client.ping()
@@ -163,13 +162,12 @@ def import_redis(
             await source.close()
 
     partial = ImportSummary()
-    scanned: list[str] = []  # the key prefix read
     summary = run(main, schema)
     if summary.identities == 0:
         # A prefix without its closing ':' or the wrong database finds nothing, and a
         # copy of nothing looked like success.
         note(
-            f"no identity found under the key prefix {printable(repr(scanned[0]))} in "
+            f"no identity found under the key prefix {printable(repr(summary.prefix))} in "
             f"{masked_url(redis_url)}: check --prefix (or the URL's ?prefix=) and the "
             "database number"
         )

@@ -58,6 +58,8 @@ from coda_memory.redis.store import RedisStore
 class ImportSummary:
     """Counts of one run, per kind (copied now; skipped: copied by an earlier run)."""
 
+    #: The key prefix the identities were read under.
+    prefix: str = ""
     identities: int = 0
     copied: int = 0
     skipped: int = 0
@@ -117,6 +119,7 @@ async def import_redis(
     caller has those of a run that a failing store stopped), else into a new one."""
     identities = await source.identities()
     summary = summary if summary is not None else ImportSummary()
+    summary.prefix = source.keys.prefix
     summary.identities = len(identities)
     copied_before = {} if target is None else await copied_identities(target, source.keys.prefix)
     for done, identity in enumerate(identities, start=1):

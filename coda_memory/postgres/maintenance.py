@@ -215,14 +215,7 @@ async def pending_observations(store: PostgresStore, identity_id: str | None = N
 
 async def identity_exists(store: PostgresStore, identity_id: str) -> bool:
     """True when the identity has a checkpoint, a fact or an observation."""
-    statement = select(
-        or_(
-            exists().where(checkpoints.c.identity_id == identity_id),
-            exists().where(facts.c.identity_id == identity_id),
-            exists().where(observations.c.identity_id == identity_id),
-        )
-    )
-    return bool(await _scalar(store, statement))
+    return await _has_rows(store, identity_id, (checkpoints, facts, observations))
 
 
 async def identity_anywhere(store: PostgresStore, identity_id: str) -> bool:
@@ -230,9 +223,15 @@ async def identity_anywhere(store: PostgresStore, identity_id: str) -> bool:
     for, its fact history, its rows of the rollup's user counts, its owed rollups or its
     import ledger (what ``forget`` erases; rows an earlier version's forget could leave
     behind when an append raced it)."""
-    tables = (fact_events, tool_users, entity_users, domain_users, rollup_owed, redis_imports)
+    tables = [checkpoints, facts, observations, fact_events, tool_users, entity_users]
+    tables += [domain_users, rollup_owed, redis_imports]
+    return await _has_rows(store, identity_id, tables)
+
+
+async def _has_rows(store: PostgresStore, identity_id: str, tables: Sequence[Table]) -> bool:
+    """Whether any of ``tables`` holds a row of the identity (one statement)."""
     statement = select(or_(*(exists().where(t.c.identity_id == identity_id) for t in tables)))
-    return await identity_exists(store, identity_id) or bool(await _scalar(store, statement))
+    return bool(await _scalar(store, statement))
 
 
 #: The largest batch: the statements take it as an integer.

@@ -15,14 +15,13 @@ without it, nothing tells the consumed observations from the new ones.
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass, field
 from datetime import datetime
 
 from redis.exceptions import ResponseError
 
 from coda_memory.core.decay import ease_bounds
-from coda_memory.core.model import Fact, FactEvent, Observation
+from coda_memory.core.model import Fact, FactEvent, Observation, is_identifier
 from coda_memory.redis.codec import (
     CHECKPOINT_TEXT,
     BadRecord,
@@ -50,16 +49,12 @@ class ExportedIdentity:
     labels: dict[int, str] = field(default_factory=dict)
 
 
-#: A name shown as it is in a bad record's label: what the layout's ids and subjects are
-#: made of. Anything else is shown by its size (a corrupt record may hold anything:
-#: personal data, or a megabyte of it).
-_SHOWN = re.compile(r"[A-Za-z0-9_.:\-/@]{1,200}")
-
-
 def _field_label(key: str, name: bytes) -> str:
-    """A field of a hash, by its name when it is one (else its place and size)."""
+    """A field of a hash, by its name when it is an identifier (what the layout's ids and
+    subjects are made of), else by its size: a corrupt record may hold anything, personal
+    data or a megabyte of it."""
     text = name.decode(errors="replace")
-    shown = repr(text) if _SHOWN.fullmatch(text) else f"of {len(name):,} bytes"
+    shown = repr(text) if is_identifier(text) else f"of {len(name):,} bytes"
     return f"{key} field {shown}"
 
 
@@ -71,12 +66,11 @@ def _member_label(key: str, member: bytes, index: int) -> str:
     except ValueError:
         value = None
     if isinstance(value, dict):
-        found = value.get(
-            "id"
-        )  # (the original server's ids are strings, coda-memory's whole numbers)
+        # (The original server's ids are strings, coda-memory's whole numbers.)
+        found = value.get("id")
         if isinstance(found, int) and not isinstance(found, bool):
             return f"{key} id {found}"
-        if isinstance(found, str) and _SHOWN.fullmatch(found):
+        if is_identifier(found):
             return f"{key} id {found!r}"
     return f"{key} member #{index} ({len(member):,} bytes)"
 
