@@ -682,42 +682,30 @@ class MemoryService(ObservationWriter):
         of the timeout, then, with a fallback answer made meanwhile, up to
         :data:`ANSWER_BY` of it; and when that runs out, the fallback (the facts of the
         identity's last consolidation, or empty)."""
+        loop = asyncio.get_running_loop()
         if self._closed:  # its store is closed: asking it would open connections again
-            self._load_errors += 1
-            self._log.warning(
-                "load failed: closed",
-                "coda-memory: load_memory after close(); returning empty",
-            )
-            return LoadedMemory.empty(), "error"
-        if self._loop is not None and self._loop is not asyncio.get_running_loop():
+            return self._refused("closed", "load_memory after close()")
+        if self._loop is not None and self._loop is not loop:
             # Its connections live on the other loop: not one is touched from this one.
-            self._load_errors += 1
-            self._log.warning(
-                "load failed: wrong loop",
-                "coda-memory: load_memory from an event loop the service does not run on; "
-                "returning empty (create one service per event loop)",
+            return self._refused(
+                "wrong loop",
+                "load_memory from an event loop the service does not run on (create one "
+                "service per event loop)",
             )
-            return LoadedMemory.empty(), "error"
         if not isinstance(identity_id, str):  # a UUID or an int from a host: no store is asked
-            self._load_errors += 1
-            self._log.warning(
-                "load failed: identity not a string",
-                "coda-memory: load_memory got an identity of type %s, not str; returning empty",
+            return self._refused(
+                "identity not a string",
+                "load_memory got an identity of type %s, not str",
                 type(identity_id).__name__,
             )
-            return LoadedMemory.empty(), "error"
         try:  # (a str enum member: its value, as it was stored)
             identity_id = check_identity(identity_id)
         except ObservationRejected as rejected:  # no store could hold it: none is asked
-            self._load_errors += 1
-            self._log.warning(
-                "load failed: identity unusable",
-                "coda-memory: load_memory got an identity the store cannot hold (%s); "
-                "returning empty",
+            return self._refused(
+                "identity unusable",
+                "load_memory got an identity the store cannot hold (%s)",
                 rejected.reason,
             )
-            return LoadedMemory.empty(), "error"
-        loop = asyncio.get_running_loop()
         started = loop.time()
         task: asyncio.Task[LoadedMemory | None] | None = None
         fallback: asyncio.Task[LoadedMemory | None] | None = None
@@ -962,6 +950,15 @@ class MemoryService(ObservationWriter):
             prompt_section=section,
             tool_affinities=extract_tool_affinities(facts),
         )
+
+    def _refused(self, cause: str, message: str, *args: object) -> tuple[LoadedMemory, str]:
+        """A load answered empty before any store is asked: counted in ``load_errors``,
+        with a log line (``message``, then "; returning empty") of cause ``load failed:
+        {cause}``."""
+        self._load_errors += 1
+        line = f"coda-memory: {message}; returning empty"
+        self._log.warning(f"load failed: {cause}", line, *args)
+        return LoadedMemory.empty(), "error"
 
     def _finished(self, identity_id: str, task: asyncio.Task[LoadedMemory | None]) -> None:
         self._background.discard(task)
