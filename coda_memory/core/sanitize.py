@@ -203,9 +203,7 @@ def _value_drop(char: str) -> bool:
 
 def without_nul_or_surrogates(value: str) -> str:
     """``value`` without NUL and lone surrogates (see :func:`has_nul_or_surrogate`)."""
-    if not has_nul_or_surrogate(value):
-        return value
-    return "".join(char for char in value if not _value_drop(char))
+    return _scrub(value, len(value), _value_drop)
 
 
 def has_nul_or_surrogate(value: str) -> bool:
