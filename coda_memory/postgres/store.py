@@ -66,9 +66,10 @@ TABLE``, ``VACUUM FULL`` or ``LOCK TABLE``; ``SHARE`` for ``CREATE INDEX``). A r
 does not wait for such a lock longer than ``table_lock_timeout`` (25 ms):
 
 * the peek's statements run under it (the request connections' ``lock_timeout``); when
-  a table it reads is held, the store reads the facts alone (or takes the kept ones)
-  and says that nothing waits, so the load answers from the stored facts at once and
-  the new observations wait, unconsumed, for a load that can consolidate them;
+  a table it reads is held, the store reads the facts alone (the kept ones only when
+  ``facts`` is held too) and says that nothing waits, so the load answers from the
+  stored facts at once and the new observations wait, unconsumed, for a load that can
+  consolidate them;
 * a consolidation first locks the four tables it writes in ``ROW EXCLUSIVE`` mode (the
   mode its statements take anyway, which no other consolidation, append or prune
   conflicts with), and ``rollup_owed``, which its prune reads, in ``ACCESS SHARE``
@@ -698,15 +699,21 @@ class PostgresStore:
         return row
 
     async def _facts_alone(self, identity_id: str, known: Known | None) -> list[Fact]:
-        """The identity's stored facts, read from ``facts`` only (the kept ones when
-        kept: without the checkpoint, their version can't be checked, and they are as
-        good as any)."""
-        if known is not None:
+        """The identity's stored facts, read from ``facts`` only. The kept ones only when
+        ``facts`` is held too: without the checkpoint their version can't be checked, and
+        another process may have changed the facts since, or forgotten the identity (the
+        kept facts of a forgotten identity answered every load for as long as a
+        migration held ``checkpoints``)."""
+        try:
+            facts = await self._read(
+                identity_id, lambda raw: stored_facts(raw, self._statements, identity_id)
+            )
+        except Exception as error:
+            if known is None or sqlstate(error) != LOCK_NOT_AVAILABLE:
+                raise
             return await known.facts()
         self._known.reads += 1
-        return await self._read(
-            identity_id, lambda raw: stored_facts(raw, self._statements, identity_id)
-        )
+        return facts
 
     async def history(self, identity_id: str, subject: str | None = None) -> list[FactEvent]:
         return await self.run(

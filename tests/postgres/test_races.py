@@ -329,6 +329,57 @@ async def test_under_a_held_table_a_load_answers_from_the_stored_facts_at_once(
         await service.close()
 
 
+@pytest.mark.parametrize("table", ["checkpoints", "observations"])
+@pytest.mark.parametrize("change", ["forgotten", "consolidated"])
+async def test_under_a_held_table_the_kept_facts_do_not_answer_for_what_another_process_changed(
+    pg_url: str, clock: FakeClock, admin: asyncpg.Connection, table: str, change: str
+) -> None:
+    """The peek held out reads the facts alone: the facts this process keeps, whose
+    version it cannot check, would answer with a forgotten identity's facts, or without
+    what another process consolidated, for as long as the table is held."""
+    service = patient_service(pg_url, clock)
+    other = patient_service(pg_url, clock)
+    try:
+        service.emit_observation("u1", tool_ok("t"))
+        await service.drain()
+        assert [f.subject for f in (await service.load_memory("u1")).facts] == ["tool_affinity:t"]
+        if change == "forgotten":
+            await other.forget("u1")
+            expected: set[str] = set()
+        else:
+            other.emit_observation("u1", tool_ok("u", session="s2"))
+            await other.drain()
+            await other.consolidate("u1")
+            expected = {"tool_affinity:t", "tool_affinity:u"}
+        lock = await hold(admin, table)
+        memory = await asyncio.wait_for(service.load_memory("u1"), 4)
+        assert {f.subject for f in memory.facts} == expected
+        assert service.stats().peeks_held_out == 1
+        await lock.rollback()
+    finally:
+        await other.close()
+        await service.close()
+
+
+async def test_under_a_held_facts_table_the_kept_facts_answer(
+    pg_url: str, clock: FakeClock, admin: asyncpg.Connection
+) -> None:
+    """With ``facts`` held, neither the peek nor the facts alone can be read: the kept
+    facts answer, as after a consolidation that failed (the README's ``forget``)."""
+    service = patient_service(pg_url, clock)
+    try:
+        service.emit_observation("u1", tool_ok("t"))
+        await service.drain()
+        await service.load_memory("u1")
+        lock = await hold(admin, "facts")
+        memory = await asyncio.wait_for(service.load_memory("u1"), 4)
+        assert [f.subject for f in memory.facts] == ["tool_affinity:t"]
+        assert (service.stats().peeks_held_out, service.stats().load_errors) == (1, 0)
+        await lock.rollback()
+    finally:
+        await service.close()
+
+
 async def test_a_consolidation_fails_at_once_on_a_held_table_and_the_load_answers_stale(
     pg_url: str, clock: FakeClock, admin: asyncpg.Connection
 ) -> None:
