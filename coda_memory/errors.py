@@ -18,8 +18,9 @@ class AccessDenied(CodaMemoryError):
 
 
 class ConnectionLost(CodaMemoryError):
-    """The database connection died in the middle of a unit of work; nothing of it was
-    committed unless the commit itself had already been acknowledged. Also what
+    """The database connection died in the middle of a unit of work, or the server it
+    reached only reads (a hot standby, a writer that a failover demoted); nothing of it
+    was committed unless the commit itself had already been acknowledged. Also what
     ``MemoryService.start()`` raises when it cannot reach the database at all."""
 
 

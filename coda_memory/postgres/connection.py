@@ -34,6 +34,7 @@ from typing import Any, TypeVar
 import asyncpg
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
+from sqlalchemy.pool import Pool
 
 from coda_memory.core.cancellation import run_to_end
 from coda_memory.core.logs import without_argument_values
@@ -76,6 +77,27 @@ def is_dead_connection(error: BaseException) -> bool:
     return False
 
 
+#: SQLSTATE of a write refused because the session only reads (read_only_sql_transaction):
+#: a hot standby, a writer that a failover demoted (Aurora, Patroni), a role or server
+#: with default_transaction_read_only.
+READ_ONLY = "25006"
+
+
+def is_read_only(error: BaseException) -> bool:
+    """True when ``error`` says the connection's session only reads: it is of no use to
+    this library, and thrown away (not given back to its pool), so that the next one,
+    made after a failover, reaches the server that writes now. The pool's other
+    connections are not replaced with it: each one made before is thrown away when it
+    fails the same way (a disposed pool would leave them open)."""
+    return sqlstate(error) == READ_ONLY
+
+
+def is_unusable(error: BaseException) -> bool:
+    """The connection is dead (:func:`is_dead_connection`) or only reads
+    (:func:`is_read_only`): thrown away, never given back to its pool."""
+    return is_dead_connection(error) or is_read_only(error)
+
+
 #: SQLSTATE of a lock wait that ``lock_timeout`` ended (lock_not_available).
 LOCK_NOT_AVAILABLE = "55P03"
 #: SQLSTATE of "permission denied" (insufficient_privilege).
@@ -98,7 +120,7 @@ def is_connection_error(error: BaseException) -> bool:
     (connecting, to a database not accepting connections now, with a password the server
     refused), which no value of the work can have caused; unless it says a value was
     refused (a deferred constraint at COMMIT would), which retrying cannot mend."""
-    if is_dead_connection(error):
+    if is_unusable(error):
         return True
     if isinstance(error, DBAPIError) and error.statement is None and not is_data_error(error):
         return True
@@ -229,13 +251,22 @@ def _may_replace(engine: AsyncEngine, error: BaseException) -> bool:
     return is_dead_connection(error) and engine not in _RELEASED
 
 
+async def _replace_pool(engine: AsyncEngine, pool: Pool) -> None:
+    """A fresh pool for ``engine`` in place of ``pool``, whose connection died (its
+    other connections likely with it), unless a concurrent failure replaced it already:
+    replaced again, the fresh pool would be dropped with the connections made in it
+    meanwhile still open (SQLAlchemy's ``dispose(close=False)`` closes none)."""
+    if engine.pool is pool:
+        await engine.dispose(close=False)
+
+
 async def _attempt(engine: AsyncEngine, work: Callable[[AsyncConnection], Awaitable[T]]) -> T:
     conn = await engine.connect().start()
     try:
         return await work(conn)
     except Exception as error:
         # SQLAlchemy invalidates what it saw die; asyncpg errors it did not see.
-        if is_dead_connection(error) and not conn.invalidated:
+        if is_unusable(error) and not conn.invalidated:
             await conn.invalidate()
         raise
     finally:
@@ -253,12 +284,13 @@ async def run(
     """Run ``work`` in a connection of ``engine``; on a dead connection, replace the pool
     and run idempotent work once more, else raise :class:`ConnectionLost`."""
     with schema_required(schema):
+        pool = engine.pool
         try:
             return await _attempt(engine, work)
         except Exception as error:
             if not _may_replace(engine, error):
                 raise
-            await engine.dispose(close=False)
+            await _replace_pool(engine, pool)
             if not idempotent:
                 raise ConnectionLost(f"the connection died: {error!r}") from error
         return await _attempt(engine, work)
@@ -318,9 +350,11 @@ async def driver_transaction(
     BEGIN and its settings in one round trip); what is not committed is rolled back, even
     when the caller is cancelled meanwhile (:func:`let_go`). ``doing`` completes the
     :class:`ConnectionLost` message ("while …")."""
+    pool = engine.pool
     conn = await engine.connect().start()
     driver: Any = None
     interrupted = True
+    dead = False
     try:
         driver = await driver_connection(conn)
         with schema_required(schema):
@@ -332,19 +366,22 @@ async def driver_transaction(
                 # Died while idle in the pool: nothing was done yet, so begin once
                 # more on a fresh connection of a fresh pool.
                 await conn.invalidate()
-                await engine.dispose(close=False)
+                await _replace_pool(engine, pool)
                 driver = await driver_connection(conn)
                 await driver.execute(begin)
         yield driver
         interrupted = False
     except Exception as error:
-        if is_dead_connection(error):
+        if is_unusable(error):
+            dead = True
             raise ConnectionLost(f"the connection died {doing}: {error!r}") from error
         raise
     finally:
         settle = (
             None
             if driver is None
+            else conn.invalidate  # not given back: dead, or read-only
+            if dead
             else partial(_end_transaction, conn, driver, interrupted=interrupted)
         )
         await let_go(engine, conn, settle)

@@ -453,7 +453,10 @@ class PostgresStore:
         except Exception as error:
             if is_connection_error(error):
                 raise ConnectionLost(
-                    f"the connection died while storing a batch ({type(error).__name__})"
+                    # The server's reason: a refused connection (too many, a password
+                    # rotated), a shutdown, a read-only server are not the same to fix.
+                    "no usable connection while storing a batch "
+                    f"({type(error).__name__}: {error_reason(error)})"
                 ) from error
             state = sqlstate(error)
             if state in _BUSY:

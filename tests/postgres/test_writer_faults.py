@@ -13,7 +13,14 @@ import psutil
 import pytest
 from sqlalchemy.engine import make_url
 
-from coda_memory import MemoryService, NewObservation, ObservationType, migrate_async
+from coda_memory import (
+    LoadedMemory,
+    MemoryService,
+    NewObservation,
+    ObservationType,
+    migrate_async,
+)
+from coda_memory.errors import ConnectionLost
 from coda_memory.ports import AppendOutcome, ObservationRecord
 from tests.helpers import FakeClock, tool_ok
 from tests.postgres.helpers import fetch
@@ -123,6 +130,80 @@ async def test_a_database_not_accepting_connections_keeps_the_batch_for_later(
         assert (stats.stored, stats.rejected, stats.pending) == (5, 0, 0)
     finally:
         await fetch(admin, f'ALTER DATABASE "{database}" ALLOW_CONNECTIONS true')
+        await service.close()
+
+
+async def test_a_read_only_database_keeps_the_batches_for_later_and_is_left_when_writable(
+    empty_pg_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A server that only reads (an Aurora writer demoted by a failover, a hot standby,
+    default_transaction_read_only) rejected every batch as if its data were bad, and its
+    connections stayed read-only in the pools once it was writable again: loads failed
+    and observations were lost until the process restarted."""
+    await migrate_async(empty_pg_url)
+    database = make_url(empty_pg_url).database
+    admin = make_url(empty_pg_url).set(database="postgres").render_as_string(False)
+    service = MemoryService.from_url(empty_pg_url, clock=FakeClock(), load_timeout=5.0)
+    users = ["alice", "bob", "carol", "dave"]
+
+    def counts(loaded: LoadedMemory) -> list[tuple[str, int]]:
+        return [(f.subject, f.reinforcement_count) for f in loaded.facts]
+
+    try:
+        await service.start()
+        for user in users:
+            service.emit_observation(user, tool_ok("get_account", session="s0"))
+        await service.drain(10)
+        for user in users:
+            assert len((await service.load_memory(user)).facts) == 1
+        for user in ("alice", "bob"):  # stored: their next loads consolidate it
+            service.emit_observation(user, tool_ok("get_account", session="s1"))
+        await service.drain(10)
+        # The service's connections are replaced by read-only ones, as by a failover.
+        await fetch(admin, f'ALTER DATABASE "{database}" SET default_transaction_read_only = on')
+        await fetch(
+            admin,
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+            "WHERE datname = :db AND pid <> pg_backend_pid()",
+            db=database,
+        )
+        # A service starting now is told why it can't (the FastAPI example serves on).
+        starting = MemoryService.from_url(empty_pg_url, clock=FakeClock())
+        try:
+            with pytest.raises(ConnectionLost, match="read-only transaction"):
+                await starting.start()
+        finally:
+            await starting.close()
+        # Loads meanwhile: carol's and dave's peek (nothing waits) on read-only connections
+        # of their own, which stay in the pool.
+        await asyncio.gather(*(service.load_memory(user) for user in ("carol", "dave")))
+        with caplog.at_level(logging.WARNING, "coda_memory"):
+            for n in range(2, 7):
+                service.emit_observation("alice", tool_ok("get_account", session=f"s{n}"))
+            async with asyncio.timeout(10):  # the writer tried, and waits to retry
+                while "storing 5 observation(s) failed" not in caplog.text:
+                    await asyncio.sleep(0.01)
+            # The reason the server gave, not "the connection died".
+            assert "read-only transaction" in caplog.text
+        assert service.stats().rejected == 0
+        await fetch(admin, f'ALTER DATABASE "{database}" RESET default_transaction_read_only')
+        # Writable again: no connection is reset from outside, the service leaves the
+        # read-only ones by itself. A consolidation that meets one fails (its load is
+        # answered from the facts at hand) and throws it away, so at most the three
+        # opened while the server only read fail one load each.
+        await service.drain(10)
+        stats = service.stats()
+        assert (stats.stored, stats.rejected, stats.pending) == (11, 0, 0)
+        stale = service.stats().load_stale
+        for user, count in (("alice", 7), ("bob", 2)):
+            for _ in range(4):
+                loaded = counts(await service.load_memory(user))
+                if loaded != [("tool_affinity:get_account", 1)]:
+                    break
+            assert loaded == [("tool_affinity:get_account", count)]
+        assert service.stats().load_stale - stale <= 3
+    finally:
+        await fetch(admin, f'ALTER DATABASE "{database}" RESET default_transaction_read_only')
         await service.close()
 
 
