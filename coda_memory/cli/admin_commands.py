@@ -63,19 +63,34 @@ def migrate(
         bool,
         typer.Option(
             "--sql",
-            help="Print the DDL that creates the schema from scratch, for review, "
-            "without connecting to any database.",
+            help="Print the DDL that creates the schema from scratch (or, with --from, "
+            "upgrades it), for review, without connecting to any database.",
         ),
     ] = False,
+    start: Annotated[
+        str | None,
+        typer.Option(
+            "--from",
+            metavar="REVISION",
+            help="With --sql: the DDL that upgrades a schema at this revision (what "
+            "'coda-memory migrate' or 'stats' printed for it, such as 0017) to head.",
+        ),
+    ] = None,
 ) -> None:
     """Create or upgrade coda-memory's tables, then print the schema's revision."""
+    if start is not None and not sql:
+        fail("--from goes with --sql (the DDL of an upgrade, for review)", 2)
     if sql:
+        from alembic.util import CommandError
+
         from coda_memory.postgres.migrate import migration_sql
 
         try:
-            text = migration_sql(schema=validate_schema_name(schema))
+            text = migration_sql(schema=validate_schema_name(schema), start=start)
         except ValueError as exc:
             fail(str(exc), 2)
+        except CommandError as exc:  # a revision it does not know
+            fail(f"--from {start}: {exc}", 2)
         typer.echo(text, nl=False)
         return
 

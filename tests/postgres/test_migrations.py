@@ -505,6 +505,40 @@ def test_cli_migrate_sql_prints_the_ddl_without_a_database() -> None:
     assert bad.stderr.startswith("error: invalid schema name")
 
 
+async def test_cli_migrate_sql_from_a_revision_prints_the_ddl_of_the_upgrade(
+    empty_pg_url: str,
+) -> None:
+    """``--sql`` printed the DDL from an empty schema only: applied to a schema a revision
+    behind head, it failed on every table that was there already."""
+    from typer.testing import CliRunner
+
+    from coda_memory.cli import app
+
+    await migrate_async(empty_pg_url, revision="0016")
+    result = CliRunner().invoke(app, ["migrate", "--sql", "--from", "0016"])
+    assert result.exit_code == 0, result.output
+    assert "CREATE TABLE coda_memory.observations" not in result.stdout
+    # What a DBA runs with psql: the script as it is, in one simple query.
+    conn = await asyncpg.connect(empty_pg_url.replace("postgresql+asyncpg://", "postgresql://"))
+    try:
+        await conn.execute(result.stdout)
+        assert await conn.fetchval("SELECT version_num FROM coda_memory.alembic_version") == HEAD
+        assert await conn.fetchval(
+            "SELECT count(*) FROM information_schema.columns WHERE table_schema = "
+            "'coda_memory' AND table_name = 'redis_imports' AND column_name = 'bad_records'"
+        )
+    finally:
+        await conn.close()
+
+    for args, said in (
+        (["migrate", "--sql", "--from", "9999"], "error: --from 9999: Can't locate revision"),
+        (["migrate", "--from", "0016"], "error: --from goes with --sql"),
+    ):
+        refused = CliRunner().invoke(app, args)
+        assert refused.exit_code == 2
+        assert refused.stderr.startswith(said)
+
+
 def _invalid_indexes(url: str, schema: str = "coda_memory") -> list[Any]:
     return asyncio.run(
         fetch(
