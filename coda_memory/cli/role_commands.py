@@ -9,7 +9,7 @@ from typing import Annotated
 import typer
 
 from coda_memory.cli.app import SchemaOption, UrlOption, app
-from coda_memory.cli.runtime import CliError, open_store, resolve_target, run
+from coda_memory.cli.runtime import CliError, open_store, require_head, resolve_target, run
 from coda_memory.postgres.engine import driver_connection
 from coda_memory.postgres.schema import DEFAULT_SCHEMA, validate_schema_name
 from coda_memory.postgres.tenancy import apply_grants, grant_script
@@ -56,6 +56,9 @@ def grant(
     async def main() -> None:
         target = resolve_target(url, schema)
         async with open_store(target) as store, store.engine.connect() as conn:
+            # The script names the latest revision's tables: on an older schema it failed
+            # on the first that was missing, with no word of migrating.
+            await require_head(store, target, "grant")
             try:
                 await apply_grants(await driver_connection(conn), kind.value, role, schema)
             except Exception as exc:

@@ -45,6 +45,7 @@ from coda_memory.postgres.unit import Statements
 from tests.helpers import FakeClock, domain, entity, tool_failed, tool_ok
 from tests.postgres.helpers import dsn, prepared_plans, table_digests
 from tests.postgres.test_analytics import D1, call
+from tests.postgres.test_migrations import HEAD
 
 SCHEMA = "tenancy"
 PER_IDENTITY = (
@@ -926,6 +927,27 @@ def test_grant_prints_statements_with_the_role_quoted() -> None:
     assert (quote_role("PG_x"), quote_role("Public")) == ('"PG_x"', '"Public"')
     result = CliRunner().invoke(app, ["grant", "owner", "someone", "--print"])
     assert result.exit_code == 2
+
+
+def test_grant_on_a_schema_behind_head_says_to_migrate(empty_pg_url: str) -> None:
+    """The grants name the latest revision's tables: on an older schema the command failed
+    on the first one missing (``relation ... does not exist``), with no word of migrating."""
+    import asyncio
+
+    from coda_memory import migrate_async
+
+    asyncio.run(migrate_async(empty_pg_url, revision="0006"))
+    role = f"coda_grantee_{secrets.token_hex(4)}"
+    asyncio.run(_superuser(empty_pg_url, f'CREATE ROLE "{role}" NOLOGIN'))
+    try:
+        result = CliRunner().invoke(app, ["grant", "app", role, "--url", empty_pg_url])
+        assert result.exit_code == 1, result.output
+        assert result.stderr.strip().splitlines() == [
+            f"error: schema coda_memory is at revision 0006, and grant needs {HEAD}: "
+            "run coda-memory migrate"
+        ]
+    finally:
+        asyncio.run(_superuser(empty_pg_url, f'DROP OWNED BY "{role}"', f'DROP ROLE "{role}"'))
 
 
 def test_grant_applies_the_grants(pg_url: str) -> None:
