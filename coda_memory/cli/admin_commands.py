@@ -81,16 +81,19 @@ def migrate(
     if start is not None and not sql:
         fail("--from goes with --sql (the DDL of an upgrade, for review)", 2)
     if sql:
-        from alembic.util import CommandError
+        from coda_memory.postgres.migrate import migration_sql, revisions
 
-        from coda_memory.postgres.migrate import migration_sql
-
+        if start is not None and start not in (known := revisions()):
+            # (Alembic's own messages for "", "a:b" and the like are a traceback or a
+            # word about unpacking.)
+            fail(
+                f"--from {start!r}: not a revision of this coda-memory ({known[0]} to {known[-1]})",
+                2,
+            )
         try:
             text = migration_sql(schema=validate_schema_name(schema), start=start)
         except ValueError as exc:
             fail(str(exc), 2)
-        except CommandError as exc:  # a revision it does not know
-            fail(f"--from {start}: {exc}", 2)
         typer.echo(text, nl=False)
         return
 

@@ -83,6 +83,17 @@ def is_dead_connection(error: BaseException) -> bool:
 READ_ONLY = "25006"
 
 
+#: After a write that the server refused for reading only, how long an engine's
+#: transactions (the consolidations) fail at once, without taking a connection: a server
+#: that stays read-only is asked for a new connection once in that time, not at every
+#: load (one per load took 182 connections for 200 loads, and pushed loads past their
+#: timeout); one that became writable again is used again after it at the latest.
+READ_ONLY_PAUSE = 1.0
+
+#: When each engine last met a server that only reads (its loop's clock).
+_READ_ONLY_SEEN: weakref.WeakKeyDictionary[AsyncEngine, float] = weakref.WeakKeyDictionary()
+
+
 def is_read_only(error: BaseException) -> bool:
     """True when ``error`` says the connection's session only reads: it is of no use to
     this library, and thrown away (not given back to its pool), so that the next one,
@@ -90,6 +101,25 @@ def is_read_only(error: BaseException) -> bool:
     connections are not replaced with it: each one made before is thrown away when it
     fails the same way (a disposed pool would leave them open)."""
     return sqlstate(error) == READ_ONLY
+
+
+def _note_read_only(engine: AsyncEngine, error: BaseException) -> None:
+    if is_read_only(error):
+        _READ_ONLY_SEEN[engine] = asyncio.get_running_loop().time()
+
+
+def _refuse_if_read_only(engine: AsyncEngine, doing: str) -> None:
+    """Raise :class:`ConnectionLost` when ``engine`` met a server that only reads less than
+    :data:`READ_ONLY_PAUSE` ago."""
+    seen = _READ_ONLY_SEEN.get(engine)
+    if seen is None:
+        return
+    ago = asyncio.get_running_loop().time() - seen
+    if 0 <= ago < READ_ONLY_PAUSE:
+        raise ConnectionLost(
+            f"the server only reads (a standby, or a failover under way) {doing}: "
+            f"asked again {READ_ONLY_PAUSE - ago:.2f} s from now"
+        )
 
 
 def is_unusable(error: BaseException) -> bool:
@@ -268,6 +298,7 @@ async def _attempt(engine: AsyncEngine, work: Callable[[AsyncConnection], Awaita
         # SQLAlchemy invalidates what it saw die; asyncpg errors it did not see.
         if is_unusable(error) and not conn.invalidated:
             await conn.invalidate()
+        _note_read_only(engine, error)
         raise
     finally:
         # The pool rolls back the transaction SQLAlchemy began, when it takes it back.
@@ -350,6 +381,7 @@ async def driver_transaction(
     BEGIN and its settings in one round trip); what is not committed is rolled back, even
     when the caller is cancelled meanwhile (:func:`let_go`). ``doing`` completes the
     :class:`ConnectionLost` message ("while …")."""
+    _refuse_if_read_only(engine, doing)
     pool = engine.pool
     conn = await engine.connect().start()
     driver: Any = None
@@ -372,7 +404,11 @@ async def driver_transaction(
         yield driver
         interrupted = False
     except Exception as error:
-        if is_unusable(error):
+        if is_read_only(error):
+            dead = True
+            _note_read_only(engine, error)
+            raise ConnectionLost(f"the server only reads {doing}: {error!r}") from error
+        if is_dead_connection(error):
             dead = True
             raise ConnectionLost(f"the connection died {doing}: {error!r}") from error
         raise

@@ -61,6 +61,12 @@ def known_revision(revision: str, script: ScriptDirectory | None = None) -> bool
         return False
 
 
+def revisions() -> list[str]:
+    """The ids of coda-memory's migrations, oldest first (no symbolic name: not ``head``)."""
+    script = ScriptDirectory.from_config(alembic_config())
+    return [found.revision for found in reversed(list(script.walk_revisions()))]
+
+
 #: The advisory lock that serialises the migrations of one schema (its key, from the
 #: schema's name): replicas that all migrate as they start take turns, and each finds
 #: the schema as the one before left it.

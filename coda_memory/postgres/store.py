@@ -125,6 +125,7 @@ from coda_memory.postgres.connection import (
     driver_transaction,
     error_reason,
     is_connection_error,
+    is_read_only,
     let_go,
     lock_timeout_clause,
     released,
@@ -405,10 +406,11 @@ class PostgresStore:
             if not (is_connection_error(error) or isinstance(error, OSError | TimeoutError)):
                 raise
             url = self.request_engine.url
+            where = f"the database at {url.host or 'localhost'}:{url.port or 5432}"
+            what = f"{where} only reads" if is_read_only(error) else f"cannot reach {where}"
             raise ConnectionLost(
-                f"cannot reach the database at {url.host or 'localhost'}:{url.port or 5432} "
-                f"({type(error).__name__}: {error_reason(error)}); the service starts on "
-                "first use once it answers"
+                f"{what} ({type(error).__name__}: {error_reason(error)}); the service starts "
+                "on first use once it answers"
             ) from error
 
     async def append(

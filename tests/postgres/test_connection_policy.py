@@ -7,6 +7,7 @@ is gone), while they sit idle in the store's pool.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable, Callable
 from datetime import timedelta
 from typing import Any
@@ -28,7 +29,15 @@ from coda_memory.postgres.maintenance import (
     prune_consolidated,
     store_stats,
 )
-from tests.postgres.helpers import NOW, consolidate, event, fact, fetch, record
+from tests.postgres.helpers import (
+    NOW,
+    backends_once_closed,
+    consolidate,
+    event,
+    fact,
+    fetch,
+    record,
+)
 
 
 async def kill_pooled_connections(store: PostgresStore, admin_url: str) -> None:
@@ -69,6 +78,29 @@ async def test_idempotent_work_on_a_dead_connection_runs_once_more(
     await kill_pooled_connections(pg_store, admin_url)
     assert await run(pg_store.engine, pg_store.schema, work, idempotent=True) == 1
     assert attempts == 2
+
+
+async def test_connections_found_dead_together_replace_the_pool_once(
+    pg_url: str, admin_url: str
+) -> None:
+    """Each of three peeks that found its connection dead replaced the pool: the second
+    replacement dropped the pool the first had made, with the connection made in it
+    meanwhile still open, left to the garbage collector (store.close() could not reach
+    it)."""
+    store = PostgresStore.from_url(pg_url, pool_size=3)
+    try:
+        await store.start()  # three connections in the request pool
+        killed = await fetch(
+            admin_url,
+            "SELECT count(*) FILTER (WHERE pg_terminate_backend(pid, 10000)) "
+            "FROM pg_stat_activity WHERE datname = :db AND pid <> pg_backend_pid()",
+            db=store.engine.url.database,
+        )
+        assert killed[0][0] >= 3
+        await asyncio.gather(*(store.peek(f"user-{n}") for n in range(3)))
+    finally:
+        await store.close()
+    assert await backends_once_closed(admin_url, store.engine.url.database) == 0
 
 
 @pytest.mark.parametrize("statement", WORK, ids=["sqlalchemy", "asyncpg"])

@@ -531,7 +531,10 @@ async def test_cli_migrate_sql_from_a_revision_prints_the_ddl_of_the_upgrade(
         await conn.close()
 
     for args, said in (
-        (["migrate", "--sql", "--from", "9999"], "error: --from 9999: Can't locate revision"),
+        (["migrate", "--sql", "--from", "9999"], "error: --from '9999': not a revision"),
+        (["migrate", "--sql", "--from", ""], "error: --from '': not a revision"),
+        (["migrate", "--sql", "--from", "0016:0017"], "error: --from '0016:0017': not a"),
+        (["migrate", "--sql", "--from", "head"], "error: --from 'head': not a revision"),
         (["migrate", "--from", "0016"], "error: --from goes with --sql"),
     ):
         refused = CliRunner().invoke(app, args)

@@ -22,6 +22,7 @@ from coda_memory import (
 )
 from coda_memory.errors import ConnectionLost
 from coda_memory.ports import AppendOutcome, ObservationRecord
+from coda_memory.postgres.connection import READ_ONLY_PAUSE
 from tests.helpers import FakeClock, tool_ok
 from tests.postgres.helpers import fetch
 
@@ -189,19 +190,62 @@ async def test_a_read_only_database_keeps_the_batches_for_later_and_is_left_when
         await fetch(admin, f'ALTER DATABASE "{database}" RESET default_transaction_read_only')
         # Writable again: no connection is reset from outside, the service leaves the
         # read-only ones by itself. A consolidation that meets one fails (its load is
-        # answered from the facts at hand) and throws it away, so at most the three
-        # opened while the server only read fail one load each.
+        # answered from the facts at hand) and throws it away, and for READ_ONLY_PAUSE
+        # after it consolidations fail at once; then the writable server answers.
         await service.drain(10)
         stats = service.stats()
         assert (stats.stored, stats.rejected, stats.pending) == (11, 0, 0)
-        stale = service.stats().load_stale
         for user, count in (("alice", 7), ("bob", 2)):
-            for _ in range(4):
-                loaded = counts(await service.load_memory(user))
-                if loaded != [("tool_affinity:get_account", 1)]:
-                    break
+            async with asyncio.timeout(10):
+                while (loaded := counts(await service.load_memory(user))) == [
+                    ("tool_affinity:get_account", 1)
+                ]:
+                    await asyncio.sleep(0.05)  # polling until the pause is over
             assert loaded == [("tool_affinity:get_account", count)]
-        assert service.stats().load_stale - stale <= 3
+    finally:
+        await fetch(admin, f'ALTER DATABASE "{database}" RESET default_transaction_read_only')
+        await service.close()
+
+
+async def test_a_read_only_database_is_asked_for_a_connection_once_a_second_not_per_load(
+    empty_pg_url: str,
+) -> None:
+    """Each consolidation that met the read-only server threw its connection away, and
+    the next one made another: 182 new connections for 200 loads, loads past their
+    timeout for the time it took to connect."""
+    await migrate_async(empty_pg_url)
+    database = make_url(empty_pg_url).database
+    admin = make_url(empty_pg_url).set(database="postgres").render_as_string(False)
+    service = MemoryService.from_url(empty_pg_url, clock=FakeClock(), load_timeout=5.0)
+    users = [f"user-{n}" for n in range(5)]
+
+    async def sessions() -> int:
+        rows = await fetch(
+            admin, "SELECT sessions FROM pg_stat_database WHERE datname = :db", db=database
+        )
+        return int(rows[0][0])
+
+    try:
+        for user in users:
+            service.emit_observation(user, tool_ok("get_account", session="s0"))
+        await service.drain(10)  # stored, not consolidated: every load consolidates
+        await fetch(admin, f'ALTER DATABASE "{database}" SET default_transaction_read_only = on')
+        await fetch(
+            admin,
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+            "WHERE datname = :db AND pid <> pg_backend_pid()",
+            db=database,
+        )
+        before = await sessions()
+        started = asyncio.get_running_loop().time()
+        for _ in range(4):
+            for user in users:
+                assert (await service.load_memory(user)).facts == []
+        took = asyncio.get_running_loop().time() - started
+        assert service.stats().load_errors == 20
+        # (The fetches connect to another database.) One for the peeks, and one a second
+        # at most for the consolidations.
+        assert await sessions() - before <= 2 + int(took / READ_ONLY_PAUSE)
     finally:
         await fetch(admin, f'ALTER DATABASE "{database}" RESET default_transaction_read_only')
         await service.close()
