@@ -34,14 +34,14 @@ from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import ResponseError
+from redis.exceptions import OutOfMemoryError, ReadOnlyError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from coda_memory.core.cancellation import run_to_end, to_the_end
 from coda_memory.core.logs import identity_label
 from coda_memory.core.model import Fact, FactEvent, Observation
 from coda_memory.core.options import NONE, require_types
-from coda_memory.errors import ConnectionLost
+from coda_memory.errors import ConnectionLost, StoreBusy
 from coda_memory.ports import AppendOutcome, Forgotten, ObservationRecord, unidentified
 from coda_memory.redis.codec import (
     BadRecord,
@@ -69,6 +69,8 @@ DEFAULT_SESSION_HORIZON = timedelta(days=30)
 #: for the other writers too).
 BATCH_KEYS_FOR_MS = 24 * 60 * 60 * 1000
 BATCH_KEYS_KEPT = 200
+#: How many times a lock's release is sent when the connection it went on was dead.
+RELEASE_ATTEMPTS = 3
 
 _SCRIPTS = ("append", "peek", "load", "commit", "unlock", "forget")
 #: The keys of an identity that an append writes, in the order append.lua takes them.
@@ -216,8 +218,20 @@ class RedisStore:
     ) -> AppendOutcome:
         """Store a batch once per ``batch_key`` (see :data:`BATCH_KEYS_KEPT`); a lost
         connection raises ConnectionLost."""
-        with _lost_while("storing observations"):
-            return await self._append(records, batch_key or str(uuid.uuid4()))
+        try:
+            with _lost_while("storing observations"):
+                return await self._append(records, batch_key or str(uuid.uuid4()))
+        except ConnectionLost as lost:
+            await self._leave_if_read_only(lost)
+            raise
+
+    async def _leave_if_read_only(self, lost: ConnectionLost) -> None:
+        """After a write that a replica refused (a failover demoted the server, or the URL
+        names a replica): the idle connections are closed, so that the next ones, made
+        anew, reach the server that is the primary now (the pool kept them, and every
+        write failed until the process restarted)."""
+        if isinstance(lost.__cause__, ReadOnlyError):
+            await self.client.connection_pool.disconnect(inuse_connections=False)
 
     async def _append(self, records: Sequence[ObservationRecord], key: str) -> AppendOutcome:
         by_identity: dict[str, list[tuple[int, ObservationRecord]]] = {}
@@ -318,8 +332,20 @@ class RedisStore:
         lock expires by itself after ``lock_ttl``."""
 
         async def release() -> None:
-            with contextlib.suppress(RedisConnectionError, RedisTimeoutError):
-                await self._script("unlock")(keys=[self.keys.of("lock", identity_id)], args=[token])
+            # A dead pooled connection fails once and is thrown away: try again on a
+            # fresh one (the unlock is by token, so a repeat is harmless). Sent once over
+            # a connection that a killed client or an idle timeout had closed, the unlock
+            # was lost, and every consolidation of the identity timed out for lock_ttl.
+            for attempt in range(RELEASE_ATTEMPTS):
+                try:
+                    await self._script("unlock")(
+                        keys=[self.keys.of("lock", identity_id)], args=[token]
+                    )
+                    return
+                except (RedisConnectionError, RedisTimeoutError):
+                    await asyncio.sleep(0.01 * attempt)
+                except ReadOnlyError:
+                    return  # a replica now: the lock expires with the old primary's data
 
         await run_to_end(release(), limit=self.lock_ttl.total_seconds() if limit is None else limit)
 
@@ -328,7 +354,11 @@ class RedisStore:
         """The identity's lock, held for the block (its token), released however the
         block ends, a cancellation included (see ``_acquire`` and ``_release``)."""
         token = secrets.token_hex(16)
-        await self._acquire(identity_id, token)
+        try:
+            await self._acquire(identity_id, token)
+        except ConnectionLost as lost:
+            await self._leave_if_read_only(lost)
+            raise
         try:
             yield token
         finally:
@@ -502,6 +532,12 @@ def _lost_while(doing: str) -> Iterator[None]:
         raise ConnectionLost(
             f"the connection to Redis failed while {doing}: {type(error).__name__}"
         ) from error
+    except ReadOnlyError as error:
+        # A replica (after a failover, or named by the URL): retried, not blamed on rows.
+        raise ConnectionLost(f"Redis only reads (a replica) while {doing}") from error
+    except OutOfMemoryError as error:
+        # maxmemory with noeviction: a write to retry later, not a bad batch.
+        raise StoreBusy(f"Redis refused a write while {doing}: it is at maxmemory") from error
 
 
 def _decoded(raw: bytes | str) -> str:

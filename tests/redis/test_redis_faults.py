@@ -1,0 +1,123 @@
+"""The Redis store on a server of its own that the tests turn into a replica, fill to
+``maxmemory`` or drop the clients of: what a failover, a full server or a restarted proxy
+does to a running service. Each test starts its own ``redis-server`` (the machine's is
+shared with other tests)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+from collections.abc import AsyncIterator, Iterator
+
+import pytest
+import redis.asyncio as aioredis
+
+from coda_memory import MemoryService
+from coda_memory.redis import RedisStore
+from tests.helpers import FakeClock, tool_ok
+from tests.redis_fixtures import _own_server
+
+pytestmark = pytest.mark.redis
+
+
+@pytest.fixture
+def own_redis_url() -> Iterator[str]:
+    with contextlib.contextmanager(_own_server)() as url:
+        yield url
+
+
+@pytest.fixture
+async def admin(own_redis_url: str) -> AsyncIterator[aioredis.Redis]:
+    client = aioredis.Redis.from_url(own_redis_url)
+    yield client
+    await client.aclose()
+
+
+def _closed_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+        return port
+
+
+async def test_a_replica_keeps_the_batches_for_later_and_is_left_when_writable(
+    own_redis_url: str, admin: aioredis.Redis, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A failover that made the server a replica (or a URL naming one): every write failed
+    with READONLY, which the writer took for bad input and rejected for good, and the
+    consolidation lock could not be released."""
+    service = MemoryService.from_url(own_redis_url, clock=FakeClock(), load_timeout=5.0)
+    try:
+        service.emit_observation("alice", tool_ok("get_account", session="s0"))
+        await service.drain(10)
+        assert len((await service.load_memory("alice")).facts) == 1
+        # A replica of a primary that does not answer: it keeps its data, and refuses writes.
+        await admin.replicaof("127.0.0.1", _closed_port())
+        with caplog.at_level(logging.WARNING, "coda_memory"):
+            for n in range(1, 6):
+                service.emit_observation("alice", tool_ok("get_account", session=f"s{n}"))
+            async with asyncio.timeout(10):  # the writer tried, and waits to retry
+                while "storing 5 observation(s) failed" not in caplog.text:
+                    await asyncio.sleep(0.01)
+            assert "Redis only reads" in caplog.text
+        assert service.stats().rejected == 0
+        await admin.replicaof("NO", "ONE")
+        await service.drain(10)
+        stats = service.stats()
+        assert (stats.stored, stats.rejected, stats.pending) == (6, 0, 0)
+        loaded = await service.load_memory("alice")
+        assert [(f.subject, f.reinforcement_count) for f in loaded.facts] == [
+            ("tool_affinity:get_account", 6)
+        ]
+    finally:
+        await admin.replicaof("NO", "ONE")
+        await service.close()
+
+
+async def test_a_server_at_maxmemory_keeps_the_batches_for_later(
+    own_redis_url: str, admin: aioredis.Redis, caplog: pytest.LogCaptureFixture
+) -> None:
+    """maxmemory with noeviction refuses writes (OOM): the writer rejected them for good,
+    as bad input."""
+    service = MemoryService.from_url(own_redis_url, clock=FakeClock(), load_timeout=5.0)
+    try:
+        service.emit_observation("alice", tool_ok("get_account", session="s0"))
+        await service.drain(10)
+        await admin.config_set("maxmemory-policy", "noeviction")
+        await admin.config_set("maxmemory", "1")
+        with caplog.at_level(logging.WARNING, "coda_memory"):
+            for n in range(1, 6):
+                service.emit_observation("alice", tool_ok("get_account", session=f"s{n}"))
+            async with asyncio.timeout(10):  # the writer tried, and waits to retry
+                while "storing 5 observation(s) waits" not in caplog.text:
+                    await asyncio.sleep(0.01)
+            assert "maxmemory" in caplog.text
+        assert service.stats().rejected == 0
+        await admin.config_set("maxmemory", "0")
+        await service.drain(10)
+        stats = service.stats()
+        assert (stats.stored, stats.rejected, stats.pending) == (6, 0, 0)
+    finally:
+        await admin.config_set("maxmemory", "0")
+        await service.close()
+
+
+async def test_a_lock_is_released_after_the_connections_were_killed(
+    own_redis_url: str, admin: aioredis.Redis
+) -> None:
+    """The unlock went once, over a pooled connection that a killed client (a restarted
+    proxy, an idle timeout) had left dead: it was lost, and every consolidation of the
+    identity timed out until the lock expired."""
+    store = RedisStore.from_url(own_redis_url)
+    try:
+        async with store.consolidation("alice"):
+            assert await admin.keys("*lock*") != []
+            await admin.client_kill_filter(_type="normal", skipme=True)
+        assert await admin.keys("*lock*") == []
+        async with asyncio.timeout(2):  # taken at once, not after lock_timeout
+            async with store.consolidation("alice"):
+                pass
+    finally:
+        await store.close()
