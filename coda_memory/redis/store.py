@@ -24,12 +24,12 @@ import json
 import secrets
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from importlib import resources
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import redis.asyncio as aioredis
@@ -69,6 +69,8 @@ DEFAULT_SESSION_HORIZON = timedelta(days=30)
 #: for the other writers too).
 BATCH_KEYS_FOR_MS = 24 * 60 * 60 * 1000
 BATCH_KEYS_KEPT = 200
+T = TypeVar("T")
+
 #: How many times a lock's release is sent when the connection it went on was dead.
 RELEASE_ATTEMPTS = 3
 
@@ -401,7 +403,9 @@ class RedisStore:
 
     async def facts(self, identity_id: str) -> list[Fact]:
         with _lost_while("reading facts"):
-            values = await self.client.hvals(self.keys.of("facts", identity_id))
+            values = await _read_twice(
+                lambda: self.client.hvals(self.keys.of("facts", identity_id))
+            )
         return sorted(parse_facts(identity_id, values), key=lambda f: f.subject)
 
     async def peek(self, identity_id: str) -> tuple[list[Fact], bool]:
@@ -410,9 +414,11 @@ class RedisStore:
         consolidate in time, behind a lock that a dead process left for ``lock_ttl``,
         answers with the facts of the last consolidation rather than empty."""
         with _lost_while("reading facts"):
-            reply = await self._script("peek")(
-                keys=[*self.keys.read_keys(identity_id), self.keys.of("lock", identity_id)],
-                args=[identity_id],
+            reply = await _read_twice(
+                lambda: self._script("peek")(
+                    keys=[*self.keys.read_keys(identity_id), self.keys.of("lock", identity_id)],
+                    args=[identity_id],
+                )
             )
         values = reply[1] if len(reply) > 1 else []
         return parse_facts(identity_id, values), bool(int(reply[0]))
@@ -519,6 +525,17 @@ class RedisStore:
 
 
 __all__ = ["LockLost", "LockTimeout", "RedisStore", "RedisStoreStats", "split_prefix"]
+
+
+async def _read_twice(read: Callable[[], Awaitable[T]]) -> T:
+    """``read()``, once more when the connection it went on was dead: a pooled connection
+    that a killed client or the server's idle ``timeout`` closed fails its first command
+    (redis-py then drops it), and a load answered empty for it. Reads only: a write whose
+    reply was lost may have been applied."""
+    try:
+        return await read()
+    except RedisConnectionError:
+        return await read()
 
 
 @contextlib.contextmanager

@@ -121,3 +121,23 @@ async def test_a_lock_is_released_after_the_connections_were_killed(
                 pass
     finally:
         await store.close()
+
+
+async def test_a_load_after_the_connections_were_killed_reads_on_a_fresh_one(
+    own_redis_url: str, admin: aioredis.Redis
+) -> None:
+    """A pooled connection that a killed client (or the server's idle timeout) closed
+    failed the next load's peek, which answered empty."""
+    service = MemoryService.from_url(own_redis_url, clock=FakeClock(), load_timeout=5.0)
+    try:
+        service.emit_observation("alice", tool_ok("get_account", session="s0"))
+        await service.drain(10)
+        assert len((await service.load_memory("alice")).facts) == 1
+        await admin.client_kill_filter(_type="normal", skipme=True)
+        assert len((await service.load_memory("alice")).facts) == 1
+        assert (await service.store.facts("alice")) != []
+        await admin.client_kill_filter(_type="normal", skipme=True)
+        assert len(await service.store.facts("alice")) == 1
+        assert service.stats().load_errors == 0
+    finally:
+        await service.close()
