@@ -44,13 +44,19 @@ async def kill_pooled_connections(store: PostgresStore, admin_url: str) -> None:
     """Leave a connection idle in the store's pool, then terminate it (and any other of
     the store's database), returning once the backends are gone."""
     await store.facts("alice")
+    assert await terminate_backends(store, admin_url) >= 1
+
+
+async def terminate_backends(store: PostgresStore, admin_url: str) -> int:
+    """Terminate every backend of the store's database, returning once they are gone;
+    how many there were."""
     killed = await fetch(
         admin_url,
         "SELECT count(*) FILTER (WHERE pg_terminate_backend(pid, 10000)) "
         "FROM pg_stat_activity WHERE datname = :db AND pid <> pg_backend_pid()",
         db=store.engine.url.database,
     )
-    assert killed[0][0] >= 1
+    return int(killed[0][0])
 
 
 async def through_sqlalchemy(conn: AsyncConnection) -> int:
@@ -90,13 +96,7 @@ async def test_connections_found_dead_together_replace_the_pool_once(
     store = PostgresStore.from_url(pg_url, pool_size=3)
     try:
         await store.start()  # three connections in the request pool
-        killed = await fetch(
-            admin_url,
-            "SELECT count(*) FILTER (WHERE pg_terminate_backend(pid, 10000)) "
-            "FROM pg_stat_activity WHERE datname = :db AND pid <> pg_backend_pid()",
-            db=store.engine.url.database,
-        )
-        assert killed[0][0] >= 3
+        assert await terminate_backends(store, admin_url) >= 3
         await asyncio.gather(*(store.peek(f"user-{n}") for n in range(3)))
     finally:
         await store.close()

@@ -134,6 +134,18 @@ async def test_a_database_not_accepting_connections_keeps_the_batch_for_later(
         await service.close()
 
 
+async def _read_only(admin: str, database: str | None) -> None:
+    """Make ``database`` read-only for new sessions and end its sessions: what a failover
+    to a server that only reads does to the connections of a service."""
+    await fetch(admin, f'ALTER DATABASE "{database}" SET default_transaction_read_only = on')
+    await fetch(
+        admin,
+        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+        "WHERE datname = :db AND pid <> pg_backend_pid()",
+        db=database,
+    )
+
+
 async def test_a_read_only_database_keeps_the_batches_for_later_and_is_left_when_writable(
     empty_pg_url: str, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -161,13 +173,7 @@ async def test_a_read_only_database_keeps_the_batches_for_later_and_is_left_when
             service.emit_observation(user, tool_ok("get_account", session="s1"))
         await service.drain(10)
         # The service's connections are replaced by read-only ones, as by a failover.
-        await fetch(admin, f'ALTER DATABASE "{database}" SET default_transaction_read_only = on')
-        await fetch(
-            admin,
-            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
-            "WHERE datname = :db AND pid <> pg_backend_pid()",
-            db=database,
-        )
+        await _read_only(admin, database)
         # A service starting now is told why it can't (the FastAPI example serves on).
         starting = MemoryService.from_url(empty_pg_url, clock=FakeClock())
         try:
@@ -229,13 +235,7 @@ async def test_a_read_only_database_is_asked_for_a_connection_once_a_second_not_
         for user in users:
             service.emit_observation(user, tool_ok("get_account", session="s0"))
         await service.drain(10)  # stored, not consolidated: every load consolidates
-        await fetch(admin, f'ALTER DATABASE "{database}" SET default_transaction_read_only = on')
-        await fetch(
-            admin,
-            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
-            "WHERE datname = :db AND pid <> pg_backend_pid()",
-            db=database,
-        )
+        await _read_only(admin, database)
         before = await sessions()
         started = asyncio.get_running_loop().time()
         for _ in range(4):

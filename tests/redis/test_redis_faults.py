@@ -42,6 +42,19 @@ def _closed_port() -> int:
         return port
 
 
+async def _five_held_back(
+    service: MemoryService, caplog: pytest.LogCaptureFixture, said: str
+) -> None:
+    """Emit five observations of alice and wait until the writer tried to store them and
+    logged that it will retry (``said``: the line's verb)."""
+    caplog.set_level(logging.WARNING, "coda_memory")
+    for n in range(1, 6):
+        service.emit_observation("alice", tool_ok("get_account", session=f"s{n}"))
+    async with asyncio.timeout(10):
+        while f"storing 5 observation(s) {said}" not in caplog.text:
+            await asyncio.sleep(0.01)  # polling the log until the writer tried
+
+
 async def test_a_replica_keeps_the_batches_for_later_and_is_left_when_writable(
     own_redis_url: str, admin: aioredis.Redis, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -55,13 +68,8 @@ async def test_a_replica_keeps_the_batches_for_later_and_is_left_when_writable(
         assert len((await service.load_memory("alice")).facts) == 1
         # A replica of a primary that does not answer: it keeps its data, and refuses writes.
         await admin.replicaof("127.0.0.1", _closed_port())
-        with caplog.at_level(logging.WARNING, "coda_memory"):
-            for n in range(1, 6):
-                service.emit_observation("alice", tool_ok("get_account", session=f"s{n}"))
-            async with asyncio.timeout(10):  # the writer tried, and waits to retry
-                while "storing 5 observation(s) failed" not in caplog.text:
-                    await asyncio.sleep(0.01)
-            assert "Redis only reads" in caplog.text
+        await _five_held_back(service, caplog, "failed")
+        assert "Redis only reads" in caplog.text
         assert service.stats().rejected == 0
         await admin.replicaof("NO", "ONE")
         await service.drain(10)
@@ -87,13 +95,8 @@ async def test_a_server_at_maxmemory_keeps_the_batches_for_later(
         await service.drain(10)
         await admin.config_set("maxmemory-policy", "noeviction")
         await admin.config_set("maxmemory", "1")
-        with caplog.at_level(logging.WARNING, "coda_memory"):
-            for n in range(1, 6):
-                service.emit_observation("alice", tool_ok("get_account", session=f"s{n}"))
-            async with asyncio.timeout(10):  # the writer tried, and waits to retry
-                while "storing 5 observation(s) waits" not in caplog.text:
-                    await asyncio.sleep(0.01)
-            assert "maxmemory" in caplog.text
+        await _five_held_back(service, caplog, "waits")
+        assert "maxmemory" in caplog.text
         assert service.stats().rejected == 0
         await admin.config_set("maxmemory", "0")
         await service.drain(10)
