@@ -24,6 +24,7 @@ by the lock, and a run that lost its lock (it expired) cannot commit.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from collections.abc import Awaitable, Callable, Sequence
@@ -40,6 +41,7 @@ from coda_memory.core.consolidation import (
 )
 from coda_memory.core.logs import identity_label, without_identities
 from coda_memory.core.model import Fact, FactEvent, Observation, fact_id
+from coda_memory.core.turns import SLICE
 from coda_memory.ports import check_plan_identity
 from coda_memory.redis.codec import (
     BadRecord,
@@ -155,7 +157,11 @@ class RedisConsolidationUnit:
         waiting = set(pending)
         new: list[Observation] = []
         latest = None if checkpoint is None else float(checkpoint)
-        for member in pending:
+        # A turn of the event loop every SLICE records: after an outage thousands wait,
+        # and parsing them in one go held the loop for tens of milliseconds.
+        for index, member in enumerate(pending):
+            if index % SLICE == SLICE - 1:
+                await asyncio.sleep(0)
             try:
                 observation = observation_from_json(identity, member)
             except BadRecord as exc:
@@ -164,7 +170,9 @@ class RedisConsolidationUnit:
             new.append(observation)
             at = float(to_ms(observation.created_at))
             latest = at if latest is None else max(latest, at)
-        for member, score in zip(after[::2], after[1::2], strict=True):
+        for index, (member, score) in enumerate(zip(after[::2], after[1::2], strict=True)):
+            if index % SLICE == SLICE - 1:
+                await asyncio.sleep(0)
             latest = float(score) if latest is None else max(latest, float(score))
             if member in waiting:
                 continue
@@ -236,13 +244,22 @@ class RedisConsolidationUnit:
                     k.of("sessions", identity),
                     k.of("session-times", identity),
                 ],
-                args=[self._token, identity, self._payload(plan), *self._consumed_pending],
+                args=[
+                    self._token,
+                    identity,
+                    await self._payload(plan),
+                    *self._consumed_pending,
+                ],
             )
         self._committed = True
 
-    def _payload(self, plan: ConsolidationPlan) -> str:
+    async def _payload(self, plan: ConsolidationPlan) -> str:
+        """The commit script's document, made with a turn of the event loop every SLICE
+        facts, events or sessions (a backlog's plan has thousands of events)."""
         upserts: list[str] = []
-        for fact in plan.upserts:
+        for index, fact in enumerate(plan.upserts):
+            if index % SLICE == SLICE - 1:
+                await asyncio.sleep(0)
             stored_id = self._stored_ids.get(fact.subject, fact.id)
             upserts += [stored_id, fact_json(fact, stored_id)]
         deletes = [self._stored_ids.get(s, fact_id(s)) for s in plan.deletes]
@@ -253,15 +270,22 @@ class RedisConsolidationUnit:
                 touched.add(event.session_id)
         sessions: list[str] = []
         session_times: list[str] = []
-        for session in sorted(touched):
+        for index, session in enumerate(sorted(touched)):
+            if index % SLICE == SLICE - 1:
+                await asyncio.sleep(0)
             events = list(self._sessions[session].values())
             sessions += [session, dumps([event_value(e) for e in events])]
             session_times += [_number_text(max(to_ms(e.at) for e in events)), session]
+        written: list[str] = []
+        for index, event in enumerate(plan.events):
+            if index % SLICE == SLICE - 1:
+                await asyncio.sleep(0)
+            written.append(dumps(event_value(event)))
         return dumps(
             {
                 "upserts": upserts,
                 "deletes": deletes,
-                "events": [dumps(event_value(e)) for e in plan.events],
+                "events": written,
                 "historyLimit": self._history_limit,
                 "sessions": sessions,
                 "sessionTimes": session_times,

@@ -638,3 +638,51 @@ async def test_a_checkpoint_that_is_not_epoch_ms_is_refused_not_read_as_none(
         assert again.reinforcement_count == fact.reinforcement_count == 1
     finally:
         await service.close()
+
+
+async def test_a_backlog_is_read_and_written_with_turns_of_the_event_loop(
+    redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """After an outage thousands of observations wait: their records were parsed, and the
+    commit's document made, in one go each, holding the loop for tens of milliseconds
+    (loads of other identities then outlived their timeout). Each record notes the turn of
+    the loop it was handled in: in one go, all share one."""
+    from coda_memory.redis import codec
+    from coda_memory.redis import unit as unit_module
+
+    service = MemoryService.from_url(redis_url, clock=FakeClock(), load_timeout=5.0)
+    turns = 0
+    parsed: list[int] = []
+    written: list[int] = []
+    parse, value = codec.observation_from_json, codec.event_value
+
+    def parsing(identity_id: str, member: Any) -> Any:
+        parsed.append(turns)
+        return parse(identity_id, member)
+
+    def writing(event: FactEvent) -> Any:
+        written.append(turns)
+        return value(event)
+
+    async def ticking() -> None:
+        nonlocal turns
+        while True:
+            turns += 1
+            await asyncio.sleep(0)
+
+    try:
+        for n in range(1_000):
+            service.emit_observation("u1", tool_ok(f"tool_{n % 50}", session=f"s{n}"))
+        await service.drain(30)
+        monkeypatch.setattr(unit_module, "observation_from_json", parsing)
+        monkeypatch.setattr(unit_module, "event_value", writing)
+        ticker = asyncio.create_task(ticking())
+        try:
+            facts = await service.consolidate("u1")
+        finally:
+            ticker.cancel()
+        assert sum(f.reinforcement_count for f in facts) == 1_000
+        assert len(parsed) == 1_000 and len(set(parsed)) >= 1_000 // 200
+        assert len(written) >= 1_000 and len(set(written)) >= 1_000 // 200
+    finally:
+        await service.close()
