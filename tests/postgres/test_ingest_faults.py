@@ -67,6 +67,46 @@ def _via(proxy_port: int, url: str) -> str:
     return through.set(host="127.0.0.1", port=proxy_port).render_as_string(False)
 
 
+async def test_close_ends_connections_whose_server_does_not_answer_without_an_error_logged(
+    pg_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    # (First in the file: the lost acknowledgements' close against a server that stops
+    # answering leaves SQLAlchemy's shielded graceful close of a connection finishing in a
+    # TimeoutError that asyncio logs, never retrieved, when it is freed, seconds later.)
+    # A server that stops answering after the pool is warm: the graceful close of each
+    # connection (its Terminate message) is never answered. Cancelled half-way, SQLAlchemy's
+    # pool logged "Exception closing connection" at ERROR, with a traceback, per connection,
+    # and close() waited out its whole grace.
+    target = make_url(pg_url)
+    socket_dir = target.query.get("host")
+    proxy = FaultProxy(
+        target.host or "127.0.0.1",
+        target.port or 5432,
+        lambda _commit: None,
+        socket_dir=socket_dir if isinstance(socket_dir, str) else None,
+    )
+    port = await proxy.start()
+    service = MemoryService.from_url(
+        _via(port, pg_url), clock=FakeClock(), connect_args={"ssl": False}, pool_size=3
+    )
+    try:
+        await service.start()
+        assert (await service.load_memory("alice")).facts == []
+        proxy.hold_terminate = True
+        with caplog.at_level(logging.WARNING):
+            started = time.monotonic()
+            await service.close(timeout=1)
+            took = time.monotonic() - started
+        errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+        assert errors == []
+        assert proxy.held_terminates >= 3  # the warmed pool's connections, at least
+        said = [r.getMessage() for r in caplog.records]
+        assert not any("did not close" in line for line in said), said
+        assert took < GRACEFUL_CLOSE + 0.9
+    finally:
+        await proxy.close()
+
+
 async def test_lost_commit_acknowledgements_store_nothing_twice(pg_url: str) -> None:
     target = make_url(pg_url)
     # Every other COMMIT is cut until ten were, then (later) one is swallowed.
@@ -139,43 +179,6 @@ async def test_lost_commit_acknowledgements_store_nothing_twice(pg_url: str) -> 
     # The swallowed COMMIT never reached the server: its transaction is rolled back when
     # the proxy lets go of the connection, so the table holds exactly what stats() says.
     assert (await _counts(pg_url))["observations"] == stats.stored
-
-
-async def test_close_ends_connections_whose_server_does_not_answer_without_an_error_logged(
-    pg_url: str, caplog: pytest.LogCaptureFixture
-) -> None:
-    # A server that stops answering after the pool is warm: the graceful close of each
-    # connection (its Terminate message) is never answered. Cancelled half-way, SQLAlchemy's
-    # pool logged "Exception closing connection" at ERROR, with a traceback, per connection,
-    # and close() waited out its whole grace.
-    target = make_url(pg_url)
-    socket_dir = target.query.get("host")
-    proxy = FaultProxy(
-        target.host or "127.0.0.1",
-        target.port or 5432,
-        lambda _commit: None,
-        socket_dir=socket_dir if isinstance(socket_dir, str) else None,
-    )
-    port = await proxy.start()
-    service = MemoryService.from_url(
-        _via(port, pg_url), clock=FakeClock(), connect_args={"ssl": False}, pool_size=3
-    )
-    try:
-        await service.start()
-        assert (await service.load_memory("alice")).facts == []
-        proxy.hold_terminate = True
-        with caplog.at_level(logging.WARNING):
-            started = time.monotonic()
-            await service.close(timeout=1)
-            took = time.monotonic() - started
-        errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
-        assert errors == []
-        assert proxy.held_terminates >= 3  # the warmed pool's connections, at least
-        said = [r.getMessage() for r in caplog.records]
-        assert not any("did not close" in line for line in said), said
-        assert took < GRACEFUL_CLOSE + 0.9
-    finally:
-        await proxy.close()
 
 
 async def test_a_commit_landed_unacknowledged_is_stored_once_when_a_lock_then_holds_the_retry(
