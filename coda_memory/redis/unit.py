@@ -24,7 +24,6 @@ by the lock, and a run that lost its lock (it expired) cannot commit.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 from collections.abc import Awaitable, Callable, Sequence
@@ -41,7 +40,7 @@ from coda_memory.core.consolidation import (
 )
 from coda_memory.core.logs import identity_label, without_identities
 from coda_memory.core.model import Fact, FactEvent, Observation, fact_id
-from coda_memory.core.turns import SLICE
+from coda_memory.core.turns import mapped
 from coda_memory.ports import check_plan_identity
 from coda_memory.redis.codec import (
     BadRecord,
@@ -155,31 +154,16 @@ class RedisConsolidationUnit:
             args=[identity],
         )
         waiting = set(pending)
-        new: list[Observation] = []
-        latest = None if checkpoint is None else float(checkpoint)
-        # A turn of the event loop every SLICE records: after an outage thousands wait,
-        # and parsing them in one go held the loop for tens of milliseconds.
-        for index, member in enumerate(pending):
-            if index % SLICE == SLICE - 1:
-                await asyncio.sleep(0)
-            try:
-                observation = observation_from_json(identity, member)
-            except BadRecord as exc:
-                self._bad("observation")(str(exc))
-                continue
-            new.append(observation)
-            at = float(to_ms(observation.created_at))
-            latest = at if latest is None else max(latest, at)
-        for index, (member, score) in enumerate(zip(after[::2], after[1::2], strict=True)):
-            if index % SLICE == SLICE - 1:
-                await asyncio.sleep(0)
-            latest = float(score) if latest is None else max(latest, float(score))
-            if member in waiting:
-                continue
-            try:
-                new.append(observation_from_json(identity, member))
-            except BadRecord as exc:
-                self._bad("observation")(str(exc))
+        # In slices with turns of the loop between them (mapped): after an outage thousands
+        # wait, and parsing them in one go held the loop for tens of milliseconds.
+        parsed = await mapped(pending, self._observation)
+        later = await mapped([m for m in after[::2] if m not in waiting], self._observation)
+        new = [o for o in (*parsed, *later) if o is not None]
+        times = [float(to_ms(o.created_at)) for o in parsed if o is not None]
+        times += [float(score) for score in after[1::2]]
+        if checkpoint is not None:
+            times.append(float(checkpoint))
+        latest = max(times, default=None)
         facts = parse_facts(identity, fact_values, self._bad("fact"))
         self._stored_ids = {f.subject: f.id for f in facts}
         self._consumed_pending = list(pending)
@@ -207,6 +191,14 @@ class RedisConsolidationUnit:
         ended = ended_lives(await self._read_history(), asked) if asked else []
         self._loaded = True
         return ConsolidationInput(observations=new, facts=facts, session_events=events, ended=ended)
+
+    def _observation(self, member: Any) -> Observation | None:
+        """The observation of a stored record; None for one that does not parse (reported)."""
+        try:
+            return observation_from_json(self.identity_id, member)
+        except BadRecord as exc:
+            self._bad("observation")(str(exc))
+            return None
 
     def _consolidated_at(self, raw: bytes | str | None) -> datetime | None:
         """When coda-memory last consolidated the identity (the state's
@@ -254,33 +246,31 @@ class RedisConsolidationUnit:
         self._committed = True
 
     async def _payload(self, plan: ConsolidationPlan) -> str:
-        """The commit script's document, made with a turn of the event loop every SLICE
-        facts, events or sessions (a backlog's plan has thousands of events)."""
-        upserts: list[str] = []
-        for index, fact in enumerate(plan.upserts):
-            if index % SLICE == SLICE - 1:
-                await asyncio.sleep(0)
+        """The commit script's document, made in slices with turns of the event loop
+        between them (mapped: a backlog's plan has thousands of events)."""
+
+        def upsert(fact: Fact) -> tuple[str, str]:
             stored_id = self._stored_ids.get(fact.subject, fact.id)
-            upserts += [stored_id, fact_json(fact, stored_id)]
+            return stored_id, fact_json(fact, stored_id)
+
+        upserts = [part for pair in await mapped(plan.upserts, upsert) for part in pair]
         deletes = [self._stored_ids.get(s, fact_id(s)) for s in plan.deletes]
         touched: set[str] = set()
         for event in plan.events:
             if event.kind in REINFORCING and event.session_id is not None:
                 self._sessions.setdefault(event.session_id, {})[event.subject] = event
                 touched.add(event.session_id)
-        sessions: list[str] = []
-        session_times: list[str] = []
-        for index, session in enumerate(sorted(touched)):
-            if index % SLICE == SLICE - 1:
-                await asyncio.sleep(0)
+
+        def session_record(session: str) -> tuple[str, str, str]:
+            """The session, its events' document and its latest event's time."""
             events = list(self._sessions[session].values())
-            sessions += [session, dumps([event_value(e) for e in events])]
-            session_times += [_number_text(max(to_ms(e.at) for e in events)), session]
-        written: list[str] = []
-        for index, event in enumerate(plan.events):
-            if index % SLICE == SLICE - 1:
-                await asyncio.sleep(0)
-            written.append(dumps(event_value(event)))
+            latest = _number_text(max(to_ms(e.at) for e in events))
+            return session, dumps([event_value(e) for e in events]), latest
+
+        records = await mapped(sorted(touched), session_record)
+        sessions = [part for session, document, _ in records for part in (session, document)]
+        session_times = [part for session, _, at in records for part in (at, session)]
+        written = await mapped(plan.events, lambda event: dumps(event_value(event)))
         return dumps(
             {
                 "upserts": upserts,
