@@ -404,13 +404,11 @@ async def driver_transaction(
         yield driver
         interrupted = False
     except Exception as error:
-        if is_read_only(error):
+        if is_unusable(error):
             dead = True
             _note_read_only(engine, error)
-            raise ConnectionLost(f"the server only reads {doing}: {error!r}") from error
-        if is_dead_connection(error):
-            dead = True
-            raise ConnectionLost(f"the connection died {doing}: {error!r}") from error
+            what = "the server only reads" if is_read_only(error) else "the connection died"
+            raise ConnectionLost(f"{what} {doing}: {error!r}") from error
         raise
     finally:
         settle = (
