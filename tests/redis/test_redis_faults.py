@@ -9,7 +9,7 @@ import asyncio
 import contextlib
 import logging
 import socket
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 
 import pytest
 import redis.asyncio as aioredis
@@ -42,17 +42,32 @@ def _closed_port() -> int:
         return port
 
 
-async def _five_held_back(
-    service: MemoryService, caplog: pytest.LogCaptureFixture, said: str
+async def _held_back_then_stored(
+    service: MemoryService,
+    caplog: pytest.LogCaptureFixture,
+    fault: Callable[[], Awaitable[object]],
+    mend: Callable[[], Awaitable[object]],
+    said: str,
+    reason: str,
 ) -> None:
-    """Emit five observations of alice and wait until the writer tried to store them and
-    logged that it will retry (``said``: the line's verb)."""
+    """With one observation of alice stored, ``fault`` the server; five more are held back
+    (the writer tried, logged ``said`` with ``reason``, and waits to retry), none rejected;
+    ``mend`` it, and all six are stored."""
+    service.emit_observation("alice", tool_ok("get_account", session="s0"))
+    await service.drain(10)
+    await fault()
     caplog.set_level(logging.WARNING, "coda_memory")
     for n in range(1, 6):
         service.emit_observation("alice", tool_ok("get_account", session=f"s{n}"))
     async with asyncio.timeout(10):
         while f"storing 5 observation(s) {said}" not in caplog.text:
             await asyncio.sleep(0.01)  # polling the log until the writer tried
+    assert reason in caplog.text
+    assert service.stats().rejected == 0
+    await mend()
+    await service.drain(10)
+    stats = service.stats()
+    assert (stats.stored, stats.rejected, stats.pending) == (6, 0, 0)
 
 
 async def test_a_replica_keeps_the_batches_for_later_and_is_left_when_writable(
@@ -62,19 +77,21 @@ async def test_a_replica_keeps_the_batches_for_later_and_is_left_when_writable(
     with READONLY, which the writer took for bad input and rejected for good, and the
     consolidation lock could not be released."""
     service = MemoryService.from_url(own_redis_url, clock=FakeClock(), load_timeout=5.0)
-    try:
-        service.emit_observation("alice", tool_ok("get_account", session="s0"))
-        await service.drain(10)
+
+    async def replica() -> None:
         assert len((await service.load_memory("alice")).facts) == 1
-        # A replica of a primary that does not answer: it keeps its data, and refuses writes.
+        # A replica of a primary that does not answer: it keeps its data, refuses writes.
         await admin.replicaof("127.0.0.1", _closed_port())
-        await _five_held_back(service, caplog, "failed")
-        assert "Redis only reads" in caplog.text
-        assert service.stats().rejected == 0
-        await admin.replicaof("NO", "ONE")
-        await service.drain(10)
-        stats = service.stats()
-        assert (stats.stored, stats.rejected, stats.pending) == (6, 0, 0)
+
+    try:
+        await _held_back_then_stored(
+            service,
+            caplog,
+            replica,
+            lambda: admin.replicaof("NO", "ONE"),
+            "failed",
+            "Redis only reads",
+        )
         loaded = await service.load_memory("alice")
         assert [(f.subject, f.reinforcement_count) for f in loaded.facts] == [
             ("tool_affinity:get_account", 6)
@@ -90,18 +107,20 @@ async def test_a_server_at_maxmemory_keeps_the_batches_for_later(
     """maxmemory with noeviction refuses writes (OOM): the writer rejected them for good,
     as bad input."""
     service = MemoryService.from_url(own_redis_url, clock=FakeClock(), load_timeout=5.0)
-    try:
-        service.emit_observation("alice", tool_ok("get_account", session="s0"))
-        await service.drain(10)
+
+    async def full() -> None:
         await admin.config_set("maxmemory-policy", "noeviction")
         await admin.config_set("maxmemory", "1")
-        await _five_held_back(service, caplog, "waits")
-        assert "maxmemory" in caplog.text
-        assert service.stats().rejected == 0
-        await admin.config_set("maxmemory", "0")
-        await service.drain(10)
-        stats = service.stats()
-        assert (stats.stored, stats.rejected, stats.pending) == (6, 0, 0)
+
+    try:
+        await _held_back_then_stored(
+            service,
+            caplog,
+            full,
+            lambda: admin.config_set("maxmemory", "0"),
+            "waits",
+            "maxmemory",
+        )
     finally:
         await admin.config_set("maxmemory", "0")
         await service.close()
