@@ -617,7 +617,13 @@ class MemoryService(ObservationWriter):
         self._loads += 1
         started = time.perf_counter()
         with self._telemetry.span("load_memory") as span:
-            loaded, outcome = await self._answer(identity_id)
+            try:
+                loaded, outcome = await self._answer(identity_id)
+            except asyncio.CancelledError:  # the caller gave up (a client went away)
+                if span is not None:
+                    span.set_attribute("coda_memory.outcome", "cancelled")
+                self._telemetry.load_finished(time.perf_counter() - started, "cancelled")
+                raise
             if span is not None:
                 span.set_attribute("coda_memory.outcome", outcome)
                 span.set_attribute("coda_memory.facts", len(loaded.facts))
@@ -677,7 +683,8 @@ class MemoryService(ObservationWriter):
 
     async def _answer(self, identity_id: str) -> tuple[LoadedMemory, str]:
         """:meth:`load_memory`'s steps, with the outcome its telemetry records (``ok``,
-        ``stale``, ``timeout`` or ``error``): the identity checked; one load in flight per
+        ``stale``, ``timeout`` or ``error``; :meth:`load_memory` records ``cancelled``
+        when its caller cancels it): the identity checked; one load in flight per
         identity (``_load``, shared by concurrent callers); a wait up to :data:`HEDGE_AT`
         of the timeout, then, with a fallback answer made meanwhile, up to
         :data:`ANSWER_BY` of it; and when that runs out, the fallback (the facts of the

@@ -6,9 +6,11 @@ global providers) or ``telemetry=Telemetry(tracer_provider=..., meter_provider=.
 a service records:
 
 - spans ``coda_memory.load_memory``, ``coda_memory.consolidate`` and
-  ``coda_memory.append`` (one per batch the background writer stores);
-- a histogram ``coda_memory.load_memory.duration`` (seconds, attribute
-  ``coda_memory.outcome``: ``ok``, ``stale``, ``timeout`` or ``error``);
+  ``coda_memory.append`` (one per attempt of the background writer to store a batch:
+  a batch it retries has one for each try);
+- a histogram ``coda_memory.load_memory.duration`` (seconds, on the boundaries of
+  :data:`LOAD_DURATION_BUCKETS`; attribute ``coda_memory.outcome``: ``ok``, ``stale``,
+  ``timeout``, ``error``, or ``cancelled`` when the caller cancelled the load);
 - observable counters for the :meth:`~coda_memory.MemoryService.stats` counters, one per
   entry of ``_COUNTERS`` (``coda_memory.observations.emitted``, ``.stored``,
   ``.rejected``, ``.dropped``, ``.discarded``, ``coda_memory.loads``,
@@ -29,6 +31,8 @@ identify people), and a span that ends in an error records its class only (statu
 ``ERROR`` with the class's name, attribute ``error.type``): a driver's message may quote
 an identity or a row (``Key (identity_id, subject)=(…)``, ``Failing row contains (…)``),
 which OpenTelemetry's default would put in the span's status and an ``exception`` event.
+A span whose task was cancelled is not an error (as OpenTelemetry's own ``use_span`` has
+it): its status stays unset.
 Without ``telemetry=`` coda-memory imports nothing from OpenTelemetry
 and records nothing (a driver may import it on its own: redis-py does when the SDK is
 installed).
@@ -36,6 +40,7 @@ installed).
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import itertools
 import threading
@@ -48,6 +53,13 @@ if TYPE_CHECKING:
     from coda_memory.stats import MemoryStats
 
 INSTRUMENTATION = "coda_memory"
+
+#: The boundaries of the load duration histogram, in seconds: fine around the default
+#: ``load_timeout`` (0.1 s), where a host tells a slow load from one that timed out.
+LOAD_DURATION_BUCKETS = (
+    *(0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.035, 0.05, 0.075, 0.1),
+    *(0.125, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5, 5.0, 10.0),
+)
 
 #: stats() field -> (instrument name, description); all are monotonic counts.
 _COUNTERS = {
@@ -102,6 +114,9 @@ class Telemetry:
             "coda_memory.load_memory.duration",
             unit="s",
             description="load_memory latency, consolidation included",
+            # In seconds: the SDK's default boundaries (0, 5, 10, 25, ...) are for
+            # milliseconds and would put every load in one bucket.
+            explicit_bucket_boundaries_advisory=LOAD_DURATION_BUCKETS,
         )
 
     @contextmanager
@@ -116,6 +131,8 @@ class Telemetry:
         ) as span:
             try:
                 yield span
+            except (asyncio.CancelledError, GeneratorExit):
+                raise  # the caller gave up: not an error (as OpenTelemetry's use_span)
             except BaseException as error:
                 kind = type(error)
                 span.set_attribute("error.type", f"{kind.__module__}.{kind.__qualname__}")

@@ -21,7 +21,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from coda_memory import MemoryService
-from coda_memory.telemetry import NoTelemetry, Telemetry
+from coda_memory.telemetry import LOAD_DURATION_BUCKETS, NoTelemetry, Telemetry
 from tests.helpers import FakeClock, tool_ok
 
 
@@ -341,3 +341,69 @@ def test_services_made_before_the_host_sets_its_provider_report_their_own_counts
     service made its own instruments, which became the same instruments once the
     provider was set, and only the first service's counts were read."""
     assert _python(BEFORE_THE_PROVIDER).strip() == "[1, 2]"
+
+
+async def test_a_cancelled_load_is_recorded_as_cancelled_not_as_an_error(
+    clock: FakeClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A client that goes away cancels its load: the span ends unset (OpenTelemetry's own
+    rule: a cancellation is not an error), with the outcome ``cancelled``, and the
+    duration histogram records it, so that its count still equals the loads."""
+    exporter, reader, telemetry = _providers()
+    service = MemoryService.from_url(
+        "memory://", clock=clock, load_timeout=5.0, telemetry=telemetry
+    )
+    entered, released = asyncio.Event(), asyncio.Event()
+    peek = service.store.peek
+
+    async def blocked(identity_id: str) -> Any:
+        entered.set()
+        await released.wait()  # the load behind the caller's goes on after the cancel
+        return await peek(identity_id)
+
+    try:
+        service.emit_observation("alice", tool_ok("get_account"))
+        await service.drain()
+        await service.load_memory("alice")  # one load that ends ok
+        service.emit_observation("alice", tool_ok("run_sql"))
+        await service.drain()
+        monkeypatch.setattr(service.store, "peek", blocked)
+        load = asyncio.ensure_future(service.load_memory("alice"))
+        await entered.wait()
+        load.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await load
+        released.set()
+    finally:
+        await service.close()
+
+    loads = [s for s in exporter.get_finished_spans() if s.name == "coda_memory.load_memory"]
+    assert [s.attributes["coda_memory.outcome"] for s in loads if s.attributes] == [
+        "ok",
+        "cancelled",
+    ]
+    assert [s.status.status_code.name for s in loads] == ["UNSET", "UNSET"]
+    assert all("error.type" not in (s.attributes or {}) for s in loads)
+    histogram = _metrics(reader)["coda_memory.load_memory.duration"]
+    counts = {p.attributes["coda_memory.outcome"]: p.count for p in histogram.data_points}
+    assert counts == {"ok": 1, "cancelled": 1}
+    assert service.stats().loads == 2
+
+
+async def test_load_durations_fall_in_buckets_of_seconds(clock: FakeClock) -> None:
+    """The histogram is in seconds: its boundaries are too, so a load of a few
+    milliseconds and one near the timeout land in different buckets (the SDK's default
+    boundaries, 0, 5, 10, ... meant for milliseconds, would put both in the first)."""
+    _, reader, telemetry = _providers()
+    service = MemoryService.from_url(
+        "memory://", clock=clock, load_timeout=5.0, telemetry=telemetry
+    )
+    try:
+        await service.load_memory("alice")
+    finally:
+        await service.close()
+    (point,) = _metrics(reader)["coda_memory.load_memory.duration"].data_points
+    assert tuple(point.explicit_bounds) == LOAD_DURATION_BUCKETS
+    assert point.explicit_bounds[0] <= 0.001 and 0.1 in point.explicit_bounds
+    # The load took well under a second: it sits in a bucket below the 100 ms timeout.
+    assert sum(point.bucket_counts[: point.explicit_bounds.index(0.1) + 1]) == 1
