@@ -290,8 +290,29 @@ async def _replace_pool(engine: AsyncEngine, pool: Pool) -> None:
         await engine.dispose(close=False)
 
 
+def unreachable(engine: AsyncEngine, error: BaseException) -> str:
+    """What a failure to connect says: the server, and its reason (a refused connection,
+    ``database "app" does not exist``, a password, a server that only reads)."""
+    url = engine.url
+    where = f"the database at {url.host or 'localhost'}:{url.port or 5432}"
+    what = f"{where} only reads" if is_read_only(error) else f"cannot reach {where}"
+    return f"{what} ({type(error).__name__}: {error_reason(error)})"
+
+
+async def connect(engine: AsyncEngine) -> AsyncConnection:
+    """A connection of ``engine``'s pool, or :class:`ConnectionLost` saying why none could
+    be made (:func:`unreachable`), as from every other call that meets an unusable server:
+    the driver's bare ``ConnectionRefusedError`` or ``gaierror`` names neither."""
+    try:
+        return await engine.connect().start()
+    except Exception as error:
+        if is_connection_error(error) or isinstance(error, OSError | TimeoutError):
+            raise ConnectionLost(unreachable(engine, error)) from error
+        raise
+
+
 async def _attempt(engine: AsyncEngine, work: Callable[[AsyncConnection], Awaitable[T]]) -> T:
-    conn = await engine.connect().start()
+    conn = await connect(engine)
     try:
         return await work(conn)
     except Exception as error:
@@ -322,6 +343,8 @@ async def run(
             if not _may_replace(engine, error):
                 raise
             await _replace_pool(engine, pool)
+            if isinstance(error, ConnectionLost) and not idempotent:
+                raise  # none could be made: it says why
             if not idempotent:
                 raise ConnectionLost(f"the connection died: {error!r}") from error
         return await _attempt(engine, work)
@@ -383,7 +406,7 @@ async def driver_transaction(
     :class:`ConnectionLost` message ("while …")."""
     _refuse_if_read_only(engine, doing)
     pool = engine.pool
-    conn = await engine.connect().start()
+    conn = await connect(engine)
     driver: Any = None
     interrupted = True
     dead = False

@@ -125,13 +125,13 @@ from coda_memory.postgres.connection import (
     driver_transaction,
     error_reason,
     is_connection_error,
-    is_read_only,
     let_go,
     lock_timeout_clause,
     released,
     run,
     sqlstate,
     timeout_setting,
+    unreachable,
 )
 from coda_memory.postgres.engine import create_engine, driver_connection, schema_required
 from coda_memory.postgres.known import DEFAULT_KNOWN_FACTS, Known, KnownFacts
@@ -405,12 +405,9 @@ class PostgresStore:
             # without memory warm (everything then starts on first use).
             if not (is_connection_error(error) or isinstance(error, OSError | TimeoutError)):
                 raise
-            url = self.request_engine.url
-            where = f"the database at {url.host or 'localhost'}:{url.port or 5432}"
-            what = f"{where} only reads" if is_read_only(error) else f"cannot reach {where}"
             raise ConnectionLost(
-                f"{what} ({type(error).__name__}: {error_reason(error)}); the service starts "
-                "on first use once it answers"
+                f"{unreachable(self.request_engine, error)}; the service starts on first "
+                "use once it answers"
             ) from error
 
     async def append(

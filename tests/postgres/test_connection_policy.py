@@ -13,7 +13,7 @@ from datetime import timedelta
 from typing import Any
 
 import pytest
-from sqlalchemy import text
+from sqlalchemy import make_url, text
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncConnection
 
@@ -280,3 +280,50 @@ async def test_a_value_the_driver_refused_is_not_quoted_in_a_logged_reason(
     ):
         assert "alice" not in reason and "notes" not in reason, reason
     assert "invalid input for query argument $1: <value> (" in short_error(driver_error)
+
+
+async def _consolidation(store: PostgresStore) -> None:
+    async with store.consolidation("alice"):
+        pass
+
+
+#: Each call of the store, on the store given.
+STORE_CALLS: dict[str, Callable[[PostgresStore], Awaitable[Any]]] = {
+    "facts": lambda store: store.facts("alice"),
+    "peek": lambda store: store.peek("alice"),
+    "history": lambda store: store.history("alice"),
+    "forget": lambda store: store.forget("alice"),
+    "append": lambda store: store.append([record("alice")]),
+    "consolidation": _consolidation,
+}
+
+
+@pytest.mark.parametrize("server", ["closed port", "no such database"])
+async def test_every_call_of_a_store_that_cannot_connect_raises_connection_lost(
+    pg_url: str, server: str
+) -> None:
+    """As from the Redis store, and from start(): a ConnectionLost naming the server and
+    its reason, not the driver's bare ConnectionRefusedError (nor its
+    InvalidCatalogNameError), which a host could not tell from a bug."""
+    real = make_url(pg_url)
+    if server == "closed port":
+        url, where, reason = (
+            "postgresql://postgres@127.0.0.1:1/app",
+            "127.0.0.1:1",
+            "ConnectionRefusedError",
+        )
+    else:
+        missing = real.set(database="coda_memory_no_such_database")
+        url = missing.render_as_string(hide_password=False)
+        where = f"{real.host}:{real.port or 5432}"
+        reason = 'database "coda_memory_no_such_database" does not exist'
+    store = PostgresStore.from_url(url)
+    try:
+        for name, call in STORE_CALLS.items():
+            with pytest.raises(ConnectionLost) as raised:
+                await call(store)
+            message = str(raised.value)
+            assert f"cannot reach the database at {where} (" in message, name
+            assert reason in message, name
+    finally:
+        await store.close()
