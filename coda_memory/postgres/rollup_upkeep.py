@@ -5,6 +5,7 @@ rollup from the stored observations (see :mod:`.rollup` for the design, and
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -33,6 +34,7 @@ from coda_memory.postgres.schema import (
     tool_durations,
     tool_users,
 )
+from coda_memory.postgres.sql import in_schema
 
 
 def _forget_latest(
@@ -70,6 +72,18 @@ def _forget_domains(identity_id: str, shard: int) -> Insert:
     return add_to_daily(domain_daily, changes, ["domain"], ["queries", "users"], shard)
 
 
+#: The rollup tables a forget writes itself, in the order an append's rollup locks them.
+_FORGET_WRITES = (tool_users, tool_daily, entity_users, entity_daily, domain_users, domain_daily)
+
+
+@functools.cache
+def _lock_forget_writes(schema: str) -> str:
+    """``LOCK TABLE`` of :data:`_FORGET_WRITES` in the mode their writes take anyway (ROW
+    EXCLUSIVE: no writer waits for another on it), under the forget's own lock wait."""
+    names = ", ".join(f"{{schema}}.{table.name}" for table in _FORGET_WRITES)
+    return in_schema(f"LOCK TABLE {names} IN ROW EXCLUSIVE MODE", schema)
+
+
 async def _lock_in_key_order(
     conn: AsyncConnection, users: Table, identity_id: str, keys: Sequence[str]
 ) -> None:
@@ -90,14 +104,21 @@ async def forget_identity(conn: AsyncConnection, schema: str, identity_id: str) 
     the anonymous call, access and query counts stay. Call it before the identity's
     observations are deleted: its owed rollups are folded first, so that those counts
     include its calls too; the records a lock still keeps from folding (a rollup table
-    locked right then) are deleted unfolded, and their counts lost.
+    locked right then, ``tool_durations``, which only the folding writes) are deleted
+    unfolded, and their counts lost. The tables the forget writes itself it locks first,
+    waiting as long as the forget's lock timeout lets it: the folding then finds them
+    taken (it waits 50 ms at most for a lock), and a lock held on one of them makes the
+    forget wait, or fail whole, rather than lose the owed counts.
 
     The locks are taken in the order a folding append takes them, so that the two never
-    wait for each other in a circle: the identity's owed records (waiting for a folder
+    wait for each other in a circle: the tables (a mode no append's conflicts with), the
+    identity's owed records (waiting for a folder
     that holds some to commit), then its per-identity rows of each table in key order
     (see :func:`_lock_in_key_order`), then the shared daily rows (the folding's, and the
     forget's own)."""
     shard = await connection_shard(conn)
+    driver = await driver_connection(conn)
+    await driver.execute(_lock_forget_writes(schema))
     await conn.execute(
         select(literal(1))
         .select_from(rollup_owed)
@@ -111,7 +132,6 @@ async def forget_identity(conn: AsyncConnection, schema: str, identity_id: str) 
     )
     for users, keys in user_keys:
         await _lock_in_key_order(conn, users, identity_id, keys)
-    driver = await driver_connection(conn)
     # More than one claim's worth may be owed (after a long lock): fold them all, unless a
     # lock stops the folding (the same records would be claimed again).
     folded = await fold_owed(driver, schema, shard, identity_id=identity_id)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import re
 import time
+from contextlib import AsyncExitStack
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -397,3 +398,68 @@ async def test_a_batch_size_the_statements_cannot_take_is_refused(
     ):
         with pytest.raises(ValueError, match="batch_size must be"):
             await call_with
+
+
+async def waiting_for(url: str, table: str, longer_than: timedelta) -> bool:
+    """Whether a backend has waited for a lock on ``table`` for ``longer_than``."""
+    rows = await fetch(
+        url,
+        "SELECT count(*) FROM pg_locks WHERE NOT granted AND relation = "
+        "(SELECT oid FROM pg_class WHERE relname = :table "
+        "AND relnamespace = 'coda_memory'::regnamespace) "
+        "AND waitstart < now() - CAST(:longer AS interval)",
+        table=table,
+        longer=longer_than,
+    )
+    return int(rows[0][0]) > 0
+
+
+@pytest.mark.parametrize("table", ["tool_daily", "entity_users", "domain_daily"])
+async def test_forget_waits_for_a_table_it_writes_and_keeps_the_owed_counts(
+    pg_url: str, table: str
+) -> None:
+    """A table the forget writes itself, locked: the forget waits for it (up to its lock
+    timeout) and then folds the identity's owed rollup. It folded first, gave up on the
+    lock after 50 ms, deleted the owed records, and then waited for the same table
+    anyway: the counts of the identity's owed calls were lost."""
+    store = PostgresStore.from_url(
+        pg_url, writer_lock_timeout=WRITER_LOCK_TIMEOUT, lock_timeout=timedelta(seconds=10)
+    )
+    try:
+        async with AsyncExitStack() as held:
+            await held.enter_async_context(locked(pg_url, table))
+            await timed_append(store, FIXTURE)
+            forget = asyncio.ensure_future(store.forget("ana"))
+            async with asyncio.timeout(10):
+                # Past the folding's own wait: the forget's, were it to give up there.
+                while not await waiting_for(pg_url, table, 4 * ROLLUP_LOCK_TIMEOUT):
+                    assert not forget.done(), forget
+                    await asyncio.sleep(0.01)  # polling the server's lock table
+        await asyncio.wait_for(forget, 10)
+        assert await owed(pg_url) == [("ben", ALL_KINDS), ("cy", ALL_KINDS)]
+        await store.append([call("ben", "t", True, D2)])
+        assert await owed(pg_url) == []
+        # ana's calls count, as everyone's: nothing owed was lost.
+        assert await counted(store) == (9 + 1, 7, 5)
+    finally:
+        await store.close()
+
+
+async def test_forget_fails_whole_when_a_table_it_writes_stays_locked(pg_url: str) -> None:
+    store = PostgresStore.from_url(
+        pg_url, writer_lock_timeout=WRITER_LOCK_TIMEOUT, lock_timeout=timedelta(milliseconds=200)
+    )
+    try:
+        async with locked(pg_url, "tool_daily"):
+            await timed_append(store, FIXTURE)
+            with pytest.raises(Exception) as raised:
+                await asyncio.wait_for(store.forget("ana"), 10)
+            assert "lock timeout" in str(raised.value)
+        # Nothing of ana was erased, and her owed rollup is still owed, not lost.
+        assert await owed(pg_url) == [("ana", ALL_KINDS), ("ben", ALL_KINDS), ("cy", ALL_KINDS)]
+        assert await stored(pg_url) == len(FIXTURE)
+        await store.forget("ana")
+        await store.append([call("ben", "t", True, D2)])
+        assert await counted(store) == (9 + 1, 7, 5)
+    finally:
+        await store.close()
