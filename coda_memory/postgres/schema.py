@@ -137,6 +137,9 @@ observations = Table(
     Column("created_at", DateTime(timezone=True), nullable=False),
     PrimaryKeyConstraint("identity_id", "id"),
     CheckConstraint(_one_of("type", ObservationType), name="type"),
+    # Rows written by hand that no consolidation could read (migration 0019).
+    CheckConstraint("jsonb_typeof(metadata) = 'object'", name="metadata_object"),
+    CheckConstraint("isfinite(created_at)", name="created_at_finite"),
     Index(None, "identity_id", "xid"),
     Index(None, "identity_id", "created_at"),
 )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import logging
 import os
 import re
 import secrets
@@ -52,7 +53,7 @@ TABLES = [
 ]
 
 #: The newest revision. A new migration updates this pin on purpose.
-HEAD = "0018"
+HEAD = "0019"
 
 
 def alembic(url: str, *args: str, schema: str | None = None) -> subprocess.CompletedProcess[str]:
@@ -760,3 +761,85 @@ async def test_a_callers_connection_holds_the_migration_lock_past_0002(
         await own.dispose()
     assert probes == [False]  # held: another migrator could not have taken it
     assert await probe()  # and released once the caller committed
+
+
+#: Rows no consolidation can read, as an operator might write them by hand: (metadata,
+#: created_at, the check that refuses the row).
+UNREADABLE_ROWS = [
+    ('\'["toolName", "t1"]\'', "now()", "ck_observations_metadata_object"),
+    ("'\"hello\"'", "now()", "ck_observations_metadata_object"),
+    ("'null'", "now()", "ck_observations_metadata_object"),
+    ("'5'", "now()", "ck_observations_metadata_object"),
+    ("'{}'", "'infinity'", "ck_observations_created_at_finite"),
+    ("'{}'", "'-infinity'", "ck_observations_created_at_finite"),
+]
+
+
+def _insert_by_hand(metadata: str, created_at: str) -> str:
+    return (
+        "INSERT INTO coda_memory.observations (identity_id, type, content, metadata, "
+        f"created_at) VALUES ('ana', 'query_pattern', 'q', {metadata}::jsonb, {created_at})"
+    )
+
+
+async def validated(url: str) -> list[tuple[str, bool]]:
+    """The checks of 0019, and whether each is validated."""
+    return await fetch(
+        url,
+        "SELECT conname, convalidated FROM pg_constraint WHERE conrelid = "
+        "'coda_memory.observations'::regclass "
+        "AND conname IN ('ck_observations_created_at_finite', 'ck_observations_metadata_object') "
+        "ORDER BY 1",
+    )
+
+
+async def test_0019_refuses_rows_no_consolidation_could_read_and_finds_older_ones(
+    empty_pg_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Such a row stopped every consolidation of its identity for good (AttributeError:
+    'list' object has no attribute 'get'). Written before 0019, it stays, the upgrade
+    goes on with that check not validated and says so, and VALIDATE CONSTRAINT finds it."""
+    await migrate_async(empty_pg_url, revision="0018")
+    await fetch(empty_pg_url, _insert_by_hand("'[]'", "now()"))
+    with caplog.at_level(logging.WARNING, "coda_memory"):
+        await migrate_async(empty_pg_url)
+    (line,) = [r.getMessage() for r in caplog.records if "written by hand" in r.getMessage()]
+    assert "ck_observations_metadata_object" in line and "VALIDATE CONSTRAINT" in line
+    assert await validated(empty_pg_url) == [
+        ("ck_observations_created_at_finite", True),
+        ("ck_observations_metadata_object", False),
+    ]
+    for stored, created_at, check in UNREADABLE_ROWS:
+        with pytest.raises(Exception, match=f'violates check constraint "{check}"'):
+            await fetch(empty_pg_url, _insert_by_hand(stored, created_at))
+    await fetch(empty_pg_url, _insert_by_hand('\'{"domain": "royalties"}\'', "now()"))
+    with pytest.raises(Exception, match=r'"ck_observations_metadata_object" .* violated'):
+        await fetch(
+            empty_pg_url,
+            "ALTER TABLE coda_memory.observations "
+            "VALIDATE CONSTRAINT ck_observations_metadata_object",
+        )
+    await fetch(
+        empty_pg_url,
+        "ALTER TABLE coda_memory.observations "
+        "VALIDATE CONSTRAINT ck_observations_created_at_finite",
+    )
+    rows = await fetch(empty_pg_url, "SELECT count(*) FROM coda_memory.observations")
+    assert rows == [(2,)]
+    # Mended, the row passes, and the check is validated.
+    await fetch(empty_pg_url, "UPDATE coda_memory.observations SET metadata = '{}'")
+    await fetch(
+        empty_pg_url,
+        "ALTER TABLE coda_memory.observations VALIDATE CONSTRAINT ck_observations_metadata_object",
+    )
+    assert all(valid for _, valid in await validated(empty_pg_url))
+
+
+async def test_0019_validates_its_checks_where_no_row_fails_them(empty_pg_url: str) -> None:
+    await migrate_async(empty_pg_url, revision="0018")
+    await fetch(empty_pg_url, _insert_by_hand("'{}'", "now()"))
+    await migrate_async(empty_pg_url)
+    assert await validated(empty_pg_url) == [
+        ("ck_observations_created_at_finite", True),
+        ("ck_observations_metadata_object", True),
+    ]

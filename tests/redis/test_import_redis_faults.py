@@ -33,6 +33,7 @@ from coda_memory.redis.export import export_identity
 from coda_memory.redis.store import split_prefix
 from tests.helpers import tool_ok
 from tests.postgres.helpers import dsn, until_waiting
+from tests.postgres.test_migrations import HEAD
 from tests.redis.test_import_redis import fact, ms, now, observation, row_counts
 
 
@@ -527,6 +528,6 @@ async def test_a_schema_behind_the_latest_migration_is_named_before_anything_is_
         )
         assert result.exit_code == 1, result.output
         assert result.stderr == (
-            "error: schema coda_memory is at revision 0017, and import-redis needs 0018: run "
-            "coda-memory migrate\n"
+            f"error: schema coda_memory is at revision 0017, and import-redis needs {HEAD}: "
+            "run coda-memory migrate\n"
         )
