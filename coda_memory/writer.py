@@ -353,10 +353,17 @@ class ObservationWriter:
         """:meth:`_write_batches`, for as long as the writer runs: an unexpected error (a
         bug) loses the batches it held, counted as dropped with a log line, and the
         writer goes on with what is queued. (Stopped, it left them in flight for ever:
-        ``drain()`` never returned, and nothing emitted was stored again.)"""
+        ``drain()`` never returned, and nothing emitted was stored again.) Cancelled
+        other than by ``close()`` (the event loop shutting down, an ``asyncio.run()``
+        that returned without closing the service), it counts what it held and what was
+        queued as dropped, with a log line: nothing else would ever store or report them."""
         while True:
             try:
                 await self._write_batches()
+            except asyncio.CancelledError:
+                if not self._closed:
+                    self._drop_held("the event loop stopped before close()", queued=True)
+                raise
             except Exception as error:
                 if not self._writer_failed(error):
                     await asyncio.sleep(WRITER_FAILED_RETRY)  # nothing was lost: no spin

@@ -5,14 +5,17 @@ Run it (after ``coda-memory migrate``, or ``coda_memory.migrate(url)`` in a depl
     CODA_MEMORY_DATABASE_URL=postgresql://app@db/app uvicorn examples.fastapi_app:app
 
 - The service is made in the lifespan, on the server's event loop, never at import time;
-  leaving the lifespan closes it (stores what is queued, releases the pool).
+  leaving the lifespan closes it (stores what is queued, within a bound, and releases the
+  pool).
 - ``POST /chat/{identity_id}`` loads the user's memory first (consolidation included,
   within ``load_timeout``), puts it in the system prompt and uses the tool affinities to
   rank tools, then runs a stand-in tool loop whose every call is recorded with
   ``emit_observation`` (fire-and-forget: it never waits on the database).
 - ``GET /memory/{identity_id}`` shows the facts; ``GET /stats`` the service's counters.
 
-``MEMORY_LOAD_TIMEOUT`` (seconds, default 0.1) is this example's own setting.
+``MEMORY_LOAD_TIMEOUT`` (seconds, default 0.1) and ``MEMORY_CLOSE_TIMEOUT`` (seconds,
+default 8: how long shutdown may spend storing what is queued) are this example's own
+settings.
 """
 
 from __future__ import annotations
@@ -92,9 +95,14 @@ def _memory(request: Request) -> MemoryService:
 
 @asynccontextmanager
 async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+    # coda-memory logs to the "coda_memory" logger, which has only a NullHandler, and
+    # uvicorn configures its own loggers, not the root: without a handler of the app's,
+    # a line such as "dropped 12 observation(s)" would go nowhere.
+    logging.basicConfig(format="%(levelname)s: %(name)s: %(message)s")
     url = os.environ["CODA_MEMORY_DATABASE_URL"]
     timeout = float(os.environ.get("MEMORY_LOAD_TIMEOUT", "0.1"))
-    async with MemoryService.from_url(url, load_timeout=timeout) as memory:
+    memory = MemoryService.from_url(url, load_timeout=timeout)
+    try:
         # Open the connections and prepare the statements before the first request. A
         # database that does not answer yet must not keep the agent from serving: memory
         # then starts on first use, and loads answer empty until it answers.
@@ -104,7 +112,11 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
             logging.getLogger(__name__).warning("memory not warmed up: %s", error)
         app.state.memory = memory
         yield
-    # Leaving the block closed the service: queued observations are stored.
+    finally:
+        # Store what is queued, within less than the platform's grace period before it
+        # kills the process (docker stop: 10 s; Kubernetes: 30 s), so that a loss is
+        # logged and counted rather than cut short. (close() alone waits up to 30 s.)
+        await memory.close(timeout=float(os.environ.get("MEMORY_CLOSE_TIMEOUT", "8")))
 
 
 app = FastAPI(title="agent server with coda-memory", lifespan=lifespan)

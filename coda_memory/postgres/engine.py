@@ -219,6 +219,6 @@ def schema_required(schema: str) -> Iterator[None]:
         if is_missing_relation(exc):
             raise SchemaNotMigrated(
                 f"coda-memory tables are missing from schema {schema!r}; create them with "
-                "coda_memory.migrate(url) or `alembic upgrade head`"
+                "`coda-memory migrate`, coda_memory.migrate(url) or `alembic upgrade head`"
             ) from exc
         raise

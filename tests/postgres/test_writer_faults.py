@@ -8,6 +8,7 @@ import logging
 import socket
 from collections.abc import Awaitable, Callable, Sequence
 from functools import partial
+from typing import Any
 
 import psutil
 import pytest
@@ -450,3 +451,31 @@ def test_an_observation_emitted_once_the_services_loop_is_closed_is_dropped() ->
     asyncio.run(second())
     stats = service.stats()
     assert (stats.emitted, stats.stored, stats.dropped, stats.pending) == (2, 1, 1, 0)
+
+
+def test_what_a_loop_that_ends_before_close_leaves_queued_is_dropped_and_logged(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An asyncio.run() (a server's loop) that ends without closing the service cancels
+    its writer: what it held and what was queued can never be stored, and were neither
+    counted nor logged (stats() said pending, on a loop that was gone)."""
+    service = MemoryService.from_url("memory://", clock=FakeClock())
+    entered = asyncio.Event()
+
+    async def stuck(records: Any, **_: Any) -> Any:
+        entered.set()
+        await asyncio.Event().wait()  # a store that does not answer
+
+    monkeypatch.setattr(service.store, "append", stuck)
+
+    async def serve() -> None:
+        service.emit_observation("alice", tool_ok("get_account"))
+        await entered.wait()  # one batch in flight
+        service.emit_observation("alice", tool_ok("run_sql"))
+        service.emit_observation("bob", tool_ok("run_sql"))  # and two queued behind it
+
+    with caplog.at_level(logging.WARNING, "coda_memory"):
+        asyncio.run(serve())
+    stats = service.stats()
+    assert (stats.emitted, stats.stored, stats.dropped, stats.pending) == (3, 0, 3, 0)
+    assert "dropped 3 observation(s) (the event loop stopped before close())" in caplog.text
