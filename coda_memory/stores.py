@@ -10,8 +10,11 @@ from typing import Any
 
 from coda_memory.ports import MemoryStore
 
+#: The schemes of Redis URLs (redis-py's): TCP, TLS, a Unix socket. (Those of
+#: ``coda_memory.redis.urls``, not imported from there: that package needs redis-py.)
+REDIS_SCHEMES = ("redis", "rediss", "unix")
 #: The schemes of memory URLs that name a store.
-SCHEMES = frozenset({"memory", "null", "postgresql", "postgres", "redis", "rediss"})
+SCHEMES = frozenset({"memory", "null", "postgresql", "postgres", *REDIS_SCHEMES})
 
 
 def url_scheme(url: str) -> str:
@@ -42,7 +45,7 @@ def store_from_url(url: str, store_options: dict[str, Any]) -> MemoryStore:
         from coda_memory.postgres import PostgresStore
 
         store = PostgresStore.from_url(url, **store_options)
-    elif scheme in ("redis", "rediss"):
+    elif scheme in REDIS_SCHEMES:
         try:
             from coda_memory.redis import RedisStore
         except ImportError as exc:
@@ -53,6 +56,6 @@ def store_from_url(url: str, store_options: dict[str, Any]) -> MemoryStore:
     else:
         raise ValueError(
             "unsupported memory URL scheme: use memory://, postgresql://…, redis://… "
-            f"or null:// (got {url.split(':', 1)[0]!r})"
+            f"(rediss://, unix://) or null:// (got {url.split(':', 1)[0]!r})"
         )
     return store

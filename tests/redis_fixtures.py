@@ -66,7 +66,8 @@ def _free_port() -> int:
         return port
 
 
-def _own_server() -> Iterator[str]:
+def _own_server(*options: str) -> Iterator[str]:
+    """A redis-server of the test's own (``options`` added to its command line); its URL."""
     binary = shutil.which("redis-server")
     if binary is None:
         pytest.skip("no Redis server: nothing answers at 127.0.0.1:6379 and no redis-server")
@@ -76,6 +77,7 @@ def _own_server() -> Iterator[str]:
         [
             *(binary, "--port", str(port), "--bind", "127.0.0.1", "--dir", directory),
             *("--save", "", "--appendonly", "no"),
+            *options,
         ],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Annotated
-from urllib.parse import urlsplit
 
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -21,12 +20,12 @@ from coda_memory.cli.output import (
 from coda_memory.cli.runtime import (
     BUSY_EXIT_CODE,
     CliError,
-    masked_url,
     open_store,
     require_head,
     resolve_target,
     run,
 )
+from coda_memory.core.logs import masked_url
 from coda_memory.postgres.schema import DEFAULT_SCHEMA
 
 if TYPE_CHECKING:  # (imported when the command runs: the CLI starts without it)
@@ -37,30 +36,14 @@ _LISTED_BAD = 50
 
 
 def _checked_redis_url(redis_url: str) -> None:
-    """A usage error for what redis-py would take and read wrongly or refuse vaguely: a
-    scheme other than Redis's, or a database that is not a number (redis-py reads
-    database 0 then)."""
+    """A usage error for what redis-py would take and read wrongly or refuse vaguely
+    (:func:`~coda_memory.redis.urls.check_redis_url`)."""
+    from coda_memory.redis.urls import check_redis_url  # (the package needs redis-py)
+
     try:
-        parts = urlsplit(redis_url)
-    except ValueError:
-        return  # RedisStore.from_url says what is wrong with it
-    scheme = parts.scheme.lower()
-    if scheme not in ("redis", "rediss", "unix") or not (parts.netloc or parts.path):
-        raise CliError(
-            f"invalid Redis URL {masked_url(redis_url)!r}: use redis://host:port/db "
-            "(or rediss://, unix://)",
-            code=2,
-        )
-    database = parts.path.strip("/")
-    if scheme != "unix" and database and not (database.isascii() and database.isdecimal()):
-        # Not quoted: after a password holding "/", the "database" is the rest of the
-        # password (urlsplit ends the host part at the first "/").
-        raise CliError(
-            f"invalid Redis URL {masked_url(redis_url)!r}: the database (the path after "
-            "host:port) is not a number (a password holding /, #, ? or @ must be "
-            "percent-encoded)",
-            code=2,
-        )
+        check_redis_url(redis_url)
+    except ValueError as exc:
+        raise CliError(str(exc), code=2) from None
 
 
 @app.command("import-redis")

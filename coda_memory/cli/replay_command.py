@@ -32,10 +32,10 @@ from coda_memory.cli.runtime import (
     check_database_url,
     describe,
     fail,
-    masked_url,
     run,
     run_on_store,
 )
+from coda_memory.core.logs import masked_url
 from coda_memory.core.model import MAX_SPAN
 from coda_memory.postgres.schema import DEFAULT_SCHEMA
 from coda_memory.postgres.store import PostgresStore

@@ -21,6 +21,7 @@ from sqlalchemy import pool, select
 from sqlalchemy.exc import ArgumentError, DBAPIError
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
+from coda_memory.core.logs import masked_url
 from coda_memory.errors import AccessDenied, ForeignAlembicHistory, SchemaNotMigrated
 from coda_memory.postgres import maintenance
 from coda_memory.postgres.connection import (
@@ -190,22 +191,6 @@ class Target:
 
 
 #: A password given as a query parameter (libpq's ``?password=``, ``sslpassword=``).
-_QUERY_PASSWORD = re.compile(r"([?&](?:ssl)?password=)[^&#]*", re.IGNORECASE)
-
-
-def masked_url(url: str) -> str:
-    """``url`` with its password shown as ``***``: everything between the user's ``:``
-    and the last ``@``, which a password may hold (unencoded ``/``, ``@`` or ``#`` too),
-    and the value of a ``password`` or ``sslpassword`` query parameter."""
-    scheme, separator, rest = url.partition("://")
-    if not separator:
-        return url
-    userinfo, at, host = rest.rpartition("@")
-    host = _QUERY_PASSWORD.sub(r"\1***", host)
-    if not at:
-        return f"{scheme}://{host}"
-    user, colon, _ = userinfo.partition(":")
-    return f"{scheme}://{user}{':***' if colon else ''}@{host}"
 
 
 def check_database_url(url: str) -> None:

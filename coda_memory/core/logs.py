@@ -102,3 +102,22 @@ def without_identities(text: str, identities: Iterable[object]) -> str:
             text = text.replace(_repr(identity), label)
             text = re.sub(rf"(?<!\w){re.escape(identity)}(?!\w)", label, text)
     return text
+
+
+#: A password given as a query parameter of a URL.
+_QUERY_PASSWORD = re.compile(r"([?&](?:ssl)?password=)[^&#]*", re.IGNORECASE)
+
+
+def masked_url(url: str) -> str:
+    """``url`` with its password shown as ``***``: everything between the user's ``:``
+    and the last ``@``, which a password may hold (unencoded ``/``, ``@`` or ``#`` too),
+    and the value of a ``password`` or ``sslpassword`` query parameter."""
+    scheme, separator, rest = url.partition("://")
+    if not separator:
+        return url
+    userinfo, at, host = rest.rpartition("@")
+    host = _QUERY_PASSWORD.sub(r"\1***", host)
+    if not at:
+        return f"{scheme}://{host}"
+    user, colon, _ = userinfo.partition(":")
+    return f"{scheme}://{user}{':***' if colon else ''}@{host}"

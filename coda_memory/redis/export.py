@@ -89,7 +89,12 @@ async def export_identity(store: RedisStore, identity_id: str) -> ExportedIdenti
         pipe.hvals(sessions_key)
         try:
             checkpoint, members, pending, facts, history, sessions = await pipe.execute()
-        except ResponseError as exc:  # WRONGTYPE: a key of another type than the layout's
+        except ResponseError as exc:
+            if "WRONGTYPE" not in str(exc):
+                # A refusal of the server's (NOPERM: an ACL user without MULTI, EXEC or
+                # a read command) is no fault of the identity's keys: the run stops on
+                # it, named, rather than leave out every identity as "of the wrong type".
+                raise
             raise BadRecord(f"a key of the wrong type ({exc})") from exc
     out = ExportedIdentity(identity_id)
     limit: float | None = None

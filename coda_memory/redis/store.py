@@ -53,6 +53,7 @@ from coda_memory.redis.codec import (
 )
 from coda_memory.redis.keys import DEFAULT_PREFIX, IDENTITY_KINDS, Keys
 from coda_memory.redis.unit import RedisConsolidationUnit, parse_facts
+from coda_memory.redis.urls import check_redis_url
 
 DEFAULT_LOCK_TIMEOUT = timedelta(seconds=5)
 #: How long a lock outlives a consolidation whose process died holding it.
@@ -174,7 +175,10 @@ class RedisStore:
     @classmethod
     def from_url(cls, url: str, *, prefix: str | None = None, **options: Any) -> RedisStore:
         """A store on ``url`` (``redis://host:port/db``, ``rediss://…``). The key prefix is
-        ``prefix``, else the URL's ``?prefix=`` parameter, else ``coda:memory:``."""
+        ``prefix``, else the URL's ``?prefix=`` parameter, else ``coda:memory:``.
+        ValueError for a URL redis-py would misread (see
+        :func:`~coda_memory.redis.urls.check_redis_url`)."""
+        check_redis_url(url)
         bare, url_prefix = split_prefix(url)
         store_keys = {"lock_timeout", "lock_ttl", "history_limit", "session_horizon"}
         store_options = {k: v for k, v in options.items() if k in store_keys}
@@ -199,14 +203,18 @@ class RedisStore:
         host learns at startup that it cannot; ConnectionLost, naming it, if not."""
         try:
             await self.client.ping()
-        except (RedisConnectionError, RedisTimeoutError, OSError) as error:
+        except (RedisConnectionError, RedisTimeoutError, OSError, ResponseError) as error:
+            # ResponseError: what the connection's own commands met (AUTH, SELECT of a
+            # database out of range), or a PING the user may not run.
             options = self.client.connection_pool.connection_kwargs
             where = options.get("path") or f"{options.get('host', 'localhost')}:" + str(
                 options.get("port", 6379)
             )
+            reason = str(error).strip().splitlines()[0][:200] if str(error).strip() else ""
             raise ConnectionLost(
-                f"cannot reach Redis at {where} ({type(error).__name__}); the service "
-                "starts on first use once it answers"
+                f"cannot reach Redis at {where} ({type(error).__name__}"
+                f"{': ' + reason if reason else ''}); the service starts on first use once "
+                "it answers"
             ) from error
 
     # -- writes -------------------------------------------------------------------------

@@ -4,6 +4,7 @@ of the others, and the command line reads the URL's prefix and never shows a pas
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import secrets
 from datetime import UTC, datetime
@@ -35,6 +36,7 @@ from tests.helpers import tool_ok
 from tests.postgres.helpers import dsn, until_waiting
 from tests.postgres.test_migrations import HEAD
 from tests.redis.test_import_redis import fact, ms, now, observation, row_counts
+from tests.redis_fixtures import _own_server
 
 
 async def _seed_good(client: aioredis.Redis, prefix: str, identity: str) -> None:
@@ -531,3 +533,30 @@ async def test_a_schema_behind_the_latest_migration_is_named_before_anything_is_
             f"error: schema coda_memory is at revision 0017, and import-redis needs {HEAD}: "
             "run coda-memory migrate\n"
         )
+
+
+def test_a_user_the_server_refuses_a_command_stops_the_run_naming_it(pg_url: str) -> None:
+    """An ACL user that may read but not run MULTI: every identity was left out as "a
+    key of the wrong type" (NOPERM is a ResponseError, as WRONGTYPE is), exit 1 after a
+    whole run of misleading lines."""
+    with contextlib.contextmanager(_own_server)() as server:
+        client = redis.Redis.from_url(server)
+        try:
+            client.acl_setuser(
+                "reader",
+                enabled=True,
+                passwords=["+r3ader"],
+                keys=["*"],
+                commands=["+@read", "+@connection", "+scan"],
+            )
+            client.hset("coda:memory:facts:bob", "fact:tool_affinity:t", fact("bob", "t", 0.5, 1))
+        finally:
+            client.close()
+        reader = server.replace("redis://", "redis://reader:r3ader@", 1)
+        result = CliRunner().invoke(app, ["import-redis", reader, "--url", pg_url])
+    assert result.exit_code == 1, result.output
+    assert "NoPermissionError: this user has no permissions to run the 'multi' command" in (
+        result.stderr
+    )
+    assert "wrong type" not in result.output
+    assert asyncio.run(row_counts(pg_url))["redis_imports"] == 0

@@ -4,10 +4,12 @@ the lock, retention, the capped history, forget and stats."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import uuid
 from datetime import timedelta
 from typing import Any
+from urllib.parse import urlsplit
 
 import pytest
 import redis.asyncio as aioredis
@@ -23,6 +25,7 @@ from coda_memory.errors import ConnectionLost
 from coda_memory.redis import LockLost, LockTimeout, RedisStore
 from coda_memory.redis.keys import glob_escape
 from tests.helpers import T0, FakeClock, domain, entity, tool_failed, tool_ok
+from tests.redis_fixtures import _own_server
 
 
 def summary(facts: list[Fact]) -> dict[str, tuple[float, int]]:
@@ -684,5 +687,61 @@ async def test_a_backlog_is_read_and_written_with_turns_of_the_event_loop(
         assert sum(f.reinforcement_count for f in facts) == 1_000
         assert len(parsed) == 1_000 and len(set(parsed)) >= 1_000 // 200
         assert len(written) >= 1_000 and len(set(written)) >= 1_000 // 200
+    finally:
+        await service.close()
+
+
+@pytest.mark.parametrize(
+    ("url", "why"),
+    [
+        ("redis://app:Tr0ub4dor#3@127.0.0.1:6379/0", "the port is not a number"),
+        ("redis://app:pa55/w0rd@127.0.0.1:6379/0", "the port is not a number"),
+        ("redis://app:8080/s3cret@127.0.0.1:6379/0", "the database (the path after"),
+        ("redis://127.0.0.1:6379/abc", "the database (the path after"),
+    ],
+)
+def test_a_redis_url_that_redis_py_would_misread_is_refused_without_its_password(
+    url: str, why: str
+) -> None:
+    """redis-py's parser said "Port could not be cast to integer value as 'Tr0ub4dor'"
+    (part of the password, in a message a host logs at startup), or read /abc as
+    database 0; with /s3cret after a password's "/", it reached for host "app"."""
+    with pytest.raises(ValueError) as raised:
+        MemoryService.from_url(url)
+    message = str(raised.value)
+    assert why in message
+    assert "percent-encoded" in message or "abc" in url
+    for secret in ("Tr0ub4dor", "pa55", "w0rd", "s3cret", "8080"):
+        assert secret not in message
+    # Nor in a traceback: redis-py's own error is not chained to it.
+    error = raised.value
+    assert (error.__cause__ or (None if error.__suppress_context__ else error.__context__)) is None
+
+
+def test_a_unix_socket_url_names_the_redis_store(tmp_path: Any) -> None:
+    socket_path = tmp_path / "redis.sock"
+    with contextlib.contextmanager(_own_server)("--unixsocket", str(socket_path)):
+
+        async def use() -> list[Fact]:
+            url = f"unix://{socket_path}?db=3&prefix=unixtest:"
+            async with MemoryService.from_url(url, clock=FakeClock()) as memory:
+                await memory.start()
+                memory.emit_observation("ana", tool_ok("get_account"))
+                await memory.drain(5)
+                return (await memory.load_memory("ana")).facts
+
+        (fact,) = asyncio.run(use())
+        assert fact.subject == "tool_affinity:get_account"
+
+
+async def test_start_names_what_the_server_refused(redis_url: str) -> None:
+    """A database out of range (SELECT fails as the connection opens) raised redis-py's
+    bare ResponseError from start(), which a lifespan catching ConnectionLost (as the
+    FastAPI example does) did not catch: the app did not start."""
+    out_of_range = urlsplit(redis_url)._replace(path="/99", query="").geturl()
+    service = MemoryService.from_url(out_of_range)
+    try:
+        with pytest.raises(ConnectionLost, match=r"\(ResponseError: DB index is out of range\)"):
+            await service.start()
     finally:
         await service.close()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from coda_memory.cli.runtime import masked_url
+from coda_memory.core.logs import masked_url
 
 
 @pytest.mark.parametrize(
