@@ -345,10 +345,8 @@ async def _revision(store: PostgresStore) -> str | None:
     is granted the aggregate views only)."""
     try:
         return await maintenance.schema_revision(store)
-    except Exception as exc:
-        if sqlstate(exc) == INSUFFICIENT_PRIVILEGE:
-            return "unknown"
-        raise
+    except AccessDenied:
+        return "unknown"
 
 
 @dataclass(frozen=True)

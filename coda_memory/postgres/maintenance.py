@@ -26,6 +26,7 @@ from sqlalchemy import (
     Text,
     any_,
     bindparam,
+    case,
     cast,
     column,
     delete,
@@ -44,6 +45,7 @@ from sqlalchemy.sql.elements import TextClause
 from sqlalchemy.sql.selectable import Select
 
 from coda_memory.core.model import MAX_INT32
+from coda_memory.errors import AccessDenied
 from coda_memory.postgres.engine import driver_connection
 from coda_memory.postgres.rollup import connection_shard
 from coda_memory.postgres.rollup_owed import FOLD_ROWS, fold_owed
@@ -407,13 +409,31 @@ class StoreStats(BaseModel):
 
 
 async def schema_revision(store: PostgresStore) -> str | None:
-    """The Alembic revision of the store's schema, or None when it was never migrated."""
+    """The Alembic revision of the store's schema, or None when it was never migrated;
+    :class:`AccessDenied` for a role that may not read the version table (an analyst),
+    asked before it is read: the refused ``SELECT`` left an ERROR line in the server's log
+    at every command an analyst ran."""
     qualified = bindparam("name", f"{store.schema}.{alembic_version.name}", Text)
+    version_table = func.to_regclass(qualified)
 
     async def read(conn: AsyncConnection) -> str | None:
-        present = (await conn.execute(select(func.to_regclass(qualified).is_not(None)))).scalar()
-        if not present:
+        readable = (
+            await conn.execute(
+                select(
+                    case(
+                        (version_table.is_(None), None),
+                        else_=func.has_table_privilege(version_table, "SELECT"),
+                    )
+                )
+            )
+        ).scalar()
+        if readable is None:
             return None
+        if not readable:
+            raise AccessDenied(
+                f"the role may not read {store.schema}.{alembic_version.name} (the schema's "
+                "revision): analysts are granted the views only"
+            )
         result = await conn.execute(select(alembic_version.c.version_num))
         return result.scalar_one_or_none()
 

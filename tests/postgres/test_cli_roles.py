@@ -16,6 +16,8 @@ import asyncpg
 import pytest
 from sqlalchemy.engine import make_url
 
+from coda_memory.errors import AccessDenied
+from coda_memory.postgres import PostgresStore, maintenance
 from tests.postgres.helpers import dsn
 from tests.postgres.test_cli import assert_one_line_error, run, seed_alice
 
@@ -202,3 +204,34 @@ def test_a_member_of_the_role_the_policy_names_sees_every_identity(pg_url: str) 
         assert "tool_affinity:get_account" in result.stdout
     finally:
         asyncio.run(_superuser(pg_url, f'DROP OWNED BY "{member}"', f'DROP ROLE "{member}"'))
+
+
+def test_the_analyst_is_not_asked_for_the_revision_it_may_not_read(
+    pg_url: str, roles: tuple[str, str]
+) -> None:
+    """Every CLI command an analyst ran sent a SELECT on alembic_version that the server
+    refused, leaving "ERROR: permission denied for table alembic_version" in its log (an
+    alert, for an operator who watches it): the privilege is asked first."""
+    _, analyst_url = roles
+
+    async def revision() -> BaseException:
+        store = PostgresStore.from_url(analyst_url)
+        try:
+            with pytest.raises(AccessDenied) as raised:
+                await maintenance.schema_revision(store)
+            return raised.value
+        finally:
+            await store.close()
+
+    denied = asyncio.run(revision())
+    assert "may not read coda_memory.alembic_version" in str(denied)
+    assert denied.__cause__ is None and denied.__context__ is None  # no refused statement
+    assert asyncio.run(_revision_of(pg_url)) is not None  # the owner reads it
+
+
+async def _revision_of(url: str) -> str | None:
+    store = PostgresStore.from_url(url)
+    try:
+        return await maintenance.schema_revision(store)
+    finally:
+        await store.close()
