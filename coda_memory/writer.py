@@ -17,7 +17,7 @@ import uuid
 from collections import deque
 from collections.abc import Callable
 from contextlib import AbstractContextManager
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from itertools import chain
 from typing import Any, Protocol
 
@@ -575,8 +575,13 @@ class ObservationWriter:
         too, were it stopped before the batch's append ends)."""
         kept: list[_Item] = []
         records: list[ObservationRecord] = []
-        now = self.clock()
-        latest = now + self.max_clock_skew
+        # In UTC: the skew added to a local time (a clock in a ZoneInfo zone) is added to
+        # the wall clock, which the fall back of daylight saving time stretches by an hour.
+        now = self.clock().astimezone(UTC)
+        try:
+            latest = now + self.max_clock_skew
+        except OverflowError:  # a clock at the end of datetime's range: none is later
+            latest = datetime.max.replace(tzinfo=UTC)
         catalog = self.tool_catalog
         for index, item in enumerate(items):
             if index and index % VALIDATE_CHUNK == 0:

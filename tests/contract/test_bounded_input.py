@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
+from zoneinfo import ZoneInfo
 
 import pytest
 
@@ -133,3 +134,19 @@ async def test_an_observation_dated_before_1970_counts_as_any_old_one(
     assert [kind for kind, _ in run_sql] == [FactEventKind.CREATED, FactEventKind.EXPIRED]
     assert run_sql[0][1] == before_1970
     assert service.stats().pending == 0
+
+
+async def test_the_skew_is_counted_in_utc_for_a_clock_in_local_time(
+    make_service: ServiceFactory,
+) -> None:
+    """At 01:58 EDT on the night the clocks fall back, a local clock plus 5 minutes
+    reached 02:03 wall time, which is 02:03 EST: an hour and five minutes on. An
+    observation dated 50 minutes ahead passed as within the skew."""
+    eastern = ZoneInfo("America/New_York")
+    local_now = datetime(2026, 11, 1, 1, 58, tzinfo=eastern)  # EDT (fold 0)
+    service = await make_service(clock=lambda: local_now)
+    ahead = local_now.astimezone(UTC) + timedelta(minutes=50)
+    service.emit_observation("u1", tool_ok("t", at=ahead))
+    service.emit_observation("u1", tool_ok("t", at=local_now.astimezone(UTC)))
+    await service.drain()
+    assert (service.stats().stored, service.stats().future_clamped) == (2, 1)
