@@ -21,9 +21,9 @@ class ConnectionLost(CodaMemoryError):
     """The database connection died in the middle of a unit of work, or the server it
     reached only reads (a hot standby, a writer that a failover demoted); nothing of it
     was committed unless the commit itself had already been acknowledged. Also what
-    every call raises when no connection can be made (a refused connection, an unknown
-    host or database: the message names the server and its reason), ``start()``
-    included."""
+    every call of a store raises when no connection can be made (a refused connection,
+    an unknown host or database: the message names the server and its reason),
+    ``start()`` included."""
 
 
 class StoreBusy(CodaMemoryError):

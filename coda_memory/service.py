@@ -1021,6 +1021,7 @@ class MemoryService(ObservationWriter):
 
     def stats(self) -> MemoryStats:
         """Counts of observations emitted, stored, rejected, dropped and pending."""
+        self._lost_with_loop()  # (its loop closed without close(): nothing is pending)
         # The store's counts of what its appends, peeks and consolidations did around
         # locks, and of the facts it keeps between requests (Postgres only).
         ingest = getattr(self.store, "ingest_counts", None)

@@ -224,6 +224,8 @@ class ObservationWriter:
             # A service whose event loop is closed (an asyncio.run() that ended) has no
             # writer that could store it: queued, it stayed pending for ever.
             loop_closed = self._loop is not None and self._loop.is_closed()
+            if loop_closed:
+                self._lost_with_loop()
             if (
                 self._closed
                 or loop_closed
@@ -355,18 +357,38 @@ class ObservationWriter:
         writer goes on with what is queued. (Stopped, it left them in flight for ever:
         ``drain()`` never returned, and nothing emitted was stored again.) Cancelled
         other than by ``close()`` (the event loop shutting down, an ``asyncio.run()``
-        that returned without closing the service), it counts what it held and what was
-        queued as dropped, with a log line: nothing else would ever store or report them."""
+        that returned without closing the service, a host cancelling every task before
+        it closes), it counts the batches its appends held as dropped, and says how many
+        wait in the queue: ``close()`` or ``drain()`` on the loop starts it again and
+        stores them; once the loop is closed, :meth:`_lost_with_loop` counts them as
+        dropped."""
         while True:
             try:
                 await self._write_batches()
             except asyncio.CancelledError:
                 if not self._closed:
-                    self._drop_held("the event loop stopped before close()", queued=True)
+                    # Its appends went with it, and nothing retries their batches: counted
+                    # now (else a drain waited for them until its timeout).
+                    self._drop_held("the writer was cancelled while storing them")
+                    if self._queue:
+                        self._log.warning(
+                            "writer cancelled",
+                            "coda-memory: the writer was cancelled (the event loop "
+                            "stopping?) with %d observation(s) queued: lost unless close() "
+                            "or drain() follows on this loop",
+                            len(self._queue),
+                        )
                 raise
             except Exception as error:
                 if not self._writer_failed(error):
                     await asyncio.sleep(WRITER_FAILED_RETRY)  # nothing was lost: no spin
+
+    def _lost_with_loop(self) -> None:
+        """Count what waited to be stored as dropped once the service's event loop is
+        closed without ``close()``: no writer can ever store it (it stayed pending)."""
+        loop = self._loop
+        if loop is not None and loop.is_closed() and not self._closed:
+            self._drop_held("the event loop stopped before close()", queued=True)
 
     def _writer_failed(self, error: Exception) -> int:
         """Count what the writer held when ``error`` stopped it as dropped; how many."""

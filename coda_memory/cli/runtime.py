@@ -190,9 +190,6 @@ class Target:
     embedded: bool
 
 
-#: A password given as a query parameter (libpq's ``?password=``, ``sslpassword=``).
-
-
 def check_database_url(url: str) -> None:
     """Refuse, with a ``ValueError`` whose message says why in one line, a Postgres URL
     that SQLAlchemy cannot parse or that the driver would refuse only on connecting."""

@@ -343,8 +343,6 @@ async def run(
             if not _may_replace(engine, error):
                 raise
             await _replace_pool(engine, pool)
-            if isinstance(error, ConnectionLost) and not idempotent:
-                raise  # none could be made: it says why
             if not idempotent:
                 raise ConnectionLost(f"the connection died: {error!r}") from error
         return await _attempt(engine, work)

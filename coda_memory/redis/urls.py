@@ -32,6 +32,12 @@ def check_redis_url(url: str) -> None:
         raise ValueError(
             f"invalid Redis URL {masked!r}: the port is not a number ({_ENCODE})"
         ) from None
+    if "@" in url.partition("://")[2] and "@" not in parts.netloc:
+        # An "@" past where the parser ended the host part (at a "/", "#" or "?" of the
+        # password): "redis://app:8080#pw@host" reads as host "app", port 8080.
+        raise ValueError(
+            f"invalid Redis URL {masked!r}: the host part ends before its '@' ({_ENCODE})"
+        )
     scheme = parts.scheme.lower()
     if scheme not in REDIS_SCHEMES or not (parts.netloc or parts.path):
         raise ValueError(

@@ -843,3 +843,41 @@ async def test_0019_validates_its_checks_where_no_row_fails_them(empty_pg_url: s
         ("ck_observations_created_at_finite", True),
         ("ck_observations_metadata_object", True),
     ]
+
+
+async def test_0019_validates_with_no_lock_that_appends_wait_for(empty_pg_url: str) -> None:
+    """Adding a check takes the table's ACCESS EXCLUSIVE lock. Validated in the same
+    transaction, the whole scan of observations ran under it: every append and read of
+    the service waited for it (minutes, on a large table). The lock is committed first."""
+    from alembic import command
+    from sqlalchemy.util import await_only, greenlet_spawn
+
+    held: list[list[tuple[Any, ...]]] = []
+
+    def before(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
+        if "VALIDATE CONSTRAINT" in statement:
+            held.append(
+                await_only(
+                    fetch(
+                        empty_pg_url,
+                        "SELECT mode FROM pg_locks WHERE granted "
+                        "AND relation = to_regclass('coda_memory.observations')",
+                    )
+                )
+            )
+
+    await migrate_async(empty_pg_url, revision="0018")
+    own = engine(empty_pg_url)
+    event.listen(own.sync_engine, "before_cursor_execute", before)
+    try:
+        config = alembic_config()
+        config.attributes["connection"] = own.sync_engine
+        await greenlet_spawn(command.upgrade, config, "head")
+    finally:
+        await own.dispose()
+    assert len(held) == 2
+    assert all(("AccessExclusiveLock",) not in locks for locks in held), held
+    assert await validated(empty_pg_url) == [
+        ("ck_observations_created_at_finite", True),
+        ("ck_observations_metadata_object", True),
+    ]

@@ -476,6 +476,39 @@ def test_what_a_loop_that_ends_before_close_leaves_queued_is_dropped_and_logged(
 
     with caplog.at_level(logging.WARNING, "coda_memory"):
         asyncio.run(serve())
+        assert "dropped 1 observation(s) (the writer was cancelled while storing" in (caplog.text)
+        assert "cancelled (the event loop stopping?) with 2 observation(s) queued" in (caplog.text)
+        assert service.stats().pending == 0  # (the loop is closed: none can be stored)
     stats = service.stats()
     assert (stats.emitted, stats.stored, stats.dropped, stats.pending) == (3, 0, 3, 0)
-    assert "dropped 3 observation(s) (the event loop stopped before close())" in caplog.text
+    assert "dropped 2 observation(s) (the event loop stopped before close())" in caplog.text
+
+
+async def test_a_host_that_cancels_every_task_before_close_loses_nothing_queued(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A shutdown recipe: cancel every other task, then close the service. The writer's
+    cancellation must not drop the queue, which close() then stores."""
+    service = MemoryService.from_url("memory://", clock=FakeClock())
+    release = asyncio.Event()
+    append = service.store.append
+
+    async def slow(records: Any, **options: Any) -> Any:
+        await release.wait()
+        return await append(records, **options)
+
+    monkeypatch.setattr(service.store, "append", slow)
+    service.emit_observation("alice", tool_ok("get_account"))
+    await asyncio.sleep(0)  # the writer takes the first into an append
+    for n in range(4):
+        service.emit_observation("alice", tool_ok("run_sql", session=f"s{n}"))
+    others = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+    for task in others:
+        task.cancel()
+    await asyncio.wait(others)
+    release.set()
+    async with asyncio.timeout(5):  # (the cancelled append's batch waited out close's 30 s)
+        await service.close()
+    stats = service.stats()
+    # The four queued are stored; the one whose append was cancelled is counted dropped.
+    assert (stats.emitted, stats.stored, stats.dropped, stats.pending) == (5, 4, 1, 0)

@@ -696,8 +696,10 @@ async def test_a_backlog_is_read_and_written_with_turns_of_the_event_loop(
     [
         ("redis://app:Tr0ub4dor#3@127.0.0.1:6379/0", "the port is not a number"),
         ("redis://app:pa55/w0rd@127.0.0.1:6379/0", "the port is not a number"),
-        ("redis://app:8080/s3cret@127.0.0.1:6379/0", "the database (the path after"),
+        ("redis://app:8080/s3cret@127.0.0.1:6379/0", "the host part ends before its '@'"),
         ("redis://127.0.0.1:6379/abc", "the database (the path after"),
+        ("redis://app:8080#pw@127.0.0.1:6379/0", "the host part ends before its '@'"),
+        ("redis://app:1234?z@127.0.0.1:6379/0", "the host part ends before its '@'"),
     ],
 )
 def test_a_redis_url_that_redis_py_would_misread_is_refused_without_its_password(
@@ -711,7 +713,7 @@ def test_a_redis_url_that_redis_py_would_misread_is_refused_without_its_password
     message = str(raised.value)
     assert why in message
     assert "percent-encoded" in message or "abc" in url
-    for secret in ("Tr0ub4dor", "pa55", "w0rd", "s3cret", "8080"):
+    for secret in ("Tr0ub4dor", "pa55", "w0rd", "s3cret", "8080", "#pw", "1234", "?z"):
         assert secret not in message
     # Nor in a traceback: redis-py's own error is not chained to it.
     error = raised.value
