@@ -28,6 +28,7 @@ from coda_memory.cli.demo import plots
 from coda_memory.cli.output import (
     add_row,
     checked_plot_path,
+    csv_cell,
     draw_plot,
     dump,
     fmt_count,
@@ -225,10 +226,10 @@ def _print_csv(rows: Sequence[BaseModel], model: type[BaseModel]) -> None:
         item: dict[str, Any] = {}
         for key, value in record.items():
             if isinstance(value, list):  # a histogram: one column per bucket
-                cells = ["" if v is None else v for v in value]
+                cells = ["" if v is None else csv_cell(v) for v in value]
                 item.update(zip(_bucket_columns(key, len(value)), cells, strict=True))
             else:
-                item[key] = "" if value is None else value
+                item[key] = "" if value is None else csv_cell(value)
         flat.append(item)
     writer = csv.DictWriter(sys.stdout, fieldnames=_csv_columns(model), lineterminator="\n")
     writer.writeheader()

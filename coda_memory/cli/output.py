@@ -43,8 +43,10 @@ def note(message: str) -> None:
 
 
 def print_json(data: Any) -> None:
-    """``data`` as indented JSON on stdout."""
-    typer.echo(json.dumps(data, indent=2, ensure_ascii=False))
+    """``data`` as indented JSON on stdout, in ASCII: a stored string's 8-bit controls
+    (U+009B is a CSI to a terminal that reads them), bidi overrides and zero-width
+    characters are escaped as ``\\uXXXX``, as JSON escapes the 7-bit ones."""
+    typer.echo(json.dumps(data, indent=2, ensure_ascii=True))
 
 
 def dump(rows: Sequence[BaseModel]) -> list[dict[str, Any]]:
@@ -104,8 +106,10 @@ def new_table(title: str | None, columns: Sequence[tuple[str, str]]) -> Table:
     )
     for header, justify in columns:
         # Only identifiers and free text wrap (folded: a subject keeps every character).
+        # A header may be data (a domain, in analytics domains): never read as markup,
+        # and escaped as a cell is.
         table.add_column(
-            header,
+            Text(printable(header)),
             justify=justify,  # type: ignore[arg-type]
             no_wrap=header not in _WRAPPING,
             overflow="fold",
@@ -145,6 +149,20 @@ def fmt_bytes(size: int) -> str:
             return f"{value:,.0f} {unit}" if unit == "B" else f"{value:,.1f} {unit}"
         value /= 1024
     return f"{size} B"
+
+
+#: What a spreadsheet reads as the start of a formula in a cell (OWASP's list).
+_FORMULA_STARTS = ("=", "+", "-", "@", "\t", "\r")
+
+
+def csv_cell(value: Any) -> Any:
+    """A CSV field: a string :func:`printable` (no line break can forge a row, no escape
+    sequence reaches a terminal) and, when it begins as a formula would, after a ``'``
+    (a stored ``=HYPERLINK(…)`` is text to a spreadsheet); other values as they are."""
+    if not isinstance(value, str):
+        return value
+    text = printable(value)
+    return f"'{text}" if text.startswith(_FORMULA_STARTS) else text
 
 
 def printable(text: str) -> str:
