@@ -32,13 +32,19 @@ def check_redis_url(url: str) -> None:
         raise ValueError(
             f"invalid Redis URL {masked!r}: the port is not a number ({_ENCODE})"
         ) from None
-    if "@" in url.partition("://")[2] and "@" not in parts.netloc:
-        # An "@" past where the parser ended the host part (at a "/", "#" or "?" of the
-        # password): "redis://app:8080#pw@host" reads as host "app", port 8080.
+    scheme = parts.scheme.lower()
+    keys = [pair.partition("=")[0] for pair in parts.query.split("&")]
+    if "@" not in parts.netloc and (
+        "@" in parts.fragment
+        or (scheme != "unix" and "@" in parts.path)
+        or any("@" in key for key in keys)
+    ):
+        # The "@" of a password holding "/", "#" or "?", past where the parser ended the
+        # host part: "redis://app:8080#pw@host" reads as host "app", port 8080. (One in a
+        # query value, ?password=p@ss, or in a socket's path is the URL's own.)
         raise ValueError(
             f"invalid Redis URL {masked!r}: the host part ends before its '@' ({_ENCODE})"
         )
-    scheme = parts.scheme.lower()
     if scheme not in REDIS_SCHEMES or not (parts.netloc or parts.path):
         raise ValueError(
             f"invalid Redis URL {masked!r}: use redis://host:port/db (or rediss://, unix://)"

@@ -22,6 +22,7 @@ from alembic.script import ScriptDirectory
 from sqlalchemy import event, text
 
 from coda_memory.errors import ForeignAlembicHistory, MigrationUnderWay
+from coda_memory.postgres import schema as schema_module
 from coda_memory.postgres.engine import asyncpg_url
 from coda_memory.postgres.migrate import alembic_config, migrate, migrate_async, migration_sql
 from coda_memory.postgres.schema import (
@@ -880,4 +881,81 @@ async def test_0019_validates_with_no_lock_that_appends_wait_for(empty_pg_url: s
     assert await validated(empty_pg_url) == [
         ("ck_observations_created_at_finite", True),
         ("ck_observations_metadata_object", True),
+    ]
+
+
+VERSION = "SELECT version_num FROM coda_memory.alembic_version"
+
+
+async def test_0019_cut_short_in_a_validation_runs_again(
+    empty_pg_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A validation that a lock timeout (a manual VACUUM took the lock it needs once the
+    checks were committed) or a kill cut short left the checks committed at revision
+    0018: every later upgrade failed with 'constraint ... already exists'. It now leaves
+    them NOT VALID and goes on; and an upgrade that finds them added adds them no more."""
+    from alembic import command
+    from sqlalchemy.util import await_only, greenlet_spawn
+
+    monkeypatch.setattr(schema_module, "MIGRATION_LOCK_TIMEOUT", "200ms")
+    await migrate_async(empty_pg_url, revision="0018")
+    own, other = engine(empty_pg_url), engine(empty_pg_url)
+    holder = await other.connect()
+    await holder.begin()
+
+    def before(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
+        if "VALIDATE CONSTRAINT" in statement:  # (taken once: the holder keeps it)
+            await_only(
+                holder.execute(
+                    text("LOCK TABLE coda_memory.observations IN SHARE UPDATE EXCLUSIVE MODE")
+                )
+            )
+
+    event.listen(own.sync_engine, "before_cursor_execute", before)
+    try:
+        config = alembic_config()
+        config.attributes["connection"] = own.sync_engine
+        await greenlet_spawn(command.upgrade, config, "head")
+    finally:
+        await holder.rollback()
+        await holder.close()
+        await own.dispose()
+        await other.dispose()
+    assert await fetch(empty_pg_url, VERSION) == [(HEAD,)]
+    assert await validated(empty_pg_url) == [
+        ("ck_observations_created_at_finite", False),
+        ("ck_observations_metadata_object", False),
+    ]
+    # As a kill between the checks' commit and the version's would leave it.
+    await fetch(empty_pg_url, "UPDATE coda_memory.alembic_version SET version_num = '0018'")
+    await migrate_async(empty_pg_url)
+    assert await validated(empty_pg_url) == [
+        ("ck_observations_created_at_finite", True),
+        ("ck_observations_metadata_object", True),
+    ]
+
+
+async def test_0019_on_a_callers_connection_in_a_transaction(empty_pg_url: str) -> None:
+    """Alembic's cookbook (``with engine.begin() as connection``): alembic's
+    autocommit_block fails on a transaction it did not begin, so the checks stay NOT
+    VALID there, with the statements to validate them logged."""
+    from alembic import command
+
+    await migrate_async(empty_pg_url, revision="0018")
+    own = engine(empty_pg_url)
+    try:
+        async with own.begin() as conn:
+
+            def upgrade(sync: Any) -> None:
+                config = alembic_config()
+                config.attributes["connection"] = sync
+                command.upgrade(config, "head")
+
+            await conn.run_sync(upgrade)
+    finally:
+        await own.dispose()
+    assert await fetch(empty_pg_url, VERSION) == [(HEAD,)]
+    assert await validated(empty_pg_url) == [
+        ("ck_observations_created_at_finite", False),
+        ("ck_observations_metadata_object", False),
     ]

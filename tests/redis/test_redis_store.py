@@ -720,6 +720,20 @@ def test_a_redis_url_that_redis_py_would_misread_is_refused_without_its_password
     assert (error.__cause__ or (None if error.__suppress_context__ else error.__context__)) is None
 
 
+@pytest.mark.parametrize(
+    "url",
+    [
+        "unix:///run/redis/redis.sock?db=0&password=s3cr@t",
+        "redis://127.0.0.1:6379/0?password=p@ss",
+        "rediss://127.0.0.1:6379/0?ssl_ca_certs=/etc/certs/ca@corp.pem",
+        "unix:///home/a@corp/redis.sock",
+        "redis://user:p%40ss@127.0.0.1:6379/0",
+    ],
+)
+def test_an_at_sign_that_is_the_urls_own_is_taken(url: str) -> None:
+    MemoryService.from_url(url)  # (no connection is made here)
+
+
 def test_a_unix_socket_url_names_the_redis_store(tmp_path: Any) -> None:
     socket_path = tmp_path / "redis.sock"
     with contextlib.contextmanager(_own_server)("--unixsocket", str(socket_path)):

@@ -34,7 +34,7 @@ from collections.abc import Sequence
 
 import sqlalchemy as sa
 from alembic import context, op
-from sqlalchemy.exc import IntegrityError
+from sqlalchemy.exc import DBAPIError, IntegrityError
 
 from coda_memory.postgres.schema import migration_lock_timeout
 from coda_memory.postgres.views import migrating_schema
@@ -52,40 +52,75 @@ CHECKS = (
 
 
 def upgrade() -> None:
-    schema = migrating_schema(op.get_context())
+    context_ = op.get_context()
+    schema = migrating_schema(context_)
+    # Added unless there (a run cut short during a validation, a kill or a lock timeout,
+    # left them committed with the revision still 0018: added again, they failed every
+    # later upgrade with "already exists").
+    present = set() if context.is_offline_mode() else _checks_present(schema)
     for name, condition in CHECKS:
-        op.create_check_constraint(
-            op.f(name), "observations", condition, schema=schema, postgresql_not_valid=True
-        )
+        if name not in present:
+            op.create_check_constraint(
+                op.f(name), "observations", condition, schema=schema, postgresql_not_valid=True
+            )
     validations = [
-        (f'ALTER TABLE "{schema}".observations VALIDATE CONSTRAINT {name}', name, condition)
+        (f'ALTER TABLE "{schema}".observations VALIDATE CONSTRAINT {name}', condition)
         for name, condition in CHECKS
     ]
-    if context.is_offline_mode():
-        for validate, _, _ in validations:
-            op.execute(f"-- then, outside a transaction: {validate}")
+    if context.is_offline_mode() or context_._in_external_transaction:
+        # Offline, and in a transaction of the caller's (which holds the checks' lock
+        # until it commits), no statement can run after a commit: the operator validates.
+        for validate, _ in validations:
+            if context.is_offline_mode():
+                op.execute(f"-- then, outside a transaction: {validate}")
+            else:
+                _warn_not_valid(schema, validate, "run on a transaction of the caller's")
         return
     # Each validation a transaction of its own, after the checks' ACCESS EXCLUSIVE lock is
     # committed; the lock timeout is the session's meanwhile.
-    with op.get_context().autocommit_block():
+    with context_.autocommit_block():
         op.execute(migration_lock_timeout(session=True))
         try:
-            for validate, name, condition in validations:
+            for validate, condition in validations:
                 try:
                     op.execute(validate)
                 except IntegrityError:  # check_violation: a row written by hand before it
-                    logging.getLogger("coda_memory").warning(
-                        "coda-memory: rows of %s.observations written by hand fail the new "
-                        "check %s (%s), which stays NOT VALID: new rows are checked; mend or "
-                        "delete those (SELECT ... WHERE NOT (%s)), then run %s",
+                    _warn_not_valid(
                         schema,
-                        name,
-                        condition,
-                        condition,
                         validate,
+                        f"rows written by hand fail it (SELECT ... WHERE NOT ({condition}): "
+                        "mend or delete them first)",
                     )
+                except DBAPIError as error:  # a lock timeout: validated later, by hand
+                    _warn_not_valid(schema, validate, f"{type(error.orig).__name__}")
         finally:
             op.execute(sa.text("RESET lock_timeout"))
+    # The transaction that began after the block has none of the environment's settings.
+    op.execute(migration_lock_timeout())
+
+
+def _checks_present(schema: str) -> set[str]:
+    """The checks of :data:`CHECKS` that ``observations`` has already."""
+    rows = op.get_bind().execute(
+        sa.text(
+            "SELECT conname FROM pg_constraint WHERE conrelid = "
+            "to_regclass(quote_ident(:schema) || '.observations') AND conname = ANY(:names)"
+        ),
+        {"schema": schema, "names": [name for name, _ in CHECKS]},
+    )
+    return {row[0] for row in rows}
+
+
+def _warn_not_valid(schema: str, validate: str, why: str) -> None:
+    """Say that a check stays ``NOT VALID`` (new rows are checked all the same), why,
+    and what validates it."""
+    logging.getLogger("coda_memory").warning(
+        "coda-memory: a check of %s.observations stays NOT VALID (%s); new rows are "
+        "checked; validate it with: %s",
+        schema,
+        why,
+        validate,
+    )
 
 
 def downgrade() -> None:
