@@ -59,6 +59,11 @@ class Answer:
     loaded: LoadedMemory
 
 
+def _weight(loaded: LoadedMemory) -> int:
+    """What an answer weighs against the capacity: its facts, at least 1."""
+    return max(1, len(loaded.facts))
+
+
 def own_copy(loaded: LoadedMemory) -> LoadedMemory:
     """``loaded`` with lists and dicts of its own (the facts are frozen models, shared)."""
     return LoadedMemory.model_construct(
@@ -77,6 +82,8 @@ class RecentAnswers:
         self.reuse_for = reuse_for
         self.capacity_facts = capacity_facts
         self._answers: OrderedDict[str, Answer] = OrderedDict()
+        #: Their facts, each answer counted as at least 1 (an empty answer counted
+        #: nothing: a stream of identities with no facts grew the answers without bound).
         self._facts = 0
 
     def __len__(self) -> int:
@@ -98,14 +105,22 @@ class RecentAnswers:
         """Keep a copy of ``loaded`` (the caller's stays its own) as the identity's answer
         for ``version``; none when it alone is over the capacity."""
         self.discard(identity_id)
-        size = len(loaded.facts)
+        size = _weight(loaded)
         if size > self.capacity_facts:
             return
+        # The least recently used first: those made longer than reuse_for ago are of no
+        # use any more (each was dropped only when its identity asked again).
+        while self._answers:
+            oldest = next(iter(self._answers.values()))
+            if abs(made_at - oldest.made_at) <= self.reuse_for:
+                break
+            _, stale = self._answers.popitem(last=False)
+            self._facts -= _weight(stale.loaded)
         self._answers[identity_id] = Answer(version, made_at, own_copy(loaded))
         self._facts += size
         while self._facts > self.capacity_facts:
             _, evicted = self._answers.popitem(last=False)
-            self._facts -= len(evicted.loaded.facts)
+            self._facts -= _weight(evicted.loaded)
 
     def given(self, answer: Answer) -> LoadedMemory:
         """``answer``'s answer as the caller's own (lists and dicts of its own)."""
@@ -114,4 +129,4 @@ class RecentAnswers:
     def discard(self, identity_id: str) -> None:
         answer = self._answers.pop(identity_id, None)
         if answer is not None:
-            self._facts -= len(answer.loaded.facts)
+            self._facts -= _weight(answer.loaded)

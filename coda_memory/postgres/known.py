@@ -144,6 +144,10 @@ class KnownFacts:
         self.capacity = capacity
         self._entries: OrderedDict[str, Known] = OrderedDict()
         self._size = 0
+        #: What the entries weigh against the capacity: each its facts, and at least 1
+        #: (an identity whose facts all expired keeps an entry of none, which counted
+        #: nothing: a stream of them grew the entries without bound).
+        self._weight = 0
         #: Facts dropped to make room for other identities' (``stats().kept_facts_dropped``).
         self.dropped = 0
         #: Requests that read an identity's facts from the database, none being kept at
@@ -169,9 +173,11 @@ class KnownFacts:
             return False
         self._entries[identity_id] = known
         self._size += len(known)
-        while self._size > self.capacity:
+        self._weight += _weight(known)
+        while self._weight > self.capacity:
             _, evicted = self._entries.popitem(last=False)
             self._size -= len(evicted)
+            self._weight -= _weight(evicted)
             self.dropped += len(evicted)
         return True
 
@@ -186,6 +192,12 @@ class KnownFacts:
         entry = self._entries.pop(identity_id, None)
         if entry is not None:
             self._size -= len(entry)
+            self._weight -= _weight(entry)
+
+
+def _weight(known: Known) -> int:
+    """What an entry weighs against the capacity: its facts, at least 1."""
+    return max(1, len(known))
 
 
 def written(version: str, stored: Known, upserts: Sequence[Fact], deletes: Sequence[str]) -> Known:

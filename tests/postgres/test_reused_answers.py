@@ -174,3 +174,16 @@ async def test_an_answer_is_kept_with_the_version_of_the_facts_it_was_made_from(
     finally:
         await service.close()
         await other.close()
+
+
+def test_empty_answers_count_and_stale_ones_go_as_new_ones_come() -> None:
+    """An empty answer counted nothing against the capacity, and an answer older than
+    reuse_for went only when its identity asked again: a stream of identities with no
+    facts grew the answers without bound (700 bytes each)."""
+    empty = LoadedMemory.model_construct(facts=[])
+    recent = RecentAnswers(reuse_for=timedelta(seconds=1), capacity_facts=10)
+    for n in range(100):
+        recent.put(f"id-{n}", "v1", NOW, empty)
+    assert len(recent) == 10
+    recent.put("late", "v1", NOW + timedelta(seconds=2), empty)
+    assert len(recent) == 1  # the ten made two seconds before are of no use any more

@@ -103,3 +103,15 @@ def test_a_row_is_kept_as_the_model_read_from_it_would_be(confidence_at: object)
         "confidence_at": confidence_at,
     }
     assert kept_from_row("alice", row) == _kept(fact_from_row("alice", row))
+
+
+async def test_identities_with_no_facts_count_against_the_capacity() -> None:
+    """An identity whose facts all expired is kept with none: it counted nothing, so a
+    stream of such identities grew the entries without bound (330 bytes each)."""
+    known = KnownFacts(100)
+    known.put("active", await _known("v", 10))
+    for n in range(1_000):
+        known.put(f"idle-{n}", await _known("v", 0))
+    assert len(known._entries) <= 100
+    # The active identity's facts went, the least recently used, to make room.
+    assert known.entry("active") is None and len(known) == 0 and known.dropped == 10
