@@ -110,14 +110,20 @@ class Telemetry:
             if meter_provider is None
             else metrics.get_meter(INSTRUMENTATION, __version__, meter_provider=meter_provider)
         )
-        self._load_duration = self._meter.create_histogram(
+        histogram = functools.partial(
+            self._meter.create_histogram,
             "coda_memory.load_memory.duration",
             unit="s",
             description="load_memory latency, consolidation included",
+        )
+        try:
             # In seconds: the SDK's default boundaries (0, 5, 10, 25, ...) are for
             # milliseconds and would put every load in one bucket.
-            explicit_bucket_boundaries_advisory=LOAD_DURATION_BUCKETS,
-        )
+            self._load_duration = histogram(
+                explicit_bucket_boundaries_advisory=LOAD_DURATION_BUCKETS
+            )
+        except TypeError:  # an API before 1.30, which takes no advice: its defaults
+            self._load_duration = histogram()
 
     @contextmanager
     def span(self, name: str, **attributes: Any) -> Iterator[Any]:
