@@ -95,11 +95,16 @@ class RecentAnswers:
         answer = self._answers.get(identity_id)
         if answer is None:
             return None
-        if abs(now - answer.made_at) > self.reuse_for:
+        if self._stale(answer, now):
             self.discard(identity_id)
             return None
         self._answers.move_to_end(identity_id)
         return answer
+
+    def _stale(self, answer: Answer, now: datetime) -> bool:
+        """Whether ``answer`` was made longer than ``reuse_for`` from ``now`` (either way:
+        a clock that went back)."""
+        return abs(now - answer.made_at) > self.reuse_for
 
     def put(self, identity_id: str, version: str, made_at: datetime, loaded: LoadedMemory) -> None:
         """Keep a copy of ``loaded`` (the caller's stays its own) as the identity's answer
@@ -111,8 +116,7 @@ class RecentAnswers:
         # The least recently used first: those made longer than reuse_for ago are of no
         # use any more (each was dropped only when its identity asked again).
         while self._answers:
-            oldest = next(iter(self._answers.values()))
-            if abs(made_at - oldest.made_at) <= self.reuse_for:
+            if not self._stale(next(iter(self._answers.values())), made_at):
                 break
             _, stale = self._answers.popitem(last=False)
             self._facts -= _weight(stale.loaded)

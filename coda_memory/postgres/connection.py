@@ -299,6 +299,13 @@ def unreachable(engine: AsyncEngine, error: BaseException) -> str:
     return f"{what} ({type(error).__name__}: {error_reason(error)})"
 
 
+def cannot_connect(error: BaseException) -> bool:
+    """Whether ``error`` is a server that could not be reached or used: a connection
+    error, or the socket's own (a refused connection, a server that never answered, a
+    bare ``TimeoutError``)."""
+    return is_connection_error(error) or isinstance(error, OSError | TimeoutError)
+
+
 async def connect(engine: AsyncEngine) -> AsyncConnection:
     """A connection of ``engine``'s pool, or :class:`ConnectionLost` saying why none could
     be made (:func:`unreachable`), as from every other call that meets an unusable server:
@@ -306,7 +313,7 @@ async def connect(engine: AsyncEngine) -> AsyncConnection:
     try:
         return await engine.connect().start()
     except Exception as error:
-        if is_connection_error(error) or isinstance(error, OSError | TimeoutError):
+        if cannot_connect(error):
             raise ConnectionLost(unreachable(engine, error)) from error
         raise
 

@@ -121,6 +121,7 @@ from coda_memory.postgres.append import (
 from coda_memory.postgres.connection import (
     LOCK_NOT_AVAILABLE,
     QUERY_CANCELED,
+    cannot_connect,
     dispose,
     driver_transaction,
     error_reason,
@@ -403,7 +404,7 @@ class PostgresStore:
             # One line that says what failed (a refused connection, a server that never
             # answered: a bare TimeoutError), for a host that decides whether to start
             # without memory warm (everything then starts on first use).
-            if not (is_connection_error(error) or isinstance(error, OSError | TimeoutError)):
+            if not cannot_connect(error):
                 raise
             raise ConnectionLost(
                 f"{unreachable(self.request_engine, error)}; the service starts on first "

@@ -38,7 +38,7 @@ from redis.exceptions import OutOfMemoryError, ReadOnlyError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from coda_memory.core.cancellation import run_to_end, to_the_end
-from coda_memory.core.logs import identity_label
+from coda_memory.core.logs import identity_label, short_error
 from coda_memory.core.model import Fact, FactEvent, Observation
 from coda_memory.core.options import NONE, require_types
 from coda_memory.errors import ConnectionLost, StoreBusy
@@ -210,11 +210,9 @@ class RedisStore:
             where = options.get("path") or f"{options.get('host', 'localhost')}:" + str(
                 options.get("port", 6379)
             )
-            reason = str(error).strip().splitlines()[0][:200] if str(error).strip() else ""
             raise ConnectionLost(
-                f"cannot reach Redis at {where} ({type(error).__name__}"
-                f"{': ' + reason if reason else ''}); the service starts on first use once "
-                "it answers"
+                f"cannot reach Redis at {where} ({short_error(error)}); the service starts "
+                "on first use once it answers"
             ) from error
 
     # -- writes -------------------------------------------------------------------------

@@ -57,6 +57,15 @@ TABLES = [
 HEAD = "0019"
 
 
+def upgrade_on(connection: Any, schema: str | None = None) -> None:
+    """``alembic upgrade head`` on ``connection`` (a caller's ``Connection`` or
+    ``Engine`` in ``config.attributes``, as pytest-alembic and Alembic's cookbook pass
+    them); run it with ``run_sync`` or from a greenlet."""
+    config = alembic_config() if schema is None else alembic_config(schema=schema)
+    config.attributes["connection"] = connection
+    command.upgrade(config, "head")
+
+
 def alembic(url: str, *args: str, schema: str | None = None) -> subprocess.CompletedProcess[str]:
     """Run the alembic command line from the repository root, as a developer would."""
     executable = Path(sys.executable).with_name("alembic")
@@ -429,14 +438,11 @@ def test_from_coda_memory_import_migrate_gives_the_function_every_time(
 async def test_env_accepts_a_sync_engine(empty_pg_url: str) -> None:
     """An ``Engine`` in ``config.attributes["connection"]`` (Alembic's cookbook); here the
     sync face of an asyncpg engine, driven from a greenlet as SQLAlchemy's asyncio does."""
-    from alembic import command
     from sqlalchemy.util import greenlet_spawn
 
     own = engine(empty_pg_url)
     try:
-        config = alembic_config(schema="via_engine")
-        config.attributes["connection"] = own.sync_engine
-        await greenlet_spawn(command.upgrade, config, "head")
+        await greenlet_spawn(upgrade_on, own.sync_engine, "via_engine")
     finally:
         await own.dispose()
 
@@ -446,8 +452,6 @@ async def test_env_accepts_a_sync_engine(empty_pg_url: str) -> None:
 
 
 def test_env_rejects_anything_else_as_the_connection() -> None:
-    from alembic import command
-
     config = alembic_config()
     config.attributes["connection"] = "postgresql://not-a-connection"
 
@@ -695,14 +699,8 @@ async def test_a_migration_on_a_callers_connection_does_not_wait_inside_its_tran
         own = engine(empty_pg_url)
         try:
             async with own.connect() as connection:
-
-                def upgrade(sync: Any) -> None:
-                    config = alembic_config()
-                    config.attributes["connection"] = sync
-                    command.upgrade(config, "head")
-
                 with pytest.raises(MigrationUnderWay, match="'coda_memory' is under way"):
-                    await connection.run_sync(upgrade)
+                    await connection.run_sync(upgrade_on)
         finally:
             await own.dispose()
     finally:
@@ -752,9 +750,7 @@ async def test_a_callers_connection_holds_the_migration_lock_past_0002(
 
             def upgrade(sync: Any) -> None:
                 event.listen(sync, "before_cursor_execute", probed)
-                config = alembic_config()
-                config.attributes["connection"] = sync
-                command.upgrade(config, "head")
+                upgrade_on(sync)
 
             await connection.run_sync(upgrade)
             await connection.commit()
@@ -850,7 +846,6 @@ async def test_0019_validates_with_no_lock_that_appends_wait_for(empty_pg_url: s
     """Adding a check takes the table's ACCESS EXCLUSIVE lock. Validated in the same
     transaction, the whole scan of observations ran under it: every append and read of
     the service waited for it (minutes, on a large table). The lock is committed first."""
-    from alembic import command
     from sqlalchemy.util import await_only, greenlet_spawn
 
     held: list[list[tuple[Any, ...]]] = []
@@ -871,9 +866,7 @@ async def test_0019_validates_with_no_lock_that_appends_wait_for(empty_pg_url: s
     own = engine(empty_pg_url)
     event.listen(own.sync_engine, "before_cursor_execute", before)
     try:
-        config = alembic_config()
-        config.attributes["connection"] = own.sync_engine
-        await greenlet_spawn(command.upgrade, config, "head")
+        await greenlet_spawn(upgrade_on, own.sync_engine)
     finally:
         await own.dispose()
     assert len(held) == 2
@@ -894,7 +887,6 @@ async def test_0019_cut_short_in_a_validation_runs_again(
     checks were committed) or a kill cut short left the checks committed at revision
     0018: every later upgrade failed with 'constraint ... already exists'. It now leaves
     them NOT VALID and goes on; and an upgrade that finds them added adds them no more."""
-    from alembic import command
     from sqlalchemy.util import await_only, greenlet_spawn
 
     monkeypatch.setattr(schema_module, "MIGRATION_LOCK_TIMEOUT", "200ms")
@@ -913,9 +905,7 @@ async def test_0019_cut_short_in_a_validation_runs_again(
 
     event.listen(own.sync_engine, "before_cursor_execute", before)
     try:
-        config = alembic_config()
-        config.attributes["connection"] = own.sync_engine
-        await greenlet_spawn(command.upgrade, config, "head")
+        await greenlet_spawn(upgrade_on, own.sync_engine)
     finally:
         await holder.rollback()
         await holder.close()
@@ -939,19 +929,11 @@ async def test_0019_on_a_callers_connection_in_a_transaction(empty_pg_url: str) 
     """Alembic's cookbook (``with engine.begin() as connection``): alembic's
     autocommit_block fails on a transaction it did not begin, so the checks stay NOT
     VALID there, with the statements to validate them logged."""
-    from alembic import command
-
     await migrate_async(empty_pg_url, revision="0018")
     own = engine(empty_pg_url)
     try:
         async with own.begin() as conn:
-
-            def upgrade(sync: Any) -> None:
-                config = alembic_config()
-                config.attributes["connection"] = sync
-                command.upgrade(config, "head")
-
-            await conn.run_sync(upgrade)
+            await conn.run_sync(upgrade_on)
     finally:
         await own.dispose()
     assert await fetch(empty_pg_url, VERSION) == [(HEAD,)]

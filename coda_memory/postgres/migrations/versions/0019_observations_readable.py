@@ -52,8 +52,8 @@ CHECKS = (
 
 
 def upgrade() -> None:
-    context_ = op.get_context()
-    schema = migrating_schema(context_)
+    migration = op.get_context()
+    schema = migrating_schema(migration)
     # Added unless there (a run cut short during a validation, a kill or a lock timeout,
     # left them committed with the revision still 0018: added again, they failed every
     # later upgrade with "already exists").
@@ -67,18 +67,19 @@ def upgrade() -> None:
         (f'ALTER TABLE "{schema}".observations VALIDATE CONSTRAINT {name}', condition)
         for name, condition in CHECKS
     ]
-    if context.is_offline_mode() or context_._in_external_transaction:
-        # Offline, and in a transaction of the caller's (which holds the checks' lock
-        # until it commits), no statement can run after a commit: the operator validates.
+    # Offline, and in a transaction of the caller's (which holds the checks' lock until it
+    # commits), no statement can run after a commit: the operator validates.
+    if context.is_offline_mode():
         for validate, _ in validations:
-            if context.is_offline_mode():
-                op.execute(f"-- then, outside a transaction: {validate}")
-            else:
-                _warn_not_valid(schema, validate, "run on a transaction of the caller's")
+            op.execute(f"-- then, outside a transaction: {validate}")
+        return
+    if migration._in_external_transaction:
+        for validate, _ in validations:
+            _warn_not_valid(schema, validate, "run on a transaction of the caller's")
         return
     # Each validation a transaction of its own, after the checks' ACCESS EXCLUSIVE lock is
     # committed; the lock timeout is the session's meanwhile.
-    with context_.autocommit_block():
+    with migration.autocommit_block():
         op.execute(migration_lock_timeout(session=True))
         try:
             for validate, condition in validations:
@@ -92,7 +93,7 @@ def upgrade() -> None:
                         "mend or delete them first)",
                     )
                 except DBAPIError as error:  # a lock timeout: validated later, by hand
-                    _warn_not_valid(schema, validate, f"{type(error.orig).__name__}")
+                    _warn_not_valid(schema, validate, type(error.orig).__name__)
         finally:
             op.execute(sa.text("RESET lock_timeout"))
     # The transaction that began after the block has none of the environment's settings.
