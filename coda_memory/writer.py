@@ -21,7 +21,7 @@ from datetime import UTC, datetime, timedelta
 from itertools import chain
 from typing import Any, Protocol
 
-from coda_memory.core.cancellation import to_the_end
+from coda_memory.core.cancellation import run_to_end, to_the_end
 from coda_memory.core.caps import LogThrottle
 from coda_memory.core.logs import identity_label, short_error, without_identities
 from coda_memory.core.model import NewObservation, ObservationType
@@ -201,6 +201,8 @@ class ObservationWriter:
         self._emitted = self._stored = self._rejected = self._dropped = self._discarded = 0
         self._future_clamped = 0
         self._closed = False
+        #: Set while close() stops the writer (see _write_loop).
+        self._stopping = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_thread: int | None = None
         self._writer: asyncio.Task[None] | None = None
@@ -366,7 +368,7 @@ class ObservationWriter:
             try:
                 await self._write_batches()
             except asyncio.CancelledError:
-                if not self._closed:
+                if not self._stopping:
                     # Its appends went with it, and nothing retries their batches: counted
                     # now (else a drain waited for them until its timeout).
                     self._drop_held("the writer was cancelled while storing them")
@@ -378,6 +380,8 @@ class ObservationWriter:
                             "or drain() follows on this loop",
                             len(self._queue),
                         )
+                    assert self._progress is not None
+                    self._progress.set()  # a drain() waiting starts it again (_written)
                 raise
             except Exception as error:
                 if not self._writer_failed(error):
@@ -465,7 +469,10 @@ class ObservationWriter:
             for task in (*appends, *waiters.values()):
                 task.cancel()
             if appends:
-                await asyncio.wait(appends)
+                # Through a second cancellation too (a host cancelling every task again):
+                # an append given a moment to end (see _attempt) counts its batch when it
+                # ends, so the writer must not count it as dropped before then.
+                await run_to_end(asyncio.wait(appends), limit=CLOSE_GRACE)
 
     async def _take(self) -> tuple[list[_Item], list[ObservationRecord]]:
         """The next batch off the queue (a full one, or what there is), validated: the
@@ -660,6 +667,10 @@ class ObservationWriter:
             self._progress.clear()
             if self._processed >= target:
                 break
+            if self._queue and (self._writer is None or self._writer.done()):
+                self._ensure_writer(loop)  # cancelled meanwhile (a host's shutdown)
+                assert self._wakeup is not None
+                self._wakeup.set()
             await self._progress.wait()
 
     def _forget_queued(self, identity_id: str) -> int:
@@ -686,7 +697,11 @@ class ObservationWriter:
     async def _stop_writer(self) -> None:
         """Stop the writer (waiting at most CLOSE_GRACE); drop and count what it held."""
         if self._writer is not None:
-            self._writer.cancel()
-            await asyncio.wait([self._writer], timeout=CLOSE_GRACE)
+            self._stopping = True
+            try:
+                self._writer.cancel()
+                await asyncio.wait([self._writer], timeout=CLOSE_GRACE)
+            finally:
+                self._stopping = False
             self._writer = None
         self._drop_held("service closed before they were stored", queued=True)

@@ -512,3 +512,68 @@ async def test_a_host_that_cancels_every_task_before_close_loses_nothing_queued(
     stats = service.stats()
     # The four queued are stored; the one whose append was cancelled is counted dropped.
     assert (stats.emitted, stats.stored, stats.dropped, stats.pending) == (5, 4, 1, 0)
+
+
+async def test_a_writer_cancelled_twice_counts_its_batch_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Cancelled again while it waited for its cancelled appends (they get a moment to
+    end), the writer counted their batch as dropped at once; the append then ended and
+    counted it stored too, and the writer's count in flight went below zero, so a
+    drain() or close() waited its whole timeout."""
+    service = MemoryService.from_url("memory://", clock=FakeClock())
+    entered, release = asyncio.Event(), asyncio.Event()
+    append = service.store.append
+
+    async def slow(records: Any, **options: Any) -> Any:
+        entered.set()
+        await asyncio.shield(release.wait())  # its COMMIT is on its way: it ends
+        return await append(records, **options)
+
+    monkeypatch.setattr(service.store, "append", slow)
+    service.emit_observation("alice", tool_ok("get_account"))
+    await entered.wait()
+    writer = service._writer
+    assert writer is not None
+    writer.cancel()
+    await asyncio.sleep(0)  # the writer cancels its append and waits for it
+    writer.cancel()
+    await asyncio.sleep(0)
+    release.set()
+    await asyncio.wait(asyncio.all_tasks() - {asyncio.current_task()})  # its append too
+    assert writer.cancelled()
+    stats = service.stats()
+    assert (stats.emitted, stats.stored, stats.dropped, stats.pending) == (1, 1, 0, 0)
+    async with asyncio.timeout(5):
+        await service.close()
+
+
+async def test_close_right_after_a_host_cancelled_the_writer_stores_the_queue(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A host that cancels the writer and calls close() before the writer has ended: the
+    writer ended as if close() had stopped it (leaving its batch in flight uncounted and
+    the queue where no writer took it), so close() waited out its whole timeout."""
+    service = MemoryService.from_url("memory://", clock=FakeClock())
+    entered, release = asyncio.Event(), asyncio.Event()
+    append = service.store.append
+
+    async def slow(records: Any, **options: Any) -> Any:
+        entered.set()
+        await release.wait()
+        return await append(records, **options)
+
+    monkeypatch.setattr(service.store, "append", slow)
+    service.emit_observation("alice", tool_ok("get_account"))
+    await entered.wait()  # one batch in flight
+    for n in range(4):
+        service.emit_observation("alice", tool_ok("run_sql", session=f"s{n}"))
+    writer = service._writer
+    assert writer is not None
+    writer.cancel()  # the host's shutdown, not yet ended ...
+    release.set()
+    async with asyncio.timeout(5):  # ... when close() begins (its timeout is 30 s)
+        await service.close()
+    stats = service.stats()
+    # All five: the batch in flight ended within the moment its append is given.
+    assert (stats.emitted, stats.stored, stats.dropped, stats.pending) == (5, 5, 0, 0)
