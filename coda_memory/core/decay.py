@@ -2,7 +2,8 @@
 
 A fact's stored ``confidence`` is its value at ``confidence_at`` (or, when that is None,
 ``last_reinforced_at``). Decay is always computed from that anchor, never compounded
-from a previous decayed value, so how often consolidation runs does not matter.
+from a previous decayed value, so how often consolidation runs does not matter. Time
+before the anchor decays nothing (:func:`elapsed_days`).
 """
 
 from __future__ import annotations
@@ -51,13 +52,17 @@ def days_after(at: datetime, days: float) -> datetime:
 
 
 def elapsed_days(since: datetime, until: datetime) -> float:
-    """Days between ``since`` and ``until``, as a distance: never negative.
+    """Days from ``since`` to ``until``, 0 when ``until`` is earlier, as the analytics
+    views count them.
 
-    An anchor later than ``until`` (a clock that went back, or a future-dated fact
-    stored before dates were bounded) decays by its distance too, so no date can pin
-    a fact at its confidence; a skew of minutes costs a negligible amount.
+    An anchor later than ``until`` (a clock behind the one that reinforced the fact)
+    decays nothing until that clock reaches it: a clock set back never expires, and so
+    never deletes, a fact, and no confidence ever rises from it. No date the library
+    writes is later than the writing clock's now (observations ahead of it by more than
+    ``max_clock_skew`` are dated at now), so a fact is held so only by a clock ahead
+    of the others, and at most by as much, or until a reinforcement anchors it again.
     """
-    return abs((until - since).total_seconds()) / SECONDS_PER_DAY
+    return max(0.0, (until - since).total_seconds()) / SECONDS_PER_DAY
 
 
 def _check_amounts(reinforce_amount: float, expiry_threshold: float) -> None:
@@ -149,7 +154,7 @@ class ExponentialDecay:
         anchor = values["confidence_at"]
         if anchor is None:
             anchor = values["last_reinforced_at"]
-        days = abs((now - anchor).total_seconds()) / SECONDS_PER_DAY
+        days = max(0.0, (now - anchor).total_seconds()) / SECONDS_PER_DAY
         return float(values["confidence"] * self.base**days)
 
     def _next_ease(self, fact: Fact, quality: float) -> float | None:
@@ -211,7 +216,7 @@ class AdaptiveDecay(ExponentialDecay):
         ease = values["ease_factor"]
         if ease is None:
             ease = self.default_ease
-        days = abs((now - anchor).total_seconds()) / SECONDS_PER_DAY / ease
+        days = max(0.0, (now - anchor).total_seconds()) / SECONDS_PER_DAY / ease
         return float(values["confidence"] * self.base**days)
 
     def _next_ease(self, fact: Fact, quality: float) -> float | None:
@@ -228,7 +233,7 @@ class DecayFormula:
     """The ``decayed`` of :class:`ExponentialDecay` and :class:`AdaptiveDecay` as data, so
     that a store can compute it where the facts are (the cap on facts per identity, see
     :class:`~coda_memory.core.caps.FactCap`): ``confidence * base ** (days / ease)``, days
-    the distance from the fact's anchor."""
+    those from the fact's anchor (0 before it, see :func:`elapsed_days`)."""
 
     base: float
     expiry_threshold: float

@@ -15,8 +15,8 @@ later run copies it), and one that the ledger says was copied from another key p
 Dates ahead. An observation dated more than the clock skew
 (:data:`~coda_memory.core.model.DEFAULT_MAX_CLOCK_SKEW`) after the run's now is copied as
 dated now, as a live server stores a new one; so is each time of a fact that lies that
-far ahead, since a fact anchored ahead outlives its time (decay counts the distance from
-the anchor, and the analytics views count none before it). Both are counted
+far ahead, since a fact anchored ahead outlives its time (decay counts nothing before
+its anchor). Both are counted
 (``future_clamped``).
 """
 

@@ -261,6 +261,33 @@ async def test_an_expired_fact_is_deleted_and_never_returned(
     assert all(abs((e.at - crossing).total_seconds()) < 1 for e in expired)
 
 
+async def test_a_clock_set_back_by_weeks_expires_and_deletes_nothing(
+    make_service: ServiceFactory, clock: FakeClock
+) -> None:
+    """Days before a fact's anchor decay nothing (as the analytics views count them): a
+    process whose clock was set back (a reset before NTP syncs) decayed every fact by the
+    distance, and its consolidations deleted those that distance expired."""
+    service = await make_service()
+    service.emit_observation("u1", tool_ok("t"))
+    service.emit_observation("u1", tool_ok("kept", session="s1"))
+    await service.drain()
+    await service.consolidate("u1")
+    clock.advance(days=-60)
+    service.emit_observation("u1", tool_ok("kept", session="s2"))
+    await service.drain()
+    facts = by_subject(await service.consolidate("u1"))
+    assert facts["tool_affinity:t"].confidence == 0.5  # held, not decayed by 60 days
+    assert facts["tool_affinity:kept"].confidence == pytest.approx(0.6)
+    assert facts["tool_affinity:kept"].reinforcement_count == 2
+    assert [e.kind for e in await service.history("u1")].count(FactEventKind.EXPIRED) == 0
+    # Back on time, a fact it did not reinforce decays from its anchor as if the clock
+    # had never moved. (One it reinforced is anchored at its now: that costs the fact the
+    # clock's error once, as documented.)
+    clock.advance(days=61)
+    facts = by_subject(await service.consolidate("u1"))
+    assert facts["tool_affinity:t"].confidence == pytest.approx(0.5 * 0.95)
+
+
 async def test_an_expired_fact_restarts_from_scratch_even_without_a_consolidation(
     make_service: ServiceFactory, clock: FakeClock
 ) -> None:

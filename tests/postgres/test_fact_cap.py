@@ -50,6 +50,10 @@ async def _seed(url: str, identities: list[str], seed: int) -> list[str]:
         elif n % 7 == 0:
             # Tied on every input of the rank: the subject decides among them.
             anchor, confidence, count = NOW - timedelta(days=2), 0.6, 6
+        elif n % 11 == 0:
+            # Anchored ahead of NOW (a clock ahead reinforced it): no decay until then.
+            anchor = NOW + timedelta(seconds=rng.uniform(0, 60 * 86_400))
+            confidence, count = rng.uniform(0.2, 1.0), rng.randint(1, 12)
         else:
             anchor = NOW - timedelta(seconds=rng.uniform(0, 30 * 86_400))
             confidence, count = rng.uniform(0.2, 1.0), rng.randint(1, 12)

@@ -285,8 +285,10 @@ def test_observations_with_unusable_metadata_are_consumed_without_a_fact() -> No
 
 
 def test_no_reinforcement_is_dated_after_now_even_from_a_stored_future_date() -> None:
-    # A fact stored with a date ten years ahead (before dates were bounded) and a new
-    # observation dated after now: nothing the plan writes is later than its now.
+    # A fact anchored ten years ahead (a clock that far ahead reinforced it) and a new
+    # observation dated after now: nothing the plan writes is later than its now, and
+    # the fact is reinforced from its stored confidence (no time has passed since its
+    # anchor), anchored at now, where the clocks that agree decay it from.
     decay = ExponentialDecay()
     future = T0 + timedelta(days=3650)
     legacy = Fact(
@@ -304,11 +306,11 @@ def test_no_reinforcement_is_dated_after_now_even_from_a_stored_future_date() ->
     )
     observation = _get_account_called(T0 + timedelta(hours=1))
     plan = plan_consolidation("u", ConsolidationInput([observation], [legacy], []), T0, decay)
-    assert [e.kind for e in plan.events] == [FactEventKind.EXPIRED, FactEventKind.CREATED]
+    assert [e.kind for e in plan.events] == [FactEventKind.REINFORCED]
     assert all(e.at <= T0 for e in plan.events)
     [fact] = plan.upserts
-    assert (fact.confidence, fact.reinforcement_count) == (0.5, 1)
-    assert fact.last_reinforced_at == fact.created_at == T0
+    assert (fact.confidence, fact.reinforcement_count) == (1.0, 10)
+    assert fact.last_reinforced_at == fact.confidence_at == T0
 
 
 @settings(max_examples=60, deadline=None)
@@ -478,19 +480,29 @@ def test_the_plan_folds_a_backlog_of_sessions_in_steps(
 
 
 @pytest.mark.parametrize("decay", [ExponentialDecay(), AdaptiveDecay(), PowerLawDecay()], ids=repr)
-def test_a_fact_anchored_at_the_end_of_time_expires_without_an_overflow(
+def test_a_fact_anchored_at_the_end_of_time_is_planned_without_an_overflow(
     decay: DecayStrategy,
 ) -> None:
-    """An import may bring a fact dated 9999-12-31 (the largest time the original
-    server's records can hold): it expired, and the instant of its expiry was computed a
-    day past datetime's range, which failed every consolidation of its identity."""
+    """The Redis store may hold a fact dated 9999-12-31 (the largest time the original
+    server's records can hold): the instant of its expiry was computed a day past
+    datetime's range, which failed every consolidation of its identity."""
     end = datetime.max.replace(tzinfo=UTC) - timedelta(hours=1)
     legacy = made_fact("tool_affinity:get_account", identity_id="u", confidence=0.9, at=end)
     legacy = legacy.model_copy(update={"confidence_at": end, "ease_factor": None})
     observation = _get_account_called(T0)
     plan = plan_consolidation("u", ConsolidationInput([observation], [legacy], []), T0, decay)
-    assert [e.kind for e in plan.events] == [FactEventKind.EXPIRED, FactEventKind.CREATED]
+    assert [e.kind for e in plan.events] == [FactEventKind.REINFORCED]
     assert all(e.at <= T0 for e in plan.events)
+    # Reinforced at now, it decays on from now; unreinforced, its expiry is computed too.
+    [fact] = plan.upserts
+    assert fact.confidence_at == T0
+    later = T0 + timedelta(days=400)
+    assert plan_consolidation("u", ConsolidationInput([], [legacy], []), later, decay).deletes == []
+    # One stored below the threshold expires there, its expiry computed within range.
+    faint = legacy.model_copy(update={"confidence": 0.05})
+    plan = plan_consolidation("u", ConsolidationInput([], [faint], []), T0, decay)
+    assert plan.deletes == [faint.subject]
+    assert [(e.kind, e.at) for e in plan.events] == [(FactEventKind.EXPIRED, T0)]
 
 
 def test_a_power_law_fact_too_faint_for_a_float_has_decayed_to_nothing() -> None:

@@ -17,14 +17,16 @@ spared AS (
     SELECT s.subject
     FROM unnest(CAST(:spared AS text[])) AS s (subject)
 ),
--- Each fact's distance in days from its anchor, and the ease that divides it: the
--- fact's own, or the formula's default (none: 1), as coda_memory.core.decay computes them.
+-- Each fact's days since its anchor (0 for an anchor ahead of :now: a clock behind the
+-- one that reinforced it), and the ease that divides them: the fact's own, or the
+-- formula's default (none: 1), as coda_memory.core.decay computes them.
 seen AS (
     SELECT
         subject,
         confidence,
         reinforcement_count,
-        abs(
+        greatest(
+            0,
             extract(epoch FROM CAST(:now AS timestamptz)) - extract(epoch FROM confidence_at)
         )::float8 / 86400 AS days,
         CASE
