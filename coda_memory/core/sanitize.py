@@ -23,7 +23,8 @@ Observation policy:
 * ``created_at``: must be timezone-aware; converted to UTC.
 * ``content``: control characters other than ``\\n`` and ``\\t`` and lone surrogates
   are removed, then the text is capped at 2,000 characters (truncated with "…",
-  not rejected).
+  not rejected). Every text is read no further than :func:`read_window` of its cap
+  (four times it, plus 64 characters): what lies past that is cut as if past the cap.
 * ``metadata``: must be JSON: a dict with string keys whose values are str, int,
   float, bool, None, list or dict, recursively. Rejected for NaN or ±inf, integers
   outside ±(2**63 - 1), any other type (bytes, set, tuple, datetime, objects),
@@ -55,7 +56,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from coda_memory.core.model import NewObservation, ObservationType, is_identifier, is_tool_name
-from coda_memory.core.untrusted import data_text
+from coda_memory.core.untrusted import capped, data_text
 
 MAX_IDENTITY_CHARS = 256
 MAX_SESSION_CHARS = 200
@@ -108,14 +109,30 @@ def _cap(text: str, max_chars: int) -> str:
     return text[: max_chars - 1].rstrip() + ELLIPSIS
 
 
+def read_window(max_chars: int) -> int:
+    """How much of a text capped at ``max_chars`` is read: what lies past it is cut as
+    if past the cap, so that a huge text that is mostly removed characters (controls,
+    zero-width or bidi characters) costs what a long one does. (Read to its end, 10
+    million of them held the event loop for seconds.)"""
+    return 4 * max_chars + 64
+
+
+def _windowed(value: str, max_chars: int) -> tuple[str, bool]:
+    """``value`` within its :func:`read_window`, and whether it was cut to fit."""
+    limit = read_window(max_chars)
+    return (value[:limit], True) if len(value) > limit else (value, False)
+
+
 def _scrub(value: str, max_chars: int, drop: Callable[[str], bool]) -> str:
     """``value`` without the characters ``drop`` selects, capped at ``max_chars``.
 
-    Stops reading once the cap is certain, so a huge input costs little.
+    Reads no further than the cap is certain, nor past :func:`read_window`, so a huge
+    input costs little.
     """
+    value, cut = _windowed(value, max_chars)
     if value.isascii() and value.isprintable():
         # The common case: every ``drop`` here spares printable ASCII, so nothing goes.
-        return _cap(value, max_chars)
+        return capped(value, max_chars, cut)
     kept: list[str] = []
     for char in value:
         if drop(char):
@@ -123,7 +140,7 @@ def _scrub(value: str, max_chars: int, drop: Callable[[str], bool]) -> str:
         kept.append(char)
         if len(kept) > max_chars:
             break
-    return _cap("".join(kept), max_chars)
+    return capped("".join(kept), max_chars, cut)
 
 
 def clean_text(value: str, max_chars: int) -> str:
@@ -132,16 +149,17 @@ def clean_text(value: str, max_chars: int) -> str:
     Removes control characters and lone surrogates, turns every line break, tab or
     other whitespace run into one space, strips both ends and caps the result at
     ``max_chars`` characters (cut text ends in "…"). The result never contains a
-    line break.
+    line break. Reads no further than :func:`read_window`.
     """
+    value, cut = _windowed(value, max_chars)
     if value.isascii() and value.isprintable():
         # The common case, and a hot path of the prompt section: printable ASCII has no
         # control characters and no whitespace but the plain space.
-        return _cap(" ".join(value.split()), max_chars)
-    return _clean_text_slow(value, max_chars)
+        return capped(" ".join(value.split()), max_chars, cut)
+    return _clean_text_slow(value, max_chars, cut)
 
 
-def _clean_text_slow(value: str, max_chars: int) -> str:
+def _clean_text_slow(value: str, max_chars: int, cut: bool) -> str:
     kept: list[str] = []
     pending_space = False
     for char in value:
@@ -156,7 +174,7 @@ def _clean_text_slow(value: str, max_chars: int) -> str:
         kept.append(char)
         if len(kept) > max_chars:
             break
-    return _cap("".join(kept), max_chars)
+    return capped("".join(kept), max_chars, cut)
 
 
 #: What could read as the end of a quoted name, each made a plain single quote: double

@@ -124,7 +124,10 @@ def is_invisible(char: str) -> bool:
 # -- structure patterns, matched on the confusable-folded text -----------------------------
 
 _URL = re.compile(
-    r"[^\s\"'<>()\[\]{}]*://[^\s\"'<>()\[\]{}]*"  # any scheme://
+    # any scheme://, matched from the start of its run of non-delimiters only (where
+    # every match of it starts anyway): tried at every position, the run before "://"
+    # was read again from each, quadratic in a long run without "://" ("x:x:x:…")
+    r"(?<![^\s\"'<>()\[\]{}])[^\s\"'<>()\[\]{}]*://[^\s\"'<>()\[\]{}]*"
     r"|(?<![\w/])//[^\s\"'<>()\[\]{}/]+[^\s\"'<>()\[\]{}]*"  # protocol-relative //host
     r"|\bwww\d{0,3}\.[^\s\"'<>()\[\]{}]+"  # www.host
     r"|\b(?:javascript|vbscript|data|file|mailto|blob|ftp):[^\s\"'<>()\[\]{}]*"
@@ -299,6 +302,15 @@ def _cap(text: str, max_chars: int) -> str:
     return text[: max_chars - 1].rstrip() + ELLIPSIS
 
 
+def capped(text: str, max_chars: int, cut: bool) -> str:
+    """``text`` capped at ``max_chars`` characters, ending in "…" when cut, and also
+    when ``cut`` says its input was (read only so far, see
+    :func:`~coda_memory.core.sanitize.read_window`)."""
+    if not cut or len(text) > max_chars:
+        return _cap(text, max_chars)
+    return text[: max_chars - 1].rstrip() + ELLIPSIS if max_chars > 0 else ""
+
+
 def _visible_line(text: str, max_chars: int) -> str:
     """NFKC, then one line without invisible characters or stacked marks; reading stops
     once ``max_chars`` is certain to be exceeded."""
@@ -364,16 +376,21 @@ def _cached_data_text(value: str, max_chars: int) -> str:
 
 
 def _data_text(value: str, max_chars: int) -> str:
+    # Work on a bounded prefix: a huge value costs no more than a long one (what lies
+    # past it is cut as if past the cap).
+    window = 4 * max_chars + 64
+    cut = len(value) > window
+    if cut:
+        value = value[:window]
     if value.isascii() and value.isprintable():
         if not _SUSPICIOUS_ASCII.search(value):
-            return _cap(" ".join(value.split()), max_chars)
-        text = " ".join(value[: 4 * max_chars + 64].split())
+            return capped(" ".join(value.split()), max_chars, cut)
+        text = " ".join(value.split())
     else:
-        # Work on a bounded prefix: a huge value costs no more than a long one.
-        text = _visible_line(value[: 4 * max_chars + 64], 4 * max_chars + 64)
+        text = _visible_line(value, window)
     for _ in range(3):  # one pass suffices; the loop only guards that claim
         neutral = _without_orphan_marks(" ".join(_neutralise(text).split()))
         if neutral == text:
             break
         text = neutral
-    return _cap(text, max_chars)
+    return capped(text, max_chars, cut)

@@ -393,3 +393,34 @@ def test_markers_and_links_that_slipped_through_are_caught(value: str, expected:
     """Each of these reached the prompt section as it was."""
     assert data_text(value, 200) == expected
     assert data_text(expected, 200) == expected
+
+
+def test_a_scheme_link_is_looked_for_only_from_the_start_of_its_run() -> None:
+    """Every match of ``scheme://`` starts where its run of non-delimiters does. Tried
+    from every position, the run before ``://`` was read again from each: quadratic in a
+    long run without one (an id of 200 characters, "x:x:x:…", took 1 ms a fact line,
+    and a first load of 500 such facts stalled the event loop for 400 ms)."""
+    from coda_memory.core import untrusted
+
+    assert untrusted._URL.match("evil://x", 0) is not None
+    assert untrusted._URL.match("evil://x", 1) is None  # mid-run: not tried
+    assert untrusted._URL.match("see evil://x", 4) is not None  # after a delimiter
+    # The matches are those a search from every position finds.
+    text = "a evil://x b 'c://d' (e://f) g//h www.i.j k.com/l x:x:x: m"
+    assert [m.group() for m in untrusted._URL.finditer(text)] == [
+        "evil://x",
+        "c://d",
+        "e://f",
+        "www.i.j",
+        "k.com/l",
+    ]
+    colons = ("x:" * 350)[:700]
+    assert data_text(colons, 200) == colons[:199] + "…"
+
+
+def test_data_text_reads_no_further_than_its_window_in_ascii_too() -> None:
+    """Printable ASCII was checked, searched and split whole before its cap: an entity
+    name of 10 million characters took half a second of the caller's event loop."""
+    assert data_text(" " * 101 + "abc", 10) == "abc"
+    assert data_text(" " * 104 + "abc", 10) == "…"  # past four times the cap plus 64
+    assert data_text("a " * 5_000_000, 10) == "a a a a a…"

@@ -20,6 +20,7 @@ from coda_memory.core.sanitize import (
     _MetadataCleaner,
     clean_text,
     quote_untrusted,
+    read_window,
     sanitize_observation,
 )
 
@@ -81,6 +82,29 @@ def test_clean_text_caps_with_an_ellipsis() -> None:
 def test_clean_text_cap_counts_cleaned_characters() -> None:
     assert clean_text("\x00" * 50 + "abc", 3) == "abc"
     assert clean_text("a" + " " * 50 + "b", 3) == "a b"
+
+
+def test_a_text_is_read_no_further_than_its_window() -> None:
+    """Four times the cap plus 64 characters: what lies past is cut as if past the cap.
+    Read to its end, a text of millions of removed characters (zero-width, bidi,
+    controls) held the caller's event loop for seconds."""
+    assert read_window(10) == 104
+    hidden = "\u200b" * 104
+    assert clean_text(hidden + "abc", 10) == "…"  # "abc" lies past the window
+    assert clean_text(hidden[1:] + "abc", 10) == "a…"
+    assert clean_text("\u200b" * 10_000_000, 500) == "…"
+    record = sanitize_observation(
+        "u",
+        NewObservation(
+            type=ObservationType.TOOL_SUCCESS,
+            content="\x01" * 9_000 + "x",
+            metadata={"toolName": "t", "note": "\x00" * 5_000 + "y"},
+        ),
+        AT,
+    )
+    assert (record.content, record.metadata["note"]) == ("…", "…")
+    # Within the window, nothing changes: the removed characters are not counted.
+    assert clean_text("\u200b" * 90 + "abc", 10) == "abc"
 
 
 @given(st.text(), st.integers(min_value=0, max_value=300))
@@ -483,9 +507,10 @@ def test_sanitize_anything_gives_clean_data_or_a_rejection(
 
 @given(st.text(alphabet=st.characters(min_codepoint=0, max_codepoint=127)), st.integers(0, 60))
 def test_the_ascii_fast_path_of_clean_text_matches_the_general_one(value: str, cap: int) -> None:
-    from coda_memory.core.sanitize import _clean_text_slow
+    from coda_memory.core.sanitize import _clean_text_slow, _windowed
 
-    assert clean_text(value, cap) == _clean_text_slow(value, cap)
+    window, cut = _windowed(value, cap)
+    assert clean_text(value, cap) == _clean_text_slow(window, cap, cut)
 
 
 @given(st.text(alphabet=st.characters(min_codepoint=0, max_codepoint=127)), st.integers(0, 60))
