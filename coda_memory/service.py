@@ -466,6 +466,9 @@ class MemoryService(ObservationWriter):
         loop = self._check_loop()
         if self._loop is None:  # the store's connections will belong to this loop
             self._loop, self._loop_thread = loop, threading.get_ident()
+            if self._queue:  # emitted by other threads before any loop was bound
+                self._ensure_writer(loop)
+                self._signal()
         with self._telemetry.span("consolidate") as span:
             facts, version = await self._consolidate(identity_id)
             if span is not None:
@@ -1022,6 +1025,7 @@ class MemoryService(ObservationWriter):
     def stats(self) -> MemoryStats:
         """Counts of observations emitted, stored, rejected, dropped and pending."""
         self._lost_with_loop()  # (its loop closed without close(): nothing is pending)
+        self._lost_after_close()  # (queued by another thread as close() ended)
         # The store's counts of what its appends, peeks and consolidations did around
         # locks, and of the facts it keeps between requests (Postgres only).
         ingest = getattr(self.store, "ingest_counts", None)
