@@ -25,7 +25,12 @@ from coda_memory.core.cancellation import run_to_end, to_the_end
 from coda_memory.core.caps import LogThrottle
 from coda_memory.core.logs import identity_label, short_error, without_identities
 from coda_memory.core.model import NewObservation, ObservationType
-from coda_memory.core.sanitize import ObservationRejected, sanitize_fields, sanitize_observation
+from coda_memory.core.sanitize import (
+    MAX_METADATA_BYTES,
+    ObservationRejected,
+    sanitize_fields,
+    sanitize_observation,
+)
 from coda_memory.core.turns import collector_scope
 from coda_memory.errors import ConnectionLost, StoreBusy
 from coda_memory.ports import AppendOutcome, MemoryStore, ObservationRecord
@@ -69,18 +74,26 @@ def _text_bytes(text: str) -> int:
     return _STR_BYTES + len(text) if text.isascii() else sys.getsizeof(text)
 
 
+class _TooManyValues(Exception):
+    """Metadata of more values than validation accepts (see :func:`_approximate_bytes`)."""
+
+
 def _approximate_bytes(obs: NewObservation) -> int:
-    """What a queued observation holds in memory, about: its text and its metadata's."""
+    """What a queued observation holds in memory, about: its text and its metadata's.
+    Raises :class:`_TooManyValues` for metadata of more keys and values than fit in the
+    16 KiB validation allows (each costs a byte of JSON at least), having read no more
+    of it than that: walked whole, a list of a million numbers held the caller 0.1 s."""
     size = _ITEM_OVERHEAD + _text_bytes(obs.content)
     metadata = obs.metadata
-    return size + _nested_bytes(metadata, 0) if metadata else size
+    return size + _nested_bytes(metadata, 0, [MAX_METADATA_BYTES]) if metadata else size
 
 
 #: Scalar metadata values, counted flat (exact types, checked first: this is the emit path).
 _SCALARS = frozenset({int, float, bool, type(None)})
 
 
-def _nested_bytes(value: object, depth: int) -> int:
+def _nested_bytes(value: object, depth: int, left: list[int]) -> int:
+    """``value``'s bytes, about; ``left``: how many more keys and values may be read."""
     kind = type(value)
     if kind is str:
         return _text_bytes(value)  # type: ignore[arg-type]
@@ -90,6 +103,10 @@ def _nested_bytes(value: object, depth: int) -> int:
         return 32
     if depth > 16:  # far deeper than validation accepts: count it as big
         return 1 << 20
+    if isinstance(value, dict | list | tuple | set | frozenset):
+        left[0] -= len(value) * (2 if isinstance(value, dict) else 1)
+        if left[0] < 0:
+            raise _TooManyValues
     if isinstance(value, dict):
         size = 64
         for key, item in value.items():
@@ -97,17 +114,17 @@ def _nested_bytes(value: object, depth: int) -> int:
             if type(key) is str and key.isascii():
                 size += _STR_BYTES + len(key)
             else:
-                size += _nested_bytes(key, depth + 1)
+                size += _nested_bytes(key, depth + 1, left)
             kind = type(item)
             if kind in _SCALARS:
                 size += 32
             elif kind is str and item.isascii():
                 size += _STR_BYTES + len(item)
             else:
-                size += _nested_bytes(item, depth + 1)
+                size += _nested_bytes(item, depth + 1, left)
         return size
     if isinstance(value, list | tuple | set | frozenset):
-        return 64 + sum(_nested_bytes(item, depth + 1) for item in value)
+        return 64 + sum(_nested_bytes(item, depth + 1, left) for item in value)
     if isinstance(value, str | bytes):  # their subclasses
         return sys.getsizeof(value)
     return 32
@@ -225,7 +242,11 @@ class ObservationWriter:
         """Queue an observation for storage. Never raises and never waits on I/O."""
         try:
             self._emitted += 1
-            size = _approximate_bytes(obs)
+            try:
+                size = _approximate_bytes(obs)
+            except _TooManyValues:
+                self._reject(identity_id, "metadata is larger than 16 KiB")
+                return
             # A service whose event loop is closed (an asyncio.run() that ended) has no
             # writer that could store it: queued, it stayed pending for ever.
             loop_closed = self._loop is not None and self._loop.is_closed()

@@ -384,6 +384,8 @@ class _MetadataCleaner:
             ):
                 # The common value, as clean() would take it, without the call.
                 self.nodes += 1
+                if self.nodes > MAX_METADATA_BYTES:  # (400,000 keys: 0.5 s of the writer)
+                    raise ObservationRejected("metadata is larger than 16 KiB")
                 self.max_bytes += _MAX_CHAR_BYTES * (len(clean_key) + len(item)) + 6
                 cleaned[clean_key] = item
                 continue
