@@ -149,6 +149,9 @@ class _Holds:
         self.was_enabled = False
         #: Each hold by its token, with the event loop its scope opened on (None: none).
         self.holders: dict[int, asyncio.AbstractEventLoop | None] = {}
+        #: How many holds each of those loops has: what :meth:`_drop_stranded` looks at
+        #: (one or two loops, where the holds may be thousands).
+        self.loops: dict[asyncio.AbstractEventLoop, int] = {}
         self.tokens = itertools.count()
         #: When each generation was last collected (a collection of one collects the
         #: younger ones too).
@@ -160,10 +163,12 @@ class _Holds:
     def take(self, may_collect: Callable[[], bool] | None = None) -> int:
         """Hold the collector off; the token for :meth:`give_back`."""
         with self.lock:
-            if self.holders:
+            if self.loops:
                 self._drop_stranded()
             token = next(self.tokens)
-            self.holders[token] = _running_loop()
+            loop = self.holders[token] = _running_loop()
+            if loop is not None:
+                self.loops[loop] = self.loops.get(loop, 0) + 1
             now = self.clock()
             if self.count == 0:
                 self.was_enabled = gc.isenabled()
@@ -188,11 +193,18 @@ class _Holds:
     def _drop_stranded(self) -> None:
         """Drop the holds of scopes whose event loop is closed (one closed with a load in
         flight, its tasks never cancelled): they can never close, and the collector would
-        stay off for the rest of the process."""
-        stranded = [t for t, loop in self.holders.items() if loop is not None and loop.is_closed()]
+        stay off for the rest of the process. Looks at each loop, not at each hold: with
+        2,000 loads in flight, a look at every hold for every new one stalled the event
+        loop for 0.4 s."""
+        closed = {loop for loop in self.loops if loop.is_closed()}
+        if not closed:
+            return
+        stranded = [t for t, loop in self.holders.items() if loop in closed]
         for token in stranded:
             del self.holders[token]
             self.count -= 1
+        for loop in closed:
+            del self.loops[loop]
         if stranded and self.count == 0 and self.was_enabled:
             gc.enable()
 
@@ -203,6 +215,7 @@ class _Holds:
             gc.enable()
         self.count = 0
         self.holders.clear()
+        self.loops.clear()
 
     def _collected(self, generation: int, now: float) -> None:
         """Note a collection of ``generation`` (and of the younger ones) at ``now``."""
@@ -234,8 +247,15 @@ class _Holds:
 
     def give_back(self, token: int) -> None:
         with self.lock:
-            if self.holders.pop(token, _DROPPED) is _DROPPED:
+            loop = self.holders.pop(token, _DROPPED)
+            if loop is _DROPPED:
                 return  # dropped already (its loop closed, or a fork)
+            if loop is not None:
+                left = self.loops[loop] - 1  # type: ignore[index]
+                if left:
+                    self.loops[loop] = left  # type: ignore[index]
+                else:
+                    del self.loops[loop]  # type: ignore[arg-type]
             self.count -= 1
             if self.count == 0 and self.was_enabled:
                 gc.enable()

@@ -336,3 +336,31 @@ def test_the_hold_of_a_load_left_on_a_closed_loop_is_dropped_by_the_next_scope()
     with collector_scope():
         assert collector_held()
     assert not collector_held()
+
+
+def test_a_new_hold_looks_at_each_loop_not_at_each_hold() -> None:
+    """Whether any hold's loop is closed was asked of every hold at each new one: with
+    2,000 loads in flight, that stalled the event loop for 0.4 s."""
+    holds = turns._Holds()
+    loop = asyncio.new_event_loop()
+    asked = 0
+    is_closed = loop.is_closed
+
+    def counted() -> bool:
+        nonlocal asked
+        asked += 1
+        return is_closed()
+
+    loop.is_closed = counted  # type: ignore[method-assign]
+
+    async def hold_many() -> list[int]:
+        return [holds.take() for _ in range(200)]
+
+    try:
+        tokens = loop.run_until_complete(hold_many())
+    finally:
+        for token in tokens:
+            holds.give_back(token)
+        loop.close()
+    assert asked < 400  # once a take (and the loop's own asks): 19,900 before
+    assert (holds.count, holds.holders, holds.loops) == (0, {}, {})
