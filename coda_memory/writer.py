@@ -214,6 +214,12 @@ class ObservationWriter:
         #: Batches validated ahead, waiting for an append (see MAX_AHEAD), and their
         #: observations' count.
         self._ahead_batches: deque[tuple[list[_Item], list[ObservationRecord]]] = deque()
+        #: The batches of the appends under way, by key (until each is settled).
+        self._appending: dict[str, tuple[list[_Item], list[ObservationRecord]]] = {}
+        #: Batches whose append a cancellation cut short, other than close()'s, with
+        #: their key: stored or not, the writer that runs next sends each again with it,
+        #: and the store tells which.
+        self._unsettled: deque[tuple[list[_Item], list[ObservationRecord], str]] = deque()
         self._ahead = 0
         self._emitted = self._stored = self._rejected = self._dropped = self._discarded = 0
         self._future_clamped = 0
@@ -395,25 +401,31 @@ class ObservationWriter:
         ``drain()`` never returned, and nothing emitted was stored again.) Cancelled
         other than by ``close()`` (the event loop shutting down, an ``asyncio.run()``
         that returned without closing the service, a host cancelling every task before
-        it closes), it counts the batches its appends held as dropped, and says how many
-        wait in the queue: ``close()`` or ``drain()`` on the loop starts it again and
-        stores them; once the loop is closed, :meth:`_lost_with_loop` counts them as
-        dropped."""
+        it closes), it keeps what it held (the batches its appends held, with their keys,
+        and those validated ahead) and says how many observations wait: ``close()`` or
+        ``drain()`` on the loop starts it again, and it stores them, each batch cut short
+        sent again with its key (the store stores it once, and says whether it had);
+        once the loop is closed, :meth:`_lost_with_loop` counts them as dropped. (They
+        were counted as dropped at once: a batch whose COMMIT had landed was then
+        counted as dropped though stored, and the batches validated ahead were lost.)"""
         while True:
             try:
                 await self._write_batches()
             except asyncio.CancelledError:
                 if not self._stopping:
-                    # Its appends went with it, and nothing retries their batches: counted
-                    # now (else a drain waited for them until its timeout).
-                    self._drop_held("the writer was cancelled while storing them")
-                    if self._queue:
+                    # Its appends went with it (some before they began): each batch goes
+                    # again with its key.
+                    for key, (items, records) in self._appending.items():
+                        self._unsettled.append((items, records, key))
+                    self._appending.clear()
+                    waiting = len(self._queue) + self._inflight
+                    if waiting:
                         self._log.warning(
                             "writer cancelled",
                             "coda-memory: the writer was cancelled (the event loop "
-                            "stopping?) with %d observation(s) queued: lost unless close() "
-                            "or drain() follows on this loop",
-                            len(self._queue),
+                            "stopping?) with %d observation(s) queued or in flight: lost "
+                            "unless close() or drain() follows on this loop",
+                            waiting,
                         )
                     assert self._progress is not None
                     self._progress.set()  # a drain() waiting starts it again (_written)
@@ -450,6 +462,8 @@ class ObservationWriter:
         if queued:
             self._queue.clear()
         self._ahead_batches.clear()
+        self._appending.clear()
+        self._unsettled.clear()
         self._inflight = self._ahead = 0
         self._held_bytes = sum(item[5] for item in self._queue)
         if lost:
@@ -472,16 +486,19 @@ class ObservationWriter:
         loop = asyncio.get_running_loop()
         try:
             while True:
+                while self._unsettled and len(appends) < MAX_APPENDS:
+                    items, records, key = self._unsettled.popleft()
+                    appends.add(self._appended(loop, items, records, key))
                 while ahead and len(appends) < MAX_APPENDS:
                     items, records = ahead.popleft()
                     self._ahead -= len(items)
-                    appends.add(loop.create_task(self._append(items, records)))
+                    appends.add(self._appended(loop, items, records))
                 backlog = len(self._queue) >= self._batch_size
                 room = len(appends) < MAX_APPENDS or (self._retrying > 0 and len(ahead) < MAX_AHEAD)
                 if (backlog and room) or (self._queue and not appends):
                     batch = await self._take()
                     if len(appends) < MAX_APPENDS:
-                        appends.add(loop.create_task(self._append(*batch)))
+                        appends.add(self._appended(loop, *batch))
                     else:
                         ahead.append(batch)
                         self._ahead += len(batch[0])
@@ -525,15 +542,34 @@ class ObservationWriter:
         with collector_scope(self.hold_gc, self._may_collect):
             return await self._validate(items)
 
-    async def _append(self, items: list[_Item], records: list[ObservationRecord]) -> None:
-        """Store one validated batch, retrying while the store is unreachable."""
-        assert self._progress is not None
-        backoff = 0.05
+    def _appended(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        items: list[_Item],
+        records: list[ObservationRecord],
+        key: str | None = None,
+    ) -> asyncio.Task[None]:
+        """The task that stores a batch, noted under its key until it is settled (see
+        :attr:`_appending`). ``key``: the batch's, when an append of it was cut short."""
         # One key per batch, kept across retries: a retry after a lost COMMIT
         # acknowledgement stores nothing twice (the store records the key).
-        key = str(uuid.uuid4())
-        # Until a connection is lost around an attempt, none of the batch can be stored.
-        first_attempt = True
+        first_attempt = key is None
+        key = str(uuid.uuid4()) if key is None else key
+        self._appending[key] = (items, records)
+        return loop.create_task(self._append(items, records, key, first_attempt))
+
+    async def _append(
+        self,
+        items: list[_Item],
+        records: list[ObservationRecord],
+        key: str,
+        first_attempt: bool,
+    ) -> None:
+        """Store one validated batch, retrying while the store is unreachable (until a
+        connection is lost around an attempt, or an append of it was cut short, none of
+        the batch can be stored: ``first_attempt``)."""
+        assert self._progress is not None
+        backoff = 0.05
         retried = False
         try:
             while records:
@@ -590,17 +626,20 @@ class ObservationWriter:
                     self._reject(records[index].identity_id, reason)
                 if stopped:
                     # Counted as what the store made of it; the writer still stops.
-                    self._settled(items)
+                    self._settled(items, key)
                     raise asyncio.CancelledError
                 break
         finally:
             if retried:
                 self._retrying -= 1
-        self._settled(items)
+        self._settled(items, key)
 
-    def _settled(self, items: list[_Item]) -> None:
-        """``items`` are no longer in flight: stored, rejected or discarded."""
+    def _settled(self, items: list[_Item], key: str | None = None) -> None:
+        """``items`` are no longer in flight: stored, rejected or discarded (``key``: the
+        batch they were, whose append is done)."""
         assert self._progress is not None
+        if key is not None:
+            self._appending.pop(key, None)
         self._held_bytes = max(0, self._held_bytes - sum(item[5] for item in items))  # bytes
         self._inflight -= len(items)
         self._progress.set()
@@ -653,9 +692,19 @@ class ObservationWriter:
         except OverflowError:  # a clock at the end of datetime's range: none is later
             latest = datetime.max.replace(tzinfo=UTC)
         catalog = self.tool_catalog
+        clamped = 0
         for index, item in enumerate(items):
             if index and index % VALIDATE_CHUNK == 0:
-                await asyncio.sleep(0)
+                try:
+                    await asyncio.sleep(0)
+                except asyncio.CancelledError:
+                    # Back to the front of the queue, in order, for the writer that runs
+                    # next (those rejected are settled): taken off it, they were in no
+                    # batch that anything could store or count.
+                    back = kept + items[index:]
+                    self._queue.extendleft(reversed(back))
+                    self._inflight -= len(back)
+                    raise
             identity_id, kind, content, session_id, created_at, _, emitted = item[:_METADATA]
             try:
                 if emitted is None:
@@ -667,7 +716,7 @@ class ObservationWriter:
                     record = sanitize_observation(identity_id, emitted, created_at, catalog)
                 if record.created_at > latest:
                     record = dataclasses.replace(record, created_at=now)
-                    self._future_clamped += 1
+                    clamped += 1
                 records.append(record)
                 kept.append(item)
                 continue
@@ -679,6 +728,7 @@ class ObservationWriter:
                 reason = f"unexpected {type(error).__name__}"
             self._settled([item])
             self._reject(identity_id, reason)
+        self._future_clamped += clamped
         return kept, records
 
     def _reject(self, identity_id: str, reason: str) -> None:
@@ -708,7 +758,8 @@ class ObservationWriter:
             self._progress.clear()
             if self._processed >= target:
                 break
-            if self._queue and (self._writer is None or self._writer.done()):
+            held = self._queue or self._unsettled or self._ahead_batches
+            if held and (self._writer is None or self._writer.done()):
                 self._ensure_writer(loop)  # cancelled meanwhile (a host's shutdown)
                 assert self._wakeup is not None
                 self._wakeup.set()

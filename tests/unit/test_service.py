@@ -1241,6 +1241,57 @@ async def test_while_an_append_waits_to_be_retried_full_batches_are_validated_ah
         assert service._retrying == 0
 
 
+async def test_a_writer_cancelled_while_appends_retry_keeps_what_it_validated_ahead() -> None:
+    """A host that cancels the writer (cancelling every task before close()) lost the
+    batches validated ahead, counted as dropped, and the appends' batches too; close()
+    now stores them all, each once."""
+    store = BusyStore()
+    async with _writing(store) as service:
+        validated = _counting_validations(service)
+        total = 10 * (2 + MAX_AHEAD + 1) + 3
+        for n in range(total):
+            service.emit_observation("u1", tool_ok("get_account", f"s{n}"))
+        await _until(lambda: len(validated) == 2 + MAX_AHEAD)
+        assert service._ahead == 10 * MAX_AHEAD
+        writer = service._writer
+        assert writer is not None
+        writer.cancel()
+        await asyncio.wait([writer])
+        assert service.stats().pending == total  # kept, none dropped
+        store.busy = False
+        await service.drain()
+        assert sorted(store.stored_sizes) == sorted([10] * (2 + MAX_AHEAD + 1) + [3])
+        stats = service.stats()
+        assert (stats.stored, stats.dropped, stats.pending) == (total, 0, 0)
+
+
+async def test_a_writer_cancelled_while_it_validates_puts_the_batch_back_in_order() -> None:
+    """Taken off the queue and cut short between two chunks of its validation, the
+    batch was in no append: counted as dropped, or (kept in flight) never settled."""
+    service = MemoryService.from_url("memory://", clock=FakeClock(), batch_size=200)
+    for n in range(200):
+        service.emit_observation("u1", tool_ok(f"t{n}"))
+    validating = asyncio.Event()
+    validate = service._validate
+
+    async def noted(items: Any) -> Any:
+        validating.set()
+        return await validate(items)
+
+    service._validate = noted  # type: ignore[method-assign]
+    await validating.wait()
+    await asyncio.sleep(0)  # the writer validates its first chunk, and yields
+    writer = service._writer
+    assert writer is not None and not writer.done()
+    writer.cancel()
+    await asyncio.wait([writer])
+    assert [item[2] for item in service._queue] == [f"t{n} ok" for n in range(200)]
+    assert (service.stats().pending, service.stats().dropped) == (200, 0)
+    await service.drain()
+    assert (service.stats().stored, service.stats().pending) == (200, 0)
+    await service.close()
+
+
 async def test_batches_validated_ahead_count_against_the_queue_size() -> None:
     store = BusyStore()
     async with _writing(store, queue_size=25) as service:
