@@ -423,6 +423,28 @@ def test_entities_past_the_cap_are_not_read() -> None:
     assert read == 4
 
 
+def test_repeated_or_invalid_references_are_read_only_so_far() -> None:
+    """The cap counted distinct valid entities only: 300,000 rows naming one product (or
+    ids that are no identifiers) were read whole, 0.7 s of the caller's event loop."""
+    read = 0
+
+    def rows(result: Any) -> Iterator[EntityRef]:
+        nonlocal read
+        for n in range(300_000):
+            read += 1
+            yield EntityRef("product", "p1" if n < 150_000 else "not an id")
+
+    extractors = DEFAULT_ENTITY_EXTRACTORS.copy()
+    extractors.register("search", rows)
+    observations = entity_observations("search", {}, extractors=extractors, max_entities=3)
+    assert [o.metadata["entityId"] for o in observations] == ["p1"]
+    assert read == 1_000  # ten a entity taken, at least 1,000
+    entity_observations("search", {}, extractors=extractors, max_entities=500)
+    assert read == 1_000 + 5_000
+    entity_observations("search", {}, extractors=extractors, max_entities=None)
+    assert read == 6_000 + 300_000  # (no cap: the host asked for every one)
+
+
 def test_converse_blocks_as_received_are_read_and_odd_ones_skipped() -> None:
     # A host passed the blocks it got from Converse: AttributeError from deep inside.
     uses: list[Any] = [
