@@ -270,8 +270,10 @@ class ObservationWriter:
                     reason = "the service's event loop is closed (one service per event loop)"
                 elif size > self._queue_bytes:
                     reason = "observation larger than queue_bytes"
-                else:
+                elif len(self._queue) + self._ahead >= self._queue_size:
                     reason = "queue full"
+                else:
+                    reason = "queue_bytes full"
                 self._drop(1, reason)
                 return
             created_at = obs.created_at if obs.created_at is not None else self.clock()

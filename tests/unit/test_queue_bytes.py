@@ -3,8 +3,11 @@ counted at about what it holds in memory (coda_memory.writer)."""
 
 from __future__ import annotations
 
+import logging
 import sys
 from collections.abc import Iterator
+
+import pytest
 
 from coda_memory import MemoryService
 from coda_memory.core.model import NewObservation, ObservationType
@@ -43,16 +46,20 @@ def test_metadata_is_counted_entry_by_entry_nested_or_flat() -> None:
     )
 
 
-def test_emits_beyond_queue_bytes_are_dropped_and_counted() -> None:
+def test_emits_beyond_queue_bytes_are_dropped_and_counted(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     """No event loop runs, so nothing is stored: what fits in ``queue_bytes`` waits, the
-    rest is dropped."""
+    rest is dropped, logged as such (it was logged as "queue full", the count's limit)."""
     big = _observation("é" * 20_000, {"toolName": "t"})  # about 40 kB each
     each = _approximate_bytes(big)
     service = MemoryService(InMemoryStore(), queue_bytes=5 * each)
-    for _ in range(8):
-        service.emit_observation("u1", big)
+    with caplog.at_level(logging.WARNING, "coda_memory"):
+        for _ in range(8):
+            service.emit_observation("u1", big)
     stats = service.stats()
     assert (stats.emitted, stats.pending, stats.dropped) == (8, 5, 3)
+    assert "dropped 1 observation(s) (queue_bytes full)" in caplog.text
 
 
 class _CountedList(list[int]):
