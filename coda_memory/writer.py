@@ -215,7 +215,9 @@ class ObservationWriter:
         #: observations' count.
         self._ahead_batches: deque[tuple[list[_Item], list[ObservationRecord]]] = deque()
         #: The batches of the appends under way, by key (until each is settled).
-        self._appending: dict[str, tuple[list[_Item], list[ObservationRecord]]] = {}
+        self._appending: dict[
+            str, tuple[list[_Item], list[ObservationRecord], asyncio.Task[None]]
+        ] = {}
         #: Batches whose append a cancellation cut short, other than close()'s, with
         #: their key: stored or not, the writer that runs next sends each again with it,
         #: and the store tells which.
@@ -224,8 +226,9 @@ class ObservationWriter:
         self._emitted = self._stored = self._rejected = self._dropped = self._discarded = 0
         self._future_clamped = 0
         self._closed = False
-        #: Set while close() stops the writer (see _write_loop).
-        self._stopping = False
+        #: Set once close() stops the writer, for good: it is never started again, and
+        #: what it held is counted as dropped (see _stop_writer).
+        self._stopped = False
         #: Whether a wake-up of the writer is on its way to the service's loop from
         #: another thread (see _wake): one is enough for any number of emits.
         self._wake_scheduled = False
@@ -328,36 +331,27 @@ class ObservationWriter:
             loop = asyncio.get_running_loop()
         except RuntimeError:
             loop = None
-        if (
-            loop is not None
-            and self._loop is not None
-            and self._loop is not loop
-            and (self._loop.is_closed() or not self._loop.is_running())
-        ):
-            # Emitted from a later event loop than the service's, which is gone: say so
-            # (rate-limited), never raise to the caller. drain() and close() raise.
-            self._log.warning(
-                "wrong loop",
-                "coda-memory: emit_observation from an event loop the service does not "
-                "run on; its writer can't store it (create one service per event loop)",
-            )
-            return
         if loop is not None and (self._loop is None or self._loop is loop):
             self._ensure_writer(loop)
             self._signal()
         elif (
             self._loop is not None
-            and (self._loop_thread != threading.get_ident() or not self._loop.is_running())
             and not self._loop.is_closed()
             and not self._wake_scheduled
+            and (
+                self._loop_thread != threading.get_ident()
+                or not self._loop.is_running()
+                or loop is not None
+            )
         ):
-            # From another thread, or from the loop's own between its runs (a host that
-            # runs each request with run_until_complete): the writer is woken, or
-            # started, when the loop next runs. (The loop may be bound by a load with no
-            # writer started yet: no start(), and nothing emitted on the loop.) One
-            # wake-up on its way serves every emit until it runs: a callback each, 8
-            # threads emitting while the loop was held for a second queued 72,000, and
-            # the loop's next turn took 58 ms.
+            # From another thread or another event loop, or from the loop's own thread
+            # between its runs (a host that runs each request with run_until_complete):
+            # the writer is woken, or started, when the service's loop next runs.
+            # (A loop that is closed has no writer: emit_observation drops what comes.
+            # The loop may be bound by a load with no writer started yet: no start(),
+            # and nothing emitted on the loop.) One wake-up on its way serves every emit
+            # until it runs: a callback each, 8 threads emitting while the loop was held
+            # for a second queued 72,000, and the loop's next turn took 58 ms.
             self._wake_scheduled = True
             try:
                 self._loop.call_soon_threadsafe(self._wake_on_loop)
@@ -368,8 +362,11 @@ class ObservationWriter:
     def _wake_on_loop(self) -> None:
         """:meth:`_wake` for an emit of another thread, run on the service's loop."""
         self._wake_scheduled = False
-        if self._loop is None or (self._closed and (self._writer is None or self._stopping)):
-            return  # close() has dealt with what was queued (see _lost_after_close)
+        if self._loop is None:
+            return
+        if self._stopped:  # close() has dealt with what was queued before this came
+            self._lost_after_close()
+            return
         self._ensure_writer(self._loop)
         self._signal()
 
@@ -380,13 +377,18 @@ class ObservationWriter:
         if len(self._queue) >= self._batch_size:
             self._filled.set()
 
-    def _ensure_writer(self, loop: asyncio.AbstractEventLoop) -> None:
-        if self._writer is not None and not self._writer.done():
-            return
-        self._loop, self._loop_thread = loop, threading.get_ident()
+    def _events(self) -> None:
+        """Make the events the writer and its waiters share, once."""
         if self._wakeup is None:
             self._wakeup, self._progress = asyncio.Event(), asyncio.Event()
             self._filled, self._retry_started = asyncio.Event(), asyncio.Event()
+
+    def _ensure_writer(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Start the writer on ``loop`` unless it runs, or close() has stopped it."""
+        if self._stopped or (self._writer is not None and not self._writer.done()):
+            return
+        self._loop, self._loop_thread = loop, threading.get_ident()
+        self._events()
         # In a context of its own: the writer outlives the call that happened to start
         # it (a request), whose context variables (its trace, a host's request id) would
         # otherwise hold for every batch it ever stores. Made inside that context rather
@@ -406,7 +408,8 @@ class ObservationWriter:
         it closes), it keeps what it held (the batches its appends held, with their keys,
         and those validated ahead) and says how many observations wait: ``close()`` or
         ``drain()`` on the loop starts it again, and it stores them, each batch cut short
-        sent again with its key (the store stores it once, and says whether it had);
+        sent again with its key (the store stores it once, and reports the outcome of
+        the first COMMIT that landed);
         once the loop is closed, :meth:`_lost_with_loop` counts them as dropped. (They
         were counted as dropped at once: a batch whose COMMIT had landed was then
         counted as dropped though stored, and the batches validated ahead were lost.)"""
@@ -414,12 +417,10 @@ class ObservationWriter:
             try:
                 await self._write_batches()
             except asyncio.CancelledError:
-                if not self._stopping:
+                if not self._stopped:
                     # Its appends went with it (some before they began): each batch goes
                     # again with its key.
-                    for key, (items, records) in self._appending.items():
-                        self._unsettled.append((items, records, key))
-                    self._appending.clear()
+                    self._resend_cut_short()
                     waiting = len(self._queue) + self._inflight
                     if waiting:
                         self._log.warning(
@@ -436,17 +437,26 @@ class ObservationWriter:
                 if not self._writer_failed(error):
                     await asyncio.sleep(WRITER_FAILED_RETRY)  # nothing was lost: no spin
 
+    def _resend_cut_short(self) -> None:
+        """Note each batch whose append has ended without being settled (cancelled,
+        before it began or during an attempt) for the next writer to send again with its
+        key (an append still running settles its batch itself)."""
+        for key, (items, records, task) in list(self._appending.items()):
+            if task.done():
+                del self._appending[key]
+                self._unsettled.append((items, records, key))
+
     def _lost_after_close(self) -> None:
-        """Count as dropped what another thread queued as close() ended (it had found the
-        service open just before): no writer will store it, and it stayed pending."""
-        if self._closed and self._writer is None and self._queue:
+        """Count as dropped what another thread queued once close() had stopped the
+        writer (it had found the service open just before): no writer will store it."""
+        if self._stopped and self._writer is None and self._queue:
             self._drop_held("service closed before they were stored", queued=True)
 
     def _lost_with_loop(self) -> None:
         """Count what waited to be stored as dropped once the service's event loop is
-        closed without ``close()``: no writer can ever store it (it stayed pending)."""
+        closed before ``close()`` ended: no writer can ever store it (it stayed pending)."""
         loop = self._loop
-        if loop is not None and loop.is_closed() and not self._closed:
+        if loop is not None and loop.is_closed() and (self._queue or self._inflight):
             self._drop_held("the event loop stopped before close()", queued=True)
 
     def _writer_failed(self, error: Exception) -> int:
@@ -470,6 +480,8 @@ class ObservationWriter:
         self._held_bytes = sum(item[5] for item in self._queue)
         if lost:
             self._drop(lost, reason)
+            if self._progress is not None:
+                self._progress.set()  # a drain() waiting for them returns
         return lost
 
     async def _write_batches(self) -> None:
@@ -486,6 +498,7 @@ class ObservationWriter:
         ahead = self._ahead_batches  # kept by the writer, should it be started again
         waiters: dict[asyncio.Event, asyncio.Task[Any]] = {}
         loop = asyncio.get_running_loop()
+        self._resend_cut_short()  # (an append that ended after the writer was cancelled)
         try:
             while True:
                 while self._unsettled and len(appends) < MAX_APPENDS:
@@ -557,8 +570,9 @@ class ObservationWriter:
         # acknowledgement stores nothing twice (the store records the key).
         first_attempt = key is None
         key = str(uuid.uuid4()) if key is None else key
-        self._appending[key] = (items, records)
-        return loop.create_task(self._append(items, records, key, first_attempt))
+        task = loop.create_task(self._append(items, records, key, first_attempt))
+        self._appending[key] = (items, records, task)  # (before the task can begin)
+        return task
 
     async def _append(
         self,
@@ -615,9 +629,11 @@ class ObservationWriter:
                     # Permanent (the store blamed no single row, e.g. a missing table or
                     # privilege): retrying can't help, so the batch is rejected, once.
                     reason = short_error(error, self._identities(records), show=False)
+                    self._reclaim(items, key)
                     for record in records:
                         self._reject(record.identity_id, f"not stored: {reason}")
                     break
+                self._reclaim(items, key)
                 self._stored += outcome.stored
                 if outcome.stored:
                     if len(self.stored_for) > STORED_FOR_LIMIT:
@@ -636,12 +652,22 @@ class ObservationWriter:
                 self._retrying -= 1
         self._settled(items, key)
 
+    def _reclaim(self, items: list[_Item], key: str) -> None:
+        """Take back from the dropped a batch counted as dropped while its append still
+        ran (close() gave up waiting for it, cancelled meanwhile): its outcome came after
+        all, and it counts as what the store made of it, once (it counted as both, and
+        the count in flight went below zero)."""
+        if key not in self._appending:
+            self._dropped -= len(items)
+
     def _settled(self, items: list[_Item], key: str | None = None) -> None:
         """``items`` are no longer in flight: stored, rejected or discarded (``key``: the
-        batch they were, whose append is done)."""
+        batch they were, whose append is done; one counted as dropped meanwhile is out of
+        flight already)."""
         assert self._progress is not None
-        if key is not None:
-            self._appending.pop(key, None)
+        if key is not None and self._appending.pop(key, None) is None:
+            self._progress.set()
+            return
         self._held_bytes = max(0, self._held_bytes - sum(item[5] for item in items))  # bytes
         self._inflight -= len(items)
         self._progress.set()
@@ -655,7 +681,8 @@ class ObservationWriter:
         given a moment (``CLOSE_GRACE / 2``) to end: its COMMIT may already be on its way,
         and a batch that the table holds but that was counted as dropped made ``stats()``
         disagree with the table. Ended, it is counted as what it was; not ended, it is
-        cancelled and counted as dropped, as before."""
+        cancelled, and its batch is counted as dropped by close(), or sent again with its
+        key by the next writer after any other cancellation (see :meth:`_write_loop`)."""
         attempt = asyncio.ensure_future(
             self.store.append(records, batch_key=key, first_attempt=first_attempt)
         )
@@ -749,22 +776,20 @@ class ObservationWriter:
         return self._stored + self._rejected + self._dropped + self._discarded
 
     async def _written(self, loop: asyncio.AbstractEventLoop) -> None:
-        """Wait until everything emitted so far is stored (or rejected or dropped)."""
+        """Wait until everything emitted so far is stored (or rejected or dropped): the
+        writer is started for it unless it runs (never started, or cancelled meanwhile
+        by a host's shutdown), and unless close() stopped it, which counted what it held
+        (and counts what another thread queued since, :meth:`_lost_after_close`)."""
         target = self._emitted
-        if self._queue or self._inflight:
-            self._ensure_writer(loop)
-            assert self._wakeup is not None
-            self._wakeup.set()
+        self._events()
+        assert self._progress is not None and self._wakeup is not None
         while self._processed < target:
-            assert self._progress is not None
             self._progress.clear()
+            self._lost_after_close()
             if self._processed >= target:
                 break
-            held = self._queue or self._unsettled or self._ahead_batches
-            if held and (self._writer is None or self._writer.done()):
-                self._ensure_writer(loop)  # cancelled meanwhile (a host's shutdown)
-                assert self._wakeup is not None
-                self._wakeup.set()
+            self._ensure_writer(loop)
+            self._wakeup.set()
             await self._progress.wait()
 
     def _forget_queued(self, identity_id: str) -> int:
@@ -786,16 +811,20 @@ class ObservationWriter:
         if dropped:
             self._held_bytes -= freed
             self._dropped += dropped  # asked for (forget): counted, with no warning
+            if self._progress is not None:
+                self._progress.set()
         return dropped
 
     async def _stop_writer(self) -> None:
-        """Stop the writer (waiting at most CLOSE_GRACE); drop and count what it held."""
-        if self._writer is not None:
-            self._stopping = True
-            try:
-                self._writer.cancel()
-                await asyncio.wait([self._writer], timeout=CLOSE_GRACE)
-            finally:
-                self._stopping = False
+        """Stop the writer for good (waiting at most CLOSE_GRACE); drop and count what it
+        held, also when this is cancelled meanwhile (the loop shutting down under a
+        close() left to go on in the background)."""
+        self._stopped = True
+        writer = self._writer
+        try:
+            if writer is not None and not writer.done():
+                writer.cancel()
+                await asyncio.wait([writer], timeout=CLOSE_GRACE)
+        finally:
             self._writer = None
-        self._drop_held("service closed before they were stored", queued=True)
+            self._drop_held("service closed before they were stored", queued=True)

@@ -59,8 +59,10 @@ def elapsed_days(since: datetime, until: datetime) -> float:
     decays nothing until that clock reaches it: a clock set back never expires, and so
     never deletes, a fact, and no confidence ever rises from it. No date the library
     writes is later than the writing clock's now (observations ahead of it by more than
-    ``max_clock_skew`` are dated at now), so a fact is held so only by a clock ahead
-    of the others, and at most by as much, or until a reinforcement anchors it again.
+    ``max_clock_skew`` are dated at now, and so are the dates ``import-redis`` copies),
+    so a fact is held so by a clock ahead of the others, at most by as much, or by a
+    date something else wrote (the original server's records, which the Redis store
+    reads as they are), and only until a reinforcement anchors it again.
     """
     return max(0.0, (until - since).total_seconds()) / SECONDS_PER_DAY
 

@@ -342,9 +342,10 @@ def entity_observations(
     ``extractors`` defaults to :data:`DEFAULT_ENTITY_EXTRACTORS`. Entities whose type
     or id is not an identifier are skipped, as are repeats within the result. At most
     ``max_entities`` are taken (None: all), the first ones in the result's own order
-    (its ranking), and the result is read no further; a cap that applies is counted in
-    :data:`ENTITY_CAP` (``applied``; ``dropped`` counts one a result, the rest being
-    unread) and logged.
+    (its ranking), found among its first :data:`REFS_READ_PER_ENTITY` times
+    ``max_entities`` references (at least :data:`MIN_REFS_READ`), and the result is read
+    no further; a cap or a read bound that applies is counted in :data:`ENTITY_CAP`
+    (``applied``; ``dropped`` counts one a result, the rest being unread) and logged.
     """
     if max_entities is not None and (
         isinstance(max_entities, bool) or not isinstance(max_entities, int) or max_entities < 0
@@ -352,7 +353,7 @@ def entity_observations(
         raise TypeError(f"max_entities must be a whole number or None, not {max_entities!r}")
     registry = DEFAULT_ENTITY_EXTRACTORS if extractors is None else extractors
     try:
-        refs = _capped_refs(registry.refs(tool_name, result), max_entities)
+        refs, unread = _capped_refs(registry.refs(tool_name, result), max_entities)
     except Exception as error:
         _extractor_failed(tool_name, error)
         return []
@@ -375,6 +376,10 @@ def entity_observations(
         )
     if capped:
         ENTITY_CAP.hit(1, f"{tool_name!r} gave more than {max_entities}, kept the first of them")
+    elif unread:
+        ENTITY_CAP.hit(
+            1, f"{tool_name!r} gave more references than read, kept the entities among the first"
+        )
     return observations
 
 
@@ -386,17 +391,25 @@ REFS_READ_PER_ENTITY = 10
 MIN_REFS_READ = 1_000
 
 
-def _capped_refs(refs: Iterator[EntityRef], max_entities: int | None) -> list[EntityRef]:
+def _capped_refs(
+    refs: Iterator[EntityRef], max_entities: int | None
+) -> tuple[list[EntityRef], bool]:
     """The distinct entities of ``refs`` whose type and id are identifiers, in order: at
     most ``max_entities`` and one more when there are more (None: all), from the first
     :data:`REFS_READ_PER_ENTITY` times ``max_entities`` references (at least
-    :data:`MIN_REFS_READ`). The rest is not read: counting 300,000 tables one by one
-    held the event loop for most of a second."""
+    :data:`MIN_REFS_READ`); and whether references were left unread for that bound
+    (all of it read, when it is exactly as long). The rest is not read: counting
+    300,000 tables one by one held the event loop for most of a second."""
     kept: list[EntityRef] = []
     seen: set[tuple[str, str]] = set()
-    if max_entities is not None:
-        refs = itertools.islice(refs, max(MIN_REFS_READ, REFS_READ_PER_ENTITY * max_entities))
+    limit = (
+        None if max_entities is None else max(MIN_REFS_READ, REFS_READ_PER_ENTITY * max_entities)
+    )
+    read = 0
+    if limit is not None:
+        refs = itertools.islice(refs, limit)
     for ref in refs:
+        read += 1
         key = (ref.entity_type, ref.entity_id)
         if not (is_identifier(ref.entity_type) and is_identifier(ref.entity_id)) or key in seen:
             continue
@@ -404,7 +417,7 @@ def _capped_refs(refs: Iterator[EntityRef], max_entities: int | None) -> list[En
         kept.append(ref)
         if max_entities is not None and len(kept) > max_entities:
             break
-    return kept
+    return kept, read == limit
 
 
 def _domain_pattern(words: str) -> re.Pattern[str]:

@@ -23,7 +23,8 @@ Observation policy:
 * ``created_at``: must be timezone-aware; converted to UTC.
 * ``content``: control characters other than ``\\n`` and ``\\t`` and lone surrogates
   are removed, then the text is capped at 2,000 characters (truncated with "…",
-  not rejected). Every text is read no further than :func:`read_window` of its cap
+  not rejected). Every text is read no further than
+  :func:`~coda_memory.core.untrusted.read_window` of its cap
   (four times it, plus 64 characters): what lies past that is cut as if past the cap.
 * ``metadata``: must be JSON: a dict with string keys whose values are str, int,
   float, bool, None, list or dict, recursively. Rejected for NaN or ±inf, integers
@@ -56,7 +57,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from coda_memory.core.model import NewObservation, ObservationType, is_identifier, is_tool_name
-from coda_memory.core.untrusted import capped, data_text
+from coda_memory.core.untrusted import capped, data_text, windowed
 
 MAX_IDENTITY_CHARS = 256
 MAX_SESSION_CHARS = 200
@@ -109,27 +110,14 @@ def _cap(text: str, max_chars: int) -> str:
     return text[: max_chars - 1].rstrip() + ELLIPSIS
 
 
-def read_window(max_chars: int) -> int:
-    """How much of a text capped at ``max_chars`` is read: what lies past it is cut as
-    if past the cap, so that a huge text that is mostly removed characters (controls,
-    zero-width or bidi characters) costs what a long one does. (Read to its end, 10
-    million of them held the event loop for seconds.)"""
-    return 4 * max_chars + 64
-
-
-def _windowed(value: str, max_chars: int) -> tuple[str, bool]:
-    """``value`` within its :func:`read_window`, and whether it was cut to fit."""
-    limit = read_window(max_chars)
-    return (value[:limit], True) if len(value) > limit else (value, False)
-
-
 def _scrub(value: str, max_chars: int, drop: Callable[[str], bool]) -> str:
     """``value`` without the characters ``drop`` selects, capped at ``max_chars``.
 
-    Reads no further than the cap is certain, nor past :func:`read_window`, so a huge
+    Reads no further than the cap is certain, nor past its
+    :func:`~coda_memory.core.untrusted.read_window`, so a huge
     input costs little.
     """
-    value, cut = _windowed(value, max_chars)
+    value, cut = windowed(value, max_chars)
     if value.isascii() and value.isprintable():
         # The common case: every ``drop`` here spares printable ASCII, so nothing goes.
         return capped(value, max_chars, cut)
@@ -149,9 +137,10 @@ def clean_text(value: str, max_chars: int) -> str:
     Removes control characters and lone surrogates, turns every line break, tab or
     other whitespace run into one space, strips both ends and caps the result at
     ``max_chars`` characters (cut text ends in "…"). The result never contains a
-    line break. Reads no further than :func:`read_window`.
+    line break. Reads no further than
+    :func:`~coda_memory.core.untrusted.read_window`.
     """
-    value, cut = _windowed(value, max_chars)
+    value, cut = windowed(value, max_chars)
     if value.isascii() and value.isprintable():
         # The common case, and a hot path of the prompt section: printable ASCII has no
         # control characters and no whitespace but the plain space.

@@ -247,15 +247,15 @@ class _Holds:
 
     def give_back(self, token: int) -> None:
         with self.lock:
-            loop = self.holders.pop(token, _DROPPED)
-            if loop is _DROPPED:
+            if token not in self.holders:
                 return  # dropped already (its loop closed, or a fork)
+            loop = self.holders.pop(token)
             if loop is not None:
-                left = self.loops[loop] - 1  # type: ignore[index]
+                left = self.loops[loop] - 1
                 if left:
-                    self.loops[loop] = left  # type: ignore[index]
+                    self.loops[loop] = left
                 else:
-                    del self.loops[loop]  # type: ignore[arg-type]
+                    del self.loops[loop]
             self.count -= 1
             if self.count == 0 and self.was_enabled:
                 gc.enable()
@@ -269,7 +269,6 @@ def _running_loop() -> asyncio.AbstractEventLoop | None:
         return None
 
 
-_DROPPED = object()
 _HOLDS = _Holds()
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_HOLDS.forked)

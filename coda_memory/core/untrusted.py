@@ -302,10 +302,23 @@ def _cap(text: str, max_chars: int) -> str:
     return text[: max_chars - 1].rstrip() + ELLIPSIS
 
 
+def read_window(max_chars: int) -> int:
+    """How much of a text capped at ``max_chars`` is read: what lies past it is cut as
+    if past the cap, so that a huge text that is mostly removed characters (controls,
+    zero-width or bidi characters) costs what a long one does. (Read to its end, 10
+    million of them held the event loop for seconds.)"""
+    return 4 * max_chars + 64
+
+
+def windowed(value: str, max_chars: int) -> tuple[str, bool]:
+    """``value`` within its :func:`read_window`, and whether it was cut to fit."""
+    limit = read_window(max_chars)
+    return (value[:limit], True) if len(value) > limit else (value, False)
+
+
 def capped(text: str, max_chars: int, cut: bool) -> str:
     """``text`` capped at ``max_chars`` characters, ending in "…" when cut, and also
-    when ``cut`` says its input was (read only so far, see
-    :func:`~coda_memory.core.sanitize.read_window`)."""
+    when ``cut`` says its input was (read only so far, see :func:`read_window`)."""
     if not cut or len(text) > max_chars:
         return _cap(text, max_chars)
     return text[: max_chars - 1].rstrip() + ELLIPSIS if max_chars > 0 else ""
@@ -378,16 +391,13 @@ def _cached_data_text(value: str, max_chars: int) -> str:
 def _data_text(value: str, max_chars: int) -> str:
     # Work on a bounded prefix: a huge value costs no more than a long one (what lies
     # past it is cut as if past the cap).
-    window = 4 * max_chars + 64
-    cut = len(value) > window
-    if cut:
-        value = value[:window]
+    value, cut = windowed(value, max_chars)
     if value.isascii() and value.isprintable():
         if not _SUSPICIOUS_ASCII.search(value):
             return capped(" ".join(value.split()), max_chars, cut)
         text = " ".join(value.split())
     else:
-        text = _visible_line(value, window)
+        text = _visible_line(value, read_window(max_chars))
     for _ in range(3):  # one pass suffices; the loop only guards that claim
         neutral = _without_orphan_marks(" ".join(_neutralise(text).split()))
         if neutral == text:

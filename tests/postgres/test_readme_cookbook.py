@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import re
-from datetime import date, timedelta
+from datetime import UTC, date, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -56,3 +56,54 @@ def test_the_cookbook_runs_and_answers_as_its_comments_say(pg_url: str) -> None:
     assert kinds == ["created", "reinforced", "reinforced"]
     summary = {r["category"]: r["users"] for r in answer("FROM fact_summary")}
     assert summary.get("tool_affinity") == 1, summary
+
+
+def _erase_entity_block() -> list[str]:
+    """The statements of the README's SQL block that erases an entity id's counts."""
+    blocks = re.findall(r"^```sql\n(.*?)^```$", README.read_text(), re.M | re.S)
+    (block,) = (b for b in blocks if "DELETE FROM coda_memory.entity_daily" in b)
+    return [" ".join(s.split()) for s in block.split(";") if s.strip()]
+
+
+def test_the_readme_erases_an_entity_id_left_in_the_counts_without_breaking_them(
+    pg_url: str,
+) -> None:
+    """forget leaves the per-day counts under the entity ids they count; the README's
+    statements erase one, and another identity's next access counts from zero again
+    (with only the daily rows deleted, it took one from a day that was gone)."""
+    from coda_memory import MemoryService
+    from tests.helpers import entity
+
+    async def scenario() -> list[dict[str, Any]]:
+        service = MemoryService.from_url(pg_url)
+        try:
+            for who in ("ana", "ben"):
+                service.emit_observation(who, entity("account", "ana@example.com"))
+            await service.drain()
+            await service.forget("ana")
+            await _run(pg_url, _erase_entity_block())
+            conn = await asyncpg.connect(dsn(pg_url))
+            try:
+                await conn.execute("SET coda_memory.all_identities = on")
+                left = await conn.fetchval(
+                    "SELECT (SELECT count(*) FROM coda_memory.entity_users"
+                    " WHERE entity_id = 'ana@example.com')"
+                    " + (SELECT count(*) FROM coda_memory.entity_daily"
+                    " WHERE entity_id = 'ana@example.com')"
+                )
+                assert left == 0
+                later = datetime.now(UTC) + timedelta(days=1)
+                service.emit_observation("ben", entity("account", "ana@example.com", at=later))
+                await service.drain()
+                rows = await conn.fetch(
+                    "SELECT day, accesses, latest_users FROM coda_memory.entity_daily"
+                    " WHERE entity_id = 'ana@example.com' ORDER BY day"
+                )
+            finally:
+                await conn.close()
+        finally:
+            await service.close()
+        return [dict(r) for r in rows]
+
+    rows = asyncio.run(scenario())
+    assert [(r["accesses"], r["latest_users"]) for r in rows] == [(1, 1)]

@@ -618,3 +618,84 @@ async def test_a_batch_stored_as_a_host_cancels_every_task_is_counted_stored_onc
     assert calls[:2] == [True, False]  # the first batch again, with its key
     # The store holds each observation once.
     assert len(service.store._identities["alice"].observations) == 4  # type: ignore[attr-defined]
+
+
+async def test_a_close_cancelled_while_it_stops_the_writer_still_counts_what_it_held(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A close() left to go on in the background (its caller cancelled) is cancelled too
+    when the loop shuts down: cancelled while it waited for the writer, it counted
+    nothing, and the writer logged that close() or drain() must follow."""
+    service = MemoryService.from_url("memory://", clock=FakeClock())
+    entered = asyncio.Event()
+
+    async def stuck(records: Any, **_: Any) -> Any:
+        entered.set()
+        await asyncio.Event().wait()
+
+    monkeypatch.setattr(service.store, "append", stuck)
+    service.emit_observation("u1", tool_ok("a"))
+    await entered.wait()
+    for n in range(3):
+        service.emit_observation("u1", tool_ok("b", session=f"s{n}"))
+    with caplog.at_level(logging.WARNING, "coda_memory"):
+        closing = asyncio.ensure_future(service.close(timeout=0.05))
+        await asyncio.wait([closing], timeout=0.2)  # its drain timed out: it stops the writer
+        assert service._stopped and not closing.done()
+        assert service._closing is not None
+        service._closing.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await closing
+    stats = service.stats()
+    assert (stats.emitted, stats.stored, stats.dropped, stats.pending) == (4, 0, 4, 0)
+    assert "or drain() follows" not in caplog.text
+
+
+async def test_a_drain_waiting_as_close_gives_up_returns() -> None:
+    """close() dropped what it held without waking a drain() that waited for it."""
+    service = MemoryService.from_url("memory://", clock=FakeClock())
+
+    async def down(records: Any, **_: Any) -> Any:
+        raise ConnectionLost("down")
+
+    service.store.append = down  # type: ignore[method-assign]
+    service.emit_observation("u1", tool_ok("a"))
+    draining = asyncio.ensure_future(service.drain())
+    await asyncio.wait([draining], timeout=0.05)
+    await service.close(timeout=0.1)
+    async with asyncio.timeout(5):
+        await draining
+    stats = service.stats()
+    assert (stats.emitted, stats.dropped, stats.pending) == (1, 1, 0)
+
+
+async def test_a_batch_counted_dropped_whose_append_ends_after_all_counts_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """close(), cancelled while it waited for the writer, counts what it held as dropped;
+    an append given its moment to end then ended and counted its batch as stored too, and
+    the count in flight went below zero. It is taken back from the dropped."""
+    service = MemoryService.from_url("memory://", clock=FakeClock())
+    entered, release = asyncio.Event(), asyncio.Event()
+    append = service.store.append
+
+    async def slow(records: Any, **options: Any) -> Any:
+        entered.set()
+        await asyncio.shield(release.wait())  # its COMMIT is on its way: it ends
+        return await append(records, **options)
+
+    monkeypatch.setattr(service.store, "append", slow)
+    service.emit_observation("u1", tool_ok("a"))
+    await entered.wait()
+    closing = asyncio.ensure_future(service.close(timeout=0.05))
+    await asyncio.wait([closing], timeout=0.2)  # its drain timed out: it stops the writer
+    assert service._closing is not None
+    service._closing.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await closing
+    assert (service.stats().dropped, service.stats().pending) == (1, 0)
+    release.set()
+    await asyncio.wait(asyncio.all_tasks() - {asyncio.current_task()})  # the append ends
+    stats = service.stats()
+    assert (stats.emitted, stats.stored, stats.dropped, stats.pending) == (1, 1, 0, 0)
+    assert service._inflight == 0

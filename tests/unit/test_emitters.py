@@ -436,9 +436,11 @@ def test_repeated_or_invalid_references_are_read_only_so_far() -> None:
 
     extractors = DEFAULT_ENTITY_EXTRACTORS.copy()
     extractors.register("search", rows)
+    applied = emitters.ENTITY_CAP.applied
     observations = entity_observations("search", {}, extractors=extractors, max_entities=3)
     assert [o.metadata["entityId"] for o in observations] == ["p1"]
     assert read == 1_000  # ten a entity taken, at least 1,000
+    assert emitters.ENTITY_CAP.applied == applied + 1  # cut there: counted as capped
     entity_observations("search", {}, extractors=extractors, max_entities=500)
     assert read == 1_000 + 5_000
     entity_observations("search", {}, extractors=extractors, max_entities=None)

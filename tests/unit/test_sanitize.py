@@ -20,9 +20,9 @@ from coda_memory.core.sanitize import (
     _MetadataCleaner,
     clean_text,
     quote_untrusted,
-    read_window,
     sanitize_observation,
 )
+from coda_memory.core.untrusted import read_window
 
 AT = datetime(2025, 3, 1, 12, 0, tzinfo=UTC)
 LINE_BREAKS = ["\n", "\r", "\r\n", "\t", "\v", "\f", "\x1c", "\x1d", "\x1e", "\x85"]
@@ -507,9 +507,10 @@ def test_sanitize_anything_gives_clean_data_or_a_rejection(
 
 @given(st.text(alphabet=st.characters(min_codepoint=0, max_codepoint=127)), st.integers(0, 60))
 def test_the_ascii_fast_path_of_clean_text_matches_the_general_one(value: str, cap: int) -> None:
-    from coda_memory.core.sanitize import _clean_text_slow, _windowed
+    from coda_memory.core.sanitize import _clean_text_slow
+    from coda_memory.core.untrusted import windowed
 
-    window, cut = _windowed(value, cap)
+    window, cut = windowed(value, cap)
     assert clean_text(value, cap) == _clean_text_slow(window, cap, cut)
 
 

@@ -410,7 +410,7 @@ async def test_an_observation_larger_than_queue_bytes_is_dropped_as_such(
         )
     assert service.stats().dropped == 1
     assert "dropped 1 observation(s) (observation larger than queue_bytes)" in caplog.text
-    assert "queue full" not in caplog.text
+    assert "full)" not in caplog.text  # neither bound of the queue is met
     await service.close()
 
 
@@ -578,6 +578,77 @@ async def test_an_emit_of_another_thread_queued_after_close_ended_is_counted_dro
     await asyncio.to_thread(clock.pause.join)
     stats = service.stats()
     assert (stats.emitted, stats.stored, stats.dropped, stats.pending) == (2, 1, 1, 0)
+
+
+async def test_close_racing_an_emit_of_another_thread_on_a_service_never_started() -> None:
+    """No writer had ever run: close()'s drain met no event to wait on (AssertionError),
+    or took the thread's wake-up for one after the writer's stop and waited its whole
+    timeout."""
+    clock = _PausedClock()
+    service = MemoryService.from_url("memory://", clock=clock)
+    clock.pause = threading.Thread(target=lambda: service.emit_observation("u1", tool_ok("t")))
+    clock.pause.start()
+    await asyncio.to_thread(clock.entered.wait, 5)
+    closing = asyncio.ensure_future(service.close(timeout=30))
+    await asyncio.wait([closing], timeout=0.05)  # close() waits in its drain
+    clock.release.set()
+    await asyncio.to_thread(clock.pause.join)
+    async with asyncio.timeout(5):
+        await closing
+    stats = service.stats()
+    assert (stats.emitted, stats.stored, stats.dropped, stats.pending) == (1, 1, 0, 0)
+
+
+async def test_no_writer_runs_again_once_close_has_stopped_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A drain() while close() still waited for calls in flight started a writer for
+    what another thread queued after the stop, and it ran on after close()."""
+    clock = _PausedClock()
+    service = MemoryService.from_url("memory://", clock=clock)
+    service.emit_observation("u1", tool_ok("warmup"))
+    await service.drain()
+    calls_end = service._calls_end
+    calls_ended = asyncio.Event()
+
+    async def held_calls_end() -> None:  # a call still in flight
+        await calls_ended.wait()
+        await calls_end()
+
+    monkeypatch.setattr(service, "_calls_end", held_calls_end)
+    clock.pause = threading.Thread(target=lambda: service.emit_observation("u1", tool_ok("t")))
+    clock.pause.start()
+    await asyncio.to_thread(clock.entered.wait, 5)
+    closing = asyncio.ensure_future(service.close(timeout=0.05))
+    await _until(lambda: service._stopped and service._writer is None)
+    clock.release.set()
+    await asyncio.to_thread(clock.pause.join)  # queued after the stop
+    await asyncio.wait_for(service.drain(), 1)
+    assert service._writer is None
+    calls_ended.set()
+    await closing
+    stats = service.stats()
+    assert (stats.emitted, stats.stored, stats.dropped, stats.pending) == (2, 1, 1, 0)
+
+
+def test_an_emit_from_a_loop_of_another_thread_between_the_services_runs_is_stored() -> None:
+    """The service's loop, driven with run_until_complete, was idle: the emit was logged
+    as from "an event loop the service does not run on" and never stored."""
+    service = MemoryService.from_url("memory://", clock=FakeClock())
+    loop = asyncio.new_event_loop()
+    try:
+        loop.run_until_complete(service.start())
+
+        async def emit() -> None:
+            service.emit_observation("u1", tool_ok("t"))
+
+        thread = threading.Thread(target=lambda: asyncio.run(emit()))
+        thread.start()
+        thread.join()
+        loop.run_until_complete(_until(lambda: service.stats().stored == 1))
+        loop.run_until_complete(service.close())
+    finally:
+        loop.close()
 
 
 async def test_close_drains_and_later_emits_are_dropped() -> None:

@@ -356,6 +356,7 @@ def test_a_new_hold_looks_at_each_loop_not_at_each_hold() -> None:
     async def hold_many() -> list[int]:
         return [holds.take() for _ in range(200)]
 
+    tokens: list[int] = []
     try:
         tokens = loop.run_until_complete(hold_many())
     finally:
