@@ -14,7 +14,9 @@ transaction, is planned as Postgres decides), and keeps round trips to a minimum
   consolidation reach facts deleted since, those facts' last lives in a fourth;
 * write: every write (fact upserts and deletes, history, checkpoint, prune) in one
   statement of data-modifying CTEs (a plan that deletes more than ``DELETE_SLICE`` facts
-  sends those deletes ahead, in slices of ``facts_delete.sql``);
+  sends those deletes ahead, in slices of ``facts_delete.sql``, and one that records
+  more than ``EVENTS_SLICE`` events sends them ahead, in slices of
+  ``fact_events_insert.sql``);
 * rehearse: the peek, the lock and the reads and write above once on a new connection,
   for no identity and rolled back, so that its first requests do not pay for the
   server's first runs (:func:`rehearse`; not the first lock's ``INSERT`` nor the deletes
@@ -52,6 +54,10 @@ LOCK_ATTEMPTS = 3
 
 #: Facts deleted by one statement; a plan that deletes more sends them ahead in slices.
 DELETE_SLICE = 2_000
+#: Events recorded by one statement; a plan that records more (a backlog of tens of
+#: thousands of observations) sends them ahead in slices, each well within the request
+#: pool's ``statement_timeout`` (5,000: about 0.1 s of the server's).
+EVENTS_SLICE = 5_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,11 +74,12 @@ class Statements:
     write: Query
     peek: Query
     delete: Query
+    events: Query
     cap: Query
 
     def all(self) -> list[Query]:
         """Every hot-path statement, to prepare on a new connection (not ``cap``, which runs
-        once for an identity far over its cap)."""
+        once for an identity far over its cap, nor ``events``, for a backlog)."""
         return [
             self.lock,
             self.ensure,
@@ -100,6 +107,7 @@ class Statements:
             write=query("consolidation_write", schema),
             peek=query("peek", schema),
             delete=query("facts_delete", schema),
+            events=query("fact_events_insert", schema),
             cap=query("facts_cap", schema),
         )
 
@@ -171,21 +179,26 @@ async def subjects_waiting(
 
 
 async def write_arguments(
-    statement: Query, plan: ConsolidationPlan, snapshot: str, deletes: Sequence[str]
+    statement: Query,
+    plan: ConsolidationPlan,
+    snapshot: str,
+    deletes: Sequence[str],
+    events: Sequence[FactEvent] | None = None,
 ) -> list[Any]:
     """The arguments of ``consolidation_write.sql`` for ``plan``, by parameter name; the
-    facts it deletes are ``deletes`` (those of the plan not sent ahead in slices). The
+    facts it deletes are ``deletes`` (those of the plan not sent ahead in slices), and
+    the events it records ``events`` (None: the plan's; those not sent ahead). The
     facts and events go as JSON documents of rows (see the statement), made in slices
     with turns of the event loop between them (the plan of a backlog of 600 observations
     has about 250 facts and 600 events: 1 to 3 ms in one go)."""
     facts = await mapped(plan.upserts, fact_row)
-    events = await mapped(plan.events, event_row)
+    rows = await mapped(plan.events if events is None else events, event_row)
     return statement.arguments(
         identity_id=plan.identity_id,
         facts=rows_document(facts),
         deleted_subjects=list(deletes),
         now=plan.now,
-        events=rows_document(events),
+        events=rows_document(rows),
         snapshot=snapshot,
         consumed=plan.consumed,
         prune_before=plan.prune_before,
@@ -302,8 +315,19 @@ class PostgresConsolidationUnit:
                 arguments = delete.arguments(identity_id=self.identity_id, subjects=subjects)
                 await self._raw.execute(delete.text, *arguments)
             deletes = []
+        events = plan.events
+        if len(events) > EVENTS_SLICE:
+            # A backlog's history: ahead, in slices, in order (see the SQL).
+            insert = self._sql.events
+            for start in range(0, len(events), EVENTS_SLICE):
+                rows = await mapped(events[start : start + EVENTS_SLICE], event_row)
+                arguments = insert.arguments(
+                    identity_id=self.identity_id, now=plan.now, events=rows_document(rows)
+                )
+                await self._raw.execute(insert.text, *arguments)
+            events = []
         write = self._sql.write
-        arguments = await write_arguments(write, plan, self._snapshot, deletes)
+        arguments = await write_arguments(write, plan, self._snapshot, deletes, events)
         row = await self._raw.fetchrow(write.text, *arguments)
         if self.known is not None:
             self._written = written(row["version"], self.known, plan.upserts, plan.deletes)

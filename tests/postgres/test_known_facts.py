@@ -10,6 +10,7 @@ from collections.abc import Callable
 from datetime import datetime, timedelta
 from typing import Any
 
+import asyncpg
 import pytest
 from sqlalchemy import text
 
@@ -428,3 +429,55 @@ async def test_a_consolidation_that_finds_the_kept_version_keeps_them(pg_url: st
         assert [f.subject for f in await store.kept_facts("alice")] == [f.subject for f in kept]
     finally:
         await store.close()
+
+
+async def _history_sent_in(
+    pg_url: str, monkeypatch: pytest.MonkeyPatch, identity: str, slice_size: int
+) -> tuple[list[dict[str, Any]], int]:
+    """``identity``'s history after one consolidation of 30 observations in 6 sessions,
+    with events sent ahead in slices of ``slice_size``; and how many were sent ahead."""
+    monkeypatch.setattr(unit, "EVENTS_SLICE", slice_size)
+    store = PostgresStore.from_url(pg_url)
+    service = MemoryService(store, clock=lambda: NOW)
+    sent: list[str] = []
+    raw_execute = asyncpg.Connection.execute
+    try:
+        calls = [(k, s) for s in range(6) for k in range(5)]
+        await store.append(
+            [
+                record(
+                    f"call {k}/{s}",
+                    identity_id=identity,
+                    metadata={"toolName": f"tool_{k:02}"},
+                    session_id=f"s{s}",
+                )
+                for k, s in calls
+            ]
+        )
+        events_sql = store._statements.events.text
+
+        async def counted(self: Any, query: str, *args: Any, **kw: Any) -> Any:
+            if query == events_sql:
+                sent.append(query)
+            return await raw_execute(self, query, *args, **kw)
+
+        with monkeypatch.context() as patched:
+            patched.setattr(asyncpg.Connection, "execute", counted)
+            await service.consolidate(identity)
+        history = await service.history(identity)
+        return [e.model_dump(exclude={"identity_id"}) for e in history], len(sent)
+    finally:
+        await service.close()
+
+
+async def test_a_backlogs_history_goes_ahead_in_slices_in_its_order(
+    pg_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An identity that wrote 100,000 observations with no load made 100,000 events, and
+    their one INSERT ran past the request pool's statement_timeout at every try: the
+    identity was never consolidated. Sent ahead in slices, the history is the same, in
+    the same order, as one statement records it."""
+    whole, none_ahead = await _history_sent_in(pg_url, monkeypatch, "alice", 10_000)
+    sliced, ahead = await _history_sent_in(pg_url, monkeypatch, "bob", 7)
+    assert (len(whole), none_ahead, ahead) == (30, 0, 5)
+    assert sliced == whole
