@@ -9,6 +9,7 @@ declared here (store, clock, logging, telemetry) and adds consolidation and load
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import dataclasses
 import sys
@@ -232,6 +233,8 @@ class ObservationWriter:
         #: Whether a wake-up of the writer is on its way to the service's loop from
         #: another thread (see _wake): one is enough for any number of emits.
         self._wake_scheduled = False
+        #: The same for a wake-up of the drains waiting (see _wake_waiters).
+        self._progress_scheduled = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_thread: int | None = None
         self._writer: asyncio.Task[None] | None = None
@@ -285,6 +288,7 @@ class ObservationWriter:
             self._wake()
         except Exception as error:  # the fire-and-forget boundary: log, count, carry on
             self._rejected += 1
+            self._wake_waiters()
             self._log.warning(
                 "not queued",
                 "coda-memory: observation for %s not queued: %s",
@@ -312,6 +316,30 @@ class ObservationWriter:
             reason,
             self._dropped,
         )
+        self._wake_waiters()
+
+    def _wake_waiters(self) -> None:
+        """Wake a ``drain()`` waiting for progress: what it waits for may just have been
+        counted, here or by another thread's emit (a drain that never woke waited for
+        ever). Through the service's loop from another thread; not at all once that loop
+        is closed (nothing can wait on it, and its ``call_soon`` raises)."""
+        progress, loop = self._progress, self._loop
+        if progress is None or loop is None or loop.is_closed():
+            return
+        if self._loop_thread == threading.get_ident():
+            progress.set()
+            return
+        if self._progress_scheduled:  # one on its way serves them all (see _wake)
+            return
+        self._progress_scheduled = True
+        with contextlib.suppress(RuntimeError):  # closed meanwhile
+            loop.call_soon_threadsafe(self._progress_on_loop)
+
+    def _progress_on_loop(self) -> None:
+        """:meth:`_wake_waiters` for another thread, run on the service's loop."""
+        self._progress_scheduled = False
+        if self._progress is not None:
+            self._progress.set()
 
     def _check_loop(self) -> asyncio.AbstractEventLoop:
         """The running loop, which must be the one the service first ran on."""
@@ -434,6 +462,11 @@ class ObservationWriter:
                     self._progress.set()  # a drain() waiting starts it again (_written)
                 raise
             except Exception as error:
+                if self._loop is not None and self._loop.is_closed():
+                    # Closed by the garbage collector after its loop closed (the host
+                    # closed the loop under it): what it held counts as lost there.
+                    self._lost_with_loop()
+                    return
                 if not self._writer_failed(error):
                     await asyncio.sleep(WRITER_FAILED_RETRY)  # nothing was lost: no spin
 
@@ -461,9 +494,8 @@ class ObservationWriter:
 
     def _writer_failed(self, error: Exception) -> int:
         """Count what the writer held when ``error`` stopped it as dropped; how many."""
-        assert self._progress is not None
         lost = self._drop_held(f"the writer met an unexpected {type(error).__name__}")
-        self._progress.set()
+        self._wake_waiters()
         return lost
 
     def _drop_held(self, reason: str, *, queued: bool = False) -> int:
@@ -480,8 +512,6 @@ class ObservationWriter:
         self._held_bytes = sum(item[5] for item in self._queue)
         if lost:
             self._drop(lost, reason)
-            if self._progress is not None:
-                self._progress.set()  # a drain() waiting for them returns
         return lost
 
     async def _write_batches(self) -> None:
@@ -811,8 +841,7 @@ class ObservationWriter:
         if dropped:
             self._held_bytes -= freed
             self._dropped += dropped  # asked for (forget): counted, with no warning
-            if self._progress is not None:
-                self._progress.set()
+            self._wake_waiters()
         return dropped
 
     async def _stop_writer(self) -> None:

@@ -397,8 +397,8 @@ def _capped_refs(
     """The distinct entities of ``refs`` whose type and id are identifiers, in order: at
     most ``max_entities`` and one more when there are more (None: all), from the first
     :data:`REFS_READ_PER_ENTITY` times ``max_entities`` references (at least
-    :data:`MIN_REFS_READ`); and whether references were left unread for that bound
-    (all of it read, when it is exactly as long). The rest is not read: counting
+    :data:`MIN_REFS_READ`); and whether references were left unread for that bound.
+    The rest is not read: counting
     300,000 tables one by one held the event loop for most of a second."""
     kept: list[EntityRef] = []
     seen: set[tuple[str, str]] = set()
@@ -407,9 +407,11 @@ def _capped_refs(
     )
     read = 0
     if limit is not None:
-        refs = itertools.islice(refs, limit)
+        refs = itertools.islice(refs, limit + 1)  # (one more tells whether there are more)
     for ref in refs:
         read += 1
+        if limit is not None and read > limit:
+            break
         key = (ref.entity_type, ref.entity_id)
         if not (is_identifier(ref.entity_type) and is_identifier(ref.entity_id)) or key in seen:
             continue
@@ -417,7 +419,7 @@ def _capped_refs(
         kept.append(ref)
         if max_entities is not None and len(kept) > max_entities:
             break
-    return kept, read == limit
+    return kept, limit is not None and read > limit
 
 
 def _domain_pattern(words: str) -> re.Pattern[str]:

@@ -439,12 +439,29 @@ def test_repeated_or_invalid_references_are_read_only_so_far() -> None:
     applied = emitters.ENTITY_CAP.applied
     observations = entity_observations("search", {}, extractors=extractors, max_entities=3)
     assert [o.metadata["entityId"] for o in observations] == ["p1"]
-    assert read == 1_000  # ten a entity taken, at least 1,000
+    assert read == 1_001  # ten a entity taken, at least 1,000, and one to tell there are more
     assert emitters.ENTITY_CAP.applied == applied + 1  # cut there: counted as capped
     entity_observations("search", {}, extractors=extractors, max_entities=500)
-    assert read == 1_000 + 5_000
+    assert read == 1_001 + 5_001
     entity_observations("search", {}, extractors=extractors, max_entities=None)
-    assert read == 6_000 + 300_000  # (no cap: the host asked for every one)
+    assert read == 6_002 + 300_000  # (no cap: the host asked for every one)
+
+
+def test_a_result_as_long_as_the_read_bound_is_read_whole_and_not_capped() -> None:
+    """It was counted (and logged) as cut at the bound though nothing was left unread."""
+
+    def rows(result: Any) -> Iterator[EntityRef]:
+        for n in range(result["n"]):
+            yield EntityRef("product", f"p{n % 50}")
+
+    extractors = DEFAULT_ENTITY_EXTRACTORS.copy()
+    extractors.register("search", rows)
+    applied = emitters.ENTITY_CAP.applied
+    observations = entity_observations("search", {"n": 1_000}, extractors=extractors)
+    assert len(observations) == 50
+    assert emitters.ENTITY_CAP.applied == applied
+    entity_observations("search", {"n": 1_001}, extractors=extractors)
+    assert emitters.ENTITY_CAP.applied == applied + 1
 
 
 def test_converse_blocks_as_received_are_read_and_odd_ones_skipped() -> None:

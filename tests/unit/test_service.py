@@ -12,6 +12,7 @@ import itertools
 import logging
 import re
 import threading
+import warnings
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
@@ -24,6 +25,7 @@ import uvloop
 
 from coda_memory import Fact, LoadedMemory, MemoryService, NewObservation, ObservationType
 from coda_memory import service as service_module
+from coda_memory import writer as writer_module
 from coda_memory.core import consolidation, prompt, turns
 from coda_memory.core.logs import identity_label
 from coda_memory.errors import ServiceClosed, StoreBusy
@@ -649,6 +651,62 @@ def test_an_emit_from_a_loop_of_another_thread_between_the_services_runs_is_stor
         loop.run_until_complete(service.close())
     finally:
         loop.close()
+
+
+def test_stats_after_the_loop_closed_under_a_waiting_drain_counts_and_raises_nothing() -> None:
+    """A drain() waiting when the host closed its loop (run_until_complete): the count of
+    what was lost woke it through the closed loop, and stats() raised RuntimeError."""
+    service = MemoryService.from_url("memory://", clock=FakeClock())
+
+    async def stuck(records: Any, **_: Any) -> Any:
+        await asyncio.Event().wait()
+
+    service.store.append = stuck  # type: ignore[method-assign]
+    loop = asyncio.new_event_loop()
+    try:
+        loop.run_until_complete(service.start())
+        service.emit_observation("u1", tool_ok("t"))
+        draining = loop.create_task(service.drain())
+        loop.run_until_complete(asyncio.wait([draining], timeout=0.05))
+        assert not draining.done()
+    finally:
+        loop.close()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (the tasks left pending on the closed loop)
+        stats = service.stats()
+    assert (stats.emitted, stats.dropped, stats.pending) == (1, 1, 0)
+
+
+async def test_a_drain_waiting_as_another_threads_emit_is_dropped_returns(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Counted in the drain's target, the emit found the service closed and dropped the
+    observation without waking the drain: it waited for ever."""
+    service = MemoryService.from_url("memory://", clock=FakeClock())
+    service.emit_observation("u1", tool_ok("warmup"))
+    await service.drain()
+    entered, release = threading.Event(), threading.Event()
+    sizing = writer_module._approximate_bytes
+
+    def paused(obs: Any) -> int:
+        if threading.current_thread() is not threading.main_thread():
+            entered.set()
+            release.wait(5)
+        return sizing(obs)
+
+    monkeypatch.setattr(writer_module, "_approximate_bytes", paused)
+    thread = threading.Thread(target=lambda: service.emit_observation("u1", tool_ok("t")))
+    thread.start()
+    await asyncio.to_thread(entered.wait, 5)
+    draining = asyncio.ensure_future(service.drain())
+    await asyncio.wait([draining], timeout=0.02)
+    await service.close(timeout=0.05)
+    release.set()
+    await asyncio.to_thread(thread.join)
+    async with asyncio.timeout(5):
+        await draining
+    stats = service.stats()
+    assert (stats.emitted, stats.stored, stats.dropped, stats.pending) == (2, 1, 1, 0)
 
 
 async def test_close_drains_and_later_emits_are_dropped() -> None:
