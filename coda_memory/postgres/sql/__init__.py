@@ -5,9 +5,9 @@ saying why it exists. Three kinds of placeholder appear in it:
 
 * ``{schema}``, the store's schema: replaced by the quoted identifier, after
   :func:`~coda_memory.postgres.schema.validate_schema_name` accepted it (never a value);
-* ``{fragment(name=value, …)}``, the expression in ``fragments/fragment.sql`` with its
-  ``{name}`` placeholders replaced, in parentheses: a predicate that several statements
-  share is written once;
+* ``{fragment(name=value, …)}``, the expression (or a CTE's statement) in
+  ``fragments/fragment.sql`` with its ``{name}`` placeholders replaced, in parentheses:
+  a predicate, or a write, that several statements share is written once;
 * ``:name``, a parameter. :class:`Query` numbers the names in order of first use, as
   asyncpg's ``$1, $2, …``, and builds the argument list from a mapping by name, so no
   value is ever matched to a position by hand.

@@ -54,45 +54,7 @@ deleted AS (
         AND subject = ANY(:deleted_subjects::text[])
 ),
 -- The history, in the plan's order: ids follow ORDER BY ord (the document's order).
-recorded AS (
-    INSERT INTO {schema}.fact_events (
-        identity_id,
-        recorded_at,
-        subject,
-        category,
-        kind,
-        session_id,
-        at,
-        confidence_before,
-        confidence_after,
-        count_before,
-        count_after,
-        ease_before,
-        ease_after,
-        quality,
-        hits,
-        trials
-    )
-    SELECT
-        :identity_id,
-        :now,
-        e.r ->> 0,
-        e.r ->> 1,
-        e.r ->> 2,
-        e.r ->> 3,
-        (e.r ->> 4)::timestamptz,
-        (e.r ->> 5)::float8,
-        (e.r ->> 6)::float8,
-        (e.r ->> 7)::int,
-        (e.r ->> 8)::int,
-        (e.r ->> 9)::float8,
-        (e.r ->> 10)::float8,
-        (e.r ->> 11)::float8,
-        (e.r ->> 12)::int,
-        (e.r ->> 13)::int
-    FROM jsonb_array_elements(:events::jsonb) WITH ORDINALITY AS e (r, ord)
-    ORDER BY e.ord
-),
+recorded AS {fact_history(events=:events)},
 -- The cursor moves to this run's snapshot; the row's new version is that of the facts
 -- this statement leaves (coda_memory.postgres.known).
 advanced AS (
