@@ -57,7 +57,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from coda_memory.core.model import NewObservation, ObservationType, is_identifier, is_tool_name
-from coda_memory.core.untrusted import capped, data_text, windowed
+from coda_memory.core.untrusted import cap, capped, data_text, windowed
 
 MAX_IDENTITY_CHARS = 256
 MAX_SESSION_CHARS = 200
@@ -68,7 +68,6 @@ MAX_METADATA_DEPTH = 8
 MAX_METADATA_INT = 2**63 - 1
 MAX_ENTITY_NAME_CHARS = 200
 
-ELLIPSIS = "…"
 _CONTROL_CATEGORIES = frozenset({"Cc", "Cf", "Zl", "Zp"})
 _PROMPT_STRUCTURE_PREFIX = "#>-* "
 
@@ -99,15 +98,6 @@ def _is_surrogate(char: str) -> bool:
 
 def _is_control(char: str) -> bool:
     return unicodedata.category(char) in _CONTROL_CATEGORIES
-
-
-def _cap(text: str, max_chars: int) -> str:
-    """``text`` cut to at most ``max_chars`` characters, ending in "…" when cut."""
-    if len(text) <= max_chars:
-        return text
-    if max_chars <= 0:
-        return ""
-    return text[: max_chars - 1].rstrip() + ELLIPSIS
 
 
 def _scrub(value: str, max_chars: int, drop: Callable[[str], bool]) -> str:
@@ -197,7 +187,7 @@ def quote_untrusted(value: str, max_chars: int = 80) -> str:
     """
     text = data_text(value, 4 * max_chars)
     text = text.translate(_QUOTE_LIKE).lstrip(_PROMPT_STRUCTURE_PREFIX)
-    return f'"{_cap(text, max_chars)}"'
+    return f'"{cap(text, max_chars)}"'
 
 
 def _content_drop(char: str) -> bool:

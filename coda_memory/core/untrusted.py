@@ -294,7 +294,8 @@ def _neutralise(text: str) -> str:
     return pair[0]
 
 
-def _cap(text: str, max_chars: int) -> str:
+def cap(text: str, max_chars: int) -> str:
+    """``text`` capped at ``max_chars`` characters, ending in "…" when cut."""
     if len(text) <= max_chars:
         return text
     if max_chars <= 0:
@@ -320,7 +321,7 @@ def capped(text: str, max_chars: int, cut: bool) -> str:
     """``text`` capped at ``max_chars`` characters, ending in "…" when cut, and also
     when ``cut`` says its input was (read only so far, see :func:`read_window`)."""
     if not cut or len(text) > max_chars:
-        return _cap(text, max_chars)
+        return cap(text, max_chars)
     return text[: max_chars - 1].rstrip() + ELLIPSIS if max_chars > 0 else ""
 
 
