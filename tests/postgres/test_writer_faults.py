@@ -485,20 +485,32 @@ def test_what_a_loop_that_ends_before_close_leaves_queued_is_dropped_and_logged(
     assert "dropped 3 observation(s) (the event loop stopped before close())" in caplog.text
 
 
+def _gated_appends(
+    monkeypatch: pytest.MonkeyPatch, service: MemoryService, *, shielded: bool = False
+) -> tuple[asyncio.Event, asyncio.Event]:
+    """Hold each of ``service``'s appends until ``release`` is set; ``entered`` is set as
+    one begins. ``shielded``: a cancellation does not end the wait (an append whose
+    COMMIT is on its way ends all the same)."""
+    entered, release = asyncio.Event(), asyncio.Event()
+    append = service.store.append
+
+    async def gated(records: Any, **options: Any) -> Any:
+        entered.set()
+        released = release.wait()
+        await (asyncio.shield(released) if shielded else released)
+        return await append(records, **options)
+
+    monkeypatch.setattr(service.store, "append", gated)
+    return entered, release
+
+
 async def test_a_host_that_cancels_every_task_before_close_loses_nothing_queued(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A shutdown recipe: cancel every other task, then close the service. The writer's
     cancellation must not drop the queue, which close() then stores."""
     service = MemoryService.from_url("memory://", clock=FakeClock())
-    release = asyncio.Event()
-    append = service.store.append
-
-    async def slow(records: Any, **options: Any) -> Any:
-        await release.wait()
-        return await append(records, **options)
-
-    monkeypatch.setattr(service.store, "append", slow)
+    _, release = _gated_appends(monkeypatch, service)
     service.emit_observation("alice", tool_ok("get_account"))
     await asyncio.sleep(0)  # the writer takes the first into an append
     for n in range(4):
@@ -523,15 +535,8 @@ async def test_a_writer_cancelled_twice_counts_its_batch_once(
     counted it stored too, and the writer's count in flight went below zero, so a
     drain() or close() waited its whole timeout."""
     service = MemoryService.from_url("memory://", clock=FakeClock())
-    entered, release = asyncio.Event(), asyncio.Event()
-    append = service.store.append
-
-    async def slow(records: Any, **options: Any) -> Any:
-        entered.set()
-        await asyncio.shield(release.wait())  # its COMMIT is on its way: it ends
-        return await append(records, **options)
-
-    monkeypatch.setattr(service.store, "append", slow)
+    # Its COMMIT is on its way: a cancellation does not end it.
+    entered, release = _gated_appends(monkeypatch, service, shielded=True)
     service.emit_observation("alice", tool_ok("get_account"))
     await entered.wait()
     writer = service._writer
@@ -556,15 +561,7 @@ async def test_close_right_after_a_host_cancelled_the_writer_stores_the_queue(
     writer ended as if close() had stopped it (leaving its batch in flight uncounted and
     the queue where no writer took it), so close() waited out its whole timeout."""
     service = MemoryService.from_url("memory://", clock=FakeClock())
-    entered, release = asyncio.Event(), asyncio.Event()
-    append = service.store.append
-
-    async def slow(records: Any, **options: Any) -> Any:
-        entered.set()
-        await release.wait()
-        return await append(records, **options)
-
-    monkeypatch.setattr(service.store, "append", slow)
+    entered, release = _gated_appends(monkeypatch, service)
     service.emit_observation("alice", tool_ok("get_account"))
     await entered.wait()  # one batch in flight
     for n in range(4):
@@ -676,15 +673,8 @@ async def test_a_batch_counted_dropped_whose_append_ends_after_all_counts_once(
     an append given its moment to end then ended and counted its batch as stored too, and
     the count in flight went below zero. It is taken back from the dropped."""
     service = MemoryService.from_url("memory://", clock=FakeClock())
-    entered, release = asyncio.Event(), asyncio.Event()
-    append = service.store.append
-
-    async def slow(records: Any, **options: Any) -> Any:
-        entered.set()
-        await asyncio.shield(release.wait())  # its COMMIT is on its way: it ends
-        return await append(records, **options)
-
-    monkeypatch.setattr(service.store, "append", slow)
+    # Its COMMIT is on its way: a cancellation does not end it.
+    entered, release = _gated_appends(monkeypatch, service, shielded=True)
     service.emit_observation("u1", tool_ok("a"))
     await entered.wait()
     closing = asyncio.ensure_future(service.close(timeout=0.05))

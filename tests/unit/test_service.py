@@ -543,6 +543,19 @@ class _PausedClock:
             self.release.wait(5)
         return T0
 
+    async def emit_held(self, service: MemoryService) -> None:
+        """Emit one observation to ``service`` from another thread, held by this clock
+        (until :meth:`resume`)."""
+        self.pause = threading.Thread(target=lambda: service.emit_observation("u1", tool_ok("t")))
+        self.pause.start()
+        await asyncio.to_thread(self.entered.wait, 5)
+
+    async def resume(self) -> None:
+        """Let the held emit go on, and wait until it has returned."""
+        assert self.pause is not None
+        self.release.set()
+        await asyncio.to_thread(self.pause.join)
+
 
 async def test_an_emit_of_another_thread_that_close_overtakes_is_stored_by_it() -> None:
     """The thread found the service open, then close() began: its wake-up of the loop
@@ -552,14 +565,11 @@ async def test_an_emit_of_another_thread_that_close_overtakes_is_stored_by_it() 
     service = MemoryService.from_url("memory://", clock=clock)
     service.emit_observation("u1", tool_ok("warmup"))
     await service.drain()
-    clock.pause = threading.Thread(target=lambda: service.emit_observation("u1", tool_ok("t")))
-    clock.pause.start()
-    await asyncio.to_thread(clock.entered.wait, 5)
+    await clock.emit_held(service)
     closing = asyncio.ensure_future(service.close(timeout=30))
     await asyncio.sleep(0)  # close() began: the service is closed, its drain waits
     assert service._closed
-    clock.release.set()
-    await asyncio.to_thread(clock.pause.join)
+    await clock.resume()
     async with asyncio.timeout(5):
         await closing
     stats = service.stats()
@@ -572,12 +582,9 @@ async def test_an_emit_of_another_thread_queued_after_close_ended_is_counted_dro
     service = MemoryService.from_url("memory://", clock=clock)
     service.emit_observation("u1", tool_ok("warmup"))
     await service.drain()
-    clock.pause = threading.Thread(target=lambda: service.emit_observation("u1", tool_ok("t")))
-    clock.pause.start()
-    await asyncio.to_thread(clock.entered.wait, 5)
+    await clock.emit_held(service)
     await service.close(timeout=0.1)  # (it waits for that emit, counted as emitted)
-    clock.release.set()
-    await asyncio.to_thread(clock.pause.join)
+    await clock.resume()
     stats = service.stats()
     assert (stats.emitted, stats.stored, stats.dropped, stats.pending) == (2, 1, 1, 0)
 
@@ -588,13 +595,10 @@ async def test_close_racing_an_emit_of_another_thread_on_a_service_never_started
     timeout."""
     clock = _PausedClock()
     service = MemoryService.from_url("memory://", clock=clock)
-    clock.pause = threading.Thread(target=lambda: service.emit_observation("u1", tool_ok("t")))
-    clock.pause.start()
-    await asyncio.to_thread(clock.entered.wait, 5)
+    await clock.emit_held(service)
     closing = asyncio.ensure_future(service.close(timeout=30))
     await asyncio.wait([closing], timeout=0.05)  # close() waits in its drain
-    clock.release.set()
-    await asyncio.to_thread(clock.pause.join)
+    await clock.resume()
     async with asyncio.timeout(5):
         await closing
     stats = service.stats()
@@ -618,13 +622,10 @@ async def test_no_writer_runs_again_once_close_has_stopped_it(
         await calls_end()
 
     monkeypatch.setattr(service, "_calls_end", held_calls_end)
-    clock.pause = threading.Thread(target=lambda: service.emit_observation("u1", tool_ok("t")))
-    clock.pause.start()
-    await asyncio.to_thread(clock.entered.wait, 5)
+    await clock.emit_held(service)
     closing = asyncio.ensure_future(service.close(timeout=0.05))
     await _until(lambda: service._stopped and service._writer is None)
-    clock.release.set()
-    await asyncio.to_thread(clock.pause.join)  # queued after the stop
+    await clock.resume()  # queued after the stop
     await asyncio.wait_for(service.drain(), 1)
     assert service._writer is None
     calls_ended.set()
