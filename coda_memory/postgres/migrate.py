@@ -19,7 +19,9 @@ import asyncio
 import contextlib
 import functools
 import io
+import logging
 import time
+import warnings
 from collections.abc import Callable, Iterator
 
 # Absolute imports: the real Alembic, never the sibling module coda_memory.alembic.
@@ -37,6 +39,30 @@ from coda_memory.postgres.schema import DEFAULT_SCHEMA, validate_schema_name
 
 #: Where the migrations live, as Alembic's ``package:directory`` location.
 SCRIPT_LOCATION = "coda_memory.postgres:migrations"
+
+
+def migration_warning(message: str, *args: object) -> None:
+    """Log ``message`` at WARNING on the ``coda_memory`` logger, and also issue it as a
+    Python warning (to standard error) when no handler would show it: under Alembic's
+    command line with a two-line ini, which configures no logging, the package's
+    ``NullHandler`` swallowed it, and an operator never learnt what an upgrade left
+    undone."""
+    logger = logging.getLogger("coda_memory")
+    logger.warning(message, *args)
+    if logger.isEnabledFor(logging.WARNING) and not _shown(logger, logging.WARNING):
+        warnings.warn(message % args, UserWarning, stacklevel=2)
+
+
+def _shown(logger: logging.Logger, level: int) -> bool:
+    """Whether a record of ``level`` reaches a handler that writes it somewhere (not a
+    ``NullHandler``), as :meth:`logging.Logger.callHandlers` walks the loggers."""
+    current: logging.Logger | None = logger
+    while current is not None:
+        for handler in current.handlers:
+            if not isinstance(handler, logging.NullHandler) and level >= handler.level:
+                return True
+        current = current.parent if current.propagate else None
+    return False
 
 
 def alembic_config(*, schema: str = DEFAULT_SCHEMA, url: str | None = None) -> Config:

@@ -218,6 +218,26 @@ def test_a_wheel_needs_only_a_two_line_ini_for_alembic_upgrade_head(
     assert check.returncode == 0, check.stderr
 
 
+def test_a_two_line_ini_still_shows_what_an_upgrade_left_undone(
+    host_project: Path, empty_pg_url: str
+) -> None:
+    """With no logging configured, the package's NullHandler swallowed 0019's warning
+    that a check stays NOT VALID: the operator never learnt of the row to mend."""
+    assert (
+        alembic(host_project, empty_pg_url, "upgrade", "0018", ini="coda-memory.ini").returncode
+        == 0
+    )
+    rows(
+        empty_pg_url,
+        "INSERT INTO coda_memory.observations (identity_id, type, content, metadata, "
+        "created_at) VALUES ('ana', 'query_pattern', 'q', '[]'::jsonb, now())",
+    )
+    upgraded = alembic(host_project, empty_pg_url, "upgrade", "head", ini="coda-memory.ini")
+    assert upgraded.returncode == 0, upgraded.stderr
+    (line,) = [line for line in upgraded.stderr.splitlines() if "stays NOT VALID" in line]
+    assert "ck_observations_metadata_object" in line and "VALIDATE CONSTRAINT" in line
+
+
 def test_a_schema_holding_the_host_history_is_refused(
     host_project: Path, empty_pg_url: str
 ) -> None:

@@ -29,13 +29,13 @@ Create Date: 2026-12-07
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Sequence
 
 import sqlalchemy as sa
 from alembic import context, op
 from sqlalchemy.exc import DBAPIError, IntegrityError
 
+from coda_memory.postgres.migrate import migration_warning
 from coda_memory.postgres.schema import migration_lock_timeout
 from coda_memory.postgres.views import migrating_schema
 
@@ -115,7 +115,7 @@ def _checks_present(schema: str) -> set[str]:
 def _warn_not_valid(schema: str, validate: str, why: str) -> None:
     """Say that a check stays ``NOT VALID`` (new rows are checked all the same), why,
     and what validates it."""
-    logging.getLogger("coda_memory").warning(
+    migration_warning(
         "coda-memory: a check of %s.observations stays NOT VALID (%s); new rows are "
         "checked; validate it with: %s",
         schema,
