@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
@@ -155,14 +156,22 @@ def fmt_bytes(size: int) -> str:
 _FORMULA_STARTS = ("=", "+", "-", "@", "\t", "\r")
 
 
+#: A signed decimal number and nothing else, which a spreadsheet reads as that number.
+_SIGNED_NUMBER = re.compile(r"[+-](?:\d+(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d+)?")
+
+
 def csv_cell(value: Any) -> Any:
     """A CSV field: a string :func:`printable` (no line break can forge a row, no escape
     sequence reaches a terminal) and, when it begins as a formula would, after a ``'``
-    (a stored ``=HYPERLINK(…)`` is text to a spreadsheet); other values as they are."""
+    (a stored ``=HYPERLINK(…)`` is text to a spreadsheet); other values as they are. A
+    string that is only a signed number (``-3``, ``+0.5``) is left as it is: a
+    spreadsheet reads it as that number, and a ``'`` would alter the value."""
     if not isinstance(value, str):
         return value
     text = printable(value)
-    return f"'{text}" if text.startswith(_FORMULA_STARTS) else text
+    if text.startswith(_FORMULA_STARTS) and not _SIGNED_NUMBER.fullmatch(text):
+        return f"'{text}"
+    return text
 
 
 def printable(text: str) -> str:

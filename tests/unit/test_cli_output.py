@@ -55,6 +55,12 @@ def test_a_header_made_of_data_is_neither_markup_nor_an_escape_sequence() -> Non
         ('=HYPERLINK("http://evil","click")', '\'=HYPERLINK("http://evil","click")'),
         ("+cmd|' /C calc'!A0", "'+cmd|' /C calc'!A0"),
         ("-2-3", "'-2-3"),
+        ("-3", "-3"),  # a number a spreadsheet reads as it is, not a formula
+        ("+0.5", "+0.5"),
+        ("-1e5", "-1e5"),
+        ("-1e5+A1", "'-1e5+A1"),
+        ("-", "'-"),
+        ("- 3", "'- 3"),
         ("@SUM(1+1)", "'@SUM(1+1)"),
         ("dom-good\rEVIL", "dom-good\\rEVIL"),  # one field, not a forged row
         ("tool-\x1b[2J", "tool-\\x1b[2J"),
