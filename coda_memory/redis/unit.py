@@ -280,6 +280,7 @@ class RedisConsolidationUnit:
                 "sessions": sessions,
                 "sessionTimes": session_times,
                 "sessionsBefore": _number_text(to_ms(plan.now - self._session_horizon)),
+                "sessionHorizon": self._session_horizon / timedelta(milliseconds=1),
                 "checkpoint": None if self._checkpoint is None else _number_text(self._checkpoint),
                 "pruneBefore": _number_text(to_ms(plan.prune_before)),
                 "consumed": plan.consumed,

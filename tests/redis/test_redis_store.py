@@ -617,6 +617,50 @@ async def test_a_session_record_that_does_not_parse_is_skipped(
         await service.close()
 
 
+async def test_a_clock_that_jumps_forward_past_the_session_horizon_forgets_no_session(
+    redis_url: str, redis_client: aioredis.Redis, redis_prefix: str
+) -> None:
+    """A consolidation on a clock ahead by more than ``session_horizon`` pruned every
+    session's record by its now: once the clock was back, a later observation of a
+    session already counted reinforced its fact a second time. Records are pruned only
+    once they are past the horizon by the run's now and by the newest reinforcement
+    recorded before the run, so memory stays bounded as time really passes."""
+    clock = FakeClock()
+    horizon = timedelta(days=1)
+    service = MemoryService.from_url(
+        redis_url, clock=clock, load_timeout=5.0, session_horizon=horizon
+    )
+    times = f"{redis_prefix}session-times:u1"
+    try:
+        service.emit_observation("u1", tool_ok("t", session="s1", at=T0))
+        await service.drain()
+        await service.consolidate("u1")
+        clock.advance(days=3)  # one run on a clock three horizons ahead
+        service.emit_observation("u1", tool_ok("u", session="s2", at=T0 + timedelta(minutes=1)))
+        await service.drain()
+        await service.consolidate("u1")
+        clock.now = T0 + timedelta(hours=1)  # and the clock is right again
+        service.emit_observation("u1", tool_ok("t", session="s1", at=T0 + timedelta(minutes=2)))
+        await service.drain()
+        facts = await service.consolidate("u1")
+        assert summary(facts)["tool_affinity:t"][1] == 1
+        assert [e.kind for e in await service.history("u1") if e.session_id == "s1"] == [
+            FactEventKind.CREATED,
+            FactEventKind.EXTENDED,
+        ]
+        # Time really passes: the records past the horizon go, a run after the first
+        # reinforcement recorded past them.
+        for day, session in ((3, "s3"), (4, "s4")):
+            clock.now = T0 + timedelta(days=day)
+            service.emit_observation("u1", tool_ok("v", session=session, at=clock.now))
+            await service.drain()
+            await service.consolidate("u1")
+        assert sorted(await redis_client.zrange(times, 0, -1)) == [b"s3", b"s4"]
+        assert sorted(await redis_client.hkeys(f"{redis_prefix}sessions:u1")) == [b"s3", b"s4"]
+    finally:
+        await service.close()
+
+
 @pytest.mark.parametrize("checkpoint", ["garbage", "-inf", "0x10", "nan", "1e3", ""])
 async def test_a_checkpoint_that_is_not_epoch_ms_is_refused_not_read_as_none(
     redis_url: str, redis_client: aioredis.Redis, redis_prefix: str, checkpoint: str

@@ -25,15 +25,28 @@ if #plan.events > 0 then
     redis.call('LTRIM', KEYS[3], -plan.historyLimit, -1)
   end
 end
+-- The newest reinforcement recorded before this run (its score), nil when none is.
+local newest = redis.call('ZREVRANGE', KEYS[9], 0, 0, 'WITHSCORES')[2]
 if #plan.sessions > 0 then
   each_chunk('HSET', KEYS[8], plan.sessions, 1, #plan.sessions, 1000)
   each_chunk('ZADD', KEYS[9], plan.sessionTimes, 1, #plan.sessionTimes, 1000)
 end
--- Sessions past the horizon can no longer send observations that matter.
-local stale = redis.call('ZRANGEBYSCORE', KEYS[9], '-inf', '(' .. plan.sessionsBefore)
-if #stale > 0 then
-  each_chunk('HDEL', KEYS[8], stale, 1, #stale, 1000)
-  each_chunk('ZREM', KEYS[9], stale, 1, #stale, 1000)
+-- Sessions past the horizon can no longer send observations that matter: past it by this
+-- run's now and by the newest reinforcement recorded before this run, both. A clock that
+-- jumped forward alone prunes nothing (its now is past every record, but the records
+-- are not past each other), so a session it would have forgotten still reinforces a fact
+-- once when the clock is back.
+if newest then
+  local floor = tonumber(newest) - plan.sessionHorizon
+  local past = redis.call('ZRANGEBYSCORE', KEYS[9], '-inf', '(' .. plan.sessionsBefore, 'WITHSCORES')
+  local stale = {}
+  for i = 1, #past, 2 do
+    if tonumber(past[i + 1]) < floor then stale[#stale + 1] = past[i] end
+  end
+  if #stale > 0 then
+    each_chunk('HDEL', KEYS[8], stale, 1, #stale, 1000)
+    each_chunk('ZREM', KEYS[9], stale, 1, #stale, 1000)
+  end
 end
 if #ARGV > 3 then each_chunk('ZREM', KEYS[4], ARGV, 4, #ARGV, 1000) end
 
