@@ -72,11 +72,23 @@ def dumps(value: Any) -> str:
 
 
 def to_ms(at: datetime) -> int | float:
-    """Epoch milliseconds; a whole number unless ``at`` has a sub-millisecond part."""
+    """Epoch milliseconds; a whole number unless ``at`` has a sub-millisecond part.
+
+    A fraction is a double, which holds the microsecond from 1692 through 2247, beyond
+    only roughly (its step is 8 µs in year 1, 31 µs in year 9999): the nearest double
+    to an instant a few microseconds inside datetime's range is the range's edge, which
+    a read refuses (``datetime.min`` is the instant Postgres keeps as -infinity). Such
+    an instant is written as the nearest double inside the range instead, and so reads
+    back a few microseconds off rather than not at all."""
     delta = at - _EPOCH
     micros = (delta.days * 86_400 + delta.seconds) * 1_000_000 + delta.microseconds
     whole, rest = divmod(micros, 1000)
-    return whole if rest == 0 else micros / 1000
+    if rest == 0:
+        return whole
+    value = micros / 1000
+    if not _MIN_MS < value < _MAX_MS + 1:
+        value = math.nextafter(value, 0.0)
+    return value
 
 
 #: A checkpoint field as the stores write it: epoch ms in decimal. Anything else is
@@ -89,11 +101,18 @@ def from_ms(value: object, field: str) -> datetime:
     """The UTC datetime of an epoch-ms number; :class:`BadRecord` for anything else."""
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise BadRecord(f"{field} is not a number")
-    if not math.isfinite(value) or not _MIN_MS < value <= _MAX_MS:
-        raise BadRecord(f"{field} is out of range")
     if isinstance(value, int):  # the common case, exact
+        if not _MIN_MS < value <= _MAX_MS:
+            raise BadRecord(f"{field} is out of range")
         return _EPOCH + timedelta(milliseconds=value)
-    return _EPOCH + timedelta(microseconds=round(value * 1000))
+    # A fraction of the last whole millisecond is in range too.
+    if not math.isfinite(value) or not _MIN_MS < value < _MAX_MS + 1:
+        raise BadRecord(f"{field} is out of range")
+    # The fraction apart (exact), so that the microseconds are the double's nearest:
+    # ``round(value * 1000)`` rounded the product first, and read some instants written
+    # in 1830 or 2110 a microsecond off.
+    whole = math.floor(value)
+    return _EPOCH + timedelta(microseconds=whole * 1000 + round((value - whole) * 1000))
 
 
 def _number(value: float) -> int | float:

@@ -7,7 +7,7 @@ import asyncio
 import contextlib
 import json
 import uuid
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -24,6 +24,7 @@ from coda_memory.core.sanitize import sanitize_observation
 from coda_memory.errors import ConnectionLost
 from coda_memory.redis import LockLost, LockTimeout, RedisStore
 from coda_memory.redis.keys import glob_escape
+from tests.builders import consolidate, contents, event, fact, record
 from tests.helpers import T0, FakeClock, domain, entity, tool_failed, tool_ok
 from tests.redis_fixtures import _own_server
 
@@ -659,6 +660,34 @@ async def test_a_clock_that_jumps_forward_past_the_session_horizon_forgets_no_se
         assert sorted(await redis_client.hkeys(f"{redis_prefix}sessions:u1")) == [b"s3", b"s4"]
     finally:
         await service.close()
+
+
+@pytest.mark.parametrize(
+    "at",
+    [
+        datetime.min.replace(tzinfo=UTC) + timedelta(microseconds=1),
+        datetime.max.replace(tzinfo=UTC) - timedelta(microseconds=1),
+    ],
+)
+async def test_a_time_a_microsecond_inside_the_range_of_datetime_is_read_back(
+    redis_store: RedisStore, at: datetime
+) -> None:
+    """Epoch ms as a double rounded ``datetime.min`` + 1 µs onto ``datetime.min`` (the
+    instant a read refuses: Postgres keeps it as -infinity), and ``datetime.max`` - 1 µs
+    past the range: the observation, the fact, its event and the checkpoint so dated
+    were written, then skipped on every read (the observation consumed unread)."""
+    near = timedelta(microseconds=31)  # a double's step that far from 1970
+    await redis_store.append([record("edge", created_at=at)])
+    (stored,) = await redis_store.observations("alice")
+    assert abs(stored.created_at - at) <= near
+    loaded = await consolidate(redis_store, upserts=[fact(at=at)], events=[event(at=at)])
+    assert contents(loaded.observations) == ["edge"]
+    (kept,) = await redis_store.facts("alice")
+    assert abs(kept.last_reinforced_at - at) <= near and abs(kept.anchor - at) <= near
+    (recorded,) = await redis_store.history("alice")
+    assert abs(recorded.at - at) <= near
+    checkpoint = await redis_store.checkpoint("alice")
+    assert checkpoint is not None and abs(checkpoint - at) <= near
 
 
 @pytest.mark.parametrize("checkpoint", ["garbage", "-inf", "0x10", "nan", "1e3", ""])
