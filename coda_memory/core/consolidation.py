@@ -61,7 +61,7 @@ from coda_memory.core.sessions import (
     subjects_reached,
 )
 from coda_memory.core.sessions import fact_key as fact_key
-from coda_memory.core.turns import SLICE, Steps, finished
+from coda_memory.core.turns import SLICE, Steps, emptying, finished
 
 NEW_FACT_CONFIDENCE = 0.5
 DEFAULT_RETENTION = timedelta(days=7)
@@ -505,8 +505,8 @@ def planning(
     service can give the event loop turns in between. It yields after every half
     :data:`~coda_memory.core.turns.SLICE` of the observations it groups by session and
     once the groups are made (:func:`~coda_memory.core.sessions.grouping_by_session`),
-    after every quarter SLICE of the groups it folds, after folding them all, and after
-    every SLICE facts it decays."""
+    after every quarter SLICE of the groups it folds, after folding them all, after
+    every SLICE facts it decays, and after every SLICE session groups it frees."""
     now = as_utc(now)  # the facts and events below take it unvalidated
     stored = {f.subject: f for f in batch.facts}
     run = _Run(identity_id, now, decay, dict(stored))
@@ -567,6 +567,9 @@ def planning(
     deletes.sort()
     kept = {f.subject for f in active}
     upserts = [run.current[subject] for subject in sorted(changed) if subject in kept]
+    # The session groups and the run's table of them, freed in steps (a backlog of
+    # 100,000 observations makes about as many of each).
+    yield from emptying([*(groups for _, groups in by_subject), run.reinforced_by], SLICE)
     return ConsolidationPlan(
         identity_id=identity_id,
         now=now,

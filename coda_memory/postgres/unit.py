@@ -39,7 +39,7 @@ from coda_memory.core.consolidation import lives_asked
 from coda_memory.core.logs import identity_label
 from coda_memory.core.model import Fact, FactEvent, Observation
 from coda_memory.core.sessions import subjects_reached
-from coda_memory.core.turns import mapped
+from coda_memory.core.turns import mapped, released
 from coda_memory.ports import ConsolidationInput, ConsolidationPlan, check_plan_identity
 from coda_memory.postgres.documents import event_row, fact_row, rows_document
 from coda_memory.postgres.known import Known, written
@@ -274,6 +274,8 @@ class PostgresConsolidationUnit:
         sessions = sorted(
             {r["session_id"] for r in rows if r["session_seen"] and r["session_id"] is not None}
         )
+        # Freed in steps: a backlog's 100,000 rows took 7 to 14 ms to free in one go.
+        await released(rows)
         events: list[FactEvent] = []
         if sessions:
             earlier = sql.session_events

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import math
+import weakref
 from datetime import UTC, datetime, timedelta, timezone
 from typing import Any, cast
 
@@ -277,6 +279,59 @@ async def test_a_large_plan_is_written_from_rows_made_with_turns_of_the_loop(
     assert len(between) >= rows // SLICE - 1, sorted(seen)
     stored = await pg_store.facts("alice")
     assert sorted(f.subject for f in stored) == sorted(f.subject for f in plan.upserts)
+
+
+async def test_a_backlogs_observations_and_history_are_freed_with_turns_of_the_loop(
+    pg_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An identity that wrote 100,000 observations with no load: its consolidation's
+    observations and history (about one event an observation), freed each in one go as
+    the consolidation returned, stalled the loop for 50 to 140 ms. They are freed SLICE
+    at a time, other tasks running between."""
+    calls = [(s, k) for s in range(400) for k in range(5)]
+    batch = [
+        record(f"call {k}", metadata={"toolName": f"tool_{k}"}, session_id=f"s{s}")
+        for s, k in calls
+    ]
+    store = PostgresStore.from_url(pg_url)
+    service = MemoryService(store, clock=lambda: NOW)
+    turns = 0
+    freed: list[int] = []  # the turn in which each observation or event was freed
+    held: list[weakref.ref[Any]] = []
+
+    def watched(made: Any) -> Any:
+        held.append(weakref.ref(made, lambda _: freed.append(turns)))
+        return made
+
+    convert = rows_module.observation_from_row
+    monkeypatch.setattr(unit_module, "observation_from_row", lambda *args: watched(convert(*args)))
+    planning = service._planning
+
+    def watched_plan(*args: Any) -> Any:
+        plan = yield from planning(*args)
+        for made in plan.events:
+            watched(made)
+        return plan
+
+    service._planning = watched_plan  # type: ignore[method-assign,assignment]
+
+    async def ticker() -> None:
+        nonlocal turns
+        while True:
+            turns += 1
+            await asyncio.sleep(0)
+
+    try:
+        assert (await store.append(batch)).stored == 2_000
+        task = asyncio.get_running_loop().create_task(ticker())
+        facts = await service.consolidate("alice")
+        task.cancel()
+    finally:
+        await service.close()
+
+    assert len(facts) == 5
+    assert len(held) == 4_000 and len(freed) == 4_000  # 2,000 of each, all freed
+    assert max(collections.Counter(freed).values()) <= SLICE, collections.Counter(freed)
 
 
 async def test_a_large_batch_is_encoded_in_slices_with_turns_of_the_loop() -> None:

@@ -34,7 +34,7 @@ from coda_memory.core.model import (
     Observation,
     ObservationType,
 )
-from coda_memory.core.sessions import subjects_reached
+from coda_memory.core.sessions import group_by_session, grouping_by_session, subjects_reached
 from tests.builders import fact as made_fact
 from tests.helpers import T0, run_counting
 
@@ -448,8 +448,9 @@ def test_the_plan_folds_a_backlog_of_sessions_in_steps(
     """Hundreds of observations wait after a held table kept consolidations out: folding
     them in one step stalled the loop for milliseconds per load, under 8 loads at the
     release. The plan yields after every half SLICE of the observations it groups by
-    session, and after every quarter SLICE of the session groups it folds (every one,
-    for a SLICE of 1)."""
+    session (and of the pairs, groups and table entries it requalifies, files, sorts and
+    frees), after every quarter SLICE of the session groups it folds (every one, for a
+    SLICE of 1), and after every SLICE groups and table entries it frees."""
     monkeypatch.setattr(consolidation, "SLICE", slice_size)
     decay = ExponentialDecay()
     later = T0 + timedelta(hours=1)
@@ -467,16 +468,49 @@ def test_the_plan_folds_a_backlog_of_sessions_in_steps(
     ]
     batch = ConsolidationInput(observations, [], [])
     plan, yields = run_counting(planning("u", batch, later, decay))
-    # One per half slice of observations grouped (each one a group) and one once the
-    # groups are made; one per quarter slice of groups folded and one after folding;
-    # then one per slice of facts decayed and one per further slice of views (each
-    # group made a fact).
+    # One per half slice of observations keyed (each one a group, of a tool of its
+    # own), of (session, tool) pairs requalified, of groups filed by subject and sorted,
+    # of entries of the two working tables freed, and one once the groups are made; one
+    # per quarter slice of groups folded and one after folding; then one per slice of
+    # facts decayed, one per further slice of views (each group made a fact), and one
+    # per slice of the groups and of the run's table of them (an entry a group) freed.
     half, quarter = max(1, slice_size // 2), max(1, slice_size // 4)
-    grouping = groups // half + 1
+    grouping = 4 * (groups // half) + 2 * groups // half + 1
     folding = groups // quarter + 1
-    assert yields == grouping + folding + groups // slice_size + (groups - 1) // slice_size
+    freeing = 2 * groups // slice_size
+    views = groups // slice_size + (groups - 1) // slice_size
+    assert yields == grouping + folding + views + freeing
     assert plan == plan_consolidation("u", batch, later, decay)
     assert len(plan.upserts) == groups
+
+
+def test_the_groups_of_a_backlog_in_many_sessions_are_made_in_steps_after_its_keying_too() -> None:
+    """A backlog of 100,000 observations (an identity that wrote with no load) in 10,000
+    sessions makes about as many session groups: once the observations were keyed,
+    requalifying, filing and sorting the groups, then freeing the working tables, took
+    120 to 230 ms in one step. Each yields every ``step`` items too (the sort, every
+    ``step`` groups sorted: a subject's own sort in one go), and the groups are the same."""
+    sessions, tools = 50, 4
+    observations = [
+        Observation(
+            id=n,
+            identity_id="u",
+            type=ObservationType.TOOL_SUCCESS if n % 3 else ObservationType.TOOL_FAILURE,
+            content="",
+            metadata={"toolName": f"tool_{n % tools}"},
+            session_id=f"s{n // tools}",
+            created_at=T0 + timedelta(seconds=n),
+        )
+        for n in range(sessions * tools)
+    ]
+    made = len(observations)  # one group each: a session calls each tool once
+    grouped, yields = run_counting(grouping_by_session(observations, step=10))
+    # Keyed, requalified (a pair each), filed, sorted (a subject's 50 a step), the two
+    # tables' entries freed (a pair and a group each), and once at the end.
+    subjects = len({o.type for o in observations}) * tools
+    assert yields == made // 10 + made // 10 + made // 10 + subjects + 2 * made // 10 + 1
+    assert grouped == group_by_session(observations)
+    assert sum(map(len, grouped.values())) == made
 
 
 @pytest.mark.parametrize("decay", [ExponentialDecay(), AdaptiveDecay(), PowerLawDecay()], ids=repr)

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import gc
 import os
 import threading
 import warnings
+import weakref
 
 import pytest
 
@@ -49,6 +51,43 @@ async def test_a_short_conversion_takes_no_turn(monkeypatch: pytest.MonkeyPatch)
     assert await mapped(list(range(10)), str) == [str(n) for n in range(10)]
     assert ticks == []
     await other
+
+
+async def test_big_containers_are_emptied_with_a_turn_after_every_slice(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """What the last reference to a container frees goes in one go, with no turn of the
+    loop until it is done (a backlog's 100,000 observations: 50 to 140 ms); emptied with
+    :func:`released`, SLICE items at most are freed between two turns."""
+    monkeypatch.setattr(turns, "SLICE", 10)
+    ticks = 0
+    freed: list[int] = []  # the turn in which each item was freed
+
+    class Item:
+        pass
+
+    def watched() -> Item:
+        item = Item()
+        held.append(weakref.ref(item, lambda _: freed.append(ticks)))
+        return item
+
+    held: list[weakref.ref[Item]] = []
+    items = [watched() for _ in range(45)]
+    table = {n: watched() for n in range(30)}
+
+    async def other_task() -> None:
+        nonlocal ticks
+        while True:
+            ticks += 1
+            await asyncio.sleep(0)
+
+    other = asyncio.get_running_loop().create_task(other_task())
+    await asyncio.sleep(0)
+    await turns.released(items, table)
+    other.cancel()
+    assert (items, table, len(freed)) == ([], {}, 75)
+    assert max(collections.Counter(freed).values()) == 10
+    assert len(set(freed)) >= 8
 
 
 async def test_tasks_taking_turns_convert_one_at_a_time(monkeypatch: pytest.MonkeyPatch) -> None:
