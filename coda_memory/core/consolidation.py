@@ -72,7 +72,9 @@ REINFORCING = frozenset({FactEventKind.CREATED, FactEventKind.REINFORCED, FactEv
 class ConsolidationInput:
     """Everything consolidation reads for one identity, under its lock."""
 
-    #: Observations not yet consolidated, in any order.
+    #: Observations not yet consolidated, in any order. The list is the caller's: the
+    #: service empties it once the consolidation is committed (see
+    #: :func:`~coda_memory.core.turns.released`), so a store gives one nothing else holds.
     observations: list[Observation]
     #: The identity's stored facts (stored form: confidence at its anchor).
     facts: list[Fact]
@@ -99,7 +101,8 @@ class ConsolidationPlan:
     upserts: list[Fact]
     #: Subjects of stored facts to delete (expired, or evicted by the cap).
     deletes: list[str]
-    #: History entries to append, in order.
+    #: History entries to append, in order. A store copies what it keeps of them: the
+    #: service empties the list once the consolidation is committed.
     events: list[FactEvent]
     #: Observations older than this are pruned.
     prune_before: datetime
