@@ -10,7 +10,7 @@ from coda_memory.core.model import Fact, FactCategory
 from coda_memory.core.rank import ranked_facts
 from coda_memory.core.tokens import TokenCounter, estimate_tokens
 from coda_memory.core.turns import SLICE, Steps, finished
-from coda_memory.core.untrusted import data_text
+from coda_memory.core.untrusted import data_texts
 
 __all__ = ["CLOSING", "FRAMING", "GROUPS", "HEADER", "estimate_tokens", "format_memory_section"]
 
@@ -49,9 +49,10 @@ _BLOCK_START = re.compile(r"\d{1,9}(?=[.)])|[#>*+\-|=~`_]")
 def _fact_line(content: str) -> str:
     """The list item showing ``content`` as data, or "" when nothing of it is left
     (remembered: a fact's content is the same from one load to the next)."""
-    for limit in range(MAX_FACT_CHARS, MAX_FACT_CHARS - 3, -1):
-        # The closing quote and the escape count in the line's MAX_FACT_CHARS.
-        text = _inline(data_text(content, limit))
+    # The closing quote and the escape count in the line's MAX_FACT_CHARS.
+    text = ""
+    for shown in data_texts(content, range(MAX_FACT_CHARS, MAX_FACT_CHARS - 3, -1)):
+        text = _inline(shown)
         if len(text) <= MAX_FACT_CHARS:
             break
     return f"- {text}" if text else ""

@@ -38,9 +38,10 @@ the whitespace collapsing: that is the common case, and it stays fast.
 
 from __future__ import annotations
 
+import math
 import re
 import unicodedata
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from functools import lru_cache
 
 ELLIPSIS = "…"
@@ -123,24 +124,80 @@ def is_invisible(char: str) -> bool:
 
 # -- structure patterns, matched on the confusable-folded text -----------------------------
 
-_URL = re.compile(
+#: The branches of :data:`_URL`, in order (:func:`_url_pattern` leaves out those that
+#: cannot match in a text).
+_URL_BRANCHES: tuple[str, ...] = (
     # any scheme://, matched from the start of its run of non-delimiters only (where
     # every match of it starts anyway): tried at every position, the run before "://"
     # was read again from each, quadratic in a long run without "://" ("x:x:x:…")
-    r"(?<![^\s\"'<>()\[\]{}])[^\s\"'<>()\[\]{}]*://[^\s\"'<>()\[\]{}]*"
-    r"|(?<![\w/])//[^\s\"'<>()\[\]{}/]+[^\s\"'<>()\[\]{}]*"  # protocol-relative //host
-    r"|\bwww\d{0,3}\.[^\s\"'<>()\[\]{}]+"  # www.host
-    r"|\b(?:javascript|vbscript|data|file|mailto|blob|ftp):[^\s\"'<>()\[\]{}]*"
+    r"(?<![^\s\"'<>()\[\]{}])[^\s\"'<>()\[\]{}]*://[^\s\"'<>()\[\]{}]*",
+    r"(?<![\w/])//[^\s\"'<>()\[\]{}/]+[^\s\"'<>()\[\]{}]*",  # protocol-relative //host
+    r"\bwww\d{0,3}\.[^\s\"'<>()\[\]{}]+",  # www.host
+    r"\b(?:javascript|vbscript|data|file|mailto|blob|ftp):[^\s\"'<>()\[\]{}]*",
     # http: and ws: without "//", which a browser reads as the same link
-    r"|\b(?:https?|wss?):[^\s\"'<>()\[\]{}]+"
+    r"\b(?:https?|wss?):[^\s\"'<>()\[\]{}]+",
     # host.tld/path: labels of any script or with "_", a punycode top level, a dot of
     # another script (what browsers take for one); not after a word or "@"
-    r"|(?<![\w.\-@\u3002\uff0e\uff61])(?:[\w\-]+[.\u3002\uff0e\uff61])+"
-    r"(?:[^\W\d_]{2,24}|xn--[a-z0-9\-]{1,59})(?::\d{1,5})?/[^\s\"'<>()\[\]{}]*"
-    r"|(?<![\w.])(?:\d{1,3}\.){3}\d{1,3}(?::\d{1,5})?/[^\s\"'<>()\[\]{}]*",  # IPv4/path
+    r"(?<![\w.\-@\u3002\uff0e\uff61])(?:[\w\-]+[.\u3002\uff0e\uff61])+"
+    r"(?:[^\W\d_]{2,24}|xn--[a-z0-9\-]{1,59})(?::\d{1,5})?/[^\s\"'<>()\[\]{}]*",
+    r"(?<![\w.])(?:\d{1,3}\.){3}\d{1,3}(?::\d{1,5})?/[^\s\"'<>()\[\]{}]*",  # IPv4/path
+)
+_URL = re.compile("|".join(_URL_BRANCHES), re.IGNORECASE)
+#: What every match of a branch of :data:`_URL` holds, each looked for from a literal
+#: "." or ":" (which a search finds fast) rather than tried at every position: "www"
+#: and up to three digits before a ".", and a named scheme before a ":" (the scheme's
+#: last letter tested first, so that a run of colons, "x:x:x:…", costs one test each).
+_WWW_DOT = re.compile(
+    r"\.(?:(?<=www\.)|(?<=www\d\.)|(?<=www\d\d\.)|(?<=www\d\d\d\.))", re.IGNORECASE
+)
+#: The schemes the fourth and fifth branches name.
+_SCHEMES = (
+    "javascript", "vbscript", "data", "file", "mailto", "blob", "ftp", "https", "http", "wss",
+    "ws",
+)  # fmt: skip
+_SCHEME_COLON = re.compile(
+    f":(?<=[{''.join(sorted({scheme[-1] for scheme in _SCHEMES}))}]:)"
+    f"(?:{'|'.join(f'(?<={scheme}:)' for scheme in _SCHEMES)})",
     re.IGNORECASE,
 )
-_TAG = re.compile(r"<[^<>]{0,64}>|[<>]")
+
+
+def _url_branches_in(folded: str) -> int:
+    """Which branches of :data:`_URL` may match in ``folded``: bit ``i`` for branch ``i``."""
+    mask = 0
+    if "/" in folded:
+        mask |= 0b1100000
+        if "//" in folded:
+            mask |= 0b0000010
+            if "://" in folded:
+                mask |= 0b0000001
+    if "." in folded and _WWW_DOT.search(folded):
+        mask |= 0b0000100
+    if ":" in folded and _SCHEME_COLON.search(folded):
+        mask |= 0b0011000
+    return mask
+
+
+_URL_BY_BRANCHES: dict[int, re.Pattern[str]] = {0b1111111: _URL}
+
+
+def _url_pattern(folded: str) -> re.Pattern[str] | None:
+    """:data:`_URL` without the branches that cannot match in ``folded`` (None when
+    none can): the same matches, at a fraction of the cost. Tried at every position of
+    an id of 200 characters, "x:x:x:…", the seven branches took 60 µs, more than half
+    of a fact line's cleaning, though none could match."""
+    mask = _url_branches_in(folded)
+    if not mask:
+        return None
+    pattern = _URL_BY_BRANCHES.get(mask)
+    if pattern is None:
+        branches = (branch for i, branch in enumerate(_URL_BRANCHES) if mask >> i & 1)
+        pattern = _URL_BY_BRANCHES[mask] = re.compile("|".join(branches), re.IGNORECASE)
+    return pattern
+
+
+#: (Each pattern below starts with a literal in every branch, which a search skips to.)
+_TAG = re.compile(r"<(?:[^<>]{0,64}>)?|>")
 _BRACKET_MARKER = re.compile(
     r"\[\s*/?\s*(?:inst|sys|system|user|assistant|human|ai|bot"
     # Mistral's control tokens beside [INST]
@@ -152,6 +209,9 @@ _ROLE = re.compile(
     # (also right after an escaped line break, "\nSYSTEM:", as JSON-escaped text has it;
     # every colon of a run, "SYSTEM::" or "SYSTEM: :", or one would stay behind)
     # (or after one escaped as JSON, C or in a URL: "\u000a", "\x0a", "%0a")
+    # (a role word's first letter is looked at first: one test at a position where none
+    # starts, instead of six lookbehinds and fifteen words)
+    r"(?=[abdfhimprstu])"
     r"(?:(?<=\\[nrt])|(?<=\\u000[ad])|(?<=\\u202[89])|(?<=\\x0[ad])|(?<=%0[ad])"
     r"|(?<![A-Za-z0-9_]))(system|developer|assistant|user|human|ai|model|"
     r"bot|instructions?|response|prompt|tool|function|ipython)(?:\s*:)+",
@@ -163,7 +223,7 @@ _LINK_SYNTAX = re.compile(r"\](?=[(\[:])|!\[")
 _ANY_MARKER = re.compile(
     "|".join(f"(?:{p.pattern})" for p in (_BRACKET_MARKER, _LINK_SYNTAX, _ROLE)), re.IGNORECASE
 )
-_HASHES_OR_ENTITY = re.compile(r"#{2,}|&#?[a-z0-9]{1,10};", re.IGNORECASE)
+_HASHES_OR_ENTITY = re.compile(r"##+|&#?[a-z0-9]{1,10};", re.IGNORECASE)
 #: Printable ASCII that may hold any of the structures above (``.tld/`` for the
 #: ``host.tld/path`` links; with a port, the colon already is).
 _SUSPICIOUS_ASCII = re.compile(
@@ -255,6 +315,8 @@ _MAYBE_ORPHAN = re.compile(r"(?:^| )[^\x00-\u02ff]")
 def _without_orphan_marks(text: str) -> str:
     """``text`` without the combining marks that follow a space, or start it: a removal
     or replacement can leave a mark without the letter it was on."""
+    if text.isascii():  # (no mark is ASCII)
+        return text
     if not any(_is_mark(match.group()[-1]) for match in _MAYBE_ORPHAN.finditer(text)):
         return text
     kept: list[str] = []
@@ -272,7 +334,9 @@ def _without_orphan_marks(text: str) -> str:
 def _neutralise(text: str) -> str:
     """``text`` with every structure of step 4 of the module policy replaced."""
     pair = (text, text.translate(CONFUSABLES))
-    pair = _sub(_URL, lambda _: f" {LINK_REMOVED} ", pair)
+    url = _url_pattern(pair[1])
+    if url is not None:
+        pair = _sub(url, lambda _: f" {LINK_REMOVED} ", pair)
     pair = _sub(_TAG, lambda _: " ", pair)
     markers = (
         (_BRACKET_MARKER, lambda _: " "),
@@ -325,9 +389,10 @@ def capped(text: str, max_chars: int, cut: bool) -> str:
     return text[: max_chars - 1].rstrip() + ELLIPSIS if max_chars > 0 else ""
 
 
-def _visible_line(text: str, max_chars: int) -> str:
+def _visible_line(text: str, max_chars: int) -> tuple[str, int | None]:
     """NFKC, then one line without invisible characters or stacked marks; reading stops
-    once ``max_chars`` is certain to be exceeded."""
+    once ``max_chars`` is certain to be exceeded. Also the least ``max_chars`` that gives
+    the same line (None when reading stopped: a greater one reads further)."""
     # "…" stays itself (NFKC would make it "..."), so cleaning twice changes nothing.
     text = ELLIPSIS.join(unicodedata.normalize("NFKC", part) for part in text.split(ELLIPSIS))
     kept: list[str] = []
@@ -361,10 +426,12 @@ def _visible_line(text: str, max_chars: int) -> str:
         kept.append(char)
         if len(kept) > max_chars + 1:
             break
+    # (Reading stops exactly when more than max_chars + 1 characters are kept.)
+    read_all = len(kept) <= max_chars + 1
     line = "".join(kept)
     if not unicodedata.is_normalized("NFKC", line):  # a removed character parted a letter
         line = ELLIPSIS.join(unicodedata.normalize("NFKC", part) for part in line.split(ELLIPSIS))
-    return line
+    return line, len(kept) - 1 if read_all else None
 
 
 #: Longer values are not worth keeping in the cache.
@@ -390,18 +457,44 @@ def _cached_data_text(value: str, max_chars: int) -> str:
 
 
 def _data_text(value: str, max_chars: int) -> str:
+    line, cut, _ = _data_line(value, max_chars)
+    return capped(line, max_chars, cut)
+
+
+def _data_line(value: str, max_chars: int) -> tuple[str, bool, float]:
+    """``value`` as one line of data, not yet capped at ``max_chars``; whether its
+    :func:`read_window` cut it; and the least window that reads as much of it (math.inf
+    when cut or when reading stopped early): every cap whose window is at least that
+    gives the same line."""
     # Work on a bounded prefix: a huge value costs no more than a long one (what lies
     # past it is cut as if past the cap).
     value, cut = windowed(value, max_chars)
+    need: float = math.inf if cut else len(value)
     if value.isascii() and value.isprintable():
-        if not _SUSPICIOUS_ASCII.search(value):
-            return capped(" ".join(value.split()), max_chars, cut)
         text = " ".join(value.split())
+        if not _SUSPICIOUS_ASCII.search(value):
+            return text, cut, need
     else:
-        text = _visible_line(value, read_window(max_chars))
+        text, kept = _visible_line(value, read_window(max_chars))
+        need = math.inf if kept is None else max(need, kept)
     for _ in range(3):  # one pass suffices; the loop only guards that claim
         neutral = _without_orphan_marks(" ".join(_neutralise(text).split()))
         if neutral == text:
             break
         text = neutral
-    return capped(text, max_chars, cut)
+    return text, cut, need
+
+
+def data_texts(value: str, caps: Iterable[int]) -> Iterator[str]:
+    """:func:`data_text` of ``value`` at each of ``caps`` in turn, made by cleaning
+    ``value`` once for as long as the caps' windows read the same of it (any value but a
+    very long one: each window reads it whole), then capping the line at each cap. (A
+    fact line tried at three caps was cleaned three times.)"""
+    line = ""
+    need = math.inf
+    for max_chars in caps:
+        if need <= read_window(max_chars):
+            yield cap(line, max_chars)
+            continue
+        line, cut, need = _data_line(value, max_chars)
+        yield capped(line, max_chars, cut)

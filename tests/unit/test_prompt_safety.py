@@ -424,3 +424,92 @@ def test_data_text_reads_no_further_than_its_window_in_ascii_too() -> None:
     assert data_text(" " * 101 + "abc", 10) == "abc"
     assert data_text(" " * 104 + "abc", 10) == "…"  # past four times the cap plus 64
     assert data_text("a " * 5_000_000, 10) == "a a a a a…"
+
+
+#: Characters and pieces that every link and role branch starts from or needs, dense, so
+#: that a random string holds some of the branches' triggers and lacks others.
+STRUCTURE_PIECES = [
+    *"x:/.:/. abwWsSthHpPiIlLnNeEmMrRdDuUoOfFjv019_-@\\%\"'<>[]#&!()\n\u00e9\u0130\u0131\u017f",
+    *("\u212a", "\u0301", "\u3002", "\uff0e", "\u2026", "\u200b", "\u0405", "\ufdfa"),
+    *("://", "//", "www", "www1.", "http", "https:", "ws:", "wss:", "javascript:", "data:"),
+    *("file:", "mailto:", "blob:", "ftp:", "vbscript:", "system", "USER", "ai", "tool"),
+    *("instructions", "ipython", "x.com/", "1.2.3.4/", "xn--p1ai/", "[INST]", "](", "%0a"),
+    *("\\u000a", "x:", "x:x:x:", " : ", "&lt;", "##", ":80/"),
+]
+structured = st.lists(st.sampled_from(STRUCTURE_PIECES), max_size=120).map("".join)
+
+
+@settings(max_examples=500)
+@given(structured)
+def test_the_link_pattern_tries_only_the_branches_that_can_match(value: str) -> None:
+    """A branch is left out only where nothing it needs is in the text, so the matches
+    are those of the whole pattern."""
+    from coda_memory.core import untrusted
+
+    folded = value.translate(CONFUSABLES)
+    pattern = untrusted._url_pattern(folded)
+    found = [] if pattern is None else [m.span() for m in pattern.finditer(folded)]
+    assert found == [m.span() for m in untrusted._URL.finditer(folded)]
+
+
+@settings(max_examples=500)
+@given(structured)
+def test_the_role_words_first_letter_changes_no_match(value: str) -> None:
+    from coda_memory.core import untrusted
+
+    lookahead = "(?=[abdfhimprstu])"
+    assert untrusted._ROLE.pattern.startswith(lookahead)
+    without = re.compile(untrusted._ROLE.pattern.removeprefix(lookahead), re.IGNORECASE)
+    folded = value.translate(CONFUSABLES)
+    assert [m.span(1) for m in untrusted._ROLE.finditer(folded)] == [
+        m.span(1) for m in without.finditer(folded)
+    ]
+
+
+def test_a_hostile_id_is_cleaned_once_and_searched_for_no_link() -> None:
+    """A fact line cut inside its quoted id was cleaned again for each shorter cap
+    tried, and every branch of the link pattern was tried at every position of the id,
+    though none could match: 0.3 ms a fact line of an id of 200 characters, "x:x:x:…",
+    and 67 ms of the event loop for a step of 200 such facts."""
+    from coda_memory.core import prompt, untrusted
+
+    hostile = ("x:" * 100)[:199] + "1"
+    assert untrusted._url_pattern(hostile) is None
+    assert untrusted._url_pattern("x:" * 99 + "http:") is not None
+    only_paths = untrusted._url_pattern("x/" * 100)  # host.tld/path and IPv4/path
+    assert only_paths is not None
+    assert only_paths.pattern == "|".join(untrusted._URL_BRANCHES[5:])
+    content = f'Works with table "{hostile}"'
+    cleaned: list[str] = []
+    neutralise = untrusted._neutralise
+
+    def counted(text: str) -> str:
+        cleaned.append(text)
+        return neutralise(text)
+
+    untrusted._neutralise = counted
+    try:
+        line = prompt._fact_line.__wrapped__(content)
+    finally:
+        untrusted._neutralise = neutralise
+    assert line == f'- Works with table "{hostile[:140]}…"'
+    assert len(line) == 2 + 160
+    assert len(cleaned) == 1
+
+
+@settings(max_examples=300)
+@given(
+    st.one_of(
+        structured,
+        st.text(max_size=800),
+        st.tuples(
+            st.sampled_from(["x", "\ufdfa", "\u0130", " \u200b", "a\u0301"]), st.integers(0, 800)
+        ).map(lambda piece: piece[0] * piece[1]),
+    ),
+    st.integers(1, 400),
+)
+def test_data_texts_are_data_text_at_each_cap(value: str, largest: int) -> None:
+    from coda_memory.core.untrusted import data_texts
+
+    caps = range(largest, max(largest - 4, 0), -1)
+    assert list(data_texts(value, caps)) == [data_text(value, cap) for cap in caps]
