@@ -464,6 +464,42 @@ def test_a_result_as_long_as_the_read_bound_is_read_whole_and_not_capped() -> No
     assert emitters.ENTITY_CAP.applied == applied + 1
 
 
+def _account_json(length: int) -> str:
+    """A get_account result as JSON text of exactly ``length`` characters."""
+    text = json.dumps({"id": "42", "name": "Acme", "rows": ""})
+    return text[:-2] + "x" * (length - len(text)) + text[-2:]
+
+
+def test_json_text_past_its_bound_is_not_parsed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A result given as JSON text was parsed whole before its entities were read: 7.7
+    MB held the caller's event loop for 83 ms."""
+    parsed: list[int] = []
+    loads = json.loads
+
+    def counted(text: str | bytes, **kwargs: Any) -> Any:
+        parsed.append(len(text))
+        return loads(text, **kwargs)
+
+    monkeypatch.setattr(json, "loads", counted)  # as the emitters call it
+    bound = emitters.MAX_JSON_TEXT_CHARS
+    at_bound = _account_json(bound)
+    assert len(at_bound) == bound
+    for result in (at_bound, at_bound.encode(), [{"text": at_bound}]):
+        [observation] = entity_observations("get_account", result)
+        assert observation.metadata["entityId"] == "42"
+    assert parsed == [bound] * 3
+    applied = emitters.ENTITY_CAP.applied
+    past = _account_json(bound + 1)
+    huge = _account_json(8_000_000)
+    for result in (past, past.encode(), [{"text": past}], " " * 10 + huge):
+        assert entity_observations("get_account", result) == []
+    assert parsed == [bound] * 3  # not one more parse
+    assert emitters.ENTITY_CAP.applied == applied + 4  # counted, as a result left unread
+    # Long text that is no object or array is no result cut short.
+    assert entity_observations("get_account", "x" * (bound + 1)) == []
+    assert emitters.ENTITY_CAP.applied == applied + 4
+
+
 def test_converse_blocks_as_received_are_read_and_odd_ones_skipped() -> None:
     # A host passed the blocks it got from Converse: AttributeError from deep inside.
     uses: list[Any] = [
