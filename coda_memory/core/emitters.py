@@ -193,9 +193,9 @@ EntityExtractor = Callable[[Any], Iterable[EntityRef]]
 
 #: A tool result given as JSON text longer than this (characters of a str, bytes of
 #: bytes) is not parsed for entities, since a parse is whole or nothing: 7.7 MB held the
-#: caller's event loop for 83 ms, and this much takes 15 ms at most (dense numbers), 3 ms
-#: as rows of records. One that starts as an object or array is counted in
-#: :data:`ENTITY_CAP` (as a result whose entities went unread) and logged.
+#: caller's event loop for 83 ms, and this much takes about 10 ms at most (dense
+#: numbers), 2 ms as rows of records. One that starts as an object or array is counted
+#: in :data:`ENTITY_CAP` (as a result whose entities went unread) and logged.
 MAX_JSON_TEXT_CHARS = 250_000
 
 
