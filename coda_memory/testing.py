@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import weakref
 from collections import defaultdict
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
@@ -124,7 +125,9 @@ class InMemoryStore:
 
     def __init__(self) -> None:
         self._identities: dict[str, _Identity] = defaultdict(_Identity)
-        self._locks: dict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
+        #: Each identity's lock while anything holds or waits for it (a lock per identity
+        #: ever consolidated or forgotten, kept for good, grew without bound).
+        self._locks: weakref.WeakValueDictionary[str, asyncio.Lock] = weakref.WeakValueDictionary()
         self._ids = itertools.count(1)
         #: Outcomes by batch key: a retried batch is stored once.
         self._batches: dict[str, AppendOutcome] = {}
@@ -157,9 +160,16 @@ class InMemoryStore:
             self._batches[batch_key] = outcome
         return outcome
 
+    def _lock(self, identity_id: str) -> asyncio.Lock:
+        """The identity's lock; the caller holds it while it holds or waits for it."""
+        lock = self._locks.get(identity_id)
+        if lock is None:
+            lock = self._locks[identity_id] = asyncio.Lock()
+        return lock
+
     @asynccontextmanager
     async def consolidation(self, identity_id: str) -> AsyncIterator[InMemoryConsolidationUnit]:
-        async with self._locks[identity_id]:
+        async with self._lock(identity_id):
             yield InMemoryConsolidationUnit(identity_id, self._identities[identity_id])
 
     async def facts(self, identity_id: str) -> list[Fact]:
@@ -192,7 +202,7 @@ class InMemoryStore:
         return InMemoryCheckpoint(identity_id, state.cursor, state.runs)
 
     async def forget(self, identity_id: str) -> Forgotten:
-        async with self._locks[identity_id]:
+        async with self._lock(identity_id):
             state = self._identities.pop(identity_id, None)
         if state is None:
             return Forgotten()
