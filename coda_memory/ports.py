@@ -73,12 +73,16 @@ class ConsolidationUnit(Protocol):
     async def load(self) -> ConsolidationInput:
         """Read new observations, stored facts and the relevant session events, and, for
         observations dated before the last consolidation, the last lives of facts deleted
-        since (``ended``)."""
+        since (``ended``). The list of observations is the caller's: the service empties
+        it once the consolidation is committed, so it must be one the store does not
+        keep."""
         ...
 
     async def write(self, plan: ConsolidationPlan) -> None:
         """Write facts, deletes and events, advance the checkpoint past what ``load``
-        returned, and prune old observations. Nothing is visible before ``commit``."""
+        returned, and prune old observations. Nothing is visible before ``commit``. The
+        service empties ``plan.events`` after the commit: a store copies what it keeps
+        of them."""
         ...
 
     async def commit(self) -> None:

@@ -534,10 +534,6 @@ class MemoryService(ObservationWriter):
             if plan.writes_anything:
                 await unit.write(plan)
                 await unit.commit()
-        # The observations read and the history recorded are this call's own: freed in
-        # steps, not in one go as the call returns (a backlog's, 100,000 of each: a stall
-        # of the loop of 60 to 140 ms otherwise; see :func:`released`).
-        await released(batch.observations, plan.events)
         deleted = capped.pop(identity_id, None)
         if deleted is not None:
             # The cap the store applied on the server, finished exactly: counted once.
@@ -548,6 +544,11 @@ class MemoryService(ObservationWriter):
                 f"{self._label(identity_id)} keeps its {len(plan.active)} best ranked facts, "
                 f"{len(plan.evicted)} deleted",
             )
+        # The observations read and the history recorded are this call's own: freed in
+        # steps, not in one go as the call returns (a backlog's, 100,000 of each: a stall
+        # of the loop of 60 to 140 ms otherwise; see :func:`released`). Last, once the
+        # consolidation is counted: a cancellation meanwhile leaves nothing uncounted.
+        await released(batch.observations, plan.events)
         return plan.active, None
 
     def _now(self) -> datetime:

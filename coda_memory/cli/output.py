@@ -157,7 +157,7 @@ _FORMULA_STARTS = ("=", "+", "-", "@", "\t", "\r")
 
 
 #: A signed decimal number and nothing else, which a spreadsheet reads as that number.
-_SIGNED_NUMBER = re.compile(r"[+-](?:\d+(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d+)?")
+_SIGNED_NUMBER = re.compile(r"[+-](?:\d+(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d+)?", re.ASCII)
 
 
 def csv_cell(value: Any) -> Any:

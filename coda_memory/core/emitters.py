@@ -203,7 +203,7 @@ def _parse_json(text: str | bytes | bytearray) -> Any:
     """``text`` parsed, or None when it is no JSON or longer than
     :data:`MAX_JSON_TEXT_CHARS`."""
     if len(text) > MAX_JSON_TEXT_CHARS:
-        if text[:64].lstrip()[:1] in ("{", "[", b"{", b"["):
+        if _starts_as_json(text):
             ENTITY_CAP.hit(
                 1, f"a result's JSON text is longer than {MAX_JSON_TEXT_CHARS:,}, not parsed"
             )
@@ -212,6 +212,11 @@ def _parse_json(text: str | bytes | bytearray) -> Any:
         return json.loads(text)
     except (ValueError, RecursionError):
         return None
+
+
+def _starts_as_json(text: str | bytes | bytearray) -> bool:
+    """Whether ``text`` starts as a JSON object or array would."""
+    return text[:64].lstrip()[:1] in ("{", "[", b"{", b"[")
 
 
 def unwrap_result(result: Any) -> Any:
@@ -230,6 +235,10 @@ def unwrap_result(result: Any) -> Any:
                 return block["json"]
             text = block.get("text")
             if isinstance(text, str):
+                if len(text) > MAX_JSON_TEXT_CHARS and _starts_as_json(text):
+                    # The result's payload, too long to parse: no entities (a later
+                    # block, a caption say, is not the payload).
+                    return _parse_json(text)
                 parsed = _parse_json(text)
                 if parsed is not None:
                     return parsed

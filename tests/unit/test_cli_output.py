@@ -61,6 +61,8 @@ def test_a_header_made_of_data_is_neither_markup_nor_an_escape_sequence() -> Non
         ("-1e5+A1", "'-1e5+A1"),
         ("-", "'-"),
         ("- 3", "'- 3"),
+        ("-\u0663", "'-\u0663"),  # digits a spreadsheet does not read as a number
+        ("+\uff11", "'+\uff11"),
         ("@SUM(1+1)", "'@SUM(1+1)"),
         ("dom-good\rEVIL", "dom-good\\rEVIL"),  # one field, not a forged row
         ("tool-\x1b[2J", "tool-\\x1b[2J"),

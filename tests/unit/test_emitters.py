@@ -498,6 +498,13 @@ def test_json_text_past_its_bound_is_not_parsed(monkeypatch: pytest.MonkeyPatch)
     # Long text that is no object or array is no result cut short.
     assert entity_observations("get_account", "x" * (bound + 1)) == []
     assert emitters.ENTITY_CAP.applied == applied + 4
+    # The payload block past the bound gives no entities, not those of a later block...
+    other = json.dumps({"id": "7", "name": "Other"})
+    assert entity_observations("get_account", [{"text": past}, {"text": other}]) == []
+    # ... while a long caption before the payload is skipped as before.
+    blocks = [{"text": "x" * (bound + 1)}, {"text": other}]
+    [observation] = entity_observations("get_account", blocks)
+    assert observation.metadata["entityId"] == "7"
 
 
 def test_converse_blocks_as_received_are_read_and_odd_ones_skipped() -> None:
