@@ -29,12 +29,28 @@ async def to_the_end(
     cancellation is raised and the work is left to end by itself (for work whose effect
     lapses by then anyway, such as a lock's expiry). An exception of ``work`` is raised
     as it is, or, when the caller was cancelled meanwhile, the cancellation is raised
-    from it (a cancellation is delivered once: dropped here, it would be lost)."""
-    task = asyncio.ensure_future(work)
+    from it (a cancellation is delivered once: dropped here, it would be lost).
+
+    A coroutine whose task is cancelled before it began (a host cancelling every task of
+    the loop, this one too) is begun again in a new task: asyncio runs none of a task
+    cancelled before its first step, its ``finally`` clauses neither, so the work was
+    otherwise left undone (a connection never given back to its pool)."""
+    began = False
+
+    async def begin() -> T:
+        nonlocal began
+        began = True
+        return await work
+
+    # (A future given runs by itself: it can't be begun again.)
+    restartable = asyncio.iscoroutine(work)
+    task = asyncio.ensure_future(begin() if restartable else work)
     cancelled: asyncio.CancelledError | None = None
     deadline: float | None = None
     loop = asyncio.get_running_loop()
-    while not task.done():
+    while not task.done() or (restartable and not began and task.cancelled()):
+        if task.done():  # cancelled before it began: again
+            task = asyncio.ensure_future(begin())
         left = None
         if cancelled is not None and limit is not None:
             deadline = loop.time() + limit if deadline is None else deadline

@@ -23,6 +23,8 @@ from coda_memory import (
 )
 from coda_memory.errors import ConnectionLost
 from coda_memory.ports import AppendOutcome, ObservationRecord
+from coda_memory.postgres import store as store_module
+from coda_memory.postgres.append import append_observations
 from coda_memory.postgres.connection import READ_ONLY_PAUSE
 from tests.helpers import FakeClock, tool_ok
 from tests.postgres.helpers import fetch
@@ -615,6 +617,47 @@ async def test_a_batch_stored_as_a_host_cancels_every_task_is_counted_stored_onc
     assert calls[:2] == [True, False]  # the first batch again, with its key
     # The store holds each observation once.
     assert len(service.store._identities["alice"].observations) == 4  # type: ignore[attr-defined]
+
+
+async def test_a_host_cancelling_every_task_twice_leaves_the_writer_pool_its_connection(
+    pg_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The host's second sweep came as an append gave its connection back: it cancelled
+    the task that gives it back before that task began, and asyncio ran none of it. The
+    connection stayed checked out until the garbage collector found it, and with a
+    writer pool of one, every later append waited for the pool's timeout (30 s)."""
+    service = MemoryService.from_url(pg_url, clock=FakeClock(), writer_pool_size=1)
+    committed, acknowledged = asyncio.Event(), asyncio.Event()
+
+    async def slow_acknowledgement(conn: Any, *args: Any, **options: Any) -> AppendOutcome:
+        outcome = await append_observations(conn, *args, **options)
+        committed.set()
+        await acknowledged.wait()  # the acknowledgement, slow: the connection still held
+        return outcome
+
+    monkeypatch.setattr(store_module, "append_observations", slow_acknowledgement)
+    try:
+        await service.start()
+        service.emit_observation("alice", tool_ok("get_account"))
+        await committed.wait()
+        others = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for task in others:
+            task.cancel()
+        await asyncio.sleep(0)  # the append, cancelled, gives its connection back ...
+        for task in asyncio.all_tasks() - {asyncio.current_task()}:
+            task.cancel()  # ... as the host sweeps again
+        await asyncio.wait(asyncio.all_tasks() - {asyncio.current_task()})
+        acknowledged.set()
+        service.emit_observation("alice", tool_ok("run_sql"))
+        async with asyncio.timeout(5):
+            await service.drain()
+        assert service.store.writer_engine.pool.checkedout() == 0  # type: ignore[attr-defined]
+        stats = service.stats()
+        assert (stats.emitted, stats.stored, stats.dropped, stats.pending) == (2, 2, 0, 0)
+        rows = await fetch(pg_url, "SELECT count(*) FROM coda_memory.observations")
+        assert rows == [(2,)]
+    finally:
+        await service.close()
 
 
 async def test_a_close_cancelled_while_it_stops_the_writer_still_counts_what_it_held(

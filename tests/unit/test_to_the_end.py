@@ -32,6 +32,26 @@ async def test_the_work_ends_through_every_cancellation_which_is_then_returned()
     assert ended == ["work"]
 
 
+async def test_work_whose_task_is_cancelled_before_it_began_begins_again() -> None:
+    """A host cancelling every task of the loop cancelled the work's own task too, before
+    its first step: asyncio ran none of it (its finally clauses neither), and work that
+    must run to its end (giving a connection back to its pool) was left undone."""
+    ended: list[str] = []
+
+    async def work() -> str:
+        await asyncio.sleep(0)
+        ended.append("work")
+        return "done"
+
+    caller = asyncio.ensure_future(to_the_end(work()))
+    await asyncio.sleep(0)  # the caller made the work's task, which has not begun
+    for task in asyncio.all_tasks() - {asyncio.current_task()}:
+        task.cancel()
+    result, cancelled = await caller
+    assert (result, cancelled is not None) == ("done", True)
+    assert ended == ["work"]
+
+
 async def test_without_a_cancellation_it_is_the_result() -> None:
     async def work() -> int:
         await asyncio.sleep(0)
