@@ -19,6 +19,7 @@ from collections import deque
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from datetime import UTC, datetime, timedelta
+from functools import partial
 from itertools import chain
 from typing import Any, Protocol
 
@@ -473,7 +474,8 @@ class ObservationWriter:
     def _resend_cut_short(self) -> None:
         """Note each batch whose append has ended without being settled (cancelled,
         before it began or during an attempt) for the next writer to send again with its
-        key (an append still running settles its batch itself)."""
+        key (an append still running settles its batch itself, or is noted as it ends:
+        :meth:`_cut_short`)."""
         for key, (items, records, task) in list(self._appending.items()):
             if task.done():
                 del self._appending[key]
@@ -602,7 +604,23 @@ class ObservationWriter:
         key = str(uuid.uuid4()) if key is None else key
         task = loop.create_task(self._append(items, records, key, first_attempt))
         self._appending[key] = (items, records, task)  # (before the task can begin)
+        task.add_done_callback(partial(self._cut_short, key))
         return task
+
+    def _cut_short(self, key: str, task: asyncio.Task[None]) -> None:
+        """Note the batch of an append that ended cancelled, unsettled, for the writer to
+        send again with its key, as the append ends. Noted only by the writers
+        (:meth:`_resend_cut_short`), it stayed in flight for ever when the append ended
+        after its writer had ended (a host sweeping every task again cancelled the
+        writer's wait for it) and after a new writer had begun."""
+        entry = self._appending.get(key)
+        if entry is None or entry[2] is not task or not task.cancelled():
+            return
+        del self._appending[key]
+        self._unsettled.append((entry[0], entry[1], key))
+        assert self._wakeup is not None and self._progress is not None
+        self._wakeup.set()  # the writer that runs sends it ...
+        self._progress.set()  # ... or the drain() waiting starts one (see _written)
 
     async def _append(
         self,

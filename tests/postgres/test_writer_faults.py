@@ -4,6 +4,7 @@ that is down (memory and log volume), a second event loop."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import socket
 from collections.abc import Awaitable, Callable, Sequence
@@ -658,6 +659,56 @@ async def test_a_host_cancelling_every_task_twice_leaves_the_writer_pool_its_con
         assert rows == [(2,)]
     finally:
         await service.close()
+
+
+async def test_a_batch_whose_append_ends_after_a_new_writer_started_goes_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The host's second sweep cancelled the writer's wait for its cancelled append, and
+    the writer ended before the append did; an emit started a new writer meanwhile, which
+    looked for batches cut short only as it started. The append then ended, its batch
+    neither stored nor sent again: pending for ever, and drain() never returned."""
+    service = MemoryService.from_url("memory://", clock=FakeClock())
+    entered, ending = asyncio.Event(), asyncio.Event()
+    append = service.store.append
+
+    async def slow_to_end(records: Any, **options: Any) -> Any:
+        if not entered.is_set():
+            entered.set()
+            try:
+                await asyncio.Event().wait()
+            except asyncio.CancelledError:
+                # Its connection given back, a round trip, through every cancellation.
+                while not ending.is_set():
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await ending.wait()
+                raise
+        return await append(records, **options)
+
+    monkeypatch.setattr(service.store, "append", slow_to_end)
+
+    def cancel_every_task() -> None:
+        for task in asyncio.all_tasks() - {asyncio.current_task()}:
+            task.cancel()
+
+    service.emit_observation("alice", tool_ok("get_account"))
+    await entered.wait()
+    writer = service._writer
+    assert writer is not None
+    cancel_every_task()
+    for _ in range(2):  # the writer waits for its append (the wait has begun) ...
+        await asyncio.sleep(0)
+    cancel_every_task()  # ... when the host sweeps again
+    await asyncio.wait([writer])
+    service.emit_observation("alice", tool_ok("run_sql"))  # starts a new writer
+    await asyncio.sleep(0)
+    ending.set()  # the first append ends, cut short
+    async with asyncio.timeout(5):
+        await service.drain()
+    stats = service.stats()
+    assert (stats.emitted, stats.stored, stats.dropped, stats.pending) == (2, 2, 0, 0)
+    assert len(service.store._identities["alice"].observations) == 2  # type: ignore[attr-defined]
+    await service.close()
 
 
 async def test_a_close_cancelled_while_it_stops_the_writer_still_counts_what_it_held(
