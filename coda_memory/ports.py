@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from contextlib import AbstractAsyncContextManager
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -200,11 +201,19 @@ class StoreExtras(Protocol):
     @property
     def held_out(self) -> object:
         """The peeks and consolidations a held table kept out, for ``stats()``: its
-        ``peeks`` and ``consolidations``."""
+        ``peeks`` and ``consolidations``; a store also notes each peek it holds out in
+        :data:`HELD_OUT`, for the trace of the call."""
         ...
 
 
+#: What a store held out (``"peek"``) during the current call, for the service's span of
+#: it (None: nobody asks). A peek held out answers from the facts alone and raises
+#: nothing, so without it a trace showed an ordinary consolidation.
+HELD_OUT: ContextVar[list[str] | None] = ContextVar("coda_memory_held_out", default=None)
+
+
 __all__ = [
+    "HELD_OUT",
     "AppendOutcome",
     "ConsolidationInput",
     "ConsolidationPlan",

@@ -112,7 +112,7 @@ from coda_memory.core.turns import (
     taking_turns,
 )
 from coda_memory.errors import HostCallbackError, ServiceClosed
-from coda_memory.ports import Forgotten, MemoryStore
+from coda_memory.ports import HELD_OUT, Forgotten, MemoryStore
 from coda_memory.slots import LifoSlots
 from coda_memory.stats import MemoryStats as MemoryStats
 from coda_memory.stores import store_from_url
@@ -477,9 +477,17 @@ class MemoryService(ObservationWriter):
                 self._ensure_writer(loop)
                 self._signal()
         with self._telemetry.span("consolidate") as span:
-            facts, version = await self._consolidate(identity_id)
-            if span is not None:
-                span.set_attribute("coda_memory.facts", len(facts))
+            if span is None:
+                return await self._consolidate(identity_id)
+            held: list[str] = []
+            token = HELD_OUT.set(held)
+            try:
+                facts, version = await self._consolidate(identity_id)
+            finally:
+                HELD_OUT.reset(token)
+            span.set_attribute("coda_memory.facts", len(facts))
+            if held:  # a peek a held table kept out: answered from the facts alone
+                span.set_attribute("coda_memory.held_out", held)
             return facts, version
 
     async def _consolidate(self, identity_id: str) -> tuple[list[Fact], str | None]:

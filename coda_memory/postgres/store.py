@@ -108,6 +108,7 @@ from coda_memory.core.model import Fact, FactEvent, Observation
 from coda_memory.core.options import require_types, seconds_or_none
 from coda_memory.errors import ConnectionLost, StoreBusy
 from coda_memory.ports import (
+    HELD_OUT,
     AppendOutcome,
     Forgotten,
     ObservationRecord,
@@ -594,6 +595,9 @@ class PostgresStore:
             if sqlstate(error) != LOCK_NOT_AVAILABLE:
                 raise
             self.held_out.peeks += 1
+            noted = HELD_OUT.get()
+            if noted is not None:
+                noted.append("peek")
             _log.warning(
                 "peek held out",
                 "coda-memory: a table the peek reads is held (lock timeout); loads answer "

@@ -361,6 +361,46 @@ async def test_under_a_held_table_the_kept_facts_do_not_answer_for_what_another_
         await service.close()
 
 
+async def test_a_peek_held_out_shows_in_the_trace(
+    pg_url: str, clock: FakeClock, admin: asyncpg.Connection
+) -> None:
+    """A peek a held table keeps out answers from the facts alone and raises nothing: the
+    consolidation's span looked like any other, and a trace never showed why a load
+    left the newest observations out."""
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from coda_memory.telemetry import Telemetry
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    service = MemoryService.from_url(
+        pg_url,
+        clock=clock,
+        load_timeout=5.0,
+        statement_timeout=timedelta(seconds=60),
+        telemetry=Telemetry(tracer_provider=provider),
+    )
+    try:
+        service.emit_observation("u1", tool_ok("t"))
+        await service.drain()
+        await service.load_memory("u1")
+        lock = await hold(admin, "checkpoints")
+        await asyncio.wait_for(service.load_memory("u1"), 4)
+        await lock.rollback()
+    finally:
+        await service.close()
+    held = [
+        span.attributes.get("coda_memory.held_out")
+        for span in exporter.get_finished_spans()
+        if span.name == "coda_memory.consolidate" and span.attributes is not None
+    ]
+    assert held == [None, ("peek",)]
+    assert service.stats().peeks_held_out == 1
+
+
 async def test_under_a_held_facts_table_the_kept_facts_answer(
     pg_url: str, clock: FakeClock, admin: asyncpg.Connection
 ) -> None:
