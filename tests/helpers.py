@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import gc
 from collections.abc import Generator
 from datetime import UTC, datetime, timedelta
+from types import TracebackType
 from typing import Any, TypeVar
 
 import pytest
@@ -126,3 +128,30 @@ def run_counting(steps: Generator[None, None, R]) -> tuple[R, int]:
             result: R = done.value
             return result, yields
         yields += 1
+
+
+class LoopTurns:
+    """The turns of the event loop while the block runs (``count``), as another task that
+    yields at every turn sees them: what work that should give the loop turns gave."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._task: asyncio.Task[None] | None = None
+
+    async def _tick(self) -> None:
+        while True:
+            self.count += 1
+            await asyncio.sleep(0)
+
+    async def __aenter__(self) -> LoopTurns:
+        self._task = asyncio.get_running_loop().create_task(self._tick())
+        return self
+
+    async def __aexit__(
+        self,
+        kind: type[BaseException] | None,
+        error: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        assert self._task is not None
+        self._task.cancel()

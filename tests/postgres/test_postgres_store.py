@@ -28,6 +28,7 @@ from coda_memory.postgres.connection import LOCK_NOT_AVAILABLE, sqlstate
 from coda_memory.postgres.engine import asyncpg_url
 from coda_memory.postgres.migrate import migrate_async
 from coda_memory.postgres.schema import metadata
+from tests.helpers import LoopTurns
 from tests.postgres.helpers import (
     NOW,
     consolidate,
@@ -295,12 +296,12 @@ async def test_a_backlogs_observations_and_history_are_freed_with_turns_of_the_l
     ]
     store = PostgresStore.from_url(pg_url)
     service = MemoryService(store, clock=lambda: NOW)
-    turns = 0
+    turns = LoopTurns()
     freed: list[int] = []  # the turn in which each observation or event was freed
     held: list[weakref.ref[Any]] = []
 
     def watched(made: Any) -> Any:
-        held.append(weakref.ref(made, lambda _: freed.append(turns)))
+        held.append(weakref.ref(made, lambda _: freed.append(turns.count)))
         return made
 
     convert = rows_module.observation_from_row
@@ -315,17 +316,10 @@ async def test_a_backlogs_observations_and_history_are_freed_with_turns_of_the_l
 
     service._planning = watched_plan  # type: ignore[method-assign,assignment]
 
-    async def ticker() -> None:
-        nonlocal turns
-        while True:
-            turns += 1
-            await asyncio.sleep(0)
-
     try:
         assert (await store.append(batch)).stored == 2_000
-        task = asyncio.get_running_loop().create_task(ticker())
-        facts = await service.consolidate("alice")
-        task.cancel()
+        async with turns:
+            facts = await service.consolidate("alice")
     finally:
         await service.close()
 
@@ -340,21 +334,14 @@ async def test_a_large_batch_is_encoded_in_slices_with_turns_of_the_loop() -> No
     batch = [record(f"row {i}", metadata={"toolName": "t", "n": i}) for i in range(2_000)]
     batch[700] = record("nul \x00 byte")
     batch[1_499] = record("not json", metadata={"value": float("nan")})
-    turns = 0
 
-    async def ticker() -> None:
-        nonlocal turns
-        while True:
-            turns += 1
-            await asyncio.sleep(0)
+    async with LoopTurns() as turns:
+        await asyncio.sleep(0)
+        before = turns.count
+        encoded = await append_module.encode(batch)
+        after = turns.count
 
-    task = asyncio.get_running_loop().create_task(ticker())
-    await asyncio.sleep(0)
-    before = turns
-    encoded = await append_module.encode(batch)
-    task.cancel()
-
-    assert turns - before >= len(batch) // SLICE - 1
+    assert after - before >= len(batch) // SLICE - 1
     rows, refused, text = append_module._encode(batch)
     assert (encoded.rows, encoded.refused, encoded.text) == (rows, refused, text)
     assert encoded.total == 2_000

@@ -25,7 +25,7 @@ from coda_memory.errors import ConnectionLost
 from coda_memory.redis import LockLost, LockTimeout, RedisStore
 from coda_memory.redis.keys import glob_escape
 from tests.builders import consolidate, contents, event, fact, record
-from tests.helpers import T0, FakeClock, domain, entity, tool_failed, tool_ok
+from tests.helpers import T0, FakeClock, LoopTurns, domain, entity, tool_failed, tool_ok
 from tests.redis_fixtures import _own_server
 
 
@@ -727,24 +727,18 @@ async def test_a_backlog_is_read_and_written_with_turns_of_the_event_loop(
     from coda_memory.redis import unit as unit_module
 
     service = MemoryService.from_url(redis_url, clock=FakeClock(), load_timeout=5.0)
-    turns = 0
+    turns = LoopTurns()
     parsed: list[int] = []
     written: list[int] = []
     parse, value = codec.observation_from_json, codec.event_value
 
     def parsing(identity_id: str, member: Any) -> Any:
-        parsed.append(turns)
+        parsed.append(turns.count)
         return parse(identity_id, member)
 
     def writing(event: FactEvent) -> Any:
-        written.append(turns)
+        written.append(turns.count)
         return value(event)
-
-    async def ticking() -> None:
-        nonlocal turns
-        while True:
-            turns += 1
-            await asyncio.sleep(0)
 
     try:
         for n in range(1_000):
@@ -752,11 +746,8 @@ async def test_a_backlog_is_read_and_written_with_turns_of_the_event_loop(
         await service.drain(30)
         monkeypatch.setattr(unit_module, "observation_from_json", parsing)
         monkeypatch.setattr(unit_module, "event_value", writing)
-        ticker = asyncio.create_task(ticking())
-        try:
+        async with turns:
             facts = await service.consolidate("u1")
-        finally:
-            ticker.cancel()
         assert sum(f.reinforcement_count for f in facts) == 1_000
         assert len(parsed) == 1_000 and len(set(parsed)) >= 1_000 // 200
         assert len(written) >= 1_000 and len(set(written)) >= 1_000 // 200

@@ -14,7 +14,12 @@ import pytest
 
 from coda_memory.core import turns
 from coda_memory.core.turns import collector_held, collector_scope, mapped
-from tests.helpers import held_collector_clock, held_collector_heap, recorded_collections
+from tests.helpers import (
+    LoopTurns,
+    held_collector_clock,
+    held_collector_heap,
+    recorded_collections,
+)
 
 
 async def test_a_long_conversion_gives_the_loop_a_turn_after_every_slice(
@@ -60,7 +65,7 @@ async def test_big_containers_are_emptied_with_a_turn_after_every_slice(
     loop until it is done (a backlog's 100,000 observations: 50 to 140 ms); emptied with
     :func:`released`, SLICE items at most are freed between two turns."""
     monkeypatch.setattr(turns, "SLICE", 10)
-    ticks = 0
+    ticks = LoopTurns()
     freed: list[int] = []  # the turn in which each item was freed
 
     class Item:
@@ -68,23 +73,16 @@ async def test_big_containers_are_emptied_with_a_turn_after_every_slice(
 
     def watched() -> Item:
         item = Item()
-        held.append(weakref.ref(item, lambda _: freed.append(ticks)))
+        held.append(weakref.ref(item, lambda _: freed.append(ticks.count)))
         return item
 
     held: list[weakref.ref[Item]] = []
     items = [watched() for _ in range(45)]
     table = {n: watched() for n in range(30)}
 
-    async def other_task() -> None:
-        nonlocal ticks
-        while True:
-            ticks += 1
-            await asyncio.sleep(0)
-
-    other = asyncio.get_running_loop().create_task(other_task())
-    await asyncio.sleep(0)
-    await turns.released(items, table)
-    other.cancel()
+    async with ticks:
+        await asyncio.sleep(0)
+        await turns.released(items, table)
     assert (items, table, len(freed)) == ([], {}, 75)
     assert max(collections.Counter(freed).values()) == 10
     assert len(set(freed)) >= 8
