@@ -488,6 +488,15 @@ def test_what_a_loop_that_ends_before_close_leaves_queued_is_dropped_and_logged(
     assert "dropped 3 observation(s) (the event loop stopped before close())" in caplog.text
 
 
+def _cancel_every_task() -> set[asyncio.Task[Any]]:
+    """A host's sweep at shutdown: every task of the loop but the caller's cancelled; the
+    tasks it cancelled."""
+    others = asyncio.all_tasks() - {asyncio.current_task()}
+    for task in others:
+        task.cancel()
+    return others
+
+
 def _gated_appends(
     monkeypatch: pytest.MonkeyPatch, service: MemoryService, *, shielded: bool = False
 ) -> tuple[asyncio.Event, asyncio.Event]:
@@ -518,10 +527,7 @@ async def test_a_host_that_cancels_every_task_before_close_loses_nothing_queued(
     await asyncio.sleep(0)  # the writer takes the first into an append
     for n in range(4):
         service.emit_observation("alice", tool_ok("run_sql", session=f"s{n}"))
-    others = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
-    for task in others:
-        task.cancel()
-    await asyncio.wait(others)
+    await asyncio.wait(_cancel_every_task())
     release.set()
     async with asyncio.timeout(5):  # (the cancelled append's batch waited out close's 30 s)
         await service.close()
@@ -606,10 +612,7 @@ async def test_a_batch_stored_as_a_host_cancels_every_task_is_counted_stored_onc
     await committed.wait()
     for n in range(3):
         service.emit_observation("alice", tool_ok("run_sql", session=f"s{n}"))
-    others = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
-    for task in others:
-        task.cancel()
-    await asyncio.wait(others)
+    await asyncio.wait(_cancel_every_task())
     acknowledged.set()
     async with asyncio.timeout(5):
         await service.close()
@@ -641,12 +644,9 @@ async def test_a_host_cancelling_every_task_twice_leaves_the_writer_pool_its_con
         await service.start()
         service.emit_observation("alice", tool_ok("get_account"))
         await committed.wait()
-        others = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
-        for task in others:
-            task.cancel()
+        _cancel_every_task()
         await asyncio.sleep(0)  # the append, cancelled, gives its connection back ...
-        for task in asyncio.all_tasks() - {asyncio.current_task()}:
-            task.cancel()  # ... as the host sweeps again
+        _cancel_every_task()  # ... as the host sweeps again
         await asyncio.wait(asyncio.all_tasks() - {asyncio.current_task()})
         acknowledged.set()
         service.emit_observation("alice", tool_ok("run_sql"))
@@ -687,18 +687,14 @@ async def test_a_batch_whose_append_ends_after_a_new_writer_started_goes_again(
 
     monkeypatch.setattr(service.store, "append", slow_to_end)
 
-    def cancel_every_task() -> None:
-        for task in asyncio.all_tasks() - {asyncio.current_task()}:
-            task.cancel()
-
     service.emit_observation("alice", tool_ok("get_account"))
     await entered.wait()
     writer = service._writer
     assert writer is not None
-    cancel_every_task()
+    _cancel_every_task()
     for _ in range(2):  # the writer waits for its append (the wait has begun) ...
         await asyncio.sleep(0)
-    cancel_every_task()  # ... when the host sweeps again
+    _cancel_every_task()  # ... when the host sweeps again
     await asyncio.wait([writer])
     service.emit_observation("alice", tool_ok("run_sql"))  # starts a new writer
     await asyncio.sleep(0)
