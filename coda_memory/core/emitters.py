@@ -10,7 +10,6 @@ TypeError naming it.
 
 from __future__ import annotations
 
-import itertools
 import json
 import logging
 import math
@@ -235,12 +234,12 @@ def unwrap_result(result: Any) -> Any:
                 return block["json"]
             text = block.get("text")
             if isinstance(text, str):
-                if len(text) > MAX_JSON_TEXT_CHARS and _starts_as_json(text):
-                    # The result's payload, too long to parse: no entities (a later
-                    # block, a caption say, is not the payload).
-                    return _parse_json(text)
                 parsed = _parse_json(text)
-                if parsed is not None:
+                # The payload, or JSON text too long to parse: no entities then (a later
+                # block, a caption say, is not the payload).
+                if parsed is not None or (
+                    len(text) > MAX_JSON_TEXT_CHARS and _starts_as_json(text)
+                ):
                     return parsed
         return None
     return result
@@ -434,11 +433,9 @@ def _capped_refs(
         None if max_entities is None else max(MIN_REFS_READ, REFS_READ_PER_ENTITY * max_entities)
     )
     read = 0
-    if limit is not None:
-        refs = itertools.islice(refs, limit + 1)  # (one more tells whether there are more)
     for ref in refs:
         read += 1
-        if limit is not None and read > limit:
+        if limit is not None and read > limit:  # (one more tells whether there are more)
             break
         key = (ref.entity_type, ref.entity_id)
         if not (is_identifier(ref.entity_type) and is_identifier(ref.entity_id)) or key in seen:
