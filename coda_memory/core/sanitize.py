@@ -32,7 +32,9 @@ Observation policy:
   nesting deeper than 8 containers, two keys equal after cleaning, or a compact UTF-8
   JSON serialisation over 16 KiB (measured after capping). Keys are cleaned like
   ``content``; string values have NUL and lone surrogates removed and are capped at
-  1,000 characters.
+  1,000 characters. The Postgres store keeps metadata as ``jsonb``, which keeps a
+  number's value, not its float form: ``-0.0`` comes back as ``0.0``, and a float with
+  a whole value that JSON writes with an exponent (``1e20``) as an integer.
 * Per type: ``tool_success``/``tool_failure`` need ``toolName`` matching
   :data:`~coda_memory.core.model.TOOL_NAME_PATTERN` (and, when the host gives a tool
   catalog, naming a tool in it); ``durationMs``, if present, is a finite number >= 0
