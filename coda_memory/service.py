@@ -465,7 +465,8 @@ class MemoryService(ObservationWriter):
         active facts; raises on storage errors."""
         identity_id = _identity_argument(identity_id)
         async with self._using_store():
-            facts, _ = await self._consolidated(identity_id)
+            with collector_scope(self.hold_gc, self._may_collect):
+                facts, _ = await self._consolidated(identity_id)
         return facts
 
     async def _consolidated(self, identity_id: str) -> tuple[list[Fact], str | None]:

@@ -306,6 +306,35 @@ def test_a_due_young_collection_waits_for_its_gate_but_not_past_another_period(
         assert collected == [0, 0]
 
 
+def test_a_due_young_collection_waits_while_the_youngest_generation_is_big(
+    monkeypatch: pytest.MonkeyPatch, now: list[float]
+) -> None:
+    """A big work in flight (a backlog's consolidation) makes hundreds of thousands of
+    objects that it frees itself: a young collection meanwhile walked them all, a stall of
+    50 to 170 ms, for nothing. It waits for them to go, but not past YOUNG_WAIT."""
+    collected = recorded_collections(monkeypatch)
+    young = [turns.YOUNG_LIMIT + 1]
+    monkeypatch.setattr(turns, "young_objects", lambda: young[0])
+    with collector_scope():  # a load in flight throughout
+        now[0] += turns.YOUNG_EVERY
+        with collector_scope():
+            pass
+        assert collected == []  # due, but the youngest generation is big
+        young[0] = turns.YOUNG_LIMIT  # the work freed what it made
+        with collector_scope():
+            pass
+        assert collected == [0]
+        young[0] = turns.YOUNG_LIMIT + 1
+        now[0] += turns.YOUNG_WAIT - turns.YOUNG_EVERY - 0.01
+        with collector_scope():  # the middle one is due too, and waits as well
+            pass
+        assert collected == [0]
+        now[0] += 0.02  # YOUNG_WAIT since the middle one last ran (the first scope opened)
+        with collector_scope():
+            pass
+        assert collected == [0, 1]
+
+
 def test_young_collections_age_what_they_find_before_the_old_generation_takes_it(
     now: list[float],
 ) -> None:
