@@ -226,6 +226,10 @@ class ObservationWriter:
         self._unsettled: deque[tuple[list[_Item], list[ObservationRecord], str]] = deque()
         self._ahead = 0
         self._emitted = self._stored = self._rejected = self._dropped = self._discarded = 0
+        #: Emits refused as they came (dropped or rejected, never queued) that began after
+        #: the newest wait of :meth:`_written` began (``_emitted`` then: ``_wait_mark``),
+        #: which that wait does not wait for (see there).
+        self._unqueued = self._wait_mark = 0
         self._future_clamped = 0
         self._closed = False
         #: Set once close() stops the writer, for good: it is never started again, and
@@ -253,11 +257,13 @@ class ObservationWriter:
 
     def emit_observation(self, identity_id: str, obs: NewObservation) -> None:
         """Queue an observation for storage. Never raises and never waits on I/O."""
+        emitted = 0  # (which emit this is: see _refused_after_wait)
         try:
-            self._emitted += 1
+            emitted = self._emitted = self._emitted + 1
             try:
                 size = _approximate_bytes(obs)
             except _TooManyValues:
+                self._refused_after_wait(emitted)
                 self._reject(identity_id, "metadata is larger than 16 KiB")
                 return
             # A service whose event loop is closed (an asyncio.run() that ended) has no
@@ -281,6 +287,7 @@ class ObservationWriter:
                     reason = "queue full"
                 else:
                     reason = "queue_bytes full"
+                self._refused_after_wait(emitted)
                 self._drop(1, reason)
                 return
             created_at = obs.created_at if obs.created_at is not None else self.clock()
@@ -288,6 +295,7 @@ class ObservationWriter:
             self._held_bytes += size
             self._wake()
         except Exception as error:  # the fire-and-forget boundary: log, count, carry on
+            self._refused_after_wait(emitted)
             self._rejected += 1
             self._wake_waiters()
             self._log.warning(
@@ -298,6 +306,12 @@ class ObservationWriter:
                 # observation of its own), and its message may quote what it held.
                 type(error).__name__,
             )
+
+    def _refused_after_wait(self, emitted: int) -> None:
+        """Count an emit refused as it came (``emitted``: the count of emits with it) as
+        one a wait begun before it does not wait for (see :meth:`_written`)."""
+        if emitted > self._wait_mark:
+            self._unqueued += 1
 
     def _may_collect(self) -> bool:
         """Whether a collection of the garbage collector, which stalls the event loop, may
@@ -827,14 +841,22 @@ class ObservationWriter:
         """Wait until everything emitted so far is stored (or rejected or dropped): the
         writer is started for it unless it runs (never started, or cancelled meanwhile
         by a host's shutdown), and unless close() stopped it, which counted what it held
-        (and counts what another thread queued since, :meth:`_lost_after_close`)."""
-        target = self._emitted
+        (and counts what another thread queued since, :meth:`_lost_after_close`).
+
+        Emits refused as they came count on neither side once they began after the wait
+        did (:attr:`_unqueued`): counted, those of the wait's own time (a closing service
+        drops every emit, a full queue drops the overflow) made the processed count
+        reach the target while what was queued before still waited, and close() then
+        dropped it without waiting out its timeout. One that began before (another
+        thread's, under way) counts as processed, as it is in the target."""
+        self._wait_mark = target = self._emitted
+        target -= self._unqueued
         self._events()
         assert self._progress is not None and self._wakeup is not None
-        while self._processed < target:
+        while self._processed - self._unqueued < target:
             self._progress.clear()
             self._lost_after_close()
-            if self._processed >= target:
+            if self._processed - self._unqueued >= target:
                 break
             self._ensure_writer(loop)
             self._wakeup.set()

@@ -27,8 +27,9 @@ from coda_memory.ports import AppendOutcome, ObservationRecord
 from coda_memory.postgres import store as store_module
 from coda_memory.postgres.append import append_observations
 from coda_memory.postgres.connection import READ_ONLY_PAUSE
+from coda_memory.writer import CLOSE_GRACE
 from tests.helpers import FakeClock, tool_ok
-from tests.postgres.helpers import fetch
+from tests.postgres.helpers import fetch, locked, until_waiting
 
 #: On both event loops (see tests/conftest.py).
 pytestmark = pytest.mark.both_loops
@@ -779,3 +780,59 @@ async def test_a_batch_counted_dropped_whose_append_ends_after_all_counts_once(
     stats = service.stats()
     assert (stats.emitted, stats.stored, stats.dropped, stats.pending) == (1, 1, 0, 0)
     assert service._inflight == 0
+
+
+async def test_emits_dropped_while_a_drain_waits_do_not_end_it_early(
+    pg_url: str, admin_url: str
+) -> None:
+    """drain() waited until as many observations were processed as had been emitted when
+    it began: those a full queue dropped meanwhile counted toward it, so it returned while
+    what it waited for still waited for a held table."""
+    service = MemoryService.from_url(pg_url, clock=FakeClock(), queue_size=2)
+    await service.start()
+    try:
+        async with locked(pg_url, "observations"):
+            for n in range(2):
+                service.emit_observation("alice", tool_ok("get_account", session=f"s{n}"))
+            await until_waiting(admin_url, make_url(pg_url).database, 1)  # in an append
+            draining = asyncio.ensure_future(service.drain())
+            await asyncio.sleep(0)  # the drain begins its wait
+            for n in range(4):  # two queued, two dropped (queue full)
+                service.emit_observation("bob", tool_ok("run_sql", session=f"s{n}"))
+            assert service.stats().dropped == 2
+        async with asyncio.timeout(10):
+            await draining
+        stats = service.stats()  # as drain() returns: the first two are stored
+        assert stats.stored >= 2, stats
+    finally:
+        await service.close()
+    stats = service.stats()
+    assert (stats.emitted, stats.stored, stats.dropped, stats.pending) == (6, 4, 2, 0)
+
+
+async def test_emits_dropped_while_close_drains_do_not_cut_its_wait_short(
+    pg_url: str, admin_url: str
+) -> None:
+    """close() drops every emit, and counted those of a request still running toward what
+    its drain waited for: it stopped waiting as soon as they were as many as the queued
+    observations, and dropped those, long before its timeout, while a table was held."""
+    service = MemoryService.from_url(pg_url, clock=FakeClock())
+    await service.start()
+    async with locked(pg_url, "observations"):
+        for n in range(3):
+            service.emit_observation("alice", tool_ok("get_account", session=f"s{n}"))
+        await until_waiting(admin_url, make_url(pg_url).database, 1)  # in an append
+        closing = asyncio.ensure_future(service.close(timeout=30))
+        for _ in range(2):  # close() begins, then its drain waits
+            await asyncio.sleep(0)
+        for n in range(3):  # a request still running: dropped, the service is closing
+            service.emit_observation("bob", tool_ok("run_sql", session=f"s{n}"))
+        # Long enough for close() to give up on an append (CLOSE_GRACE / 2), were it not
+        # waiting for it.
+        await asyncio.wait([closing], timeout=2 * CLOSE_GRACE)
+        assert not closing.done()
+    async with asyncio.timeout(10):
+        await closing
+    stats = service.stats()
+    assert (stats.emitted, stats.stored, stats.dropped, stats.pending) == (6, 3, 3, 0)
+    assert await fetch(pg_url, "SELECT count(*) FROM coda_memory.observations") == [(3,)]
