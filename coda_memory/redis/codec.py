@@ -199,6 +199,10 @@ def observation_from_json(identity_id: str, raw: str | bytes) -> Observation:
         raise BadRecord("metadata is not an object")
     if session_id is not None and not isinstance(session_id, str):
         raise BadRecord("sessionId is not a string")
+    if session_id is not None and has_nul_or_surrogate(session_id):
+        # A consolidation writes the session id back (its events, its record), and a
+        # lone surrogate cannot be encoded: every commit of the identity failed.
+        raise BadRecord("sessionId holds a NUL character or a lone surrogate")
     return trusted(
         Observation,
         id=_observation_id(value["id"]),

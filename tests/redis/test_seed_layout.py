@@ -238,3 +238,30 @@ async def test_bad_records_of_the_original_server_are_skipped_not_fatal(
         "tool_affinity:old_tool",
         "tool_avoidance:run_query",
     }
+
+
+async def test_an_observation_whose_session_id_redis_cannot_take_back_is_skipped(
+    redis_url: str, redis_prefix: str, redis_client: aioredis.Redis
+) -> None:
+    """A lone surrogate in a sessionId (half an emoji that a JavaScript ``slice`` cut)
+    parsed, and the commit, which writes the session's events back, failed on encoding
+    it (UnicodeEncodeError): every consolidation of the identity failed for good."""
+    cut = json.loads(seed_observation("u1", "cut", ms(3), "cut_tool"))
+    cut["sessionId"] = "s\ud83d"
+    await redis_client.zadd(
+        f"{redis_prefix}obs:u1",
+        {
+            json.dumps(cut, separators=(",", ":")): ms(3),
+            seed_observation("u1", "good", ms(3) + 1, "get_account"): ms(3) + 1,
+        },
+    )
+    service = MemoryService.from_url(
+        redis_url, clock=FakeClock(T0 + timedelta(days=4)), load_timeout=5.0
+    )
+    try:
+        subjects = {f.subject for f in await service.consolidate("u1")}
+        waiting = (await service.store.peek("u1"))[1]
+    finally:
+        await service.close()
+    assert subjects == {"tool_affinity:get_account"}
+    assert not waiting  # consumed, as any record that does not parse
