@@ -279,8 +279,13 @@ class RedisStore:
         # its rows (the script checks before it writes); the other identities' are stored.
         for indexes, result in zip(called, results, strict=True):
             if int(result) < 0:
-                kind = _APPEND_KEYS[-int(result) - 1]
-                reason = f"the identity's {kind} key in Redis holds another type of value"
+                if -int(result) > len(_APPEND_KEYS):
+                    reason = (
+                        "the identity's state key in Redis holds a seq that is not a whole number"
+                    )
+                else:
+                    kind = _APPEND_KEYS[-int(result) - 1]
+                    reason = f"the identity's {kind} key in Redis holds another type of value"
                 refused.extend((index, reason) for index in indexes)
         refused.sort()
         return AppendOutcome(stored=len(records) - len(refused), refused=refused)

@@ -597,6 +597,29 @@ async def test_an_identity_whose_key_holds_another_type_refuses_its_rows_alone(
         await service.close()
 
 
+@pytest.mark.parametrize("seq", ["x", "1.5", "99999999999999999999"])
+async def test_an_identity_whose_sequence_is_no_whole_number_refuses_its_rows_alone(
+    redis_url: str, redis_client: aioredis.Redis, redis_prefix: str, seq: str
+) -> None:
+    """A state hash of the right type whose seq something else wrote (not a whole number,
+    or past HINCRBY's range) failed the identity's script at HINCRBY, after its batch key
+    was written: the whole batch was counted as rejected though the other identities'
+    rows were stored, and the identity's retry found its key and stored nothing."""
+    await redis_client.hset(f"{redis_prefix}state:bad", "seq", seq)
+    service = MemoryService.from_url(redis_url, clock=FakeClock(), load_timeout=5.0)
+    try:
+        for identity in ("good1", "bad", "good2"):
+            service.emit_observation(identity, tool_ok("t"))
+        await service.drain()
+        stats = service.stats()
+        assert (stats.stored, stats.rejected) == (2, 1)
+        assert await redis_client.exists(f"{redis_prefix}batches:bad") == 0
+        assert await redis_client.zcard(f"{redis_prefix}pending:bad") == 0
+        assert await redis_client.hget(f"{redis_prefix}state:bad", "seq") == seq.encode()
+    finally:
+        await service.close()
+
+
 @pytest.mark.parametrize("record", ["{not json", '[{"subject": 5}]', '"a string"'])
 async def test_a_session_record_that_does_not_parse_is_skipped(
     redis_url: str, redis_client: aioredis.Redis, redis_prefix: str, record: str

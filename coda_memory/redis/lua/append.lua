@@ -10,14 +10,21 @@
 -- ARGV[4] how many keys are kept at most, ARGV[5] count; then per observation:
 -- createdAt (epoch ms), JSON after its "id" field
 -- Returns the identity's last sequence number; 0 for a batch stored before; -i when
--- KEYS[i] holds a key of another type (written by something else), before anything is
--- written: a script that fails half-way keeps what it wrote.
+-- KEYS[i] holds a key of another type (written by something else), and -5 when the
+-- state's seq is not a whole number HINCRBY takes, before anything is written: a script
+-- that fails half-way keeps what it wrote.
 local kinds = {'hash', 'zset', 'zset', 'zset'}
 for i = 1, 4 do
   local kind = redis.call('TYPE', KEYS[i])['ok']
   if kind ~= 'none' and kind ~= kinds[i] then
     return -i
   end
+end
+-- Up to 18 digits: the count added to it stays within HINCRBY's 64 bits.
+local seq = redis.call('HGET', KEYS[1], 'seq')
+local digits = seq and string.match(seq, '^%-?([1-9]%d*)$')
+if seq and seq ~= '0' and not (digits and #digits <= 18) then
+  return -5
 end
 if redis.call('ZSCORE', KEYS[4], ARGV[1]) then
   return 0
