@@ -129,6 +129,10 @@ async def export_identity(store: RedisStore, identity_id: str) -> ExportedIdenti
         *lost,
     ]:
         try:
+            if score is not None and member not in in_pending:
+                # Outside the range of dates (±inf, past year 9999): the store reads no
+                # observation there (load.lua).
+                from_ms(score, "its score")
             observation = observation_from_json(identity_id, member)
         except BadRecord as exc:
             out.bad.append((_member_label(key, member, index), str(exc)))

@@ -226,3 +226,25 @@ async def test_a_late_observation_pending_in_redis_resumes_a_deleted_fact_after_
     finally:
         await on_postgres.close()
         await on_redis.close()
+
+
+async def test_an_observation_scored_outside_the_range_of_dates_is_a_bad_record(
+    redis_client: aioredis.Redis, redis_url: str, redis_prefix: str, pg_url: str
+) -> None:
+    """The Redis store reads no observation scored ±inf or past year 9999: the import
+    copied one all the same (as new when it was scored +inf)."""
+    p = redis_prefix
+    good, odd = (
+        observation("u-odd", "o-good", 1, "get_account"),
+        observation("u-odd", "o-inf", 1, "odd"),
+    )
+    await redis_client.zadd(f"{p}obs:u-odd", {good: ms(1), odd: "inf"})
+    source = RedisStore.from_url(redis_url)
+    target = PostgresStore.from_url(pg_url)
+    try:
+        summary = await import_redis(source, target, now=now)
+    finally:
+        await source.close()
+        await target.close()
+    assert summary.bad == [(f"{p}obs:u-odd id 'o-inf'", "its score is out of range")]
+    assert summary.observations == 1

@@ -265,3 +265,32 @@ async def test_an_observation_whose_session_id_redis_cannot_take_back_is_skipped
         await service.close()
     assert subjects == {"tool_affinity:get_account"}
     assert not waiting  # consumed, as any record that does not parse
+
+
+@pytest.mark.parametrize("score", ["+inf", "-inf", "1e300"])
+async def test_an_observation_scored_outside_the_range_of_dates_moves_no_checkpoint(
+    redis_url: str, redis_prefix: str, redis_client: aioredis.Redis, score: str
+) -> None:
+    """A member something else scored ±inf (or past year 9999) moved the checkpoint to
+    that score: "inf" or "-inf", which the scripts then refused (BADCHECKPOINT), so every
+    later consolidation of the identity failed; or a 301-digit number, past which no
+    later observation of the original server's counted (and which the import refuses as
+    no epoch ms). Such a member is left out, as no date of an observation."""
+    odd = seed_observation("u1", "odd", ms(3), "odd_tool")
+    await redis_client.zadd(f"{redis_prefix}obs:u1", {odd: score})
+    service = MemoryService.from_url(
+        redis_url, clock=FakeClock(T0 + timedelta(days=4)), load_timeout=5.0
+    )
+    try:
+        first = {f.subject for f in await service.consolidate("u1")}
+        later = seed_observation("u1", "later", ms(3) + 1, "later")
+        await redis_client.zadd(f"{redis_prefix}obs:u1", {later: ms(3) + 1})
+        second = {f.subject for f in await service.consolidate("u1")}
+        waiting = (await service.store.peek("u1"))[1]
+    finally:
+        await service.close()
+    assert first == set()
+    assert second == {"tool_affinity:later"}
+    assert not waiting
+    checkpoint: Any = await redis_client.hget(f"{redis_prefix}checkpoint", "u1")
+    assert int(checkpoint) == ms(3) + 1

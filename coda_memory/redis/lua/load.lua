@@ -7,7 +7,10 @@
 -- KEYS[5] state
 -- ARGV[1] identity id
 local checkpoint = redis.call('HGET', KEYS[1], ARGV[1])
-local after = '-inf'
+-- Scores within the range of dates (datetime's, epoch ms): one outside it (±inf, or past
+-- year 9999, that something else wrote) dates no observation, and taken as one it moved
+-- the checkpoint where no later observation counted, or to "inf", which is refused.
+local after = '(-62135596800000'
 if checkpoint then
   -- Anything but epoch ms written in decimal is refused: read as no checkpoint, every
   -- observation consumed before would count again.
@@ -19,7 +22,7 @@ end
 return {
   checkpoint,
   redis.call('ZRANGE', KEYS[2], 0, -1),
-  redis.call('ZRANGEBYSCORE', KEYS[3], after, '+inf', 'WITHSCORES'),
+  redis.call('ZRANGEBYSCORE', KEYS[3], after, '(253402300800000', 'WITHSCORES'),
   redis.call('HVALS', KEYS[4]),
   redis.call('HGET', KEYS[5], 'consolidatedAt'),
 }

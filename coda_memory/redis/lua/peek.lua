@@ -20,7 +20,10 @@ if redis.call('ZCARD', KEYS[2]) > 0 then
   return waiting()
 end
 local checkpoint = redis.call('HGET', KEYS[1], ARGV[1])
-local after = '-inf'
+-- Scores within the range of dates (datetime's, epoch ms): one outside it (±inf, or past
+-- year 9999, that something else wrote) dates no observation, and taken as one it moved
+-- the checkpoint where no later observation counted, or to "inf", which is refused.
+local after = '(-62135596800000'
 if checkpoint then
   -- As load.lua: anything but epoch ms written in decimal is refused.
   if not string.match(checkpoint, '^%-?%d+%.?%d*$') then
@@ -28,7 +31,7 @@ if checkpoint then
   end
   after = '(' .. checkpoint
 end
-if redis.call('ZCOUNT', KEYS[3], after, '+inf') > 0 then
+if redis.call('ZCOUNT', KEYS[3], after, '(253402300800000') > 0 then
   return waiting()
 end
 return {0, redis.call('HVALS', KEYS[4])}
