@@ -18,7 +18,7 @@ import threading
 import time
 import warnings
 from collections.abc import Iterator
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import AbstractContextManager, ExitStack, contextmanager
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -681,6 +681,35 @@ def test_consolidate_reports_an_identity_locked_too_long_as_busy(pg_url: str) ->
     assert "busy (still locked by live traffic, rerun later): 'alice'" in result.stderr
     assert pending(pg_url, "alice") == 2
     assert "consolidated 1 of 1" in run("consolidate", "--all", "--url", pg_url).stdout
+
+
+def test_consolidate_reports_an_identity_a_held_table_kept_out_as_busy(
+    pg_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A table held past --lock-wait after the scan (a migration's ALTER, a VACUUM FULL)
+    kept the consolidation's first read out: the service then answers from the stored
+    facts and consolidates nothing, and the identity counted as consolidated, exit 0, its
+    observations still pending."""
+    seed_alice(pg_url)
+    emit_pending(pg_url, ["alice"])
+    scan = maintenance.pending_identities
+    holds = ExitStack()
+
+    async def scan_then_hold(store: PostgresStore, **options: Any) -> list[str]:
+        found = await scan(store, **options)
+        await asyncio.to_thread(holds.enter_context, table_locked(pg_url, "observations"))
+        return found
+
+    monkeypatch.setattr(maintenance, "pending_identities", scan_then_hold)
+    with holds:
+        result = run("consolidate", "--all", "--lock-wait", "100ms", "--url", pg_url)
+    assert result.exit_code == 3, result.output
+    assert "consolidated 0 of 1 identities: 0 active facts, 0 failed, 1 busy" in result.stdout
+    assert "busy (still locked by live traffic, rerun later): 'alice'" in result.stderr
+    assert pending(pg_url, "alice") == 2
+    monkeypatch.setattr(maintenance, "pending_identities", scan)
+    assert run("consolidate", "--all", "--url", pg_url).exit_code == 0
+    assert pending(pg_url, "alice") == 0
 
 
 def test_a_lock_wait_past_a_second_is_waited_for_then_busy(pg_url: str) -> None:
