@@ -196,7 +196,7 @@ def consolidate(
             with make_console(stderr=True).status("finding identities with pending observations"):
                 identities = await maintenance.pending_identities(store)
         try:
-            return await _consolidate_each(service, identities, workers)
+            return await _consolidate_each(service, identities, workers, target.schema)
         finally:
             await service.close()
 
@@ -246,7 +246,7 @@ async def _consolidate_one(service: MemoryService, identity_id: str) -> int:
 
 
 async def _consolidate_each(
-    service: MemoryService, identities: Sequence[str], workers: int
+    service: MemoryService, identities: Sequence[str], workers: int, schema: str
 ) -> _Summary:
     summary = _Summary(identities=len(identities))
     if not identities:
@@ -273,7 +273,7 @@ async def _consolidate_each(
                     if _is_lock_timeout(exc):
                         summary.busy.append(identity_id)
                     else:
-                        summary.failed.append((identity_id, describe(exc)))
+                        summary.failed.append((identity_id, describe(exc, schema)))
                 else:
                     summary.consolidated += 1
                     summary.facts += facts

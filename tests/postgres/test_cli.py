@@ -724,6 +724,34 @@ def test_a_lock_wait_past_a_second_is_waited_for_then_busy(pg_url: str) -> None:
     assert "statement timeout" not in result.output
 
 
+def test_consolidate_names_its_schema_when_a_table_is_missing(empty_pg_url: str) -> None:
+    """Behind the tables the consolidation needs, each identity failed with "schema
+    coda_memory is not migrated: run coda-memory migrate", naming the default schema,
+    whatever --schema said: the migrate it told to run went to another schema."""
+    schema = "tenant_b"
+    assert run("migrate", "--url", empty_pg_url, "--schema", schema).exit_code == 0
+
+    async def seed(service: MemoryService) -> None:
+        service.emit_observation("alice", tool_ok("get_account", "s1"))
+
+    async def seeded() -> None:
+        service = MemoryService.from_url(empty_pg_url, schema=schema, load_timeout=5.0)
+        try:
+            await seed(service)
+            await service.drain()
+        finally:
+            await service.close()
+
+    asyncio.run(seeded())
+    asyncio.run(fetch(empty_pg_url, f"DROP TABLE {schema}.fact_events"))
+    result = run("consolidate", "--all", "--url", empty_pg_url, "--schema", schema)
+    assert result.exit_code == 1, result.output
+    assert (
+        f"failed: 'alice': schema {schema} is not migrated: run coda-memory migrate "
+        f"--schema {schema}" in result.stderr
+    ), result.stderr
+
+
 def test_consolidate_fails_with_exit_1_when_an_identity_fails(
     pg_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
