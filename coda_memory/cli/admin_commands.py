@@ -39,6 +39,7 @@ from coda_memory.cli.runtime import (
     StoreOptions,
     Target,
     check_reachable,
+    checked_schema,
     describe,
     fail,
     head_label,
@@ -51,7 +52,7 @@ from coda_memory.cli.runtime import (
 from coda_memory.ports import HELD_OUT
 from coda_memory.postgres import maintenance
 from coda_memory.postgres.connection import LOCK_NOT_AVAILABLE
-from coda_memory.postgres.schema import DEFAULT_SCHEMA, validate_schema_name
+from coda_memory.postgres.schema import DEFAULT_SCHEMA
 from coda_memory.postgres.store import PostgresStore
 from coda_memory.service import MAX_DURATION, MemoryService
 
@@ -91,10 +92,7 @@ def migrate(
                 f"--from {start!r}: not a revision of this coda-memory ({known[0]} to {known[-1]})",
                 2,
             )
-        try:
-            text = migration_sql(schema=validate_schema_name(schema), start=start)
-        except ValueError as exc:
-            fail(str(exc), 2)
+        text = migration_sql(schema=checked_schema(schema), start=start)
         typer.echo(text, nl=False)
         return
 

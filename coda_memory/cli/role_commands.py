@@ -9,9 +9,16 @@ from typing import Annotated
 import typer
 
 from coda_memory.cli.app import SchemaOption, UrlOption, app
-from coda_memory.cli.runtime import CliError, open_store, require_head, resolve_target, run
+from coda_memory.cli.runtime import (
+    CliError,
+    checked_schema,
+    open_store,
+    require_head,
+    resolve_target,
+    run,
+)
 from coda_memory.postgres.engine import driver_connection
-from coda_memory.postgres.schema import DEFAULT_SCHEMA, validate_schema_name
+from coda_memory.postgres.schema import DEFAULT_SCHEMA
 from coda_memory.postgres.tenancy import apply_grants, grant_script
 
 
@@ -43,8 +50,9 @@ def grant(
     Run it as the owner (the role that migrates). The tables have row-level security:
     ROLE sees one identity at a time (app) or no table at all (analyst).
     """
+    checked = checked_schema(schema)
     try:
-        script = grant_script(kind.value, role, validate_schema_name(schema))
+        script = grant_script(kind.value, role, checked)
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc
     if print_only:

@@ -202,18 +202,24 @@ def check_database_url(url: str) -> None:
         raise ValueError(reason) from exc
 
 
-def resolve_target(url: str | None, schema: str, *, announce: bool = True) -> Target:
-    """The database named by ``--url``/the environment, or the embedded one (started
-    here, and named on stderr unless ``announce`` is false)."""
-    # An empty schema variable is the same mistake as an empty URL (below), not a request
-    # for the default schema: another tenant's tables, perhaps. (click passes it on as no
-    # --schema at all.)
+def checked_schema(schema: str) -> str:
+    """``--schema``, or a usage error: a name that is not a plain lower-case identifier,
+    or an empty ``$CODA_MEMORY_SCHEMA``."""
+    # An empty schema variable is the same mistake as an empty URL (see resolve_target),
+    # not a request for the default schema: another tenant's tables, perhaps. (click
+    # passes it on as no --schema at all.)
     if schema == DEFAULT_SCHEMA and os.environ.get(SCHEMA_VARIABLE) == "":
         raise CliError(f"${SCHEMA_VARIABLE} is empty: give a schema, or unset it", code=2)
     try:
-        schema = validate_schema_name(schema)
+        return validate_schema_name(schema)
     except ValueError as exc:
         raise CliError(str(exc), code=2) from exc
+
+
+def resolve_target(url: str | None, schema: str, *, announce: bool = True) -> Target:
+    """The database named by ``--url``/the environment, or the embedded one (started
+    here, and named on stderr unless ``announce`` is false)."""
+    schema = checked_schema(schema)
     # An empty URL is a mistake (an unset variable in a deploy script), not a request for
     # the embedded Postgres, which would answer as if it were the operator's database.
     # (click passes an empty $CODA_MEMORY_DATABASE_URL on as no --url at all.)

@@ -511,6 +511,22 @@ def test_cli_migrate_sql_prints_the_ddl_without_a_database() -> None:
     assert bad.stderr.startswith("error: invalid schema name")
 
 
+@pytest.mark.parametrize("args", [["migrate", "--sql"], ["grant", "app", "memory_app", "--print"]])
+def test_the_cli_s_printed_sql_refuses_an_empty_schema_variable(args: list[str]) -> None:
+    """The commands that print SQL without a database took an empty $CODA_MEMORY_SCHEMA
+    (a variable a deploy script left unset) as no variable at all, and printed the DDL
+    or grants of the default schema, perhaps another tenant's, where every other command
+    refuses it."""
+    from typer.testing import CliRunner
+
+    from coda_memory.cli import app
+
+    result = CliRunner().invoke(app, args, env={"CODA_MEMORY_SCHEMA": ""})
+    assert result.exit_code == 2, result.output
+    assert result.stdout == ""
+    assert result.stderr == "error: $CODA_MEMORY_SCHEMA is empty: give a schema, or unset it\n"
+
+
 async def test_cli_migrate_sql_from_a_revision_prints_the_ddl_of_the_upgrade(
     empty_pg_url: str,
 ) -> None:
