@@ -253,6 +253,7 @@ def migration_sql(
     """The SQL that upgrades a database from ``start`` (default: empty) to ``revision``,
     for ``schema``, rendered without connecting anywhere (Alembic's offline mode)."""
     config = alembic_config(schema=schema)
+    config.attributes["dialect_only"] = True  # no URL read, not even the environment's
     buffer = io.StringIO()
     config.output_buffer = buffer
     target = revision if start is None else f"{start}:{revision}"

@@ -527,6 +527,22 @@ def test_the_cli_s_printed_sql_refuses_an_empty_schema_variable(args: list[str])
     assert result.stderr == "error: $CODA_MEMORY_SCHEMA is empty: give a schema, or unset it\n"
 
 
+@pytest.mark.parametrize("url", ["redis://cache:6379/0", "memory://", "postgresql://a@b:0/c"])
+def test_migrate_sql_reads_no_database_url(url: str) -> None:
+    """``--sql`` needs no database, but Alembic's offline run read
+    $CODA_MEMORY_DATABASE_URL for its dialect, and failed on one that names no Postgres
+    (a Redis deployment's, which MemoryService.from_url takes) or that the driver would
+    refuse."""
+    from typer.testing import CliRunner
+
+    from coda_memory.cli import app
+
+    result = CliRunner().invoke(app, ["migrate", "--sql"], env={"CODA_MEMORY_DATABASE_URL": url})
+    assert result.exit_code == 0, result.output
+    assert "CREATE TABLE coda_memory.observations" in result.stdout
+    assert migration_sql() == result.stdout
+
+
 async def test_cli_migrate_sql_from_a_revision_prints_the_ddl_of_the_upgrade(
     empty_pg_url: str,
 ) -> None:

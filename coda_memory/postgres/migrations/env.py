@@ -125,7 +125,10 @@ def _render_translated_schema(dialect: Any) -> None:
 
 def run_migrations_offline() -> None:
     """Emit the SQL instead of running it (``alembic upgrade head --sql``), for any schema."""
-    url = _database_url()
+    # migration_sql() (``coda-memory migrate --sql``) needs no database: the dialect is
+    # all the DDL takes, and $CODA_MEMORY_DATABASE_URL may name another store, or a
+    # Postgres the driver would refuse.
+    url = None if config.attributes.get("dialect_only") else _database_url()
     if url is None:
         _configure(dialect_name="postgresql+asyncpg", literal_binds=True)
     else:
