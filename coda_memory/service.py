@@ -111,7 +111,7 @@ from coda_memory.core.turns import (
     stepped,
     taking_turns,
 )
-from coda_memory.errors import HostCallbackError, ServiceClosed
+from coda_memory.errors import HostCallbackError, ServiceClosed, StoreBusy
 from coda_memory.ports import HELD_OUT, Forgotten, MemoryStore
 from coda_memory.slots import LifoSlots
 from coda_memory.stats import MemoryStats as MemoryStats
@@ -462,11 +462,23 @@ class MemoryService(ObservationWriter):
 
     async def consolidate(self, identity_id: str) -> list[Fact]:
         """Consolidate the identity's new observations now (no timeout) and return its
-        active facts; raises on storage errors."""
+        active facts; raises on storage errors, and :class:`StoreBusy` when a table held
+        past the store's lock timeout kept the consolidation out (a load answers from the
+        stored facts then; this call consolidated nothing, and is worth retrying)."""
         identity_id = _identity_argument(identity_id)
-        async with self._using_store():
-            with collector_scope(self.hold_gc, self._may_collect):
-                facts, _ = await self._consolidated(identity_id)
+        held: list[str] = []
+        token = HELD_OUT.set(held)
+        try:
+            async with self._using_store():
+                with collector_scope(self.hold_gc, self._may_collect):
+                    facts, _ = await self._consolidated(identity_id)
+        finally:
+            HELD_OUT.reset(token)
+        if held:
+            raise StoreBusy(
+                "a table the consolidation reads is held (lock timeout): nothing was "
+                "consolidated, retry later"
+            )
         return facts
 
     async def _consolidated(self, identity_id: str) -> tuple[list[Fact], str | None]:
@@ -480,12 +492,15 @@ class MemoryService(ObservationWriter):
         with self._telemetry.span("consolidate") as span:
             if span is None:
                 return await self._consolidate(identity_id)
+            outer = HELD_OUT.get()  # (consolidate()'s, which raises when held out)
             held: list[str] = []
             token = HELD_OUT.set(held)
             try:
                 facts, version = await self._consolidate(identity_id)
             finally:
                 HELD_OUT.reset(token)
+                if outer is not None:
+                    outer.extend(held)
             span.set_attribute("coda_memory.facts", len(facts))
             if held:  # a peek a held table kept out: answered from the facts alone
                 span.set_attribute("coda_memory.held_out", held)

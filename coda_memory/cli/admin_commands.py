@@ -49,7 +49,7 @@ from coda_memory.cli.runtime import (
     run,
     run_on_store,
 )
-from coda_memory.ports import HELD_OUT
+from coda_memory.errors import StoreBusy
 from coda_memory.postgres import maintenance
 from coda_memory.postgres.connection import LOCK_NOT_AVAILABLE
 from coda_memory.postgres.schema import DEFAULT_SCHEMA
@@ -216,31 +216,12 @@ class _Summary:
 
 
 def _is_lock_timeout(exc: BaseException) -> bool:
-    if isinstance(exc, _HeldOut):
+    # StoreBusy: a table held past the lock wait kept the consolidation's first read out
+    # (see "Tables held" in the README), and it consolidated nothing.
+    if isinstance(exc, StoreBusy):
         return True
     orig = exc.orig if isinstance(exc, DBAPIError) else exc
     return getattr(orig, "sqlstate", None) == LOCK_NOT_AVAILABLE
-
-
-class _HeldOut(Exception):
-    """A held table kept the consolidation's first read out (see "Tables held" in the
-    README): the service answered from the stored facts and consolidated nothing."""
-
-
-async def _consolidate_one(service: MemoryService, identity_id: str) -> int:
-    """Consolidate the identity; its active facts. :class:`_HeldOut` when a table held
-    past the lock wait kept the peek out, which the service answers from the stored
-    facts without consolidating (for a load, better than no answer; here the identity's
-    observations would stay pending, counted as consolidated)."""
-    held: list[str] = []
-    token = HELD_OUT.set(held)  # (the worker's task's own context)
-    try:
-        facts = await service.consolidate(identity_id)
-    finally:
-        HELD_OUT.reset(token)
-    if held:
-        raise _HeldOut(identity_id)
-    return len(facts)
 
 
 async def _consolidate_each(
@@ -264,7 +245,7 @@ async def _consolidate_each(
         for identity_id in queue:  # one iterator shared by the workers
             for attempt in range(3):
                 try:
-                    facts = await _consolidate_one(service, identity_id)
+                    facts = await service.consolidate(identity_id)
                 except Exception as exc:
                     if _is_lock_timeout(exc) and attempt < 2:
                         continue
@@ -274,7 +255,7 @@ async def _consolidate_each(
                         summary.failed.append((identity_id, describe(exc, schema)))
                 else:
                     summary.consolidated += 1
-                    summary.facts += facts
+                    summary.facts += len(facts)
                 break
             progress.advance(task)
 

@@ -15,6 +15,7 @@ from asyncpg.transaction import Transaction
 
 from coda_memory import Fact, FactEventKind, MemoryService
 from coda_memory.core.caps import LogThrottle
+from coda_memory.errors import StoreBusy
 from coda_memory.postgres import store as store_module
 from coda_memory.postgres.unit import PostgresConsolidationUnit
 from tests.helpers import T0, FakeClock, domain, entity, tool_failed, tool_ok
@@ -359,6 +360,42 @@ async def test_under_a_held_table_the_kept_facts_do_not_answer_for_what_another_
     finally:
         await other.close()
         await service.close()
+
+
+@pytest.mark.parametrize("traced", [False, True])
+async def test_a_consolidation_a_held_table_keeps_out_raises_store_busy(
+    pg_url: str, clock: FakeClock, admin: asyncpg.Connection, traced: bool
+) -> None:
+    """consolidate() whose peek a held table keeps out consolidates nothing: it returned
+    the stored facts as if it had, and a host's batch job went on with the identity's
+    observations pending. It raises StoreBusy, worth retrying; a load still answers."""
+    from opentelemetry.sdk.trace import TracerProvider
+
+    from coda_memory.telemetry import Telemetry
+
+    telemetry = Telemetry(tracer_provider=TracerProvider()) if traced else None
+    writer = patient_service(pg_url, clock)
+    # Another process's service: it peeks first (it did not store the observations).
+    service = MemoryService.from_url(
+        pg_url,
+        clock=clock,
+        load_timeout=5.0,
+        statement_timeout=timedelta(seconds=60),
+        telemetry=telemetry,
+    )
+    try:
+        await consolidated_then_more(writer, "u1")
+        lock = await hold(admin, "checkpoints")
+        with pytest.raises(StoreBusy, match="nothing was consolidated"):
+            await asyncio.wait_for(service.consolidate("u1"), 4)
+        memory = await asyncio.wait_for(service.load_memory("u1"), 4)
+        assert [f.subject for f in memory.facts] == ["tool_affinity:t"]
+        await lock.rollback()
+        facts = await service.consolidate("u1")
+        assert {f.subject for f in facts} == {"tool_affinity:t", "tool_affinity:u"}
+    finally:
+        await service.close()
+        await writer.close()
 
 
 async def test_a_peek_held_out_shows_in_the_trace(
