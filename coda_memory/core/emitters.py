@@ -23,7 +23,12 @@ from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError
 
 from coda_memory.core.caps import DEFAULT_MAX_ENTITIES_PER_RESULT, CapCounter, LogThrottle
 from coda_memory.core.model import NewObservation, ObservationType, is_identifier, is_tool_name
-from coda_memory.core.sanitize import MAX_ENTITY_NAME_CHARS, clean_text, quote_untrusted
+from coda_memory.core.sanitize import (
+    MAX_ENTITY_NAME_CHARS,
+    MAX_METADATA_INT,
+    clean_text,
+    quote_untrusted,
+)
 from coda_memory.core.untrusted import data_text
 
 logger = logging.getLogger(__name__)
@@ -124,8 +129,14 @@ def _error_text(content: Any, depth: int = 0) -> str:
 
 
 def _duration(value: object) -> float | int | None:
+    """``value`` as a ``durationMs`` the writer stores, else None: a finite float >= 0, or
+    an int from 0 to :data:`~coda_memory.core.sanitize.MAX_METADATA_INT` (a larger one
+    made the writer reject the whole observation, and one past a float's range raised
+    OverflowError here)."""
     if isinstance(value, bool) or not isinstance(value, int | float):
         return None
+    if isinstance(value, int):
+        return value if 0 <= value <= MAX_METADATA_INT else None
     return value if math.isfinite(value) and value >= 0 else None
 
 
@@ -143,7 +154,7 @@ def tool_observations(
     without a result, meta tools and tools whose name does not match
     :data:`~coda_memory.core.model.TOOL_NAME_PATTERN` are skipped. ``durationMs`` comes
     from ``timings_ms[tool_use.id]`` and is omitted when absent or not a finite number
-    >= 0. Failures carry ``error``: the text of the
+    >= 0 (an int past 2**63 - 1 too, which the writer would refuse). Failures carry ``error``: the text of the
     result (a string, ``error``/``message`` of a mapping, the first text block of a
     content list, else compact JSON), cleaned to one line of at most 500 characters.
     """

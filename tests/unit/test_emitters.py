@@ -6,6 +6,7 @@ import json
 import logging
 import re
 from collections.abc import Iterator
+from datetime import UTC, datetime
 from typing import Any
 
 import pytest
@@ -25,6 +26,7 @@ from coda_memory.core.emitters import (
     tool_observations,
 )
 from coda_memory.core.model import NewObservation, ObservationType
+from coda_memory.core.sanitize import sanitize_observation
 
 # tool_observations
 
@@ -87,6 +89,22 @@ def test_unusable_timings_are_omitted(timing: Any) -> None:
     uses = [ToolUse(id="t1", name="get_account")]
     observation = tool_observations(uses, [ToolResult(tool_use_id="t1")], {"t1": timing})[0]
     assert observation.metadata == {"toolName": "get_account"}
+
+
+@pytest.mark.parametrize("timing", [2**63, 10**400], ids=["past-int64", "past-float"])
+def test_a_timing_too_big_for_the_writer_is_omitted_and_the_call_still_observed(
+    timing: int,
+) -> None:
+    """An int duration the writer would refuse (it rejected the whole observation) or a
+    float could not hold (OverflowError) is omitted like any unusable timing."""
+    uses = [ToolUse(id="t1", name="get_account")]
+    [observation] = tool_observations(uses, [ToolResult(tool_use_id="t1")], {"t1": timing})
+    assert observation.metadata == {"toolName": "get_account"}
+    record = sanitize_observation("u", observation, datetime.now(UTC))
+    assert record.type is ObservationType.TOOL_SUCCESS
+    largest = 2**63 - 1
+    [kept] = tool_observations(uses, [ToolResult(tool_use_id="t1")], {"t1": largest})
+    assert kept.metadata["durationMs"] == largest
 
 
 def test_the_first_result_for_an_id_counts() -> None:
