@@ -75,6 +75,15 @@ def rank_tools(
     affinities: Mapping[str, float],
     weight: float = AFFINITY_WEIGHT,
 ) -> list[tuple[str, float]]:
-    """Tools with their boosted scores, best first (equal scores by tool name)."""
+    """Tools with their boosted scores, best first (equal scores by tool name); a score
+    that is NaN (a host's relevance of 0/0) ranks last."""
     boosted = boost_tool_scores(scores, affinities, weight)
-    return sorted(boosted.items(), key=lambda item: (-item[1], item[0]))
+    return sorted(boosted.items(), key=_tool_rank)
+
+
+def _tool_rank(item: tuple[str, float]) -> tuple[bool, float, str]:
+    # A NaN compares neither above nor below anything: as a key it left the order of the
+    # other tools to the sort's luck (one tool of 1.0 first, before one of 3.0).
+    tool, score = item
+    unordered = math.isnan(score)
+    return (unordered, 0.0 if unordered else -score, tool)

@@ -116,3 +116,13 @@ def test_affinity_breaks_ties_but_does_not_override_a_clear_lead() -> None:
     ranked = rank_tools(scores, {"preferred": 1.0, "other": -1.0})
     assert [tool for tool, _ in ranked] == ["keyword_match", "preferred", "other"]
     assert ranked[1:] == [("preferred", 7.0), ("other", 3.0)]
+
+
+def test_a_nan_score_ranks_last_and_leaves_the_others_in_order() -> None:
+    """A host's relevance of 0/0 is NaN: it ranks last, and the other tools keep their
+    order whatever the catalogue's order."""
+    nan = float("nan")
+    scores = {"a": 1.0, "b": nan, "c": 3.0, "d": 2.0, "e": nan, "f": 0.5}
+    for order in (list(scores), list(reversed(scores)), ["c", "b", "a", "e", "f", "d"]):
+        ranked = rank_tools({tool: scores[tool] for tool in order}, {"a": 0.5})
+        assert [tool for tool, _ in ranked] == ["c", "a", "d", "f", "b", "e"]
