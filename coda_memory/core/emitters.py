@@ -154,9 +154,10 @@ def tool_observations(
     without a result, meta tools and tools whose name does not match
     :data:`~coda_memory.core.model.TOOL_NAME_PATTERN` are skipped. ``durationMs`` comes
     from ``timings_ms[tool_use.id]`` and is omitted when absent or not a finite number
-    >= 0 (an int past 2**63 - 1 too, which the writer would refuse). Failures carry ``error``: the text of the
-    result (a string, ``error``/``message`` of a mapping, the first text block of a
-    content list, else compact JSON), cleaned to one line of at most 500 characters.
+    >= 0 (an int past 2**63 - 1 too, which the writer would refuse). Failures carry
+    ``error``: the text of the result (a string, ``error``/``message`` of a mapping, the
+    first text block of a content list, else compact JSON), cleaned to one line of at
+    most 500 characters.
     """
     results: dict[str, ToolResult] = {}
     for tool_result in _blocks(tool_results, ToolResult):
