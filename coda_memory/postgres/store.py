@@ -100,6 +100,7 @@ from functools import partial
 from typing import Any, TypeVar
 
 from sqlalchemy import delete
+from sqlalchemy.exc import TimeoutError as PoolTimeout
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from coda_memory.core.caps import FactCap, LogThrottle
@@ -458,6 +459,16 @@ class PostgresStore:
                     # rotated), a shutdown, a read-only server are not the same to fix.
                     "no usable connection while storing a batch "
                     f"({type(error).__name__}: {error_reason(error)})"
+                ) from error
+            if isinstance(error, PoolTimeout):
+                # Every writer connection stayed in use (writer_pool_size=1 beside a
+                # second append, a server that does not answer) past the pool's timeout:
+                # nothing of this try reached the server, and the writer tries again (as
+                # an error it did not know, the batch was rejected, its observations lost).
+                raise StoreBusy(
+                    "no writer connection was free within the pool's timeout",
+                    # A try before it ran and lost its connection: stored, maybe.
+                    may_have_stored=attempts > 0,
                 ) from error
             state = sqlstate(error)
             if state in _BUSY:

@@ -5,7 +5,9 @@ rehearsing the hot path on the request connections)."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
+import uuid
 from datetime import timedelta
 from typing import Any
 
@@ -45,6 +47,8 @@ pytestmark = pytest.mark.both_loops
 
 #: Generous: the statements must fail within their timeout, not within this.
 SLACK = 2.0
+#: A batch's key, for the appends that give one.
+KEY = str(uuid.uuid4())
 
 
 @pytest.mark.parametrize(
@@ -105,6 +109,56 @@ async def test_a_locked_table_fails_an_append_within_the_writer_lock_timeout(
         assert (await store.append([record("observed")])).stored == 1
     finally:
         await store.close()
+
+
+async def test_an_append_that_finds_no_writer_connection_free_is_busy_not_refused(
+    pg_url: str,
+) -> None:
+    # The writer pool's only connection stays in use past the pool's timeout: the append
+    # reached no server, and says so as a write kept out for now (the writer retries it).
+    store = PostgresStore.from_url(pg_url, writer_pool_size=1, pool_timeout=0.2)
+    try:
+        held = await store.writer_engine.connect()
+        try:
+            with pytest.raises(StoreBusy) as raised:
+                await store.append([record("observed")], batch_key=KEY, first_attempt=True)
+            assert not raised.value.may_have_stored
+        finally:
+            await held.close()
+        assert (await store.append([record("observed")], batch_key=KEY)).stored == 1
+        rows = await fetch(pg_url, "SELECT count(*) FROM coda_memory.observations")
+        assert rows[0][0] == 1
+    finally:
+        await store.close()
+
+
+async def test_observations_waiting_for_a_writer_connection_are_stored_not_rejected(
+    pg_url: str,
+) -> None:
+    store = PostgresStore.from_url(pg_url, writer_pool_size=1, pool_timeout=0.2)
+    service = MemoryService(store, clock=lambda: NOW)
+    warned = asyncio.Event()
+
+    class Warned(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            warned.set()
+
+    handler = Warned(logging.WARNING)
+    logging.getLogger("coda_memory").addHandler(handler)
+    try:
+        held = await store.writer_engine.connect()
+        try:
+            service.emit_observation("alice", tool_ok("get_account", "s1"))
+            # The writer's first word on the batch: retrying it, or (before) rejecting it.
+            await asyncio.wait_for(warned.wait(), 10)
+        finally:
+            await held.close()
+        await asyncio.wait_for(service.drain(), 10)
+        stats = service.stats()
+        assert (stats.stored, stats.rejected, stats.dropped) == (1, 0, 0)
+    finally:
+        logging.getLogger("coda_memory").removeHandler(handler)
+        await service.close()
 
 
 async def test_observations_held_back_by_a_lock_are_stored_after_it_not_rejected(
