@@ -127,7 +127,7 @@ async def rollup_or_owe(
     except Exception as exc:
         if sqlstate(exc) not in _DEFERRABLE:
             raise
-        _log.warning("rollup deferred", "coda-memory: rollup deferred: %s", _first_line(exc))
+        _log.warning("rollup deferred", "coda-memory: rollup deferred: %s", _described(exc))
     await driver.execute(undo_savepoint("coda_rollup"))
     owe = query("rollup_owe", schema)
     identities = sorted({identity_id for identity_id, _ in stored})
@@ -179,7 +179,7 @@ async def fold_owed(
         if sqlstate(exc) is None:
             raise
         await driver.execute(undo_savepoint("coda_owed"))
-        _log.warning("rollup owed", "coda-memory: owed rollups not folded: %s", _first_line(exc))
+        _log.warning("rollup owed", "coda-memory: owed rollups not folded: %s", _described(exc))
         return Folded(0, 0, blocked=True, full=False)
     records = [(row["identity_id"], row["xid"], row["kinds"]) for row in rows]
     by_xid: dict[int, list[tuple[str, int, int]]] = {}
@@ -231,13 +231,20 @@ async def _fold(
         if state is None:
             raise
         await driver.execute(undo_savepoint("coda_owed_fold"))
-        _log.warning("rollup owed", "coda-memory: owed rollups not folded: %s", _first_line(exc))
+        _log.warning("rollup owed", "coda-memory: owed rollups not folded: %s", _described(exc))
         return state
 
 
-def _first_line(exc: BaseException) -> str:
-    lines = str(exc).strip().splitlines()
-    return lines[0][:200] if lines else type(exc).__name__
+def _described(exc: BaseException) -> str:
+    """What a log line says of a fold's error: the first line of a lock's or a deadlock's
+    message (which quote nothing), else only the error's class and SQLSTATE: a server's
+    message may quote the value it refused (``invalid input syntax for type …: "…"``),
+    a tenant's data, and the log carries none."""
+    state = sqlstate(exc)
+    if state in _DEFERRABLE:
+        lines = str(exc).strip().splitlines()
+        return lines[0][:200] if lines else type(exc).__name__
+    return f"{type(exc).__name__} (SQLSTATE {state})"
 
 
 class RollupDebt:

@@ -125,3 +125,18 @@ def test_the_cli_shows_the_librarys_warnings_on_stderr(
     logging.getLogger("coda_memory.writer").warning("storing failed; retrying")
     logging.getLogger("coda_memory.writer").info("not shown")
     assert capsys.readouterr().err == "storing failed; retrying\n"
+
+
+def test_a_failed_fold_of_owed_rollups_logs_no_value_the_server_quoted() -> None:
+    """A server's message may quote the value it refused, a tenant's data: the warning of
+    an owed rollup not folded said it whole."""
+    import asyncpg
+
+    from coda_memory.postgres import rollup_owed
+
+    refused = asyncpg.exceptions.InvalidTextRepresentationError(
+        'invalid input syntax for type double precision: "acct-118 Northwind"'
+    )
+    assert rollup_owed._described(refused) == "InvalidTextRepresentationError (SQLSTATE 22P02)"
+    held = asyncpg.exceptions.LockNotAvailableError("canceling statement due to lock timeout")
+    assert rollup_owed._described(held) == "canceling statement due to lock timeout"
