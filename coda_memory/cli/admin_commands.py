@@ -36,6 +36,7 @@ from coda_memory.cli.output import (
 from coda_memory.cli.runtime import (
     BUSY_EXIT_CODE,
     DEFAULT_LOCK_WAIT,
+    CliError,
     StoreOptions,
     Target,
     check_reachable,
@@ -51,7 +52,7 @@ from coda_memory.cli.runtime import (
 )
 from coda_memory.errors import StoreBusy
 from coda_memory.postgres import maintenance
-from coda_memory.postgres.connection import LOCK_NOT_AVAILABLE
+from coda_memory.postgres.connection import INSUFFICIENT_PRIVILEGE, LOCK_NOT_AVAILABLE, sqlstate
 from coda_memory.postgres.schema import DEFAULT_SCHEMA
 from coda_memory.postgres.store import PostgresStore
 from coda_memory.service import MAX_DURATION, MemoryService
@@ -99,7 +100,18 @@ def migrate(
     async def work(store: PostgresStore, target: Target) -> str | None:
         from coda_memory.postgres.migrate import migrate_async
 
-        await migrate_async(target.url, schema=target.schema)
+        try:
+            await migrate_async(target.url, schema=target.schema)
+        except Exception as exc:
+            if sqlstate(exc) != INSUFFICIENT_PRIVILEGE:
+                raise
+            # (The hint every other command gives, about analysts and grants, misleads.)
+            raise CliError(
+                f"{describe(exc, target.schema)} (migrate creates the schema, its tables and "
+                "their policies: run it as the role that is to own them, one with CREATE on "
+                "the database or the schema's owner; then coda-memory grant app ROLE gives "
+                "the service's role what it needs)"
+            ) from exc
         return await maintenance.schema_revision(store)
 
     revision = run_on_store(url, schema, work, prepare=lambda: StoreOptions(migrated=False))

@@ -235,3 +235,16 @@ async def _revision_of(url: str) -> str | None:
         return await maintenance.schema_revision(store)
     finally:
         await store.close()
+
+
+def test_migrate_as_a_role_that_may_not_create_says_who_should_run_it(
+    pg_url: str, roles: tuple[str, str]
+) -> None:
+    """The hint every other command gives a role without a grant (analysts may run
+    analytics only) sent an operator who ran migrate as the app role the wrong way."""
+    app_url, _ = roles
+    result = run("migrate", "--url", app_url, "--schema", "coda_cli_elsewhere")
+    assert_one_line_error(result, 1, "ProgrammingError: permission denied for database")
+    assert "migrate creates the schema" in result.stderr
+    assert "the role that is to own them" in result.stderr
+    assert "analysts" not in result.stderr
