@@ -196,10 +196,7 @@ def check_database_url(url: str) -> None:
     try:
         asyncpg_url(url)
     except (ArgumentError, ValueError, TypeError) as exc:
-        reason = _first_line(exc)
-        if reason.startswith("invalid literal for int()"):
-            reason = "the port is not a number"
-        raise ValueError(reason) from exc
+        raise ValueError(_first_line(exc)) from exc
 
 
 def checked_schema(schema: str) -> str:

@@ -31,7 +31,14 @@ def asyncpg_url(url: str | URL) -> URL:
     socket goes in the query (``postgresql://user@/db?host=/run/postgresql``), and a libpq
     ``sslmode`` becomes asyncpg's ``ssl``.
     """
-    parsed = make_url(url)
+    try:
+        parsed = make_url(url)
+    except ValueError:
+        # (Not chained: SQLAlchemy's int() quotes what it took for the port, the rest of
+        # a password past an unencoded "@": "postgresql://app:p@ss:word@host/db".)
+        raise ValueError(
+            "the port is not a number (an '@' in the user name or password must be written %40)"
+        ) from None
     if parsed.drivername not in _POSTGRES_DRIVERS:
         raise ValueError(
             f"unsupported database URL scheme {parsed.drivername!r}: "

@@ -140,3 +140,19 @@ def test_a_failed_fold_of_owed_rollups_logs_no_value_the_server_quoted() -> None
     assert rollup_owed._described(refused) == "InvalidTextRepresentationError (SQLSTATE 22P02)"
     held = asyncpg.exceptions.LockNotAvailableError("canceling statement due to lock timeout")
     assert rollup_owed._described(held) == "canceling statement due to lock timeout"
+
+
+@pytest.mark.parametrize(
+    ("url", "says"),
+    [
+        # A password holding an unencoded "@" and then a ":": SQLAlchemy took the rest
+        # of it for the port, and its int() quoted it.
+        ("postgresql://app:Pa55@Hunter2word:x@db.internal/app", "the port is not a number"),
+    ],
+)
+def test_a_url_refused_when_the_service_is_made_quotes_no_password(url: str, says: str) -> None:
+    with pytest.raises(ValueError) as refused:
+        MemoryService.from_url(url)
+    assert says in str(refused.value)
+    assert "Hunter2" not in str(refused.value)
+    assert refused.value.__suppress_context__ or refused.value.__context__ is None
