@@ -6,6 +6,7 @@ store never imports the others' drivers.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from coda_memory.ports import MemoryStore
@@ -13,6 +14,8 @@ from coda_memory.ports import MemoryStore
 #: The schemes of Redis URLs (redis-py's): TCP, TLS, a Unix socket. (Those of
 #: ``coda_memory.redis.urls``, not imported from there: that package needs redis-py.)
 REDIS_SCHEMES = ("redis", "rediss", "unix")
+#: What a URL's scheme may be (RFC 3986), and so be quoted in an error.
+_SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+.\-]{0,31}")
 #: The schemes of memory URLs that name a store.
 SCHEMES = frozenset({"memory", "null", "postgresql", "postgres", *REDIS_SCHEMES})
 
@@ -54,8 +57,12 @@ def store_from_url(url: str, store_options: dict[str, Any]) -> MemoryStore:
             ) from exc
         store = RedisStore.from_url(url, **store_options)
     else:
+        # The scheme only when there is one: a libpq connection string ("host=db
+        # user=app password=…"), which has none, was quoted whole, its password too.
+        given = url.split(":", 1)[0]
+        got = repr(given) if ":" in url and _SCHEME.fullmatch(given) else "no scheme"
         raise ValueError(
             "unsupported memory URL scheme: use memory://, postgresql://…, redis://… "
-            f"(rediss://, unix://) or null:// (got {url.split(':', 1)[0]!r})"
+            f"(rediss://, unix://) or null:// (got {got})"
         )
     return store

@@ -148,6 +148,9 @@ def test_a_failed_fold_of_owed_rollups_logs_no_value_the_server_quoted() -> None
         # A password holding an unencoded "@" and then a ":": SQLAlchemy took the rest
         # of it for the port, and its int() quoted it.
         ("postgresql://app:Pa55@Hunter2word:x@db.internal/app", "the port is not a number"),
+        # A libpq connection string, which has no scheme: quoted whole.
+        ("host=db.internal user=app password=Hunter2word dbname=app", "got no scheme"),
+        ("Hunter2word", "got no scheme"),
     ],
 )
 def test_a_url_refused_when_the_service_is_made_quotes_no_password(url: str, says: str) -> None:
