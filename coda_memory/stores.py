@@ -29,6 +29,14 @@ def url_scheme(url: str) -> str:
     return url.split(":", 1)[0].split("+", 1)[0].lower()
 
 
+def shown_scheme(url: str) -> str:
+    """How an error names the scheme of ``url``: quoted, or "no scheme" when it has none
+    (a libpq connection string, ``host=db user=app password=…``, was quoted whole, its
+    password too)."""
+    given = url.split(":", 1)[0]
+    return repr(given) if ":" in url and _SCHEME.fullmatch(given) else "no scheme"
+
+
 def store_from_url(url: str, store_options: dict[str, Any]) -> MemoryStore:
     """The store ``url`` names, built with ``store_options`` (see ``MemoryService.from_url``)."""
     scheme = url_scheme(url)
@@ -57,12 +65,8 @@ def store_from_url(url: str, store_options: dict[str, Any]) -> MemoryStore:
             ) from exc
         store = RedisStore.from_url(url, **store_options)
     else:
-        # The scheme only when there is one: a libpq connection string ("host=db
-        # user=app password=…"), which has none, was quoted whole, its password too.
-        given = url.split(":", 1)[0]
-        got = repr(given) if ":" in url and _SCHEME.fullmatch(given) else "no scheme"
         raise ValueError(
             "unsupported memory URL scheme: use memory://, postgresql://…, redis://… "
-            f"(rediss://, unix://) or null:// (got {got})"
+            f"(rediss://, unix://) or null:// (got {shown_scheme(url)})"
         )
     return store

@@ -50,7 +50,7 @@ from coda_memory.replay import (
 from coda_memory.replay.report import HEADER, rows, values
 from coda_memory.replay.suite import Comparison, compare
 from coda_memory.replay.tuning import FAMILIES
-from coda_memory.stores import SCHEMES, url_scheme
+from coda_memory.stores import SCHEMES, shown_scheme, url_scheme
 
 
 def _stored_events(url: str | None, schema: str) -> list[Event]:
@@ -135,7 +135,8 @@ def replay(
         )
     if scheme not in SCHEMES:
         raise typer.BadParameter(
-            f"unsupported memory URL scheme {scheme!r}: use memory://, postgresql://… or redis://…",
+            f"unsupported memory URL scheme ({shown_scheme(store)}): use memory://, "
+            "postgresql://… or redis://…",
             param_hint="--store",
         )
     if scheme in ("postgresql", "postgres"):

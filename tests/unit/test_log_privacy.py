@@ -159,3 +159,17 @@ def test_a_url_refused_when_the_service_is_made_quotes_no_password(url: str, say
     assert says in str(refused.value)
     assert "Hunter2" not in str(refused.value)
     assert refused.value.__suppress_context__ or refused.value.__context__ is None
+
+
+def test_the_replays_store_refused_for_its_scheme_quotes_no_password() -> None:
+    from typer.testing import CliRunner
+
+    from coda_memory.cli import app
+
+    store = "host=db.internal user=app password=Hunter2word dbname=app"
+    result = CliRunner().invoke(
+        app, ["replay", "--url", "postgresql://u@127.0.0.1:1/x", "--store", store]
+    )
+    assert result.exit_code == 2, result.output
+    assert "unsupported memory URL scheme (no scheme)" in result.stderr
+    assert "Hunter2" not in result.stderr
