@@ -108,3 +108,34 @@ def test_set_log_key_takes_str_or_bytes_and_refuses_no_secret() -> None:
         coda_memory.set_log_key("")
     with pytest.raises(TypeError, match="str or bytes, not int"):
         coda_memory.set_log_key(42)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("message", "logged"),
+    [
+        (
+            'invalid input syntax for type double precision: "acct-118 Northwind"',
+            'invalid input syntax for type double precision: "<value>"',
+        ),
+        (
+            'value "99999999999" is out of range for type integer',
+            'value "<value>" is out of range for type integer',
+        ),
+        ('malformed array literal: "{Northwind"', 'malformed array literal: "<value>"'),
+        # The names a message quotes elsewhere are the schema's, and stay.
+        (
+            'duplicate key value violates unique constraint "pk_facts"',
+            'duplicate key value violates unique constraint "pk_facts"',
+        ),
+    ],
+)
+def test_a_value_the_server_quotes_in_its_message_is_not_logged(message: str, logged: str) -> None:
+    """The server quotes the value it refused, a tenant's data perhaps (a host's trigger or
+    constraint on the tables): a warning of a failed append said it whole."""
+    import asyncpg
+
+    from coda_memory.postgres.connection import error_reason
+
+    error = asyncpg.exceptions.DataError(message)
+    assert short_error(error) == f"DataError: {logged}"
+    assert error_reason(error) == logged
