@@ -46,6 +46,7 @@ from tests.helpers import FakeClock, domain, entity, tool_failed, tool_ok
 from tests.postgres.helpers import dsn, prepared_plans, table_digests
 from tests.postgres.test_analytics import D1, call
 from tests.postgres.test_migrations import HEAD
+from tests.postgres.test_query_plans import Recorder, plan_nodes
 
 SCHEMA = "tenancy"
 PER_IDENTITY = (
@@ -1078,3 +1079,66 @@ async def test_an_upgrade_grants_its_new_table_to_the_app_roles_granted_before(
             *(f'DROP OWNED BY "{role}"' for role in roles),
             *(f'DROP ROLE "{role}"' for role in roles),
         )
+
+
+async def test_entity_popularity_as_the_owner_reads_the_facts_of_its_top_entities_only(
+    tenancy: Tenancy,
+) -> None:
+    """The owner's entity_popularity looks up each top entity's facts by subject. Under
+    row-level security a condition that is not leakproof (the subject built with ||)
+    cannot be an index condition, so each lookup read every entity fact: on a non-
+    superuser owner, 100 top entities over 360,000 facts took 6.4 s instead of 0.15 s."""
+    owner = await tenancy.connect(tenancy.owner, **ALL_IDENTITIES)
+    try:
+        # 200 entities used by 5 identities each on 2026-01-01; 2,000 identities hold a
+        # fact about one of them (10 each).
+        await owner.execute(
+            f"INSERT INTO {SCHEMA}.entity_daily (day, entity_type, entity_id, accesses, "
+            "latest_users) SELECT DATE '2026-01-01', 'account', 'acct-' || e, 5, 5 "
+            "FROM generate_series(1, 200) AS e"
+        )
+        await owner.execute(
+            f"INSERT INTO {SCHEMA}.facts (identity_id, subject, category, content, confidence, "
+            "reinforcement_count, last_reinforced_at, confidence_at, created_at, updated_at) "
+            "SELECT 'user-' || i, 'entity_frequency:account:acct-' || (i % 200 + 1), "
+            "'entity_frequency', 'uses it', 0.9, 1, t, t, t, t "
+            "FROM generate_series(1, 2000) AS i, "
+            "CAST('2026-01-01T09:00:00Z' AS timestamptz) AS t"
+        )
+        await owner.execute(f"ANALYZE {SCHEMA}.facts")
+        await owner.execute(f"ANALYZE {SCHEMA}.entity_daily")
+    finally:
+        await owner.close()
+    store = PostgresStore.from_url(tenancy.url, schema=SCHEMA, **tenancy.as_role(tenancy.owner))
+    try:
+        now = datetime(2026, 1, 1, 10, tzinfo=UTC)
+        with Recorder(store) as recorder:
+            rows = await analytics.entity_popularity(store, min_users=5, now=now, limit=3)
+        assert [(r.entity_id, r.users, r.fact_users) for r in rows] == [
+            ("acct-1", 5, 10),
+            ("acct-10", 5, 10),
+            ("acct-100", 5, 10),
+        ]
+        [(statement, parameters)] = [
+            (s, p) for s, p in recorder.statements if "entity_popularity" in s
+        ]
+        async with store.engine.connect() as conn:
+            for setting, arguments in recorder.statements:
+                if setting.lstrip().upper().startswith("SELECT SET_CONFIG"):
+                    await conn.exec_driver_sql(setting, arguments)
+            result = await conn.exec_driver_sql(
+                f"EXPLAIN (ANALYZE, FORMAT JSON) {statement}", parameters
+            )
+            raw = result.scalar_one()
+            await conn.rollback()
+    finally:
+        await store.close()
+    plan = (json.loads(raw) if isinstance(raw, str) else raw)[0]["Plan"]
+    facts_read = sum(
+        (int(node["Actual Rows"]) + int(node.get("Rows Removed by Filter", 0)))
+        * int(node["Actual Loops"])
+        for node in plan_nodes(plan)
+        if node.get("Relation Name") == "facts"
+    )
+    # The facts of the three entities shown, and no other.
+    assert facts_read == 30
