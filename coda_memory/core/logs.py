@@ -70,24 +70,31 @@ def identity_label(identity_id: object, *, show: bool = False) -> str:
 #: asyncpg's message for a value its codec refused quotes the value (the start of its
 #: ``repr``) on the first line: ``invalid input for query argument $3: 'the value' (why)``.
 _ARGUMENT_VALUE = re.compile(r"(invalid input for query argument \$\d+: ).*( \()")
-#: The server's messages for a value it refused quote it last, after a colon
-#: (``invalid input syntax for type double precision: "…"``, ``malformed array literal:
-#: "…"``), or as ``value "…" is out of range for type …``; the names they quote
-#: (constraints, tables) come elsewhere, and stay.
-_SERVER_VALUE = re.compile(r'(: )".*"$|(^value )".*"( is out of range)')
+#: The server's messages for a value it refused quote it: last, after a colon (``invalid
+#: input syntax for type double precision: "…"``, ``malformed array literal: "…"``), or
+#: before ``is out of range`` (``value "…" is out of range for type integer``, ``"…" is
+#: out of range for type double precision``), or as ``invalid value "…" for "YYYY"`` and
+#: ``time zone "…" not recognized``. The names a message quotes (constraints, tables,
+#: formats) come elsewhere, and stay.
+_SERVER_VALUES = (
+    (re.compile(r'(: )".*'), r'\1"<value>"'),
+    (re.compile(r'"[^"\n]*"( is out of range)'), r'"<value>"\1'),
+    (re.compile(r'(invalid value )"[^\n]*?"( for ")'), r'\1"<value>"\2'),
+    (re.compile(r'(time zone )"[^\n]*?"( not recognized)'), r'\1"<value>"\2'),
+)
 
 
 def without_argument_values(text: str) -> str:
-    """``text`` without the value a driver's or the server's message quotes for a value
-    it refused (replaced by ``<value>``): it may be a tenant's data."""
+    """``text`` (a message's first line) without the value a driver's or the server's
+    message quotes for a value it refused (replaced by ``<value>``): it may be a tenant's
+    data."""
     text = _ARGUMENT_VALUE.sub(r"\1<value>\2", text)
-    return _SERVER_VALUE.sub(_value_redacted, text)
-
-
-def _value_redacted(found: re.Match[str]) -> str:
-    if found[1] is not None:
-        return f'{found[1]}"<value>"'
-    return f'{found[2]}"<value>"{found[3]}'
+    for pattern, replacement in _SERVER_VALUES:
+        text = pattern.sub(replacement, text)
+    if text.count('"') % 2:
+        # A quote left open: a value with a line break in it, cut at the line's end.
+        text = text[: text.rindex('"')] + '"<value>"'
+    return text
 
 
 def short_error(

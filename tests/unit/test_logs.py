@@ -122,6 +122,18 @@ def test_set_log_key_takes_str_or_bytes_and_refuses_no_secret() -> None:
             'value "<value>" is out of range for type integer',
         ),
         ('malformed array literal: "{Northwind"', 'malformed array literal: "<value>"'),
+        (
+            '"1e999" is out of range for type double precision',
+            '"<value>" is out of range for type double precision',
+        ),
+        ('invalid value "Northwind" for "YYYY"', 'invalid value "<value>" for "YYYY"'),
+        ('time zone "Acct/118" not recognized', 'time zone "<value>" not recognized'),
+        # A value with a line break: its first line ends inside the quotes.
+        (
+            'invalid input syntax for type double precision: "acct-118\nNorthwind"',
+            'invalid input syntax for type double precision: "<value>"',
+        ),
+        ('value "118\n" is out of range for type integer', 'value "<value>"'),
         # The names a message quotes elsewhere are the schema's, and stay.
         (
             'duplicate key value violates unique constraint "pk_facts"',
