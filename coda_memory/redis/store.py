@@ -281,7 +281,8 @@ class RedisStore:
             if int(result) < 0:
                 if -int(result) > len(_APPEND_KEYS):
                     reason = (
-                        "the identity's state key in Redis holds a seq that is not a whole number"
+                        "the identity's state key in Redis holds a seq that is not a whole number "
+                        "of at most 15 digits"
                     )
                 else:
                     kind = _APPEND_KEYS[-int(result) - 1]

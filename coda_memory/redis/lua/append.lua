@@ -11,7 +11,7 @@
 -- createdAt (epoch ms), JSON after its "id" field
 -- Returns the identity's last sequence number; 0 for a batch stored before; -i when
 -- KEYS[i] holds a key of another type (written by something else), and -5 when the
--- state's seq is not a whole number HINCRBY takes, before anything is written: a script
+-- state's seq is not a whole number of at most 15 digits, before anything is written: a script
 -- that fails half-way keeps what it wrote.
 local kinds = {'hash', 'zset', 'zset', 'zset'}
 for i = 1, 4 do
@@ -20,10 +20,12 @@ for i = 1, 4 do
     return -i
   end
 end
--- Up to 18 digits: the count added to it stays within HINCRBY's 64 bits.
+-- Up to 15 digits: the ids below count from it in Lua's numbers, doubles, which are
+-- whole numbers exactly up to 2^53 (16 digits); past that, ids of one batch came out
+-- the same.
 local seq = redis.call('HGET', KEYS[1], 'seq')
 local digits = seq and string.match(seq, '^%-?([1-9]%d*)$')
-if seq and seq ~= '0' and not (digits and #digits <= 18) then
+if seq and seq ~= '0' and not (digits and #digits <= 15) then
   return -5
 end
 if redis.call('ZSCORE', KEYS[4], ARGV[1]) then
