@@ -806,7 +806,9 @@ async def test_emits_dropped_while_a_drain_waits_do_not_end_it_early(
         async with asyncio.timeout(10):
             await draining
         # As drain() returns: alice's two, which it waited for, are stored.
-        assert len(await service.store.observations("alice")) == 2
+        store = service.store
+        assert isinstance(store, store_module.PostgresStore)
+        assert len(await store.observations("alice")) == 2
     finally:
         await service.close()
     stats = service.stats()
