@@ -127,6 +127,12 @@ logger = logging.getLogger("coda_memory")
 _CAPPED_BY_STORE: contextvars.ContextVar[dict[str, int] | None] = contextvars.ContextVar(
     "coda_memory_capped_by_store", default=None
 )
+#: Set by :meth:`MemoryService.consolidate`: the consolidations of this context that
+#: answered from the peek alone (nothing waited, or a held table kept the peek out), one
+#: True each (see ``_peek_then_consolidate``).
+_FROM_PEEK: contextvars.ContextVar[list[bool] | None] = contextvars.ContextVar(
+    "coda_memory_from_peek", default=None
+)
 
 R = TypeVar("R")
 
@@ -467,14 +473,18 @@ class MemoryService(ObservationWriter):
         stored facts then; this call consolidated nothing, and is worth retrying)."""
         identity_id = _identity_argument(identity_id)
         held: list[str] = []
-        token = HELD_OUT.set(held)
+        from_peek: list[bool] = []
+        token, peek_token = HELD_OUT.set(held), _FROM_PEEK.set(from_peek)
         try:
             async with self._using_store():
                 with collector_scope(self.hold_gc, self._may_collect):
                     facts, _ = await self._consolidated(identity_id)
         finally:
+            _FROM_PEEK.reset(peek_token)
             HELD_OUT.reset(token)
-        if held:
+        # Held out and answered from the peek: nothing consolidated. (A peek held out
+        # that went on to consolidate, its facts expired or over the cap, did.)
+        if held and from_peek:
             raise StoreBusy(
                 "a table the consolidation reads is held (lock timeout): nothing was "
                 "consolidated, retry later"
@@ -545,6 +555,8 @@ class MemoryService(ObservationWriter):
             if not pending and (self.max_facts is None or len(stored) <= self.max_facts):
                 views = await _offload_steps(len(stored), viewing(stored, self.decay, self.clock()))
                 if len(views) == len(stored):  # else some expired: consolidating deletes them
+                    if (from_peek := _FROM_PEEK.get()) is not None:
+                        from_peek.append(True)
                     return views, version
         async with self._slots, self.store.consolidation(identity_id) as unit:
             batch = await unit.load()

@@ -29,7 +29,7 @@ from coda_memory import writer as writer_module
 from coda_memory.core import consolidation, prompt, turns
 from coda_memory.core.logs import identity_label
 from coda_memory.errors import ServiceClosed, StoreBusy
-from coda_memory.ports import AppendOutcome, ObservationRecord
+from coda_memory.ports import HELD_OUT, AppendOutcome, ObservationRecord
 from coda_memory.testing import InMemoryConsolidationUnit, InMemoryStore
 from coda_memory.writer import MAX_AHEAD
 from tests.helpers import (
@@ -2080,3 +2080,44 @@ async def test_a_writer_that_meets_a_bug_with_batches_validated_ahead_counts_eac
         stats = service.stats()
         held = 10 * (2 + MAX_AHEAD)  # in the two appends and validated ahead
         assert (stats.stored, stats.dropped, stats.pending) == (emitted - held, held, 0)
+
+
+class HeldOutPeekStore(InMemoryStore):
+    """An in-memory store whose peek a held table keeps out while ``held``, as the
+    Postgres store's: the facts alone, nothing said to wait, and "peek" in HELD_OUT."""
+
+    held = False
+
+    async def peek(self, identity_id: str) -> tuple[list[Fact], bool]:
+        noted = HELD_OUT.get()
+        if not self.held:
+            return await super().peek(identity_id)
+        if noted is not None:
+            noted.append("peek")
+        return await InMemoryStore.facts(self, identity_id), False
+
+
+@pytest.mark.parametrize("expired", [False, True])
+async def test_consolidate_raises_store_busy_only_when_the_held_out_peek_answered(
+    expired: bool,
+) -> None:
+    """A peek held out answers from the facts alone: consolidate() then consolidated
+    nothing, and says so (StoreBusy). One whose facts expired by now goes on to
+    consolidate (that deletes them): it raised StoreBusy all the same."""
+    clock = FakeClock()
+    store = HeldOutPeekStore()
+    service = MemoryService(store, clock=clock)
+    try:
+        service.emit_observation("u1", tool_ok("get_account", at=clock()))
+        await service.drain()
+        assert len(await service.consolidate("u1")) == 1
+        store.held = True
+        if expired:
+            clock.advance(days=3_650)
+            assert await service.consolidate("u1") == []
+            assert await InMemoryStore.facts(store, "u1") == []  # deleted: consolidated
+        else:
+            with pytest.raises(StoreBusy, match="nothing was consolidated"):
+                await service.consolidate("u1")
+    finally:
+        await service.close()
