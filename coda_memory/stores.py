@@ -30,11 +30,14 @@ def url_scheme(url: str) -> str:
 
 
 def shown_scheme(url: str) -> str:
-    """How an error names the scheme of ``url``: quoted, or "no scheme" when it has none
-    (a libpq connection string, ``host=db user=app password=…``, was quoted whole, its
-    password too)."""
-    given = url.split(":", 1)[0]
-    return repr(given) if ":" in url and _SCHEME.fullmatch(given) else "no scheme"
+    """How an error names the scheme of ``url``: quoted when it is one (followed by
+    ``://``), or "no scheme" (a libpq connection string, ``host=db user=app
+    password=…``, was quoted whole, its password too)."""
+    given, colon, rest = url.partition(":")
+    if colon and rest.startswith("//") and _SCHEME.fullmatch(given):
+        return repr(given)
+    # (Before a ":" with no "//", it may be a password: "app:S3cret@db/app".)
+    return "no scheme"
 
 
 def store_from_url(url: str, store_options: dict[str, Any]) -> MemoryStore:

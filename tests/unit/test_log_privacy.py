@@ -151,6 +151,9 @@ def test_a_failed_fold_of_owed_rollups_logs_no_value_the_server_quoted() -> None
         # A libpq connection string, which has no scheme: quoted whole.
         ("host=db.internal user=app password=Hunter2word dbname=app", "got no scheme"),
         ("Hunter2word", "got no scheme"),
+        # Before a ":" with no "//": a user and password without the scheme, or a secret.
+        ("Hunter2word:x", "got no scheme"),
+        ("app:Hunter2word@db.internal/app", "got no scheme"),
     ],
 )
 def test_a_url_refused_when_the_service_is_made_quotes_no_password(url: str, says: str) -> None:
