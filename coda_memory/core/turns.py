@@ -79,7 +79,11 @@ second. Each young collection during it walked 200,000 to 350,000 of them, a sta
 a young collection that is due also waits while the youngest generation holds more than
 :data:`YOUNG_LIMIT` objects (:func:`young_objects`), for at most :data:`YOUNG_WAIT`
 seconds since the last one: the same backlog's load then stalled the loop at most 18
-and 23 ms (two runs), at the turns of its own work.
+and 23 ms (two runs), at the turns of its own work. Only the young collections wait so:
+a full one that is due (once a minute at most, the heap grown) runs, and walks such
+objects too. And the count is CPython's, what was made less what was freed since the
+last young collection, objects of older generations included: it may say less than the
+youngest generation holds (a collection of 31,000 objects, 14 ms, under an emit burst).
 """
 
 from __future__ import annotations
