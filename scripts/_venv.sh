@@ -5,7 +5,8 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${CODA_MEMORY_VENV:-$ROOT/.venv}"
 PY="${PYTHON:-python3}"
 STAMP="$VENV/.lock-stamp"
-want="$(sha256sum "$ROOT/requirements.lock" "$ROOT/pyproject.toml" | sha256sum | cut -d' ' -f1)"
+# cksum, not sha256sum: POSIX has it, and macOS has no sha256sum.
+want="$(cksum "$ROOT/requirements.lock" "$ROOT/pyproject.toml" | cksum)"
 if [ ! -x "$VENV/bin/python" ] || [ "$(cat "$STAMP" 2>/dev/null)" != "$want" ]; then
   echo "coda-memory: preparing $VENV from requirements.lock" >&2
   "$PY" -c 'import sys; sys.exit(sys.version_info < (3, 11))' || {
