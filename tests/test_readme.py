@@ -94,6 +94,28 @@ def test_using_it_is_a_complete_script() -> None:
     assert "async with MemoryService.from_url(DATABASE_URL) as memory:" in code
 
 
+def _api_table() -> str:
+    start = README.index("### The API (`from coda_memory import …`)")
+    return README[start : README.index("\n## ", start)]
+
+
+def test_the_api_table_names_every_public_name_and_error() -> None:
+    """What ``from coda_memory import …`` gives, and every error class the library
+    raises, is in the table a user reads: a name left out is one nobody knows of."""
+    import coda_memory
+    from coda_memory import errors
+
+    raised = [
+        name
+        for name, value in vars(errors).items()
+        if isinstance(value, type) and issubclass(value, Exception)
+        if value.__module__ == errors.__name__
+    ]
+    table = _api_table()
+    public = [*coda_memory.__all__, *raised]
+    assert [name for name in public if not re.search(rf"`{name}\b", table)] == []
+
+
 def _broken_table_rows(text: str) -> list[int]:
     """The numbers of the lines that continue a table row on a line of their own (outside
     code blocks): Markdown ends a row at its line's end and makes each such line a row of
