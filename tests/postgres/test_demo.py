@@ -10,6 +10,7 @@ import pytest
 from typer.testing import CliRunner, Result
 
 from coda_memory.cli import app
+from coda_memory.cli.demo import plots
 from coda_memory.cli.demo.demo import DEMO_SCHEMA
 from coda_memory.postgres import PostgresStore
 from tests.postgres.helpers import consolidate, contents, fact, record
@@ -116,3 +117,24 @@ def test_an_out_directory_it_cannot_write_is_refused_before_the_month_runs(
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "--out" in lines[0] and "cannot write" in lines[0], lines
     assert "coda-memory demo" not in result.stdout  # nothing was simulated
+
+
+def test_without_matplotlib_it_says_so_and_suggests_no_plot(
+    pg_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its last lines suggested ``history … --plot ana.png``, which fails for want of the
+    very extra it had just named."""
+
+    def unavailable(width: float, height: float) -> object:
+        raise plots.PlotsUnavailable(plots.INSTALL_HINT)
+
+    monkeypatch.setattr(plots, "_figure", unavailable)
+
+    result = demo(pg_url, tmp_path)
+
+    assert result.exit_code == 0, result.output
+    assert f"No plots: {plots.INSTALL_HINT}" in result.stdout
+    assert "Plots written" not in result.stdout
+    assert "--plot" not in result.stdout
+    assert "  coda-memory history ana tool_affinity:get_account --schema" in result.stdout
+    assert list(tmp_path.iterdir()) == []

@@ -180,10 +180,11 @@ async def run_demo(
     if plot_error:
         console.print(plot_error, markup=False)
     url_option = "" if target.embedded else " --url …"
+    plot_option = "" if plot_error else f" --plot {FOCUS}.png"  # (it would fail the same way)
     console.print("Explore the data the demo left behind:", markup=False)
     for command in (
         f"facts {FOCUS}",
-        f"history {FOCUS} tool_affinity:get_account --plot {FOCUS}.png",
+        f"history {FOCUS} tool_affinity:get_account{plot_option}",
         "analytics entities --min-users 1",
     ):
         console.print(f"  coda-memory {command} --schema {DEMO_SCHEMA}{url_option}", markup=False)
