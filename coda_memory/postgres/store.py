@@ -649,7 +649,11 @@ class PostgresStore:
                 result = await work(raw)
                 await raw.execute(CLEAR_TENANT_SESSION)
             except BaseException:
-                raw.terminate()
+                raw.terminate()  # (at once, whatever comes: a cancellation cannot stop it)
+                # And out of the pool: given back closed, it made the next work meet a
+                # dead connection and the whole pool be replaced (a peek a held table
+                # kept out, each time).
+                await conn.invalidate()
                 raise
             return result
 

@@ -310,6 +310,38 @@ async def test_a_read_cancelled_as_it_sets_the_tenant_leaves_no_tenant_on_the_co
         await store.close()
 
 
+async def test_a_read_a_held_table_keeps_out_gives_back_no_dead_connection(
+    tenancy: Tenancy,
+) -> None:
+    """On a store made on one engine, a read that failed is not given back (its session's
+    tenant may be set): its connection was closed and given back to the pool all the
+    same, so the next work met a dead connection and the whole pool was replaced, the
+    old one's idle connections left open, once for every peek a held table kept out."""
+    await _populate(tenancy)
+    engine = create_engine(
+        tenancy.url,
+        schema=SCHEMA,
+        pool_size=1,
+        max_overflow=0,
+        connect_args={"server_settings": {"lock_timeout": "50ms"}},
+    )
+    store = PostgresStore(engine, schema=SCHEMA)
+    admin = await asyncpg.connect(dsn(tenancy.url))
+    try:
+        assert (await store.peek("alice"))[0]  # the pool's one connection, in use once
+        pool_before = engine.pool
+        await admin.execute("BEGIN")
+        await admin.execute(f"LOCK TABLE {SCHEMA}.checkpoints IN ACCESS EXCLUSIVE MODE")
+        facts, pending = await store.peek("alice")  # held out: the facts alone
+        assert facts and not pending and store.held_out.peeks == 1
+        await admin.execute("ROLLBACK")
+        assert (await store.peek("alice"))[0]
+        assert engine.pool is pool_before  # no dead connection met: not replaced
+    finally:
+        await admin.close()
+        await store.close()
+
+
 async def test_the_service_as_the_app_role_forgets_one_identity(tenancy: Tenancy) -> None:
     await _populate(tenancy)
     store = PostgresStore.from_url(tenancy.url, schema=SCHEMA, **tenancy.as_role(tenancy.app))
