@@ -10,18 +10,22 @@ then the session's events are emitted as observations at their own times.
 from __future__ import annotations
 
 import heapq
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
 from coda_memory.core.decay import DecayStrategy
+from coda_memory.core.logs import short_error
 from coda_memory.core.model import Fact
 from coda_memory.core.rank import ranked_facts
 from coda_memory.replay.events import event_observation, fact_subject
 from coda_memory.replay.metrics import Calibration, RankingScore
 from coda_memory.replay.timeline import Session, Timeline
 from coda_memory.service import MemoryService
+
+logger = logging.getLogger("coda_memory")
 
 #: How many subjects the baselines rank (NDCG@10 looks at ten).
 TOP = 10
@@ -98,6 +102,7 @@ async def replay_decay(
     clock = _Clock(timeline.sessions[0].start)
     service = MemoryService.from_url(url, decay=decay, clock=clock, **options)
     seen: set[str] = set()
+    ended = False
     try:
         if not url.startswith("memory:"):  # a memory:// store is new, so empty
             await _check_scratch(service, sorted(timeline.scored))
@@ -114,11 +119,32 @@ async def replay_decay(
                 _score(result, timeline, session, await service.consolidate(identity))
             seen.add(identity)
         await service.drain()
-        for identity in sorted(seen):
-            await service.forget(identity)
+        ended = True
     finally:
-        await service.close()
+        try:
+            await _erase(service, sorted(seen), ended)
+        finally:
+            await service.close()
     return result
+
+
+async def _erase(service: MemoryService, identities: Sequence[str], ended: bool) -> None:
+    """Forget what the replay wrote of ``identities`` (the store held none of them before
+    it). A replay that failed or was cancelled half-way erases what it can, keeping its
+    own error: what it left would make the next replay on the store refuse it as
+    holding memory; the first forget that fails (the store gone) ends the attempt."""
+    for identity in identities:
+        if ended:
+            await service.forget(identity)
+            continue
+        try:
+            await service.forget(identity)
+        except Exception as exc:
+            logger.warning(
+                "coda-memory: the failed replay could not erase what it wrote (%s)",
+                short_error(exc, (identity,)),
+            )
+            return
 
 
 class StoreNotScratch(ValueError):

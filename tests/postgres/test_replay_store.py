@@ -9,11 +9,16 @@ import os
 import subprocess
 import sys
 from collections.abc import Iterator
+from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
 from sqlalchemy.engine import URL
 
+from coda_memory import ExponentialDecay, ObservationType
+from coda_memory.replay import Event, build_timeline, harness, replay_decay
+from tests.helpers import T0
 from tests.pg_fixtures import _RUN, _counter, _create_database, _drop_database, _render
 from tests.postgres.helpers import fetch
 from tests.postgres.test_cli import assert_one_line_error, run, seed_alice
@@ -30,17 +35,16 @@ def scratch_url(_pg_server: URL, _pg_template: str) -> Iterator[str]:
         _drop_database(_pg_server, name)
 
 
+_COUNTS = (
+    "SELECT (SELECT count(*) FROM coda_memory.observations),"
+    " (SELECT count(*) FROM coda_memory.facts),"
+    " (SELECT count(*) FROM coda_memory.fact_events),"
+    " (SELECT count(*) FROM coda_memory.checkpoints)"
+)
+
+
 def _counts(url: str) -> tuple[int, int, int, int]:
-    rows = asyncio.run(
-        fetch(
-            url,
-            "SELECT (SELECT count(*) FROM coda_memory.observations),"
-            " (SELECT count(*) FROM coda_memory.facts),"
-            " (SELECT count(*) FROM coda_memory.fact_events),"
-            " (SELECT count(*) FROM coda_memory.checkpoints)",
-        )
-    )
-    return tuple(rows[0])
+    return tuple(asyncio.run(fetch(url, _COUNTS))[0])
 
 
 def test_replay_refuses_a_store_that_holds_the_memory_it_replays(pg_url: str) -> None:
@@ -88,3 +92,39 @@ def test_replay_into_an_unreachable_store_fails_at_once(pg_url: str, store: str)
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: "), done.stderr
     assert "127.0.0.1" in lines[0] or "onnect" in lines[0], lines[0]
+
+
+class _Stopped(Exception):
+    """Stands for what stops a replay half-way: a store error, Ctrl-C."""
+
+
+async def test_a_replay_stopped_half_way_leaves_its_store_empty(
+    scratch_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A replay that failed left what it had written; the next replay on the store then
+    refused it as holding memory of the identities (StoreNotScratch), until each was
+    forgotten by hand."""
+    events = [
+        Event(user, T0 + timedelta(days=day, hours=9), ObservationType.ENTITY_ACCESS, "doc:a")
+        for day in range(6)
+        for user in ("ana", "bob")
+    ]
+    timeline = build_timeline(events, split=0.5)
+    scored = harness._score
+    sessions = 0
+
+    def score_then_stop(*arguments: Any) -> None:
+        nonlocal sessions
+        sessions += 1
+        if sessions == 4:
+            raise _Stopped
+        scored(*arguments)
+
+    monkeypatch.setattr(harness, "_score", score_then_stop)
+    with pytest.raises(_Stopped):
+        await replay_decay(timeline, ExponentialDecay(), url=scratch_url)
+    assert tuple((await fetch(scratch_url, _COUNTS))[0]) == (0, 0, 0, 0)
+    monkeypatch.setattr(harness, "_score", scored)
+    result = await replay_decay(timeline, ExponentialDecay(), url=scratch_url)
+    assert result.fit.ranking.sessions + result.test.ranking.sessions == 10
+    assert tuple((await fetch(scratch_url, _COUNTS))[0]) == (0, 0, 0, 0)
