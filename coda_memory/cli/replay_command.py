@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -37,7 +37,7 @@ from coda_memory.cli.runtime import (
 )
 from coda_memory.core.logs import masked_url
 from coda_memory.core.model import MAX_SPAN
-from coda_memory.postgres.schema import DEFAULT_SCHEMA
+from coda_memory.postgres.schema import DEFAULT_SCHEMA, validate_schema_name
 from coda_memory.postgres.store import PostgresStore
 from coda_memory.replay import (
     Event,
@@ -94,6 +94,14 @@ def replay(
             ),
         ),
     ] = "memory://",
+    store_schema: Annotated[
+        str | None,
+        typer.Option(
+            "--store-schema",
+            help="The schema of a Postgres --store (default: coda_memory): a migrated, empty "
+            "one; --schema names the schema the observations are read from.",
+        ),
+    ] = None,
     split: Annotated[
         float,
         typer.Option("--split", help="Share of the timeline to fit on; the rest is held out."),
@@ -139,11 +147,22 @@ def replay(
             "postgresql://… or redis://…",
             param_hint="--store",
         )
+    store_options: dict[str, Any] = {}
     if scheme in ("postgresql", "postgres"):
         try:  # what the driver would refuse only on connecting, after every event was read
             check_database_url(store)
         except ValueError as exc:
             raise typer.BadParameter(str(exc), param_hint="--store") from None
+        if store_schema is not None:
+            try:
+                store_options["schema"] = validate_schema_name(store_schema)
+            except ValueError as exc:
+                raise typer.BadParameter(str(exc), param_hint="--store-schema") from None
+    elif store_schema is not None:
+        raise typer.BadParameter(
+            "only a Postgres --store has a schema (a Redis one takes ?prefix=)",
+            param_hint="--store-schema",
+        )
     stream = _file_events(events) if events is not None else _stored_events(url, schema)
     if not stream:
         fail("no events to replay")
@@ -156,7 +175,9 @@ def replay(
 
     async def main() -> Comparison:
         try:
-            return await compare(timeline, families=FAMILIES, tuned=tune, url=store)
+            return await compare(
+                timeline, families=FAMILIES, tuned=tune, url=store, **store_options
+            )
         except StoreNotScratch as exc:  # the command line named the wrong store: usage
             raise CliError(f"--store: {exc}", code=2) from exc
         except ValueError as exc:

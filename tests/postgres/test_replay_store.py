@@ -71,6 +71,26 @@ def test_a_scratch_postgres_store_scores_as_memory_does_and_is_left_empty(
     assert _counts(scratch_url) == (0, 0, 0, 0)
 
 
+def test_a_scratch_schema_of_the_live_database_is_the_store_the_replay_writes_to(
+    pg_url: str,
+) -> None:
+    """The help and the README said to give the replay an empty schema, but nothing named
+    the schema of a Postgres --store (--schema names the one the events are read from):
+    it wrote into coda_memory, the live schema here, and refused it as holding memory."""
+    seed_alice(pg_url)
+    seed_alice(pg_url, "bob")
+    assert run("migrate", "--url", pg_url, "--schema", "replay_scratch").exit_code == 0
+    before = _counts(pg_url)
+    arguments = ("replay", "--url", pg_url, "--split", "0.2", "--format", "json")
+    in_memory = run(*arguments)
+    in_scratch = run(*arguments, "--store", pg_url, "--store-schema", "replay_scratch")
+    assert in_memory.exit_code == in_scratch.exit_code == 0, in_scratch.output
+    assert json.loads(in_scratch.stdout) == json.loads(in_memory.stdout)
+    assert _counts(pg_url) == before
+    scratch = asyncio.run(fetch(pg_url, _COUNTS.replace("coda_memory.", "replay_scratch.")))
+    assert tuple(scratch[0]) == (0, 0, 0, 0)
+
+
 @pytest.mark.parametrize(
     "store", ["postgresql://postgres@127.0.0.1:1/scratch", "redis://127.0.0.1:1/13"]
 )

@@ -102,3 +102,26 @@ def test_a_store_that_can_not_serve_the_replay_is_a_usage_error(store: str, says
     assert result.exit_code == 2, result.output
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "--store" in lines[0] and says in lines[0], result.stderr
+
+
+@pytest.mark.parametrize(
+    ("store", "schema", "says"),
+    [
+        ("memory://", "scratch", "only a Postgres --store"),
+        ("redis://127.0.0.1:1/9", "scratch", "only a Postgres --store"),
+        ("postgresql://u@127.0.0.1:1/x", "Bad Name", "--store-schema"),
+    ],
+)
+def test_a_store_schema_the_store_can_not_have_is_a_usage_error(
+    store: str, schema: str, says: str
+) -> None:
+    result = CliRunner().invoke(
+        app,
+        [
+            *("replay", "--url", "postgresql://u@127.0.0.1:1/x"),
+            *("--store", store, "--store-schema", schema),
+        ],
+    )
+    assert result.exit_code == 2, result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "--store-schema" in lines[0] and says in lines[0], result.stderr
