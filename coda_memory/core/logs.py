@@ -68,19 +68,23 @@ def identity_label(identity_id: object, *, show: bool = False) -> str:
 
 
 #: asyncpg's message for a value its codec refused quotes the value (the start of its
-#: ``repr``) on the first line: ``invalid input for query argument $3: 'the value' (why)``.
-_ARGUMENT_VALUE = re.compile(r"(invalid input for query argument \$\d+: ).*( \()")
-#: The server's messages for a value it refused quote it: last, after a colon (``invalid
-#: input syntax for type double precision: "…"``, ``malformed array literal: "…"``), or
-#: before ``is out of range`` (``value "…" is out of range for type integer``, ``"…" is
-#: out of range for type double precision``), or as ``invalid value "…" for "YYYY"`` and
-#: ``time zone "…" not recognized``. The names a message quotes (constraints, tables,
-#: formats) come elsewhere, and stay.
+#: ``repr``) on the first line, and its reason may quote it again: ``invalid input for
+#: query argument $3: 'the value' (invalid UUID 'the value': length must be …)``.
+_ARGUMENT_VALUE = re.compile(r"(invalid input for query argument \$\d+: ).*( \()(.*)")
+_QUOTED_IN_REASON = re.compile(r"'[^']*'")
+#: The server's messages for a value it refused quote it: before ``is out of range``
+#: (``value "…" is out of range for type integer``, ``"…" is out of range for type
+#: double precision``), last after a colon (``invalid input syntax for type double
+#: precision: "…"``, ``malformed array literal: "…"``), or as ``invalid value "…" for
+#: "YYYY"`` and ``time zone "…" not recognized``. A value may hold a quote, so each
+#: goes from its opening quote on (to the end of the line but for a known tail). The
+#: names a message quotes (constraints, tables) come elsewhere, and stay.
 _SERVER_VALUES = (
-    (re.compile(r'(: )".*'), r'\1"<value>"'),
-    (re.compile(r'"[^"\n]*"( is out of range)'), r'"<value>"\1'),
-    (re.compile(r'(invalid value )"[^\n]*?"( for ")'), r'\1"<value>"\2'),
-    (re.compile(r'(time zone )"[^\n]*?"( not recognized)'), r'\1"<value>"\2'),
+    (re.compile(r'"[^\n]*"( is out of range)'), r'"<value>"\1'),
+    (re.compile(r'(invalid value )".*"( for "[^"\n]*")$'), r'\1"<value>"\2'),
+    (re.compile(r'(time zone )".*"( not recognized)$'), r'\1"<value>"\2'),
+    # (Without their tail: cut at a line break. And not one redacted already.)
+    (re.compile(r'(: |invalid value |time zone )"(?!<value>").*'), r'\1"<value>"'),
 )
 
 
@@ -88,7 +92,10 @@ def without_argument_values(text: str) -> str:
     """``text`` (a message's first line) without the value a driver's or the server's
     message quotes for a value it refused (replaced by ``<value>``): it may be a tenant's
     data."""
-    text = _ARGUMENT_VALUE.sub(r"\1<value>\2", text)
+    found = _ARGUMENT_VALUE.search(text)
+    if found is not None:
+        reason = _QUOTED_IN_REASON.sub("'<value>'", found[3])
+        text = f"{text[: found.start()]}{found[1]}<value>{found[2]}{reason}"
     for pattern, replacement in _SERVER_VALUES:
         text = pattern.sub(replacement, text)
     if text.count('"') % 2:

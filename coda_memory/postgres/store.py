@@ -648,6 +648,9 @@ class PostgresStore:
                 await raw.execute(SET_TENANT_SESSION, identity_id)
                 result = await work(raw)
                 await raw.execute(CLEAR_TENANT_SESSION)
+            except GeneratorExit:  # (closed unfinished: no await may follow)
+                raw.terminate()
+                raise
             except BaseException:
                 raw.terminate()  # (at once, whatever comes: a cancellation cannot stop it)
                 # And out of the pool: given back closed, it made the next work meet a

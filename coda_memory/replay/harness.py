@@ -20,6 +20,7 @@ from coda_memory.core.decay import DecayStrategy
 from coda_memory.core.logs import short_error
 from coda_memory.core.model import Fact
 from coda_memory.core.rank import ranked_facts
+from coda_memory.errors import ConnectionLost
 from coda_memory.replay.events import event_observation, fact_subject
 from coda_memory.replay.metrics import Calibration, RankingScore
 from coda_memory.replay.timeline import Session, Timeline
@@ -120,6 +121,16 @@ async def replay_decay(
             seen.add(identity)
         await service.drain()
         ended = True
+    except ConnectionLost:
+        # The store is gone: each forget would wait out its 10 s before failing.
+        if seen:
+            logger.warning(
+                "coda-memory: the replay lost its store; what it wrote of %d identities "
+                "stays there",
+                len(seen),
+            )
+        seen.clear()
+        raise
     finally:
         try:
             await _erase(service, sorted(seen), ended)

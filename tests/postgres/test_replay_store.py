@@ -16,7 +16,8 @@ from typing import Any
 import pytest
 from sqlalchemy.engine import URL
 
-from coda_memory import ExponentialDecay, ObservationType
+from coda_memory import ExponentialDecay, MemoryService, ObservationType
+from coda_memory.errors import ConnectionLost
 from coda_memory.replay import Event, build_timeline, harness, replay_decay
 from tests.helpers import T0
 from tests.pg_fixtures import _RUN, _counter, _create_database, _drop_database, _render
@@ -116,6 +117,33 @@ def test_replay_into_an_unreachable_store_fails_at_once(pg_url: str, store: str)
 
 class _Stopped(Exception):
     """Stands for what stops a replay half-way: a store error, Ctrl-C."""
+
+
+async def test_a_replay_that_lost_its_store_does_not_wait_to_erase_it(
+    scratch_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With the store gone, the first forget waited out its 10 s before failing, and the
+    replay's own error came that much later: it erases nothing then, and says so."""
+    events = [
+        Event(user, T0 + timedelta(days=day, hours=9), ObservationType.ENTITY_ACCESS, "doc:a")
+        for day in range(6)
+        for user in ("ana", "bob")
+    ]
+    timeline = build_timeline(events, split=0.5)
+
+    def lost(*arguments: Any) -> None:
+        raise ConnectionLost("the connection to the database died")
+
+    forgotten: list[str] = []
+
+    async def forget(self: MemoryService, identity_id: str) -> Any:
+        forgotten.append(identity_id)
+
+    monkeypatch.setattr(harness, "_score", lost)
+    monkeypatch.setattr(MemoryService, "forget", forget)
+    with pytest.raises(ConnectionLost):
+        await replay_decay(timeline, ExponentialDecay(), url=scratch_url)
+    assert forgotten == []
 
 
 async def test_a_replay_stopped_half_way_leaves_its_store_empty(

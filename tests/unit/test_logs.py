@@ -134,6 +134,18 @@ def test_set_log_key_takes_str_or_bytes_and_refuses_no_secret() -> None:
             'invalid input syntax for type double precision: "<value>"',
         ),
         ('value "118\n" is out of range for type integer', 'value "<value>"'),
+        # A value that holds a quote.
+        (
+            'value "1"18" is out of range for type integer',
+            'value "<value>" is out of range for type integer',
+        ),
+        ('invalid value "ab"c', 'invalid value "<value>"'),
+        ('time zone "Acct"118" not recognized', 'time zone "<value>" not recognized'),
+        # asyncpg's reason quotes the value again.
+        (
+            "invalid input for query argument $1: 'Northwind' (invalid UUID 'Northwind': x)",
+            "invalid input for query argument $1: <value> (invalid UUID '<value>': x)",
+        ),
         # The names a message quotes elsewhere are the schema's, and stay.
         (
             'duplicate key value violates unique constraint "pk_facts"',
