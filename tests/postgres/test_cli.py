@@ -67,8 +67,10 @@ def assert_png(path: Path) -> None:
     assert len(data) > 10_000
 
 
-async def _with_service(url: str, clock: FakeClock | SimulatedClock, work: Any) -> None:
-    service = MemoryService.from_url(url, clock=clock, load_timeout=5.0)
+async def _with_service(
+    url: str, clock: FakeClock | SimulatedClock | None, work: Any, **options: Any
+) -> None:
+    service = MemoryService.from_url(url, clock=clock, load_timeout=5.0, **options)
     try:
         await work(service)
         await service.drain()
@@ -734,15 +736,7 @@ def test_consolidate_names_its_schema_when_a_table_is_missing(empty_pg_url: str)
     async def seed(service: MemoryService) -> None:
         service.emit_observation("alice", tool_ok("get_account", "s1"))
 
-    async def seeded() -> None:
-        service = MemoryService.from_url(empty_pg_url, schema=schema, load_timeout=5.0)
-        try:
-            await seed(service)
-            await service.drain()
-        finally:
-            await service.close()
-
-    asyncio.run(seeded())
+    asyncio.run(_with_service(empty_pg_url, None, seed, schema=schema))
     asyncio.run(fetch(empty_pg_url, f"DROP TABLE {schema}.fact_events"))
     result = run("consolidate", "--all", "--url", empty_pg_url, "--schema", schema)
     assert result.exit_code == 1, result.output
