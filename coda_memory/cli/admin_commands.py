@@ -12,7 +12,6 @@ from typing import Annotated
 
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-from sqlalchemy.exc import DBAPIError
 
 from coda_memory.cli.app import (
     DecayName,
@@ -230,10 +229,7 @@ class _Summary:
 def _is_lock_timeout(exc: BaseException) -> bool:
     # StoreBusy: a table held past the lock wait kept the consolidation's first read out
     # (see "Tables held" in the README), and it consolidated nothing.
-    if isinstance(exc, StoreBusy):
-        return True
-    orig = exc.orig if isinstance(exc, DBAPIError) else exc
-    return getattr(orig, "sqlstate", None) == LOCK_NOT_AVAILABLE
+    return isinstance(exc, StoreBusy) or sqlstate(exc) == LOCK_NOT_AVAILABLE
 
 
 async def _consolidate_each(

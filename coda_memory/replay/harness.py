@@ -145,12 +145,11 @@ async def _erase(service: MemoryService, identities: Sequence[str], ended: bool)
     own error: what it left would make the next replay on the store refuse it as
     holding memory; the first forget that fails (the store gone) ends the attempt."""
     for identity in identities:
-        if ended:
-            await service.forget(identity)
-            continue
         try:
             await service.forget(identity)
         except Exception as exc:
+            if ended:  # (the replay's own error is this one)
+                raise
             logger.warning(
                 "coda-memory: the failed replay could not erase what it wrote (%s)",
                 short_error(exc, (identity,)),
