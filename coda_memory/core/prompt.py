@@ -58,12 +58,19 @@ def _fact_line(content: str) -> str:
     return f"- {text}" if text else ""
 
 
+#: Backslashes before a double quote (a fact stored by an earlier version, an imported
+#: one): read as escaping the quote, they would leave it open, and what follows it (an
+#: entity's id) would read as outside the quotes.
+_QUOTE_ESCAPE = re.compile(r'\\+(?=")')
+
+
 def _inline(text: str) -> str:
     """``text`` as the inline text of one list item."""
+    text = _QUOTE_ESCAPE.sub("", text)
     if text.count('"') % 2:
         # A quote left open (the line cut inside a quoted name, or an imported fact's
         # text) is closed: no text after it reads as outside the quotes.
-        text += '"'
+        text = text.rstrip("\\") + '"'
     start = _BLOCK_START.match(text)
     if start is not None:
         text = f"{text[: start.end()]}\\{text[start.end() :]}" if text[0].isdigit() else f"\\{text}"

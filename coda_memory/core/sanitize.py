@@ -72,6 +72,8 @@ MAX_ENTITY_NAME_CHARS = 200
 
 _CONTROL_CATEGORIES = frozenset({"Cc", "Cf", "Zl", "Zp"})
 _PROMPT_STRUCTURE_PREFIX = "#>-* "
+#: What may not end a quoted name: a backslash, and the space a removed one leaves last.
+_QUOTE_ESCAPE_SUFFIX = "\\ "
 
 
 class ObservationRejected(ValueError):
@@ -184,12 +186,14 @@ def quote_untrusted(value: str, max_chars: int = 80) -> str:
     The text is made data by :func:`~coda_memory.core.untrusted.data_text` (no URL,
     link, tag, role marker or invisible character); double quotes, backticks and every
     character that could read as a closing quote (:data:`_QUOTE_LIKE`) become single
-    quotes, and leading ``#``, ``>``, ``-`` and ``*`` characters are removed. The text
-    between the quotes has at most ``max_chars`` characters.
+    quotes, and leading ``#``, ``>``, ``-`` and ``*`` characters are removed, as are
+    trailing backslashes: before the closing quote, one reads as escaping it, and the
+    text after the name (the entity's id) as outside the quotes. The text between the
+    quotes has at most ``max_chars`` characters.
     """
     text = data_text(value, 4 * max_chars)
     text = text.translate(_QUOTE_LIKE).lstrip(_PROMPT_STRUCTURE_PREFIX)
-    return f'"{cap(text, max_chars)}"'
+    return f'"{cap(text, max_chars).rstrip(_QUOTE_ESCAPE_SUFFIX)}"'
 
 
 def _content_drop(char: str) -> bool:

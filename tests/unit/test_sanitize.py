@@ -164,12 +164,28 @@ def test_nothing_inside_a_quoted_name_reads_as_its_closing_quote() -> None:
         assert not any(_quote_like(c) for c in inner), (hex(ord(char)), inner)
 
 
+@pytest.mark.parametrize(
+    ("name", "quoted"),
+    [
+        ("Acme\\", '"Acme"'),
+        ("C:\\Users\\ \\\\", '"C:\\Users"'),
+        ("\\", '""'),
+        ("a\\b", '"a\\b"'),  # a backslash inside the name escapes no quote: it stays
+    ],
+)
+def test_a_quoted_name_never_ends_in_a_backslash(name: str, quoted: str) -> None:
+    """``"Acme\\"`` reads as a quote escaped, still open: the id after the name, which a
+    tool result gives too, read as outside the quotes."""
+    assert quote_untrusted(name) == quoted
+
+
 @given(st.text())
 def test_quote_untrusted_is_one_quoted_line(value: str) -> None:
     result = quote_untrusted(value)
     inner = result[1:-1]
     assert result[0] == result[-1] == '"'
     assert not any(_quote_like(c) for c in inner)
+    assert not inner.endswith("\\")
     assert len(inner) <= 80
     assert len(result.splitlines()) == 1
     assert not inner.startswith(("#", ">", "-", "*"))
