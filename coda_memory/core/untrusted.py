@@ -71,11 +71,15 @@ CONFUSABLES: dict[int, str] = {
         "ꓦ": "V", "ꓧ": "H", "ꓪ": "W", "ꓫ": "X", "ꓬ": "Y", "ꓮ": "A", "ꓰ": "E", "ꓲ": "I",
         "ꓳ": "O", "ꓴ": "U",
         # Colons that NFKC leaves alone: modifier letters, ratio, Armenian, Hebrew,
-        # Syriac, runic, Lisu, two-dot punctuation, Mongolian, Ethiopic, the Devanagari
-        # and Gujarati visarga, the Z notation type colon, tricolon
+        # Syriac, runic, Lisu, two-dot punctuation, Mongolian (its colon, and the full
+        # stops confusables.txt gives as colons), Ethiopic (its colon and wordspace),
+        # the Devanagari and Gujarati visarga, the Z notation type colon, tricolon; and
+        # other colons drawn as dots one above another: Bamum, the skewed Syriac ones,
+        # the triple colon operator, cuneiform, SignWriting, Manichaean and Old Uyghur
         "꞉": ":", "ː": ":", "˸": ":", "∶": ":", "։": ":", "׃": ":", "܃": ":", "܄": ":",
         "᛬": ":", "ꓽ": ":", "⁚": ":", "᠄": ":", "፥": ":", "ः": ":", "ઃ": ":", "⦂": ":",
-        "⁝": ":",
+        "⁝": ":", "᠃": ":", "᠉": ":", "፡": ":", "꛴": ":", "܆": ":", "܇": ":", "܈": ":",
+        "܉": ":", "⫶": ":", "𒑱": ":", "𒑲": ":", "𝪊": ":", "𐫵": ":", "𐾈": ":",
     }.items()
 }  # fmt: skip
 
