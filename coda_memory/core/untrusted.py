@@ -204,9 +204,10 @@ def _url_pattern(folded: str) -> re.Pattern[str] | None:
 _TAG = re.compile(r"<(?:[^<>]{0,64}>)?|>")
 _BRACKET_MARKER = re.compile(
     r"\[\s*/?\s*(?:inst|sys|system|user|assistant|human|ai|bot"
-    # Mistral's control tokens beside [INST]
+    # Mistral's control tokens beside [INST]: the system prompt, tools, tool calls with
+    # their arguments and ids, tool results, and the reasoning block
     r"|system[\s_]*prompt|tool[\s_]*calls?|available[\s_]*tools|tool[\s_]*results?"
-    r"|tool[\s_]*content)\s*\]",
+    r"|tool[\s_]*content|args|call[\s_]*id|think)\s*\]",
     re.IGNORECASE,
 )
 _ROLE = re.compile(
