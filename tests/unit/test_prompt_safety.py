@@ -532,3 +532,38 @@ def test_data_texts_are_data_text_at_each_cap(value: str, largest: int) -> None:
 
     caps = range(largest, max(largest - 4, 0), -1)
     assert list(data_texts(value, caps)) == [data_text(value, cap) for cap in caps]
+
+
+#: Quoted strings as a reader that takes ``\"`` for an escaped quote sees them.
+QUOTED = re.compile(r'"(?:[^"\\]|\\.)*"')
+name_pieces = st.sampled_from(
+    [*'ab \\"`\u201d\u00bb\u2033:#-<>[]()', "SYSTEM:", "\u0301", "\u200b", "x" * 40, "\\n"]
+)
+
+
+@settings(max_examples=300)
+@given(
+    st.one_of(st.lists(name_pieces, max_size=20).map("".join), st.text(max_size=120)),
+    st.from_regex(r"[A-Za-z0-9_.:\-/@]{1,40}", fullmatch=True),
+)
+def test_an_entity_line_shows_only_its_name_and_id_in_quotes(name: str, entity_id: str) -> None:
+    """Whatever a tool result names an entity, its fact line keeps the template's text,
+    and only it, outside the quotes: no name closes its quotes early or leaves them open
+    (a name ending in a backslash did, ``"Acme\\" (id "…")``, for a reader of escapes)."""
+    extractors = EntityExtractors({"t": lambda refs: refs})
+    refs = [EntityRef("account", entity_id, name)]
+    [observation] = entity_observations("t", refs, extractors=extractors)
+    record = sanitize_observation("u", observation, T0)
+    stored = Observation(
+        id=1,
+        identity_id="u",
+        type=record.type,
+        content=record.content,
+        metadata=record.metadata,
+        session_id=None,
+        created_at=record.created_at,
+    )
+    batch = ConsolidationInput(observations=[stored], facts=[], session_events=[])
+    facts = plan_consolidation("u", batch, T0, ExponentialDecay()).active
+    [line] = [line for line in format_memory_section(facts, 1_000).split("\n") if line[:2] == "- "]
+    assert re.fullmatch(r"- Works with account (?: \(id \))?", QUOTED.sub("", line)), line
