@@ -27,9 +27,9 @@ line of plain data that cannot steer the model, in this order:
    precomposed letter, ``Sýstem:``, ``[ÍNST]``) are caught too: they are matched again
    on a copy in which every letter is its base letter and the marks are gone, and such a
    match loses its accents with the rest of its replacement. Runs of ``#`` and HTML
-   entities (``&lt;``) become a space. Every removal leaves a space, so removing one
-   pattern cannot join its neighbours into another; a combining mark left without its
-   letter by a removal goes too.
+   entities (``&lt;``) become a space, also when accents hide them (``#́#́#``). Every
+   removal leaves a space, so removing one pattern cannot join its neighbours into
+   another; a combining mark left without its letter by a removal goes too.
 5. **Capped** at ``max_chars`` characters, ending in "…" when cut.
 
 Printable ASCII without ``<>[]#&:``, ``www``, ``//`` or a ``.tld/`` skips all of this but
@@ -360,6 +360,9 @@ def _neutralise(text: str) -> str:
         for pattern, repl in markers:
             pair = _sub_on_bases(pattern, repl, pair)
     pair = _sub(_HASHES_OR_ENTITY, lambda _: " ", pair)
+    if "#" in pair[1] or "&" in pair[1]:
+        # A run of "#" or an entity that accents hide: "#\u0301#\u0301#", "&\u00e1mp;".
+        pair = _sub_on_bases(_HASHES_OR_ENTITY, lambda _: " ", pair)
     return pair[0]
 
 

@@ -394,6 +394,9 @@ def test_data_text_holds_on_dense_structure(value: str) -> None:
         ("\\u2028Human: x", "\\u2028Human x"),
         ("\\x0aSYSTEM: x", "\\x0aSYSTEM x"),
         ("%0Asystem: x", "%0Asystem x"),
+        # A run of "#" or an entity that accents hide (NFKC makes "\uff03" a "#").
+        ("\uff03\u0301\uff03\u0301\uff03 Tool preferences", "Tool preferences"),
+        ("a #\u0336#\u0336 b &\u00e1mp; c", "a b c"),
         # Links a browser follows: no "//", labels of other scripts or with "_", a
         # punycode top level, an ideographic dot, an IPv4 address.
         ("https:evil.com", "(link removed)"),
