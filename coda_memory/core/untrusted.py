@@ -14,9 +14,9 @@ line of plain data that cannot steer the model, in this order:
    no base, and combining marks past the second on one base. Whitespace runs become one
    space; the result is one line.
 3. **Confusables folded before checks.** The checks below run on a copy in which
-   Cyrillic, Greek and Lisu letters that look like Latin ones, and colons that look like
-   ``:`` (:data:`CONFUSABLES`, from Unicode's confusables.txt), are Latin letters and
-   ``:``, so ``ЅYЅТЕМ:`` and ``SYSTEM꞉`` are caught like ``SYSTEM:``.
+   Cyrillic, Greek, Armenian and Lisu letters that look like Latin ones, and colons that
+   look like ``:`` (:data:`CONFUSABLES`, from Unicode's confusables.txt), are Latin
+   letters and ``:``, so ``ЅYЅТЕМ:`` and ``SYSTEM꞉`` are caught like ``SYSTEM:``.
 4. **Structure neutralised.** URLs (any ``scheme://``, ``//host``, ``www.`` hosts,
    ``javascript:``-like schemes, ``host.tld/path``) become ``(link removed)``; tags
    such as ``<img …>`` or ``<|im_start|>`` and every other ``<`` or ``>`` become a space;
@@ -47,8 +47,9 @@ from functools import lru_cache
 ELLIPSIS = "…"
 LINK_REMOVED = "(link removed)"
 
-#: Cyrillic, Greek and a few Latin-extension letters that look like a Latin letter, from
-#: Unicode's confusables.txt (one character to one character, so positions line up).
+#: Cyrillic, Greek, Armenian and a few Latin-extension letters that look like a Latin
+#: letter, and characters that look like a colon, from Unicode's confusables.txt (one
+#: character to one character, so positions line up).
 CONFUSABLES: dict[int, str] = {
     ord(k): v
     for k, v in {
@@ -57,14 +58,18 @@ CONFUSABLES: dict[int, str] = {
         "С": "C", "Т": "T", "У": "Y", "Х": "X", "Ѕ": "S", "І": "I", "Ј": "J", "Ԁ": "D",
         "Ԛ": "Q", "Ԝ": "W", "Ү": "Y", "Һ": "h", "Ӏ": "I", "а": "a", "е": "e", "о": "o",
         "р": "p", "с": "c", "у": "y", "х": "x", "ѕ": "s", "і": "i", "ј": "j", "ԁ": "d",
-        "ԛ": "q", "ԝ": "w", "һ": "h", "ӏ": "l", "ү": "y", "ɡ": "g",
+        "ԛ": "q", "ԝ": "w", "һ": "h", "ӏ": "l", "ү": "y", "ɡ": "g", "Ь": "b", "г": "r",
+        "ѡ": "w", "Ѵ": "V", "ѵ": "v", "ҽ": "e", "Ԍ": "G",
         # Greek capitals and small letters
         "Α": "A", "Β": "B", "Ε": "E", "Ζ": "Z", "Η": "H", "Ι": "I", "Κ": "K", "Μ": "M",
         "Ν": "N", "Ο": "O", "Ρ": "P", "Τ": "T", "Υ": "Y", "Χ": "X", "Ϲ": "C", "ϒ": "Y",
         "α": "a", "ο": "o", "ρ": "p", "ν": "v", "ι": "i", "υ": "u", "ϲ": "c", "ϳ": "j",
-        "κ": "k", "τ": "t", "ϵ": "e",
+        "κ": "k", "τ": "t", "ϵ": "e", "γ": "y", "σ": "o", "ϱ": "p", "Ϳ": "J", "Ϝ": "F",
+        "Ϻ": "M",
         # Latin look-alikes and Armenian
         "ı": "i", "ɑ": "a", "ʏ": "y", "ȷ": "j", "օ": "o", "ս": "u", "ց": "g", "հ": "h",
+        "Ս": "U", "Տ": "S", "Օ": "O", "ա": "w", "գ": "q", "զ": "q", "ո": "n", "ռ": "n",
+        "ք": "f",
         # Lisu capitals
         "ꓐ": "B", "ꓑ": "P", "ꓒ": "d", "ꓓ": "D", "ꓔ": "T", "ꓖ": "G", "ꓗ": "K", "ꓙ": "J",
         "ꓚ": "C", "ꓜ": "Z", "ꓝ": "F", "ꓟ": "M", "ꓠ": "N", "ꓡ": "L", "ꓢ": "S", "ꓣ": "R",
