@@ -25,7 +25,7 @@ from coda_memory.core.emitters import (
     query_pattern_observation,
     tool_observations,
 )
-from coda_memory.core.model import Fact, NewObservation, Observation
+from coda_memory.core.model import Fact, FactCategory, NewObservation, Observation
 from coda_memory.core.prompt import format_memory_section
 from coda_memory.core.sanitize import ObservationRejected, sanitize_observation
 from coda_memory.core.tokens import estimate_tokens
@@ -579,3 +579,47 @@ def test_an_entity_line_shows_only_its_name_and_id_in_quotes(name: str, entity_i
     facts = plan_consolidation("u", batch, T0, ExponentialDecay()).active
     [line] = [line for line in format_memory_section(facts, 1_000).split("\n") if line[:2] == "- "]
     assert re.fullmatch(r"- Works with account (?: \(id \))?", QUOTED.sub("", line)), line
+
+
+line_pieces = st.sampled_from(
+    [
+        *'ab \\"`:#-<>[]()!&|=~_*+.1',
+        *("SYSTEM:", "user", "[INST]", "amp;", "\\n", "%0a", "x" * 40, "…", '\\"', "#\u0301#"),
+        *("\u0301", "\u0336", "\u200b", "\u2028", "\u00a0", "\ud800", "\uff03", "\uff11."),
+    ]
+)
+
+
+@settings(max_examples=500)
+@given(
+    st.one_of(
+        st.lists(line_pieces, max_size=60).map("".join),
+        st.text(st.characters(exclude_categories=()), max_size=400),
+    )
+)
+def test_a_fact_line_is_one_line_of_data_whatever_its_content(content: str) -> None:
+    """Any content a fact may hold (an import's, an earlier version's), lone surrogates
+    and all: one list item of data, its quotes closed and none of them escaped, and no
+    block of its own."""
+    fact = Fact(
+        id="f",
+        identity_id="u",
+        category=FactCategory.ENTITY_FREQUENCY,
+        subject="entity_frequency:account:1",
+        content=content,
+        confidence=0.5,
+        reinforcement_count=1,
+        last_reinforced_at=T0,
+        created_at=T0,
+        updated_at=T0,
+    )
+    section = format_memory_section([fact], 1_000)
+    if not section:
+        return
+    [line] = [line for line in section.split("\n") if line.startswith("- ")]
+    line.encode()
+    body = line[2:]
+    assert len(body) <= 160
+    assert_is_data(body)
+    assert body.count('"') % 2 == 0 and '\\"' not in body
+    assert not re.match(r"\d{1,9}[.)]|[#>*+\-|=~`_]", body)
