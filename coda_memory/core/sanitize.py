@@ -180,18 +180,37 @@ _QUOTE_LIKE = str.maketrans(
 )
 
 
+#: One of :data:`_QUOTE_LIKE` escaped as JSON or C (``\u0022``, ``\x22``) or in a URL
+#: (``%22``): a model may read the escape as the quote itself.
+_ESCAPE = re.compile(r"\\u([0-9a-f]{4})|\\x([0-9a-f]{2})|%([0-9a-f]{2})", re.IGNORECASE)
+
+
+def _unescaped_quote(match: re.Match[str]) -> str:
+    """A ``'`` for an escaped quote-like character; any other escape as it is."""
+    code = int(next(group for group in match.groups() if group is not None), 16)
+    return "'" if code in _QUOTE_LIKE else match.group()
+
+
+def _without_escaped_quotes(text: str) -> str:
+    """``text`` with each escaped quote-like character (see :data:`_ESCAPE`) a ``'``."""
+    if "\\" not in text and "%" not in text:
+        return text
+    return _ESCAPE.sub(_unescaped_quote, text)
+
+
 def quote_untrusted(value: str, max_chars: int = 80) -> str:
     """``value`` as a double-quoted, single-line name that cannot start prompt structure.
 
     The text is made data by :func:`~coda_memory.core.untrusted.data_text` (no URL,
     link, tag, role marker or invisible character); double quotes, backticks and every
     character that could read as a closing quote (:data:`_QUOTE_LIKE`) become single
-    quotes, and leading ``#``, ``>``, ``-`` and ``*`` characters are removed, as are
-    trailing backslashes: before the closing quote, one reads as escaping it, and the
-    text after the name (the entity's id) as outside the quotes. The text between the
-    quotes has at most ``max_chars`` characters.
+    quotes, also when written as an escape (``\\u0022``, ``\\x22``, ``%22``); leading
+    ``#``, ``>``, ``-`` and ``*`` characters are removed, as are trailing backslashes:
+    before the closing quote, one reads as escaping it, and the text after the name (the
+    entity's id) as outside the quotes. The text between the quotes has at most
+    ``max_chars`` characters.
     """
-    text = data_text(value, 4 * max_chars)
+    text = _without_escaped_quotes(data_text(value, 4 * max_chars))
     text = text.translate(_QUOTE_LIKE).lstrip(_PROMPT_STRUCTURE_PREFIX)
     return f'"{cap(text, max_chars).rstrip(_QUOTE_ESCAPE_SUFFIX)}"'
 
