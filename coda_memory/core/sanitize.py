@@ -72,7 +72,8 @@ MAX_ENTITY_NAME_CHARS = 200
 
 _CONTROL_CATEGORIES = frozenset({"Cc", "Cf", "Zl", "Zp"})
 _PROMPT_STRUCTURE_PREFIX = "#>-* "
-#: What may not end a quoted name: a backslash, and the space a removed one leaves last.
+#: What may not end a quoted name: a backslash (read as escaping the closing quote), nor
+#: the space before one.
 _QUOTE_ESCAPE_SUFFIX = "\\ "
 
 
