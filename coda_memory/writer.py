@@ -147,17 +147,23 @@ STORED_FOR_LIMIT = 100_000
 
 #: A queued observation, one flat tuple: identity id, type, content, session id,
 #: created_at, approximate bytes, the emitted object when it is not a plain
-#: NewObservation (else None), then the metadata's keys and values in turn (see
-#: :func:`_queued`).
+#: NewObservation (else None), its sequence, then the metadata's keys and values in turn
+#: (see :func:`_queued`).
 _Item = tuple[Any, ...]
+#: Where an item's sequence is: which emit it came of (the count of emits with it), by
+#: which a wait tells what was emitted before it began from what came after (see
+#: :meth:`ObservationWriter._written`).
+_SEQUENCE = 7
 #: Where an item's metadata begins.
-_METADATA = 7
+_METADATA = 8
 
 #: The plain value of each observation type (a member is an object the collector tracks).
 _TYPE_VALUES: dict[object, str] = {member: member.value for member in ObservationType}
 
 
-def _queued(identity_id: str, obs: NewObservation, created_at: datetime, size: int) -> _Item:
+def _queued(
+    identity_id: str, obs: NewObservation, created_at: datetime, size: int, sequence: int
+) -> _Item:
     """The queue's form of an observation: its fields in one flat tuple, without the
     model, the metadata as its keys and values.
 
@@ -183,9 +189,25 @@ def _queued(identity_id: str, obs: NewObservation, created_at: datetime, size: i
                 created_at,
                 size,
                 None,
+                sequence,
                 *chain.from_iterable(metadata.items()),
             )
-    return (identity_id, None, None, None, created_at, size, obs)
+    return (identity_id, None, None, None, created_at, size, obs, sequence)
+
+
+class _Wait:
+    """A wait for what was emitted before it began (see :meth:`ObservationWriter._written`).
+
+    ``mark``: the sequence of the last emit it covers, read once the wait is listed (an
+    emit refused on another thread meanwhile then finds it, and counts as later when it
+    is); ``later``: how many items emitted after the mark were processed since, which the
+    processed count holds but the wait does not wait for."""
+
+    __slots__ = ("later", "mark")
+
+    def __init__(self) -> None:
+        self.mark = sys.maxsize  # (until it is read: no emit counts as later)
+        self.later = 0
 
 
 class ObservationWriter:
@@ -225,11 +247,15 @@ class ObservationWriter:
         #: and the store tells which.
         self._unsettled: deque[tuple[list[_Item], list[ObservationRecord], str]] = deque()
         self._ahead = 0
-        self._emitted = self._stored = self._rejected = self._dropped = self._discarded = 0
-        #: Emits refused as they came (dropped or rejected, never queued) that began after
-        #: the newest wait of :meth:`_written` began (``_emitted`` then: ``_wait_mark``),
-        #: which that wait does not wait for (see there).
-        self._unqueued = self._wait_mark = 0
+        #: The count of emits, which is also the sequence of the last one (see _SEQUENCE).
+        self._emitted = 0
+        self._stored = self._rejected = self._dropped = self._discarded = 0
+        #: The waits of :meth:`_written` under way (a tuple replaced, not changed: an emit
+        #: of another thread reads it as it is).
+        self._waits: tuple[_Wait, ...] = ()
+        #: The items the writer validates, by sequence, until they are in a batch (or back
+        #: in the queue): what it holds beside its batches, should it fail meanwhile.
+        self._validating: dict[int, _Item] = {}
         self._future_clamped = 0
         self._closed = False
         #: Set once close() stops the writer, for good: it is never started again, and
@@ -257,13 +283,13 @@ class ObservationWriter:
 
     def emit_observation(self, identity_id: str, obs: NewObservation) -> None:
         """Queue an observation for storage. Never raises and never waits on I/O."""
-        emitted = 0  # (which emit this is: see _refused_after_wait)
+        emitted = 0  # (which emit this is, its sequence: see _refused_emit)
         try:
             emitted = self._emitted = self._emitted + 1
             try:
                 size = _approximate_bytes(obs)
             except _TooManyValues:
-                self._refused_after_wait(emitted)
+                self._refused_emit(emitted)
                 self._reject(identity_id, "metadata is larger than 16 KiB")
                 return
             # A service whose event loop is closed (an asyncio.run() that ended) has no
@@ -287,15 +313,15 @@ class ObservationWriter:
                     reason = "queue full"
                 else:
                     reason = "queue_bytes full"
-                self._refused_after_wait(emitted)
+                self._refused_emit(emitted)
                 self._drop(1, reason)
                 return
             created_at = obs.created_at if obs.created_at is not None else self.clock()
-            self._queue.append(_queued(identity_id, obs, created_at, size))
+            self._queue.append(_queued(identity_id, obs, created_at, size, emitted))
             self._held_bytes += size
             self._wake()
         except Exception as error:  # the fire-and-forget boundary: log, count, carry on
-            self._refused_after_wait(emitted)
+            self._refused_emit(emitted)
             self._rejected += 1
             self._wake_waiters()
             self._log.warning(
@@ -307,11 +333,22 @@ class ObservationWriter:
                 type(error).__name__,
             )
 
-    def _refused_after_wait(self, emitted: int) -> None:
-        """Count an emit refused as it came (``emitted``: the count of emits with it) as
-        one a wait begun before it does not wait for (see :meth:`_written`)."""
-        if emitted > self._wait_mark:
-            self._unqueued += 1
+    def _refused_emit(self, emitted: int) -> None:
+        """Count an emit refused as it came (``emitted``: its sequence) as later for each
+        wait begun before it (see :meth:`_written`). Before it counts as processed: a wait
+        that saw it processed first (this may be another thread) ended an item early."""
+        for wait in self._waits:
+            if emitted > wait.mark:
+                wait.later += 1
+
+    def _count_later(self, items: list[_Item]) -> None:
+        """Count, for each wait, the items of ``items`` emitted after it began, as they are
+        processed (see :meth:`_written`)."""
+        for wait in self._waits:
+            later = sum(item[_SEQUENCE] > wait.mark for item in items)
+            # Summed first: summed inside the +=, the +1 of another thread's emit refused
+            # between the read of ``later`` and its write would be lost.
+            wait.later += later
 
     def _may_collect(self) -> bool:
         """Whether a collection of the garbage collector, which stalls the event loop, may
@@ -518,17 +555,41 @@ class ObservationWriter:
         """Count what the writer holds as dropped, for ``reason``, and let it go: its
         batches in flight (those validated ahead among them), and the queue too when
         ``queued``; how many."""
-        lost = self._inflight + (len(self._queue) if queued else 0)
-        if queued:
-            self._queue.clear()
+        taken = self._taken_off_queue() if queued else []
+        lost = self._inflight + len(taken)
+        self._count_later([*taken, *self._held_items()])
+        self._validating.clear()
         self._ahead_batches.clear()
         self._appending.clear()
         self._unsettled.clear()
         self._inflight = self._ahead = 0
-        self._held_bytes = sum(item[5] for item in self._queue)
+        # What another thread queued meanwhile (a copy: iterating the queue raises if it
+        # appends).
+        self._held_bytes = sum(item[5] for item in self._queue.copy())
         if lost:
             self._drop(lost, reason)
         return lost
+
+    def _held_items(self) -> list[_Item]:
+        """The items the writer holds (see :meth:`_drop_held`): those it validates, and
+        those of its batches."""
+        return [
+            *self._validating.values(),
+            *chain.from_iterable(items for items, _ in self._ahead_batches),
+            *chain.from_iterable(items for items, _, _ in self._appending.values()),
+            *chain.from_iterable(items for items, _, _ in self._unsettled),
+        ]
+
+    def _taken_off_queue(self) -> list[_Item]:
+        """What the queue holds, taken off it an item at a time: another thread may
+        append meanwhile (it stays queued), or take too (an emit that found the loop
+        closed), and a deque's append and popleft are atomic where iterating it raises."""
+        queue = self._queue
+        taken: list[_Item] = []
+        with contextlib.suppress(IndexError):  # (taken by that other thread)
+            for _ in range(len(queue)):
+                taken.append(queue.popleft())
+        return taken
 
     async def _write_batches(self) -> None:
         """Take batches off the queue and store them. One append at a time, and what
@@ -600,8 +661,15 @@ class ObservationWriter:
         count = min(self._batch_size, len(self._queue))
         items = [self._queue.popleft() for _ in range(count)]
         self._inflight += len(items)
-        with collector_scope(self.hold_gc, self._may_collect):
-            return await self._validate(items)
+        self._validating = {item[_SEQUENCE]: item for item in items}
+        try:
+            with collector_scope(self.hold_gc, self._may_collect):
+                batch = await self._validate(items)
+        except asyncio.CancelledError:
+            self._validating.clear()  # back at the front of the queue (see _validate)
+            raise
+        self._validating.clear()  # in the batch now, or rejected
+        return batch
 
     def _appended(
         self,
@@ -730,6 +798,7 @@ class ObservationWriter:
         if key is not None and self._appending.pop(key, None) is None:
             self._progress.set()
             return
+        self._count_later(items)
         self._held_bytes = max(0, self._held_bytes - sum(item[5] for item in items))  # bytes
         self._inflight -= len(items)
         self._progress.set()
@@ -796,7 +865,7 @@ class ObservationWriter:
                     self._queue.extendleft(reversed(back))
                     self._inflight -= len(back)
                     raise
-            identity_id, kind, content, session_id, created_at, _, emitted = item[:_METADATA]
+            identity_id, kind, content, session_id, created_at, _, emitted, _ = item[:_METADATA]
             try:
                 if emitted is None:
                     metadata = dict(zip(item[_METADATA::2], item[_METADATA + 1 :: 2], strict=True))
@@ -817,6 +886,7 @@ class ObservationWriter:
                 # By its class only: a host's object raised it, and its message may
                 # quote anything the observation held.
                 reason = f"unexpected {type(error).__name__}"
+            self._validating.pop(item[_SEQUENCE], None)
             self._settled([item])
             self._reject(identity_id, reason)
         self._future_clamped += clamped
@@ -843,24 +913,32 @@ class ObservationWriter:
         by a host's shutdown), and unless close() stopped it, which counted what it held
         (and counts what another thread queued since, :meth:`_lost_after_close`).
 
-        Emits refused as they came count on neither side once they began after the wait
-        did (:attr:`_unqueued`): counted, those of the wait's own time (a closing service
-        drops every emit, a full queue drops the overflow) made the processed count
-        reach the target while what was queued before still waited, and close() then
-        dropped it without waiting out its timeout. One that began before (another
-        thread's, under way) counts as processed, as it is in the target."""
-        self._wait_mark = target = self._emitted
-        target -= self._unqueued
-        self._events()
-        assert self._progress is not None and self._wakeup is not None
-        while self._processed - self._unqueued < target:
-            self._progress.clear()
-            self._lost_after_close()
-            if self._processed - self._unqueued >= target:
-                break
-            self._ensure_writer(loop)
-            self._wakeup.set()
-            await self._progress.wait()
+        Which emits, not how many: the wait's mark is the sequence of the last emit
+        before it, and it ends once every emit up to the mark is processed, told by the
+        processed count less what came after the mark (:attr:`_Wait.later`, counted by
+        each item's sequence as it is processed, and by each emit refused as it came).
+        By counts alone, an append of later items that ended before the one of earlier
+        items (two are in flight under a backlog) ended the wait with those still
+        unstored, as did emits refused during the wait (a closing service drops every
+        emit, a full queue the overflow): close() then dropped what was queued before
+        without waiting out its timeout. An emit that began before the wait (another
+        thread's, under way) is waited for, stored or refused, as it is in the mark."""
+        wait = _Wait()
+        self._waits = (*self._waits, wait)  # listed before its mark is read (see _Wait)
+        try:
+            wait.mark = self._emitted
+            self._events()
+            assert self._progress is not None and self._wakeup is not None
+            while self._processed - wait.later < wait.mark:
+                self._progress.clear()
+                self._lost_after_close()
+                if self._processed - wait.later >= wait.mark:
+                    break
+                self._ensure_writer(loop)
+                self._wakeup.set()
+                await self._progress.wait()
+        finally:
+            self._waits = tuple(other for other in self._waits if other is not wait)
 
     def _forget_queued(self, identity_id: str) -> int:
         """Drop (and count) the identity's observations still in the queue; how many.
@@ -870,19 +948,19 @@ class ObservationWriter:
         deque's append and popleft are atomic), and an item it appends is never lost, as
         it was to a copy of the queue put in its place."""
         queue = self._queue
-        dropped = freed = 0
+        dropped: list[_Item] = []
         for _ in range(len(queue)):
             item = queue.popleft()
             if item[0] == identity_id:
-                dropped += 1
-                freed += item[5]
+                dropped.append(item)
             else:
                 queue.append(item)
         if dropped:
-            self._held_bytes -= freed
-            self._dropped += dropped  # asked for (forget): counted, with no warning
+            self._count_later(dropped)
+            self._held_bytes -= sum(item[5] for item in dropped)
+            self._dropped += len(dropped)  # asked for (forget): counted, with no warning
             self._wake_waiters()
-        return dropped
+        return len(dropped)
 
     async def _stop_writer(self) -> None:
         """Stop the writer for good (waiting at most CLOSE_GRACE); drop and count what it

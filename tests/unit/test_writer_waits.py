@@ -1,0 +1,140 @@
+"""What drain() (and so close() and forget()) waits for: every observation emitted before
+it began, told by which emits they were, not by how many were processed. An append of
+later observations that ends first, and an emit of another thread refused between two
+drains, are processed without ending a drain that still has earlier ones to wait for.
+
+The store is the in-memory one, whose first append waits until the test lets it go.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import pytest
+
+from coda_memory import MemoryService
+from coda_memory import writer as writer_module
+from coda_memory.ports import AppendOutcome, ObservationRecord
+from coda_memory.testing import InMemoryStore
+from tests.helpers import FakeClock, tool_ok
+
+#: On both event loops (see tests/conftest.py).
+pytestmark = pytest.mark.both_loops
+
+
+class FirstAppendHeld(InMemoryStore):
+    """An in-memory store whose first append waits for :attr:`release`; the others go
+    through. :attr:`first_began` is set once the first has begun."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first_began = asyncio.Event()
+        self.release = asyncio.Event()
+        self.appends = 0
+
+    async def append(
+        self,
+        records: Sequence[ObservationRecord],
+        *,
+        batch_key: str | None = None,
+        first_attempt: bool = False,
+    ) -> AppendOutcome:
+        self.appends += 1
+        if self.appends == 1:
+            self.first_began.set()
+            await self.release.wait()
+        return await super().append(records, batch_key=batch_key, first_attempt=first_attempt)
+
+
+async def _stored_sessions(store: InMemoryStore) -> set[str | None]:
+    """The sessions of u1's stored observations (each test's are all u1's, one each)."""
+    return {observation.session_id for observation in await store.observations("u1")}
+
+
+async def _until(condition: Any) -> None:
+    async with asyncio.timeout(5):
+        while not condition():
+            await asyncio.sleep(0)
+
+
+async def test_a_drain_waits_for_an_earlier_append_that_a_later_one_overtakes() -> None:
+    """Two appends run at once under a backlog: the second, of observations emitted after
+    the drain began, ended first, its count made up the drain's, and the drain returned
+    with the observations emitted before it not stored."""
+    store = FirstAppendHeld()
+    service = MemoryService(store, clock=FakeClock(), batch_size=2)
+    try:
+        for n in (1, 2):
+            service.emit_observation("u1", tool_ok("get_account", f"before{n}"))
+        async with asyncio.timeout(5):
+            await store.first_began.wait()
+        draining = asyncio.ensure_future(service.drain())
+        await asyncio.sleep(0)  # the drain's first step: it waits for before1 and before2
+        for n in (1, 2, 3, 4):  # two full batches: the first beside the held append
+            service.emit_observation("u1", tool_ok("get_account", f"after{n}"))
+        # The second batch goes once the first is counted: the drain has looked since.
+        await _until(lambda: service.stats().stored == 4)
+        assert await _stored_sessions(store) == {"after1", "after2", "after3", "after4"}
+        assert not draining.done()
+        store.release.set()
+        async with asyncio.timeout(5):
+            await draining
+        assert len(await _stored_sessions(store)) == 6
+        stats = service.stats()
+        assert (stats.emitted, stats.stored, stats.pending) == (6, 6, 0)
+    finally:
+        store.release.set()
+        await service.close()
+
+
+async def test_an_emit_refused_between_two_drains_ends_neither_early(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Another thread's emit began after the first drain and before the second, and was
+    refused after both had begun: the wait mark was the second's alone, so it counted as
+    processed for the first too, which returned with the observation it waited for not
+    stored."""
+    store = FirstAppendHeld()
+    service = MemoryService(store, clock=FakeClock(), queue_bytes=4096)
+    entered, go_on = threading.Event(), threading.Event()
+    sizing = writer_module._approximate_bytes
+
+    def paused(obs: Any) -> int:
+        if threading.current_thread() is not threading.main_thread():
+            entered.set()
+            go_on.wait(5)
+        return sizing(obs)
+
+    monkeypatch.setattr(writer_module, "_approximate_bytes", paused)
+    too_large = tool_ok("get_account", "refused").model_copy(update={"content": "x" * 8192})
+    thread = threading.Thread(target=lambda: service.emit_observation("u1", too_large))
+    try:
+        service.emit_observation("u1", tool_ok("get_account", "waited"))
+        async with asyncio.timeout(5):
+            await store.first_began.wait()
+        first = asyncio.ensure_future(service.drain())
+        await asyncio.sleep(0)  # the first drain's first step: it waits for "waited"
+        thread.start()
+        await asyncio.to_thread(entered.wait, 5)  # that emit is under way
+        second = asyncio.ensure_future(service.drain())
+        await asyncio.sleep(0)  # the second drain's first step: it waits for both
+        go_on.set()
+        # Dropped (larger than queue_bytes), it woke the drains before the join returned
+        # (through the loop, in order): they have looked since.
+        await asyncio.to_thread(thread.join)
+        assert service.stats().dropped == 1
+        assert not first.done()
+        assert not second.done()
+        store.release.set()
+        async with asyncio.timeout(5):
+            await asyncio.gather(first, second)
+        assert await _stored_sessions(store) == {"waited"}
+        stats = service.stats()
+        assert (stats.emitted, stats.stored, stats.dropped, stats.pending) == (2, 1, 1, 0)
+    finally:
+        go_on.set()
+        store.release.set()
+        await service.close()
