@@ -291,6 +291,7 @@ class ObservationWriter:
             except _TooManyValues:
                 self._refused_emit(emitted)
                 self._reject(identity_id, "metadata is larger than 16 KiB")
+                self._wake_waiters()  # (a drain may wait for it: another thread's)
                 return
             # A service whose event loop is closed (an asyncio.run() that ended) has no
             # writer that could store it: queued, it stayed pending for ever.

@@ -15,8 +15,9 @@ from typing import Any
 
 import pytest
 
-from coda_memory import MemoryService
+from coda_memory import MemoryService, NewObservation, ObservationType
 from coda_memory import writer as writer_module
+from coda_memory.core.sanitize import MAX_METADATA_BYTES
 from coda_memory.ports import AppendOutcome, ObservationRecord
 from coda_memory.testing import InMemoryStore
 from tests.helpers import FakeClock, tool_ok
@@ -60,6 +61,24 @@ async def _until(condition: Any) -> None:
             await asyncio.sleep(0)
 
 
+def _paused_off_the_main_thread(
+    monkeypatch: pytest.MonkeyPatch,
+) -> tuple[threading.Event, threading.Event]:
+    """Hold an emit of another thread once its sequence is taken (as it sizes the
+    observation): set, the first event says it is held, the second lets it go on."""
+    entered, go_on = threading.Event(), threading.Event()
+    sizing = writer_module._approximate_bytes
+
+    def paused(obs: Any) -> int:
+        if threading.current_thread() is not threading.main_thread():
+            entered.set()
+            go_on.wait(5)
+        return sizing(obs)
+
+    monkeypatch.setattr(writer_module, "_approximate_bytes", paused)
+    return entered, go_on
+
+
 async def test_a_drain_waits_for_an_earlier_append_that_a_later_one_overtakes() -> None:
     """Two appends run at once under a backlog: the second, of observations emitted after
     the drain began, ended first, its count made up the drain's, and the drain returned
@@ -99,16 +118,7 @@ async def test_an_emit_refused_between_two_drains_ends_neither_early(
     stored."""
     store = FirstAppendHeld()
     service = MemoryService(store, clock=FakeClock(), queue_bytes=4096)
-    entered, go_on = threading.Event(), threading.Event()
-    sizing = writer_module._approximate_bytes
-
-    def paused(obs: Any) -> int:
-        if threading.current_thread() is not threading.main_thread():
-            entered.set()
-            go_on.wait(5)
-        return sizing(obs)
-
-    monkeypatch.setattr(writer_module, "_approximate_bytes", paused)
+    entered, go_on = _paused_off_the_main_thread(monkeypatch)
     too_large = tool_ok("get_account", "refused").model_copy(update={"content": "x" * 8192})
     thread = threading.Thread(target=lambda: service.emit_observation("u1", too_large))
     try:
@@ -137,4 +147,36 @@ async def test_an_emit_refused_between_two_drains_ends_neither_early(
     finally:
         go_on.set()
         store.release.set()
+        await service.close()
+
+
+async def test_a_drain_waiting_for_an_emit_of_another_thread_rejected_as_it_came_returns(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The emit was under way as the drain began, so the drain waited for it; rejected
+    as it came (metadata of more values than validation takes), it was counted without
+    waking the drain, which waited for something else to be processed: for ever, when
+    nothing else came."""
+    service = MemoryService(InMemoryStore(), clock=FakeClock())
+    entered, go_on = _paused_off_the_main_thread(monkeypatch)
+    rows = list(range(MAX_METADATA_BYTES + 1))
+    too_many = NewObservation.model_construct(
+        type=ObservationType.TOOL_SUCCESS, content="", metadata={"toolName": "t", "rows": rows}
+    )
+    thread = threading.Thread(target=lambda: service.emit_observation("u1", too_many))
+    try:
+        service.emit_observation("u1", tool_ok("get_account", "warmup"))
+        await service.drain()
+        thread.start()
+        await asyncio.to_thread(entered.wait, 5)  # that emit is under way
+        draining = asyncio.ensure_future(service.drain())
+        await asyncio.sleep(0)  # the drain's first step: it waits for that emit
+        go_on.set()
+        await asyncio.to_thread(thread.join)
+        async with asyncio.timeout(5):
+            await draining
+        stats = service.stats()
+        assert (stats.emitted, stats.stored, stats.rejected, stats.pending) == (2, 1, 1, 0)
+    finally:
+        go_on.set()
         await service.close()
