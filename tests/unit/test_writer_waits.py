@@ -3,12 +3,14 @@ it began, told by which emits they were, not by how many were processed. An appe
 later observations that ends first, and an emit of another thread refused between two
 drains, are processed without ending a drain that still has earlier ones to wait for.
 
-The store is the in-memory one, whose first append waits until the test lets it go.
+The store is the in-memory one, its appends held until the test lets them go, or made
+to end in an order drawn from a seed.
 """
 
 from __future__ import annotations
 
 import asyncio
+import random
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -50,6 +52,26 @@ class FirstAppendHeld(InMemoryStore):
         return await super().append(records, batch_key=batch_key, first_attempt=first_attempt)
 
 
+class AppendsInAnyOrder(InMemoryStore):
+    """An in-memory store whose appends each take a number of turns of the event loop
+    drawn from ``rng``: two in flight end in either order."""
+
+    def __init__(self, rng: random.Random) -> None:
+        super().__init__()
+        self.rng = rng
+
+    async def append(
+        self,
+        records: Sequence[ObservationRecord],
+        *,
+        batch_key: str | None = None,
+        first_attempt: bool = False,
+    ) -> AppendOutcome:
+        for _ in range(self.rng.randrange(30)):
+            await asyncio.sleep(0)
+        return await super().append(records, batch_key=batch_key, first_attempt=first_attempt)
+
+
 async def _stored_sessions(store: InMemoryStore) -> set[str | None]:
     """The sessions of u1's stored observations (each test's are all u1's, one each)."""
     return {observation.session_id for observation in await store.observations("u1")}
@@ -59,6 +81,47 @@ async def _until(condition: Any) -> None:
     async with asyncio.timeout(5):
         while not condition():
             await asyncio.sleep(0)
+
+
+async def _drains_that_ended_early(seed: int) -> list[int]:
+    """Emits, drains and turns of the loop in an order drawn from ``seed``, over
+    appends that end in any order; the drains (by how many emits came before each) that
+    returned with one of those not stored."""
+    rng = random.Random(seed)
+    store = AppendsInAnyOrder(rng)
+    service = MemoryService(store, clock=FakeClock(), batch_size=rng.choice([1, 2, 3, 5]))
+    emitted: list[str] = []
+    early: list[int] = []
+
+    async def drain(before: list[str]) -> None:
+        await service.drain(timeout=5)
+        if not set(before) <= await _stored_sessions(store):
+            early.append(len(before))
+
+    drains = []
+    try:
+        for step in range(300):
+            draw = rng.random()
+            if draw < 0.7:
+                emitted.append(f"s{step}")
+                service.emit_observation("u1", tool_ok("get_account", emitted[-1]))
+            elif draw < 0.85:
+                drains.append(asyncio.ensure_future(drain(list(emitted))))
+            else:
+                for _ in range(rng.randrange(1, 5)):
+                    await asyncio.sleep(0)
+        await asyncio.gather(*drains, drain(emitted))
+        assert service.stats().stored == len(emitted)
+    finally:
+        await service.close()
+    return early
+
+
+async def test_drains_wait_for_what_came_before_them_whatever_order_appends_end_in() -> None:
+    """Drains begun between emits, over appends of random lengths: each returns with
+    every observation emitted before it stored (by counts, some returned early)."""
+    for seed in range(40):
+        assert await _drains_that_ended_early(seed) == [], f"seed {seed}"
 
 
 def _paused_off_the_main_thread(
