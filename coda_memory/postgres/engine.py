@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import inspect
 import weakref
@@ -190,7 +191,40 @@ def create_engine(
 
     # On the engine, so that the pools that replace this one keep it.
     event.listen(engine.sync_engine, "connect", connected)
+    event.listen(engine.sync_engine, "do_connect", _opening_runs_to_its_end)
     return engine
+
+
+def _opening_runs_to_its_end(_dialect: Any, _record: Any, _cargs: Any, cparams: Any) -> None:
+    """Have the driver open each connection of the engine with :func:`_opened`."""
+    cparams.setdefault("async_creator_fn", _opened)
+
+
+async def _opened(*args: Any, **kwargs: Any) -> Any:
+    """``asyncpg.connect(*args, **kwargs)`` in a task of its own, which a cancellation of
+    the caller does not cut short: the caller's cancellation is raised at once, and the
+    connection the task opens all the same is closed as it comes (it reached no pool).
+
+    Cut short between the socket's connection and its protocol's start (under the
+    default ``sslmode``, prefer), asyncpg's TLS negotiation was left with a future that
+    failed with ``ConnectionError('unexpected connection_lost() call')`` and that nobody
+    read: asyncio logged "Future exception was never retrieved" when it was freed, once
+    for each connection that a cancelled call was opening (many after the server ended
+    the connections, as every call opens a new one)."""
+    opening = asyncio.ensure_future(asyncpg.connect(*args, **kwargs))
+    try:
+        return await asyncio.shield(opening)
+    except asyncio.CancelledError:
+        opening.add_done_callback(_close_unclaimed)
+        raise
+
+
+def _close_unclaimed(opening: asyncio.Future[Any]) -> None:
+    """Close the connection that ``opening`` opened for a caller that is gone; its error,
+    if it failed, is read (it has no caller to raise it to)."""
+    if opening.cancelled() or opening.exception() is not None:
+        return
+    opening.result().terminate()
 
 
 #: The asyncpg connections that each engine of :func:`create_engine` opened.

@@ -10,6 +10,7 @@ these bugs; then it reads the server's own view of the backends.
 from __future__ import annotations
 
 import asyncio
+import gc
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -158,3 +159,37 @@ async def test_a_cancelled_close_still_releases_every_connection(
         assert await backends_once_closed(admin_url, database) == 0
     finally:
         await service.close()
+
+
+async def test_a_call_cancelled_while_it_opens_a_connection_leaves_no_error_for_asyncio_to_log(
+    pg_store: PostgresStore, admin_url: str
+) -> None:
+    """Cut short between the socket's connection and its protocol's start, asyncpg's TLS
+    negotiation (sslmode prefer) left a future failed with "unexpected connection_lost()
+    call" that nobody read, and asyncio logged "Future exception was never retrieved"
+    once it was freed: after the server ended the pool's connections, every call opens a
+    new one, and a host cancels some of them (a client gone, a deadline). Each opening is
+    cancelled here after one more turn of the loop than the one before, so one of them
+    lands in that step; the connections the openings made all the same are closed."""
+    database = pg_store.engine.url.database
+    loop = asyncio.get_running_loop()
+    reported: list[str] = []
+    handler = loop.get_exception_handler()
+    loop.set_exception_handler(lambda _loop, context: reported.append(context["message"]))
+    try:
+        for turns in range(40):
+            opening = asyncio.ensure_future(connection.connect(pg_store.engine))
+            for _ in range(turns):
+                await asyncio.sleep(0)  # (one turn of the loop)
+            opening.cancel()
+            try:
+                opened = await opening
+            except asyncio.CancelledError:
+                continue
+            await opened.invalidate()  # (the next opening makes a new one)
+            await opened.close()
+        assert await backends_once_closed(admin_url, database) == 0
+        gc.collect()  # (asyncio logs a failed future that nobody read when it is freed)
+    finally:
+        loop.set_exception_handler(handler)
+    assert reported == []
