@@ -59,13 +59,15 @@ most one in flight (single flight).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import dataclasses
 import itertools
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Collection
+import warnings
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Collection
 from contextlib import asynccontextmanager
 from datetime import UTC, datetime, timedelta
 from typing import Any, TypeVar, cast
@@ -157,6 +159,10 @@ ANSWER_BY = 0.95
 COLLECTION_BEFORE = 1 / 3
 #: Consolidations (and peeks) in flight at once, unless the store says otherwise.
 DEFAULT_MAX_CONSOLIDATIONS = 8
+#: How long a service that its host never closed takes, as its event loop ends, to store
+#: what is queued before it releases the store (see ``MemoryService._watch_loop_end``): the
+#: host did not ask for the wait, and its shutdown waits for it.
+CLOSE_AT_LOOP_END = 5.0
 #: How long ``forget`` waits for the observations this service is storing (some may be
 #: the identity's) before it erases what is stored: past it (the store unreachable, the
 #: table held), it raises TimeoutError and erases nothing stored.
@@ -275,6 +281,13 @@ def system_clock() -> datetime:
 #: The longest ``retention`` and ``max_clock_skew`` (much longer ones made every
 #: consolidation, or the writer, fail).
 MAX_DURATION = MAX_SPAN
+
+#: The services not yet closed on a running event loop, each with the async generator that
+#: closes it when its loop ends (``MemoryService._watch_loop_end``). The loop holds its
+#: async generators weakly: held only by a host that dropped it unclosed, a service was
+#: collected with its writer's task still pending on the loop ("Task was destroyed but it
+#: is pending!"), and its connections with it.
+_WATCHED: dict[MemoryService, AsyncGenerator[None, None]] = {}
 
 
 class MemoryService(ObservationWriter):
@@ -395,6 +408,11 @@ class MemoryService(ObservationWriter):
         self._answers = itertools.count()
         #: The loads whose steps may run on the loop now (see STEPPING_AT_ONCE).
         self._stepping = asyncio.Semaphore(STEPPING_AT_ONCE)
+        #: The async generator that closes the service when its event loop ends, while
+        #: one is parked on the loop (see ``_watch_loop_end``).
+        self._loop_end: AsyncGenerator[None, None] | None = None
+        #: Closed by the end of its event loop, not by the host (see ``_check_open``).
+        self._closed_by_loop_end = False
         self._telemetry.observe(self.stats)
 
     @classmethod
@@ -493,12 +511,7 @@ class MemoryService(ObservationWriter):
 
     async def _consolidated(self, identity_id: str) -> tuple[list[Fact], str | None]:
         """:meth:`consolidate`, with the version of the facts (see ``_consolidate``)."""
-        loop = self._check_loop()
-        if self._loop is None:  # the store's connections will belong to this loop
-            self._loop, self._loop_thread = loop, threading.get_ident()
-            if self._queue:  # emitted by other threads before any loop was bound
-                self._ensure_writer(loop)
-                self._signal()
+        self._bind(self._check_loop())
         with self._telemetry.span("consolidate") as span:
             if span is None:
                 return await self._consolidate(identity_id)
@@ -684,8 +697,93 @@ class MemoryService(ObservationWriter):
     def _check_open(self) -> None:
         """ServiceClosed once ``close`` began: a closed service's store would otherwise
         open new connections that nothing closes."""
+        if self._closed_by_loop_end:
+            raise ServiceClosed(
+                "the memory service closed itself when its event loop ended without "
+                "close() (a service lives on one event loop: make it inside the "
+                "asyncio.run() that uses it, and close it there)"
+            )
         if self._closed:
             raise ServiceClosed("the memory service is closed")
+
+    def _bind(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Bind the service to ``loop``, the running one, unless it is bound: the store's
+        connections will belong to it. (Left unbound by ``facts`` or ``history``, a
+        service used them on the next loop, where they failed with "Event loop is
+        closed".)"""
+        if self._loop is None:
+            self._loop, self._loop_thread = loop, threading.get_ident()
+            if self._queue:  # emitted by other threads before any loop was bound
+                self._ensure_writer(loop)
+                self._signal()
+        self._watch_loop_end()
+
+    def _ensure_writer(self, loop: asyncio.AbstractEventLoop) -> None:
+        """The writer's, then the watch of the loop's end (the first emit may bind the
+        service to its loop)."""
+        super()._ensure_writer(loop)
+        if self._loop is loop:
+            self._watch_loop_end()
+
+    def _watch_loop_end(self) -> None:
+        """Have the running loop close the service when it ends, unless ``close`` does
+        first: an async generator parked on the loop, which the loop's
+        ``shutdown_asyncgens()`` closes once every task is cancelled, while the loop still
+        runs (``asyncio.run()``, ``asyncio.Runner``, uvicorn and pytest-asyncio call it
+        before they close the loop). Its ``finally`` closes the service there.
+
+        Left open when its loop ended, the service left its writer and its connections to
+        the garbage collector, which reported them at exit ("Task was destroyed but it is
+        pending!", SQLAlchemy's "non-checked-in connection", "Event loop is closed"), and
+        lost what was queued."""
+        if self._loop_end is not None or self._closed:
+            return
+        watch = self._closing_at_loop_end()
+        # To its ``yield``, now: the loop's first-iteration hook registers it.
+        with contextlib.suppress(StopIteration):
+            watch.asend(None).send(None)
+        self._loop_end = _WATCHED[self] = watch
+        for service in list(_WATCHED):  # (a copy: services of other threads' loops)
+            if service._loop is not None and service._loop.is_closed():
+                # Closed under it without the loop's shutdown (``loop.close()`` alone):
+                # nothing will close it, and held here it would never be collected.
+                _WATCHED.pop(service, None)
+
+    async def _closing_at_loop_end(self) -> AsyncGenerator[None, None]:
+        """Parked at its ``yield`` until the loop's ``shutdown_asyncgens()`` (or
+        ``close``) closes it; then closes the service unless it is closed."""
+        try:
+            yield
+        finally:
+            self._loop_end = None
+            _WATCHED.pop(self, None)
+            if not self._closed:
+                await self._close_as_the_loop_ends()
+
+    async def _close_as_the_loop_ends(self) -> None:
+        """Close the service, its host having not: what is queued is stored (for up to
+        CLOSE_AT_LOOP_END), the store released, and one ResourceWarning says so (shown in
+        development mode and by pytest, as for a file left open), after the closing: a
+        warning made an error (``-W error``) must not keep it from closing."""
+        self._closed_by_loop_end = True
+        try:
+            await self.close(CLOSE_AT_LOOP_END)
+        finally:
+            warnings.warn(
+                "a MemoryService was not closed before its event loop ended; it closed "
+                "itself then (call `await memory.close()` at shutdown, or use "
+                "`async with memory:`)",
+                ResourceWarning,
+                stacklevel=1,  # (no frame of the host's calls it)
+                source=self,
+            )
+
+    async def _stop_watching_loop_end(self) -> None:
+        """Close the async generator parked on the loop (``close`` ended first)."""
+        watch, self._loop_end = self._loop_end, None
+        _WATCHED.pop(self, None)
+        if watch is not None:
+            await watch.aclose()
 
     @asynccontextmanager
     async def _using_store(self) -> AsyncIterator[None]:
@@ -695,7 +793,7 @@ class MemoryService(ObservationWriter):
         is left open until the garbage collector finds it.) RuntimeError on an event loop
         other than the service's: its connections belong to that loop."""
         self._check_open()
-        self._check_loop()
+        self._bind(self._check_loop())
         self._calls_in_flight += 1
         try:
             yield
@@ -741,6 +839,12 @@ class MemoryService(ObservationWriter):
         :data:`ANSWER_BY` of it; and when that runs out, the fallback (the facts of the
         identity's last consolidation, or empty)."""
         loop = asyncio.get_running_loop()
+        if self._closed_by_loop_end:  # (see _check_open)
+            return self._refused(
+                "closed",
+                "load_memory after the service's event loop ended without close(), which "
+                "closed it (make one service per event loop)",
+            )
         if self._closed:  # its store is closed: asking it would open connections again
             return self._refused("closed", "load_memory after close()")
         if self._loop is not None and self._loop is not loop:
@@ -1157,6 +1261,7 @@ class MemoryService(ObservationWriter):
                     # The counts of lines held back that no later line reported.
                     flush_held()
                     done.set()
+                    await self._stop_watching_loop_end()
 
     async def _release_store(self) -> None:
         """Close the store, waiting at most CLOSE_GRACE."""

@@ -1,18 +1,23 @@
 """The writer under faults it can't fix by retrying: an error in the rollup, a database
-that is down (memory and log volume), a second event loop."""
+that is down (memory and log volume), a second event loop, an event loop that ends
+without close()."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import socket
+import warnings
+import weakref
 from collections.abc import Awaitable, Callable, Sequence
 from functools import partial
 from typing import Any
 
 import psutil
 import pytest
+import uvloop
 from sqlalchemy.engine import make_url
 
 from coda_memory import (
@@ -22,14 +27,15 @@ from coda_memory import (
     ObservationType,
     migrate_async,
 )
-from coda_memory.errors import ConnectionLost
+from coda_memory import service as service_module
+from coda_memory.errors import ConnectionLost, ServiceClosed
 from coda_memory.ports import AppendOutcome, ObservationRecord
 from coda_memory.postgres import store as store_module
 from coda_memory.postgres.append import append_observations
 from coda_memory.postgres.connection import READ_ONLY_PAUSE
 from coda_memory.writer import CLOSE_GRACE
 from tests.helpers import FakeClock, tool_ok
-from tests.postgres.helpers import fetch, locked, until_waiting
+from tests.postgres.helpers import backends_once_closed, fetch, locked, until_waiting
 
 #: On both event loops (see tests/conftest.py).
 pytestmark = pytest.mark.both_loops
@@ -341,9 +347,161 @@ def test_a_service_used_from_a_second_event_loop_fails_at_once() -> None:
         with pytest.raises(RuntimeError, match="event loop"):
             await asyncio.wait_for(service.consolidate("alice"), 1)
 
-    asyncio.run(first())
-    asyncio.run(second())
+    async def back_on_the_first() -> None:
+        await service.close()
+
+    with asyncio.Runner() as runner:  # (the first loop runs on, between its runs)
+        runner.run(first())
+        asyncio.run(second())
+        runner.run(back_on_the_first())
     assert service.stats().stored == 1
+
+
+def test_a_service_whose_loop_ended_unclosed_says_so_on_the_next_loop(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Two asyncio.run() calls with one service: the second failed with an error that
+    named no cause ("Event loop is closed", from a connection of the first loop), or with
+    one that offered no way out (close() raised the same, for ever). The first loop's end
+    closes the service now, storing what was queued, and the next loop is told so."""
+    service = MemoryService.from_url("memory://", clock=FakeClock())
+
+    async def first() -> None:
+        service.emit_observation("alice", tool_ok("get_account"))
+        service.emit_observation("alice", tool_ok("run_sql"))  # queued as the loop ends
+
+    async def second() -> None:
+        with pytest.raises(ServiceClosed, match=r"event loop ended without close\(\)"):
+            await service.consolidate("alice")
+        with caplog.at_level(logging.WARNING, "coda_memory"):
+            loaded = await service.load_memory("alice")
+        assert loaded.facts == []
+        assert "after the service's event loop ended without close()" in caplog.text
+        await asyncio.wait_for(service.drain(5), 1)  # (closed: nothing queued)
+        await asyncio.wait_for(service.close(), 1)
+
+    with pytest.warns(ResourceWarning, match="was not closed before its event loop ended"):
+        asyncio.run(first())
+    asyncio.run(second())
+    stats = service.stats()
+    assert (stats.emitted, stats.stored, stats.pending, stats.load_errors) == (2, 2, 0, 1)
+
+
+@pytest.mark.parametrize(
+    "new_loop", [asyncio.new_event_loop, uvloop.new_event_loop], ids=["asyncio", "uvloop"]
+)
+def test_a_service_never_closed_closes_quietly_as_its_loop_ends(
+    pg_url: str, caplog: pytest.LogCaptureFixture, new_loop: Callable[[], asyncio.AbstractEventLoop]
+) -> None:
+    """A host that never closed its service (no close(), no async with) lost what was
+    queued as its asyncio.run() ended, left its connections to the garbage collector, and
+    the interpreter printed, at exit: "Task was destroyed but it is pending!" (the
+    writer), SQLAlchemy's "non-checked-in connection", "Event loop is closed". As the
+    loop ends, the service now stores what is queued and releases its connections; one
+    ResourceWarning says it was not closed (shown under -X dev and by pytest)."""
+    database = make_url(pg_url).database
+    admin = make_url(pg_url).set(database="postgres").render_as_string(False)
+
+    async def serve() -> None:
+        service = MemoryService.from_url(pg_url)  # the host's only reference
+        await service.start()
+        service.emit_observation("alice", tool_ok("get_account"))
+        await service.drain(5)
+        assert (await service.load_memory("alice")).facts
+        assert await service.history("alice")
+        for n in range(20):  # queued as the loop ends
+            service.emit_observation("alice", tool_ok(f"tool_{n}"))
+        served.append(service)
+
+    served: list[MemoryService] = []
+    with caplog.at_level(logging.WARNING), warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        with asyncio.Runner(loop_factory=new_loop) as runner:
+            runner.run(serve())
+        gc.collect()  # (what was left to the collector reports as it is freed)
+    assert [str(warning.message) for warning in seen] == [
+        "a MemoryService was not closed before its event loop ended; it closed itself then "
+        "(call `await memory.close()` at shutdown, or use `async with memory:`)"
+    ]
+    assert seen[0].category is ResourceWarning
+    assert [r.getMessage() for r in caplog.records if not r.name.startswith("coda_memory")] == []
+    stats = served[0].stats()
+    assert (stats.emitted, stats.stored, stats.dropped, stats.pending) == (21, 21, 0, 0)
+    assert asyncio.run(backends_once_closed(admin, database)) == 0
+
+
+def test_a_service_the_host_dropped_unclosed_lives_until_its_loop_ends(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Held by nothing but its own writer, a service that the host dropped was collected
+    while its loop ran on, its writer with it: "Task was destroyed but it is pending!",
+    and what it had queued was lost. It now lives until close(), or the loop's end."""
+    stored: list[MemoryService] = []
+
+    async def serve() -> None:
+        service = MemoryService.from_url("memory://", clock=FakeClock())
+        service.emit_observation("alice", tool_ok("get_account"))
+        await service.drain(5)
+        service.emit_observation("alice", tool_ok("run_sql"))  # queued
+        watched = weakref.ref(service)
+        del service
+        gc.collect()
+        survivor = watched()
+        assert survivor is not None
+        stored.append(survivor)
+
+    with (
+        caplog.at_level(logging.WARNING),
+        pytest.warns(ResourceWarning, match="was not closed before its event loop ended"),
+    ):
+        asyncio.run(serve())
+    assert [r.getMessage() for r in caplog.records if r.name == "asyncio"] == []
+    stats = stored[0].stats()
+    assert (stats.emitted, stats.stored, stats.pending) == (2, 2, 0)
+
+
+def test_facts_on_a_first_loop_bind_the_service_to_it(pg_url: str) -> None:
+    """facts() and history() left the service unbound: on the next loop it used the
+    connections of the first, and failed with "Event loop is closed" (its pool logged
+    SQLAlchemy's "Exception closing connection" with a traceback)."""
+    service = MemoryService.from_url(pg_url)
+
+    async def first() -> None:
+        assert await service.facts("alice") == []
+
+    async def second() -> None:
+        for call in (service.facts, service.history):
+            with pytest.raises(RuntimeError, match="event loop it first ran on"):
+                await asyncio.wait_for(call("alice"), 5)
+
+    async def back_on_the_first() -> None:
+        assert await service.history("alice") == []
+        await service.close()
+
+    with asyncio.Runner() as runner:
+        runner.run(first())
+        asyncio.run(second())
+        runner.run(back_on_the_first())
+
+
+def test_facts_on_a_loop_that_ended_unclosed_say_so_on_the_next(pg_url: str) -> None:
+    """The same with the first loop ended (two asyncio.run() calls): "Event loop is
+    closed" from a connection of the ended loop, and a connection it left open."""
+    service = MemoryService.from_url(pg_url)
+    database = make_url(pg_url).database
+    admin = make_url(pg_url).set(database="postgres").render_as_string(False)
+
+    async def first() -> None:
+        assert await service.facts("alice") == []
+
+    async def second() -> None:
+        with pytest.raises(ServiceClosed, match=r"event loop ended without close\(\)"):
+            await service.facts("alice")
+        assert await backends_once_closed(admin, database) == 0
+
+    with pytest.warns(ResourceWarning, match="was not closed before its event loop ended"):
+        asyncio.run(first())
+    asyncio.run(second())
 
 
 def test_start_and_close_from_a_second_event_loop_say_so_and_leave_the_service_bound(
@@ -451,7 +609,8 @@ def test_an_observation_emitted_once_the_services_loop_is_closed_is_dropped() ->
     async def second() -> None:
         service.emit_observation("alice", tool_ok("run_sql"))
 
-    asyncio.run(first())
+    with pytest.warns(ResourceWarning, match="was not closed"):
+        asyncio.run(first())
     asyncio.run(second())
     stats = service.stats()
     assert (stats.emitted, stats.stored, stats.dropped, stats.pending) == (2, 1, 1, 0)
@@ -462,7 +621,10 @@ def test_what_a_loop_that_ends_before_close_leaves_queued_is_dropped_and_logged(
 ) -> None:
     """An asyncio.run() (a server's loop) that ends without closing the service cancels
     its writer: what it held and what was queued can never be stored, and were neither
-    counted nor logged (stats() said pending, on a loop that was gone)."""
+    counted nor logged (stats() said pending, on a loop that was gone). The service now
+    closes as the loop ends, which tries to store them for CLOSE_AT_LOOP_END, and counts
+    and logs what it could not."""
+    monkeypatch.setattr(service_module, "CLOSE_AT_LOOP_END", 0.2)
     service = MemoryService.from_url("memory://", clock=FakeClock())
     entered = asyncio.Event()
 
@@ -478,15 +640,15 @@ def test_what_a_loop_that_ends_before_close_leaves_queued_is_dropped_and_logged(
         service.emit_observation("alice", tool_ok("run_sql"))
         service.emit_observation("bob", tool_ok("run_sql"))  # and two queued behind it
 
-    with caplog.at_level(logging.WARNING, "coda_memory"):
+    with (
+        caplog.at_level(logging.WARNING, "coda_memory"),
+        pytest.warns(ResourceWarning, match="was not closed"),
+    ):
         asyncio.run(serve())
-        assert "cancelled (the event loop stopping?) with 3 observation(s) queued or in " in (
-            caplog.text
-        )
-        assert service.stats().pending == 0  # (the loop is closed: none can be stored)
     stats = service.stats()
     assert (stats.emitted, stats.stored, stats.dropped, stats.pending) == (3, 0, 3, 0)
-    assert "dropped 3 observation(s) (the event loop stopped before close())" in caplog.text
+    assert "close timed out with 3 observation(s) pending" in caplog.text
+    assert "dropped 3 observation(s) (service closed before they were stored)" in caplog.text
 
 
 def _cancel_every_task() -> set[asyncio.Task[Any]]:
