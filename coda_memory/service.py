@@ -14,6 +14,10 @@ class), the counters in :mod:`coda_memory.stats`, the choice of store for a URL 
 * Every "now" comes from ``clock``. An observation dated more than ``max_clock_skew``
   after the clock when the writer validates it is stored as made at that instant, and
   counted in ``stats().future_clamped``: a wrong or hostile date cannot keep a fact alive.
+* A service belongs to the event loop of its first call. One that its host never closes
+  closes itself as that loop shuts down (``MemoryService._watch_loop_end``), storing
+  what is queued, and says so with one ResourceWarning; calls from a later loop then
+  raise :class:`~coda_memory.errors.ServiceClosed` naming the cause.
 
 Peeking. A load first reads, without a lock, whether anything new waits (``peek``), and
 answers from that read when nothing does. It skips the peek when this service stored

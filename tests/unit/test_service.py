@@ -13,6 +13,7 @@ import logging
 import re
 import threading
 import warnings
+import weakref
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
@@ -676,6 +677,30 @@ def test_stats_after_the_loop_closed_under_a_waiting_drain_counts_and_raises_not
         warnings.simplefilter("ignore")  # (the tasks left pending on the closed loop)
         stats = service.stats()
     assert (stats.emitted, stats.dropped, stats.pending) == (1, 1, 0)
+
+
+def test_a_service_whose_loop_was_closed_without_its_shutdown_is_not_kept_for_ever() -> None:
+    """The loop keeps an unclosed service until its shutdown closes it (see "Closing" in
+    the README); a loop closed with loop.close() alone never shuts down, and its service
+    must not stay held by the watch of its end once another service starts one."""
+    service = MemoryService.from_url("memory://", clock=FakeClock())
+    loop = asyncio.new_event_loop()
+    try:
+        loop.run_until_complete(service.start())
+    finally:
+        loop.close()
+    held = weakref.ref(service)
+    del service
+
+    async def another() -> None:
+        async with MemoryService.from_url("memory://", clock=FakeClock()) as other:
+            await other.start()
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (the tasks left pending on the closed loop)
+        asyncio.run(another())
+        gc.collect()
+    assert held() is None
 
 
 async def test_a_drain_waiting_as_another_threads_emit_is_dropped_returns(
