@@ -275,7 +275,7 @@ def _retrieved(task: asyncio.Future[Any]) -> None:
         task.exception()
 
 
-def _may_replace(engine: AsyncEngine, error: BaseException) -> bool:
+def calls_for_new_pool(engine: AsyncEngine, error: BaseException) -> bool:
     """Whether ``error`` calls for a fresh pool (and idempotent work for another
     attempt): the connection died, and the engine's store has not released it."""
     return is_dead_connection(error) and engine not in _RELEASED
@@ -347,7 +347,7 @@ async def run(
         try:
             return await _attempt(engine, work)
         except Exception as error:
-            if not _may_replace(engine, error):
+            if not calls_for_new_pool(engine, error):
                 raise
             await _replace_pool(engine, pool)
             if not idempotent:
@@ -421,7 +421,7 @@ async def driver_transaction(
             try:
                 await driver.execute(begin)
             except Exception as error:
-                if not _may_replace(engine, error):
+                if not calls_for_new_pool(engine, error):
                     raise
                 # Died while idle in the pool: nothing was done yet, so begin once
                 # more on a fresh connection of a fresh pool.

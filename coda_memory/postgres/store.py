@@ -123,6 +123,7 @@ from coda_memory.postgres.append import (
 from coda_memory.postgres.connection import (
     LOCK_NOT_AVAILABLE,
     QUERY_CANCELED,
+    calls_for_new_pool,
     cannot_connect,
     dispose,
     driver_transaction,
@@ -136,7 +137,12 @@ from coda_memory.postgres.connection import (
     timeout_setting,
     unreachable,
 )
-from coda_memory.postgres.engine import create_engine, driver_connection, schema_required
+from coda_memory.postgres.engine import (
+    create_engine,
+    driver_connection,
+    opened_connections,
+    schema_required,
+)
 from coda_memory.postgres.known import DEFAULT_KNOWN_FACTS, Known, KnownFacts
 from coda_memory.postgres.repositories import (
     Checkpoint,
@@ -395,13 +401,17 @@ class PostgresStore:
         statements on the request connections and run each once there (a rehearsal that
         writes nothing: :func:`~coda_memory.postgres.unit.rehearse`), and prepare an
         append's on the writer connections, before the first request."""
-        hot_path = [SET_TENANT, SET_TENANT_SESSION, *(q.text for q in self._statements.all())]
-        rehearsal = partial(rehearse, statements=self._statements, begin=self._begin)
+        # Connections of an earlier start or call, which may have died since.
+        opened_before = any(map(opened_connections, (self.request_engine, self.writer_engine)))
         try:
-            await asyncio.gather(
-                _warm(self.request_engine, self.schema, hot_path, rehearsal),
-                _warm(self.writer_engine, self.schema, prepared_statements(self.schema)),
-            )
+            try:
+                await self._warm_pools()
+            except Exception as error:
+                if not (opened_before and calls_for_new_pool(self.request_engine, error)):
+                    raise  # (a server that can't be reached is not asked twice)
+                # Died while idle in the pools (a restarted server, terminated backends):
+                # each was thrown away as it failed, and new ones are warmed, once.
+                await self._warm_pools()
         except Exception as error:
             # One line that says what failed (a refused connection, a server that never
             # answered: a bare TimeoutError), for a host that decides whether to start
@@ -412,6 +422,15 @@ class PostgresStore:
                 f"{unreachable(self.request_engine, error)}; the service starts on first "
                 "use once it answers"
             ) from error
+
+    async def _warm_pools(self) -> None:
+        """:meth:`start`'s work on the request and writer pools (see :func:`_warm`)."""
+        hot_path = [SET_TENANT, SET_TENANT_SESSION, *(q.text for q in self._statements.all())]
+        rehearsal = partial(rehearse, statements=self._statements, begin=self._begin)
+        await _all_or_first_error(
+            _warm(self.request_engine, self.schema, hot_path, rehearsal),
+            _warm(self.writer_engine, self.schema, prepared_statements(self.schema)),
+        )
 
     async def append(
         self,
@@ -857,7 +876,17 @@ async def _warm(
             await let_go(engine, conn, None if prepared else conn.invalidate)
 
     with schema_required(schema):
-        await asyncio.gather(*(one() for _ in range(count)))
+        await _all_or_first_error(*(one() for _ in range(count)))
+
+
+async def _all_or_first_error(*works: Awaitable[None]) -> None:
+    """Run ``works`` together, and once every one has ended raise the first error among
+    them: a retry that began as the first failed met connections that the others had
+    not yet thrown away."""
+    outcomes = await asyncio.gather(*works, return_exceptions=True)
+    failure = next((outcome for outcome in outcomes if isinstance(outcome, BaseException)), None)
+    if failure is not None:
+        raise failure
 
 
 async def _prepare(driver: Any, statements: list[str]) -> None:

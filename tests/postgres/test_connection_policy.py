@@ -327,3 +327,20 @@ async def test_every_call_of_a_store_that_cannot_connect_raises_connection_lost(
             assert reason in message, name
     finally:
         await store.close()
+
+
+async def test_start_after_the_pools_connections_died_opens_new_ones(
+    pg_url: str, admin_url: str
+) -> None:
+    """start() on pools whose connections the server had ended (a restart, terminated
+    backends) raised ConnectionLost saying it could not reach the database, which
+    answered: the host logged that memory was not warmed up, and the first requests paid
+    for it. It warms new connections instead, as every other call replaces them."""
+    store = PostgresStore.from_url(pg_url, pool_size=2, writer_pool_size=1)
+    try:
+        await store.start()
+        assert await terminate_backends(store, admin_url) >= 3
+        await store.start()
+        assert await store.peek("alice") == ([], False)
+    finally:
+        await store.close()
