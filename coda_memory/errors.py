@@ -43,8 +43,10 @@ class StoreBusy(CodaMemoryError):
 
 
 class ForeignAlembicHistory(CodaMemoryError):
-    """The schema's Alembic version table holds revisions that are not coda-memory's:
-    migrating there would mix two histories. Use a schema of coda-memory's own."""
+    """The schema's Alembic version table holds revisions that are not coda-memory's, or
+    the schema has none yet and is on the search path, where another application's
+    Alembic would take coda-memory's for its own: migrating there would mix two
+    histories. Use a schema of coda-memory's own."""
 
 
 class MigrationUnderWay(CodaMemoryError):

@@ -4,7 +4,8 @@ The migrations ship inside the package (``coda_memory/postgres/migrations``); th
 them with Alembic's command API on a programmatic configuration, so no alembic.ini is
 needed. Alembic's version table lives in the target schema, so a host application's own
 Alembic history is untouched; a schema that already holds another history is refused
-(:class:`~coda_memory.errors.ForeignAlembicHistory`).
+(:class:`~coda_memory.errors.ForeignAlembicHistory`), and so is a first migration into a
+schema on the search path, where a host's Alembic would find coda-memory's version table.
 
 - :func:`migrate_async` from async code (inside a running event loop);
 - :func:`migrate` from synchronous code with no running loop (a script, a deploy step);

@@ -249,3 +249,19 @@ def test_a_schema_holding_the_host_history_is_refused(
     assert rows(empty_pg_url, "SELECT version_num FROM public.alembic_version") == [("h0001",)]
     tables = "SELECT tablename FROM pg_tables WHERE schemaname = 'public' ORDER BY 1"
     assert rows(empty_pg_url, tables) == [("alembic_version",), ("customers",), ("orders",)]
+
+
+def test_a_schema_where_the_host_alembic_would_look_is_refused_before_its_first_upgrade(
+    host_project: Path, empty_pg_url: str
+) -> None:
+    """Migrated first into ``public`` (on the search path), coda-memory's version table
+    was where the host's Alembic looks for its own: the host's first upgrade then
+    failed on a revision it did not know."""
+    with pytest.raises(ForeignAlembicHistory, match="schema 'public' is on the search path"):
+        coda_memory.migrate(empty_pg_url, schema="public")
+
+    tables = "SELECT tablename FROM pg_tables WHERE schemaname = 'public' ORDER BY 1"
+    assert rows(empty_pg_url, tables) == []
+    upgraded = alembic(host_project, empty_pg_url, "upgrade", "head")
+    assert upgraded.returncode == 0, upgraded.stderr
+    assert rows(empty_pg_url, "SELECT version_num FROM public.alembic_version") == [("h0001",)]

@@ -13,7 +13,8 @@ The schema is ``config.attributes["schema"]``, else ``CODA_MEMORY_SCHEMA``, else
 them (offline, ``--sql``, renders the translated names). Alembic's version table lives in
 that schema too, so the library's history never mixes with a host application's own
 Alembic history, and autogenerate looks at nothing else. A schema whose version table
-holds revisions that are not coda-memory's is refused.
+holds revisions that are not coda-memory's is refused, and so is a first migration into a
+schema on the search path (where a host's Alembic would find our version table).
 
 An ini file needs no logging sections: they configure logging only when present, so a
 two-line ``[alembic]`` / ``script_location = coda_memory.postgres:migrations`` is enough.
@@ -155,6 +156,8 @@ def _refuse_foreign_history(connection: Connection) -> None:
                 "coda-memory into a schema of its own; the default is coda_memory), or a "
                 "newer coda-memory's (upgrade this one)"
             )
+    if not heads:
+        _refuse_a_schema_on_the_search_path(connection)
     # Every revision of coda-memory's has had the observations table since the first.
     table = f'"{SCHEMA}".observations'
     if heads and connection.scalar(text("SELECT to_regclass(:table)"), {"table": table}) is None:
@@ -162,6 +165,23 @@ def _refuse_foreign_history(connection: Connection) -> None:
             f"schema {SCHEMA!r} is at Alembic revision {heads[0]!r} but holds no table of "
             "coda-memory's: another application's history; migrate coda-memory into a "
             "schema of its own (the default is coda_memory)"
+        )
+
+
+def _refuse_a_schema_on_the_search_path(connection: Connection) -> None:
+    """Stop before creating the version table in a schema on the search path (``public``,
+    usually): an Alembic with its defaults, as a host application's is, looks for its
+    own ``alembic_version`` there, and would take coda-memory's for it (its first
+    upgrade then fails on a revision it does not know). A schema already holding
+    coda-memory's history is upgraded as before."""
+    on_path = connection.scalar(
+        text("SELECT :schema = ANY (current_schemas(false))"), {"schema": SCHEMA}
+    )
+    if on_path:
+        raise ForeignAlembicHistory(
+            f"schema {SCHEMA!r} is on the search path, where another application's "
+            "Alembic keeps its version table and would find coda-memory's; migrate "
+            "coda-memory into a schema of its own (the default is coda_memory)"
         )
 
 
