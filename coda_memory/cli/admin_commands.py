@@ -44,6 +44,7 @@ from coda_memory.cli.runtime import (
     fail,
     head_label,
     parse_duration,
+    require_head,
     require_identity,
     resolve_target,
     run,
@@ -319,6 +320,8 @@ def prune(
         age = parse_duration(older_than, "--older-than")
 
     async def work(store: PostgresStore, target: Target) -> maintenance.PruneOutcome:
+        # It folds the owed rollups first, from a table a later migration added.
+        await require_head(store, target, "prune")
         total = await maintenance.count_checkpointed(store)
         progress = Progress(
             TextColumn("pruning"),

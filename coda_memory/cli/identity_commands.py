@@ -47,6 +47,7 @@ from coda_memory.cli.runtime import (
     CliError,
     Target,
     fail,
+    require_head,
     require_identity,
     run_on_store,
 )
@@ -263,6 +264,8 @@ def forget(
     async def work(
         store: PostgresStore, target: Target
     ) -> Forgotten | Literal["absent", "declined"]:
+        # It erases from every table, those the latest migrations added too.
+        await require_head(store, target, "forget")
         if not await maintenance.identity_anywhere(store, identity):
             if if_exists:
                 return "absent"

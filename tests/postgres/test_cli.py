@@ -29,7 +29,7 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import create_async_engine
 from typer.testing import CliRunner, Result
 
-from coda_memory import MemoryService, format_memory_section
+from coda_memory import MemoryService, format_memory_section, migrate
 from coda_memory.cli import app, identity_commands, runtime
 from coda_memory.cli.demo.simulation import SimulatedClock, simulate
 from coda_memory.postgres import PostgresStore, maintenance
@@ -169,6 +169,29 @@ def test_a_schema_of_another_alembic_history_is_named_so(empty_pg_url: str) -> N
         assert_one_line_error(result, 1, "schema public is at Alembic revision 'host1'")
         assert "another application's history" in result.stderr
         assert "run coda-memory migrate" not in result.stderr
+
+
+def test_prune_and_forget_name_the_revision_of_a_schema_behind_the_latest(
+    empty_pg_url: str,
+) -> None:
+    """They said "not migrated" (prune: after a warning about a missing table) of a
+    schema that was migrated, only not to the latest revision; forget erased nothing."""
+    migrate(empty_pg_url, revision="0005")
+    insert = (
+        "INSERT INTO coda_memory.observations (identity_id, type, content, metadata, "
+        "created_at) VALUES ('ana', 'query_pattern', 'q', '{}'::jsonb, now())"
+    )
+    asyncio.run(fetch(empty_pg_url, insert))
+
+    behind = (
+        f"schema coda_memory is at revision 0005, and {{}} needs {HEAD}: run coda-memory migrate"
+    )
+    pruned = run("prune", "--url", empty_pg_url)
+    assert_one_line_error(pruned, 1, behind.format("prune"))
+    forgotten = run("forget", "ana", "--yes", "--url", empty_pg_url)
+    assert_one_line_error(forgotten, 1, behind.format("forget"))
+    left = asyncio.run(fetch(empty_pg_url, "SELECT count(*) FROM coda_memory.observations"))
+    assert left[0][0] == 1
 
 
 def test_migrate_is_idempotent_and_takes_a_schema(empty_pg_url: str) -> None:
