@@ -46,6 +46,8 @@ def asyncpg_url(url: str | URL) -> URL:
             "use postgresql://, postgres:// or postgresql+asyncpg://"
         )
     _check_parts(parsed)
+    if isinstance(url, str):
+        _check_database_name(url, parsed)
     parsed = parsed.set(drivername="postgresql+asyncpg")
     if "sslmode" in parsed.query:
         sslmode = parsed.query["sslmode"]
@@ -91,6 +93,19 @@ def _check_parts(parsed: URL) -> None:
             if not isinstance(value, str):
                 raise ValueError(f"the URL parameter {name!r} is given more than once")
             _check_value(name, value)
+
+
+def _check_database_name(url: str, parsed: URL) -> None:
+    """Refuse a URL whose database name holds an '@' as written (not ``%40``): the host
+    part ended early, at a '/' or '@' of the password (``app:pa@ss/word@db/app`` read as
+    host ``ss`` and database ``word@db/app``), and the connection would go to a host
+    named by a piece of the password. The message quotes no part of the URL."""
+    database = parsed.database or ""
+    if "@" in database and database in url.partition("?")[0]:
+        raise ValueError(
+            "the database name holds an '@': the password (or user name) must be "
+            "percent-encoded, an '@' written %40 and a '/' %2F"
+        )
 
 
 #: Given in a URL, asyncpg gets these as strings, and refuses them at the first

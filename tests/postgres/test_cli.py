@@ -235,6 +235,12 @@ def test_stats_counts_identities_observations_pending_facts_and_events(pg_url: s
         ("not a url", "invalid database URL"),
         ("memory://", "invalid database URL"),
         ("postgresql://u:p@ss@db/app", "invalid database URL 'postgresql://u:***@db/app'"),
+        # It connected to host 'ss', a piece of the password.
+        (
+            "postgresql://u:p@ss/secret@db/app",
+            "invalid database URL 'postgresql://u:***@db/app': the database name holds an "
+            "'@': the password (or user name) must be percent-encoded",
+        ),
         ("postgresql://u@db:99999/app", "invalid database URL"),
         ("postgresql://u@db/app?foo=bar", "invalid database URL"),
     ],

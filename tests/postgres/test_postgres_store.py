@@ -476,6 +476,10 @@ def test_unix_socket_and_sslmode_urls() -> None:
     ("url", "reason"),
     [
         ("postgresql://u:p@ss@db.example/app", "must be written %40"),
+        # Read as host 'ss' and database 'word@db.example/app': a piece of the password
+        # named the host.
+        ("postgresql://u:pa@ss/word@db.example/app", "password .* must be percent-encoded"),
+        ("postgresql://u:pa@ss/word@db.example:5432/app", "an '@' written %40 and a '/' %2F"),
         ("postgresql://u@db.example:99999/app", "from 1 to 65535, not 99999"),
         ("postgresql://u@db.example:0/app", "from 1 to 65535, not 0"),
         ("postgresql://u@/app?host=h1,h2&port=1,abc", "from 1 to 65535, not 'abc'"),
@@ -510,6 +514,16 @@ def test_urls_the_driver_would_refuse_on_connecting_are_refused_first(
     # What the driver takes still passes: an encoded '@', its parameters, libpq's sslmode.
     encoded = asyncpg_url("postgresql://u:p%40ss@db.example:65535/app?sslmode=require&krbsrvname=k")
     assert (encoded.password, encoded.host, encoded.port) == ("p@ss", "db.example", 65535)
+    slashed = asyncpg_url("postgresql://u:pa%40ss%2Fword@db.example/a%40b")
+    assert (slashed.password, slashed.host, slashed.database) == ("pa@ss/word", "db.example", "a@b")
+    socket = asyncpg_url("postgresql://u:pa%40ss@/app?host=/var/run/postgresql")
+    assert (socket.password, socket.host, socket.query["host"]) == (
+        "pa@ss",
+        None,
+        "/var/run/postgresql",
+    )
+    ipv6 = asyncpg_url("postgresql://u:pa%2Fss@[::1]:5433/app")
+    assert (ipv6.password, ipv6.host, ipv6.port, ipv6.database) == ("pa/ss", "::1", 5433, "app")
     hosts = asyncpg_url("postgresql://u@/app?host=h1,h2&port=5432,5433")
     assert (hosts.query["host"], hosts.query["port"]) == ("h1,h2", "5432,5433")
 
