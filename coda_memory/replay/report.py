@@ -80,13 +80,16 @@ def markdown_table(results: Sequence[ReplayResult], *, held_out: bool = True) ->
 
 def plot_reliability(results: Sequence[ReplayResult], path: Path, *, held_out: bool = True) -> None:
     """A reliability diagram (needs the ``plot`` extra): per confidence bin, the share of
-    facts whose subject was used within the horizon, against the mean confidence."""
-    import matplotlib
+    facts whose subject was used within the horizon, against the mean confidence.
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    Drawn on a ``Figure`` with an Agg canvas of its own, not through pyplot: a host that
+    imported matplotlib (a notebook, a GUI) keeps its backend and its figures."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
 
-    figure, axes = plt.subplots(figsize=(6.4, 5.6))
+    figure = Figure(figsize=(6.4, 5.6))
+    FigureCanvasAgg(figure)
+    axes = figure.add_subplot()
     axes.plot([0, 1], [0, 1], linestyle="--", color="grey", linewidth=1, label="calibrated")
     for result in results:
         if not result.calibrated:
@@ -104,4 +107,3 @@ def plot_reliability(results: Sequence[ReplayResult], path: Path, *, held_out: b
     figure.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path, dpi=110)
-    plt.close(figure)

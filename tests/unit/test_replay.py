@@ -22,6 +22,7 @@ from coda_memory.replay import (
     build_timeline,
     hit_at,
     ndcg_at,
+    plot_reliability,
     read_events,
     replay_baselines,
     replay_decay,
@@ -259,3 +260,26 @@ def test_the_command_replays_an_events_file(tmp_path: Path) -> None:
     ]
     assert all(row["sessions"] == 60 for row in report["results"])
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+async def test_the_reliability_diagram_leaves_the_host_matplotlib_as_it_was(
+    tmp_path: Path,
+) -> None:
+    """It called ``matplotlib.use("Agg")``: a host that imported it (a notebook, a GUI)
+    had its backend switched under it, and drew nothing on screen after."""
+    matplotlib = pytest.importorskip("matplotlib")
+    pyplot = pytest.importorskip("matplotlib.pyplot")
+    timeline = build_timeline(drifting_stream(), split=0.5, horizon_days=7)
+    result = await replay_decay(timeline, ExponentialDecay(), name="exponential")
+    host_backend = matplotlib.get_backend()
+    matplotlib.use("svg")
+    try:
+        plot_reliability([result], tmp_path / "reliability.png")
+
+        assert matplotlib.get_backend() == "svg"
+        assert pyplot.get_fignums() == []
+    finally:
+        matplotlib.use(host_backend)
+    data = (tmp_path / "reliability.png").read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    assert len(data) > 10_000
