@@ -46,6 +46,7 @@ from coda_memory.cli.runtime import (
     parse_duration,
     require_head,
     require_identity,
+    require_writable,
     resolve_target,
     run,
     run_on_store,
@@ -198,6 +199,7 @@ def consolidate(
         return StoreOptions(pool_size=workers)
 
     async def work(store: PostgresStore, target: Target) -> _Summary:
+        await require_writable(store)
         service = MemoryService(store, decay=decay_strategy(decay), retention=keep)
         if identity is not None:
             await require_identity(store, identity)
@@ -322,6 +324,7 @@ def prune(
     async def work(store: PostgresStore, target: Target) -> maintenance.PruneOutcome:
         # It folds the owed rollups first, from a table a later migration added.
         await require_head(store, target, "prune")
+        await require_writable(store)
         total = await maintenance.count_checkpointed(store)
         progress = Progress(
             TextColumn("pruning"),

@@ -49,6 +49,7 @@ from coda_memory.cli.runtime import (
     fail,
     require_head,
     require_identity,
+    require_writable,
     run_on_store,
 )
 from coda_memory.core.logs import identity_label
@@ -266,6 +267,7 @@ def forget(
     ) -> Forgotten | Literal["absent", "declined"]:
         # It erases from every table, those the latest migrations added too.
         await require_head(store, target, "forget")
+        await require_writable(store)
         if not await maintenance.identity_anywhere(store, identity):
             if if_exists:
                 return "absent"

@@ -28,6 +28,7 @@ from coda_memory.postgres.connection import (
     INSUFFICIENT_PRIVILEGE,
     LOCK_NOT_AVAILABLE,
     MAX_TIMEOUT,
+    is_read_only,
     sqlstate,
     timeout_setting,
 )
@@ -48,6 +49,12 @@ DEFAULT_LOCK_WAIT = "10s"
 _LOCKED_OUT = (
     "another transaction holds a lock this command needs (a migration, a LOCK TABLE, a "
     "long maintenance statement)"
+)
+
+#: What a write refused for reading only means, for people.
+_READS_ONLY = (
+    "the database only reads (a hot standby or read replica, a writer that a failover "
+    "demoted, or default_transaction_read_only): run it against the primary"
 )
 
 #: The environment variable that gives ``--url``.
@@ -131,6 +138,8 @@ def run(main: Callable[[], Coroutine[Any, Any, T]], schema: str = DEFAULT_SCHEMA
             raise
         if sqlstate(exc) == LOCK_NOT_AVAILABLE:
             fail(f"{_LOCKED_OUT}: run it again later", BUSY_EXIT_CODE)
+        if is_read_only(exc):
+            fail(_READS_ONLY)
         if isinstance(exc, SchemaNotMigrated):
             hint = ""
         elif sqlstate(exc) == INSUFFICIENT_PRIVILEGE:
@@ -405,6 +414,13 @@ async def require_identity(store: PostgresStore, identity_id: str) -> None:
     """Fail with "unknown identity" unless it has a checkpoint, a fact or an observation."""
     if not await maintenance.identity_exists(store, identity_id):
         raise CliError(f"unknown identity: {identity_id!r}")
+
+
+async def require_writable(store: PostgresStore) -> None:
+    """Fail unless the server takes writes (a command that writes, given a read replica
+    for the primary), before any work: not half-way, nor "done" with nothing to do."""
+    if await maintenance.reads_only(store):
+        raise CliError(_READS_ONLY)
 
 
 async def require_head(store: PostgresStore, target: Target, command: str) -> None:

@@ -469,6 +469,19 @@ async def sees_every_identity(store: PostgresStore) -> bool:
     return await store.run(read)
 
 
+async def reads_only(store: PostgresStore) -> bool:
+    """Whether the store's server takes no write: a hot standby or read replica, a writer
+    that a failover demoted, ``default_transaction_read_only``. A maintenance command
+    given such a server for the primary failed on its first write, or, with nothing to
+    write, reported its work done."""
+
+    async def read(conn: AsyncConnection) -> bool:
+        setting = await conn.scalar(select(func.current_setting("transaction_read_only")))
+        return bool(setting == "on")
+
+    return await store.run(read)
+
+
 async def store_stats(store: PostgresStore) -> StoreStats:
     """Identities, observations (all and pending), facts, events, table sizes, revision."""
     revision = await schema_revision(store)

@@ -259,6 +259,39 @@ def test_an_unreachable_database_is_one_line() -> None:
         assert_one_line_error(result, 1, "cannot connect to postgresql://postgres:***@127.0.0.1")
 
 
+def test_a_database_that_only_reads_is_named_so(empty_pg_url: str) -> None:
+    """A read replica given for the primary: the commands that write said "DBAPIError:
+    cannot execute CREATE SCHEMA in a read-only transaction (run with --debug …)" or
+    named the driver's class; consolidate listed every identity as failed, and prune,
+    with no identity consolidated yet, "pruned 0" (exit 0)."""
+    assert run("migrate", "--url", empty_pg_url).exit_code == 0
+    insert = (
+        "INSERT INTO coda_memory.observations (identity_id, type, content, metadata, "
+        "created_at) VALUES ('ana', 'query_pattern', 'q', '{}'::jsonb, now())"
+    )
+    asyncio.run(fetch(empty_pg_url, insert))
+    database = make_url(empty_pg_url).database
+    asyncio.run(
+        fetch(empty_pg_url, f'ALTER DATABASE "{database}" SET default_transaction_read_only = on')
+    )
+
+    commands = (
+        ["migrate"],
+        ["prune"],
+        ["forget", "ana", "--yes"],
+        ["consolidate", "--all"],
+        ["consolidate", "ana"],
+    )
+    for command in commands:
+        result = run(*command, "--url", empty_pg_url)
+        assert_one_line_error(result, 1, "the database only reads")
+        assert result.stderr.strip() == (
+            "error: the database only reads (a hot standby or read replica, a writer that a "
+            "failover demoted, or default_transaction_read_only): run it against the primary"
+        )
+    assert run("stats", "--url", empty_pg_url).exit_code == 0  # reading still works
+
+
 def test_debug_shows_the_exception_instead() -> None:
     result = run("--debug", "stats", "--url", "mysql://db/app")
     assert result.exit_code == 1
