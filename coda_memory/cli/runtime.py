@@ -376,9 +376,10 @@ def run_on_store(
     prepare: Callable[[], StoreOptions | None] | None = None,
     lock_wait: str | None = None,
 ) -> T:
-    """A command's database work, under :func:`run`: resolve ``--url``/``--schema``, call
-    ``prepare`` (checks of the other options, before any connection; it may say how to
-    open the store), open the store and run ``work`` on it. ``lock_wait`` is the
+    """A command's database work, under :func:`run`: call ``prepare`` (checks of the
+    other options, before the target is resolved, which may start the embedded Postgres;
+    it may say how to open the store), resolve ``--url``/``--schema``, open the store and
+    run ``work`` on it. ``lock_wait`` is the
     command's ``--lock-wait`` (see :func:`open_store`); a lock not granted within it ends
     the command with :data:`BUSY_EXIT_CODE`."""
 
@@ -386,8 +387,8 @@ def run_on_store(
         wait = None
         if lock_wait is not None:
             wait = parse_duration(lock_wait, "--lock-wait", at_most=MAX_TIMEOUT)
-        target = resolve_target(url, schema)
         options = (prepare() if prepare is not None else None) or StoreOptions()
+        target = resolve_target(url, schema)
         async with open_store(
             target,
             migrated=options.migrated,

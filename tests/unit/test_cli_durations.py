@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -83,3 +84,27 @@ def test_a_wait_under_a_millisecond_is_a_millisecond_not_no_limit(
 ) -> None:
     """``--lock-wait 0.4ms`` (and a lock_timeout below a millisecond) waited forever."""
     assert timeout_setting(value, "lock_timeout") == setting
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["prune", "--older-than", "0d"],
+        ["consolidate", "--all", "--retention", "5"],
+        ["analytics", "tools", "--since", "0d"],
+    ],
+)
+def test_a_bad_duration_without_a_url_starts_no_embedded_postgres(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, args: list[str]
+) -> None:
+    """The options were checked after the target was resolved: without --url, the
+    embedded Postgres was created and started in the working directory first."""
+    monkeypatch.delenv("CODA_MEMORY_DATABASE_URL", raising=False)
+    monkeypatch.setenv("CODA_MEMORY_DATA_DIR", str(tmp_path / "pgdata"))
+
+    result = CliRunner().invoke(app, args)
+
+    assert result.exit_code == 2, result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "invalid duration" in lines[0], result.stderr
+    assert not (tmp_path / "pgdata").exists()
