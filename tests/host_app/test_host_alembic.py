@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import asyncio
 import os
+import secrets
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
 import pytest
+from sqlalchemy.engine import make_url
 
 import coda_memory
 from coda_memory.errors import ForeignAlembicHistory
@@ -265,3 +267,23 @@ def test_a_schema_where_the_host_alembic_would_look_is_refused_before_its_first_
     upgraded = alembic(host_project, empty_pg_url, "upgrade", "head")
     assert upgraded.returncode == 0, upgraded.stderr
     assert rows(empty_pg_url, "SELECT version_num FROM public.alembic_version") == [("h0001",)]
+
+
+def test_a_schema_named_after_the_role_that_migrates_is_not_refused(empty_pg_url: str) -> None:
+    """On the search path through ``$user`` only: a DBA's ``CREATE SCHEMA memory
+    AUTHORIZATION memory`` for the role that migrates. A host's Alembic, run as its own
+    role, never looks there."""
+    owner = f"coda_own_{secrets.token_hex(4)}"
+    database = make_url(empty_pg_url).database
+    rows(empty_pg_url, f'CREATE ROLE "{owner}" LOGIN')
+    try:
+        rows(empty_pg_url, f'GRANT CREATE ON DATABASE "{database}" TO "{owner}"')
+        rows(empty_pg_url, f'CREATE SCHEMA "{owner}" AUTHORIZATION "{owner}"')
+        owner_url = make_url(empty_pg_url).set(username=owner).render_as_string(False)
+
+        coda_memory.migrate(owner_url, schema=owner)
+
+        assert rows(empty_pg_url, f'SELECT version_num FROM "{owner}".alembic_version') == [(HEAD,)]
+    finally:
+        rows(empty_pg_url, f'DROP OWNED BY "{owner}"')
+        rows(empty_pg_url, f'DROP ROLE "{owner}"')

@@ -173,9 +173,12 @@ def _refuse_a_schema_on_the_search_path(connection: Connection) -> None:
     usually): an Alembic with its defaults, as a host application's is, looks for its
     own ``alembic_version`` there, and would take coda-memory's for it (its first
     upgrade then fails on a revision it does not know). A schema already holding
-    coda-memory's history is upgraded as before."""
+    coda-memory's history is upgraded as before, and so is one named after the role that
+    migrates (on the path as ``$user``), where a host's Alembic, run as its own role,
+    never looks."""
     on_path = connection.scalar(
-        text("SELECT :schema = ANY (current_schemas(false))"), {"schema": SCHEMA}
+        text("SELECT :schema = ANY (current_schemas(false)) AND :schema <> current_user"),
+        {"schema": SCHEMA},
     )
     if on_path:
         raise ForeignAlembicHistory(
