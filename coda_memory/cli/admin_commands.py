@@ -51,7 +51,7 @@ from coda_memory.cli.runtime import (
     run,
     run_on_store,
 )
-from coda_memory.errors import StoreBusy
+from coda_memory.errors import SchemaNotMigrated, StoreBusy
 from coda_memory.postgres import maintenance
 from coda_memory.postgres.connection import INSUFFICIENT_PRIVILEGE, LOCK_NOT_AVAILABLE, sqlstate
 from coda_memory.postgres.schema import DEFAULT_SCHEMA
@@ -227,6 +227,8 @@ class _Summary:
     facts: int = 0
     busy: list[str] = field(default_factory=list)
     failed: list[tuple[str, str]] = field(default_factory=list)
+    #: A table missing from the schema: every identity would fail the same way.
+    missing: SchemaNotMigrated | None = None
 
 
 def _is_lock_timeout(exc: BaseException) -> bool:
@@ -254,9 +256,13 @@ async def _consolidate_each(
 
     async def worker() -> None:
         for identity_id in queue:  # one iterator shared by the workers
+            if summary.missing is not None:
+                return
             for attempt in range(3):
                 try:
                     facts = await service.consolidate(identity_id)
+                except SchemaNotMigrated as exc:
+                    summary.missing = exc
                 except Exception as exc:
                     if _is_lock_timeout(exc) and attempt < 2:
                         continue
@@ -272,6 +278,8 @@ async def _consolidate_each(
 
     with progress:
         await asyncio.gather(*(worker() for _ in range(min(workers, len(identities)))))
+    if summary.missing is not None:
+        raise summary.missing
     return summary
 
 

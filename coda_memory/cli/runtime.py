@@ -399,6 +399,11 @@ def run_on_store(
         ) as store:
             try:
                 return await work(store, target)
+            except SchemaNotMigrated as exc:
+                behind = await _behind_head(store, target)
+                if behind is None:
+                    raise
+                raise behind from exc
             except Exception as exc:
                 if wait is None or sqlstate(exc) != LOCK_NOT_AVAILABLE:
                     raise
@@ -429,11 +434,26 @@ async def require_head(store: PostgresStore, target: Target, command: str) -> No
     latest migration added; the others work on any revision this release knows)."""
     revision, head = await _revision(store), head_revision()
     if revision not in (head, "unknown"):
-        option = "" if target.schema == DEFAULT_SCHEMA else f" --schema {target.schema}"
-        raise CliError(
-            f"schema {target.schema} is at revision {revision}, and {command} needs {head}: "
-            f"run coda-memory migrate{option}"
-        )
+        raise CliError(_behind(target.schema, revision, f"{command} needs {head}"))
+
+
+async def _behind_head(store: PostgresStore, target: Target) -> CliError | None:
+    """What to say of a table found missing as a command ran, when the schema is behind
+    the latest revision: it lacks what a later migration added, and "not migrated" sent
+    the operator looking for the wrong thing. None for any other schema."""
+    revision, head = await _revision(store), head_revision()
+    if revision in (None, "unknown", head):
+        return None
+    return CliError(
+        _behind(target.schema, revision, f"this command needs a later one (the latest is {head})")
+    )
+
+
+def _behind(schema: str, revision: str | None, needs: str) -> str:
+    option = "" if schema == DEFAULT_SCHEMA else f" --schema {schema}"
+    return (
+        f"schema {schema} is at revision {revision}, and {needs}: run coda-memory migrate{option}"
+    )
 
 
 def head_revision() -> str | None:
