@@ -32,6 +32,7 @@ from functools import partial
 from typing import Any, TypeVar
 
 import asyncpg
+from sqlalchemy.engine import URL
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 from sqlalchemy.pool import Pool
@@ -293,10 +294,30 @@ async def _replace_pool(engine: AsyncEngine, pool: Pool) -> None:
 def unreachable(engine: AsyncEngine, error: BaseException) -> str:
     """What a failure to connect says: the server, and its reason (a refused connection,
     ``database "app" does not exist``, a password, a server that only reads)."""
-    url = engine.url
-    where = f"the database at {url.host or 'localhost'}:{url.port or 5432}"
+    where = f"the database at {shown_server(engine.url)}"
     what = f"{where} only reads" if is_read_only(error) else f"cannot reach {where}"
     return f"{what} ({type(error).__name__}: {error_reason(error)})"
+
+
+def shown_server(url: URL) -> str:
+    """Where ``url`` connects, for people: ``host:port``, an IPv6 host in brackets; the
+    hosts (a unix socket's directory, or several) and ports of its query as it gives
+    them. Such a URL has no host part, and was shown as localhost:5432, which it never
+    tried."""
+    if url.host:
+        host = f"[{url.host}]" if ":" in url.host else url.host
+        return f"{host}:{url.port or 5432}"
+    hosts = _query_values(url, "host")
+    if not hosts:
+        return f"localhost:{url.port or 5432}"
+    ports = _query_values(url, "port") or (str(url.port) if url.port else "")
+    return f"{hosts} port {ports}" if ports else hosts
+
+
+def _query_values(url: URL, name: str) -> str:
+    """The query parameter ``name`` of ``url``, its values joined with commas."""
+    value = url.query.get(name, ())
+    return value if isinstance(value, str) else ",".join(value)
 
 
 def cannot_connect(error: BaseException) -> bool:

@@ -298,6 +298,33 @@ STORE_CALLS: dict[str, Callable[[PostgresStore], Awaitable[Any]]] = {
 }
 
 
+@pytest.mark.parametrize(
+    ("url", "where"),
+    [
+        ("postgresql://postgres@[::1]:1/app", "[::1]:1"),
+        ("postgresql://postgres@/app?host=/nonexistent-socket-dir", "/nonexistent-socket-dir"),
+        (
+            "postgresql://postgres@/app?host=/nonexistent-socket-dir&port=6543",
+            "/nonexistent-socket-dir port 6543",
+        ),
+        (
+            "postgresql://postgres@/app?host=127.0.0.1,127.0.0.1&port=1,2",
+            "127.0.0.1,127.0.0.1 port 1,2",
+        ),
+    ],
+)
+async def test_a_server_out_of_reach_is_named_as_the_url_gives_it(url: str, where: str) -> None:
+    """A unix socket's directory or several hosts, given in the query, were named
+    "localhost:5432", which the store never tried; an IPv6 host ran into its port."""
+    store = PostgresStore.from_url(url)
+    try:
+        with pytest.raises(ConnectionLost) as raised:
+            await store.facts("alice")
+        assert f"cannot reach the database at {where} (" in str(raised.value)
+    finally:
+        await store.close()
+
+
 @pytest.mark.parametrize("server", ["closed port", "no such database"])
 async def test_every_call_of_a_store_that_cannot_connect_raises_connection_lost(
     pg_url: str, server: str
