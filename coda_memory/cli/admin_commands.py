@@ -30,6 +30,7 @@ from coda_memory.cli.output import (
     fmt_bytes,
     make_console,
     new_table,
+    note,
     print_json,
 )
 from coda_memory.cli.runtime import (
@@ -96,6 +97,8 @@ def migrate(
             )
         text = migration_sql(schema=checked_schema(schema), start=start)
         typer.echo(text, nl=False)
+        if schema == "public":
+            _note_public_version_table()
         return
 
     async def work(store: PostgresStore, target: Target) -> str | None:
@@ -117,6 +120,18 @@ def migrate(
 
     revision = run_on_store(url, schema, work, prepare=lambda: StoreOptions(migrated=False))
     typer.echo(f"schema {schema} is at revision {revision} ({head_label(revision)})")
+
+
+def _note_public_version_table() -> None:
+    """Offline there is no search path to ask (see the migrations' env.py), but public is
+    on every role's by default: a DBA who runs the DDL should know what ``migrate`` would
+    have refused."""
+    note(
+        "note: this DDL creates coda-memory's Alembic version table in public, where a host "
+        "application's Alembic looks for its own (its first upgrade would then fail on a "
+        "revision it does not know); coda-memory migrate refuses a first migration there: "
+        "use a schema of coda-memory's own"
+    )
 
 
 @app.command()

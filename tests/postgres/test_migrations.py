@@ -511,6 +511,27 @@ def test_cli_migrate_sql_prints_the_ddl_without_a_database() -> None:
     assert bad.stderr.startswith("error: invalid schema name")
 
 
+def test_cli_migrate_sql_for_public_says_where_a_host_alembic_would_look() -> None:
+    """Online, a first migration into public is refused; the DDL for a DBA created the
+    version table there without a word."""
+    from typer.testing import CliRunner
+
+    from coda_memory.cli import app
+
+    result = CliRunner().invoke(app, ["migrate", "--sql", "--schema", "public"])
+
+    assert result.exit_code == 0, result.output
+    assert "CREATE TABLE public.alembic_version" in result.stdout
+    assert " ".join(result.stderr.split()) == (
+        "note: this DDL creates coda-memory's Alembic version table in public, where a host "
+        "application's Alembic looks for its own (its first upgrade would then fail on a "
+        "revision it does not know); coda-memory migrate refuses a first migration there: "
+        "use a schema of coda-memory's own"
+    )
+    quiet = CliRunner().invoke(app, ["migrate", "--sql", "--schema", "dba_review"])
+    assert quiet.stderr == ""
+
+
 @pytest.mark.parametrize("args", [["migrate", "--sql"], ["grant", "app", "memory_app", "--print"]])
 def test_the_cli_s_printed_sql_refuses_an_empty_schema_variable(args: list[str]) -> None:
     """The commands that print SQL without a database took an empty $CODA_MEMORY_SCHEMA
