@@ -149,7 +149,9 @@ def migrating_alone(connection: Connection, schema: str, run: Callable[[], None]
     migration's own commits (around its ``CONCURRENTLY`` index builds) do not release.
     A migration that fails is rolled back first."""
     key = {"schema": schema}
+    waited = False
     while not connection.scalar(_TRY_LOCK, key):
+        waited = waited or _say_waiting(schema)
         connection.commit()  # no transaction, no snapshot, while it waits
         time.sleep(MIGRATION_LOCK_POLL)
     connection.commit()
@@ -172,7 +174,9 @@ async def migrating_alone_async(
     """:func:`migrating_alone` on an async connection, waiting without blocking the
     event loop; ``run`` gets the sync connection."""
     key = {"schema": schema}
+    waited = False
     while not await connection.scalar(_TRY_LOCK, key):
+        waited = waited or _say_waiting(schema)
         await connection.commit()
         await asyncio.sleep(MIGRATION_LOCK_POLL)
     await connection.commit()
@@ -187,6 +191,17 @@ async def migrating_alone_async(
         raise
     await connection.execute(_UNLOCK, key)
     await connection.commit()
+
+
+def _say_waiting(schema: str) -> bool:
+    """Say, once, that the migration waits for another one of ``schema``: it waits for as
+    long as that one runs, and a deploy step (or ``coda-memory migrate``) seemed to hang
+    without a word when that one was stuck. True, for the caller to remember it said so."""
+    migration_warning(
+        "coda-memory: another migration of schema %r is under way; waiting for it to end",
+        schema,
+    )
+    return True
 
 
 def _upgrade(connection: Connection, config: Config, revision: str) -> None:

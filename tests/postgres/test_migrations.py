@@ -761,6 +761,40 @@ async def test_a_migration_on_a_callers_connection_does_not_wait_inside_its_tran
     assert await fetch(empty_pg_url, "SELECT to_regclass('coda_memory.observations')") == [(None,)]
 
 
+async def test_a_migration_waiting_for_another_says_so_once(empty_pg_url: str) -> None:
+    """It waited for as long as the other one ran, without a word: a deploy step (or
+    coda-memory migrate) behind a stuck migration seemed to hang."""
+    said: list[str] = []
+    waiting = asyncio.Event()
+
+    class Said(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            said.append(record.getMessage())
+            waiting.set()
+
+    handler = Said(logging.WARNING)
+    logging.getLogger("coda_memory").addHandler(handler)
+    lock = "hashtextextended('coda_memory.migrate:' || $1, 0)"
+    holder = await asyncpg.connect(empty_pg_url.replace("postgresql+asyncpg://", "postgresql://"))
+    try:
+        await holder.execute(f"SELECT pg_advisory_lock({lock})", "coda_memory")
+        migrating = asyncio.create_task(migrate_async(empty_pg_url))
+        await asyncio.wait_for(waiting.wait(), 30)
+        assert not migrating.done()
+        await holder.execute(f"SELECT pg_advisory_unlock({lock})", "coda_memory")
+        await asyncio.wait_for(migrating, 120)
+    finally:
+        await holder.close()
+        logging.getLogger("coda_memory").removeHandler(handler)
+
+    assert said == [
+        "coda-memory: another migration of schema 'coda_memory' is under way; waiting for it to end"
+    ]
+    assert await fetch(empty_pg_url, "SELECT version_num FROM coda_memory.alembic_version") == [
+        (HEAD,)
+    ]
+
+
 @pytest.mark.parametrize("url", ["memory://", "null://", "redis://127.0.0.1:1/0"])
 async def test_a_store_without_a_schema_has_nothing_to_migrate(url: str) -> None:
     """The README's start-up script with "memory://" in tests failed at migrate_async:
