@@ -34,7 +34,7 @@ from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import OutOfMemoryError, ReadOnlyError, ResponseError
+from redis.exceptions import NoPermissionError, OutOfMemoryError, ReadOnlyError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from coda_memory.core.cancellation import run_to_end, to_the_end
@@ -99,6 +99,35 @@ def _client_options() -> frozenset[str]:
             if parameter.kind not in (parameter.VAR_KEYWORD, parameter.VAR_POSITIONAL):
                 taken.add(parameter.name)
     return frozenset(taken - {"self", "url", "decode_responses"})
+
+
+#: The errors a script of one identity fails with alone (redis-py's classes, exactly): an
+#: error its Lua raised or a command it called refused (a key of another type, a key the
+#: ACL user may not touch). Any other class is of the server's state (READONLY, OOM,
+#: NOSCRIPT, LOADING, a dropped connection), which every identity of the batch meets.
+_SCRIPT_ERRORS = (ResponseError, NoPermissionError)
+
+
+def _append_refusal(identity_id: str, result: Any) -> str | None:
+    """Why the append script stored none of the identity's rows (None: it stored them):
+    what the script found unusable in its keys (a negative reply, see ``append.lua``), or
+    the error the server failed it with. An error of the server's state, the same for
+    every identity (a replica, maxmemory, a script cache emptied), is raised instead: the
+    batch is retried whole under its key, and the identities stored already store
+    nothing again."""
+    if isinstance(result, Exception):
+        if type(result) not in _SCRIPT_ERRORS:
+            raise result
+        return f"Redis failed the identity's append script ({short_error(result, (identity_id,))})"
+    if int(result) >= 0:
+        return None
+    if -int(result) > len(_APPEND_KEYS):
+        return (
+            "the identity's state key in Redis holds a seq that is not a whole number "
+            "of at most 15 digits"
+        )
+    kind = _APPEND_KEYS[-int(result) - 1]
+    return f"the identity's {kind} key in Redis holds another type of value"
 
 
 #: The keys forget.lua counts before it erases them, in its order.
@@ -252,7 +281,7 @@ class RedisStore:
         now_ms = round(time.time() * 1000)
         kept = [key, now_ms, BATCH_KEYS_FOR_MS, BATCH_KEYS_KEPT]
         async with self.client.pipeline(transaction=True) as pipe:
-            called: list[list[int]] = []  # the batch's indexes that each call stores
+            called: list[tuple[str, list[int]]] = []  # each call's identity and indexes
             for identity, rows in by_identity.items():
                 if not identity:  # refused above: no identity's keys
                     continue
@@ -273,20 +302,15 @@ class RedisStore:
                     args=[*kept, len(args) // 2, *args],
                     client=pipe,
                 )
-                called.append(indexes)
-            results = await pipe.execute() if called else []
-        # An identity whose keys something else wrote with another type stores nothing of
-        # its rows (the script checks before it writes); the other identities' are stored.
-        for indexes, result in zip(called, results, strict=True):
-            if int(result) < 0:
-                if -int(result) > len(_APPEND_KEYS):
-                    reason = (
-                        "the identity's state key in Redis holds a seq that is not a whole number "
-                        "of at most 15 digits"
-                    )
-                else:
-                    kind = _APPEND_KEYS[-int(result) - 1]
-                    reason = f"the identity's {kind} key in Redis holds another type of value"
+                called.append((identity, indexes))
+            # Each script's own error in its place: MULTI/EXEC rolls nothing back, so the
+            # other identities' scripts ran, and their rows are stored.
+            results = await pipe.execute(raise_on_error=False) if called else []
+        # An identity whose script the server failed, or that found its keys unusable,
+        # stores nothing of its rows; the other identities' are stored.
+        for (identity, indexes), result in zip(called, results, strict=True):
+            reason = _append_refusal(identity, result)
+            if reason is not None:
                 refused.extend((index, reason) for index in indexes)
         refused.sort()
         return AppendOutcome(stored=len(records) - len(refused), refused=refused)

@@ -163,3 +163,37 @@ async def test_a_load_after_the_connections_were_killed_reads_on_a_fresh_one(
         assert service.stats().load_errors == 0
     finally:
         await service.close()
+
+
+async def test_a_script_error_of_one_identity_refuses_its_rows_alone(
+    own_redis_url: str, admin: aioredis.Redis, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An error that no check of append.lua foresees (here the ACL user may not run TYPE,
+    the script's first command, on bad's keys) failed the EXEC's reply as a whole: the
+    writer rejected the batch, every identity's rows, though good1's and good2's were
+    stored all the same."""
+    await admin.acl_setuser(
+        "writer",
+        enabled=True,
+        nopass=True,
+        keys=["*"],
+        channels=["*"],
+        commands=["+@all", "-type"],
+        selectors=[("+type", "~coda:memory:*:good*")],
+    )
+    url = own_redis_url.replace("redis://", "redis://writer:any@", 1)
+    service = MemoryService.from_url(url, clock=FakeClock(), load_timeout=5.0)
+    caplog.set_level(logging.WARNING, "coda_memory")
+    try:
+        for identity in ("good1", "bad", "good2"):
+            service.emit_observation(identity, tool_ok("t"))
+        await service.drain()
+        stats = service.stats()
+        assert (stats.stored, stats.rejected) == (2, 1)
+        assert "Redis failed the identity's append script" in caplog.text
+        assert "'bad'" not in caplog.text
+        assert await admin.keys("coda:memory:*:bad") == []
+        for identity in ("good1", "good2"):
+            assert [f.subject for f in await service.consolidate(identity)] == ["tool_affinity:t"]
+    finally:
+        await service.close()
