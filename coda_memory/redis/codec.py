@@ -25,6 +25,7 @@ import hashlib
 import json
 import math
 import re
+from collections.abc import Sequence
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -355,6 +356,34 @@ def fact_from_json(identity_id: str, raw: str | bytes) -> Fact:
         ease_factor=None if ease is None else float(ease),
         confidence_at=updated_at if anchor is None else from_ms(anchor, "confidenceAt"),
     )
+
+
+#: Which of two facts about one subject every reader keeps (see :func:`one_per_subject`).
+SUBJECT_RULE = "the one of higher confidence is kept, then of later updatedAt, then of smaller id"
+
+
+def one_per_subject(facts: Sequence[Fact]) -> tuple[list[Fact], list[Fact]]:
+    """``facts`` with one per subject, in their order, and those left out.
+
+    The original server's layout could hold two facts about one subject in an identity's
+    hash (under two fields); every store keeps one per subject. Which one is one rule for
+    every reader (the Redis store's reads, its consolidation, the import), so that none
+    reads a fact another left out: the higher stored ``confidence``, then the later
+    ``updatedAt``, then the smaller ``id`` (the hash's field: the layout keys a fact by
+    its id)."""
+    best: dict[str, Fact] = {}
+    for fact in facts:
+        held = best.get(fact.subject)
+        if held is None or _outranks(fact, held):
+            best[fact.subject] = fact
+    kept = [fact for fact in facts if best[fact.subject] is fact]
+    return kept, [fact for fact in facts if best[fact.subject] is not fact]
+
+
+def _outranks(fact: Fact, other: Fact) -> bool:
+    """Whether ``fact`` is kept rather than ``other``, about the same subject."""
+    ranked, other_ranked = (fact.confidence, fact.updated_at), (other.confidence, other.updated_at)
+    return ranked > other_ranked or (ranked == other_ranked and fact.id < other.id)
 
 
 # -- fact events (coda-memory's own keys) -----------------------------------------------

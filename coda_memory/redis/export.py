@@ -24,11 +24,13 @@ from coda_memory.core.decay import ease_bounds
 from coda_memory.core.model import Fact, FactEvent, Observation, is_identifier
 from coda_memory.redis.codec import (
     CHECKPOINT_TEXT,
+    SUBJECT_RULE,
     BadRecord,
     checked_event_from_value,
     fact_from_json,
     from_ms,
     observation_from_json,
+    one_per_subject,
 )
 from coda_memory.redis.store import RedisStore
 
@@ -142,24 +144,27 @@ async def export_identity(store: RedisStore, identity_id: str) -> ExportedIdenti
             out.pending.append(observation)
         else:
             out.consumed.append(observation)
-    first_field: dict[str, bytes] = {}  # by subject: Postgres holds one fact per subject
+    fields: dict[int, bytes] = {}  # each parsed fact's field (by the fact's id())
+    parsed: list[Fact] = []
     for name, raw in sorted(facts.items()):
         try:
             fact = _with_usable_ease(fact_from_json(identity_id, raw))
         except BadRecord as exc:
             out.bad.append((_field_label(facts_key, name), str(exc)))
             continue
-        first = first_field.setdefault(fact.subject, name)
-        if first != name:
-            kept = _field_label(facts_key, first).removeprefix(f"{facts_key} ")
-            out.bad.append(
-                (
-                    _field_label(facts_key, name),
-                    f"a second fact about its subject ({kept} is copied)",
-                )
+        fields[id(fact)] = name
+        parsed.append(fact)
+    # Postgres holds one fact per subject: the one the Redis store itself reads.
+    out.facts, left_out = one_per_subject(parsed)
+    copied = {fact.subject: fields[id(fact)] for fact in out.facts}
+    for fact in left_out:
+        kept = _field_label(facts_key, copied[fact.subject]).removeprefix(f"{facts_key} ")
+        out.bad.append(
+            (
+                _field_label(facts_key, fields[id(fact)]),
+                f"a second fact about its subject ({kept} is copied: {SUBJECT_RULE})",
             )
-            continue
-        out.facts.append(fact)
+        )
     out.events, bad_events = _events(identity_id, history, sessions)
     out.bad += [(history_key if i < len(history) else sessions_key, r) for i, r in bad_events]
     return out

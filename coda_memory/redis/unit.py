@@ -43,6 +43,7 @@ from coda_memory.core.model import Fact, FactEvent, Observation, fact_id
 from coda_memory.core.turns import mapped
 from coda_memory.ports import check_plan_identity
 from coda_memory.redis.codec import (
+    SUBJECT_RULE,
     BadRecord,
     checked_event_from_value,
     dumps,
@@ -51,6 +52,7 @@ from coda_memory.redis.codec import (
     fact_json,
     from_ms,
     observation_from_json,
+    one_per_subject,
     to_ms,
 )
 from coda_memory.redis.keys import Keys
@@ -71,7 +73,17 @@ def _number_text(value: float) -> str:
 def parse_facts(
     identity_id: str, values: Sequence[bytes | str], on_bad: Callable[[str], None] | None = None
 ) -> list[Fact]:
-    """The facts of a hash's values; a bad one is skipped and reported to ``on_bad``."""
+    """The facts of a hash's values, one per subject; a bad one is skipped and reported
+    to ``on_bad``, and so is a second one about a subject (see :func:`facts_of`)."""
+    return facts_of(identity_id, values, on_bad)[0]
+
+
+def facts_of(
+    identity_id: str, values: Sequence[bytes | str], on_bad: Callable[[str], None] | None = None
+) -> tuple[list[Fact], list[Fact]]:
+    """The facts of a hash's values, one per subject by the rule every reader keeps
+    (:func:`~coda_memory.redis.codec.one_per_subject`), and those the rule left out; a
+    bad one is skipped, and each one skipped or left out is reported to ``on_bad``."""
     facts: list[Fact] = []
     for raw in values:
         try:
@@ -79,7 +91,11 @@ def parse_facts(
         except BadRecord as exc:
             if on_bad is not None:
                 on_bad(str(exc))
-    return facts
+    kept, left_out = one_per_subject(facts)
+    if on_bad is not None:
+        for _ in left_out:
+            on_bad(f"a second fact about its subject: {SUBJECT_RULE}")
+    return kept, left_out
 
 
 def _session_events(identity_id: str, raw: str | bytes) -> dict[str, FactEvent]:
@@ -129,6 +145,7 @@ class RedisConsolidationUnit:
         self._consumed_pending: list[bytes] = []
         self._checkpoint: float | None = None
         self._stored_ids: dict[str, str] = {}
+        self._left_out_ids: list[str] = []
         self._sessions: dict[str, dict[str, FactEvent]] = {}
 
     def _bad(self, what: str) -> Callable[[str], None]:
@@ -164,8 +181,13 @@ class RedisConsolidationUnit:
         if checkpoint is not None:
             times.append(float(checkpoint))
         latest = max(times, default=None)
-        facts = parse_facts(identity, fact_values, self._bad("fact"))
+        facts, left_out = facts_of(identity, fact_values, self._bad("fact"))
         self._stored_ids = {f.subject: f.id for f in facts}
+        # Erased by the commit: read again once the kept one is deleted, or decayed below
+        # its stale confidence, it came back (never the kept one's field, should a
+        # corrupt record carry its id).
+        kept_ids = set(self._stored_ids.values())
+        self._left_out_ids = sorted({f.id for f in left_out} - kept_ids)
         self._consumed_pending = list(pending)
         self._checkpoint = latest
         sessions = sorted({o.session_id for o in new if o.session_id is not None})
@@ -255,6 +277,8 @@ class RedisConsolidationUnit:
 
         upserts = [part for pair in await mapped(plan.upserts, upsert) for part in pair]
         deletes = [self._stored_ids.get(s, fact_id(s)) for s in plan.deletes]
+        upserted = set(upserts[0::2])
+        deletes += [stored_id for stored_id in self._left_out_ids if stored_id not in upserted]
         touched: set[str] = set()
         for event in plan.events:
             if event.kind in REINFORCING and event.session_id is not None:
@@ -293,4 +317,4 @@ class RedisConsolidationUnit:
             raise RuntimeError("this unit of work is committed; open a new one")
 
 
-__all__ = ["RedisConsolidationUnit", "parse_facts"]
+__all__ = ["RedisConsolidationUnit", "facts_of", "parse_facts"]

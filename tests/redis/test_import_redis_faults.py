@@ -30,6 +30,7 @@ from coda_memory.migration import (
 from coda_memory.postgres import PostgresStore
 from coda_memory.postgres.migrate import migrate_async
 from coda_memory.redis import RedisStore
+from coda_memory.redis.codec import SUBJECT_RULE, from_ms
 from coda_memory.redis.export import export_identity
 from coda_memory.redis.store import split_prefix
 from tests.helpers import tool_ok
@@ -198,13 +199,66 @@ async def test_a_second_fact_about_a_subject_and_a_rejected_observation_are_name
     await redis_client.zadd(f"{p}obs:h-dup", {observation("h-dup", "n2", 1, "bad name"): ms(1)})
     summary = await _imported_once(redis_url, pg_url)
     reasons = dict(summary.bad)
-    assert reasons.pop(f"{p}facts:h-dup field 'fact:b'") == (
-        "a second fact about its subject (field 'fact:a' is copied)"
+    assert reasons.pop(f"{p}facts:h-dup field 'fact:a'") == (
+        f"a second fact about its subject (field 'fact:b' is copied: {SUBJECT_RULE})"
     )
     # By the id the original server gave it, which finds it in Redis.
     [(key, _)] = reasons.items()
     assert key == f"{p}obs:h-dup id 'n2'"
     assert (summary.copied, summary.facts) == (1, 1)
+
+
+#: Two facts about one subject, (field, confidence, updatedAt in days) each, and the field
+#: of the one every reader keeps: the higher confidence, then the later updatedAt, then
+#: the smaller id (the field).
+SECOND_FACTS = [
+    pytest.param((("fact:a", 0.5, 9), ("fact:b", 0.9, 9)), "fact:b", id="confidence"),
+    pytest.param((("fact:a", 0.7, 5), ("fact:b", 0.7, 9)), "fact:b", id="updated"),
+    pytest.param((("fact:b", 0.7, 9), ("fact:a", 0.7, 9)), "fact:a", id="id"),
+]
+
+
+@pytest.mark.parametrize(("stored", "kept"), SECOND_FACTS)
+async def test_a_second_fact_about_a_subject_is_left_out_by_the_rule_the_store_reads_by(
+    redis_client: aioredis.Redis,
+    redis_url: str,
+    redis_prefix: str,
+    pg_url: str,
+    stored: tuple[tuple[str, float, float], ...],
+    kept: str,
+) -> None:
+    """The import copied the first fact by field name, where the Redis store's reads kept
+    whichever ``HVALS`` gave last: Postgres held another fact than the one the Redis
+    store served."""
+    for field, confidence, updated in stored:
+        await redis_client.hset(
+            f"{redis_prefix}facts:h-dup",
+            field,
+            fact("h-dup", "t", confidence, 1, id=field, updatedAt=ms(updated)),
+        )
+    summary = await _imported_once(redis_url, pg_url)
+    (left_out,) = {field for field, _, _ in stored} - {kept}
+    assert summary.bad == [
+        (
+            f"{redis_prefix}facts:h-dup field {left_out!r}",
+            f"a second fact about its subject (field {kept!r} is copied: {SUBJECT_RULE})",
+        )
+    ]
+    source = RedisStore.from_url(redis_url)
+    target = PostgresStore.from_url(pg_url)
+    try:
+        ((field, confidence, updated),) = [s for s in stored if s[0] == kept]
+        [served] = await source.facts("h-dup")
+        [copied] = await target.facts("h-dup")
+        assert (served.id, served.confidence, served.updated_at) == (
+            field,
+            confidence,
+            from_ms(ms(updated), "updatedAt"),
+        )
+        assert (copied.confidence, copied.updated_at) == (served.confidence, served.updated_at)
+    finally:
+        await source.close()
+        await target.close()
 
 
 async def test_a_lone_surrogate_leaves_out_its_record_or_is_removed_from_a_facts_text(

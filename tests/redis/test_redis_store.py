@@ -26,6 +26,9 @@ from coda_memory.redis import LockLost, LockTimeout, RedisStore
 from coda_memory.redis.keys import glob_escape
 from tests.builders import consolidate, contents, event, fact, record
 from tests.helpers import T0, FakeClock, LoopTurns, domain, entity, tool_failed, tool_ok
+from tests.redis.test_import_redis import fact as stored_fact
+from tests.redis.test_import_redis import ms
+from tests.redis.test_import_redis_faults import SECOND_FACTS
 from tests.redis_fixtures import _own_server
 
 
@@ -850,5 +853,39 @@ async def test_start_names_what_the_server_refused(redis_url: str) -> None:
     try:
         with pytest.raises(ConnectionLost, match=r"\(ResponseError: DB index is out of range\)"):
             await service.start()
+    finally:
+        await service.close()
+
+
+@pytest.mark.parametrize(("stored", "kept"), SECOND_FACTS)
+async def test_a_second_fact_about_a_subject_is_left_out_by_one_rule_and_erased(
+    redis_url: str,
+    redis_client: aioredis.Redis,
+    redis_prefix: str,
+    stored: tuple[tuple[str, float, float], ...],
+    kept: str,
+) -> None:
+    """The original layout may hold two facts about one subject: ``facts`` listed both,
+    and a consolidation kept whichever ``HVALS`` gave last (the one written last), where
+    the import copies another. Every read keeps one by one rule, and the consolidation
+    reinforces that one and erases the other (read again once the kept one decayed below
+    its stale confidence, or was deleted, it came back)."""
+    facts_key = f"{redis_prefix}facts:u1"
+    # The one kept written first: HVALS gives it first, and the other last.
+    for field, confidence, updated in sorted(stored, key=lambda s: s[0] != kept):
+        await redis_client.hset(
+            facts_key, field, stored_fact("u1", "t", confidence, 1, id=field, updatedAt=ms(updated))
+        )
+    service = MemoryService.from_url(
+        redis_url, clock=FakeClock(T0 + timedelta(days=10)), load_timeout=5.0
+    )
+    try:
+        assert [f.id for f in await service.store.facts("u1")] == [kept]
+        assert [f.id for f in (await service.store.peek("u1"))[0]] == [kept]
+        service.emit_observation("u1", tool_ok("t", session="s1"))
+        await service.drain()
+        (reinforced,) = await service.consolidate("u1")
+        assert reinforced.reinforcement_count == 2
+        assert await redis_client.hkeys(facts_key) == [kept.encode()]
     finally:
         await service.close()
