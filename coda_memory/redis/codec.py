@@ -98,6 +98,21 @@ def to_ms(at: datetime) -> int | float:
 CHECKPOINT_TEXT = re.compile(r"-?[0-9]+\.?[0-9]*")
 
 
+def checkpoint_ms(raw: bytes | str) -> float:
+    """The epoch ms of a checkpoint field, checked as the scripts check it
+    (:data:`CHECKPOINT_TEXT`, and within the range of dates); :class:`BadRecord` saying
+    why, without the value (something else may have written anything there)."""
+    try:
+        text = raw.decode() if isinstance(raw, bytes) else raw
+    except UnicodeDecodeError:
+        raise BadRecord("the checkpoint is not text") from None
+    if not CHECKPOINT_TEXT.fullmatch(text):
+        raise BadRecord("the checkpoint is not epoch ms in decimal")
+    value = float(text)
+    from_ms(value, "the checkpoint")
+    return value
+
+
 def from_ms(value: object, field: str) -> datetime:
     """The UTC datetime of an epoch-ms number; :class:`BadRecord` for anything else."""
     if isinstance(value, bool) or not isinstance(value, int | float):

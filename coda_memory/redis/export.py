@@ -23,10 +23,10 @@ from redis.exceptions import ResponseError
 from coda_memory.core.decay import ease_bounds
 from coda_memory.core.model import Fact, FactEvent, Observation, is_identifier
 from coda_memory.redis.codec import (
-    CHECKPOINT_TEXT,
     SUBJECT_RULE,
     BadRecord,
     checked_event_from_value,
+    checkpoint_ms,
     fact_from_json,
     from_ms,
     observation_from_json,
@@ -102,19 +102,15 @@ async def export_identity(store: RedisStore, identity_id: str) -> ExportedIdenti
     limit: float | None = None
     if checkpoint is not None:
         try:
-            text = checkpoint.decode() if isinstance(checkpoint, bytes) else str(checkpoint)
-            if not CHECKPOINT_TEXT.fullmatch(text):
-                raise BadRecord("not decimal")
-            out.checkpoint_at = from_ms(float(text), "checkpoint")
-            limit = float(text)
-        except (ValueError, BadRecord) as exc:
+            limit = checkpoint_ms(checkpoint)
+        except BadRecord as exc:
             # Without it, nothing tells the consumed observations from the new ones: all
-            # would count again. (The exception quotes the value: a corrupt field may
-            # hold anything.)
+            # would count again.
             raise BadRecord(
-                f"{k.checkpoint} field {identity_id!r} is not epoch ms ({type(exc).__name__}):"
-                " which observations were consumed is not known"
+                f"{k.checkpoint} field {identity_id!r} is not epoch ms ({exc}): which"
+                " observations were consumed is not known"
             ) from None
+        out.checkpoint_at = from_ms(limit, "checkpoint")
     in_pending = set(pending)
     # With the pending observations that the sorted set no longer holds (the original
     # server's prune, or the key's TTL, took them): the Redis store still consolidates

@@ -45,6 +45,7 @@ from coda_memory.errors import ConnectionLost, StoreBusy
 from coda_memory.ports import AppendOutcome, Forgotten, ObservationRecord, unidentified
 from coda_memory.redis.codec import (
     BadRecord,
+    checkpoint_ms,
     event_from_value,
     from_ms,
     observation_body,
@@ -410,7 +411,7 @@ class RedisStore:
                     keys=self.keys,
                     identity_id=identity_id,
                     token=token,
-                    load_script=self._script("load"),
+                    load_script=self._load_script,
                     commit_script=self._commit_script,
                     read_sessions=lambda sessions: self.client.hmget(
                         self.keys.of("sessions", identity_id), sessions
@@ -426,6 +427,10 @@ class RedisStore:
                     f"the connection died while consolidating {identity_label(identity_id)}: "
                     f"{type(error).__name__}"
                 ) from error
+
+    async def _load_script(self, *, keys: list[str], args: list[Any]) -> Any:
+        with self._checkpoint_checked():
+            return await self._script("load")(keys=keys, args=args)
 
     async def _commit_script(self, *, keys: list[str], args: list[Any]) -> Any:
         try:
@@ -449,7 +454,7 @@ class RedisStore:
         unless the identity's lock is held (see ``peek.lua``), so that a load that cannot
         consolidate in time, behind a lock that a dead process left for ``lock_ttl``,
         answers with the facts of the last consolidation rather than empty."""
-        with _lost_while("reading facts"):
+        with _lost_while("reading facts"), self._checkpoint_checked():
             reply = await _read_twice(
                 lambda: self._script("peek")(
                     keys=[*self.keys.read_keys(identity_id), self.keys.of("lock", identity_id)],
@@ -484,10 +489,47 @@ class RedisStore:
         return observations
 
     async def checkpoint(self, identity_id: str) -> datetime | None:
-        """The checkpoint map's entry: ``createdAt`` of the latest consumed observation."""
-        with _lost_while("reading a checkpoint"):
+        """The checkpoint map's entry: ``createdAt`` of the latest consumed observation.
+        :class:`BadRecord` for one that is not epoch ms in decimal, as the scripts and the
+        import refuse it (its message names the map, neither the identity nor the value:
+        a host logs what it raises)."""
+        with _lost_while("reading a checkpoint"), self._checkpoint_map_read():
             raw = await self.client.hget(self.keys.checkpoint, identity_id)
-        return None if raw is None else from_ms(float(raw), "checkpoint")
+        if raw is None:
+            return None
+        try:
+            return from_ms(checkpoint_ms(raw), "checkpoint")
+        except BadRecord as exc:
+            raise BadRecord(f"{self.keys.checkpoint} (the checkpoint map): {exc}") from None
+
+    @contextlib.contextmanager
+    def _checkpoint_map_read(self) -> Iterator[None]:
+        """A command on the checkpoint map: one of another type as the :class:`BadRecord`
+        the store raises for every corrupt value (not the driver's ResponseError)."""
+        try:
+            yield
+        except ResponseError as exc:
+            if not str(exc).startswith("WRONGTYPE"):
+                raise
+            raise BadRecord(
+                f"{self.keys.checkpoint} holds a value of another type than a hash (the"
+                " checkpoint map): no identity's checkpoint can be read"
+            ) from None
+
+    @contextlib.contextmanager
+    def _checkpoint_checked(self) -> Iterator[None]:
+        """A script that reads the identity's checkpoint (peek, load): its refusal of one
+        that is not epoch ms (BADCHECKPOINT) as the :class:`BadRecord` that
+        ``checkpoint()`` raises for it."""
+        try:
+            yield
+        except ResponseError as exc:
+            if "BADCHECKPOINT" not in str(exc):
+                raise
+            raise BadRecord(
+                f"{self.keys.checkpoint} (the checkpoint map): the checkpoint is not epoch ms"
+                " in decimal"
+            ) from None
 
     async def identities(self) -> list[str]:
         """Every identity with observations, facts, history or a checkpoint, sorted. A key
@@ -499,15 +541,8 @@ class RedisStore:
                 async for key in self.client.scan_iter(match=self.keys.pattern(kind), count=1000):
                     text = _decoded(key)
                     found.add(self.keys.identity_of(kind, text))
-            try:
+            with self._checkpoint_map_read():
                 fields = await self.client.hkeys(self.keys.checkpoint)
-            except ResponseError as exc:
-                if not str(exc).startswith("WRONGTYPE"):
-                    raise
-                raise BadRecord(
-                    f"{self.keys.checkpoint} holds a value of another type than a hash (the"
-                    " checkpoint map): no identity's checkpoint can be read"
-                ) from None
             found.update(_decoded(field) for field in fields)
             return sorted(found)
 

@@ -23,6 +23,7 @@ from coda_memory.core.logs import identity_label
 from coda_memory.core.sanitize import sanitize_observation
 from coda_memory.errors import ConnectionLost
 from coda_memory.redis import LockLost, LockTimeout, RedisStore
+from coda_memory.redis.codec import BadRecord
 from coda_memory.redis.keys import glob_escape
 from tests.builders import consolidate, contents, event, fact, record
 from tests.helpers import T0, FakeClock, LoopTurns, domain, entity, tool_failed, tool_ok
@@ -720,13 +721,35 @@ async def test_a_time_a_microsecond_inside_the_range_of_datetime_is_read_back(
     assert checkpoint is not None and abs(checkpoint - at) <= near
 
 
+#: How the store refuses a checkpoint that is not epoch ms: by the map, not the identity.
+CHECKPOINT_REFUSED = r"^\S+checkpoint \(the checkpoint map\): the checkpoint is not epoch ms"
+
+
+@pytest.mark.parametrize("checkpoint", ["garbage", "-inf", "0x10", "nan", "1e3", "", "1.5.2"])
+async def test_checkpoint_refuses_a_value_that_is_not_epoch_ms_without_quoting_it(
+    redis_store: RedisStore, redis_client: aioredis.Redis, redis_prefix: str, checkpoint: str
+) -> None:
+    """``checkpoint()`` raised a bare ValueError of float() quoting the value, and read
+    ``1e3`` as a time where the scripts refuse it: it refuses what they refuse, with the
+    BadRecord that a consolidation raises too, naming the checkpoint map and neither the
+    identity nor the value (a host logs what it raises)."""
+    await redis_client.hset(f"{redis_prefix}checkpoint", "u-4711", checkpoint)
+    with pytest.raises(BadRecord, match=CHECKPOINT_REFUSED) as raised:
+        await redis_store.checkpoint("u-4711")
+    assert "4711" not in str(raised.value)
+    assert not checkpoint or checkpoint not in str(raised.value)
+    await redis_client.hset(f"{redis_prefix}checkpoint", "u-4711", "1767258000000.5")
+    assert await redis_store.checkpoint("u-4711") == datetime(2026, 1, 1, 9, 0, 0, 500, UTC)
+
+
 @pytest.mark.parametrize("checkpoint", ["garbage", "-inf", "0x10", "nan", "1e3", ""])
 async def test_a_checkpoint_that_is_not_epoch_ms_is_refused_not_read_as_none(
     redis_url: str, redis_client: aioredis.Redis, redis_prefix: str, checkpoint: str
 ) -> None:
     """Read as no checkpoint, every observation consumed before counted again (or the
     load and Python parsed it differently, and every consolidation failed): the
-    identity's consolidation is refused, and nothing counts twice."""
+    identity's consolidation is refused, and nothing counts twice. The refusal is the
+    store's BadRecord, as for every corrupt value (it was the driver's ResponseError)."""
     clock = FakeClock()
     service = MemoryService.from_url(redis_url, clock=clock, load_timeout=5.0)
     try:
@@ -736,7 +759,7 @@ async def test_a_checkpoint_that_is_not_epoch_ms_is_refused_not_read_as_none(
         (fact,) = await service.consolidate("u1")
         await redis_client.hset(f"{redis_prefix}checkpoint", "u1", checkpoint)
         clock.advance(minutes=1)
-        with pytest.raises(Exception, match="checkpoint is not epoch ms"):
+        with pytest.raises(BadRecord, match=CHECKPOINT_REFUSED):
             await service.consolidate("u1")
         loaded = await service.load_memory("u1")
         assert [f.reinforcement_count for f in loaded.facts] in ([], [1])
