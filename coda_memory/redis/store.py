@@ -39,7 +39,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from coda_memory.core.cancellation import run_to_end, to_the_end
 from coda_memory.core.logs import identity_label, short_error
-from coda_memory.core.model import Fact, FactEvent, Observation
+from coda_memory.core.model import MAX_SPAN, Fact, FactEvent, Observation
 from coda_memory.core.options import NONE, require_types
 from coda_memory.errors import ConnectionLost, StoreBusy
 from coda_memory.ports import AppendOutcome, Forgotten, ObservationRecord, unidentified
@@ -194,6 +194,11 @@ class RedisStore:
             raise ValueError("history_limit must be 0 (unbounded) or more")
         if lock_ttl <= timedelta(0):
             raise ValueError("lock_ttl must be positive")
+        if not timedelta(0) < session_horizon <= MAX_SPAN:
+            # Not positive, every run pruned every session's record, and a session
+            # reinforced a fact again at each run; past years, every commit failed
+            # (its now less the horizon is before year 1).
+            raise ValueError(f"session_horizon must be positive, at most {MAX_SPAN.days:,} days")
         self.client = client
         self.keys = Keys(prefix)
         self.lock_timeout = lock_timeout

@@ -895,6 +895,19 @@ def test_a_redis_duration_given_in_seconds_is_refused_by_name(option: str, says:
         MemoryService.from_url("redis://127.0.0.1:1/0", **options)
 
 
+@pytest.mark.parametrize("horizon", [timedelta(0), timedelta(seconds=-1), timedelta(days=36_501)])
+def test_a_redis_session_horizon_that_is_not_positive_or_past_a_century_is_refused(
+    horizon: timedelta,
+) -> None:
+    """Not positive, every consolidation pruned every session's record, so a session
+    reinforced a fact again at each run; a million days made every commit fail (its now
+    less the horizon is before year 1)."""
+    pytest.importorskip("redis")
+    with pytest.raises(ValueError, match="session_horizon must be positive, at most 36,500"):
+        MemoryService.from_url("redis://127.0.0.1:1/0", session_horizon=horizon)
+    MemoryService.from_url("redis://127.0.0.1:1/0", session_horizon=timedelta(days=36_500))
+
+
 @pytest.mark.parametrize(
     ("option", "value"),
     [
