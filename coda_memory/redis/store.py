@@ -168,6 +168,9 @@ class RedisStoreStats:
     facts: int
     fact_events: int
     used_memory_bytes: int
+    #: Keys of an identity that hold another type of value than the layout's (something
+    #: else wrote them): counted as holding nothing.
+    keys_of_another_type: int = 0
 
 
 class RedisStore:
@@ -555,7 +558,7 @@ class RedisStore:
         """Counts over every identity under the prefix (a SCAN: for operators)."""
         with _lost_while("counting"):
             identities = await self.identities()
-            observations = pending = facts = events = 0
+            observations = pending = facts = events = other_type = 0
             for start in range(0, len(identities), 500):
                 async with self.client.pipeline(transaction=False) as pipe:
                     for identity in identities[start : start + 500]:
@@ -563,11 +566,14 @@ class RedisStore:
                         pipe.zcard(_encoded(self.keys.of("pending", identity)))
                         pipe.hlen(_encoded(self.keys.of("facts", identity)))
                         pipe.llen(_encoded(self.keys.of("history", identity)))
-                    counts = await pipe.execute()
-                observations += sum(counts[0::4])
-                pending += sum(counts[1::4])
-                facts += sum(counts[2::4])
-                events += sum(counts[3::4])
+                    # One key of another type failed the whole count (WRONGTYPE).
+                    replies = await pipe.execute(raise_on_error=False)
+                counts = [_counted(reply) for reply in replies]
+                other_type += counts.count(None)
+                observations += sum(n or 0 for n in counts[0::4])
+                pending += sum(n or 0 for n in counts[1::4])
+                facts += sum(n or 0 for n in counts[2::4])
+                events += sum(n or 0 for n in counts[3::4])
             memory = await self.client.info("memory")
             return RedisStoreStats(
                 prefix=self.keys.prefix,
@@ -577,6 +583,7 @@ class RedisStore:
                 facts=facts,
                 fact_events=events,
                 used_memory_bytes=int(memory.get("used_memory", 0)),
+                keys_of_another_type=other_type,
             )
 
     # -- administration -----------------------------------------------------------------
@@ -601,6 +608,15 @@ class RedisStore:
 
 
 __all__ = ["LockLost", "LockTimeout", "RedisStore", "RedisStoreStats", "split_prefix"]
+
+
+def _counted(reply: Any) -> int | None:
+    """A count's reply: None for a key of another type, any other error raised."""
+    if isinstance(reply, ResponseError) and str(reply).startswith("WRONGTYPE"):
+        return None
+    if isinstance(reply, Exception):
+        raise reply
+    return int(reply)
 
 
 async def _read_twice(read: Callable[[], Awaitable[T]]) -> T:

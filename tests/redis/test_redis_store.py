@@ -335,6 +335,19 @@ async def test_stats_count_a_key_whose_identity_is_not_utf8(
     assert (stats.identities, stats.observations) == (2, 2)
 
 
+async def test_stats_count_a_key_of_another_type_as_such_and_the_others_all_the_same(
+    redis_store: RedisStore, redis_prefix: str, redis_client: aioredis.Redis
+) -> None:
+    """One identity's key that something else wrote with another type failed the whole
+    count (WRONGTYPE): an operator learnt nothing of the other identities."""
+    await redis_client.set(f"{redis_prefix}obs:odd", "x")
+    await redis_client.zadd(f"{redis_prefix}obs:ok", {b"a": 1, b"b": 2})
+    await redis_client.hset(f"{redis_prefix}facts:odd", "f", "{}")
+    stats = await redis_store.stats()
+    assert (stats.identities, stats.observations, stats.facts) == (2, 2, 1)
+    assert stats.keys_of_another_type == 1
+
+
 async def test_a_history_record_that_does_not_parse_is_left_out(
     redis_store: RedisStore, redis_prefix: str, redis_client: aioredis.Redis
 ) -> None:
