@@ -308,6 +308,23 @@ async def test_forget_leaves_no_key_of_the_identity(
         await service.close()
 
 
+async def test_forget_erases_an_identity_whose_keys_hold_another_type(
+    redis_store: RedisStore, redis_prefix: str, redis_client: aioredis.Redis
+) -> None:
+    """Its count failed with WRONGTYPE before anything was erased: an identity whose key
+    something else wrote with another type could not be forgotten at all."""
+    p = redis_prefix
+    await redis_client.set(f"{p}obs:u1", "x")
+    await redis_client.hset(f"{p}facts:u1", mapping={"f1": "{}", "f2": "{}"})
+    await redis_client.set(f"{p}history:u1", "x")
+    await redis_client.set(f"{p}state:u1", "x")
+    await redis_client.hset(f"{p}checkpoint", mapping={"u1": "1", "u2": "2"})
+    forgotten = await redis_store.forget("u1")
+    assert (forgotten.observations, forgotten.facts, forgotten.fact_events) == (0, 2, 0)
+    assert [k async for k in redis_client.scan_iter(match=glob_escape(p) + "*:u1")] == []
+    assert await redis_client.hkeys(f"{p}checkpoint") == [b"u2"]
+
+
 async def test_stats_count_every_identity(redis_store: RedisStore, redis_url: str) -> None:
     service = MemoryService.from_url(redis_url, load_timeout=5.0, clock=FakeClock())
     try:
