@@ -21,6 +21,7 @@ import contextlib
 import functools
 import inspect
 import json
+import re
 import secrets
 import time
 import uuid
@@ -53,7 +54,7 @@ from coda_memory.redis.codec import (
     to_ms,
 )
 from coda_memory.redis.keys import DEFAULT_PREFIX, IDENTITY_KINDS, Keys
-from coda_memory.redis.unit import RedisConsolidationUnit, parse_facts
+from coda_memory.redis.unit import COMMIT_KEYS, RedisConsolidationUnit, parse_facts
 from coda_memory.redis.urls import check_redis_url
 
 DEFAULT_LOCK_TIMEOUT = timedelta(seconds=5)
@@ -446,7 +447,15 @@ class RedisStore:
         except ResponseError as error:
             if "LOCKLOST" in str(error):
                 raise LockLost(str(error)) from error
-            raise
+            refused = re.match(r"BADTYPE (\d+) ", str(error))
+            if refused is None:
+                raise
+            kind = COMMIT_KEYS[int(refused[1]) - 1]
+            key = "the checkpoint map" if kind == "checkpoint" else f"the identity's {kind} key"
+            raise BadRecord(
+                f"{key} in Redis holds another type of value: nothing of the consolidation "
+                "was written"
+            ) from None
 
     # -- reads --------------------------------------------------------------------------
 

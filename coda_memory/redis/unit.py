@@ -61,6 +61,19 @@ _log = LogThrottle(logging.getLogger("coda_memory"))
 
 Script = Callable[..., Awaitable[Any]]
 
+#: The keys the commit script takes, in its order (``checkpoint``: the checkpoint map).
+COMMIT_KEYS = (
+    "lock",
+    "facts",
+    "history",
+    "pending",
+    "obs",
+    "checkpoint",
+    "state",
+    "sessions",
+    "session-times",
+)
+
 
 def _text(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else value
@@ -248,15 +261,8 @@ class RedisConsolidationUnit:
             k, identity = self._keys, self.identity_id
             await self._commit(
                 keys=[
-                    k.of("lock", identity),
-                    k.of("facts", identity),
-                    k.of("history", identity),
-                    k.of("pending", identity),
-                    k.of("obs", identity),
-                    k.checkpoint,
-                    k.of("state", identity),
-                    k.of("sessions", identity),
-                    k.of("session-times", identity),
+                    k.checkpoint if kind == "checkpoint" else k.of(kind, identity)
+                    for kind in COMMIT_KEYS
                 ],
                 args=[
                     self._token,
@@ -317,4 +323,4 @@ class RedisConsolidationUnit:
             raise RuntimeError("this unit of work is committed; open a new one")
 
 
-__all__ = ["RedisConsolidationUnit", "facts_of", "parse_facts"]
+__all__ = ["COMMIT_KEYS", "RedisConsolidationUnit", "facts_of", "parse_facts"]

@@ -179,7 +179,7 @@ async def test_a_script_error_of_one_identity_refuses_its_rows_alone(
         keys=["*"],
         channels=["*"],
         commands=["+@all", "-type"],
-        selectors=[("+type", "~coda:memory:*:good*")],
+        selectors=[("+type", "~coda:memory:*:good*"), ("+type", "~coda:memory:checkpoint")],
     )
     url = own_redis_url.replace("redis://", "redis://writer:any@", 1)
     service = MemoryService.from_url(url, clock=FakeClock(), load_timeout=5.0)

@@ -325,6 +325,31 @@ async def test_forget_erases_an_identity_whose_keys_hold_another_type(
     assert await redis_client.hkeys(f"{p}checkpoint") == [b"u2"]
 
 
+@pytest.mark.parametrize("kind", ["history", "session-times"])
+async def test_a_key_of_another_type_fails_a_commit_before_it_writes_anything(
+    redis_url: str, redis_prefix: str, redis_client: aioredis.Redis, kind: str
+) -> None:
+    """The commit wrote the facts, then failed at the key (WRONGTYPE), its pending
+    observations left unconsumed: every later consolidation applied them to the facts
+    again, a reinforcement more each time."""
+    service = MemoryService.from_url(redis_url, load_timeout=5.0, clock=FakeClock())
+    try:
+        service.emit_observation("u1", tool_ok("t", session="s1"))
+        await service.drain()
+        await service.consolidate("u1")
+        await redis_client.delete(f"{redis_prefix}{kind}:u1")
+        await redis_client.set(f"{redis_prefix}{kind}:u1", "x")
+        service.emit_observation("u1", tool_ok("t", session="s2"))
+        await service.drain()
+        for _ in range(2):
+            with pytest.raises(BadRecord, match=f"the identity's {kind} key in Redis holds"):
+                await service.consolidate("u1")
+        assert [f.reinforcement_count for f in await service.facts("u1")] == [1]
+        assert await redis_client.zcard(f"{redis_prefix}pending:u1") == 1
+    finally:
+        await service.close()
+
+
 async def test_stats_count_every_identity(redis_store: RedisStore, redis_url: str) -> None:
     service = MemoryService.from_url(redis_url, load_timeout=5.0, clock=FakeClock())
     try:

@@ -7,6 +7,16 @@
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then
   return redis.error_reply('LOCKLOST the consolidation lock expired before the commit')
 end
+-- A key that something else wrote with another type is refused before anything is
+-- written: a script that fails half-way keeps what it wrote (the facts, without the
+-- pending observations consumed, which every later run applied again).
+local kinds = {'hash', 'list', 'zset', 'zset', 'hash', 'hash', 'hash', 'zset'}
+for i = 2, 9 do
+  local kind = redis.call('TYPE', KEYS[i])['ok']
+  if kind ~= 'none' and kind ~= kinds[i - 1] then
+    return redis.error_reply('BADTYPE ' .. i .. ' a key of the identity holds another type of value')
+  end
+end
 local plan = cjson.decode(ARGV[3])
 
 -- Commands with many arguments, a thousand at a time (Lua's unpack has a limit).
