@@ -350,6 +350,28 @@ async def test_a_key_of_another_type_fails_a_commit_before_it_writes_anything(
         await service.close()
 
 
+@pytest.mark.parametrize("runs", ["x", "1.5", "9" * 19, "007"])
+async def test_a_run_counter_hincrby_cannot_take_counts_anew(
+    redis_url: str, redis_prefix: str, redis_client: aioredis.Redis, runs: str
+) -> None:
+    """The commit's last command failed on it, after everything else was written: every
+    consolidation of the identity raised, its answer lost, though it was committed."""
+    service = MemoryService.from_url(redis_url, load_timeout=5.0, clock=FakeClock())
+    state = f"{redis_prefix}state:u1"
+    try:
+        service.emit_observation("u1", tool_ok("t", session="s1"))
+        await service.drain()
+        await service.consolidate("u1")
+        await redis_client.hset(state, "runs", runs)
+        service.emit_observation("u1", tool_ok("t", session="s2"))
+        await service.drain()
+        (fact,) = await service.consolidate("u1")
+        assert fact.reinforcement_count == 2
+        assert await redis_client.hmget(state, ["runs", "consumed"]) == [b"1", b"2"]
+    finally:
+        await service.close()
+
+
 async def test_stats_count_every_identity(redis_store: RedisStore, redis_url: str) -> None:
     service = MemoryService.from_url(redis_url, load_timeout=5.0, clock=FakeClock())
     try:

@@ -85,7 +85,17 @@ if checkpoint and tonumber(checkpoint) then
   end
 end
 
-redis.call('HINCRBY', KEYS[7], 'runs', 1)
-redis.call('HINCRBY', KEYS[7], 'consumed', plan.consumed)
+-- The counters (nothing reads them back) count anew from one that HINCRBY cannot take,
+-- which something else wrote: failing here, last, the run had written everything else
+-- and still raised, at every consolidation of the identity.
+local function count_up(field, by)
+  local held = redis.call('HGET', KEYS[7], field)
+  if held and held ~= '0' and not (string.match(held, '^%-?[1-9]%d*$') and #held <= 18) then
+    redis.call('HDEL', KEYS[7], field)
+  end
+  redis.call('HINCRBY', KEYS[7], field, by)
+end
+count_up('runs', 1)
+count_up('consumed', plan.consumed)
 redis.call('HSET', KEYS[7], 'consolidatedAt', plan.now)
 return pruned
