@@ -40,7 +40,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from coda_memory.core.cancellation import run_to_end, to_the_end
 from coda_memory.core.logs import identity_label, short_error
-from coda_memory.core.model import MAX_SPAN, Fact, FactEvent, Observation
+from coda_memory.core.model import MAX_INT32, MAX_SPAN, Fact, FactEvent, Observation
 from coda_memory.core.options import NONE, require_types
 from coda_memory.errors import ConnectionLost, StoreBusy
 from coda_memory.ports import AppendOutcome, Forgotten, ObservationRecord, unidentified
@@ -194,8 +194,11 @@ class RedisStore:
             session_horizon=(session_horizon, timedelta, "a timedelta"),
             history_limit=(history_limit, int, "a whole number (0: unbounded)"),
         )
-        if history_limit < 0:
-            raise ValueError("history_limit must be 0 (unbounded) or more")
+        if not 0 <= history_limit <= MAX_INT32:
+            # Past it, the commit's LTRIM got the limit as a double ("1e+18"), which Redis
+            # refused after the facts were written: every later run applied the same
+            # pending observations again.
+            raise ValueError(f"history_limit must be 0 (unbounded) to {MAX_INT32:,}")
         if lock_ttl <= timedelta(0):
             raise ValueError("lock_ttl must be positive")
         if not timedelta(0) < session_horizon <= MAX_SPAN:

@@ -11,6 +11,7 @@ import gc
 import itertools
 import logging
 import re
+import sys
 import threading
 import warnings
 import weakref
@@ -893,6 +894,17 @@ def test_a_redis_duration_given_in_seconds_is_refused_by_name(option: str, says:
     options: dict[str, Any] = {option: 5.0}
     with pytest.raises(TypeError, match=re.escape(says)):
         MemoryService.from_url("redis://127.0.0.1:1/0", **options)
+
+
+@pytest.mark.parametrize("limit", [-1, 2**31, sys.maxsize])
+def test_a_redis_history_limit_outside_0_to_2_31_is_refused(limit: int) -> None:
+    """``sys.maxsize`` for "unbounded" (0 is): the commit's LTRIM got it as a double,
+    which Redis refused after the facts were written, so every later consolidation
+    applied the same observations to the facts again."""
+    pytest.importorskip("redis")
+    with pytest.raises(ValueError, match=r"history_limit must be 0 \(unbounded\) to 2,147,483,647"):
+        MemoryService.from_url("redis://127.0.0.1:1/0", history_limit=limit)
+    MemoryService.from_url("redis://127.0.0.1:1/0", history_limit=2**31 - 1)
 
 
 @pytest.mark.parametrize("horizon", [timedelta(0), timedelta(seconds=-1), timedelta(days=36_501)])
