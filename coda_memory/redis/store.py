@@ -77,7 +77,7 @@ T = TypeVar("T")
 #: How many times a lock's release is sent when the connection it went on was dead.
 RELEASE_ATTEMPTS = 3
 
-_SCRIPTS = ("append", "peek", "load", "commit", "unlock", "forget")
+_SCRIPTS = ("append", "peek", "load", "commit", "unlock", "forget", "expire")
 #: The keys of an identity that an append writes, in the order append.lua takes them.
 _APPEND_KEYS = ("state", "obs", "pending", "batches")
 
@@ -368,6 +368,9 @@ class RedisStore:
                 raise cancelled
             if taken:
                 return
+            if delay == 0.001:  # busy at the first try: a lock without an expiry ends too
+                with _lost_while(f"locking {identity_label(identity_id)}"):
+                    await self._script("expire")(keys=[key], args=[ttl_ms])
             if deadline is not None and loop.time() >= deadline:
                 raise LockTimeout(
                     f"the consolidation lock of {identity_label(identity_id)} stayed busy"

@@ -211,6 +211,24 @@ async def test_a_busy_lock_times_out(redis_store: RedisStore, redis_url: str) ->
         await impatient.close()
 
 
+async def test_a_lock_without_an_expiry_ends_after_lock_ttl(
+    redis_url: str, redis_prefix: str, redis_client: aioredis.Redis
+) -> None:
+    """A lock key copied or restored without its TTL (no coda-memory process sets one
+    without) held every consolidation of the identity off for ever: each timed out."""
+    store = RedisStore.from_url(
+        redis_url, lock_ttl=timedelta(milliseconds=300), lock_timeout=timedelta(seconds=5)
+    )
+    lock = f"{redis_prefix}lock:u1"
+    try:
+        await redis_client.set(lock, "a token from a restored copy")
+        async with store.consolidation("u1"):
+            assert await redis_client.get(lock) != b"a token from a restored copy"
+        assert await redis_client.exists(lock) == 0
+    finally:
+        await store.close()
+
+
 async def test_a_load_behind_a_dead_holders_lock_answers_with_the_last_facts(
     redis_url: str, redis_prefix: str, redis_client: aioredis.Redis
 ) -> None:
