@@ -77,7 +77,7 @@ T = TypeVar("T")
 #: How many times a lock's release is sent when the connection it went on was dead.
 RELEASE_ATTEMPTS = 3
 
-_SCRIPTS = ("append", "peek", "load", "commit", "unlock", "forget", "expire")
+_SCRIPTS = ("append", "peek", "load", "commit", "unlock", "forget", "expire", "renew")
 #: The keys of an identity that an append writes, in the order append.lua takes them.
 _APPEND_KEYS = ("state", "obs", "pending", "batches")
 
@@ -413,10 +413,31 @@ class RedisStore:
         except ConnectionLost as lost:
             await self._leave_if_read_only(lost)
             raise
+        keeper = asyncio.create_task(self._keep(identity_id, token))
         try:
             yield token
         finally:
+            # Not awaited: a renewal on its way is by token, so after the release below
+            # it extends nothing.
+            keeper.cancel()
             await self._release(identity_id, token)
+
+    async def _keep(self, identity_id: str, token: str) -> None:
+        """Extend the identity's lock to ``lock_ttl`` every third of it while ``token``
+        holds it (until cancelled). A consolidation that ran longer than ``lock_ttl`` (a
+        backlog of hundreds of thousands of observations, read in one reply and planned
+        in slices) lost its lock and wrote nothing, at every attempt, for ever. Only a
+        process that stops answering (it died, its loop is held) lets the lock expire,
+        and its commit then finds it lost."""
+        key = self.keys.of("lock", identity_id)
+        ttl_ms = max(1, round(self.lock_ttl.total_seconds() * 1000))
+        while True:
+            await asyncio.sleep(self.lock_ttl.total_seconds() / 3)
+            try:
+                if not await self._script("renew")(keys=[key], args=[token, ttl_ms]):
+                    return  # expired, and maybe taken: the commit will find it lost
+            except (RedisConnectionError, RedisTimeoutError, ResponseError, OSError):
+                continue  # the next renewal may reach it; else the lock expires
 
     @asynccontextmanager
     async def consolidation(self, identity_id: str) -> AsyncIterator[RedisConsolidationUnit]:

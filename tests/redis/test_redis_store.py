@@ -196,6 +196,33 @@ async def test_a_run_whose_lock_expired_commits_nothing(
         await other.close()
 
 
+async def test_a_consolidation_that_outlasts_lock_ttl_keeps_its_lock_and_commits(
+    redis_url: str, redis_prefix: str, redis_client: aioredis.Redis
+) -> None:
+    """The lock was set once, for ``lock_ttl``: a consolidation that ran longer (a backlog
+    of hundreds of thousands of observations) lost it and wrote nothing, at every attempt,
+    for ever. Its holder extends it while it runs."""
+    ttl = timedelta(milliseconds=600)
+    store = RedisStore.from_url(redis_url, lock_ttl=ttl)
+    lock = f"{redis_prefix}lock:u1"
+    loop = asyncio.get_running_loop()
+    try:
+        await store.append([sanitize_observation("u1", tool_ok("a"), T0)])
+        async with store.consolidation("u1") as unit:
+            batch = await unit.load()
+            token = await redis_client.get(lock)
+            until = loop.time() + 3 * ttl.total_seconds()
+            while loop.time() < until:  # the run outlasts lock_ttl three times over
+                await asyncio.sleep(0.05)
+                assert await redis_client.get(lock) == token
+            await unit.write(plan_consolidation("u1", batch, T0, ExponentialDecay()))
+            await unit.commit()
+        assert [f.subject for f in await store.facts("u1")] == ["tool_affinity:a"]
+        assert await redis_client.exists(lock) == 0
+    finally:
+        await store.close()
+
+
 async def test_a_busy_lock_times_out(redis_store: RedisStore, redis_url: str) -> None:
     impatient = RedisStore.from_url(redis_url, lock_timeout=timedelta(milliseconds=50))
     try:
