@@ -74,6 +74,11 @@ BATCH_KEYS_FOR_MS = 24 * 60 * 60 * 1000
 BATCH_KEYS_KEPT = 200
 T = TypeVar("T")
 
+#: How many ``lock_ttl`` a running consolidation keeps its lock for at most (10 minutes
+#: by default): one that hangs (a reply that never comes, with no ``socket_timeout``)
+#: then lets it expire, as a dead process's, rather than hold its identity for ever.
+LOCK_KEPT_FOR_TTLS = 20
+
 #: How many times a lock's release is sent when the connection it went on was dead.
 RELEASE_ATTEMPTS = 3
 
@@ -424,14 +429,15 @@ class RedisStore:
 
     async def _keep(self, identity_id: str, token: str) -> None:
         """Extend the identity's lock to ``lock_ttl`` every third of it while ``token``
-        holds it (until cancelled). A consolidation that ran longer than ``lock_ttl`` (a
-        backlog of hundreds of thousands of observations, read in one reply and planned
-        in slices) lost its lock and wrote nothing, at every attempt, for ever. Only a
-        process that stops answering (it died, its loop is held) lets the lock expire,
-        and its commit then finds it lost."""
+        holds it (until cancelled, :data:`LOCK_KEPT_FOR_TTLS` times ``lock_ttl`` at
+        most). A consolidation that ran longer than ``lock_ttl`` (a backlog of hundreds
+        of thousands of observations, read in one reply and planned in slices) lost its
+        lock and wrote nothing, at every attempt, for ever. A process that stops
+        answering (it died, its loop is held) lets the lock expire, and its commit then
+        finds it lost."""
         key = self.keys.of("lock", identity_id)
         ttl_ms = max(1, round(self.lock_ttl.total_seconds() * 1000))
-        while True:
+        for _ in range(3 * LOCK_KEPT_FOR_TTLS):
             await asyncio.sleep(self.lock_ttl.total_seconds() / 3)
             try:
                 if not await self._script("renew")(keys=[key], args=[token, ttl_ms]):

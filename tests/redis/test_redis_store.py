@@ -23,6 +23,7 @@ from coda_memory.core.logs import identity_label
 from coda_memory.core.sanitize import sanitize_observation
 from coda_memory.errors import ConnectionLost
 from coda_memory.redis import LockLost, LockTimeout, RedisStore
+from coda_memory.redis import store as store_module
 from coda_memory.redis.codec import BadRecord
 from coda_memory.redis.keys import glob_escape
 from tests.builders import consolidate, contents, event, fact, record
@@ -219,6 +220,27 @@ async def test_a_consolidation_that_outlasts_lock_ttl_keeps_its_lock_and_commits
             await unit.commit()
         assert [f.subject for f in await store.facts("u1")] == ["tool_affinity:a"]
         assert await redis_client.exists(lock) == 0
+    finally:
+        await store.close()
+
+
+async def test_a_consolidation_that_hangs_lets_its_lock_expire_after_a_while(
+    redis_url: str, redis_prefix: str, redis_client: aioredis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Kept for ever, the lock of a consolidation that hangs (a reply that never comes)
+    held its identity's consolidations off as long as the process lived."""
+    monkeypatch.setattr(store_module, "LOCK_KEPT_FOR_TTLS", 2)
+    store = RedisStore.from_url(redis_url, lock_ttl=timedelta(milliseconds=300))
+    try:
+        await store.append([sanitize_observation("u1", tool_ok("a"), T0)])
+        async with store.consolidation("u1") as unit:
+            batch = await unit.load()
+            async with asyncio.timeout(5):
+                while await redis_client.exists(f"{redis_prefix}lock:u1"):
+                    await asyncio.sleep(0.05)  # the run hangs until its lock is gone
+            await unit.write(plan_consolidation("u1", batch, T0, ExponentialDecay()))
+            with pytest.raises(LockLost):
+                await unit.commit()
     finally:
         await store.close()
 
