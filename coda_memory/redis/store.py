@@ -21,6 +21,7 @@ import contextlib
 import functools
 import inspect
 import json
+import logging
 import re
 import secrets
 import time
@@ -56,6 +57,8 @@ from coda_memory.redis.codec import (
 from coda_memory.redis.keys import DEFAULT_PREFIX, IDENTITY_KINDS, Keys
 from coda_memory.redis.unit import COMMIT_KEYS, RedisConsolidationUnit, parse_facts
 from coda_memory.redis.urls import check_redis_url
+
+_log = logging.getLogger("coda_memory")
 
 DEFAULT_LOCK_TIMEOUT = timedelta(seconds=5)
 #: How long a lock outlives a consolidation whose process died holding it.
@@ -261,6 +264,26 @@ class RedisStore:
                 f"cannot reach Redis at {where} ({short_error(error)}); the service starts "
                 "on first use once it answers"
             ) from error
+        await self._warn_if_evicting()
+
+    async def _warn_if_evicting(self) -> None:
+        """Log a warning when the server evicts any key at ``maxmemory`` (an ``allkeys-*``
+        policy, common on caches): observations, facts and pending sets would go without
+        a word, where ``noeviction`` refuses the writes, which the writer retries. Nothing
+        when the server does not say (an ACL user without INFO)."""
+        try:
+            memory = await self.client.info("memory")
+        except (RedisConnectionError, RedisTimeoutError, ResponseError):
+            return
+        policy = memory.get("maxmemory_policy")
+        if isinstance(policy, bytes):
+            policy = policy.decode(errors="replace")
+        if isinstance(policy, str) and policy.startswith("allkeys-"):
+            _log.warning(
+                "coda-memory: Redis evicts any key at maxmemory (maxmemory-policy %s): "
+                "memory would be lost without a word; set maxmemory-policy noeviction",
+                policy,
+            )
 
     # -- writes -------------------------------------------------------------------------
 

@@ -197,3 +197,24 @@ async def test_a_script_error_of_one_identity_refuses_its_rows_alone(
             assert [f.subject for f in await service.consolidate(identity)] == ["tool_affinity:t"]
     finally:
         await service.close()
+
+
+@pytest.mark.parametrize(("policy", "warned"), [("allkeys-lru", True), ("noeviction", False)])
+async def test_start_warns_of_a_server_that_evicts_any_key_at_maxmemory(
+    own_redis_url: str,
+    admin: aioredis.Redis,
+    caplog: pytest.LogCaptureFixture,
+    policy: str,
+    warned: bool,
+) -> None:
+    """A cache's allkeys-* policy evicts observations, facts and pending sets at
+    maxmemory without a word: nothing told the operator."""
+    await admin.config_set("maxmemory-policy", policy)
+    caplog.set_level(logging.WARNING, "coda_memory")
+    store = RedisStore.from_url(own_redis_url)
+    try:
+        await store.start()
+    finally:
+        await store.close()
+    said = f"Redis evicts any key at maxmemory (maxmemory-policy {policy})"
+    assert (said in caplog.text) is warned
