@@ -494,7 +494,7 @@ class RedisStore:
                 ) from error
 
     async def _load_script(self, *, keys: list[str], args: list[Any]) -> Any:
-        with self._checkpoint_checked():
+        with self._checkpoint_checked(), _typed((*_READ_KEYS, "state")):
             return await self._script("load")(keys=keys, args=args)
 
     async def _commit_script(self, *, keys: list[str], args: list[Any]) -> Any:
@@ -503,20 +503,17 @@ class RedisStore:
         except ResponseError as error:
             if "LOCKLOST" in str(error):
                 raise LockLost(str(error)) from error
-            refused = re.match(r"BADTYPE (\d+) ", str(error))
-            if refused is None:
+            kind = _refused_kind(error, COMMIT_KEYS)
+            if kind is None:
                 raise
-            kind = COMMIT_KEYS[int(refused[1]) - 1]
-            key = "the checkpoint map" if kind == "checkpoint" else f"the identity's {kind} key"
             raise BadRecord(
-                f"{key} in Redis holds another type of value: nothing of the consolidation "
-                "was written"
+                f"{_another_type(kind)}: nothing of the consolidation was written"
             ) from None
 
     # -- reads --------------------------------------------------------------------------
 
     async def facts(self, identity_id: str) -> list[Fact]:
-        with _lost_while("reading facts"):
+        with _lost_while("reading facts"), _typed(("facts",)):
             values = await _read_twice(
                 lambda: self.client.hvals(self.keys.of("facts", identity_id))
             )
@@ -527,7 +524,7 @@ class RedisStore:
         unless the identity's lock is held (see ``peek.lua``), so that a load that cannot
         consolidate in time, behind a lock that a dead process left for ``lock_ttl``,
         answers with the facts of the last consolidation rather than empty."""
-        with _lost_while("reading facts"), self._checkpoint_checked():
+        with _lost_while("reading facts"), self._checkpoint_checked(), _typed(_READ_KEYS):
             reply = await _read_twice(
                 lambda: self._script("peek")(
                     keys=[*self.keys.read_keys(identity_id), self.keys.of("lock", identity_id)],
@@ -538,7 +535,7 @@ class RedisStore:
         return parse_facts(identity_id, values), bool(int(reply[0]))
 
     async def history(self, identity_id: str, subject: str | None = None) -> list[FactEvent]:
-        with _lost_while("reading fact history"):
+        with _lost_while("reading fact history"), _typed(("history",)):
             raw = await self.client.lrange(self.keys.of("history", identity_id), 0, -1)
         events = []
         for record in raw:
@@ -551,7 +548,7 @@ class RedisStore:
     async def observations(self, identity_id: str) -> list[Observation]:
         """The identity's stored (not yet pruned) observations, oldest ``createdAt``
         first; records that do not parse are left out."""
-        with _lost_while("reading observations"):
+        with _lost_while("reading observations"), _typed(("obs",)):
             members: list[Any] = await self.client.zrange(self.keys.of("obs", identity_id), 0, -1)
         observations: list[Observation] = []
         for member in members:
@@ -673,6 +670,45 @@ class RedisStore:
 
 
 __all__ = ["LockLost", "LockTimeout", "RedisStore", "RedisStoreStats", "split_prefix"]
+
+
+#: The kinds of the keys that the peek and load scripts read, in their order (see
+#: :meth:`Keys.read_keys`; ``checkpoint``: the checkpoint map).
+_READ_KEYS = ("checkpoint", "pending", "obs", "facts")
+
+
+def _another_type(kind: str) -> str:
+    """Why a key of ``kind`` is refused: by its kind, never its name (which holds the
+    identity, and a host logs what the store raises)."""
+    key = "the checkpoint map" if kind == "checkpoint" else f"the identity's {kind} key"
+    return f"{key} in Redis holds another type of value"
+
+
+def _refused_kind(error: ResponseError, kinds: Sequence[str]) -> str | None:
+    """The kind of the key that ``error`` refused: a script's ``BADTYPE <place>`` among
+    its keys of ``kinds``, or a command's WRONGTYPE on its one key; None for another
+    error."""
+    text = str(error)
+    found = re.match(r"BADTYPE (\d+) ", text)
+    if found is not None:
+        return kinds[int(found[1]) - 1]
+    if text.startswith("WRONGTYPE") and len(kinds) == 1:
+        return kinds[0]
+    return None
+
+
+@contextlib.contextmanager
+def _typed(kinds: Sequence[str]) -> Iterator[None]:
+    """A read of keys of ``kinds`` (a command's one key, or a script's in its order): a
+    key of another type as the :class:`BadRecord` the store raises for every corrupt
+    value, naming the key's kind (it was the driver's ResponseError, naming nothing)."""
+    try:
+        yield
+    except ResponseError as error:
+        kind = _refused_kind(error, kinds)
+        if kind is None:
+            raise
+        raise BadRecord(_another_type(kind)) from None
 
 
 def _counted(reply: Any) -> int | None:

@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import json
 import uuid
+from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime, timedelta
 from typing import Any
 from urllib.parse import urlsplit
@@ -435,6 +436,44 @@ async def test_a_run_counter_hincrby_cannot_take_counts_anew(
         (fact,) = await service.consolidate("u1")
         assert fact.reinforcement_count == 2
         assert await redis_client.hmget(state, ["runs", "consumed"]) == [b"1", b"2"]
+    finally:
+        await service.close()
+
+
+@pytest.mark.parametrize("kind", ["obs", "pending", "facts", "history", "state", "checkpoint"])
+async def test_every_read_refuses_a_key_of_another_type_by_its_kind(
+    redis_url: str, redis_prefix: str, redis_client: aioredis.Redis, kind: str
+) -> None:
+    """Each read raised the driver's WRONGTYPE, which named no key: a host or an operator
+    could not tell which of the identity's keys something else had written."""
+    service = MemoryService.from_url(redis_url, load_timeout=5.0, clock=FakeClock())
+    key = f"{redis_prefix}checkpoint" if kind == "checkpoint" else f"{redis_prefix}{kind}:u1"
+    said = "the checkpoint map" if kind == "checkpoint" else f"the identity's {kind} key"
+    refused = f"^{said} in Redis holds another type of value"
+    try:
+        service.emit_observation("u1", tool_ok("t", session="s1"))
+        await service.drain()
+        await service.consolidate("u1")
+        service.emit_observation("u1", tool_ok("t", session="s2"))  # one waits
+        await service.drain()
+        await redis_client.delete(key)
+        await redis_client.set(key, "x")
+        store = service.store
+        assert isinstance(store, RedisStore)
+        reads: dict[str, Callable[[str], Awaitable[object]]] = {
+            "facts": store.facts,
+            "history": store.history,
+            "obs": store.observations,
+        }
+        if kind in reads:
+            with pytest.raises(BadRecord, match=refused):
+                await reads[kind]("u1")
+        if kind != "history":
+            with pytest.raises(BadRecord, match=refused):
+                await service.consolidate("u1")
+        if kind not in ("history", "state"):
+            with pytest.raises(BadRecord, match=refused):
+                await store.peek("u1")
     finally:
         await service.close()
 

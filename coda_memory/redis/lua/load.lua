@@ -6,6 +6,14 @@
 -- KEYS[1] checkpoint map, KEYS[2] pending, KEYS[3] observations (seed), KEYS[4] facts,
 -- KEYS[5] state
 -- ARGV[1] identity id
+-- A key that something else wrote with another type is refused by its place.
+local kinds = {'hash', 'zset', 'zset', 'hash', 'hash'}
+for i = 1, 5 do
+  local kind = redis.call('TYPE', KEYS[i])['ok']
+  if kind ~= 'none' and kind ~= kinds[i] then
+    return redis.error_reply('BADTYPE ' .. i .. ' a key of the identity holds another type of value')
+  end
+end
 local checkpoint = redis.call('HGET', KEYS[1], ARGV[1])
 -- Scores within the range of dates (datetime's, epoch ms): one outside it (±inf, or past
 -- year 9999, that something else wrote) dates no observation, and taken as one it moved

@@ -10,6 +10,14 @@
 -- KEYS[1] checkpoint map, KEYS[2] pending, KEYS[3] observations (seed), KEYS[4] facts,
 -- KEYS[5] lock
 -- ARGV[1] identity id
+-- As load.lua: a key that something else wrote with another type is refused by its place.
+local kinds = {'hash', 'zset', 'zset', 'hash'}
+for i = 1, 4 do
+  local kind = redis.call('TYPE', KEYS[i])['ok']
+  if kind ~= 'none' and kind ~= kinds[i] then
+    return redis.error_reply('BADTYPE ' .. i .. ' a key of the identity holds another type of value')
+  end
+end
 local function waiting()
   if redis.call('EXISTS', KEYS[5]) == 1 then
     return {1, redis.call('HVALS', KEYS[4])}
