@@ -45,8 +45,8 @@ from coda_memory.cli.runtime import (
     fail,
     head_label,
     parse_duration,
-    require_head,
     require_identity,
+    require_revision,
     require_writable,
     resolve_target,
     run,
@@ -345,8 +345,8 @@ def prune(
         age = parse_duration(older_than, "--older-than")
 
     async def work(store: PostgresStore, target: Target) -> maintenance.PruneOutcome:
-        # It folds the owed rollups first, from a table a later migration added.
-        await require_head(store, target, "prune")
+        # It folds the owed rollups first (migrations 0006 and 0008).
+        await require_revision(store, target, "prune", "0008")
         await require_writable(store)
         total = await maintenance.count_checkpointed(store)
         progress = Progress(

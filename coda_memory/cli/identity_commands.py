@@ -47,8 +47,8 @@ from coda_memory.cli.runtime import (
     CliError,
     Target,
     fail,
-    require_head,
     require_identity,
+    require_revision,
     require_writable,
     run_on_store,
 )
@@ -265,8 +265,8 @@ def forget(
     async def work(
         store: PostgresStore, target: Target
     ) -> Forgotten | Literal["absent", "declined"]:
-        # It erases from every table, those the latest migrations added too.
-        await require_head(store, target, "forget")
+        # It erases the identity's owed rollups too (migrations 0006 and 0008).
+        await require_revision(store, target, "forget", "0008")
         await require_writable(store)
         if not await maintenance.identity_anywhere(store, identity):
             if if_exists:

@@ -437,6 +437,35 @@ async def require_head(store: PostgresStore, target: Target, command: str) -> No
         raise CliError(_behind(target.schema, revision, f"{command} needs {head}"))
 
 
+async def require_revision(
+    store: PostgresStore, target: Target, command: str, minimum: str
+) -> None:
+    """Fail unless the schema is at ``minimum`` or a later revision: the newest migration
+    whose tables ``command`` uses. Not the latest: between a package's upgrade and the
+    deploy's migrate step, an erasure or a prune must not wait for a migration that adds
+    nothing it touches. (A schema not migrated, or one an analyst may not read the
+    revision of, is left to the command.)"""
+    revision = await _revision(store)
+    if revision in (None, "unknown") or _at_least(revision, minimum):
+        return
+    raise CliError(_behind(target.schema, revision, f"{command} needs {minimum} or later"))
+
+
+def _at_least(revision: str, minimum: str) -> bool:
+    """Whether ``revision`` is ``minimum`` or descends from it (one this release does not
+    know, a newer coda-memory's, counts as later)."""
+    from alembic.script import ScriptDirectory
+    from alembic.util import CommandError
+
+    from coda_memory.postgres.migrate import alembic_config
+
+    script = ScriptDirectory.from_config(alembic_config())
+    try:
+        return any(r.revision == minimum for r in script.iterate_revisions(revision, "base"))
+    except CommandError:
+        return True
+
+
 async def _behind_head(store: PostgresStore, target: Target) -> CliError | None:
     """What to say of a table found missing as a command ran, when the schema is behind
     the latest revision: it lacks what a later migration added, and "not migrated" sent

@@ -287,3 +287,29 @@ def test_a_schema_named_after_the_role_that_migrates_is_not_refused(empty_pg_url
     finally:
         rows(empty_pg_url, f'DROP OWNED BY "{owner}"')
         rows(empty_pg_url, f'DROP ROLE "{owner}"')
+
+
+def test_the_default_schema_on_the_owner_roles_search_path_is_not_refused(
+    empty_pg_url: str,
+) -> None:
+    """A DBA's setup for an owner that may not create schemas: ``CREATE SCHEMA
+    coda_memory AUTHORIZATION owner`` and ``ALTER ROLE owner SET search_path =
+    coda_memory, public``. The first migration was refused, its message pointing at the
+    default schema it was given."""
+    owner = f"coda_own_{secrets.token_hex(4)}"
+    database = make_url(empty_pg_url).database
+    rows(empty_pg_url, f'CREATE ROLE "{owner}" LOGIN')
+    try:
+        rows(empty_pg_url, f'GRANT CREATE ON DATABASE "{database}" TO "{owner}"')
+        rows(empty_pg_url, f'CREATE SCHEMA coda_memory AUTHORIZATION "{owner}"')
+        rows(empty_pg_url, f'ALTER ROLE "{owner}" SET search_path = coda_memory, public')
+        owner_url = make_url(empty_pg_url).set(username=owner).render_as_string(False)
+
+        coda_memory.migrate(owner_url)
+
+        assert rows(empty_pg_url, "SELECT version_num FROM coda_memory.alembic_version") == [
+            (HEAD,)
+        ]
+    finally:
+        rows(empty_pg_url, f'DROP OWNED BY "{owner}"')
+        rows(empty_pg_url, f'DROP ROLE "{owner}"')

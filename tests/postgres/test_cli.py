@@ -175,7 +175,8 @@ def test_prune_and_forget_name_the_revision_of_a_schema_behind_the_latest(
     empty_pg_url: str,
 ) -> None:
     """They said "not migrated" (prune: after a warning about a missing table) of a
-    schema that was migrated, only not to the latest revision; forget erased nothing."""
+    schema that was migrated, only to a revision older than the tables they use (the
+    owed rollups', 0006 and 0008); forget erased nothing."""
     migrate(empty_pg_url, revision="0005")
     insert = (
         "INSERT INTO coda_memory.observations (identity_id, type, content, metadata, "
@@ -183,15 +184,33 @@ def test_prune_and_forget_name_the_revision_of_a_schema_behind_the_latest(
     )
     asyncio.run(fetch(empty_pg_url, insert))
 
-    behind = (
-        f"schema coda_memory is at revision 0005, and {{}} needs {HEAD}: run coda-memory migrate"
-    )
+    behind = "schema coda_memory is at revision 0005, and {} needs 0008 or later: run coda-memory migrate"
     pruned = run("prune", "--url", empty_pg_url)
     assert_one_line_error(pruned, 1, behind.format("prune"))
     forgotten = run("forget", "ana", "--yes", "--url", empty_pg_url)
     assert_one_line_error(forgotten, 1, behind.format("forget"))
     left = asyncio.run(fetch(empty_pg_url, "SELECT count(*) FROM coda_memory.observations"))
     assert left[0][0] == 1
+
+
+def test_prune_and_forget_work_on_a_schema_that_has_their_tables(empty_pg_url: str) -> None:
+    """One revision behind the latest (between a package's upgrade and the deploy's
+    migrate step), the tables they use are there: an erasure or a prune must not wait
+    for a migration that adds nothing they touch."""
+    migrate(empty_pg_url, revision="0018")
+    insert = (
+        "INSERT INTO coda_memory.observations (identity_id, type, content, metadata, "
+        "created_at) VALUES ('ana', 'query_pattern', 'q', '{}'::jsonb, now())"
+    )
+    asyncio.run(fetch(empty_pg_url, insert))
+
+    pruned = run("prune", "--url", empty_pg_url)
+    assert pruned.exit_code == 0, pruned.output
+    forgotten = run("forget", "ana", "--yes", "--url", empty_pg_url)
+    assert forgotten.exit_code == 0, forgotten.output
+    assert "forgot 'ana': 1 observations" in forgotten.stdout
+    left = asyncio.run(fetch(empty_pg_url, "SELECT count(*) FROM coda_memory.observations"))
+    assert left[0][0] == 0
 
 
 def test_a_table_a_later_migration_adds_is_named_as_a_schema_behind_the_latest(
