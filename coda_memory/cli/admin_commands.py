@@ -97,7 +97,7 @@ def migrate(
             )
         text = migration_sql(schema=checked_schema(schema), start=start)
         typer.echo(text, nl=False)
-        if schema == "public":
+        if schema == "public" and start is None:  # (from a revision: it is there already)
             _note_public_version_table()
         return
 

@@ -72,9 +72,9 @@ MAX_ENTITY_NAME_CHARS = 200
 
 _CONTROL_CATEGORIES = frozenset({"Cc", "Cf", "Zl", "Zp"})
 _PROMPT_STRUCTURE_PREFIX = "#>-* "
-#: What may not end a quoted name: a backslash (read as escaping the closing quote), nor
-#: the space before one.
-_QUOTE_ESCAPE_SUFFIX = "\\ "
+#: What may not end a quoted name: a backslash (read as escaping the closing quote), as
+#: itself or as an escape (``\u005c``, ``\x5c``), nor the space before one.
+_QUOTE_ESCAPE_SUFFIX = re.compile(r"(?:\\u005c|\\x5c|[\\ ])+$", re.IGNORECASE)
 
 
 class ObservationRejected(ValueError):
@@ -181,9 +181,10 @@ _QUOTE_LIKE = str.maketrans(
 )
 
 
-#: One of :data:`_QUOTE_LIKE` escaped as JSON or C (``\u0022``, ``\x22``) or in a URL
-#: (``%22``): a model may read the escape as the quote itself.
-_ESCAPE = re.compile(r"\\u([0-9a-f]{4})|\\x([0-9a-f]{2})|%([0-9a-f]{2})", re.IGNORECASE)
+#: One of :data:`_QUOTE_LIKE` escaped as JSON or C (``\u0022``, ``\x22``): a model may
+#: read the escape as the quote itself. Not a URL's ``%22``: a ``%`` before two hex
+#: digits is common in names ("100%Absolute Hits", "5.6%ABV"; ``%AB`` is a guillemet).
+_ESCAPE = re.compile(r"\\u([0-9a-f]{4})|\\x([0-9a-f]{2})", re.IGNORECASE)
 
 
 def _unescaped_quote(match: re.Match[str]) -> str:
@@ -194,7 +195,7 @@ def _unescaped_quote(match: re.Match[str]) -> str:
 
 def _without_escaped_quotes(text: str) -> str:
     """``text`` with each escaped quote-like character (see :data:`_ESCAPE`) a ``'``."""
-    if "\\" not in text and "%" not in text:
+    if "\\" not in text:
         return text
     return _ESCAPE.sub(_unescaped_quote, text)
 
@@ -205,7 +206,7 @@ def quote_untrusted(value: str, max_chars: int = 80) -> str:
     The text is made data by :func:`~coda_memory.core.untrusted.data_text` (no URL,
     link, tag, role marker or invisible character); double quotes, backticks and every
     character that could read as a closing quote (:data:`_QUOTE_LIKE`) become single
-    quotes, also when written as an escape (``\\u0022``, ``\\x22``, ``%22``); leading
+    quotes, also when written as an escape (``\\u0022``, ``\\x22``); leading
     ``#``, ``>``, ``-`` and ``*`` characters are removed, as are trailing backslashes:
     before the closing quote, one reads as escaping it, and the text after the name (the
     entity's id) as outside the quotes. The text between the quotes has at most
@@ -213,7 +214,7 @@ def quote_untrusted(value: str, max_chars: int = 80) -> str:
     """
     text = _without_escaped_quotes(data_text(value, 4 * max_chars))
     text = text.translate(_QUOTE_LIKE).lstrip(_PROMPT_STRUCTURE_PREFIX)
-    return f'"{cap(text, max_chars).rstrip(_QUOTE_ESCAPE_SUFFIX)}"'
+    return f'"{_QUOTE_ESCAPE_SUFFIX.sub("", cap(text, max_chars))}"'
 
 
 def _content_drop(char: str) -> bool:

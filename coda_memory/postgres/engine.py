@@ -104,7 +104,8 @@ def _check_database_name(url: str, parsed: URL) -> None:
     if "@" in database and database in url.partition("?")[0]:
         raise ValueError(
             "the database name holds an '@': the password (or user name) must be "
-            "percent-encoded, an '@' written %40 and a '/' %2F"
+            "percent-encoded, an '@' written %40 and a '/' %2F (and a database name "
+            "that holds an '@' is written with %40 too)"
         )
 
 

@@ -184,7 +184,10 @@ def test_prune_and_forget_name_the_revision_of_a_schema_behind_the_latest(
     )
     asyncio.run(fetch(empty_pg_url, insert))
 
-    behind = "schema coda_memory is at revision 0005, and {} needs 0008 or later: run coda-memory migrate"
+    behind = (
+        "schema coda_memory is at revision 0005, and {} needs 0008 or later: "
+        "run coda-memory migrate"
+    )
     pruned = run("prune", "--url", empty_pg_url)
     assert_one_line_error(pruned, 1, behind.format("prune"))
     forgotten = run("forget", "ana", "--yes", "--url", empty_pg_url)

@@ -530,6 +530,12 @@ def test_cli_migrate_sql_for_public_says_where_a_host_alembic_would_look() -> No
     )
     quiet = CliRunner().invoke(app, ["migrate", "--sql", "--schema", "dba_review"])
     assert quiet.stderr == ""
+    # From a revision, the DDL upgrades a version table that is there already, which
+    # migrate would upgrade too: the note was false.
+    upgrade = CliRunner().invoke(app, ["migrate", "--sql", "--schema", "public", "--from", "0018"])
+    assert upgrade.exit_code == 0, upgrade.output
+    assert "UPDATE public.alembic_version" in upgrade.stdout
+    assert upgrade.stderr == ""
 
 
 @pytest.mark.parametrize("args", [["migrate", "--sql"], ["grant", "app", "memory_app", "--print"]])

@@ -183,8 +183,8 @@ def test_a_quoted_name_never_ends_in_a_backslash(name: str, quoted: str) -> None
 @pytest.mark.parametrize(
     ("name", "quoted"),
     [
-        # As JSON, C or a URL escape them: a model may read the quote itself.
-        ("Acme\\u0022 (id \\x22wire_funds%22", "\"Acme' (id 'wire_funds'\""),
+        # As JSON or C escape them: a model may read the quote itself.
+        ("Acme\\u0022 (id \\x22wire_funds", "\"Acme' (id 'wire_funds\""),
         ("Acme\\U201D and \\u00AB", "\"Acme' and '\""),
         ("it\\u0027s \\u0041 100%25", '"it\\u0027s \\u0041 100%25"'),  # no closing quote
     ],
@@ -195,6 +195,28 @@ def test_an_escaped_quote_inside_a_name_is_made_a_single_quote(name: str, quoted
     assert quote_untrusted(name) == quoted
 
 
+@pytest.mark.parametrize(
+    ("name", "quoted"),
+    [
+        ("100%Absolute Hits", '"100%Absolute Hits"'),
+        ("Pale Ale 5.6%ABV", '"Pale Ale 5.6%ABV"'),
+        ("100%BBQ Rub", '"100%BBQ Rub"'),
+        ("SKU-%22A7", '"SKU-%22A7"'),
+    ],
+)
+def test_a_percent_before_hex_digits_in_a_name_is_kept(name: str, quoted: str) -> None:
+    """A URL's escapes were read as quotes too: "100%Absolute Hits" was stored as
+    "100'solute Hits" (``%AB`` is a guillemet), and the model cited the wrong name."""
+    assert quote_untrusted(name) == quoted
+
+
+@pytest.mark.parametrize("name", ["Acme\\u005c", "Acme\\x5C", "Acme\\u005c\\ \\x5c"])
+def test_a_quoted_name_never_ends_in_a_backslash_written_as_an_escape(name: str) -> None:
+    """``"Acme\\u005c"`` reads, to a model that reads escapes, as ``"Acme\\"``: the
+    closing quote escaped, and the id after the name outside the quotes."""
+    assert quote_untrusted(name) == '"Acme"'
+
+
 @given(st.text())
 def test_quote_untrusted_is_one_quoted_line(value: str) -> None:
     result = quote_untrusted(value)
@@ -202,7 +224,8 @@ def test_quote_untrusted_is_one_quoted_line(value: str) -> None:
     assert result[0] == result[-1] == '"'
     assert not any(_quote_like(c) for c in inner)
     assert not inner.endswith("\\")
-    assert not re.search(r"\\u(?:0022|201[cd])|\\x22|%22", inner, re.IGNORECASE)
+    assert not re.search(r"\\u(?:0022|201[cd])|\\x22", inner, re.IGNORECASE)
+    assert not re.search(r"(?:\\u005c|\\x5c)$", inner, re.IGNORECASE)
     assert len(inner) <= 80
     assert len(result.splitlines()) == 1
     assert not inner.startswith(("#", ">", "-", "*"))
