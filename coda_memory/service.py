@@ -286,12 +286,13 @@ def system_clock() -> datetime:
 #: consolidation, or the writer, fail).
 MAX_DURATION = MAX_SPAN
 
-#: The services not yet closed on a running event loop, each with the async generator that
-#: closes it when its loop ends (``MemoryService._watch_loop_end``). The loop holds its
-#: async generators weakly: held only by a host that dropped it unclosed, a service was
-#: collected with its writer's task still pending on the loop ("Task was destroyed but it
-#: is pending!"), and its connections with it.
-_WATCHED: dict[MemoryService, AsyncGenerator[None, None]] = {}
+#: How far ahead the timer that keeps a service not yet closed alive on its loop is set
+#: (see ``MemoryService._watch_loop_end``): it never fires.
+_HELD_FOR = 365 * 24 * 3600.0
+
+
+def _held(_service: MemoryService) -> None:
+    """The callback of the timer that holds a service (never called)."""
 
 
 class MemoryService(ObservationWriter):
@@ -413,8 +414,10 @@ class MemoryService(ObservationWriter):
         #: The loads whose steps may run on the loop now (see STEPPING_AT_ONCE).
         self._stepping = asyncio.Semaphore(STEPPING_AT_ONCE)
         #: The async generator that closes the service when its event loop ends, while
-        #: one is parked on the loop (see ``_watch_loop_end``).
+        #: one is parked on the loop, and the timer by which the loop holds the service
+        #: meanwhile (see ``_watch_loop_end``).
         self._loop_end: AsyncGenerator[None, None] | None = None
+        self._held_by_loop: asyncio.TimerHandle | None = None
         #: Closed by the end of its event loop, not by the host (see ``_check_open``).
         self._closed_by_loop_end = False
         self._telemetry.observe(self.stats)
@@ -724,10 +727,15 @@ class MemoryService(ObservationWriter):
 
     def _ensure_writer(self, loop: asyncio.AbstractEventLoop) -> None:
         """The writer's, then the watch of the loop's end (the first emit may bind the
-        service to its loop)."""
+        service to its loop). Nothing more once both are there: every emit calls it."""
+        if self._loop_end is not None and self._writer is not None and not self._writer.done():
+            return
         super()._ensure_writer(loop)
         if self._loop is loop:
             self._watch_loop_end()
+
+    def _closes_itself_at_loop_end(self) -> bool:
+        return self._loop_end is not None
 
     def _watch_loop_end(self) -> None:
         """Have the running loop close the service when it ends, unless ``close`` does
@@ -740,18 +748,27 @@ class MemoryService(ObservationWriter):
         the garbage collector, which reported them at exit ("Task was destroyed but it is
         pending!", SQLAlchemy's "non-checked-in connection", "Event loop is closed"), and
         lost what was queued."""
-        if self._loop_end is not None or self._closed:
+        loop = self._loop
+        if self._loop_end is not None or self._closed or loop is None:
             return
+        if getattr(loop, "_asyncgens_shutdown_called", False):
+            return  # (its shutdown began: it would never close a generator parked now)
         watch = self._closing_at_loop_end()
-        # To its ``yield``, now: the loop's first-iteration hook registers it.
-        with contextlib.suppress(StopIteration):
-            watch.asend(None).send(None)
-        self._loop_end = _WATCHED[self] = watch
-        for service in list(_WATCHED):  # (a copy: services of other threads' loops)
-            if service._loop is not None and service._loop.is_closed():
-                # Closed under it without the loop's shutdown (``loop.close()`` alone):
-                # nothing will close it, and held here it would never be collected.
-                _WATCHED.pop(service, None)
+        try:
+            # To its ``yield``, now: the loop's first-iteration hook registers it.
+            with contextlib.suppress(StopIteration):
+                watch.asend(None).send(None)
+        except Exception:  # (the hook's warning, made an error: not watched, then)
+            return
+        self._loop_end = watch
+        # The loop holds its async generators weakly: held by nothing but a host that
+        # dropped it unclosed, the service was collected with its writer's task pending
+        # ("Task was destroyed but it is pending!"). A timer that never fires makes the
+        # loop hold it, for as long as the loop itself is held: a loop closed or dropped
+        # without its shutdown (``loop.close()`` alone, a ``run_until_complete`` per job)
+        # lets it go with it, where a registry of the module's kept it, its loop and its
+        # connections for the life of the process.
+        self._held_by_loop = loop.call_later(_HELD_FOR, _held, self)
 
     async def _closing_at_loop_end(self) -> AsyncGenerator[None, None]:
         """Parked at its ``yield`` until the loop's ``shutdown_asyncgens()`` (or
@@ -760,32 +777,45 @@ class MemoryService(ObservationWriter):
             yield
         finally:
             self._loop_end = None
-            _WATCHED.pop(self, None)
+            self._let_go_by_loop()
             if not self._closed:
                 await self._close_as_the_loop_ends()
+
+    def _let_go_by_loop(self) -> None:
+        held, self._held_by_loop = self._held_by_loop, None
+        if held is not None:
+            held.cancel()
 
     async def _close_as_the_loop_ends(self) -> None:
         """Close the service, its host having not: what is queued is stored (for up to
         CLOSE_AT_LOOP_END), the store released, and one ResourceWarning says so (shown in
         development mode and by pytest, as for a file left open), after the closing: a
-        warning made an error (``-W error``) must not keep it from closing."""
+        warning made an error (``-W error``) must not keep it from closing, and goes to
+        the log instead: raised out of the loop's shutdown, asyncio logged it as an error
+        of the shutdown, with its traceback."""
         self._closed_by_loop_end = True
         try:
             await self.close(CLOSE_AT_LOOP_END)
         finally:
-            warnings.warn(
+            message = (
                 "a MemoryService was not closed before its event loop ended; it closed "
                 "itself then (call `await memory.close()` at shutdown, or use "
-                "`async with memory:`)",
-                ResourceWarning,
-                stacklevel=1,  # (no frame of the host's calls it)
-                source=self,
+                "`async with memory:`)"
             )
+            try:
+                warnings.warn(
+                    message,
+                    ResourceWarning,
+                    stacklevel=1,  # (no frame of the host's calls it)
+                    source=self,
+                )
+            except Warning:
+                logger.warning("coda-memory: %s", message)
 
     async def _stop_watching_loop_end(self) -> None:
         """Close the async generator parked on the loop (``close`` ended first)."""
         watch, self._loop_end = self._loop_end, None
-        _WATCHED.pop(self, None)
+        self._let_go_by_loop()
         if watch is not None:
             await watch.aclose()
 

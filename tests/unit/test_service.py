@@ -704,6 +704,77 @@ def test_a_service_whose_loop_was_closed_without_its_shutdown_is_not_kept_for_ev
     assert held() is None
 
 
+async def test_an_emit_whose_writer_could_not_start_stays_queued_and_counts_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A host's task factory that raised as the first emit started the writer: the
+    observation was queued, and counted as rejected too ("not queued"), so it counted
+    twice and pending went below zero once it was stored."""
+    loop = asyncio.get_running_loop()
+    service = MemoryService.from_url("memory://", clock=FakeClock())
+
+    def refusing(loop: asyncio.AbstractEventLoop, coro: Any, **_: Any) -> asyncio.Task[Any]:
+        coro.close()
+        raise RuntimeError("no tasks now")
+
+    loop.set_task_factory(refusing)
+    try:
+        service.emit_observation("ana", tool_ok("t"))
+    finally:
+        loop.set_task_factory(None)
+    try:
+        stats = service.stats()
+        assert (stats.emitted, stats.rejected, stats.pending) == (1, 0, 1)
+        assert "writer could not be started (RuntimeError)" in caplog.text
+        await service.drain(timeout=5)
+        stats = service.stats()
+        assert (stats.stored, stats.rejected, stats.pending) == (1, 0, 0)
+    finally:
+        await service.close()
+
+
+def test_a_service_not_closed_under_warnings_made_errors_says_so_in_its_log(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Under ``-W error`` (pytest's ``filterwarnings = error``, a host's too), the
+    ResourceWarning of a service that closed itself at its loop's end was raised out of
+    the loop's shutdown, which logged an error of asyncio's with a traceback, and the
+    warning itself was never seen."""
+
+    async def main() -> None:
+        service = MemoryService.from_url("memory://", clock=FakeClock())
+        await service.start()
+
+    caplog.set_level(logging.WARNING)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        asyncio.run(main())
+    assert [r.getMessage() for r in caplog.records if r.name == "asyncio"] == []
+    said = [r.getMessage() for r in caplog.records if r.name == "coda_memory"]
+    assert said == [
+        "coda-memory: a MemoryService was not closed before its event loop ended; it closed "
+        "itself then (call `await memory.close()` at shutdown, or use `async with memory:`)"
+    ]
+
+
+def test_a_service_whose_loop_is_dropped_unclosed_goes_with_it() -> None:
+    """A host that runs each job on a loop of its own with ``run_until_complete``, never
+    closing the loop nor the service: a registry of the module's held every such service,
+    its loop and its connections, for the life of the process (60 Postgres connections
+    after 30 jobs). The loop holds the service now, and goes with it."""
+    held = []
+    for _ in range(3):
+        service = MemoryService.from_url("memory://", clock=FakeClock())
+        loop = asyncio.new_event_loop()
+        loop.run_until_complete(service.start())
+        held.append(weakref.ref(service))
+        del service, loop
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (the loops' own "unclosed event loop")
+        gc.collect()
+    assert [ref() for ref in held] == [None, None, None]
+
+
 async def test_a_drain_waiting_as_another_threads_emit_is_dropped_returns(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
