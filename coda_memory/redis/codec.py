@@ -374,31 +374,42 @@ def fact_from_json(identity_id: str, raw: str | bytes) -> Fact:
 
 
 #: Which of two facts about one subject every reader keeps (see :func:`one_per_subject`).
-SUBJECT_RULE = "the one of higher confidence is kept, then of later updatedAt, then of smaller id"
+SUBJECT_RULE = (
+    "the one of later confidenceAt (else updatedAt) is kept, then of higher confidence,"
+    " then of smaller id, then of smaller stored JSON"
+)
 
 
-def one_per_subject(facts: Sequence[Fact]) -> tuple[list[Fact], list[Fact]]:
-    """``facts`` with one per subject, in their order, and those left out.
+def one_per_subject(facts: Sequence[tuple[Fact, bytes | str]]) -> tuple[list[Fact], list[Fact]]:
+    """The facts of ``facts`` (each with its stored JSON) with one per subject, in their
+    order, and those left out.
 
     The original server's layout could hold two facts about one subject in an identity's
     hash (under two fields); every store keeps one per subject. Which one is one rule for
     every reader (the Redis store's reads, its consolidation, the import), so that none
-    reads a fact another left out: the higher stored ``confidence``, then the later
-    ``updatedAt``, then the smaller ``id`` (the hash's field: the layout keys a fact by
-    its id)."""
-    best: dict[str, Fact] = {}
-    for fact in facts:
+    reads a fact another left out: the later anchor (``confidenceAt``, else
+    ``updatedAt``: the stored confidences are as of their anchors, so a fact untouched for
+    a year would outrank one reinforced yesterday by its older, higher confidence), then
+    the higher ``confidence``, then the smaller ``id`` (the hash's field: the layout keys
+    a fact by its id), then the smaller stored JSON, so that even two facts alike in all
+    of these are told apart the same way by every reader."""
+    best: dict[str, tuple[Fact, bytes]] = {}
+    for fact, raw in facts:
+        stored = raw if isinstance(raw, bytes) else raw.encode("utf-8", "surrogatepass")
         held = best.get(fact.subject)
-        if held is None or _outranks(fact, held):
-            best[fact.subject] = fact
-    kept = [fact for fact in facts if best[fact.subject] is fact]
-    return kept, [fact for fact in facts if best[fact.subject] is not fact]
+        if held is None or _outranks((fact, stored), held):
+            best[fact.subject] = (fact, stored)
+    kept = [fact for fact, _ in facts if best[fact.subject][0] is fact]
+    return kept, [fact for fact, _ in facts if best[fact.subject][0] is not fact]
 
 
-def _outranks(fact: Fact, other: Fact) -> bool:
+def _outranks(fact: tuple[Fact, bytes], other: tuple[Fact, bytes]) -> bool:
     """Whether ``fact`` is kept rather than ``other``, about the same subject."""
-    ranked, other_ranked = (fact.confidence, fact.updated_at), (other.confidence, other.updated_at)
-    return ranked > other_ranked or (ranked == other_ranked and fact.id < other.id)
+    (one, one_raw), (two, two_raw) = fact, other
+    ranked, other_ranked = (one.anchor, one.confidence), (two.anchor, two.confidence)
+    if ranked != other_ranked:
+        return ranked > other_ranked
+    return (one.id, one_raw) < (two.id, two_raw)
 
 
 # -- fact events (coda-memory's own keys) -----------------------------------------------

@@ -141,24 +141,34 @@ async def export_identity(store: RedisStore, identity_id: str) -> ExportedIdenti
         else:
             out.consumed.append(observation)
     fields: dict[int, bytes] = {}  # each parsed fact's field (by the fact's id())
-    parsed: list[Fact] = []
+    parsed: list[tuple[Fact, bytes]] = []
     for name, raw in sorted(facts.items()):
         try:
-            fact = _with_usable_ease(fact_from_json(identity_id, raw))
+            fact = fact_from_json(identity_id, raw)
         except BadRecord as exc:
             out.bad.append((_field_label(facts_key, name), str(exc)))
             continue
         fields[id(fact)] = name
-        parsed.append(fact)
-    # Postgres holds one fact per subject: the one the Redis store itself reads.
-    out.facts, left_out = one_per_subject(parsed)
-    copied = {fact.subject: fields[id(fact)] for fact in out.facts}
+        parsed.append((fact, raw))
+    # Postgres holds one fact per subject: the one the Redis store itself reads. The rule
+    # takes every fact that parses, as the store's does; the one it keeps is checked
+    # after, and left out, named, when the import cannot use it.
+    kept, left_out = one_per_subject(parsed)
+    unusable: set[str] = set()
+    for fact in kept:
+        try:
+            out.facts.append(_with_usable_ease(fact))
+        except BadRecord as exc:
+            out.bad.append((_field_label(facts_key, fields[id(fact)]), str(exc)))
+            unusable.add(fact.subject)
+    read = {fact.subject: fields[id(fact)] for fact in kept}
     for fact in left_out:
-        kept = _field_label(facts_key, copied[fact.subject]).removeprefix(f"{facts_key} ")
+        kept_field = _field_label(facts_key, read[fact.subject]).removeprefix(f"{facts_key} ")
+        copied = "is read instead, and left out" if fact.subject in unusable else "is copied"
         out.bad.append(
             (
                 _field_label(facts_key, fields[id(fact)]),
-                f"a second fact about its subject ({kept} is copied: {SUBJECT_RULE})",
+                f"a second fact about its subject ({kept_field} {copied}: {SUBJECT_RULE})",
             )
         )
     out.events, bad_events = _events(identity_id, history, sessions)

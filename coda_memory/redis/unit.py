@@ -97,10 +97,10 @@ def facts_of(
     """The facts of a hash's values, one per subject by the rule every reader keeps
     (:func:`~coda_memory.redis.codec.one_per_subject`), and those the rule left out; a
     bad one is skipped, and each one skipped or left out is reported to ``on_bad``."""
-    facts: list[Fact] = []
+    facts: list[tuple[Fact, bytes | str]] = []
     for raw in values:
         try:
-            facts.append(fact_from_json(identity_id, raw))
+            facts.append((fact_from_json(identity_id, raw), raw))
         except BadRecord as exc:
             if on_bad is not None:
                 on_bad(str(exc))

@@ -19,6 +19,7 @@ from typer.testing import CliRunner
 
 from coda_memory import MemoryService
 from coda_memory.cli import app
+from coda_memory.core.model import Fact
 from coda_memory.core.sanitize import sanitize_observation
 from coda_memory.errors import ConnectionLost
 from coda_memory.migration import (
@@ -209,11 +210,12 @@ async def test_a_second_fact_about_a_subject_and_a_rejected_observation_are_name
 
 
 #: Two facts about one subject, (field, confidence, updatedAt in days) each, and the field
-#: of the one every reader keeps: the higher confidence, then the later updatedAt, then
-#: the smaller id (the field).
+#: of the one every reader keeps: the later anchor (confidenceAt, else updatedAt), then
+#: the higher confidence, then the smaller id (the field).
 SECOND_FACTS = [
+    # A stale fact's stored confidence is as of its old anchor: the fresh one is kept.
+    pytest.param((("fact:a", 0.9, 1), ("fact:b", 0.6, 9)), "fact:b", id="anchor"),
     pytest.param((("fact:a", 0.5, 9), ("fact:b", 0.9, 9)), "fact:b", id="confidence"),
-    pytest.param((("fact:a", 0.7, 5), ("fact:b", 0.7, 9)), "fact:b", id="updated"),
     pytest.param((("fact:b", 0.7, 9), ("fact:a", 0.7, 9)), "fact:a", id="id"),
 ]
 
@@ -259,6 +261,58 @@ async def test_a_second_fact_about_a_subject_is_left_out_by_the_rule_the_store_r
     finally:
         await source.close()
         await target.close()
+
+
+async def _served_and_copied(redis_url: str, pg_url: str, identity: str) -> tuple[Fact, Fact]:
+    source = RedisStore.from_url(redis_url)
+    target = PostgresStore.from_url(pg_url)
+    try:
+        [served] = await source.facts(identity)
+        [copied] = await target.facts(identity)
+        return served, copied
+    finally:
+        await source.close()
+        await target.close()
+
+
+async def test_two_facts_alike_but_for_their_json_are_told_apart_alike_by_the_store_and_the_import(
+    redis_client: aioredis.Redis, redis_url: str, redis_prefix: str, pg_url: str
+) -> None:
+    """Of one id, anchor and confidence, the store kept the one ``HVALS`` gave first and
+    the import the one of the first field: the smaller stored JSON decides for both."""
+    for field, content in (("fact:a", "Uses t: z"), ("fact:b", "Uses t: a")):
+        await redis_client.hset(
+            f"{redis_prefix}facts:h-tie", field, fact("h-tie", "t", 0.7, 1, content=content)
+        )
+    summary = await _imported_once(redis_url, pg_url)
+    assert summary.bad == [
+        (
+            f"{redis_prefix}facts:h-tie field 'fact:a'",
+            f"a second fact about its subject (field 'fact:b' is copied: {SUBJECT_RULE})",
+        )
+    ]
+    served, copied = await _served_and_copied(redis_url, pg_url, "h-tie")
+    assert served.content == copied.content == "Uses t: a"
+
+
+async def test_the_rule_takes_a_fact_of_an_unusable_ease_and_the_import_names_it(
+    redis_client: aioredis.Redis, redis_url: str, redis_prefix: str, pg_url: str
+) -> None:
+    """The import left out a fact of an ease no strategy gives before the rule, and so
+    copied the stale one that the Redis store, which reads the fresh one, leaves out."""
+    key = f"{redis_prefix}facts:h-ease"
+    await redis_client.hset(key, "fact:a", fact("h-ease", "t", 0.9, 1, updatedAt=ms(1)))
+    await redis_client.hset(key, "fact:b", fact("h-ease", "t", 0.6, 1, easeFactor=1e308))
+    summary = await _imported_once(redis_url, pg_url)
+    reasons = dict(summary.bad)
+    assert reasons.pop(f"{key} field 'fact:b'").startswith("easeFactor 1e+308 is outside")
+    assert reasons == {
+        f"{key} field 'fact:a'": (
+            "a second fact about its subject (field 'fact:b' is read instead, and left"
+            f" out: {SUBJECT_RULE})"
+        )
+    }
+    assert (summary.copied, summary.facts) == (1, 0)
 
 
 async def test_a_lone_surrogate_leaves_out_its_record_or_is_removed_from_a_facts_text(

@@ -1095,3 +1095,27 @@ async def test_a_second_fact_about_a_subject_is_left_out_by_one_rule_and_erased(
         assert await redis_client.hkeys(facts_key) == [kept.encode()]
     finally:
         await service.close()
+
+
+async def test_of_two_facts_about_a_subject_the_fresh_one_is_kept_with_its_reinforcements(
+    redis_url: str, redis_client: aioredis.Redis, redis_prefix: str
+) -> None:
+    """The rule compared stored confidences, each as of its own anchor: a fact untouched
+    since day 1 at 0.9 outranked one reinforced on day 9 at 0.6, was served (decayed), and
+    the consolidation erased the fresh one with its five reinforcements."""
+    facts_key = f"{redis_prefix}facts:u1"
+    stale = stored_fact("u1", "t", 0.9, 1, id="fact:a", updatedAt=ms(1), lastReinforcedAt=ms(1))
+    fresh = stored_fact("u1", "t", 0.6, 5, id="fact:b", updatedAt=ms(9), lastReinforcedAt=ms(9))
+    await redis_client.hset(facts_key, mapping={"fact:a": stale, "fact:b": fresh})
+    service = MemoryService.from_url(
+        redis_url, clock=FakeClock(T0 + timedelta(days=10)), load_timeout=5.0
+    )
+    try:
+        assert [f.id for f in await service.store.facts("u1")] == ["fact:b"]
+        service.emit_observation("u1", tool_ok("t", session="s1"))
+        await service.drain()
+        (reinforced,) = await service.consolidate("u1")
+        assert (reinforced.id, reinforced.reinforcement_count) == ("fact:b", 6)
+        assert await redis_client.hkeys(facts_key) == [b"fact:b"]
+    finally:
+        await service.close()
