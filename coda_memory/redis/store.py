@@ -31,12 +31,18 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from importlib import resources
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import NoPermissionError, OutOfMemoryError, ReadOnlyError, ResponseError
+from redis.exceptions import (
+    ExecAbortError,
+    NoPermissionError,
+    OutOfMemoryError,
+    ReadOnlyError,
+    ResponseError,
+)
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from coda_memory.core.cancellation import run_to_end, to_the_end
@@ -111,23 +117,74 @@ def _client_options() -> frozenset[str]:
     return frozenset(taken - {"self", "url", "decode_responses"})
 
 
-#: The errors a script of one identity fails with alone (redis-py's classes, exactly): an
-#: error its Lua raised or a command it called refused (a key of another type, a key the
-#: ACL user may not touch). Any other class is of the server's state (READONLY, OOM,
-#: NOSCRIPT, LOADING, a dropped connection), which every identity of the batch meets.
-_SCRIPT_ERRORS = (ResponseError, NoPermissionError)
+#: The codes of the errors with which the server fails one identity's append script
+#: alone: a key of another type, a key or command its ACL user may not touch (append.lua
+#: raises no error of its own: what it finds unusable in its keys, it returns). Any other
+#: (READONLY, OOM, NOSCRIPT, NOREPLICAS, MISCONF, MASTERDOWN, BUSY, LOADING, TRYAGAIN, a
+#: dropped connection) is of the server's state, which every identity of the batch meets.
+_IDENTITY_CODES = frozenset({"WRONGTYPE", "NOPERM"})
+#: The errors :func:`_lost_while` turns into the store's own, raised as they are.
+_NAMED_ERRORS = (RedisConnectionError, RedisTimeoutError, ReadOnlyError, OutOfMemoryError)
+
+
+def _error_code(error: BaseException) -> str:
+    """The code of a Redis error reply (the first word of the server's message, which
+    redis-py strips from the errors it has a class for), or the error's class."""
+    if isinstance(error, NoPermissionError):
+        return "NOPERM"
+    code = getattr(error, "status_code", None)
+    if isinstance(code, str) and code:
+        return code
+    first = str(error).split(" ", 1)[0]
+    if type(error) is ResponseError and re.fullmatch(r"[A-Z]{3,20}", first):
+        return first
+    return type(error).__name__
+
+
+#: How Redis before 7.2 words an ACL refusal of a command or key a script calls (an
+#: ``ERR``: "can't run this command", "can't access at least one of the keys"; later
+#: versions answer ``NOPERM``).
+_SCRIPT_ACL_REFUSAL = "The user executing the script can't "
+
+
+def _of_the_identity(error: BaseException) -> bool:
+    """Whether ``error`` failed one identity's append script alone (its keys, its ACL)."""
+    return _error_code(error) in _IDENTITY_CODES or str(error).startswith(_SCRIPT_ACL_REFUSAL)
+
+
+def _raise_server_state(error: BaseException) -> NoReturn:
+    """Raise an append error of the server's state as what the writer retries the batch
+    on: the error itself when :func:`_lost_while` names it, else :class:`StoreBusy`
+    naming its code (the identities stored already store nothing again: their batch
+    keys)."""
+    if isinstance(error, _NAMED_ERRORS):
+        raise error
+    raise StoreBusy(
+        f"Redis failed the append with {_error_code(error)}, an error of its state",
+        may_have_stored=True,
+    ) from error
+
+
+def _aborted_at(error: ResponseError, calls: int) -> int | None:
+    """The place of the call whose command the server refused as it was queued, which
+    redis-py names in the error it raises for the aborted transaction (``Command # 2``,
+    counted from 1); None when it names none."""
+    found = re.match(r"Command # (\d+) ", str(error))
+    if found is None or not 1 <= int(found[1]) <= calls:
+        return None
+    return int(found[1]) - 1
 
 
 def _append_refusal(identity_id: str, result: Any) -> str | None:
     """Why the append script stored none of the identity's rows (None: it stored them):
     what the script found unusable in its keys (a negative reply, see ``append.lua``), or
-    the error the server failed it with. An error of the server's state, the same for
-    every identity (a replica, maxmemory, a script cache emptied), is raised instead: the
-    batch is retried whole under its key, and the identities stored already store
-    nothing again."""
+    the error the server failed it with for that identity alone (:data:`_IDENTITY_CODES`).
+    An error of the server's state, the same for every identity (a replica, maxmemory, a
+    script cache emptied, too few replicas), is raised instead: the batch is retried
+    whole under its key, and the identities stored already store nothing again."""
     if isinstance(result, Exception):
-        if type(result) not in _SCRIPT_ERRORS:
-            raise result
+        if not _of_the_identity(result):
+            _raise_server_state(result)
         return f"Redis failed the identity's append script ({short_error(result, (identity_id,))})"
     if int(result) >= 0:
         return None
@@ -321,40 +378,68 @@ class RedisStore:
         # than the identities whose scripts had reached the server.
         now_ms = round(time.time() * 1000)
         kept = [key, now_ms, BATCH_KEYS_FOR_MS, BATCH_KEYS_KEPT]
+        calls: list[tuple[str, list[int], list[Any]]] = []  # identity, indexes, arguments
+        for identity, rows in by_identity.items():
+            if not identity:  # refused above: no identity's keys
+                continue
+            args: list[Any] = []
+            indexes: list[int] = []
+            for index, record in rows:
+                try:
+                    body = observation_body(record)
+                except (TypeError, ValueError) as exc:
+                    refused.append((index, f"metadata is not JSON: {exc}"))
+                    continue
+                args += [to_ms(record.created_at), body]
+                indexes.append(index)
+            if args:
+                calls.append((identity, indexes, args))
+        while calls:
+            try:
+                results = await self._append_calls(calls, kept)
+            except ExecAbortError as error:
+                _raise_server_state(error)
+            except ResponseError as error:
+                # A command refused as it was queued (an ACL key pattern that leaves out
+                # one identity's keys) aborts the whole transaction, and redis-py raises
+                # the command's error: that identity's rows are refused (the error's
+                # message quotes the command, keys and all: its code only), and the
+                # other identities' sent again.
+                if not isinstance(error.__cause__, ExecAbortError):
+                    raise
+                place = _aborted_at(error, len(calls))
+                if place is None or not _of_the_identity(error):
+                    _raise_server_state(error)
+                _, indexes, _ = calls.pop(place)
+                code = _error_code(error)
+                queued = f"Redis refused the identity's append script as it was queued ({code})"
+                refused.extend((index, queued) for index in indexes)
+                continue
+            # An identity whose script the server failed, or that found its keys unusable,
+            # stores nothing of its rows; the other identities' are stored.
+            for (identity, indexes, _), result in zip(calls, results, strict=True):
+                failed = _append_refusal(identity, result)
+                if failed is not None:
+                    refused.extend((index, failed) for index in indexes)
+            break
+        refused.sort()
+        return AppendOutcome(stored=len(records) - len(refused), refused=refused)
+
+    async def _append_calls(
+        self, calls: Sequence[tuple[str, list[int], list[Any]]], kept: list[Any]
+    ) -> list[Any]:
+        """Each call's append script in one MULTI/EXEC, and each one's reply or error in
+        its place: MULTI/EXEC rolls nothing back, so the other identities' scripts ran,
+        and their rows are stored."""
         async with self.client.pipeline(transaction=True) as pipe:
-            called: list[tuple[str, list[int]]] = []  # each call's identity and indexes
-            for identity, rows in by_identity.items():
-                if not identity:  # refused above: no identity's keys
-                    continue
-                args: list[Any] = []
-                indexes: list[int] = []
-                for index, record in rows:
-                    try:
-                        body = observation_body(record)
-                    except (TypeError, ValueError) as exc:
-                        refused.append((index, f"metadata is not JSON: {exc}"))
-                        continue
-                    args += [to_ms(record.created_at), body]
-                    indexes.append(index)
-                if not args:
-                    continue
+            for identity, _, args in calls:
                 await self._script("append")(
                     keys=[self.keys.of(kind, identity) for kind in _APPEND_KEYS],
                     args=[*kept, len(args) // 2, *args],
                     client=pipe,
                 )
-                called.append((identity, indexes))
-            # Each script's own error in its place: MULTI/EXEC rolls nothing back, so the
-            # other identities' scripts ran, and their rows are stored.
-            results = await pipe.execute(raise_on_error=False) if called else []
-        # An identity whose script the server failed, or that found its keys unusable,
-        # stores nothing of its rows; the other identities' are stored.
-        for (identity, indexes), result in zip(called, results, strict=True):
-            reason = _append_refusal(identity, result)
-            if reason is not None:
-                refused.extend((index, reason) for index in indexes)
-        refused.sort()
-        return AppendOutcome(stored=len(records) - len(refused), refused=refused)
+            results: list[Any] = await pipe.execute(raise_on_error=False)
+            return results
 
     # -- consolidation ------------------------------------------------------------------
 

@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 
 import pytest
 import redis.asyncio as aioredis
+from redis.asyncio.client import Pipeline
 
 from coda_memory import MemoryService
 from coda_memory.redis import RedisStore
@@ -218,3 +219,83 @@ async def test_start_warns_of_a_server_that_evicts_any_key_at_maxmemory(
         await store.close()
     said = f"Redis evicts any key at maxmemory (maxmemory-policy {policy})"
     assert (said in caplog.text) is warned
+
+
+async def test_an_acl_refusal_as_the_script_is_queued_refuses_that_identity_alone(
+    own_redis_url: str, admin: aioredis.Redis, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An ACL key pattern that leaves out one identity's keys refuses its script as it is
+    queued, which aborts the whole MULTI/EXEC: every identity of the batch was rejected."""
+    await admin.acl_setuser(
+        "writer",
+        enabled=True,
+        nopass=True,
+        keys=["coda:memory:*:good*", "coda:memory:checkpoint"],
+        channels=["*"],
+        commands=["+@all"],
+    )
+    url = own_redis_url.replace("redis://", "redis://writer:any@", 1)
+    service = MemoryService.from_url(url, clock=FakeClock(), load_timeout=5.0)
+    caplog.set_level(logging.WARNING, "coda_memory")
+    try:
+        for identity in ("good1", "bad", "good2"):
+            service.emit_observation(identity, tool_ok("t"))
+        await service.drain()
+        stats = service.stats()
+        assert (stats.stored, stats.rejected) == (2, 1)
+        assert "Redis refused the identity's append script as it was queued (NOPERM)" in (
+            caplog.text
+        )
+        assert "'bad'" not in caplog.text and ":bad" not in caplog.text
+        for identity in ("good1", "good2"):
+            assert [f.subject for f in await service.consolidate(identity)] == ["tool_affinity:t"]
+    finally:
+        await service.close()
+
+
+async def test_too_few_replicas_keep_the_batches_for_later(
+    own_redis_url: str, admin: aioredis.Redis, caplog: pytest.LogCaptureFixture
+) -> None:
+    """NOREPLICAS (min-replicas-to-write) reaches redis-py as a plain ResponseError, which
+    the store blamed on each identity: the writer rejected the batch for good."""
+    service = MemoryService.from_url(own_redis_url, clock=FakeClock(), load_timeout=5.0)
+    try:
+        await _held_back_then_stored(
+            service,
+            caplog,
+            lambda: admin.config_set("min-replicas-to-write", 1),
+            lambda: admin.config_set("min-replicas-to-write", 0),
+            "waits",
+            "NOREPLICAS",
+        )
+    finally:
+        await admin.config_set("min-replicas-to-write", 0)
+        await service.close()
+
+
+async def test_a_script_cache_flushed_before_the_exec_keeps_the_batch_for_later(
+    own_redis_url: str, admin: aioredis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A SCRIPT FLUSH (or a restart) between the pipeline's script load and its EXEC
+    failed each EVALSHA with NOSCRIPT: the writer rejected the batch for good, where a
+    retry loads the script again."""
+    loaded = Pipeline.load_scripts
+    flushed: list[bool] = []
+
+    async def load_then_flush(pipe: Pipeline) -> None:
+        await loaded(pipe)  # type: ignore[no-untyped-call]
+        if not flushed:
+            flushed.append(True)
+            await admin.script_flush()
+
+    monkeypatch.setattr(Pipeline, "load_scripts", load_then_flush)
+    service = MemoryService.from_url(own_redis_url, clock=FakeClock(), load_timeout=5.0)
+    try:
+        for identity in ("alice", "bob"):
+            service.emit_observation(identity, tool_ok("t"))
+        await service.drain(10)
+        stats = service.stats()
+        assert flushed
+        assert (stats.stored, stats.rejected, stats.pending) == (2, 0, 0)
+    finally:
+        await service.close()
