@@ -925,7 +925,10 @@ async def test_checkpoint_refuses_a_value_that_is_not_epoch_ms_without_quoting_i
     assert await redis_store.checkpoint("u-4711") == datetime(2026, 1, 1, 9, 0, 0, 500, UTC)
 
 
-@pytest.mark.parametrize("checkpoint", ["garbage", "-inf", "0x10", "nan", "1e3", ""])
+@pytest.mark.parametrize(
+    "checkpoint",
+    ["garbage", "-inf", "0x10", "nan", "1e3", "", "-99999999999999999", "253402300800000"],
+)
 async def test_a_checkpoint_that_is_not_epoch_ms_is_refused_not_read_as_none(
     redis_url: str, redis_client: aioredis.Redis, redis_prefix: str, checkpoint: str
 ) -> None:

@@ -22,7 +22,10 @@ local after = '(-62135596800000'
 if checkpoint then
   -- Anything but epoch ms written in decimal is refused: read as no checkpoint, every
   -- observation consumed before would count again.
-  if not string.match(checkpoint, '^%-?%d+%.?%d*$') then
+  -- So is one outside the range of dates, as Python's checkpoint_ms refuses it: read as
+  -- far in the past, every observation consumed before would count again.
+  local at = string.match(checkpoint, '^%-?%d+%.?%d*$') and tonumber(checkpoint)
+  if not at or at <= -62135596800000 or at >= 253402300800000 then
     return redis.error_reply('BADCHECKPOINT the identity\'s checkpoint is not epoch ms')
   end
   after = '(' .. checkpoint
