@@ -563,9 +563,7 @@ class RedisStore:
                     token=token,
                     load_script=self._load_script,
                     commit_script=self._commit_script,
-                    read_sessions=lambda sessions: self.client.hmget(
-                        self.keys.of("sessions", identity_id), sessions
-                    ),
+                    read_sessions=functools.partial(self._read_sessions, identity_id),
                     read_history=lambda: self.history(identity_id),
                     history_limit=self.history_limit,
                     session_horizon=self.session_horizon,
@@ -577,6 +575,17 @@ class RedisStore:
                     f"the connection died while consolidating {identity_label(identity_id)}: "
                     f"{type(error).__name__}"
                 ) from error
+
+    async def _read_sessions(
+        self, identity_id: str, sessions: list[str]
+    ) -> list[bytes | str | None]:
+        """The records of the identity's ``sessions`` (a key of another type as the
+        :class:`BadRecord` naming its kind)."""
+        with _typed(("sessions",)):
+            records: list[bytes | str | None] = await self.client.hmget(
+                self.keys.of("sessions", identity_id), sessions
+            )
+            return records
 
     async def _load_script(self, *, keys: list[str], args: list[Any]) -> Any:
         with self._checkpoint_checked(), _typed((*_READ_KEYS, "state")):

@@ -440,7 +440,9 @@ async def test_a_run_counter_hincrby_cannot_take_counts_anew(
         await service.close()
 
 
-@pytest.mark.parametrize("kind", ["obs", "pending", "facts", "history", "state", "checkpoint"])
+@pytest.mark.parametrize(
+    "kind", ["obs", "pending", "facts", "history", "state", "sessions", "checkpoint"]
+)
 async def test_every_read_refuses_a_key_of_another_type_by_its_kind(
     redis_url: str, redis_prefix: str, redis_client: aioredis.Redis, kind: str
 ) -> None:
@@ -471,7 +473,7 @@ async def test_every_read_refuses_a_key_of_another_type_by_its_kind(
         if kind != "history":
             with pytest.raises(BadRecord, match=refused):
                 await service.consolidate("u1")
-        if kind not in ("history", "state"):
+        if kind not in ("history", "state", "sessions"):
             with pytest.raises(BadRecord, match=refused):
                 await store.peek("u1")
     finally:
