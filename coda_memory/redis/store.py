@@ -197,6 +197,15 @@ def _append_refusal(identity_id: str, result: Any) -> str | None:
     return f"the identity's {kind} key in Redis holds another type of value"
 
 
+#: The identity's keys that ``stats()`` checks for their type but does not count, each
+#: with a command of its type that fails on another (WRONGTYPE); the lock is a string.
+_TYPE_CHECKED = (
+    ("state", "HLEN"),
+    ("sessions", "HLEN"),
+    ("session-times", "ZCARD"),
+    ("batches", "ZCARD"),
+)
+
 #: The keys forget.lua counts before it erases them, in its order.
 _FORGET_COUNTED = ("obs", "facts", "history")
 
@@ -722,14 +731,18 @@ class RedisStore:
                         pipe.zcard(_encoded(self.keys.of("pending", identity)))
                         pipe.hlen(_encoded(self.keys.of("facts", identity)))
                         pipe.llen(_encoded(self.keys.of("history", identity)))
+                        # Not counted, only checked for their type (_TYPE_CHECKED).
+                        for kind, command in _TYPE_CHECKED:
+                            pipe.execute_command(command, _encoded(self.keys.of(kind, identity)))
                     # One key of another type failed the whole count (WRONGTYPE).
                     replies = await pipe.execute(raise_on_error=False)
                 counts = [_counted(reply) for reply in replies]
                 other_type += counts.count(None)
-                observations += sum(n or 0 for n in counts[0::4])
-                pending += sum(n or 0 for n in counts[1::4])
-                facts += sum(n or 0 for n in counts[2::4])
-                events += sum(n or 0 for n in counts[3::4])
+                step = 4 + len(_TYPE_CHECKED)
+                observations += sum(n or 0 for n in counts[0::step])
+                pending += sum(n or 0 for n in counts[1::step])
+                facts += sum(n or 0 for n in counts[2::step])
+                events += sum(n or 0 for n in counts[3::step])
             memory = await self.client.info("memory")
             return RedisStoreStats(
                 prefix=self.keys.prefix,

@@ -518,6 +518,12 @@ async def test_stats_count_a_key_of_another_type_as_such_and_the_others_all_the_
     stats = await redis_store.stats()
     assert (stats.identities, stats.observations, stats.facts) == (2, 2, 1)
     assert stats.keys_of_another_type == 1
+    # Every kind of key the layout types, those it does not count included.
+    for kind in ("state", "sessions", "session-times", "batches"):
+        await redis_client.set(f"{redis_prefix}{kind}:ok", "x")
+    stats = await redis_store.stats()
+    assert (stats.identities, stats.observations) == (2, 2)
+    assert stats.keys_of_another_type == 5
 
 
 async def test_a_history_record_that_does_not_parse_is_left_out(
