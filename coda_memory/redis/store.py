@@ -333,10 +333,12 @@ class RedisStore:
         await self._warn_if_evicting()
 
     async def _warn_if_evicting(self) -> None:
-        """Log a warning when the server evicts any key at ``maxmemory`` (an ``allkeys-*``
-        policy, common on caches): observations, facts and pending sets would go without
-        a word, where ``noeviction`` refuses the writes, which the writer retries. Nothing
-        when the server does not say (an ACL user without INFO)."""
+        """Log a warning when the server evicts keys at ``maxmemory`` (set, not 0): any
+        key under an ``allkeys-*`` policy, common on caches (observations, facts and
+        pending sets would go without a word), and the keys with a TTL under a
+        ``volatile-*`` one (the batch keys among them: a retried batch whose key was
+        evicted is stored twice), where ``noeviction`` refuses the writes, which the
+        writer retries. Nothing when the server does not say (an ACL user without INFO)."""
         try:
             memory = await self.client.info("memory")
         except (RedisConnectionError, RedisTimeoutError, ResponseError):
@@ -344,10 +346,23 @@ class RedisStore:
         policy = memory.get("maxmemory_policy")
         if isinstance(policy, bytes):
             policy = policy.decode(errors="replace")
-        if isinstance(policy, str) and policy.startswith("allkeys-"):
+        try:
+            limit = int(memory.get("maxmemory", 0))
+        except (TypeError, ValueError):
+            limit = 0
+        if limit <= 0 or not isinstance(policy, str):
+            return
+        if policy.startswith("allkeys-"):
             _log.warning(
                 "coda-memory: Redis evicts any key at maxmemory (maxmemory-policy %s): "
                 "memory would be lost without a word; set maxmemory-policy noeviction",
+                policy,
+            )
+        elif policy.startswith("volatile-"):
+            _log.warning(
+                "coda-memory: Redis evicts keys with a TTL at maxmemory (maxmemory-policy "
+                "%s): the batch keys among them, so a retried batch could be stored twice, "
+                "and the consolidation locks; set maxmemory-policy noeviction",
                 policy,
             )
 
