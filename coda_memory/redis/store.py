@@ -117,39 +117,63 @@ def _client_options() -> frozenset[str]:
     return frozenset(taken - {"self", "url", "decode_responses"})
 
 
-#: The codes of the errors with which the server fails one identity's append script
-#: alone: a key of another type, a key or command its ACL user may not touch (append.lua
-#: raises no error of its own: what it finds unusable in its keys, it returns). Any other
-#: (READONLY, OOM, NOSCRIPT, NOREPLICAS, MISCONF, MASTERDOWN, BUSY, LOADING, TRYAGAIN, a
-#: dropped connection) is of the server's state, which every identity of the batch meets.
-_IDENTITY_CODES = frozenset({"WRONGTYPE", "NOPERM"})
+#: The codes of the errors of the server's state, which every identity of an append
+#: batch meets alike (a replica, maxmemory, a script cache emptied, too few replicas, a
+#: failed save, a server loading or busy with a script): the batch is retried whole. Any
+#: other error fails one identity's script alone (a key of another type, a key or command
+#: its ACL user may not touch, a Lua error on what something else wrote in its keys), and
+#: that identity's rows are refused: retried, such an error held every identity's
+#: observations back for good. (append.lua raises no error of its own: what it finds
+#: unusable in its keys, it returns.) redis-py names some by their class.
+_SERVER_STATE_CODES = frozenset(
+    {
+        "READONLY",
+        "OOM",
+        "NOSCRIPT",
+        "NOREPLICAS",
+        "MISCONF",
+        "MASTERDOWN",
+        "BUSY",
+        "LOADING",
+        "TRYAGAIN",
+        "CLUSTERDOWN",
+        "EXECABORT",
+        "NoScriptError",
+        "BusyLoadingError",
+        "TryAgainError",
+        "ClusterDownError",
+        "MasterDownError",
+    }
+)
 #: The errors :func:`_lost_while` turns into the store's own, raised as they are.
 _NAMED_ERRORS = (RedisConnectionError, RedisTimeoutError, ReadOnlyError, OutOfMemoryError)
+#: Where redis-py quotes the error of a command refused as it was queued.
+_QUEUED_CAUSE = re.compile(r" caused error: ([A-Z]{3,20})\b")
 
 
 def _error_code(error: BaseException) -> str:
     """The code of a Redis error reply (the first word of the server's message, which
-    redis-py strips from the errors it has a class for), or the error's class."""
+    redis-py strips from the errors it has a class for, or of the error it quotes for a
+    command refused as it was queued), or the error's class."""
     if isinstance(error, NoPermissionError):
         return "NOPERM"
     code = getattr(error, "status_code", None)
     if isinstance(code, str) and code:
         return code
-    first = str(error).split(" ", 1)[0]
+    text = str(error)
+    queued = _QUEUED_CAUSE.search(text)
+    if queued is not None:
+        return queued[1]
+    first = text.split(" ", 1)[0]
     if type(error) is ResponseError and re.fullmatch(r"[A-Z]{3,20}", first):
         return first
     return type(error).__name__
 
 
-#: How Redis before 7.2 words an ACL refusal of a command or key a script calls (an
-#: ``ERR``: "can't run this command", "can't access at least one of the keys"; later
-#: versions answer ``NOPERM``).
-_SCRIPT_ACL_REFUSAL = "The user executing the script can't "
-
-
 def _of_the_identity(error: BaseException) -> bool:
-    """Whether ``error`` failed one identity's append script alone (its keys, its ACL)."""
-    return _error_code(error) in _IDENTITY_CODES or str(error).startswith(_SCRIPT_ACL_REFUSAL)
+    """Whether ``error`` failed one identity's append script alone (see
+    :data:`_SERVER_STATE_CODES`)."""
+    return not isinstance(error, _NAMED_ERRORS) and _error_code(error) not in _SERVER_STATE_CODES
 
 
 def _raise_server_state(error: BaseException) -> NoReturn:
@@ -178,7 +202,7 @@ def _aborted_at(error: ResponseError, calls: int) -> int | None:
 def _append_refusal(identity_id: str, result: Any) -> str | None:
     """Why the append script stored none of the identity's rows (None: it stored them):
     what the script found unusable in its keys (a negative reply, see ``append.lua``), or
-    the error the server failed it with for that identity alone (:data:`_IDENTITY_CODES`).
+    the error the server failed it with for that identity alone (:data:`_SERVER_STATE_CODES`).
     An error of the server's state, the same for every identity (a replica, maxmemory, a
     script cache emptied, too few replicas), is raised instead: the batch is retried
     whole under its key, and the identities stored already store nothing again."""
