@@ -483,12 +483,6 @@ class ObservationWriter:
             self._wakeup, self._progress = asyncio.Event(), asyncio.Event()
             self._filled, self._retry_started = asyncio.Event(), asyncio.Event()
 
-    def _closes_itself_at_loop_end(self) -> bool:
-        """Whether the service closes itself when its event loop ends, storing what is
-        queued (the writer's cancellation then loses nothing: see the service's
-        ``_watch_loop_end``)."""
-        return False
-
     def _ensure_writer(self, loop: asyncio.AbstractEventLoop) -> None:
         """Start the writer on ``loop`` unless it runs, or close() has stopped it."""
         if self._stopped or (self._writer is not None and not self._writer.done()):
@@ -528,12 +522,14 @@ class ObservationWriter:
                     # again with its key.
                     self._resend_cut_short()
                     waiting = len(self._queue) + self._inflight
-                    if waiting and not self._closes_itself_at_loop_end():
+                    if waiting:
                         self._log.warning(
                             "writer cancelled",
                             "coda-memory: the writer was cancelled (the event loop "
                             "stopping?) with %d observation(s) queued or in flight: lost "
-                            "unless close() or drain() follows on this loop",
+                            "unless close() or drain() follows on this loop, or the "
+                            "loop's shutdown_asyncgens() (asyncio.run() calls it), which "
+                            "closes a service left open",
                             waiting,
                         )
                     assert self._progress is not None

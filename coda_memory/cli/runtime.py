@@ -455,14 +455,17 @@ def _at_least(revision: str, minimum: str) -> bool:
     """Whether ``revision`` is ``minimum`` or descends from it (one this release does not
     know, a newer coda-memory's, counts as later)."""
     from alembic.script import ScriptDirectory
-    from alembic.util import CommandError
 
     from coda_memory.postgres.migrate import alembic_config
 
     script = ScriptDirectory.from_config(alembic_config())
     try:
-        return any(r.revision == minimum for r in script.iterate_revisions(revision, "base"))
-    except CommandError:
+        return any(
+            r.revision == minimum
+            for head in revision.split(",")
+            for r in script.iterate_revisions(head.strip(), "base")
+        )
+    except Exception:  # (Alembic's ResolutionError: a revision it does not know)
         return True
 
 

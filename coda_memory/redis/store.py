@@ -147,8 +147,9 @@ _SERVER_STATE_CODES = frozenset(
 )
 #: The errors :func:`_lost_while` turns into the store's own, raised as they are.
 _NAMED_ERRORS = (RedisConnectionError, RedisTimeoutError, ReadOnlyError, OutOfMemoryError)
-#: Where redis-py quotes the error of a command refused as it was queued.
-_QUEUED_CAUSE = re.compile(r" caused error: ([A-Z]{3,20})\b")
+#: Where redis-py quotes the error of a command refused as it was queued: its message,
+#: or (redis-py 6 and later) the repr of its arguments, ``('MISCONF …',)``.
+_QUEUED_CAUSE = re.compile(r" caused error: \(?['\"]?([A-Z]{3,20})\b")
 
 
 def _error_code(error: BaseException) -> str:
@@ -454,6 +455,10 @@ class RedisStore:
                 # message quotes the command, keys and all: its code only), and the
                 # other identities' sent again.
                 if not isinstance(error.__cause__, ExecAbortError):
+                    if not _of_the_identity(error):
+                        # (BUSY to the script check or to MULTI, a script of another
+                        # client's running long: the batch was rejected for good.)
+                        _raise_server_state(error)
                     raise
                 place = _aborted_at(error, len(calls))
                 if place is None or not _of_the_identity(error):

@@ -289,13 +289,14 @@ def test_a_schema_named_after_the_role_that_migrates_is_not_refused(empty_pg_url
         rows(empty_pg_url, f'DROP ROLE "{owner}"')
 
 
-def test_the_default_schema_on_the_owner_roles_search_path_is_not_refused(
+def test_the_default_schema_on_the_owner_roles_search_path_is_refused_with_the_way_out(
     empty_pg_url: str,
 ) -> None:
-    """A DBA's setup for an owner that may not create schemas: ``CREATE SCHEMA
-    coda_memory AUTHORIZATION owner`` and ``ALTER ROLE owner SET search_path =
-    coda_memory, public``. The first migration was refused, its message pointing at the
-    default schema it was given."""
+    """A DBA's setup: ``CREATE SCHEMA coda_memory AUTHORIZATION owner`` and ``ALTER ROLE
+    owner SET search_path = coda_memory, public``. A host's Alembic run as that role would
+    read coda-memory's version table for its own, even with its own further down the
+    path: refused, the message saying how to go on (it pointed at the default schema it
+    was given)."""
     owner = f"coda_own_{secrets.token_hex(4)}"
     database = make_url(empty_pg_url).database
     rows(empty_pg_url, f'CREATE ROLE "{owner}" LOGIN')
@@ -305,8 +306,11 @@ def test_the_default_schema_on_the_owner_roles_search_path_is_not_refused(
         rows(empty_pg_url, f'ALTER ROLE "{owner}" SET search_path = coda_memory, public')
         owner_url = make_url(empty_pg_url).set(username=owner).render_as_string(False)
 
-        coda_memory.migrate(owner_url)
+        with pytest.raises(ForeignAlembicHistory, match="take it off the search path"):
+            coda_memory.migrate(owner_url)
 
+        rows(empty_pg_url, f'ALTER ROLE "{owner}" RESET search_path')
+        coda_memory.migrate(owner_url)
         assert rows(empty_pg_url, "SELECT version_num FROM coda_memory.alembic_version") == [
             (HEAD,)
         ]

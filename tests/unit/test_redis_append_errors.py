@@ -29,6 +29,8 @@ from coda_memory.redis.store import _of_the_identity
         (ResponseError("Command # 2 (EVALSHA x) of pipeline caused error: WRONGTYPE x"), True),
         (ResponseError("MISCONF Redis is configured to save RDB snapshots"), False),
         (ResponseError("Command # 1 (EVALSHA x) of pipeline caused error: MISCONF Redis"), False),
+        (ResponseError("Command # 1 (EVALSHA x) of pipeline caused error: ('MISCONF R',)"), False),
+        (ResponseError("Command # 2 (EVALSHA x) of pipeline caused error: ('NOREPLICAS',)"), False),
         (ResponseError("NOREPLICAS Not enough good replicas to write."), False),
         (ResponseError("BUSY Redis is busy running a script."), False),
         (NoScriptError("No matching script. Please use EVAL."), False),

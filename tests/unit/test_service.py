@@ -757,6 +757,35 @@ def test_a_service_not_closed_under_warnings_made_errors_says_so_in_its_log(
     ]
 
 
+def test_a_service_not_closed_stays_held_on_a_loop_whose_clock_jumps_a_year() -> None:
+    """The loop holds a service not yet closed by a timer set a year ahead; on a loop
+    whose clock jumps (a test's fake or virtual clock), the timer fired, the loop let go
+    of the service, and its writer's task was destroyed while pending."""
+
+    class Jumping(asyncio.SelectorEventLoop):
+        ahead = 0.0
+
+        def time(self) -> float:
+            return super().time() + self.ahead
+
+    loop = Jumping()
+    service = MemoryService.from_url("memory://", clock=FakeClock())
+    try:
+        loop.run_until_complete(service.start())
+        service.emit_observation("ana", tool_ok("t"))
+        held = weakref.ref(service)
+        del service
+        loop.ahead = 2 * 365 * 24 * 3600.0
+        loop.run_until_complete(asyncio.sleep(0.01))
+        gc.collect()
+        kept = held()
+        assert kept is not None
+        loop.run_until_complete(kept.close())
+        assert kept.stats().stored == 1
+    finally:
+        loop.close()
+
+
 def test_a_service_whose_loop_is_dropped_unclosed_goes_with_it() -> None:
     """A host that runs each job on a loop of its own with ``run_until_complete``, never
     closing the loop nor the service: a registry of the module's held every such service,

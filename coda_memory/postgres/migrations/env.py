@@ -170,29 +170,35 @@ def _refuse_foreign_history(connection: Connection) -> None:
 
 def _refuse_a_schema_on_the_search_path(connection: Connection) -> None:
     """Stop before creating the version table in a schema on the search path (``public``,
-    usually): an Alembic with its defaults, as a host application's is, looks for its
-    own ``alembic_version`` there, and would take coda-memory's for it (its first
-    upgrade then fails on a revision it does not know). A schema already holding
-    coda-memory's history is upgraded as before, and so are the default schema,
-    ``coda_memory``, which is coda-memory's by its name (a DBA who creates it for the
-    owner role often puts it on that role's search path), and one named after the role
-    that migrates (on the path as ``$user``), where a host's Alembic, run as its own
-    role, never looks. The way past it, where no other Alembic uses the database, is the
-    script of ``coda-memory migrate --sql``, applied by hand."""
-    if SCHEMA == DEFAULT_SCHEMA:
-        return
+    usually, or ``coda_memory`` where a DBA put it on the owner role's path): an Alembic
+    with its defaults, as a host application's is, looks for its own ``alembic_version``
+    there, and would take coda-memory's for it (its first upgrade then fails on a
+    revision it does not know, or reads coda-memory's though its own exists further down
+    the path). A schema already holding coda-memory's history is upgraded as before, and
+    so is one named after the role that migrates (on the path as ``$user``), where a
+    host's Alembic, run as its own role, never looks. The ways past it: the schema taken
+    off the path (coda-memory names every table with its schema, and needs no path), or,
+    where no other Alembic uses the database, the script of ``coda-memory migrate
+    --sql`` applied by hand."""
     on_path = connection.scalar(
         text("SELECT :schema = ANY (current_schemas(false)) AND :schema <> current_user"),
         {"schema": SCHEMA},
     )
-    if on_path:
-        raise ForeignAlembicHistory(
-            f"schema {SCHEMA!r} is on the search path, where another application's "
-            "Alembic looks for its version table and would find coda-memory's; migrate "
-            "coda-memory into a schema of its own (the default is coda_memory), or, where "
-            "no other Alembic uses this database, apply the script of "
-            f"`coda-memory migrate --sql --schema {SCHEMA}` by hand"
+    if not on_path:
+        return
+    if SCHEMA == DEFAULT_SCHEMA:
+        instead = (
+            "take it off the search path of the role that migrates (coda-memory names "
+            "every table with its schema; ALTER ROLE … RESET search_path)"
         )
+    else:
+        instead = "migrate coda-memory into a schema of its own (the default is coda_memory)"
+    raise ForeignAlembicHistory(
+        f"schema {SCHEMA!r} is on the search path, where another application's Alembic "
+        f"looks for its version table and would find coda-memory's; {instead}, or, where "
+        "no other Alembic uses this database, apply the script of "
+        f"`coda-memory migrate --sql --schema {SCHEMA}` by hand"
+    )
 
 
 def do_run_migrations(connection: Connection) -> None:
