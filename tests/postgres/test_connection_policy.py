@@ -342,7 +342,11 @@ async def test_every_call_of_a_store_that_cannot_connect_raises_connection_lost(
     else:
         missing = real.set(database="coda_memory_no_such_database")
         url = missing.render_as_string(hide_password=False)
-        where = f"{real.host or 'localhost'}:{real.port or 5432}"
+        # A unix socket (the embedded server's) is named by its directory.
+        socket = real.query.get("host")
+        where = (
+            socket if isinstance(socket, str) else f"{real.host or 'localhost'}:{real.port or 5432}"
+        )
         reason = 'database "coda_memory_no_such_database" does not exist'
     store = PostgresStore.from_url(url)
     try:
