@@ -18,6 +18,7 @@ from redis.asyncio.client import Pipeline
 from coda_memory import MemoryService
 from coda_memory.redis import RedisStore
 from tests.helpers import FakeClock, tool_ok
+from tests.redis.helpers import bad_refused_alone
 from tests.redis_fixtures import _own_server
 
 pytestmark = pytest.mark.redis
@@ -186,11 +187,7 @@ async def test_a_script_error_of_one_identity_refuses_its_rows_alone(
     service = MemoryService.from_url(url, clock=FakeClock(), load_timeout=5.0)
     caplog.set_level(logging.WARNING, "coda_memory")
     try:
-        for identity in ("good1", "bad", "good2"):
-            service.emit_observation(identity, tool_ok("t"))
-        await service.drain()
-        stats = service.stats()
-        assert (stats.stored, stats.rejected) == (2, 1)
+        await bad_refused_alone(service, admin, "coda:memory:")
         assert "Redis failed the identity's append script" in caplog.text
         assert "'bad'" not in caplog.text
         assert await admin.keys("coda:memory:*:bad") == []
@@ -256,11 +253,7 @@ async def test_an_acl_refusal_as_the_script_is_queued_refuses_that_identity_alon
     service = MemoryService.from_url(url, clock=FakeClock(), load_timeout=5.0)
     caplog.set_level(logging.WARNING, "coda_memory")
     try:
-        for identity in ("good1", "bad", "good2"):
-            service.emit_observation(identity, tool_ok("t"))
-        await service.drain()
-        stats = service.stats()
-        assert (stats.stored, stats.rejected) == (2, 1)
+        await bad_refused_alone(service, admin, "coda:memory:")
         assert "Redis refused the identity's append script as it was queued (NOPERM)" in (
             caplog.text
         )

@@ -29,6 +29,7 @@ from coda_memory.redis.codec import BadRecord
 from coda_memory.redis.keys import glob_escape
 from tests.builders import consolidate, contents, event, fact, record
 from tests.helpers import T0, FakeClock, LoopTurns, domain, entity, tool_failed, tool_ok
+from tests.redis.helpers import bad_refused_alone
 from tests.redis.test_import_redis import fact as stored_fact
 from tests.redis.test_import_redis import ms
 from tests.redis.test_import_redis_faults import SECOND_FACTS
@@ -770,20 +771,6 @@ async def test_the_writer_retries_a_batch_whose_reply_was_lost_and_it_is_stored_
         await service.close()
 
 
-async def _bad_refused_alone(
-    service: MemoryService, redis_client: aioredis.Redis, redis_prefix: str
-) -> None:
-    """One observation each of good1, bad and good2, stored: bad's refused alone, before
-    its script wrote anything (no batch key, nothing pending); the other two stored."""
-    for identity in ("good1", "bad", "good2"):
-        service.emit_observation(identity, tool_ok("t"))
-    await service.drain()
-    stats = service.stats()
-    assert (stats.stored, stats.rejected) == (2, 1)
-    assert await redis_client.exists(f"{redis_prefix}batches:bad") == 0
-    assert await redis_client.zcard(f"{redis_prefix}pending:bad") == 0
-
-
 async def test_an_identity_whose_key_holds_another_type_refuses_its_rows_alone(
     redis_url: str, redis_client: aioredis.Redis, redis_prefix: str
 ) -> None:
@@ -793,7 +780,7 @@ async def test_an_identity_whose_key_holds_another_type_refuses_its_rows_alone(
     await redis_client.set(f"{redis_prefix}state:bad", "x")
     service = MemoryService.from_url(redis_url, clock=FakeClock(), load_timeout=5.0)
     try:
-        await _bad_refused_alone(service, redis_client, redis_prefix)
+        await bad_refused_alone(service, redis_client, redis_prefix)
         for identity in ("good1", "good2"):
             assert [f.subject for f in await service.consolidate(identity)] == ["tool_affinity:t"]
     finally:
@@ -813,7 +800,7 @@ async def test_an_identity_whose_sequence_is_no_whole_number_refuses_its_rows_al
     await redis_client.hset(f"{redis_prefix}state:bad", "seq", seq)
     service = MemoryService.from_url(redis_url, clock=FakeClock(), load_timeout=5.0)
     try:
-        await _bad_refused_alone(service, redis_client, redis_prefix)
+        await bad_refused_alone(service, redis_client, redis_prefix)
         assert await redis_client.hget(f"{redis_prefix}state:bad", "seq") == seq.encode()
     finally:
         await service.close()
