@@ -452,21 +452,16 @@ async def require_revision(
 
 
 def _at_least(revision: str, minimum: str) -> bool:
-    """Whether ``revision`` is ``minimum`` or descends from it (one this release does not
-    know, a newer coda-memory's, counts as later)."""
-    from alembic.script import ScriptDirectory
+    """Whether ``revision`` (or one of its heads, comma-separated) is ``minimum`` or a later
+    one of coda-memory's migrations, which are one line, oldest first; one this release
+    does not know, a newer coda-memory's, counts as later."""
+    from coda_memory.postgres.migrate import revisions
 
-    from coda_memory.postgres.migrate import alembic_config
-
-    script = ScriptDirectory.from_config(alembic_config())
-    try:
-        return any(
-            r.revision == minimum
-            for head in revision.split(",")
-            for r in script.iterate_revisions(head.strip(), "base")
-        )
-    except Exception:  # (Alembic's ResolutionError: a revision it does not know)
+    known = revisions()
+    heads = [head.strip() for head in revision.split(",")]
+    if any(head not in known for head in heads):
         return True
+    return max(known.index(head) for head in heads) >= known.index(minimum)
 
 
 async def _behind_head(store: PostgresStore, target: Target) -> CliError | None:
