@@ -292,6 +292,35 @@ MAX_DURATION = MAX_SPAN
 _HELD_FOR = 365 * 24 * 3600.0
 
 
+#: The warning of asyncio's and uvloop's first-iteration hook for an async generator first
+#: stepped once the loop's ``shutdown_asyncgens()`` began (which closes only those that
+#: were parked before it).
+_AFTER_SHUTDOWN = r"asynchronous generator .* was scheduled after loop\.shutdown_asyncgens\(\)"
+
+
+def _parked(watch: AsyncGenerator[None, None]) -> bool:
+    """Step ``watch`` to its first ``yield``, now: the running loop's first-iteration hook
+    registers it with the generators its ``shutdown_asyncgens()`` closes. False, and
+    ``watch`` closed without having run, when the hook refused it: the shutdown began
+    (the hook warns, which is made an error here: asyncio's and uvloop's loops say so
+    alike, where only asyncio's has an attribute that tells), or a warning made an error
+    by the host."""
+    try:
+        # (The filters are the process's: this one, which matches that warning alone,
+        # is in place for the one step, once per service.)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("error", _AFTER_SHUTDOWN, ResourceWarning)
+            with contextlib.suppress(StopIteration):
+                watch.asend(None).send(None)
+    except Exception:
+        # Closed here, before it ever ran: left to the collector, its finalizer had the
+        # loop schedule a task to close it, which the loop's end could leave pending.
+        with contextlib.suppress(StopIteration):
+            watch.aclose().send(None)
+        return False
+    return True
+
+
 class MemoryService(ObservationWriter):
     """Memory for one agent server process, over one store."""
 
@@ -415,6 +444,9 @@ class MemoryService(ObservationWriter):
         #: meanwhile (see ``_watch_loop_end``).
         self._loop_end: AsyncGenerator[None, None] | None = None
         self._held_by_loop: asyncio.TimerHandle | None = None
+        #: Its loop's shutdown of async generators had begun when the watch of its end
+        #: would have been parked: there is none (see ``_watch_loop_end``).
+        self._loop_ending = False
         #: Closed by the end of its event loop, not by the host (see ``_check_open``).
         self._closed_by_loop_end = False
         self._telemetry.observe(self.stats)
@@ -725,7 +757,11 @@ class MemoryService(ObservationWriter):
     def _ensure_writer(self, loop: asyncio.AbstractEventLoop) -> None:
         """The writer's, then the watch of the loop's end (the first emit may bind the
         service to its loop). Nothing more once both are there: every emit calls it."""
-        if self._loop_end is not None and self._writer is not None and not self._writer.done():
+        if (
+            (self._loop_end is not None or self._loop_ending)
+            and self._writer is not None
+            and not self._writer.done()
+        ):
             return
         try:
             super()._ensure_writer(loop)
@@ -745,16 +781,14 @@ class MemoryService(ObservationWriter):
         pending!", SQLAlchemy's "non-checked-in connection", "Event loop is closed"), and
         lost what was queued."""
         loop = self._loop
-        if self._loop_end is not None or self._closed or loop is None:
+        if self._loop_end is not None or self._loop_ending or self._closed or loop is None:
             return
-        if getattr(loop, "_asyncgens_shutdown_called", False):
-            return  # (its shutdown began: it would never close a generator parked now)
         watch = self._closing_at_loop_end()
-        try:
-            # To its ``yield``, now: the loop's first-iteration hook registers it.
-            with contextlib.suppress(StopIteration):
-                watch.asend(None).send(None)
-        except Exception:  # (the hook's warning, made an error: not watched, then)
+        if not _parked(watch):
+            # The loop's shutdown of its async generators began (a first call from the
+            # ``finally`` of one): it would never close a generator parked now, so none
+            # is, and none again on later calls. The host's close() closes the service.
+            self._loop_ending = True
             return
         self._loop_end = watch
         # The loop holds its async generators weakly: held by nothing but a host that

@@ -16,7 +16,7 @@ import threading
 import warnings
 import weakref
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from datetime import datetime, timedelta
 from enum import Enum
@@ -755,6 +755,92 @@ def test_a_service_not_closed_under_warnings_made_errors_says_so_in_its_log(
         "coda-memory: a MemoryService was not closed before its event loop ended; it closed "
         "itself then (call `await memory.close()` at shutdown, or use `async with memory:`)"
     ]
+
+
+#: The loops of the lifecycle tests that run their own (asyncio.Runner): the standard
+#: library's, and uvloop's, which uvicorn picks when it is installed.
+each_loop = pytest.mark.parametrize(
+    "new_loop", [asyncio.new_event_loop, uvloop.new_event_loop], ids=["asyncio", "uvloop"]
+)
+
+
+@each_loop
+def test_a_service_never_closed_closes_itself_as_its_loop_ends_on_either_loop(
+    caplog: pytest.LogCaptureFixture, new_loop: Callable[[], asyncio.AbstractEventLoop]
+) -> None:
+    """The loop's shutdown of its async generators closes a service its host never
+    closed, on uvloop's loop as on asyncio's: what was queued is stored, one
+    ResourceWarning says so, asyncio reports nothing, and the next loop is told why."""
+    service = MemoryService.from_url("memory://", clock=FakeClock())
+
+    async def serve() -> None:
+        service.emit_observation("alice", tool_ok("get_account"))
+        await service.drain(5)
+        service.emit_observation("alice", tool_ok("run_sql"))  # queued as the loop ends
+
+    async def later() -> None:
+        with pytest.raises(ServiceClosed, match=r"event loop ended without close\(\)"):
+            await service.consolidate("alice")
+
+    caplog.set_level(logging.WARNING)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        with asyncio.Runner(loop_factory=new_loop) as runner:
+            runner.run(serve())
+        gc.collect()
+    assert [(w.category, str(w.message)) for w in seen] == [
+        (
+            ResourceWarning,
+            "a MemoryService was not closed before its event loop ended; it closed itself "
+            "then (call `await memory.close()` at shutdown, or use `async with memory:`)",
+        )
+    ]
+    assert [r.getMessage() for r in caplog.records if r.name == "asyncio"] == []
+    stats = service.stats()
+    assert (stats.emitted, stats.stored, stats.dropped, stats.pending) == (2, 2, 0, 0)
+    with asyncio.Runner(loop_factory=new_loop) as runner:
+        runner.run(later())
+
+
+@each_loop
+def test_a_service_first_used_as_its_loop_shuts_down_closes_quietly_on_either_loop(
+    caplog: pytest.LogCaptureFixture, new_loop: Callable[[], asyncio.AbstractEventLoop]
+) -> None:
+    """A service first used in the ``finally`` of an async generator that the loop's
+    shutdown_asyncgens() closes, and closed there: its watch of the loop's end, parked
+    once the shutdown began, would never be closed. asyncio's loop was recognised by a
+    private attribute that uvloop's does not have: there the watch was parked all the
+    same, and the loop warned of a coda-memory generator "scheduled after
+    loop.shutdown_asyncgens() call"."""
+    served: list[MemoryService] = []
+
+    async def serve() -> None:
+        async def streaming() -> AsyncGenerator[None, None]:
+            try:
+                yield
+            finally:  # run by the loop's shutdown_asyncgens()
+                async with MemoryService.from_url("memory://", clock=FakeClock()) as service:
+                    served.append(service)
+                    service.emit_observation("alice", tool_ok("get_account"))
+                    await service.load_memory("alice")
+                    service.emit_observation("alice", tool_ok("run_sql"))
+
+        response = streaming()
+        await response.asend(None)
+        held.append(response)  # (left open: the shutdown closes it)
+
+    held: list[AsyncGenerator[None, None]] = []
+    caplog.set_level(logging.WARNING)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        with asyncio.Runner(loop_factory=new_loop) as runner:
+            runner.run(serve())
+        held.clear()
+        gc.collect()
+    assert [str(w.message) for w in seen] == []
+    assert [r.getMessage() for r in caplog.records if r.name == "asyncio"] == []
+    stats = served[0].stats()
+    assert (stats.emitted, stats.stored, stats.dropped, stats.pending) == (2, 2, 0, 0)
 
 
 def test_a_service_not_closed_stays_held_on_a_loop_whose_clock_jumps_a_year() -> None:
