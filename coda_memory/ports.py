@@ -164,6 +164,12 @@ class StoreExtras(Protocol):
         """Open and warm the connections before the first request."""
         ...
 
+    async def cancel_openings(self, timeout: float) -> None:
+        """Cancel the connections still being opened, and wait for them up to ``timeout``
+        seconds (a service that closes itself as its event loop ends: the loop closes
+        next)."""
+        ...
+
     def cap_facts(self, cap: FactCap | None) -> None:
         """Apply ``cap`` on the server to an identity that a peek finds far over it."""
         ...

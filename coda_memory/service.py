@@ -164,8 +164,9 @@ COLLECTION_BEFORE = 1 / 3
 #: Consolidations (and peeks) in flight at once, unless the store says otherwise.
 DEFAULT_MAX_CONSOLIDATIONS = 8
 #: How long a service that its host never closed takes, as its event loop ends, to store
-#: what is queued before it releases the store (see ``MemoryService._watch_loop_end``): the
-#: host did not ask for the wait, and its shutdown waits for it.
+#: what is queued before it releases the store (see ``MemoryService._watch_loop_end``), and
+#: then at most for the connections still being opened to end once cancelled: the host did
+#: not ask for the wait, and its shutdown waits for it.
 CLOSE_AT_LOOP_END = 5.0
 #: How long ``forget`` waits for the observations this service is storing (some may be
 #: the identity's) before it erases what is stored: past it (the store unreachable, the
@@ -831,7 +832,10 @@ class MemoryService(ObservationWriter):
         of the shutdown, with its traceback."""
         self._closed_by_loop_end = True
         try:
-            await self.close(CLOSE_AT_LOOP_END)
+            try:
+                await self.close(CLOSE_AT_LOOP_END)
+            finally:
+                await self._cancel_openings()
         finally:
             message = (
                 "a MemoryService was not closed before its event loop ended; it closed "
@@ -847,6 +851,17 @@ class MemoryService(ObservationWriter):
                 )
             except Warning:
                 logger.warning("coda-memory: %s", message)
+
+    async def _cancel_openings(self) -> None:
+        """Cancel the connections the store is still opening (a database that accepted
+        them and never answered), and wait for them up to CLOSE_AT_LOOP_END: the loop
+        closes next, and asyncio reported each one left pending as a task destroyed while
+        pending."""
+        cancel: Callable[[float], Awaitable[None]] | None = getattr(
+            self.store, "cancel_openings", None
+        )
+        if cancel is not None:
+            await cancel(CLOSE_AT_LOOP_END)
 
     async def _stop_watching_loop_end(self) -> None:
         """Close the async generator parked on the loop (``close`` ended first)."""

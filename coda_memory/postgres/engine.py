@@ -6,7 +6,7 @@ import asyncio
 import functools
 import inspect
 import weakref
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -201,25 +201,29 @@ def create_engine(
     )
     opened: weakref.WeakSet[Any] = weakref.WeakSet()
     _OPENED[engine.sync_engine] = opened
+    openings: set[asyncio.Task[Any]] = set()
+    _OPENINGS[engine.sync_engine] = openings
 
     def connected(dbapi_connection: Any, _record: Any) -> None:
         opened.add(dbapi_connection.driver_connection)
 
+    def opening_runs_to_its_end(_dialect: Any, _record: Any, _cargs: Any, cparams: Any) -> None:
+        """Have the driver open each connection of the engine with :func:`_opened`."""
+        cparams.setdefault("async_creator_fn", functools.partial(_opened, openings))
+
     # On the engine, so that the pools that replace this one keep it.
     event.listen(engine.sync_engine, "connect", connected)
-    event.listen(engine.sync_engine, "do_connect", _opening_runs_to_its_end)
+    event.listen(engine.sync_engine, "do_connect", opening_runs_to_its_end)
     return engine
 
 
-def _opening_runs_to_its_end(_dialect: Any, _record: Any, _cargs: Any, cparams: Any) -> None:
-    """Have the driver open each connection of the engine with :func:`_opened`."""
-    cparams.setdefault("async_creator_fn", _opened)
-
-
-async def _opened(*args: Any, **kwargs: Any) -> Any:
-    """``asyncpg.connect(*args, **kwargs)`` in a task of its own, which a cancellation of
-    the caller does not cut short: the caller's cancellation is raised at once, and the
-    connection the task opens all the same is closed as it comes (it reached no pool).
+async def _opened(openings: set[asyncio.Task[Any]], *args: Any, **kwargs: Any) -> Any:
+    """``asyncpg.connect(*args, **kwargs)`` in a task of its own (in ``openings`` until it
+    ends), which a cancellation of the caller does not cut short: the caller's
+    cancellation is raised at once, and the connection the task opens all the same is
+    closed as it comes (it reached no pool). When the task itself is cancelled
+    (:func:`cancel_openings`) and the caller is not, the caller gets a
+    ConnectionAbortedError, not the cancellation of a task that nobody cancelled.
 
     Cut short between the socket's connection and its protocol's start (under the
     default ``sslmode``, prefer), asyncpg's TLS negotiation was left with a future that
@@ -228,9 +232,16 @@ async def _opened(*args: Any, **kwargs: Any) -> Any:
     for each connection that a cancelled call was opening (many after the server ended
     the connections, as every call opens a new one)."""
     opening = asyncio.ensure_future(asyncpg.connect(*args, **kwargs))
+    openings.add(opening)
+    opening.add_done_callback(openings.discard)
     try:
         return await asyncio.shield(opening)
     except asyncio.CancelledError:
+        caller = asyncio.current_task()
+        if opening.cancelled() and caller is not None and not caller.cancelling():
+            raise ConnectionAbortedError(
+                "the connection was being opened as its store closed"
+            ) from None
         opening.add_done_callback(_close_unclaimed)
         raise
 
@@ -245,6 +256,31 @@ def _close_unclaimed(opening: asyncio.Future[Any]) -> None:
 
 #: The asyncpg connections that each engine of :func:`create_engine` opened.
 _OPENED: weakref.WeakKeyDictionary[Engine, weakref.WeakSet[Any]] = weakref.WeakKeyDictionary()
+#: The tasks of :func:`_opened` that each engine of :func:`create_engine` is opening
+#: connections in.
+_OPENINGS: weakref.WeakKeyDictionary[Engine, set[asyncio.Task[Any]]] = weakref.WeakKeyDictionary()
+
+
+async def cancel_openings(engines: Collection[AsyncEngine], timeout: float) -> None:
+    """Cancel the connections that ``engines`` are opening on the running loop, and wait
+    for the openings to end, ``timeout`` seconds at most. Each goes on after its caller is
+    cancelled (see :func:`_opened`), for as long as the connect timeout allows when the
+    server accepted the connection and never answered: left pending as the loop closed,
+    asyncio reported it as a task destroyed while pending, and its socket as unclosed.
+    (One cancelled in the turns between its socket's connection and its protocol's start
+    still leaves asyncpg's unread future, as :func:`_opened` tells: a service closing
+    itself at its loop's end cancels them after ``CLOSE_AT_LOOP_END``, past that step.)"""
+    loop = asyncio.get_running_loop()
+    pending = [
+        opening
+        for engine in engines
+        for opening in _OPENINGS.get(engine.sync_engine, ())
+        if not opening.done() and opening.get_loop() is loop
+    ]
+    for opening in pending:
+        opening.cancel()
+    if pending:
+        await asyncio.wait(pending, timeout=timeout)
 
 
 def opened_connections(engine: AsyncEngine) -> list[Any]:

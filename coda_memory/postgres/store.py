@@ -138,6 +138,7 @@ from coda_memory.postgres.connection import (
     unreachable,
 )
 from coda_memory.postgres.engine import (
+    cancel_openings,
     create_engine,
     driver_connection,
     opened_connections,
@@ -846,6 +847,11 @@ class PostgresStore:
         for engine in engines:
             released(engine)
         await dispose(engines)
+
+    async def cancel_openings(self, timeout: float) -> None:
+        """Cancel the connections the store's pools are still opening, and wait for them
+        up to ``timeout`` seconds (see :func:`~coda_memory.postgres.engine.cancel_openings`)."""
+        await cancel_openings({self.request_engine, self.writer_engine, self.engine}, timeout)
 
 
 async def _warm(

@@ -9,9 +9,10 @@ import contextlib
 import gc
 import logging
 import socket
+import threading
 import warnings
 import weakref
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from functools import partial
 from typing import Any
 
@@ -428,6 +429,101 @@ def test_a_service_never_closed_closes_quietly_as_its_loop_ends(
     stats = served[0].stats()
     assert (stats.emitted, stats.stored, stats.dropped, stats.pending) == (21, 21, 0, 0)
     assert asyncio.run(backends_once_closed(admin, database)) == 0
+
+
+@contextlib.contextmanager
+def _silent_database() -> Iterator[tuple[str, threading.Event]]:
+    """A Postgres URL whose server, on a loop of its own thread, accepts every connection
+    and never answers (a database hung, a firewall's black hole), with an event set once
+    a client's first message came: its SSLRequest (the default sslmode, prefer), which
+    asyncpg sends once its protocol has started. (Cancelled before that, the opening
+    left a future of asyncpg's failed and unread, see ``_opened``.)"""
+    accepted = threading.Event()
+    started: list[tuple[asyncio.AbstractEventLoop, asyncio.Event, int]] = []
+    ready = threading.Event()
+
+    async def hold(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            # (The server stopping, or a client gone before its first message.)
+            with contextlib.suppress(asyncio.CancelledError, asyncio.IncompleteReadError):
+                await reader.readexactly(8)  # the SSLRequest
+                accepted.set()
+                await reader.read()  # (until the client goes)
+        finally:
+            writer.close()
+
+    async def serve() -> None:
+        stop = asyncio.Event()
+        server = await asyncio.start_server(hold, "127.0.0.1", 0)
+        started.append((asyncio.get_running_loop(), stop, server.sockets[0].getsockname()[1]))
+        ready.set()
+        async with server:
+            await stop.wait()
+
+    thread = threading.Thread(target=asyncio.run, args=(serve(),))
+    thread.start()
+    ready.wait(5)
+    loop, stop, port = started[0]
+    try:
+        yield f"postgresql://nobody@127.0.0.1:{port}/nothing", accepted
+    finally:
+        loop.call_soon_threadsafe(stop.set)
+        thread.join(5)
+
+
+@pytest.mark.parametrize(
+    "new_loop", [asyncio.new_event_loop, uvloop.new_event_loop], ids=["asyncio", "uvloop"]
+)
+def test_a_service_closing_itself_while_the_database_never_answers_leaves_nothing_pending(
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    new_loop: Callable[[], asyncio.AbstractEventLoop],
+) -> None:
+    """A service left open on a database that accepts connections and never answers: as
+    its loop ended, it closed itself, but the connection its writer was opening went on
+    (its connect timeout not reached), and the loop closed under it: asyncio logged "Task
+    was destroyed but it is pending!", and its socket was reported unclosed. The
+    self-close now cancels the openings and waits for them."""
+    monkeypatch.setattr(service_module, "CLOSE_AT_LOOP_END", 0.2)
+    served: list[MemoryService] = []
+
+    async def serve(url: str, accepted: threading.Event) -> None:
+        service = MemoryService.from_url(url, connect_timeout=60)
+        served.append(service)
+        service.emit_observation("alice", tool_ok("get_account"))
+        assert await asyncio.to_thread(accepted.wait, 5)  # the writer is opening one
+
+    caplog.set_level(logging.WARNING)
+    with _silent_database() as (url, accepted), warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        with asyncio.Runner(loop_factory=new_loop) as runner:
+            runner.run(serve(url, accepted))
+        gc.collect()  # (a task destroyed while pending is logged as it is freed)
+    assert [r.getMessage() for r in caplog.records if r.name == "asyncio"] == []
+    assert [str(w.message) for w in seen] == [
+        "a MemoryService was not closed before its event loop ended; it closed itself then "
+        "(call `await memory.close()` at shutdown, or use `async with memory:`)"
+    ]
+    stats = served[0].stats()
+    assert (stats.emitted, stats.stored, stats.dropped, stats.pending) == (1, 0, 1, 0)
+
+
+async def test_a_call_whose_opening_the_closed_store_cancels_raises_connection_lost() -> None:
+    """The openings cancelled under a call that was not (the store closing as the loop
+    ends): the call fails with a connection error, not with the cancellation of a task
+    that nobody cancelled."""
+    with _silent_database() as (url, accepted):
+        store = store_module.PostgresStore.from_url(url, connect_timeout=60)
+        try:
+            call = asyncio.ensure_future(store.facts("alice"))
+            assert await asyncio.to_thread(accepted.wait, 5)
+            await store.close()  # (released first, as by the self-close: no retry)
+            await store.cancel_openings(5)
+            with pytest.raises(ConnectionLost, match="being opened as its store closed"):
+                await asyncio.wait_for(call, 5)
+            assert not call.cancelled()
+        finally:
+            await store.close()
 
 
 def test_a_service_the_host_dropped_unclosed_lives_until_its_loop_ends(
