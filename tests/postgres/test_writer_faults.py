@@ -526,8 +526,11 @@ async def test_a_call_whose_opening_the_closed_store_cancels_raises_connection_l
             await store.close()
 
 
+@pytest.mark.parametrize(
+    "new_loop", [asyncio.new_event_loop, uvloop.new_event_loop], ids=["asyncio", "uvloop"]
+)
 def test_a_service_the_host_dropped_unclosed_lives_until_its_loop_ends(
-    caplog: pytest.LogCaptureFixture,
+    caplog: pytest.LogCaptureFixture, new_loop: Callable[[], asyncio.AbstractEventLoop]
 ) -> None:
     """Held by nothing but its own writer, a service that the host dropped was collected
     while its loop ran on, its writer with it: "Task was destroyed but it is pending!",
@@ -549,8 +552,9 @@ def test_a_service_the_host_dropped_unclosed_lives_until_its_loop_ends(
     with (
         caplog.at_level(logging.WARNING),
         pytest.warns(ResourceWarning, match="was not closed before its event loop ended"),
+        asyncio.Runner(loop_factory=new_loop) as runner,
     ):
-        asyncio.run(serve())
+        runner.run(serve())
     assert [r.getMessage() for r in caplog.records if r.name == "asyncio"] == []
     stats = stored[0].stats()
     assert (stats.emitted, stats.stored, stats.pending) == (2, 2, 0)

@@ -733,8 +733,16 @@ async def test_an_emit_whose_writer_could_not_start_stays_queued_and_counts_once
         await service.close()
 
 
+#: The loops of the lifecycle tests that run their own (asyncio.Runner): the standard
+#: library's, and uvloop's, which uvicorn picks when it is installed.
+each_loop = pytest.mark.parametrize(
+    "new_loop", [asyncio.new_event_loop, uvloop.new_event_loop], ids=["asyncio", "uvloop"]
+)
+
+
+@each_loop
 def test_a_service_not_closed_under_warnings_made_errors_says_so_in_its_log(
-    caplog: pytest.LogCaptureFixture,
+    caplog: pytest.LogCaptureFixture, new_loop: Callable[[], asyncio.AbstractEventLoop]
 ) -> None:
     """Under ``-W error`` (pytest's ``filterwarnings = error``, a host's too), the
     ResourceWarning of a service that closed itself at its loop's end was raised out of
@@ -748,20 +756,14 @@ def test_a_service_not_closed_under_warnings_made_errors_says_so_in_its_log(
     caplog.set_level(logging.WARNING)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        asyncio.run(main())
+        with asyncio.Runner(loop_factory=new_loop) as runner:
+            runner.run(main())
     assert [r.getMessage() for r in caplog.records if r.name == "asyncio"] == []
     said = [r.getMessage() for r in caplog.records if r.name == "coda_memory"]
     assert said == [
         "coda-memory: a MemoryService was not closed before its event loop ended; it closed "
         "itself then (call `await memory.close()` at shutdown, or use `async with memory:`)"
     ]
-
-
-#: The loops of the lifecycle tests that run their own (asyncio.Runner): the standard
-#: library's, and uvloop's, which uvicorn picks when it is installed.
-each_loop = pytest.mark.parametrize(
-    "new_loop", [asyncio.new_event_loop, uvloop.new_event_loop], ids=["asyncio", "uvloop"]
-)
 
 
 @each_loop
@@ -803,8 +805,11 @@ def test_a_service_never_closed_closes_itself_as_its_loop_ends_on_either_loop(
 
 
 @each_loop
+@pytest.mark.parametrize("warned", ["always", "error"])
 def test_a_service_first_used_as_its_loop_shuts_down_closes_quietly_on_either_loop(
-    caplog: pytest.LogCaptureFixture, new_loop: Callable[[], asyncio.AbstractEventLoop]
+    caplog: pytest.LogCaptureFixture,
+    new_loop: Callable[[], asyncio.AbstractEventLoop],
+    warned: Any,
 ) -> None:
     """A service first used in the ``finally`` of an async generator that the loop's
     shutdown_asyncgens() closes, and closed there: its watch of the loop's end, parked
@@ -832,7 +837,7 @@ def test_a_service_first_used_as_its_loop_shuts_down_closes_quietly_on_either_lo
     held: list[AsyncGenerator[None, None]] = []
     caplog.set_level(logging.WARNING)
     with warnings.catch_warnings(record=True) as seen:
-        warnings.simplefilter("always")
+        warnings.simplefilter(warned)  # (also where warnings are errors)
         with asyncio.Runner(loop_factory=new_loop) as runner:
             runner.run(serve())
         held.clear()
