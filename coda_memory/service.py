@@ -299,18 +299,25 @@ _HELD_FOR = 365 * 24 * 3600.0
 _AFTER_SHUTDOWN = r"asynchronous generator .* was scheduled after loop\.shutdown_asyncgens\(\)"
 
 
-def _parked(watch: AsyncGenerator[None, None]) -> bool:
+def _parked(watch: AsyncGenerator[None, None], loop: asyncio.AbstractEventLoop) -> bool:
     """Step ``watch`` to its first ``yield``, now: the running loop's first-iteration hook
-    registers it with the generators its ``shutdown_asyncgens()`` closes. False, and
-    ``watch`` closed without having run, when the hook refused it: the shutdown began
-    (the hook warns, which is made an error here: asyncio's and uvloop's loops say so
-    alike, where only asyncio's has an attribute that tells), or a warning made an error
-    by the host."""
+    registers it with the generators its ``shutdown_asyncgens()`` closes. False when the
+    shutdown began (``watch`` left unstepped), or when the hook refused it (``watch``
+    closed without having run)."""
+    # asyncio's loop tells that its shutdown began by an attribute; uvloop's only by the
+    # hook's warning, made an error here. The filters are the process's (and a change to
+    # them shows again the warnings shown once), so they change for uvloop's loop alone,
+    # for the one step, once per service.
+    began = getattr(loop, "_asyncgens_shutdown_called", None)
+    if began:
+        # (Never stepped, not even closed: its first step, or its aclose(), would call
+        # the hook that warns.)
+        return False
     try:
-        # (The filters are the process's: this one, which matches that warning alone,
-        # is in place for the one step, once per service.)
-        with warnings.catch_warnings():
-            warnings.filterwarnings("error", _AFTER_SHUTDOWN, ResourceWarning)
+        with contextlib.ExitStack() as filters:
+            if began is None:
+                filters.enter_context(warnings.catch_warnings())
+                warnings.filterwarnings("error", _AFTER_SHUTDOWN, ResourceWarning)
             with contextlib.suppress(StopIteration):
                 watch.asend(None).send(None)
     except Exception:
@@ -785,7 +792,7 @@ class MemoryService(ObservationWriter):
         if self._loop_end is not None or self._loop_ending or self._closed or loop is None:
             return
         watch = self._closing_at_loop_end()
-        if not _parked(watch):
+        if not _parked(watch, loop):
             # The loop's shutdown of its async generators began (a first call from the
             # ``finally`` of one): it would never close a generator parked now, so none
             # is, and none again on later calls. The host's close() closes the service.
