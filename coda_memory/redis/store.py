@@ -592,7 +592,7 @@ class RedisStore:
         """Extend the identity's lock to ``lock_ttl`` every third of it while ``token``
         holds it (until cancelled, :data:`LOCK_KEPT_FOR_TTLS` times ``lock_ttl`` at
         most). A consolidation that ran longer than ``lock_ttl`` (a backlog of hundreds
-        of thousands of observations, read in one reply and planned in slices) lost its
+        of thousands of observations, read in pages and planned in slices) lost its
         lock and wrote nothing, at every attempt, for ever. A process that stops
         answering (it died, its loop is held) lets the lock expire, and its commit then
         finds it lost."""

@@ -1,7 +1,9 @@
 """The consolidation unit of work on Redis.
 
 The store hands a unit the identity's lock (a token in ``lock:{identityId}``). ``load``
-reads everything in one atomic script, ``write`` keeps the plan, and ``commit`` writes it
+reads everything with one script (``load.lua``): in one atomic read when the backlog fits
+in a page (:data:`LOAD_PAGE`), else its first page and then the next ones, each a reply
+of its own; ``write`` keeps the plan, and ``commit`` writes it
 in one atomic script that first checks the lock is still this run's: facts, deletes,
 history, the sessions' reinforcement records, the consumed pending observations, the
 checkpoint, the counters and retention all change together, or not at all.
@@ -10,8 +12,9 @@ What is new
 -----------
 An observation coda-memory appends is, in one atomic step, numbered from the identity's
 ingest sequence and added both to the seed's sorted set and to the pending set. ``load``
-takes the pending set as it is at that instant, and ``commit`` removes exactly those
-members: an append that lands in between is neither read nor removed, so the next run
+takes the pending set as it is at its first read (the members scored up to its highest
+number, read in pages), and ``commit`` removes exactly those members: an append that
+lands in between, numbered after them, is neither read nor removed, so the next run
 consumes it, whatever its ``createdAt``. No timestamp decides what is new.
 
 The original server never wrote a pending set; its observations count as new when scored
@@ -60,6 +63,16 @@ from coda_memory.redis.keys import Keys
 _log = LogThrottle(logging.getLogger("coda_memory"))
 
 Script = Callable[..., Awaitable[Any]]
+
+#: The most members of the pending set, or of the observations scored after the
+#: checkpoint, that one reply of the consolidation's read carries (``load.lua``): a
+#: backlog of hundreds of thousands read in one reply outlived redis-py's socket timeout
+#: (5 s) at every attempt, and the identity was never consolidated. A page of 10,000
+#: observations is about 3 MB.
+LOAD_PAGE = 10_000
+#: The upper bound of an observation's score, as ZRANGEBYSCORE takes it: year 10000
+#: (datetime's range ends before it).
+_DATES_END = "(253402300800000"
 
 #: The keys the commit script takes, in its order (``checkpoint``: the checkpoint map).
 COMMIT_KEYS = (
@@ -179,18 +192,30 @@ class RedisConsolidationUnit:
     async def load(self) -> ConsolidationInput:
         self._check_open()
         k, identity = self._keys, self.identity_id
-        checkpoint, pending, after, fact_values, consolidated = await self._load(
-            keys=[*k.read_keys(identity), k.of("state", identity)],
-            args=[identity],
+        keys = [*k.read_keys(identity), k.of("state", identity)]
+        (
+            checkpoint,
+            highest,
+            after_min,
+            first_pending,
+            first_after,
+            fact_values,
+            consolidated,
+        ) = await self._load(keys=keys, args=[identity, LOAD_PAGE])
+        read, _ = await self._pages(keys, ["pending", "-inf", highest], first_pending)
+        pending = list(read)
+        after, read_as_pending = await self._pages(
+            keys, ["obs", after_min, _DATES_END], first_after, highest or ""
         )
         waiting = set(pending)
         # In slices with turns of the loop between them (mapped): after an outage thousands
         # wait, and parsing them in one go held the loop for tens of milliseconds.
         parsed = await mapped(pending, self._observation)
-        later = await mapped([m for m in after[::2] if m not in waiting], self._observation)
+        later = await mapped([m for m in after if m not in waiting], self._observation)
         new = [o for o in (*parsed, *later) if o is not None]
         times = [float(to_ms(o.created_at)) for o in parsed if o is not None]
-        times += [float(score) for score in after[1::2]]
+        times += [float(score) for score in after.values()]
+        times += read_as_pending
         if checkpoint is not None:
             times.append(float(checkpoint))
         latest = max(times, default=None)
@@ -226,6 +251,29 @@ class RedisConsolidationUnit:
         ended = ended_lives(await self._read_history(), asked) if asked else []
         self._loaded = True
         return ConsolidationInput(observations=new, facts=facts, session_events=events, ended=ended)
+
+    async def _pages(
+        self, keys: list[str], which: list[Any], first: list[Any], *pending: Any
+    ) -> tuple[dict[bytes, bytes], list[float]]:
+        """Every member (with its score) of the pages that ``load.lua`` reads after its
+        ``first``, of ``which`` (``pending`` or ``obs``, and the range of scores), in
+        order, each once (one whose place a removal by something else moved can be read
+        twice); and the scores of the members that the pages of the observations left
+        out as read among the pending ones (one of each page at most: the highest)."""
+        read: dict[bytes, bytes] = {}
+        as_pending: list[float] = []
+        page = first
+        while True:
+            more, last, last_score, pending_max, *items = page
+            for member, score in zip(items[0::2], items[1::2], strict=True):
+                read.setdefault(member, score)
+            if pending_max is not None:
+                as_pending.append(float(pending_max))
+            if not int(more) or which[2] is None or last is None:
+                return read, as_pending
+            page = await self._load(
+                keys=keys, args=[self.identity_id, LOAD_PAGE, *which, last, last_score, *pending]
+            )
 
     def _observation(self, member: Any) -> Observation | None:
         """The observation of a stored record; None for one that does not parse (reported)."""

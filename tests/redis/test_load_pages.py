@@ -1,0 +1,171 @@
+"""The consolidation's read of a backlog, in pages: no reply carries more than a page, and
+every observation is consumed once, whatever lands or goes between the pages."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import pytest
+from redis.asyncio.connection import Connection
+
+from coda_memory.core.consolidation import plan_consolidation
+from coda_memory.core.decay import ExponentialDecay
+from coda_memory.core.model import Observation
+from coda_memory.core.sanitize import sanitize_observation
+from coda_memory.redis import RedisStore
+from coda_memory.redis import unit as unit_module
+from tests.helpers import T0, tool_ok
+from tests.redis.test_seed_layout import seed_observation
+
+PAGE = 7
+
+
+def _records(reply: Any) -> int:
+    """How many observation records a reply carries (at any depth)."""
+    if isinstance(reply, bytes):
+        return int(reply.startswith(b'{"id":') and b'"type":"tool_success"' in reply)
+    if isinstance(reply, list):
+        return sum(_records(part) for part in reply)
+    return 0
+
+
+#: How many observation records each reply that a _Recording connection read carried.
+_COUNTS: list[int] = []
+
+
+class _Recording(Connection):
+    """A connection that notes how many observation records each reply carried."""
+
+    async def read_response(self, *args: Any, **kwargs: Any) -> Any:
+        reply = await super().read_response(*args, **kwargs)
+        _COUNTS.append(_records(reply))
+        return reply
+
+
+async def _seed(store: RedisStore, identity: str, pending: int, original: int) -> None:
+    """``pending`` observations appended by coda-memory, and ``original`` ones the
+    original server wrote (in ``obs:`` alone), dated among them."""
+    for n in range(pending):
+        at = T0 + timedelta(minutes=n)
+        await store.append([sanitize_observation(identity, tool_ok(f"t{n}", f"s{n}"), at)])
+    members = {
+        seed_observation(identity, f"orig-{n}", int((T0.timestamp() + 90 * n) * 1000), f"o{n}"): (
+            T0.timestamp() + 90 * n
+        )
+        * 1000
+        for n in range(original)
+    }
+    await store.client.zadd(store.keys.of("obs", identity), members)
+
+
+async def _run(store: RedisStore, identity: str) -> list[Observation]:
+    """One consolidation that consumes what it loads; the observations it loaded."""
+    async with store.consolidation(identity) as unit:
+        loaded = await unit.load()
+        plan = plan_consolidation(identity, loaded, T0 + timedelta(days=1), ExponentialDecay())
+        await unit.write(plan)
+        await unit.commit()
+    return list(loaded.observations)
+
+
+def _names(observations: list[Observation]) -> list[str]:
+    return sorted(str(o.metadata["toolName"]) for o in observations)
+
+
+async def test_a_backlog_is_read_in_pages_of_bounded_replies(
+    redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A backlog read in one reply outlived redis-py's socket timeout (5 s) at every
+    attempt, and the identity was never consolidated: no reply carries more than a page,
+    and every observation, pending or the original server's, is read once."""
+    monkeypatch.setattr(unit_module, "LOAD_PAGE", PAGE, raising=False)
+    store = RedisStore.from_url(redis_url, connection_class=_Recording)
+    try:
+        await _seed(store, "u1", pending=40, original=17)
+        _COUNTS.clear()
+        loaded = await _run(store, "u1")
+        assert len(loaded) == 57
+        assert _names(loaded) == sorted([f"t{n}" for n in range(40)] + [f"o{n}" for n in range(17)])
+        # The first read's two pages (pending, then the original server's), each with
+        # its last member read again as the next one's cursor; then one page a reply.
+        largest, second = sorted(_COUNTS)[-2:][::-1]
+        assert 0 < largest <= 2 * (PAGE + 1) and second <= PAGE + 1
+        assert await store.client.zcard(store.keys.of("pending", "u1")) == 0
+        assert await store.client.hget(store.keys.of("state", "u1"), "consumed") == b"57"
+        # The checkpoint moved past every observation read: nothing waits.
+        assert (await store.peek("u1"))[1] is False
+        assert await _run(store, "u1") == []
+    finally:
+        await store.close()
+        _COUNTS.clear()
+
+
+def _between_pages(store: RedisStore, act: Callable[[list[Any]], Any]) -> list[list[Any]]:
+    """The arguments of each call of the load script; ``act`` awaited with them before
+    each call of a later page."""
+    calls: list[list[Any]] = []
+    load = store._load_script
+
+    async def paged(*, keys: list[str], args: list[Any]) -> Any:
+        calls.append(list(args))
+        if len(args) > 2:
+            await act(args)
+        return await load(keys=keys, args=args)
+
+    store._load_script = paged  # type: ignore[method-assign]
+    return calls
+
+
+async def test_what_lands_between_the_pages_is_left_for_the_next_run(
+    redis_store: RedisStore, redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Appends between two pages (one dated before the backlog, one after, both scored
+    after the checkpoint in ``obs:``) are neither read nor consumed: the next run
+    consumes them, once."""
+    monkeypatch.setattr(unit_module, "LOAD_PAGE", 5)
+    await _seed(redis_store, "u1", pending=23, original=12)
+    writer = RedisStore.from_url(redis_url)
+    appended: list[str] = []
+
+    async def append(args: list[Any]) -> None:
+        if appended:
+            return
+        for name, at in (("late", T0 - timedelta(hours=1)), ("fresh", T0 + timedelta(days=3))):
+            await writer.append([sanitize_observation("u1", tool_ok(name, name), at)])
+            appended.append(name)
+
+    try:
+        calls = _between_pages(redis_store, append)
+        first = await _run(redis_store, "u1")
+        assert {str(call[2]) for call in calls[1:]} == {"pending", "obs"}
+        assert len(first) == 35 and len({o.id for o in first}) == 35
+        assert "late" not in _names(first) and "fresh" not in _names(first)
+        assert await redis_store.client.zcard(redis_store.keys.of("pending", "u1")) == 2
+        assert _names(await _run(redis_store, "u1")) == ["fresh", "late"]
+        assert await _run(redis_store, "u1") == []
+        state = redis_store.keys.of("state", "u1")
+        assert await redis_store.client.hget(state, "consumed") == b"37"
+    finally:
+        await writer.close()
+
+
+async def test_a_member_removed_between_the_pages_moves_no_other_out_of_the_read(
+    redis_store: RedisStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Something else removes the last member a page of ``obs:`` read before the next
+    page (the original server pruning): the next page starts from its score, and every
+    other member is read once."""
+    monkeypatch.setattr(unit_module, "LOAD_PAGE", 4)
+    await _seed(redis_store, "u1", pending=0, original=15)
+    removed: list[bytes] = []
+
+    async def remove(args: list[Any]) -> None:
+        removed.append(args[5])
+        await redis_store.client.zrem(redis_store.keys.of("obs", "u1"), args[5])
+
+    calls = _between_pages(redis_store, remove)
+    loaded = await _run(redis_store, "u1")
+    assert len(calls) == 4 and len(removed) == 3
+    assert _names(loaded) == sorted(f"o{n}" for n in range(15))
