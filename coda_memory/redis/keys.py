@@ -25,6 +25,12 @@ key                                     type        holds
 ``coda:memory:batches:{identityId}``    sorted set  recent batch keys, scored by when each
                                                     was stored (a retry stores nothing twice)
 ``coda:memory:lock:{identityId}``       string      the consolidation lock's token (expires)
+``coda:memory:forgotten-batches``       sorted set  the recent batch keys of forgotten
+                                                    identities, as the SHA-1 of the batch key
+                                                    and the identity's ``batches:`` key name
+                                                    (no identity), scored by when each was
+                                                    stored (a retry after a forget stores
+                                                    nothing again)
 ======================================  ==========  =========================================
 
 The original server reads only ``obs:``, ``facts:`` and the checkpoint map, and never a
@@ -69,6 +75,10 @@ class Keys:
     @property
     def checkpoint(self) -> str:
         return f"{self.prefix}checkpoint"
+
+    @property
+    def forgotten_batches(self) -> str:
+        return f"{self.prefix}forgotten-batches"
 
     def of(self, kind: str, identity_id: str) -> str:
         """The key of ``kind`` (one of :data:`IDENTITY_KINDS`) for the identity."""

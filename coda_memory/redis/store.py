@@ -81,6 +81,11 @@ DEFAULT_SESSION_HORIZON = timedelta(days=30)
 #: for the other writers too).
 BATCH_KEYS_FOR_MS = 24 * 60 * 60 * 1000
 BATCH_KEYS_KEPT = 200
+#: How many batch keys of forgotten identities ``forgotten-batches`` keeps at most (about
+#: 10 MB), for a day: a batch of an identity stored before a ``forget`` and retried after
+#: it (its reply lost) is not stored again, as on Postgres, whose batch keys carry no
+#: identity (500 forgets a day of identities with 200 recent batches each).
+FORGOTTEN_BATCH_KEYS_KEPT = 100_000
 T = TypeVar("T")
 
 #: How many ``lock_ttl`` a running consolidation keeps its lock for at most (10 minutes
@@ -487,7 +492,10 @@ class RedisStore:
         async with self.client.pipeline(transaction=True) as pipe:
             for identity, _, args in calls:
                 await self._script("append")(
-                    keys=[self.keys.of(kind, identity) for kind in _APPEND_KEYS],
+                    keys=[
+                        *(self.keys.of(kind, identity) for kind in _APPEND_KEYS),
+                        self.keys.forgotten_batches,
+                    ],
                     args=[*kept, len(args) // 2, *args],
                     client=pipe,
                 )
@@ -806,13 +814,20 @@ class RedisStore:
         counted = [k.of(kind, identity_id) for kind in _FORGET_COUNTED]
         # The lock goes first in the keys (forget.lua checks it, and releases it last;
         # the release after it, for a script that never ran, finds it gone).
-        others = (*_FORGET_COUNTED, "lock")
+        others = (*_FORGET_COUNTED, "lock", "batches")
         rest = [k.of(kind, identity_id) for kind in IDENTITY_KINDS if kind not in others]
+        shared = [k.of("lock", identity_id), k.checkpoint, k.forgotten_batches]
         with _lost_while(f"forgetting {identity_label(identity_id)}"):
             async with self._locked(identity_id) as token:
                 observations, facts, events = await self._script("forget")(
-                    keys=[k.of("lock", identity_id), k.checkpoint, *counted, *rest],
-                    args=[token, identity_id],
+                    keys=[*shared, k.of("batches", identity_id), *counted, *rest],
+                    args=[
+                        token,
+                        identity_id,
+                        round(time.time() * 1000),
+                        BATCH_KEYS_FOR_MS,
+                        FORGOTTEN_BATCH_KEYS_KEPT,
+                    ],
                 )
         return Forgotten(observations=observations, facts=facts, fact_events=events)
 

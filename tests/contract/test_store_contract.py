@@ -5,6 +5,7 @@ itself rather than through MemoryService. The same tests run against each store 
 from __future__ import annotations
 
 import re
+import uuid
 from datetime import timedelta
 
 import pytest
@@ -328,6 +329,28 @@ async def test_an_identity_starts_afresh_after_forget(store: InspectableStore) -
     assert contents(loaded.observations) == ["after forget"]
     assert loaded.facts == []
     assert loaded.session_events == []
+
+
+async def test_a_batch_retried_with_its_key_after_a_forget_is_not_stored_again(
+    store: InspectableStore,
+) -> None:
+    """A batch stored before its identity's erasure and retried with its key after it
+    (its reply was lost) stores nothing again: the erased observations do not come back,
+    and the other identities' are not stored twice. (Redis erased the identity's record
+    of its batch keys with it.)"""
+    batch = [record("before forget"), record("bob's", identity_id="bob")]
+    key = str(uuid.uuid4())
+    first = await store.append(batch, batch_key=key)
+    await store.forget("alice")
+
+    again = await store.append(batch, batch_key=key)
+
+    assert again == first
+    assert await store.observations("alice") == []
+    assert contents(await store.observations("bob")) == ["bob's"]
+    # A batch of the identity under another key is stored: the identity came back.
+    await store.append([record("after forget")], batch_key=str(uuid.uuid4()))
+    assert contents(await store.observations("alice")) == ["after forget"]
 
 
 async def test_forgetting_an_unknown_identity_changes_nothing(store: InspectableStore) -> None:

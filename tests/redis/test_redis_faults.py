@@ -181,7 +181,11 @@ async def test_a_script_error_of_one_identity_refuses_its_rows_alone(
         keys=["*"],
         channels=["*"],
         commands=["+@all", "-type"],
-        selectors=[("+type", "~coda:memory:*:good*"), ("+type", "~coda:memory:checkpoint")],
+        selectors=[
+            ("+type", "~coda:memory:*:good*"),
+            ("+type", "~coda:memory:checkpoint"),
+            ("+type", "~coda:memory:forgotten-batches"),
+        ],
     )
     url = own_redis_url.replace("redis://", "redis://writer:any@", 1)
     service = MemoryService.from_url(url, clock=FakeClock(), load_timeout=5.0)
@@ -245,7 +249,7 @@ async def test_an_acl_refusal_as_the_script_is_queued_refuses_that_identity_alon
         "writer",
         enabled=True,
         nopass=True,
-        keys=["coda:memory:*:good*", "coda:memory:checkpoint"],
+        keys=["coda:memory:*:good*", "coda:memory:checkpoint", "coda:memory:forgotten-batches"],
         channels=["*"],
         commands=["+@all"],
     )

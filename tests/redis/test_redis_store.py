@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import re
 import uuid
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime, timedelta
@@ -677,6 +678,33 @@ async def test_a_batch_retried_with_its_key_is_stored_once(
     assert await redis_client.zcard(f"{redis_prefix}obs:u1") == 2
     # The keys expire with the set that holds them.
     assert 0 < await redis_client.pttl(f"{redis_prefix}batches:u1") <= 24 * 3600 * 1000
+
+
+async def test_forget_keeps_the_identitys_batch_keys_without_its_id(
+    redis_store: RedisStore, redis_prefix: str, redis_client: aioredis.Redis
+) -> None:
+    """Erased with the identity, its batch keys let a batch stored before the forget be
+    stored again when retried after it (the erased observations came back): they are
+    kept for a day in a shared set, as hashes that name no identity. That set holding
+    another type of value (something else wrote it) stops neither forget nor append."""
+    records = [sanitize_observation("u1", tool_ok("t"), T0)]
+    key = str(uuid.uuid4())
+    await redis_store.append(records, batch_key=key)
+    await redis_store.forget("u1")
+    forgotten = f"{redis_prefix}forgotten-batches"
+    members: Any = await redis_client.zrange(forgotten, 0, -1)
+    assert len(members) == 1 and re.fullmatch(rb"[0-9a-f]{40}", members[0])
+    assert 0 < await redis_client.pttl(forgotten) <= 24 * 3600 * 1000
+    assert await redis_client.exists(f"{redis_prefix}batches:u1") == 0
+    assert (await redis_store.append(records, batch_key=key)).stored == 1
+    assert await redis_store.observations("u1") == []
+    # Another type of value there: read as holding no batch key, and left as it is.
+    await redis_client.delete(forgotten)
+    await redis_client.set(forgotten, "x")
+    await redis_store.append(records, batch_key=key)
+    assert len(await redis_store.observations("u1")) == 1
+    await redis_store.forget("u1")
+    assert await redis_client.get(forgotten) == b"x"
 
 
 async def test_a_lock_whose_reply_was_lost_is_released(

@@ -4,8 +4,12 @@
 -- and into the pending set scored by that number (what consolidation consumes).
 -- A batch key already among the identity's recent ones was stored by an earlier attempt
 -- whose reply was lost: nothing is stored again.
+-- So is it when the batch key is among those of a forgotten identity's recent batches
+-- (forget.lua keeps them, as the SHA-1 of the batch key and KEYS[4]'s name): a retry
+-- after a forget stored the erased observations again.
 -- KEYS[1] state hash, KEYS[2] observations (seed), KEYS[3] pending, KEYS[4] the recent
--- batch keys (a sorted set scored by when each was stored)
+-- batch keys (a sorted set scored by when each was stored), KEYS[5] the forgotten
+-- identities' recent batch keys (shared; another type of value there is not read)
 -- ARGV[1] batch key, ARGV[2] now (epoch ms), ARGV[3] how long a key is kept (ms),
 -- ARGV[4] how many keys are kept at most, ARGV[5] count; then per observation:
 -- createdAt (epoch ms), JSON after its "id" field
@@ -30,6 +34,12 @@ if seq and seq ~= '0' and not (digits and #digits <= 15) then
 end
 if redis.call('ZSCORE', KEYS[4], ARGV[1]) then
   return 0
+end
+if redis.call('TYPE', KEYS[5])['ok'] == 'zset' then
+  local at = redis.call('ZSCORE', KEYS[5], redis.sha1hex(ARGV[1] .. '\n' .. KEYS[4]))
+  if at and tonumber(at) >= tonumber(ARGV[2]) - tonumber(ARGV[3]) then
+    return 0
+  end
 end
 redis.call('ZADD', KEYS[4], ARGV[2], ARGV[1])
 redis.call('ZREMRANGEBYSCORE', KEYS[4], '-inf', '(' .. (tonumber(ARGV[2]) - tonumber(ARGV[3])))
