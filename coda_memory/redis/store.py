@@ -49,7 +49,7 @@ from coda_memory.core.cancellation import run_to_end, to_the_end
 from coda_memory.core.logs import identity_label, short_error
 from coda_memory.core.model import MAX_INT32, MAX_SPAN, Fact, FactEvent, Observation
 from coda_memory.core.options import NONE, require_types
-from coda_memory.errors import ConnectionLost, StoreBusy
+from coda_memory.errors import AccessDenied, ConnectionLost, StoreBusy
 from coda_memory.ports import AppendOutcome, Forgotten, ObservationRecord, unidentified
 from coda_memory.redis.codec import (
     BadRecord,
@@ -317,6 +317,9 @@ class RedisStore:
         self.history_limit = history_limit
         self.session_horizon = session_horizon
         self._scripts = {name: client.register_script(_script_source(name)) for name in _SCRIPTS}
+        #: Whether the server ran an empty MULTI/EXEC for the client's user (see
+        #: :meth:`_check_transactions`).
+        self._transactions_checked = False
 
     @classmethod
     def from_url(cls, url: str, *, prefix: str | None = None, **options: Any) -> RedisStore:
@@ -360,7 +363,43 @@ class RedisStore:
                 f"cannot reach Redis at {where} ({short_error(error)}); the service starts "
                 "on first use once it answers"
             ) from error
+        with _lost_while("checking the user's permissions"):
+            await self._check_transactions()
         await self._warn_if_evicting()
+
+    async def _check_transactions(self) -> None:
+        """Run an empty ``MULTI``/``EXEC`` once (it writes nothing), and raise
+        :class:`AccessDenied` naming the command when the client's ACL user may not run
+        it: an append sends a batch's scripts in one ``MULTI``/``EXEC``, and with
+        ``MULTI`` refused the server ran them at once, outside any transaction, and
+        stored them, then refused ``EXEC`` ("EXEC without MULTI"), and the batch was
+        counted as rejected. Checked by ``start()``, else before the first append (and
+        before each one while it fails)."""
+        if self._transactions_checked:
+            return
+        single = self.client.client()
+        done = False
+        try:
+            for command in ("MULTI", "EXEC"):
+                try:
+                    await single.execute_command(command)  # type: ignore[no-untyped-call]
+                except (NoPermissionError, ExecAbortError) as error:
+                    # An EXEC refused discards the transaction (EXECABORT, quoting NOPERM).
+                    if isinstance(error, ExecAbortError) and "NOPERM" not in str(error):
+                        raise
+                    raise AccessDenied(
+                        f"the Redis user may not run {command}: coda-memory's appends need "
+                        "+multi and +exec (a batch is one MULTI/EXEC); nothing was written "
+                        f"({short_error(error)})"
+                    ) from error
+            done = True
+        finally:
+            if not done and single.connection is not None:
+                # Maybe left inside MULTI (EXEC refused, or a cancellation between the
+                # two): not for the pool, whose next command it would only queue.
+                await single.connection.disconnect()
+            await single.aclose()
+        self._transactions_checked = True
 
     async def _warn_if_evicting(self) -> None:
         """Log a warning when the server evicts keys at ``maxmemory`` (set, not 0): any
@@ -409,6 +448,7 @@ class RedisStore:
         connection raises ConnectionLost."""
         try:
             with _lost_while("storing observations"):
+                await self._check_transactions()
                 return await self._append(records, batch_key or str(uuid.uuid4()))
         except ConnectionLost as lost:
             await self._leave_if_read_only(lost)

@@ -16,8 +16,10 @@ import redis.asyncio as aioredis
 from redis.asyncio.client import Pipeline
 
 from coda_memory import MemoryService
+from coda_memory.core.sanitize import sanitize_observation
+from coda_memory.errors import AccessDenied
 from coda_memory.redis import RedisStore
-from tests.helpers import FakeClock, tool_ok
+from tests.helpers import T0, FakeClock, tool_ok
 from tests.redis.helpers import bad_refused_alone
 from tests.redis_fixtures import _own_server
 
@@ -266,6 +268,48 @@ async def test_an_acl_refusal_as_the_script_is_queued_refuses_that_identity_alon
             assert [f.subject for f in await service.consolidate(identity)] == ["tool_affinity:t"]
     finally:
         await service.close()
+
+
+@pytest.mark.parametrize("command", ["multi", "exec"])
+async def test_a_user_that_may_not_run_a_transaction_is_refused_before_anything_is_written(
+    own_redis_url: str, admin: aioredis.Redis, command: str
+) -> None:
+    """With MULTI refused, the server ran a batch's scripts at once, outside any
+    transaction, and stored them, then refused EXEC ("EXEC without MULTI"): the batch was
+    counted as rejected though stored. start() says which command the user lacks, and
+    so does the append without it, before anything is written."""
+    await admin.acl_setuser(
+        "writer",
+        enabled=True,
+        nopass=True,
+        keys=["*"],
+        channels=["*"],
+        commands=["+@all", f"-{command}"],
+    )
+    url = own_redis_url.replace("redis://", "redis://writer:any@", 1)
+    store = RedisStore.from_url(url)
+    try:
+        with pytest.raises(AccessDenied, match=f"may not run {command.upper()}"):
+            await store.start()
+        with pytest.raises(AccessDenied, match=f"may not run {command.upper()}"):
+            await store.append([sanitize_observation("alice", tool_ok("t"), T0)])
+        # Through the writer: the batch rejected, once, naming the command; none stored.
+        service = MemoryService.from_url(url, clock=FakeClock(), load_timeout=5.0)
+        try:
+            service.emit_observation("alice", tool_ok("t"))
+            await service.drain(10)
+            assert (service.stats().stored, service.stats().rejected) == (0, 1)
+        finally:
+            await service.close()
+        assert await admin.keys("coda:memory:*") == []
+        # Its connections answer the next commands (none was left inside a MULTI).
+        assert await store.facts("alice") == []
+        # Once the user may, the appends go through.
+        await admin.acl_setuser("writer", commands=[f"+{command}"])
+        assert (await store.append([sanitize_observation("alice", tool_ok("t"), T0)])).stored
+        assert await store.client.zcard("coda:memory:pending:alice") == 1
+    finally:
+        await store.close()
 
 
 async def test_too_few_replicas_keep_the_batches_for_later(
