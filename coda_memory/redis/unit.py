@@ -70,6 +70,10 @@ Script = Callable[..., Awaitable[Any]]
 #: (5 s) at every attempt, and the identity was never consolidated. A page of 10,000
 #: observations is about 3 MB.
 LOAD_PAGE = 10_000
+#: The bytes of observations past which a page ends (with the one that reaches it): a
+#: record may hold up to 2,000 characters of content and 16 KiB of metadata, and 10,000
+#: of those made a reply of hundreds of megabytes.
+LOAD_PAGE_BYTES = 4 * 1024 * 1024
 #: The upper bound of an observation's score, as ZRANGEBYSCORE takes it: year 10000
 #: (datetime's range ends before it).
 _DATES_END = "(253402300800000"
@@ -201,7 +205,7 @@ class RedisConsolidationUnit:
             first_after,
             fact_values,
             consolidated,
-        ) = await self._load(keys=keys, args=[identity, LOAD_PAGE])
+        ) = await self._load(keys=keys, args=[identity, LOAD_PAGE, LOAD_PAGE_BYTES])
         read, _ = await self._pages(keys, ["pending", "-inf", highest], first_pending)
         pending = list(read)
         after, read_as_pending = await self._pages(
@@ -272,7 +276,11 @@ class RedisConsolidationUnit:
             if not int(more) or which[2] is None or last is None:
                 return read, as_pending
             page = await self._load(
-                keys=keys, args=[self.identity_id, LOAD_PAGE, *which, last, last_score, *pending]
+                keys=keys,
+                args=[
+                    *(self.identity_id, LOAD_PAGE, LOAD_PAGE_BYTES),
+                    *(*which, last, last_score, *pending),
+                ],
             )
 
     def _observation(self, member: Any) -> Observation | None:

@@ -22,17 +22,20 @@ from tests.redis.test_seed_layout import seed_observation
 PAGE = 7
 
 
-def _records(reply: Any) -> int:
-    """How many observation records a reply carries (at any depth)."""
+def _records(reply: Any) -> list[bytes]:
+    """The observation records a reply carries (at any depth)."""
     if isinstance(reply, bytes):
-        return int(reply.startswith(b'{"id":') and b'"type":"tool_success"' in reply)
+        is_record = reply.startswith(b'{"id":') and b'"type":"tool_success"' in reply
+        return [reply] if is_record else []
     if isinstance(reply, list):
-        return sum(_records(part) for part in reply)
-    return 0
+        return [record for part in reply for record in _records(part)]
+    return []
 
 
 #: How many observation records each reply that a _Recording connection read carried.
 _COUNTS: list[int] = []
+#: How many bytes of observation records each of those replies carried.
+_BYTES: list[int] = []
 
 
 class _Recording(Connection):
@@ -40,7 +43,9 @@ class _Recording(Connection):
 
     async def read_response(self, *args: Any, **kwargs: Any) -> Any:
         reply = await super().read_response(*args, **kwargs)
-        _COUNTS.append(_records(reply))
+        records = _records(reply)
+        _COUNTS.append(len(records))
+        _BYTES.append(sum(len(record) for record in records))
         return reply
 
 
@@ -85,6 +90,7 @@ async def test_a_backlog_is_read_in_pages_of_bounded_replies(
     try:
         await _seed(store, "u1", pending=40, original=17)
         _COUNTS.clear()
+        _BYTES.clear()
         loaded = await _run(store, "u1")
         assert len(loaded) == 57
         assert _names(loaded) == sorted([f"t{n}" for n in range(40)] + [f"o{n}" for n in range(17)])
@@ -100,6 +106,34 @@ async def test_a_backlog_is_read_in_pages_of_bounded_replies(
     finally:
         await store.close()
         _COUNTS.clear()
+        _BYTES.clear()
+
+
+async def test_a_page_ends_once_its_records_reach_the_byte_budget(
+    redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Records of up to 2,000 characters of content and 16 KiB of metadata made pages of
+    10,000 of them hundreds of megabytes: a page also ends with the record that reaches
+    ``LOAD_PAGE_BYTES``."""
+    budget = 1_000
+    monkeypatch.setattr(unit_module, "LOAD_PAGE_BYTES", budget, raising=False)
+    store = RedisStore.from_url(redis_url, connection_class=_Recording)
+    try:
+        await _seed(store, "u1", pending=30, original=20)
+        longest = max(
+            len(member) for member in await store.client.zrange(store.keys.of("obs", "u1"), 0, -1)
+        )
+        _COUNTS.clear()
+        _BYTES.clear()
+        assert len(await _run(store, "u1")) == 50
+        # Each page: records up to the one that reaches the budget, and its last record
+        # again (the next page's cursor); the first read holds two pages.
+        assert 0 < max(_BYTES) <= 2 * (budget + 2 * longest)
+        assert sorted(_BYTES)[-2] <= budget + 2 * longest
+    finally:
+        await store.close()
+        _COUNTS.clear()
+        _BYTES.clear()
 
 
 def _between_pages(store: RedisStore, act: Callable[[list[Any]], Any]) -> list[list[Any]]:
@@ -110,7 +144,7 @@ def _between_pages(store: RedisStore, act: Callable[[list[Any]], Any]) -> list[l
 
     async def paged(*, keys: list[str], args: list[Any]) -> Any:
         calls.append(list(args))
-        if len(args) > 2:
+        if len(args) > 3:
             await act(args)
         return await load(keys=keys, args=args)
 
@@ -139,7 +173,7 @@ async def test_what_lands_between_the_pages_is_left_for_the_next_run(
     try:
         calls = _between_pages(redis_store, append)
         first = await _run(redis_store, "u1")
-        assert {str(call[2]) for call in calls[1:]} == {"pending", "obs"}
+        assert {str(call[3]) for call in calls[1:]} == {"pending", "obs"}
         assert len(first) == 35 and len({o.id for o in first}) == 35
         assert "late" not in _names(first) and "fresh" not in _names(first)
         assert await redis_store.client.zcard(redis_store.keys.of("pending", "u1")) == 2
@@ -162,8 +196,8 @@ async def test_a_member_removed_between_the_pages_moves_no_other_out_of_the_read
     removed: list[bytes] = []
 
     async def remove(args: list[Any]) -> None:
-        removed.append(args[5])
-        await redis_store.client.zrem(redis_store.keys.of("obs", "u1"), args[5])
+        removed.append(args[6])
+        await redis_store.client.zrem(redis_store.keys.of("obs", "u1"), args[6])
 
     calls = _between_pages(redis_store, remove)
     loaded = await _run(redis_store, "u1")

@@ -1,20 +1,22 @@
--- Under the lock, the consolidation's read, in pages of at most ARGV[2] members: a
--- backlog of hundreds of thousands of observations read in one reply outlived redis-py's
--- socket timeout (5 s) at every attempt, and the identity was never consolidated.
+-- Under the lock, the consolidation's read, in pages of at most ARGV[2] members and
+-- about ARGV[3] bytes: a backlog of hundreds of thousands of observations read in one
+-- reply outlived redis-py's socket timeout (5 s) at every attempt, and the identity was
+-- never consolidated.
 -- KEYS[1] checkpoint map, KEYS[2] pending, KEYS[3] observations (seed), KEYS[4] facts,
 -- KEYS[5] state
--- ARGV[1] identity id, ARGV[2] page size (members)
+-- ARGV[1] identity id, ARGV[2] page size (members), ARGV[3] page budget (bytes: a page
+-- ends with the member that reaches it)
 --
--- The first read (no ARGV[3]) is atomic: the checkpoint; the highest score of the
+-- The first read (no ARGV[4]) is atomic: the checkpoint; the highest score of the
 -- pending set (the run consumes the pending observations scored at or below it: an
 -- append numbers its observations after it, so one that lands between the pages is
 -- neither read nor removed, and the next run consumes it); the lower bound of the
 -- observations scored after the checkpoint (the original server's new ones are among
 -- them); the first page of each; the stored facts; and when coda-memory last
 -- consolidated the identity (an observation dated before it arrived late).
--- A later page (ARGV[3] 'pending' or 'obs') continues one of the two: ARGV[4] its lower
--- bound, ARGV[5] its upper bound (as ZRANGEBYSCORE takes them), ARGV[6] the last member
--- read and ARGV[7] its score; for 'obs', ARGV[8] the highest score of the pending set at
+-- A later page (ARGV[4] 'pending' or 'obs') continues one of the two: ARGV[5] its lower
+-- bound, ARGV[6] its upper bound (as ZRANGEBYSCORE takes them), ARGV[7] the last member
+-- read and ARGV[8] its score; for 'obs', ARGV[9] the highest score of the pending set at
 -- the first read ('' when it was empty).
 -- A page is {more (1: a next page may hold members), last member read, its score, the
 -- highest score of the members it left out as read among the pending ones, member,
@@ -31,6 +33,7 @@ for i = 1, 5 do
   end
 end
 local size = tonumber(ARGV[2])
+local budget = tonumber(ARGV[3])
 
 -- Whether a score (a reply's string) is past the upper bound `max`.
 local function past(score, max)
@@ -61,6 +64,7 @@ local function page(key, min, max, last, last_score, pending)
   end
   local out = {0, false, false, false}
   local bound = pending and tonumber(pending)
+  local bytes = 0
   for i = 1, #items, 2 do
     if past(items[i + 1], max) then
       return out
@@ -70,6 +74,11 @@ local function page(key, min, max, last, last_score, pending)
     if not seq then
       out[#out + 1] = items[i]
       out[#out + 1] = items[i + 1]
+      bytes = bytes + #items[i]
+      if bytes >= budget and i + 1 < #items then
+        out[1] = 1
+        return out
+      end
     elseif bound and tonumber(seq) <= bound then
       if not out[4] or tonumber(out[4]) < tonumber(items[i + 1]) then
         out[4] = items[i + 1]
@@ -80,9 +89,9 @@ local function page(key, min, max, last, last_score, pending)
   return out
 end
 
-if ARGV[3] then
-  local key = ARGV[3] == 'pending' and KEYS[2] or KEYS[3]
-  return page(key, ARGV[4], ARGV[5], ARGV[6], ARGV[7], ARGV[3] == 'obs' and ARGV[8])
+if ARGV[4] then
+  local key = ARGV[4] == 'pending' and KEYS[2] or KEYS[3]
+  return page(key, ARGV[5], ARGV[6], ARGV[7], ARGV[8], ARGV[4] == 'obs' and ARGV[9])
 end
 
 local checkpoint = redis.call('HGET', KEYS[1], ARGV[1])
