@@ -61,7 +61,7 @@ from coda_memory.redis.codec import (
     to_ms,
 )
 from coda_memory.redis.keys import DEFAULT_PREFIX, IDENTITY_KINDS, Keys
-from coda_memory.redis.unit import COMMIT_KEYS, RedisConsolidationUnit, parse_facts
+from coda_memory.redis.unit import COMMIT_KEYS, PendingMoved, RedisConsolidationUnit, parse_facts
 from coda_memory.redis.urls import check_redis_url
 
 _log = logging.getLogger("coda_memory")
@@ -698,6 +698,8 @@ class RedisStore:
         except ResponseError as error:
             if "LOCKLOST" in str(error):
                 raise LockLost(str(error)) from error
+            if "PENDINGMOVED" in str(error):
+                raise PendingMoved(str(error)) from error
             kind = _refused_kind(error, COMMIT_KEYS)
             if kind is None:
                 raise

@@ -144,6 +144,12 @@ def _session_events(identity_id: str, raw: str | bytes) -> dict[str, FactEvent]:
     }
 
 
+class PendingMoved(RuntimeError):
+    """The pending set held members numbered among those the run read that it did not
+    read (something reset the identity's sequence): the commit wrote nothing, and is
+    sent again with the members the run consumed."""
+
+
 class RedisConsolidationUnit:
     """A unit of work over one identity that holds its lock; writes only on commit."""
 
@@ -173,6 +179,7 @@ class RedisConsolidationUnit:
         self._committed = False
         self._plan: ConsolidationPlan | None = None
         self._consumed_pending: list[bytes] = []
+        self._highest: bytes | None = None
         self._checkpoint: float | None = None
         self._stored_ids: dict[str, str] = {}
         self._left_out_ids: list[str] = []
@@ -231,6 +238,7 @@ class RedisConsolidationUnit:
         kept_ids = set(self._stored_ids.values())
         self._left_out_ids = sorted({f.id for f in left_out} - kept_ids)
         self._consumed_pending = list(pending)
+        self._highest = highest
         self._checkpoint = latest
         sessions = sorted({o.session_id for o in new if o.session_id is not None})
         self._sessions = {}
@@ -315,18 +323,19 @@ class RedisConsolidationUnit:
         plan = self._plan
         if plan is not None:
             k, identity = self._keys, self.identity_id
-            await self._commit(
-                keys=[
-                    k.checkpoint if kind == "checkpoint" else k.of(kind, identity)
-                    for kind in COMMIT_KEYS
-                ],
-                args=[
-                    self._token,
-                    identity,
-                    await self._payload(plan),
-                    *self._consumed_pending,
-                ],
-            )
+            keys = [
+                k.checkpoint if kind == "checkpoint" else k.of(kind, identity)
+                for kind in COMMIT_KEYS
+            ]
+            consumed = self._consumed_pending
+            args: list[Any] = [self._token, identity, await self._payload(plan)]
+            args += [self._highest or "", len(consumed)]
+            try:
+                # The consumed pending members by their numbers (see commit.lua): sent
+                # whole, a backlog's made a request of hundreds of megabytes.
+                await self._commit(keys=keys, args=args)
+            except PendingMoved:
+                await self._commit(keys=keys, args=[*args, *consumed])
         self._committed = True
 
     async def _payload(self, plan: ConsolidationPlan) -> str:
@@ -379,4 +388,4 @@ class RedisConsolidationUnit:
             raise RuntimeError("this unit of work is committed; open a new one")
 
 
-__all__ = ["COMMIT_KEYS", "RedisConsolidationUnit", "facts_of", "parse_facts"]
+__all__ = ["COMMIT_KEYS", "PendingMoved", "RedisConsolidationUnit", "facts_of", "parse_facts"]

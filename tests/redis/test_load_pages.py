@@ -62,7 +62,8 @@ async def _seed(store: RedisStore, identity: str, pending: int, original: int) -
         * 1000
         for n in range(original)
     }
-    await store.client.zadd(store.keys.of("obs", identity), members)
+    if members:
+        await store.client.zadd(store.keys.of("obs", identity), members)
 
 
 async def _run(store: RedisStore, identity: str) -> list[Observation]:
@@ -203,3 +204,58 @@ async def test_a_member_removed_between_the_pages_moves_no_other_out_of_the_read
     loaded = await _run(redis_store, "u1")
     assert len(calls) == 4 and len(removed) == 3
     assert _names(loaded) == sorted(f"o{n}" for n in range(15))
+
+
+async def test_the_commit_removes_the_pending_members_read_by_their_numbers(
+    redis_store: RedisStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The commit sent every consumed pending member back (a backlog's made a request of
+    hundreds of megabytes): it sends the highest number read, and removes those numbered
+    up to it."""
+    monkeypatch.setattr(unit_module, "LOAD_PAGE", 5)
+    await _seed(redis_store, "u1", pending=23, original=0)
+    sent: list[int] = []
+    commit = redis_store._commit_script
+
+    async def counted(*, keys: list[str], args: list[Any]) -> Any:
+        sent.append(len(args))
+        return await commit(keys=keys, args=args)
+
+    redis_store._commit_script = counted  # type: ignore[method-assign]
+    assert len(await _run(redis_store, "u1")) == 23
+    assert sent == [5]
+    assert await redis_store.client.zcard(redis_store.keys.of("pending", "u1")) == 0
+    assert await _run(redis_store, "u1") == []
+
+
+async def test_a_sequence_reset_under_a_run_leaves_the_members_it_did_not_read(
+    redis_store: RedisStore, redis_url: str
+) -> None:
+    """Something deletes the identity's state (its sequence) while a run holds the lock,
+    and an append numbers its member from 1 again, among those the run read: the commit
+    removes the members the run read, by member, and the new one is the next run's."""
+    await _seed(redis_store, "u1", pending=6, original=0)
+    writer = RedisStore.from_url(redis_url)
+    sent: list[int] = []
+    commit = redis_store._commit_script
+
+    async def counted(*, keys: list[str], args: list[Any]) -> Any:
+        sent.append(len(args))
+        return await commit(keys=keys, args=args)
+
+    redis_store._commit_script = counted  # type: ignore[method-assign]
+    try:
+        async with redis_store.consolidation("u1") as unit:
+            loaded = await unit.load()
+            await redis_store.client.delete(redis_store.keys.of("state", "u1"))
+            late = sanitize_observation("u1", tool_ok("again", "again"), T0)
+            await writer.append([late])
+            plan = plan_consolidation("u1", loaded, T0 + timedelta(days=1), ExponentialDecay())
+            await unit.write(plan)
+            await unit.commit()
+        assert len(loaded.observations) == 6
+        assert sent == [5, 5 + 6]  # refused by number, then sent with its members
+        assert await redis_store.client.zcard(redis_store.keys.of("pending", "u1")) == 1
+        assert _names(await _run(redis_store, "u1")) == ["again"]
+    finally:
+        await writer.close()

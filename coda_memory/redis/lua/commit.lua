@@ -3,7 +3,11 @@
 -- KEYS[1] lock, KEYS[2] facts, KEYS[3] history, KEYS[4] pending, KEYS[5] observations,
 -- KEYS[6] checkpoint map, KEYS[7] state, KEYS[8] sessions, KEYS[9] session times
 -- ARGV[1] lock token, ARGV[2] identity id, ARGV[3] the plan as JSON (see unit.py),
--- ARGV[4..] the pending members this run consumed
+-- ARGV[4] the highest number of the pending set at the load's first read ('' when it was
+-- empty), ARGV[5] how many pending members the run read (all those numbered up to it),
+-- ARGV[6..] those members, when a first attempt found the pending set numbered up to
+-- ARGV[4] holding others (something reset the identity's sequence): sent whole, a
+-- backlog's members made a request of hundreds of megabytes.
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then
   return redis.error_reply('LOCKLOST the consolidation lock expired before the commit')
 end
@@ -16,6 +20,14 @@ for i = 2, 9 do
   if kind ~= 'none' and kind ~= kinds[i - 1] then
     return redis.error_reply('BADTYPE ' .. i .. ' a key of the identity holds another type of value')
   end
+end
+-- Nothing but a commit removes a pending member, and an append numbers its members after
+-- the highest one read: as many numbered up to it as the run read are those it read.
+-- Others (an append numbered from a sequence that something reset) and this run's
+-- members are sent by the caller instead, before anything is written.
+local by_number = #ARGV == 5 and ARGV[4] ~= ''
+if by_number and redis.call('ZCOUNT', KEYS[4], '-inf', ARGV[4]) ~= tonumber(ARGV[5]) then
+  return redis.error_reply('PENDINGMOVED the pending set holds members the run did not read')
 end
 local plan = cjson.decode(ARGV[3])
 
@@ -58,7 +70,11 @@ if newest then
     each_chunk('ZREM', KEYS[9], stale, 1, #stale, 1000)
   end
 end
-if #ARGV > 3 then each_chunk('ZREM', KEYS[4], ARGV, 4, #ARGV, 1000) end
+if by_number then
+  redis.call('ZREMRANGEBYSCORE', KEYS[4], '-inf', ARGV[4])
+elseif #ARGV > 5 then
+  each_chunk('ZREM', KEYS[4], ARGV, 6, #ARGV, 1000)
+end
 
 -- The checkpoint only moves forward: every consumed observation is scored at or before
 -- it, which is what the original server reads too.
