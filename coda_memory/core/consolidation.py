@@ -313,7 +313,10 @@ class _Run:
             # consolidation runs never changes the result (only ``created_at``, which the
             # event does not hold, is the reinforcement's time). It starts anew at 0.5
             # when the session created it, or when that state had expired by then too.
-            if unchanged or group.at is None:
+            # So it is when only the session's quality changed (a later call of the
+            # tool, which observed its other fact): a run that saw every call at once
+            # reinforced with that quality.
+            if unchanged:
                 return False
             before = _state_before(prior, self.fresh(group, prior.at))
             kind = FactEventKind.REINFORCED if before is None else FactEventKind.EXTENDED

@@ -368,6 +368,46 @@ async def test_a_late_observation_resumes_a_fact_deleted_after_its_date(
     ]
 
 
+async def test_a_sessions_later_calls_requalify_its_reinforcement_of_a_deleted_fact(
+    make_service: ServiceFactory, clock: FakeClock
+) -> None:
+    """Session s1 reinforced the tool's avoidance with one failure; the fact expired and a
+    consolidation deleted it; then s1's later success arrived (the session's quality for
+    the avoidance is now 1/2), then a failure of session s2 dated from when the fact was
+    alive, which resumes its last life. The requalification was skipped for a deleted
+    fact, so the resumed life kept the ease of quality 1 (2.7, not 2.55): consolidating
+    once gave another fact."""
+    service = await make_service(decay=AdaptiveDecay())
+    first = [
+        tool_failed("t", session="s0", at=T0),
+        tool_failed("t", session="s1", at=T0 + timedelta(hours=1)),
+    ]
+    late = [
+        tool_ok("t", session="s1", at=T0 + timedelta(hours=1, minutes=1)),
+        tool_failed("t", session="s2", at=T0 + timedelta(days=60)),
+    ]
+    for obs in first:
+        for who in ("frequent", "once"):
+            service.emit_observation(who, obs)
+    clock.now = T0 + timedelta(hours=2)
+    await service.drain()
+    await service.consolidate("frequent")
+    clock.now = T0 + timedelta(days=100)  # the avoidance expired at about day 91
+    assert await service.consolidate("frequent") == []
+    for obs in late:
+        for who in ("frequent", "once"):
+            service.emit_observation(who, obs)
+        await service.drain()
+        await service.consolidate("frequent")
+    frequent = by_subject(await service.consolidate("frequent"))["tool_avoidance:t"]
+    once = by_subject(await service.consolidate("once"))["tool_avoidance:t"]
+    # s1: 2.5 + 0.1 - (1 - 1/2) * 0.3 = 2.45; s2: 2.45 + 0.1 = 2.55
+    assert frequent.ease_factor == once.ease_factor == pytest.approx(2.55)
+    assert frequent.reinforcement_count == once.reinforcement_count == 3
+    assert frequent.confidence == pytest.approx(once.confidence, abs=1e-12)
+    assert frequent.last_reinforced_at == once.last_reinforced_at == late[1].created_at
+
+
 async def test_adaptive_quality_is_the_share_of_successes_or_failures(
     make_service: ServiceFactory, clock: FakeClock
 ) -> None:
