@@ -56,11 +56,14 @@ deleted AS (
 -- The history, in the plan's order: ids follow ORDER BY ord (the document's order).
 recorded AS {fact_history(events=:events)},
 -- The cursor moves to this run's snapshot; the row's new version is that of the facts
--- this statement leaves (coda_memory.postgres.known).
+-- this statement leaves (coda_memory.postgres.known). The instant of the last
+-- consolidation never moves back (a clock set back): no fact was deleted after it, so an
+-- observation dated before it that arrives late may resume a deleted fact's last life
+-- (ended_lives.sql), as facts_cap.sql keeps it too.
 advanced AS (
     UPDATE {schema}.checkpoints
     SET snapshot = :snapshot,
-        consolidated_at = :now,
+        consolidated_at = greatest(consolidated_at, CAST(:now AS timestamptz)),
         runs = runs + 1,
         observations_consumed = observations_consumed + :consumed
     WHERE identity_id = :identity_id
