@@ -106,7 +106,9 @@ class InMemoryConsolidationUnit:
         state.events.extend(plan.events)
         state.cursor = loaded_upto
         state.runs += 1
-        state.consolidated_at = plan.now
+        # (Never back: a run by a clock set back does not move it, as on Postgres.)
+        if state.consolidated_at is None or plan.now > state.consolidated_at:
+            state.consolidated_at = plan.now
         # Retention: only observations this run loaded (or earlier runs consumed).
         for seq in [
             seq

@@ -552,3 +552,32 @@ async def test_bad_input_is_rejected_or_sanitised_and_good_input_survives(
         "entity_frequency:account:7",
     }
     assert facts["entity_frequency:account:7"].content == 'Works with account "Acme" (id "7")'
+
+
+async def test_a_clock_set_back_does_not_make_a_late_observation_restart_a_deleted_fact(
+    make_service: ServiceFactory, clock: FakeClock
+) -> None:
+    """A fact expired and a consolidation deleted it at day 50; a clock set back to day
+    20 consolidated the identity again, and the instant of its last consolidation went
+    back with it. An observation dated day 30, from when the fact was alive, then arrived
+    late: taken as dated after the last consolidation (no fact deleted before it), it
+    restarted the fact at 0.5 with count 1 instead of resuming its last life."""
+    service = await make_service()
+    for day in range(5):  # count 5 at day 4: expires at about day 44
+        service.emit_observation("u1", tool_ok("t", session=f"d{day}", at=T0 + timedelta(days=day)))
+    clock.now = T0 + timedelta(days=4, hours=1)
+    await service.drain()
+    await service.consolidate("u1")
+    clock.now = T0 + timedelta(days=50)
+    assert await service.consolidate("u1") == []  # expired, and deleted
+    clock.now = T0 + timedelta(days=20)  # set back, before it syncs again
+    service.emit_observation("u1", domain("royalty", session="behind"))
+    await service.drain()
+    await service.consolidate("u1")
+    clock.now = T0 + timedelta(days=51)
+    late = tool_ok("t", session="late", at=T0 + timedelta(days=30))
+    service.emit_observation("u1", late)
+    await service.drain()
+    resumed = by_subject(await service.consolidate("u1"))["tool_affinity:t"]
+    assert resumed.reinforcement_count == 6
+    assert resumed.last_reinforced_at == late.created_at

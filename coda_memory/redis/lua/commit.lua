@@ -113,5 +113,12 @@ local function count_up(field, by)
 end
 count_up('runs', 1)
 count_up('consumed', plan.consumed)
-redis.call('HSET', KEYS[7], 'consolidatedAt', plan.now)
+-- The instant of the last consolidation never goes back, as on Postgres: a run by a
+-- clock set back took it back, and a late observation dated from when a deleted fact
+-- was alive then restarted the fact instead of resuming its last life. (A value that is
+-- no instant, which something else wrote, is replaced.)
+local last = tonumber(redis.call('HGET', KEYS[7], 'consolidatedAt'))
+if not (last and last > tonumber(plan.now) and last <= 253402300799999) then
+  redis.call('HSET', KEYS[7], 'consolidatedAt', plan.now)
+end
 return pruned
