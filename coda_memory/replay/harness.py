@@ -13,18 +13,19 @@ import heapq
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 
 from coda_memory.core.decay import DecayStrategy
 from coda_memory.core.logs import short_error
-from coda_memory.core.model import Fact
+from coda_memory.core.model import MAX_SPAN, Fact
 from coda_memory.core.rank import ranked_facts
 from coda_memory.errors import ConnectionLost
 from coda_memory.replay.events import event_observation, fact_subject
 from coda_memory.replay.metrics import Calibration, RankingScore
 from coda_memory.replay.timeline import Session, Timeline
 from coda_memory.service import MemoryService
+from coda_memory.stores import REDIS_SCHEMES, url_scheme
 
 logger = logging.getLogger("coda_memory")
 
@@ -97,8 +98,15 @@ async def replay_decay(
     refuses a store that holds memory of any identity it replays
     (:class:`StoreNotScratch`), writes the identities' observations and facts there, and
     erases them when it ends, so that the next method replayed starts from nothing.
-    ``options`` go to ``MemoryService.from_url``.
+    ``options`` go to ``MemoryService.from_url``. A Redis store keeps each session's
+    reinforcements for a ``session_horizon`` that covers the whole timeline unless one is
+    given: with its 30 days, a session id that came back later reinforced its facts again,
+    where Postgres and ``memory://`` keep them for good.
     """
+    if url_scheme(url) in REDIS_SCHEMES and "session_horizon" not in options:
+        times = [event.time for session in timeline.sessions for event in session.events]
+        span = max(times) - min(times)
+        options["session_horizon"] = min(MAX_SPAN, span + timedelta(seconds=1))
     result = ReplayResult(name or repr(decay), calibrated=True)
     clock = _Clock(timeline.sessions[0].start)
     service = MemoryService.from_url(url, decay=decay, clock=clock, **options)

@@ -18,7 +18,7 @@ from sqlalchemy.engine import URL
 
 from coda_memory import ExponentialDecay, MemoryService, ObservationType
 from coda_memory.errors import ConnectionLost
-from coda_memory.replay import Event, build_timeline, harness, replay_decay
+from coda_memory.replay import Event, ReplayResult, build_timeline, harness, replay_decay
 from tests.helpers import T0
 from tests.pg_fixtures import _RUN, _counter, _create_database, _drop_database, _render
 from tests.postgres.helpers import fetch
@@ -176,3 +176,35 @@ async def test_a_replay_stopped_half_way_leaves_its_store_empty(
     result = await replay_decay(timeline, ExponentialDecay(), url=scratch_url)
     assert result.fit.ranking.sessions + result.test.ranking.sessions == 10
     assert tuple((await fetch(scratch_url, _COUNTS))[0]) == (0, 0, 0, 0)
+
+
+def _figures(result: ReplayResult) -> list[tuple[int, float, int, int, float]]:
+    return [
+        (
+            p.ranking.sessions,
+            round(p.ranking.ndcg, 9),
+            p.facts_total,
+            p.calibration.count,
+            round(p.calibration.brier_sum, 9),
+        )
+        for p in (result.fit, result.test)
+    ]
+
+
+async def test_a_session_that_comes_back_after_weeks_reinforces_as_on_every_store(
+    store_url: str,
+) -> None:
+    """Redis keeps a session's reinforcements for its session_horizon (30 days): a session
+    id that came back 45 days later reinforced doc:a a second time there, where Postgres
+    and memory:// took its reinforcement as final (other sessions reinforced it since)."""
+    access = ObservationType.ENTITY_ACCESS
+    events = [Event("ana", T0, access, "doc:a", "s1")]
+    events += [Event("ana", T0 + timedelta(days=d), access, "doc:a", f"d{d}") for d in range(1, 41)]
+    events += [Event("ana", T0 + timedelta(days=45), access, "doc:a", "s1")]
+    events += [
+        Event("ana", T0 + timedelta(days=d), access, "doc:b", f"d{d}") for d in range(46, 50)
+    ]
+    timeline = build_timeline(events, split=0.5, horizon_days=1)
+    expected = await replay_decay(timeline, ExponentialDecay())
+    result = await replay_decay(timeline, ExponentialDecay(), url=store_url)
+    assert _figures(result) == _figures(expected)
