@@ -108,9 +108,23 @@ def observation_event(observation: Observation) -> Event | None:
     )
 
 
+#: The first and last instants a datetime holds, which the service refuses as a date.
+_EDGES = (datetime.min.replace(tzinfo=UTC), datetime.max.replace(tzinfo=UTC))
+
+
 def parse_time(text: str) -> datetime:
+    """``text`` as an aware datetime; ValueError for a time the service refuses: one
+    that is no date in UTC (before year 1 or after 9999 once its offset is taken off) or
+    the first or last instant a datetime holds."""
     value = datetime.fromisoformat(text.replace("Z", "+00:00"))
-    return value if value.tzinfo is not None else value.replace(tzinfo=UTC)
+    value = value if value.tzinfo is not None else value.replace(tzinfo=UTC)
+    try:
+        utc = value.astimezone(UTC)
+    except OverflowError:
+        raise ValueError(f"{text!r} is out of the range of dates in UTC") from None
+    if utc in _EDGES:
+        raise ValueError(f"{text!r} is the first or last instant of a datetime")
+    return value
 
 
 def event_from_mapping(row: dict[str, Any], where: str) -> Event:

@@ -52,13 +52,26 @@ def test_a_horizon_past_any_date_is_a_usage_error(value: str) -> None:
             ":1: not an event",
         ),
         ("nocolumn.csv", b"who,when\nalice,2026-01-01\n", ":2: not an event"),
+        (
+            "beforeyear1.jsonl",
+            b'{"identity": "a", "time": "0001-01-01T00:30:00+01:00", "kind": "tool_success",'
+            b' "subject": "t"}\n',
+            ":1: not an event ('0001-01-01T00:30:00+01:00' is out of the range of dates",
+        ),
+        (
+            "lastinstant.jsonl",
+            b'{"identity": "a", "time": "9999-12-31T23:59:59.999999Z", "kind": "tool_success",'
+            b' "subject": "t"}\n',
+            ":1: not an event ('9999-12-31T23:59:59.999999Z' is the first or last instant",
+        ),
     ],
 )
 def test_an_events_file_that_is_not_one_is_one_line_naming_it(
     tmp_path: Path, name: str, content: bytes, says: str
 ) -> None:
     """Each of these printed a Python traceback (JSONDecodeError, TypeError,
-    UnicodeDecodeError, ValueError)."""
+    UnicodeDecodeError, ValueError; OverflowError for a time before year 1 in UTC), or was
+    read where the service refuses its date (the last instant of a datetime)."""
     path = tmp_path / name
     path.write_bytes(content)
     result = CliRunner().invoke(app, ["replay", "--events", str(path)])
