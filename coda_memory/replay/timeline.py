@@ -52,7 +52,7 @@ class Timeline:
         if not times:
             return False
         index = bisect.bisect_left(times, start)
-        return index < len(times) and times[index] < start + self.horizon
+        return index < len(times) and times[index] - start < self.horizon
 
     def held_out(self, session: Session) -> bool:
         return session.start >= self.split_at
@@ -63,7 +63,7 @@ class Timeline:
         not used, it made confidence look over-confident). Calibration leaves such
         sessions out; their ranking counts."""
         end = self.ends_at if self.ends_at is not None else self.sessions[-1].start
-        return session.start + self.horizon <= end
+        return end - session.start >= self.horizon
 
     def in_time_order(self) -> list[tuple[datetime, Session, Event | None]]:
         """Each session's start (with no event: the instant it is scored) and each of its

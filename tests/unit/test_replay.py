@@ -8,7 +8,7 @@ import json
 import math
 import random
 import re
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
@@ -161,6 +161,19 @@ async def test_calibration_leaves_out_sessions_the_data_does_not_see_a_horizon_p
     result = await replay_decay(timeline, ExponentialDecay(), name="x")
     assert result.test.ranking.sessions > 0 and result.test.facts_total > 0
     assert result.test.calibration.count == 0
+
+
+async def test_a_timeline_that_ends_less_than_a_horizon_before_year_10000_replays() -> None:
+    """A session's start plus the horizon was computed, past the last date a datetime
+    holds: the replay failed with an OverflowError, reported as the store's failure."""
+    end = datetime(9999, 12, 31, 9, tzinfo=UTC)
+    events = [Event("ana", end - timedelta(days=day), ENTITY, "file:a") for day in (60, 40, 20, 0)]
+    timeline = build_timeline(events, split=0.5, horizon_days=30)
+    assert timeline.used_within("ana", "entity_frequency:file:a", end - timedelta(days=1))
+    assert not timeline.used_within("ana", "entity_frequency:file:a", end + timedelta(hours=1))
+    result = await replay_decay(timeline, ExponentialDecay(), name="x")
+    assert result.fit.calibration.count == 1  # day -40's, seen 30 days past
+    assert result.test.ranking.sessions == 2 and result.test.calibration.count == 0
 
 
 async def test_the_replay_uses_the_store_the_url_names() -> None:
