@@ -237,12 +237,19 @@ def replay(
             return target
 
         draw_plot(draw)
+    # The sessions calibrated are those scored: not an identity's first, nor an unscored
+    # identity's.
+    firsts: dict[str, object] = {}
+    for session in timeline.sessions:
+        firsts.setdefault(session.identity, session)
     if math.isnan(comparison.baselines[0].test.ranking.hit_at_5):
         note("no session was scored in the held-out period (too few sessions per identity?)")
     elif not any(
-        timeline.held_out(s) and timeline.seen_through_horizon(s) for s in timeline.sessions
+        timeline.held_out(s) and timeline.seen_through_horizon(s) and s is not firsts[s.identity]
+        for s in timeline.sessions
+        if s.identity in timeline.scored
     ):
         note(
-            f"no held-out session starts {horizon:g} days (--horizon-days) before the "
+            f"no held-out session scored starts {horizon:g} days (--horizon-days) before the "
             "events end, so nothing is calibrated: give a shorter horizon, or more days"
         )

@@ -275,6 +275,24 @@ def test_the_command_replays_an_events_file(tmp_path: Path) -> None:
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.parametrize(("horizon", "noted"), [("3", True), ("1", False)])
+def test_the_command_says_when_no_scored_session_is_calibrated(
+    tmp_path: Path, horizon: str, noted: bool
+) -> None:
+    """Only bob's one session (not scored: one session) started a horizon before the end;
+    ana's held-out sessions did not. Nothing was calibrated, and the command said
+    nothing, counting sessions that are never scored."""
+    path = tmp_path / "events.jsonl"
+    events = [access("ana", day, "file:a") for day in (0, 1, 2, 8, 9)]
+    write_events(path, [*events, access("bob", 5, "file:b")])
+    options = ("--split", "0.5", "--horizon-days", horizon, "--format", "json")
+    result = CliRunner().invoke(app, ["replay", "--events", str(path), *options])
+    assert result.exit_code == 0, result.output
+    assert ("nothing is calibrated" in result.stderr) is noted, result.stderr
+    rows = json.loads(result.stdout)["results"]
+    assert any(row["Brier"] is not None for row in rows) is not noted
+
+
 async def test_the_reliability_diagram_leaves_the_host_matplotlib_as_it_was(
     tmp_path: Path,
 ) -> None:
