@@ -131,6 +131,10 @@ def event_from_mapping(row: dict[str, Any], where: str) -> Event:
     """An event from one parsed line; ``where`` names the line in errors."""
     if not isinstance(row, dict):
         raise ValueError(f"{where}: not an event (a {type(row).__name__}, not an object)")
+    # A JSON null, or a CSV line short of a field: read as text, it was the string "None".
+    missing = [name for name in FIELDS[:4] if name in row and row[name] is None]
+    if missing:
+        raise ValueError(f"{where}: not an event (no {', '.join(missing)})")
     try:
         identity, subject = str(row["identity"]), str(row["subject"])
         kind = ObservationType(row["kind"])

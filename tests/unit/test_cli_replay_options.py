@@ -53,6 +53,17 @@ def test_a_horizon_past_any_date_is_a_usage_error(value: str) -> None:
         ),
         ("nocolumn.csv", b"who,when\nalice,2026-01-01\n", ":2: not an event"),
         (
+            "nullsubject.jsonl",
+            b'{"identity": "a", "time": "2026-01-01T00:00:00Z", "kind": "tool_success",'
+            b' "subject": null}\n',
+            ":1: not an event (no subject)",
+        ),
+        (
+            "short.csv",
+            b"identity,time,kind,subject\na,2026-01-01T00:00:00Z,tool_success\n",
+            ":2: not an event (no subject)",
+        ),
+        (
             "beforeyear1.jsonl",
             b'{"identity": "a", "time": "0001-01-01T00:30:00+01:00", "kind": "tool_success",'
             b' "subject": "t"}\n',
@@ -71,7 +82,8 @@ def test_an_events_file_that_is_not_one_is_one_line_naming_it(
 ) -> None:
     """Each of these printed a Python traceback (JSONDecodeError, TypeError,
     UnicodeDecodeError, ValueError; OverflowError for a time before year 1 in UTC), or was
-    read where the service refuses its date (the last instant of a datetime)."""
+    read where the service refuses its date (the last instant of a datetime), or read a
+    missing field as the text "None" (a JSON null, a short CSV line)."""
     path = tmp_path / name
     path.write_bytes(content)
     result = CliRunner().invoke(app, ["replay", "--events", str(path)])
