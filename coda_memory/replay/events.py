@@ -156,7 +156,20 @@ def event_from_mapping(row: dict[str, Any], where: str) -> Event:
             f"{where}: the service refuses the session (longer than {MAX_SESSION_CHARS} "
             "characters, or holding NUL or a lone surrogate)"
         )
-    return Event(identity, time, kind, subject, session)
+    event = Event(identity, time, kind, subject, session)
+    if fact_subject(event) is None:
+        # Its session was scored on nothing it used, for every method alike.
+        raise ValueError(f"{where}: the service keeps no fact of it ({_NO_FACT[kind]})")
+    return event
+
+
+#: Why an event that passed the identifier rule reinforces no fact, by kind.
+_NO_FACT = {
+    ObservationType.TOOL_SUCCESS: "a tool name is 1 to 128 of A-Z, a-z, 0-9 and _.-",
+    ObservationType.TOOL_FAILURE: "a tool name is 1 to 128 of A-Z, a-z, 0-9 and _.-",
+    ObservationType.ENTITY_ACCESS: "an entity is type:id",
+    ObservationType.QUERY_PATTERN: "a domain follows the identifier rule",
+}
 
 
 def read_events(path: Path) -> list[Event]:

@@ -241,6 +241,33 @@ def test_an_event_the_service_would_reject_names_its_line(
         read_events(path)
 
 
+@pytest.mark.parametrize(
+    ("kind", "subject", "says"),
+    [
+        ("tool_success", "git/push", "a tool name is 1 to 128"),
+        ("tool_failure", "t" * 129, "a tool name is 1 to 128"),
+        ("entity_access", "file", "an entity is type:id"),
+    ],
+)
+def test_an_event_that_reinforces_no_fact_names_its_line(
+    tmp_path: Path, kind: str, subject: str, says: str
+) -> None:
+    """Read, and then refused by the service or kept for nothing: the day of such an
+    event was a session scored on nothing it used (hit@5 0.5 here, for every method)."""
+    path = tmp_path / "events.jsonl"
+    lines = [
+        {"identity": "a", "time": f"2026-01-0{day}T09:00:00Z", "kind": "entity_access"}
+        | {"subject": "file:x"}
+        for day in (1, 3)
+    ]
+    odd = {"identity": "a", "time": "2026-01-02T09:00:00Z", "kind": kind, "subject": subject}
+    path.write_text("".join(json.dumps(line) + "\n" for line in [lines[0], odd, lines[1]]))
+    with pytest.raises(ValueError, match=re.escape("events.jsonl:2: the service keeps no fact")):
+        read_events(path)
+    with pytest.raises(ValueError, match=re.escape(says)):
+        read_events(path)
+
+
 def test_the_command_replays_an_events_file(tmp_path: Path) -> None:
     path = tmp_path / "events.jsonl"
     write_events(path, drifting_stream())
