@@ -46,7 +46,8 @@ def values(results: Sequence[ReplayResult], *, held_out: bool = True) -> list[li
             calibration.brier if calibrated else None,
             calibration.brier_of_constant(base_rate) if calibrated else None,
             calibration.log_loss if calibrated else None,
-            scores.facts_per_identity if scores.facts_total else None,
+            # (A strategy whose facts had all expired holds 0, not nothing.)
+            scores.facts_per_identity if scores.facts_total or result.calibrated else None,
         ]
         table.append([None if isinstance(v, float) and math.isnan(v) else v for v in row])
     return table

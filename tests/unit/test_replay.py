@@ -26,6 +26,7 @@ from coda_memory.replay import (
     read_events,
     replay_baselines,
     replay_decay,
+    report,
     tune,
     write_events,
 )
@@ -174,6 +175,19 @@ async def test_a_timeline_that_ends_less_than_a_horizon_before_year_10000_replay
     result = await replay_decay(timeline, ExponentialDecay(), name="x")
     assert result.fit.calibration.count == 1  # day -40's, seen 30 days past
     assert result.test.ranking.sessions == 2 and result.test.calibration.count == 0
+
+
+async def test_a_strategy_whose_facts_all_expired_holds_zero_facts_not_blank() -> None:
+    """Sessions 100 days apart: the exponential's facts have expired at each, and its
+    "facts held" was left blank (null in JSON), as for a method that holds no facts."""
+    events = [access("ana", day, "file:a") for day in range(0, 1000, 100)]
+    timeline = build_timeline(events, split=0.5)
+    popularity, recency, _ = replay_baselines(timeline)
+    result = await replay_decay(timeline, ExponentialDecay(), name="x")
+    assert result.test.ranking.sessions == 5 and result.test.facts_total == 0
+    rows = report.values([popularity, recency, result])
+    held = report.HEADER.index("facts held")
+    assert [row[held] for row in rows] == [None, 1.0, 0.0]
 
 
 async def test_the_replay_uses_the_store_the_url_names() -> None:
