@@ -177,7 +177,9 @@ def read_events(path: Path) -> list[Event]:
     file (and the line), for anything that is not such a file."""
     events: list[Event] = []
     try:
-        with path.open(encoding="utf-8", newline="") as file:
+        # utf-8-sig: a byte order mark (Excel's "CSV UTF-8" writes one) was read as part
+        # of the first column's name, and every line lacked an identity.
+        with path.open(encoding="utf-8-sig", newline="") as file:
             if path.suffix.lower() == ".csv":
                 for number, row in enumerate(csv.DictReader(file), start=2):
                     events.append(event_from_mapping(dict(row), f"{path}:{number}"))

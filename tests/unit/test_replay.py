@@ -226,6 +226,17 @@ def test_the_event_format_round_trips(tmp_path: Path, suffix: str) -> None:
     assert read_events(path) == sorted(events, key=lambda e: e.time)
 
 
+@pytest.mark.parametrize("suffix", [".jsonl", ".csv"])
+def test_a_file_that_starts_with_a_byte_order_mark_is_read(tmp_path: Path, suffix: str) -> None:
+    """Excel's "CSV UTF-8" starts with one: the first column was named "\ufeffidentity",
+    and every line was refused as having no identity (a JSON file as not JSON)."""
+    path = tmp_path / f"events{suffix}"
+    events = drifting_stream(3)
+    write_events(path, events)
+    path.write_bytes(b"\xef\xbb\xbf" + path.read_bytes())
+    assert read_events(path) == sorted(events, key=lambda e: e.time)
+
+
 def test_a_bad_event_names_its_line(tmp_path: Path) -> None:
     path = tmp_path / "events.jsonl"
     good = {"identity": "a", "time": "2026-01-01T00:00:00Z", "kind": "entity_access"}
