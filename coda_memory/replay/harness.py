@@ -220,13 +220,17 @@ def replay_baselines(timeline: Timeline) -> list[ReplayResult]:
         identity = session.identity
         if event is not None:  # what a session used, as it happens (see in_time_order)
             subject = fact_subject(event)
-            if subject is None or (id(session), subject) in counted:
+            if subject is None:
                 continue
-            counted.add((id(session), subject))
-            global_counts.add(subject)
+            first = (id(session), subject) not in counted
+            if first:
+                counted.add((id(session), subject))
+                global_counts.add(subject)
+            # Its last use is this one (events come in time order; the session's start
+            # ranked a subject used late in a session as if used when it began).
             used_by = last_used.setdefault(identity, {})
-            count = used_by.get(subject, (session.start, 0))[1]
-            used_by[subject] = (session.start, count + 1)
+            count = used_by.get(subject, (event.time, 0))[1]
+            used_by[subject] = (event.time, count + first)
             continue
         history = last_used.get(identity)
         if identity in timeline.scored and history is not None:

@@ -155,6 +155,24 @@ async def test_a_session_is_scored_on_nothing_that_happened_after_it_began() -> 
     assert memory.test.facts_total == 1
 
 
+async def test_recency_ranks_by_the_last_use_as_memory_does() -> None:
+    """file:z was used after file:a, in the same day's session: recency took each use as
+    made at the session's start, and ranked the two by name (file:a first), where memory
+    ranks file:z first."""
+    at = T0.replace(hour=0)
+    events = [
+        Event("u", at + timedelta(hours=9), ENTITY, "file:a"),
+        Event("u", at + timedelta(hours=17), ENTITY, "file:z"),
+        Event("u", at + timedelta(days=1, hours=9), ENTITY, "file:z"),
+    ]
+    timeline = build_timeline(events, split=0.5)
+    memory = await replay_decay(timeline, ExponentialDecay(), name="x")
+    _, recency, frequency = replay_baselines(timeline)
+    assert memory.test.ranking.ndcg_at_10 == recency.test.ranking.ndcg_at_10 == 1.0
+    # All-time frequency counts sessions: one each, ties by subject.
+    assert frequency.test.ranking.ndcg_at_10 == pytest.approx(1 / math.log2(3))
+
+
 async def test_calibration_leaves_out_sessions_the_data_does_not_see_a_horizon_past() -> None:
     """Near the data's end, "used again within 30 days" counted as no for want of data,
     and confidence looked over-confident; the ranking still counts them."""
