@@ -32,6 +32,9 @@ logger = logging.getLogger("coda_memory")
 #: How many subjects the baselines rank (NDCG@10 looks at ten).
 TOP = 10
 
+#: Emits between two drains at most (or ``queue_size``, when smaller).
+_DRAIN_EVERY = 1_000
+
 
 @dataclass
 class PeriodScores:
@@ -112,6 +115,7 @@ async def replay_decay(
     service = MemoryService.from_url(url, decay=decay, clock=clock, **options)
     seen: set[str] = set()
     ended = False
+    waiting, drain_every = 0, min(_DRAIN_EVERY, options.get("queue_size", _DRAIN_EVERY))
     try:
         if not url.startswith("memory:"):  # a memory:// store is new, so empty
             await _check_scratch(service, sorted(timeline.scored))
@@ -122,9 +126,16 @@ async def replay_decay(
             clock.now = at
             if event is not None:
                 service.emit_observation(identity, event_observation(event, session.key))
+                waiting += 1
+                if waiting >= drain_every:
+                    # The writer runs only while the replay waits: more than its queue
+                    # holds between two drains, and the rest were dropped ("queue full").
+                    await service.drain()
+                    waiting = 0
                 continue
             if identity in seen:  # a session starts: it is scored on what came before
                 await service.drain()
+                waiting = 0
                 _score(result, timeline, session, await service.consolidate(identity))
             seen.add(identity)
         await service.drain()

@@ -173,6 +173,19 @@ async def test_recency_ranks_by_the_last_use_as_memory_does() -> None:
     assert frequency.test.ranking.ndcg_at_10 == pytest.approx(1 / math.log2(3))
 
 
+async def test_a_replay_loses_no_event_however_many_come_between_two_sessions() -> None:
+    """The writer stores only while the replay waits, which it did only at a scored
+    session's start: the events emitted in between past the writer's queue were dropped
+    ("queue full", 100,000 by default: a first day of a thousand users of a hundred
+    observations each), and memory was scored without them (100 of the 300 files here)."""
+    events = [Event("u", T0 + timedelta(seconds=k), ENTITY, f"file:{k}") for k in range(300)]
+    events.append(access("u", 1, "file:0"))
+    timeline = build_timeline(events, split=0.5)
+    memory = await replay_decay(timeline, ExponentialDecay(), name="x", queue_size=100)
+    assert memory.test.ranking.sessions == 1
+    assert memory.test.facts_total == 300
+
+
 async def test_calibration_leaves_out_sessions_the_data_does_not_see_a_horizon_past() -> None:
     """Near the data's end, "used again within 30 days" counted as no for want of data,
     and confidence looked over-confident; the ranking still counts them."""
