@@ -143,8 +143,9 @@ def event_from_mapping(row: dict[str, Any], where: str) -> Event:
         raise ValueError(f"{where}: not an event ({exc})") from exc
     if not identity or not all(is_identifier(part) for part in subject.split(":", 1)):
         raise ValueError(f"{where}: bad identity or subject {subject!r}")
-    session = row.get("session") or None
-    session = None if session is None else str(session)
+    session = row.get("session")
+    # (Not "or None": a JSON session 0 was read as none, its events the day's session.)
+    session = None if session is None or session == "" else str(session)
     # What the service would reject (its writer drops it with a log line): memory would
     # then score nothing, while the baselines score the event.
     try:

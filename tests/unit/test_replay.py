@@ -268,6 +268,16 @@ def test_a_file_that_starts_with_a_byte_order_mark_is_read(tmp_path: Path, suffi
     assert read_events(path) == sorted(events, key=lambda e: e.time)
 
 
+def test_a_session_of_a_json_number_is_read_as_its_text(tmp_path: Path) -> None:
+    """Session 0 was read as no session (the UTC day's), session 1 as "1"."""
+    path = tmp_path / "events.jsonl"
+    good = {"identity": "a", "time": "2026-01-01T00:00:00Z", "kind": "entity_access"}
+    lines = [{**good, "subject": "file:x", "session": number} for number in (0, 1)]
+    lines.append({**good, "subject": "file:y", "session": ""})
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    assert [e.session_key for e in read_events(path)] == ["0", "1", "2026-01-01"]
+
+
 def test_a_bad_event_names_its_line(tmp_path: Path) -> None:
     path = tmp_path / "events.jsonl"
     good = {"identity": "a", "time": "2026-01-01T00:00:00Z", "kind": "entity_access"}
