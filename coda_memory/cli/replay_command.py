@@ -50,7 +50,7 @@ from coda_memory.replay import (
 from coda_memory.replay.report import HEADER, rows, values
 from coda_memory.replay.suite import Comparison, compare
 from coda_memory.replay.tuning import FAMILIES
-from coda_memory.stores import SCHEMES, shown_scheme, url_scheme
+from coda_memory.stores import REDIS_SCHEMES, SCHEMES, shown_scheme, url_scheme
 
 
 def _stored_events(url: str | None, schema: str) -> list[Event]:
@@ -59,6 +59,20 @@ def _stored_events(url: str | None, schema: str) -> list[Event]:
         return [e for o in observations if (e := observation_event(o)) is not None]
 
     return run_on_store(url, schema, work)
+
+
+def _check_redis_store(url: str) -> None:
+    """A usage error, before any event is read, for a Redis URL that redis-py would read
+    wrongly or refuse (it failed with exit 1 once every event was read). Without the
+    redis extra, making the store says that it is needed."""
+    try:
+        from coda_memory.redis.urls import check_redis_url  # (the package needs redis-py)
+    except ModuleNotFoundError:
+        return
+    try:
+        check_redis_url(url)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--store") from None
 
 
 def _file_events(path: Path) -> list[Event]:
@@ -163,6 +177,8 @@ def replay(
             "only a Postgres --store has a schema (a Redis one takes ?prefix=)",
             param_hint="--store-schema",
         )
+    elif scheme in REDIS_SCHEMES:
+        _check_redis_store(store)
     stream = _file_events(events) if events is not None else _stored_events(url, schema)
     if not stream:
         fail("no events to replay")

@@ -115,12 +115,15 @@ def test_a_plot_that_can_not_be_written_is_a_usage_error(tmp_path: Path, plot: s
         ("postgres://u@127.0.0.1/x?foo=1", "foo"),
         ("postgresql://u@127.0.0.1:abc/x", "the port is not a number"),
         ("postgresql", "Could not parse"),  # a traceback, from SQLAlchemy's ArgumentError
+        ("redis://127.0.0.1:99999/9", "the port is not a number"),
+        ("redis://app:8080#pw@127.0.0.1/9", "the host part ends before its '@'"),
     ],
 )
 def test_a_store_that_can_not_serve_the_replay_is_a_usage_error(store: str, says: str) -> None:
     """ftp:// and a Postgres URL the driver refuses (a bad port, an unknown parameter)
-    exited 1 once every event was read; null:// scored zeros and exited 0. (The events'
-    database, --url, is never reached: port 1.)"""
+    exited 1 once every event was read, and so did a Redis URL redis-py would misread;
+    null:// scored zeros and exited 0. (The events' database, --url, is never reached:
+    port 1.)"""
     result = CliRunner().invoke(
         app, ["replay", "--url", "postgresql://u@127.0.0.1:1/x", "--store", store]
     )
