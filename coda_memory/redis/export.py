@@ -1,7 +1,16 @@
 """Reading one identity out of the Redis layout whole, for a copy into another store.
 
-One MULTI/EXEC reads every key of the identity at once, so an append or a consolidation
-cannot land between the reads. Each observation is classed as the Redis store itself
+Every key of the identity is read as it was at one instant, so that an append or a
+consolidation cannot land between the reads, in pages (:data:`READ_PAGE` records,
+:data:`READ_PAGE_BYTES`): an identity of hundreds of thousands of observations read in
+one reply outlived redis-py's socket timeout (5 s) at every attempt, and the whole of it
+was held twice in memory, as the reply and as its records. One ``MULTI``/``EXEC`` reads
+the checkpoint and the first page of each key; an identity that holds more is read
+again under ``WATCH`` of its keys, page by page, each a reply of its own, and the
+checkpoint once more in a closing ``MULTI``/``EXEC``: when anything wrote one of the keys
+(or the identity's checkpoint changed) meanwhile, ``EXEC`` runs nothing and the read
+starts again, :data:`READ_ATTEMPTS` times at most before the identity is left for a
+later run (:class:`IdentityChanging`). Each observation is classed as the Redis store itself
 would: pending when it is in the pending set, or when no checkpoint covers it (the
 original server's new ones); consumed otherwise. A pending observation that the sorted
 set no longer holds (pruned, or the key expired) is pending still, as the store reads
@@ -14,11 +23,15 @@ without it, nothing tells the consumed observations from the new ones.
 
 from __future__ import annotations
 
+import contextlib
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import datetime
+from typing import Any, cast
 
-from redis.exceptions import ResponseError
+from redis.asyncio.client import Pipeline
+from redis.exceptions import ResponseError, WatchError
 
 from coda_memory.core.decay import ease_bounds
 from coda_memory.core.model import Fact, FactEvent, Observation, is_identifier
@@ -77,27 +90,174 @@ def _member_label(key: str, member: bytes, index: int) -> str:
     return f"{key} member #{index} ({len(member):,} bytes)"
 
 
+#: The most records of one key that one reply of the read carries (members of a sorted
+#: set, items of a list, fields of a hash as HSCAN counts them): an identity of hundreds
+#: of thousands of observations read in one reply outlived redis-py's socket timeout
+#: (5 s) at every attempt.
+READ_PAGE = 10_000
+#: The bytes of records a page aims at: each next page of a key holds as many records as
+#: the previous one's size says fit (at most twice as many), and the first page of each
+#: holds at most one per 4 KiB of it.
+READ_PAGE_BYTES = 4 * 1024 * 1024
+#: Reads of an identity that something wrote meanwhile, before it is left for a later
+#: run (:class:`IdentityChanging`).
+READ_ATTEMPTS = 5
+
+
+class IdentityChanging(RuntimeError):
+    """Something wrote the identity's keys during each of :data:`READ_ATTEMPTS` paged
+    reads (live traffic): nothing of it was read, and a later run reads it again."""
+
+
+def _first_page() -> int:
+    return max(1, min(READ_PAGE, READ_PAGE_BYTES // 4096))
+
+
+def _next_page(count: int, read: list[bytes]) -> int:
+    """How many records the page after one of ``count`` that held ``read`` asks for."""
+    size = sum(len(item) for item in read)
+    fit = count * READ_PAGE_BYTES // size if size else READ_PAGE
+    return max(1, min(READ_PAGE, 2 * count, fit))
+
+
+@dataclass(slots=True)
+class _Keys:
+    """What one read took of an identity's keys."""
+
+    checkpoint: bytes | None
+    members: list[tuple[bytes, float]]
+    pending: list[bytes]
+    facts: dict[bytes, bytes]
+    history: list[bytes]
+    sessions: list[bytes]
+
+
+async def _read_keys(store: RedisStore, identity_id: str) -> _Keys:
+    """The identity's keys as they were at one instant (see the module's docstring)."""
+    k = store.keys
+    obs, pending = k.of("obs", identity_id), k.of("pending", identity_id)
+    facts, history = k.of("facts", identity_id), k.of("history", identity_id)
+    sessions = k.of("sessions", identity_id)
+    first = _first_page()
+    async with store.client.pipeline(transaction=True) as pipe:
+        pipe.hget(k.checkpoint, identity_id)
+        pipe.zrange(obs, 0, first - 1, withscores=True)
+        pipe.zcard(obs)
+        pipe.zrange(pending, 0, first - 1)
+        pipe.zcard(pending)
+        pipe.hscan(facts, 0, count=first)
+        pipe.lrange(history, 0, first - 1)
+        pipe.llen(history)
+        pipe.hscan(sessions, 0, count=first)
+        with _typed():
+            read: list[Any] = await pipe.execute()
+    checkpoint, members, n_obs, pending_read, n_pending = read[:5]
+    (facts_cursor, facts_read), history_read, n_history = read[5:8]
+    sessions_cursor, sessions_read = read[8]
+    if (
+        len(members) == n_obs
+        and len(pending_read) == n_pending
+        and len(history_read) == n_history
+        and int(facts_cursor) == 0
+        and int(sessions_cursor) == 0
+    ):
+        return _Keys(
+            checkpoint,
+            members,
+            pending_read,
+            facts_read,
+            history_read,
+            list(sessions_read.values()),
+        )
+    # More than a page: all of it again, under WATCH (the first read's EXEC ended it).
+    # The checkpoint map is shared by every identity, and not watched: the identity's
+    # checkpoint is read again in the closing EXEC instead.
+    for _ in range(READ_ATTEMPTS):
+        async with store.client.pipeline(transaction=True) as pipe:
+            try:
+                with _typed():
+                    await pipe.watch(obs, pending, facts, history, sessions)
+                    checkpoint = cast(bytes | None, await pipe.hget(k.checkpoint, identity_id))
+                    keys = _Keys(
+                        checkpoint,
+                        await _zset(pipe, obs),
+                        [member for member, _ in await _zset(pipe, pending)],
+                        await _hash(pipe, facts),
+                        await _list(pipe, history),
+                        list((await _hash(pipe, sessions)).values()),
+                    )
+                    pipe.multi()  # type: ignore[no-untyped-call]
+                    pipe.hget(k.checkpoint, identity_id)
+                    (again,) = await pipe.execute()
+            except WatchError:
+                continue
+            if again == checkpoint:
+                return keys
+    raise IdentityChanging(
+        f"something wrote the identity's keys during each of {READ_ATTEMPTS} reads (live"
+        " traffic): a later run copies it"
+    )
+
+
+async def _zset(pipe: Pipeline, key: str) -> list[tuple[bytes, float]]:
+    """Every member of a sorted set (with its score), by rank: under WATCH, nothing moves
+    them, or the closing EXEC runs nothing."""
+    out: list[tuple[bytes, float]] = []
+    count = _first_page()
+    while True:
+        page: list[Any] = await pipe.zrange(key, len(out), len(out) + count - 1, withscores=True)
+        out += page
+        if len(page) < count:
+            return out
+        count = _next_page(count, [member for member, _ in page])
+
+
+async def _list(pipe: Pipeline, key: str) -> list[bytes]:
+    out: list[bytes] = []
+    count = _first_page()
+    while True:
+        page: list[Any] = await pipe.lrange(key, len(out), len(out) + count - 1)
+        out += page
+        if len(page) < count:
+            return out
+        count = _next_page(count, page)
+
+
+async def _hash(pipe: Pipeline, key: str) -> dict[bytes, bytes]:
+    """Every field of a hash, by HSCAN (which may give one twice)."""
+    out: dict[bytes, bytes] = {}
+    cursor, count = 0, _first_page()
+    while True:
+        reply: Any = await pipe.hscan(key, cursor, count=count)
+        cursor, page = reply
+        out.update(page)
+        if int(cursor) == 0:
+            return out
+        count = _next_page(count, [*page.keys(), *page.values()])
+
+
+@contextlib.contextmanager
+def _typed() -> Iterator[None]:
+    """A key of another type as the :class:`BadRecord` that leaves the identity out."""
+    try:
+        yield
+    except ResponseError as exc:
+        if "WRONGTYPE" not in str(exc):
+            # A refusal of the server's (NOPERM: an ACL user without MULTI, EXEC, WATCH or
+            # a read command) is no fault of the identity's keys: the run stops on it,
+            # named, rather than leave out every identity as "of the wrong type".
+            raise
+        raise BadRecord(f"a key of the wrong type ({exc})") from exc
+
+
 async def export_identity(store: RedisStore, identity_id: str) -> ExportedIdentity:
-    """Everything the Redis layout holds for ``identity_id``, read atomically."""
+    """Everything the Redis layout holds for ``identity_id``, as at one instant."""
     k = store.keys
     obs_key, facts_key = k.of("obs", identity_id), k.of("facts", identity_id)
     history_key, sessions_key = k.of("history", identity_id), k.of("sessions", identity_id)
-    async with store.client.pipeline(transaction=True) as pipe:
-        pipe.hget(k.checkpoint, identity_id)
-        pipe.zrange(obs_key, 0, -1, withscores=True)
-        pipe.zrange(k.of("pending", identity_id), 0, -1)
-        pipe.hgetall(facts_key)
-        pipe.lrange(history_key, 0, -1)
-        pipe.hvals(sessions_key)
-        try:
-            checkpoint, members, pending, facts, history, sessions = await pipe.execute()
-        except ResponseError as exc:
-            if "WRONGTYPE" not in str(exc):
-                # A refusal of the server's (NOPERM: an ACL user without MULTI, EXEC or
-                # a read command) is no fault of the identity's keys: the run stops on
-                # it, named, rather than leave out every identity as "of the wrong type".
-                raise
-            raise BadRecord(f"a key of the wrong type ({exc})") from exc
+    snapshot = await _read_keys(store, identity_id)
+    checkpoint, members, pending = snapshot.checkpoint, snapshot.members, snapshot.pending
+    facts, history, sessions = snapshot.facts, snapshot.history, snapshot.sessions
     out = ExportedIdentity(identity_id)
     limit: float | None = None
     if checkpoint is not None:

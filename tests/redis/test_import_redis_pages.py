@@ -1,0 +1,228 @@
+"""import-redis reads an identity larger than a page in pages, each a reply of its own,
+as it was at one instant: what the import copies is what one read of the whole identity
+gives, and a write that lands between two pages makes it read the identity again."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import pytest
+import redis.asyncio as aioredis
+from redis.asyncio.connection import Connection
+
+from coda_memory.core.sanitize import sanitize_observation
+from coda_memory.migration import import_redis
+from coda_memory.postgres import PostgresStore
+from coda_memory.redis import RedisStore
+from coda_memory.redis import export as export_module
+from coda_memory.redis.export import ExportedIdentity, export_identity
+from tests.helpers import T0, tool_ok
+from tests.redis.test_import_redis import EVENT, fact, ms, now, observation
+
+PAGE = 7
+
+#: How many records (JSON values) each reply that a _Recording connection read carried.
+_COUNTS: list[int] = []
+
+
+def _records(reply: Any) -> int:
+    if isinstance(reply, bytes):
+        return int(reply[:1] in (b"{", b"["))
+    if isinstance(reply, list):
+        return sum(_records(part) for part in reply)
+    return 0
+
+
+class _Recording(Connection):
+    async def read_response(self, *args: Any, **kwargs: Any) -> Any:
+        reply = await super().read_response(*args, **kwargs)
+        _COUNTS.append(_records(reply))
+        return reply
+
+
+async def _seed(client: aioredis.Redis, prefix: str, identity: str) -> None:
+    """Of each key of the identity, several pages: 60 of the original server's
+    observations (half of them before the checkpoint), 25 coda-memory appended (pending),
+    30 facts, 40 fact events and 20 session records."""
+    await client.zadd(
+        f"{prefix}obs:{identity}",
+        {observation(identity, f"o{n}", n / 10, f"tool{n % 9}"): ms(n / 10) for n in range(60)},
+    )
+    pending = {
+        observation(identity, f"p{n}", 2 + n / 10, f"tool{n % 5}"): ms(2 + n / 10)
+        for n in range(25)
+    }
+    await client.zadd(f"{prefix}obs:{identity}", pending)
+    await client.zadd(f"{prefix}pending:{identity}", {m: n + 1 for n, m in enumerate(pending)})
+    await client.hset(f"{prefix}checkpoint", identity, ms(3))
+    await client.hset(
+        f"{prefix}facts:{identity}",
+        mapping={f"fact:tool_affinity:t{n}": fact(identity, f"t{n}", 0.5, 1) for n in range(30)},
+    )
+    events = [
+        json.dumps({**EVENT, "identityId": identity, "subject": f"tool_affinity:t{n}"})
+        for n in range(40)
+    ]
+    await client.rpush(f"{prefix}history:{identity}", *events)
+    await client.hset(
+        f"{prefix}sessions:{identity}",
+        mapping={
+            f"s{n}": json.dumps(
+                [{**EVENT, "identityId": identity, "sessionId": f"s{n}", "at": ms(5)}]
+            )
+            for n in range(20)
+        },
+    )
+
+
+def _as_read(exported: ExportedIdentity) -> tuple[Any, ...]:
+    return (
+        sorted(o.id for o in exported.consumed),
+        sorted(o.id for o in exported.pending),
+        sorted(exported.consumed + exported.pending, key=lambda o: o.id),
+        sorted(exported.facts, key=lambda f: f.subject),
+        sorted(exported.events, key=repr),
+        exported.checkpoint_at,
+        sorted(exported.bad),
+        exported.labels,
+    )
+
+
+async def test_an_identity_of_many_pages_is_read_in_bounded_replies_as_one_read_reads_it(
+    redis_url: str,
+    redis_client: aioredis.Redis,
+    redis_prefix: str,
+    pg_url: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An identity read in one reply (hundreds of thousands of observations) outlived
+    redis-py's socket timeout (5 s) at every attempt: no reply carries much more than a
+    page, and the import copies what one read of the whole identity gives."""
+    await _seed(redis_client, redis_prefix, "ana")
+    source = RedisStore.from_url(redis_url, connection_class=_Recording)
+    target = PostgresStore.from_url(pg_url)
+    try:
+        whole = await export_identity(source, "ana")  # in one page of 10,000
+        assert (len(whole.consumed), len(whole.pending), len(whole.facts)) == (31, 54, 30)
+        assert len(whole.events) == 40 + 20 and whole.bad == []
+        monkeypatch.setattr(export_module, "READ_PAGE", PAGE, raising=False)
+        _COUNTS.clear()
+        paged = await export_identity(source, "ana")
+        assert _as_read(paged) == _as_read(whole)
+        # The first read's pages of each key (5 of them), then one page a reply (HSCAN's
+        # count is a hint: a page of a hash may hold a few more).
+        assert max(_COUNTS) <= 5 * PAGE and sorted(_COUNTS)[-2] <= 2 * PAGE
+        summary = await import_redis(source, target, now=now)
+        assert (summary.copied, summary.bad, summary.failed, summary.busy) == (1, [], [], [])
+        assert (summary.observations, summary.consumed_observations) == (85, 31)
+        assert (summary.facts, summary.fact_events, summary.checkpoints) == (30, 60, 1)
+        stored = await target.observations("ana")
+        assert sorted(o.metadata["toolName"] for o in stored) == sorted(
+            o.metadata["toolName"] for o in whole.consumed + whole.pending
+        )
+    finally:
+        await source.close()
+        await target.close()
+        _COUNTS.clear()
+
+
+def _write_after_each_read_of(
+    monkeypatch: pytest.MonkeyPatch, key: str, write: Callable[[], Awaitable[Any]]
+) -> list[int]:
+    """``write()`` awaited after each paged read of the sorted set ``key`` (before the
+    pages of the identity's other keys); the sizes of those reads."""
+    read = getattr(export_module, "_zset", None)
+    sizes: list[int] = []
+
+    async def then_write(pipe: Any, name: str) -> list[tuple[bytes, float]]:
+        assert read is not None
+        out = await read(pipe, name)
+        if name == key:
+            sizes.append(len(out))
+            await write()
+        return out
+
+    monkeypatch.setattr(export_module, "_zset", then_write, raising=False)
+    return sizes
+
+
+@pytest.mark.parametrize("write", ["append", "checkpoint"])
+async def test_a_write_between_the_pages_reads_the_identity_again(
+    redis_url: str,
+    redis_client: aioredis.Redis,
+    redis_prefix: str,
+    pg_url: str,
+    monkeypatch: pytest.MonkeyPatch,
+    write: str,
+) -> None:
+    """An append (or a consolidation's new checkpoint) that lands between the pages is
+    not half read: the read starts again, and the import copies the identity as it is
+    after it, each observation once."""
+    await _seed(redis_client, redis_prefix, "ana")
+    monkeypatch.setattr(export_module, "READ_PAGE", PAGE, raising=False)
+    source = RedisStore.from_url(redis_url)
+    writer = RedisStore.from_url(redis_url)
+    target = PostgresStore.from_url(pg_url)
+
+    async def once() -> None:
+        if len(sizes) > 1:
+            return
+        if write == "append":
+            late = sanitize_observation("ana", tool_ok("late", "late"), T0)
+            await writer.append([late])
+        else:
+            await redis_client.hset(f"{redis_prefix}checkpoint", "ana", ms(4))
+
+    sizes = _write_after_each_read_of(monkeypatch, f"{redis_prefix}obs:ana", once)
+    try:
+        summary = await import_redis(source, target, now=now)
+        # Read twice: the first read saw 85 observations, the second all there were.
+        assert sizes == [85, 86 if write == "append" else 85]
+        assert (summary.copied, summary.bad, summary.failed, summary.busy) == (1, [], [], [])
+        if write == "append":
+            assert (summary.observations, summary.consumed_observations) == (86, 31)
+            stored = await target.observations("ana")
+            assert [o.metadata["toolName"] for o in stored].count("late") == 1
+        else:  # the observations dated up to the new checkpoint, and not pending
+            assert (summary.observations, summary.consumed_observations) == (85, 41)
+    finally:
+        await source.close()
+        await writer.close()
+        await target.close()
+
+
+async def test_an_identity_written_during_every_read_is_left_busy_for_a_later_run(
+    redis_url: str,
+    redis_client: aioredis.Redis,
+    redis_prefix: str,
+    pg_url: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Live traffic that writes the identity during each of its paged reads: after
+    READ_ATTEMPTS reads it is left busy (not in the ledger), the other identities are
+    copied, and the next run copies it."""
+    await _seed(redis_client, redis_prefix, "ana")
+    await redis_client.zadd(f"{redis_prefix}obs:bob", {observation("bob", "b1", 1, "x"): ms(1)})
+    monkeypatch.setattr(export_module, "READ_PAGE", PAGE, raising=False)
+    source = RedisStore.from_url(redis_url)
+    target = PostgresStore.from_url(pg_url)
+
+    async def touch() -> None:
+        await redis_client.hset(f"{redis_prefix}facts:ana", "touched", len(sizes))
+
+    sizes = _write_after_each_read_of(monkeypatch, f"{redis_prefix}obs:ana", touch)
+    try:
+        summary = await import_redis(source, target, now=now)
+        assert len(sizes) == 5  # export.READ_ATTEMPTS
+        assert summary.busy == ["ana"] and summary.copied == 1 and summary.failed == []
+        monkeypatch.undo()
+        await redis_client.hdel(f"{redis_prefix}facts:ana", "touched")
+        monkeypatch.setattr(export_module, "READ_PAGE", PAGE, raising=False)
+        again = await import_redis(source, target, now=now)
+        assert (again.copied, again.skipped, again.busy) == (1, 1, [])
+        assert again.observations == 85
+    finally:
+        await source.close()
+        await target.close()
