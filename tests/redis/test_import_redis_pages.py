@@ -138,7 +138,7 @@ def _write_after_each_read_of(
 
     async def then_write(pipe: Any, name: str) -> list[tuple[bytes, float]]:
         assert read is not None
-        out = await read(pipe, name)
+        out: list[tuple[bytes, float]] = await read(pipe, name)
         if name == key:
             sizes.append(len(out))
             await write()
