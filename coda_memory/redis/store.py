@@ -51,6 +51,7 @@ from coda_memory.core.model import MAX_INT32, MAX_SPAN, Fact, FactEvent, Observa
 from coda_memory.core.options import NONE, require_types
 from coda_memory.errors import AccessDenied, ConnectionLost, StoreBusy
 from coda_memory.ports import AppendOutcome, Forgotten, ObservationRecord, unidentified
+from coda_memory.redis import unit as unit_module
 from coda_memory.redis.codec import (
     BadRecord,
     checkpoint_ms,
@@ -96,7 +97,7 @@ LOCK_KEPT_FOR_TTLS = 20
 #: How many times a lock's release is sent when the connection it went on was dead.
 RELEASE_ATTEMPTS = 3
 
-_SCRIPTS = ("append", "peek", "load", "commit", "unlock", "forget", "expire", "renew")
+_SCRIPTS = ("append", "peek", "load", "commit", "unlock", "forget", "expire", "renew", "page")
 #: The keys of an identity that an append writes, in the order append.lua takes them.
 _APPEND_KEYS = ("state", "obs", "pending", "batches")
 
@@ -744,9 +745,27 @@ class RedisStore:
 
     async def observations(self, identity_id: str) -> list[Observation]:
         """The identity's stored (not yet pruned) observations, oldest ``createdAt``
-        first; records that do not parse are left out."""
+        first; records that do not parse are left out.
+
+        Read in pages (``page.lua``) of :data:`~coda_memory.redis.unit.LOAD_PAGE`
+        observations or :data:`~coda_memory.redis.unit.LOAD_PAGE_BYTES` of them, each a
+        reply of its own: read in one, hundreds of thousands outlived redis-py's socket
+        timeout (5 s) at every attempt. Each observation stored throughout the read is
+        in it once; one appended or pruned meanwhile may be or not."""
+        key = self.keys.of("obs", identity_id)
+        script = self._script("page")
+        read: dict[Any, None] = {}  # in order, each once
+        cursor: list[Any] = []
         with _lost_while("reading observations"), _typed(("obs",)):
-            members: list[Any] = await self.client.zrange(self.keys.of("obs", identity_id), 0, -1)
+            while True:
+                args = [unit_module.LOAD_PAGE, unit_module.LOAD_PAGE_BYTES, *cursor]
+                page = await _read_twice(functools.partial(script, keys=[key], args=args))
+                more, *items = page
+                read.update(dict.fromkeys(items[0::2]))
+                if not int(more) or not items:
+                    break
+                cursor = items[-2:]
+        members = list(read)
         observations: list[Observation] = []
         for member in members:
             try:

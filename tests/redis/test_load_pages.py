@@ -16,6 +16,7 @@ from coda_memory.core.model import Observation
 from coda_memory.core.sanitize import sanitize_observation
 from coda_memory.redis import RedisStore
 from coda_memory.redis import unit as unit_module
+from coda_memory.redis.codec import observation_from_json
 from tests.helpers import T0, tool_ok
 from tests.redis.test_seed_layout import seed_observation
 
@@ -257,5 +258,84 @@ async def test_a_sequence_reset_under_a_run_leaves_the_members_it_did_not_read(
         assert sent == [5, 5 + 6]  # refused by number, then sent with its members
         assert await redis_store.client.zcard(redis_store.keys.of("pending", "u1")) == 1
         assert _names(await _run(redis_store, "u1")) == ["again"]
+    finally:
+        await writer.close()
+
+
+async def _stored(store: RedisStore, identity: str) -> list[Observation]:
+    """The identity's observations in one read of the whole sorted set."""
+    members: list[Any] = await store.client.zrange(store.keys.of("obs", identity), 0, -1)
+    return [observation_from_json(identity, member) for member in members]
+
+
+async def test_the_observations_are_read_in_pages_of_bounded_replies(
+    redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``observations`` read the identity's sorted set in one reply, which redis-py's
+    socket timeout (5 s) cut at every attempt once it held hundreds of thousands: no
+    reply carries more than a page, and the read is the one of the whole set."""
+    monkeypatch.setattr(unit_module, "LOAD_PAGE", PAGE)
+    store = RedisStore.from_url(redis_url, connection_class=_Recording)
+    try:
+        await _seed(store, "u1", pending=40, original=17)
+        whole = await _stored(store, "u1")
+        assert len(whole) == 57
+        _COUNTS.clear()
+        assert await store.observations("u1") == whole
+        assert max(_COUNTS) <= PAGE and sum(_COUNTS) == 57 and len(_COUNTS) >= 57 // PAGE
+    finally:
+        await store.close()
+        _COUNTS.clear()
+
+
+async def test_the_observations_read_across_an_append_and_a_prune_between_the_pages(
+    redis_store: RedisStore, redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Between two pages, an append dated before what was read and one after it, and the
+    removal of the oldest observation and of the last one read: every other observation
+    is read once, in order, and none twice."""
+    monkeypatch.setattr(unit_module, "LOAD_PAGE", 5)
+    await _seed(redis_store, "u1", pending=0, original=23)
+    before = await _stored(redis_store, "u1")
+    writer = RedisStore.from_url(redis_url)
+    key = redis_store.keys.of("obs", "u1")
+    script = redis_store._script
+    cursors: list[bytes] = []
+
+    async def meanwhile(last: bytes) -> None:
+        cursors.append(last)
+        if len(cursors) == 1:
+            for name, at in (("early", T0 - timedelta(hours=1)), ("late", T0 + timedelta(days=3))):
+                await writer.append([sanitize_observation("u1", tool_ok(name, name), at)])
+            oldest = await redis_store.client.zrange(key, 0, 0)
+            await redis_store.client.zrem(key, *oldest, last)
+
+    def paged(name: str) -> Any:
+        page = script(name)
+        if name != "page":
+            return page
+
+        async def call(*, keys: list[str], args: list[Any]) -> Any:
+            if len(args) > 2:
+                await meanwhile(args[2])
+            return await page(keys=keys, args=args)
+
+        return call
+
+    monkeypatch.setattr(redis_store, "_script", paged)
+    try:
+        read = await redis_store.observations("u1")
+        # Four pages: the one after the removed last member starts from its score.
+        assert len(cursors) == 4
+        ids = [o.id for o in read]
+        assert len(ids) == len(set(ids))
+        # Those read before they were removed, and those after the first page (the
+        # late append among them); the early one, dated before what was read, is not.
+        assert [str(o.metadata["toolName"]) for o in read] == [
+            *(f"o{n}" for n in range(23)),
+            "late",
+        ]
+        assert [o for o in read if o.id in {b.id for b in before}] == before
+        assert read == sorted(read, key=lambda o: o.created_at)
     finally:
         await writer.close()
