@@ -94,6 +94,10 @@ T = TypeVar("T")
 #: then lets it expire, as a dead process's, rather than hold its identity for ever.
 LOCK_KEPT_FOR_TTLS = 20
 
+#: Reads in pages of a list (the fact history) whose head a commit trimmed meanwhile,
+#: before it is read in one reply (see ``RedisStore._whole_list``).
+LIST_READ_ATTEMPTS = 5
+
 #: How many times a lock's release is sent when the connection it went on was dead.
 RELEASE_ATTEMPTS = 3
 
@@ -734,7 +738,7 @@ class RedisStore:
 
     async def history(self, identity_id: str, subject: str | None = None) -> list[FactEvent]:
         with _lost_while("reading fact history"), _typed(("history",)):
-            raw = await self.client.lrange(self.keys.of("history", identity_id), 0, -1)
+            raw = await self._whole_list(self.keys.of("history", identity_id))
         events = []
         for record in raw:
             try:
@@ -742,6 +746,34 @@ class RedisStore:
             except (ValueError, KeyError, TypeError):
                 continue  # a record that does not parse is left out, as by every read
         return [e for e in events if subject is None or e.subject == subject]
+
+    async def _whole_list(self, key: str) -> list[Any]:
+        """Every item of the list ``key``, in pages of
+        :data:`~coda_memory.redis.unit.LOAD_PAGE` items, each a reply of its own: a
+        history with no limit (``history_limit=0``) grows without bound, and read in one
+        reply it outlived redis-py's socket timeout. A commit appends at the tail (an
+        item appended meanwhile is read or not) and trims the head of a history at its
+        limit: each later page is read with the head, and when it is not the one of the
+        first page, the read starts again (:data:`LIST_READ_ATTEMPTS` times, then in
+        one reply, as it was)."""
+        page = unit_module.LOAD_PAGE
+        for _ in range(LIST_READ_ATTEMPTS):
+            items: list[Any] = await self.client.lrange(key, 0, page - 1)
+            head = items[0] if items else None
+            while len(items) % page == 0 and items:
+                async with self.client.pipeline(transaction=True) as pipe:
+                    pipe.lindex(key, 0)
+                    pipe.lrange(key, len(items), len(items) + page - 1)
+                    now, more = await pipe.execute()
+                if now != head:
+                    break
+                items += more
+                if len(more) < page:
+                    return items
+            else:
+                return items
+        whole: list[Any] = await self.client.lrange(key, 0, -1)
+        return whole
 
     async def observations(self, identity_id: str) -> list[Observation]:
         """The identity's stored (not yet pruned) observations, oldest ``createdAt``
