@@ -94,6 +94,10 @@ T = TypeVar("T")
 #: then lets it expire, as a dead process's, rather than hold its identity for ever.
 LOCK_KEPT_FOR_TTLS = 20
 
+#: The fields of the checkpoint map (one per identity consolidated) that one reply of
+#: ``identities()`` carries, about (HSCAN's count).
+IDENTITIES_PAGE = 1_000
+
 #: Reads in pages of a list (the fact history) whose head a commit trimmed meanwhile,
 #: before it is read in one reply (see ``RedisStore._whole_list``).
 LIST_READ_ATTEMPTS = 5
@@ -859,9 +863,13 @@ class RedisStore:
                 async for key in self.client.scan_iter(match=self.keys.pattern(kind), count=1000):
                     text = _decoded(key)
                     found.add(self.keys.identity_of(kind, text))
+            # By HSCAN, a page of about IDENTITIES_PAGE fields a reply: the map holds a
+            # field for every identity ever consolidated, and HKEYS read it in one reply.
             with self._checkpoint_map_read():
-                fields = await self.client.hkeys(self.keys.checkpoint)
-            found.update(_decoded(field) for field in fields)
+                async for field, _ in self.client.hscan_iter(
+                    self.keys.checkpoint, count=IDENTITIES_PAGE
+                ):
+                    found.add(_decoded(field))
             return sorted(found)
 
     async def stats(self) -> RedisStoreStats:
