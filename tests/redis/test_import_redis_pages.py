@@ -4,6 +4,7 @@ gives, and a write that lands between two pages makes it read the identity again
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -11,6 +12,7 @@ from typing import Any
 import pytest
 import redis.asyncio as aioredis
 from redis.asyncio.connection import Connection
+from redis.exceptions import NoPermissionError
 
 from coda_memory.core.sanitize import sanitize_observation
 from coda_memory.migration import import_redis
@@ -20,6 +22,7 @@ from coda_memory.redis import export as export_module
 from coda_memory.redis.export import ExportedIdentity, export_identity
 from tests.helpers import T0, tool_ok
 from tests.redis.test_import_redis import EVENT, fact, ms, now, observation
+from tests.redis_fixtures import _own_server
 
 PAGE = 7
 
@@ -226,3 +229,33 @@ async def test_an_identity_written_during_every_read_is_left_busy_for_a_later_ru
     finally:
         await source.close()
         await target.close()
+
+
+async def test_a_user_that_may_not_watch_stops_the_run_naming_the_command(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An identity larger than a page is read under WATCH, which an ACL user for the
+    import now needs too: one without it stops the run on the server's refusal, naming
+    the command (not every identity left out as "of the wrong type"), and one with it
+    reads the identity."""
+    monkeypatch.setattr(export_module, "READ_PAGE", PAGE, raising=False)
+    with contextlib.contextmanager(_own_server)() as server:
+        admin = aioredis.Redis.from_url(server)
+        try:
+            commands = ["+@read", "+@connection", "+scan", "+multi", "+exec"]
+            await admin.acl_setuser(
+                "reader", enabled=True, passwords=["+r3ader"], keys=["*"], commands=commands
+            )
+            await _seed(admin, "coda:memory:", "ana")
+            url = server.replace("redis://", "redis://reader:r3ader@", 1)
+            source = RedisStore.from_url(url)
+            try:
+                with pytest.raises(NoPermissionError, match="'watch' command"):
+                    await import_redis(source, None, now=now)
+                await admin.acl_setuser("reader", commands=["+watch"])
+                summary = await import_redis(source, None, now=now)
+                assert (summary.copied, summary.observations, summary.bad) == (1, 85, [])
+            finally:
+                await source.close()
+        finally:
+            await admin.aclose()
