@@ -212,7 +212,10 @@ _BRACKET_MARKER = re.compile(
     # Mistral's control tokens beside [INST]: the system prompt, tools, tool calls with
     # their arguments and ids, tool results, and the reasoning block
     r"|system[\s_]*prompt|tool[\s_]*calls?|available[\s_]*tools|tool[\s_]*results?"
-    r"|tool[\s_]*content|args|call[\s_]*id|think)\s*\]",
+    r"|tool[\s_]*content|args|call[\s_]*id|think"
+    # and its others: images, fill-in-the-middle, audio, and the numbered fillers
+    r"|img(?:[\s_]*(?:break|end))?|prefix|suffix|middle|audio|begin[\s_]*audio"
+    r"|transcribe|(?:next|repeat)[\s_]*audio[\s_]*text|control[\s_]*\d{1,4})\s*\]",
     re.IGNORECASE,
 )
 _ROLE = re.compile(
