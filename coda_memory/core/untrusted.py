@@ -22,14 +22,16 @@ line of plain data that cannot steer the model, in this order:
    such as ``<img …>`` or ``<|im_start|>`` and every other ``<`` or ``>`` become a space;
    ``[INST]``-like markers go, and a space splits ``](``, ``][``, ``]:`` and ``![``, so
    no markdown link or image can form; a role word followed by a colon (``SYSTEM:``,
-   ``assistant:``, ``### Instruction:``) loses the colon. Turn markers, link syntax and
-   role words that accents hide (a combining mark inside the word, ``S̶ystem:``, or a
-   precomposed letter, ``Sýstem:``, ``[ÍNST]``) are caught too: they are matched again
-   on a copy in which every letter is its base letter and the marks are gone, and such a
-   match loses its accents with the rest of its replacement. Runs of ``#`` and HTML
-   entities (``&lt;``) become a space, also when accents hide them (``#́#́#``). Every
-   removal leaves a space, so removing one pattern cannot join its neighbours into
-   another; a combining mark left without its letter by a removal goes too.
+   ``assistant:``, ``### Instruction:``), or a ReAct step's (``Thought:``, ``Action:``,
+   ``Action Input:``, ``Observation:``, ``Final Answer:``), loses the colon. Turn
+   markers, link syntax and role words that accents hide (a combining mark inside the
+   word, ``S̶ystem:``, or a precomposed letter, ``Sýstem:``, ``[ÍNST]``) are caught too:
+   they are matched again on a copy in which every letter is its base letter and the
+   marks are gone, and such a match loses its accents with the rest of its replacement.
+   Runs of ``#`` and HTML entities (``&lt;``) become a space, also when accents hide
+   them (``#́#́#``). Every removal leaves a space, so removing one pattern cannot join its
+   neighbours into another; a combining mark left without its letter by a removal goes
+   too.
 5. **Capped** at ``max_chars`` characters, ending in "…" when cut.
 
 Printable ASCII without ``<>[]#&:``, ``www``, ``//`` or a ``.tld/`` skips all of this but
@@ -223,11 +225,16 @@ _ROLE = re.compile(
     # every colon of a run, "SYSTEM::" or "SYSTEM: :", or one would stay behind)
     # (or after one escaped as JSON, C or in a URL: "\u000a", "\x0a", "%0a")
     # (a role word's first letter is looked at first: one test at a position where none
-    # starts, instead of six lookbehinds and fifteen words)
-    r"(?=[abdfhimprstu])"
+    # starts, instead of six lookbehinds and twenty words)
+    # (and the steps of a ReAct loop, which its parsers look for anywhere in a text,
+    # numbered or not: "Thought:", "Action 2:", "Action Input:", "Observation:",
+    # "Final Answer:")
+    r"(?=[abdfhimoprstu])"
     r"(?:(?<=\\[nrt])|(?<=\\u000[ad])|(?<=\\u202[89])|(?<=\\x0[ad])|(?<=%0[ad])"
     r"|(?<![A-Za-z0-9_]))(system|developer|assistant|user|human|ai|model|"
-    r"bot|instructions?|response|prompt|tool|function|ipython)(?:\s*:)+",
+    r"bot|instructions?|response|prompt|tool|function|ipython|"
+    r"(?:thought|observation|action(?:[\s_]?\d{1,3})?(?:[\s_]?input)?)(?:[\s_]?\d{1,3})?|"
+    r"final[\s_]?answer)(?:\s*:)+",
     re.IGNORECASE,
 )
 #: What makes brackets a markdown link, image or reference: ``](``, ``][``, ``]:``, ``![``.
