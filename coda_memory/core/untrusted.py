@@ -19,7 +19,10 @@ line of plain data that cannot steer the model, in this order:
    letters and ``:``, so ``ЅYЅТЕМ:`` and ``SYSTEM꞉`` are caught like ``SYSTEM:``.
 4. **Structure neutralised.** URLs (any ``scheme://``, ``//host``, ``www.`` hosts,
    ``javascript:``-like schemes, ``host.tld/path``) become ``(link removed)``; tags
-   such as ``<img …>`` or ``<|im_start|>`` and every other ``<`` or ``>`` become a space;
+   such as ``<img …>`` or ``<|im_start|>`` and every other ``<`` or ``>`` become a space,
+   and so do look-alikes of ``<`` and ``>`` (:data:`ANGLE_OPENERS`) where they draw a tag
+   or a template token (``‹|im_start|›``, ``˂/tool_result˃``; around one word, only the
+   angles: ``˂system˃`` is ``system``), not in prose (``‹Das ist gut›``, ``⟨a, b⟩``);
    ``[INST]``-like markers go, and a space splits ``](``, ``][``, ``]:`` and ``![``, so
    no markdown link or image can form; a role word followed by a colon (``SYSTEM:``,
    ``assistant:``, ``### Instruction:``), or a ReAct step's (``Thought:``, ``Action:``,
@@ -209,6 +212,48 @@ def _url_pattern(folded: str) -> re.Pattern[str] | None:
 
 #: (Each pattern below starts with a literal in every branch, which a search skips to.)
 _TAG = re.compile(r"<(?:[^<>]{0,64}>)?|>")
+
+#: Look-alikes of ``<`` and ``>`` that NFKC leaves alone: those of Unicode's
+#: confusables.txt (the single angle quotation marks, modifier arrowheads, Canadian
+#: syllabics PA and PO, the runic kauna, the heavy angle ornaments, Greek instrumental
+#: notation, a Miao letter) and the other single angle brackets (CJK, mathematical,
+#: ornaments; NFKC makes U+2329 and U+232A the CJK ones, and the fullwidth and small
+#: forms ``<`` and ``>``).
+ANGLE_OPENERS = "\u2039\u02c2\u1438\u16b2\u276e\U0001d236\u3008\u27e8\u276c\u2770\u29fc"
+ANGLE_CLOSERS = "\u203a\u02c3\u1433\u276f\U00016f3f\U0001d237\u3009\u27e9\u276d\u2771\u29fd"
+_ANGLE_LOOKALIKE = re.compile(f"[{ANGLE_OPENERS}{ANGLE_CLOSERS}]")
+
+
+def _lookalike_tag_pattern() -> re.Pattern[str]:
+    """Tags and template tokens written with look-alikes of ``<`` and ``>`` (one of the
+    two ends may be ASCII): ``‹|im_start|›``, ``˂system˃``, ``‹/tool_result›``,
+    ``‹‹SYS››``, ``⟨img src=x⟩``, and the halves ``‹|`` and ``|›``. Only such shapes:
+    these characters are quotation marks and brackets of ordinary prose too (``‹Das
+    ist gut›``, ``⟨a, b⟩``, ``〈3〉``), left alone. A pair around one word is group
+    ``name``, its runs of angles ``open`` and ``close``."""
+    opener, closer = f"[{ANGLE_OPENERS}]", f"[{ANGLE_CLOSERS}]"
+    any_opener, any_closer = f"[<{ANGLE_OPENERS}]", f"[>{ANGLE_CLOSERS}]"
+    inner = f"[^<>{ANGLE_OPENERS}{ANGLE_CLOSERS}]{{0,62}}?"
+    name = r"[A-Za-z][A-Za-z0-9_:\-]{0,63}"
+    close = f"{any_closer}{{1,3}}"
+    body = (
+        rf"\|{inner}{close}"  # a template token: <|im_start|>, <|eot_id|>
+        rf"|{inner}\|\s?{close}"  # <...|>
+        rf"|[/!?]\s?{name}{inner}{close}"  # a closing tag, <!DOCTYPE ...>, <?xml ...>
+        rf"|{name}\s?/\s?{close}"  # <br/>
+        rf"|{name}\s[A-Za-z_:][\w:.\-]*\s?={inner}{close}"  # attributes: <img src=x>
+        rf"|(?P<name>{name})\s?(?P<close>{close})"  # one word: <system>, <<SYS>>
+    )
+    pair = f"(?P<open>{any_opener}{{1,3}})\\s?(?:{body})"
+    # One end a look-alike at least (a pair of ASCII ends is _TAG's).
+    return re.compile(
+        f"(?={opener}|<{{1,3}}[^<>]{{0,64}}?{closer})(?:{pair})|{opener}\\s?\\||\\|\\s?{closer}"
+    )
+
+
+_LOOKALIKE_TAG = _lookalike_tag_pattern()
+
+
 _BRACKET_MARKER = re.compile(
     r"\[\s*/?\s*(?:inst|sys|system|user|assistant|human|ai|bot"
     # Mistral's control tokens beside [INST]: the system prompt, tools, tool calls with
@@ -351,12 +396,44 @@ def _without_orphan_marks(text: str) -> str:
     return "".join(kept)
 
 
+def _without_lookalike_tags(pair: _Pair) -> _Pair:
+    """``pair`` with each match of :data:`_LOOKALIKE_TAG` a space, also where accents
+    hide it (``‹s\u0336ystem›``, ``‹sýstem›``: matched again as :func:`_sub_on_bases`
+    does). A pair of single angles around one word keeps the word as it was written,
+    only the angles become spaces (Swiss quotation marks: ``‹Bonjour›``)."""
+
+    def edits(text: str, at: Callable[[int], int]) -> list[tuple[int, int, str]]:
+        # ``at``: where a position of ``text`` is in the folded text.
+        found: list[tuple[int, int, str]] = []
+        for match in _LOOKALIKE_TAG.finditer(text):
+            start, end = at(match.start()), at(match.end() - 1) + 1
+            name = match.group("name")
+            if name is None or len(match.group("open")) > 1 or len(match.group("close")) > 1:
+                found.append((start, end, " "))
+            else:  # (the word ends where the next character starts: its marks kept)
+                found += [(start, at(match.start("name")), " "), (at(match.end("name")), end, " ")]
+        return found
+
+    pair = _splice(pair, edits(pair[1], lambda i: i))
+    folded = pair[1]
+    if folded.isascii() or not _ANGLE_LOOKALIKE.search(folded):
+        return pair
+    bare = folded.translate(_BASE_LETTERS)
+    if bare == folded or not _LOOKALIKE_TAG.search(bare):
+        return pair
+    # Where each character of the bare copy is in the folded text (marks have none).
+    kept = [i for i, char in enumerate(folded) if _BASE_LETTERS[ord(char)] is not None]
+    return _splice(pair, edits(bare, kept.__getitem__))
+
+
 def _neutralise(text: str) -> str:
     """``text`` with every structure of step 4 of the module policy replaced."""
     pair = (text, text.translate(CONFUSABLES))
     url = _url_pattern(pair[1])
     if url is not None:
         pair = _sub(url, lambda _: f" {LINK_REMOVED} ", pair)
+    if not pair[1].isascii() and _ANGLE_LOOKALIKE.search(pair[1]):
+        pair = _without_lookalike_tags(pair)
     pair = _sub(_TAG, lambda _: " ", pair)
     markers = (
         (_BRACKET_MARKER, lambda _: " "),
