@@ -26,11 +26,12 @@ line of plain data that cannot steer the model, in this order:
    ``[INST]``-like markers go, and a space splits ``](``, ``][``, ``]:`` and ``![``, so
    no markdown link or image can form; a role word followed by a colon (``SYSTEM:``,
    ``assistant:``, ``### Instruction:``), or a ReAct step's (``Thought:``, ``Action:``,
-   ``Action Input:``, ``Observation:``, ``Final Answer:``), loses the colon. Turn
+   ``Action Input:``, ``Observation:``, ``Final Answer:``), loses the colon. URLs, turn
    markers, link syntax and role words that accents hide (a combining mark inside the
-   word, ``S̶ystem:``, or a precomposed letter, ``Sýstem:``, ``[ÍNST]``) are caught too:
-   they are matched again on a copy in which every letter is its base letter and the
-   marks are gone, and such a match loses its accents with the rest of its replacement.
+   word, ``S̶ystem:``, ``system̶.system/``, ``w̶ww.x``, or a precomposed letter,
+   ``Sýstem:``, ``[ÍNST]``, ``ẃww.x``) are caught too: they are matched again on a copy
+   in which every letter is its base letter and the marks are gone, and such a match
+   loses its accents with the rest of its replacement (a URL goes whole: ``ev́il.com/x``).
    Runs of ``#`` and HTML entities (``&lt;``) become a space, also when accents hide
    them (``#́#́#``). Every removal leaves a space, so removing one pattern cannot join its
    neighbours into another; a combining mark left without its letter by a removal goes
@@ -43,6 +44,7 @@ the whitespace collapsing: that is the common case, and it stays fast.
 
 from __future__ import annotations
 
+import bisect
 import math
 import re
 import unicodedata
@@ -180,7 +182,8 @@ def _url_branches_in(folded: str) -> int:
     """Which branches of :data:`_URL` may match in ``folded``: bit ``i`` for branch ``i``."""
     mask = 0
     if "/" in folded:
-        mask |= 0b1100000
+        if "." in folded or "\u3002" in folded or "\uff0e" in folded or "\uff61" in folded:
+            mask |= 0b1100000  # host.tld/path, 1.2.3.4/path
         if "//" in folded:
             mask |= 0b0000010
             if "://" in folded:
@@ -304,24 +307,32 @@ def _sub(pattern: re.Pattern[str], repl: Callable[[re.Match[str]], str], pair: _
 
 
 def _sub_on_bases(
-    pattern: re.Pattern[str], repl: Callable[[re.Match[str]], str], pair: _Pair
+    pattern: re.Pattern[str] | Callable[[str], re.Pattern[str] | None],
+    repl: Callable[[re.Match[str]], str],
+    pair: _Pair,
 ) -> _Pair:
     """:func:`_sub` for the matches that accents hide: a combining mark inside a word
-    (``S\u0336ystem:``) or a precomposed letter (``Sýstem:``, ``[ÍNST]``). ``pattern``
-    runs on a copy of the folded text in which every letter is its base letter and the
-    marks are gone, and each match replaces its whole span of both texts, marks
-    included. A text without accents, or without a match, is returned as it is."""
+    (``S\u0336ystem:``, ``system\u0336.system/``) or a precomposed letter (``Sýstem:``,
+    ``[ÍNST]``). ``pattern`` (or the one it gives for that copy, None for none) runs on a
+    copy of the folded text in which every letter is its base letter and the marks are
+    gone, and each match replaces its whole span of both texts, marks included. A text
+    without accents, or without a match, is returned as it is."""
     folded = pair[1]
     if folded.isascii():
         return pair
-    bare = folded.translate(_BASE_LETTERS)
-    if bare == folded or not pattern.search(bare):
+    bare = _bare(folded)
+    if bare == folded:
         return pair
-    # Where each character of the bare copy is in the folded text (marks have none).
-    kept = [i for i, char in enumerate(folded) if _BASE_LETTERS[ord(char)] is not None]
+    if not isinstance(pattern, re.Pattern):
+        found = pattern(bare)
+        if found is None:
+            return pair
+        pattern = found
+    if not pattern.search(bare):
+        return pair
+    at = _in_folded(folded)
     return _splice(
-        pair,
-        [(kept[m.start()], kept[m.end() - 1] + 1, repl(m)) for m in pattern.finditer(bare)],
+        pair, [(at(m.start()), at(m.end() - 1) + 1, repl(m)) for m in pattern.finditer(bare)]
     )
 
 
@@ -348,19 +359,19 @@ def _is_mark(char: str) -> bool:
     return char >= "\u0300" and unicodedata.category(char) in _MARK_CATEGORIES
 
 
-class _BaseLetterTable(dict[int, "str | None"]):
-    """A ``str.translate`` table, filled as characters are met: a combining mark to
-    None (deleted), any other character to its base letter (``ý``: ``y``; itself if it
-    has none), confusables folded. One character to one, so the positions of what is
-    kept line up with the folded text's."""
+class _BaseLetterTable(dict[int, str]):
+    """A ``str.translate`` table, filled as characters are met: a combining mark to NUL
+    (which no cleaned text holds: :func:`_bare` removes them after), any other
+    character to its base letter (``ý``: ``y``; itself if it has none), confusables
+    folded. One character to one, so the positions line up with the folded text's."""
 
     #: Characters remembered at most (every code point would be about 100 MB).
     LIMIT = 16_384
 
-    def __missing__(self, code: int) -> str | None:
+    def __missing__(self, code: int) -> str:
         char = chr(code)
         if _is_mark(char):
-            base = None
+            base = "\x00"
         elif code < 0xC0:
             base = char
         else:
@@ -371,6 +382,54 @@ class _BaseLetterTable(dict[int, "str | None"]):
 
 
 _BASE_LETTERS = _BaseLetterTable()
+_MARK_PLACE = re.compile("\x00")
+
+
+def _bare(folded: str) -> str:
+    """``folded`` with every letter its base letter and the marks gone."""
+    return _bases(folded)[1]
+
+
+def _in_folded(folded: str) -> Callable[[int], int]:
+    """Where each position of :func:`_bare`'s copy of ``folded`` is in ``folded``: the
+    ``k``-th mark, at ``p`` in ``folded``, is before position ``p - k`` of the copy.
+    (With a few marks, much cheaper than the position of every character.)"""
+    marks = [m.start() - k for k, m in enumerate(_MARK_PLACE.finditer(_bases(folded)[0]))]
+    return lambda i: i + bisect.bisect_right(marks, i)
+
+
+@lru_cache(maxsize=4)
+def _bases(folded: str) -> tuple[str, str]:
+    """``folded`` translated by :data:`_BASE_LETTERS` (the marks NUL), and that without
+    the marks. Remembered: one pass of :func:`_neutralise` mostly reads the text that
+    the pass before it read."""
+    based = folded.translate(_BASE_LETTERS)
+    return based, based.replace("\x00", "") if "\x00" in based else based
+
+
+#: The letters that NFD makes a "w" with accents (a look-alike is folded before).
+_PRECOMPOSED_W = "\u0174\u0175\u1e80\u1e81\u1e82\u1e83\u1e84\u1e85\u1e86\u1e87\u1e88\u1e89\u1e98"
+#: What a "www." host that accents hide holds in the few characters before its "."
+#: (three letters and three digits, two marks on each): a precomposed "w", or a "w" or
+#: a digit before a character that is not ASCII (a mark). (It starts with a set of
+#: characters, which a search skips to.)
+_MAYBE_HIDDEN_WWW = re.compile(
+    rf"[wW\d{_PRECOMPOSED_W}](?:(?<=[{_PRECOMPOSED_W}])|[^\x00-\x7f])[^\s.]{{0,17}}\."
+)
+
+
+def _may_hide_link(folded: str) -> bool:
+    """Whether accents may hide a link in ``folded`` (see :func:`_neutralise`): it has a
+    character that is not ASCII, and a "/" or a ":", or a "www." with accents
+    (:data:`_MAYBE_HIDDEN_WWW`): every link holds one of them, and no base letter or
+    removed mark makes a "/", ":" or "." (the look-alikes of ":" are folded before)."""
+    if folded.isascii():
+        return False
+    return (
+        "/" in folded
+        or ":" in folded
+        or ("." in folded and _MAYBE_HIDDEN_WWW.search(folded) is not None)
+    )
 
 
 #: A character that may be a combining mark, at the start or after a space.
@@ -418,20 +477,26 @@ def _without_lookalike_tags(pair: _Pair) -> _Pair:
     folded = pair[1]
     if folded.isascii() or not _ANGLE_LOOKALIKE.search(folded):
         return pair
-    bare = folded.translate(_BASE_LETTERS)
+    bare = _bare(folded)
     if bare == folded or not _LOOKALIKE_TAG.search(bare):
         return pair
-    # Where each character of the bare copy is in the folded text (marks have none).
-    kept = [i for i, char in enumerate(folded) if _BASE_LETTERS[ord(char)] is not None]
-    return _splice(pair, edits(bare, kept.__getitem__))
+    return _splice(pair, edits(bare, _in_folded(folded)))
+
+
+def _link_removed(_: re.Match[str]) -> str:
+    return f" {LINK_REMOVED} "
 
 
 def _neutralise(text: str) -> str:
     """``text`` with every structure of step 4 of the module policy replaced."""
     pair = (text, text.translate(CONFUSABLES))
+    if _may_hide_link(pair[1]):
+        # Links that accents hide ("system\u0336.system/", "w\u0336ww.x", "/\u0336/x"),
+        # first, so that each goes whole ("h\u0336ttps://x", not only its "//x").
+        pair = _sub_on_bases(_url_pattern, _link_removed, pair)
     url = _url_pattern(pair[1])
     if url is not None:
-        pair = _sub(url, lambda _: f" {LINK_REMOVED} ", pair)
+        pair = _sub(url, _link_removed, pair)
     if not pair[1].isascii() and _ANGLE_LOOKALIKE.search(pair[1]):
         pair = _without_lookalike_tags(pair)
     pair = _sub(_TAG, lambda _: " ", pair)
@@ -446,7 +511,7 @@ def _neutralise(text: str) -> str:
     if (
         not folded.isascii()
         and ("[" in folded or "]" in folded or ":" in folded)  # every marker holds one
-        and _ANY_MARKER.search(folded.translate(_BASE_LETTERS))
+        and _ANY_MARKER.search(_bare(folded))
     ):
         # Rare: a marker that accents hid (one search tells; the passes find which).
         for pattern, repl in markers:

@@ -552,6 +552,98 @@ def test_markers_and_links_that_slipped_through_are_caught(value: str, expected:
 @pytest.mark.parametrize(
     ("value", "expected"),
     [
+        # A combining mark that composes with no letter, in a host, its top level or
+        # next to its dot: the link check reads the text without it, as the checks for
+        # markers do.
+        ("system\u0336.system/", "(link removed)"),
+        ("see evil\u0336.com/x now", "see (link removed) now"),
+        ("evil.c\u0336o\u0336m/x", "(link removed)"),
+        ("evil\u20dd\u3002com/x", "(link removed)"),
+        ("1\u0336.2.3.4/admin", "(link removed)"),
+        # In "www", in "//", in a scheme's name; or a precomposed letter there.
+        ("go to w\u0336w\u0336w\u0336.evil.com now", "go to (link removed) now"),
+        ("www1\u0301.evil.com", "(link removed)"),
+        ("\u1e83ww.evil.com", "(link removed)"),
+        ("/\u0336/evil.com", "(link removed)"),
+        ("\u1e23ttp:evil.com", "(link removed)"),
+        ("j\u00e1vascript:alert", "(link removed)"),
+        # The link goes whole, with its accents (not only "il.com/x" or "//evil.com").
+        ("ev\u0301il.com/x", "(link removed)"),
+        ("h\u0336ttps:\u0336//evil.com", "(link removed)"),
+    ],
+)
+def test_accents_hide_no_link(value: str, expected: str) -> None:
+    """Each of these reached the prompt section with its link: the link check ran only
+    on the text as written, where a mark between two letters ends a word."""
+    assert data_text(value, 200) == expected
+    assert data_text(expected, 200) == expected
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        "caf\u00e9. Tr\u00e8s bien.",
+        "na\u00efve/naive, Z\u00fcrich: 3.5/s",
+        "Mae'r \u0175yl yn N\u0175r. D\u0175r/Gwin.",
+        "a\u00f1o 2024/25: Espa\u00f1a.",
+        "Vi\u1ec7t Nam: H\u00e0 N\u1ed9i/S\u00e0i G\u00f2n.",
+        "\u0928\u092e\u0938\u094d\u0924\u0947/\u0939\u093f\u0902\u0926\u0940: \u0920\u0940\u0915.",
+        "\u0174. \u1e82: \u1e81/\u1e85",
+    ],
+)
+def test_accented_text_without_a_link_stays(value: str) -> None:
+    assert data_text(value, 200) == value
+
+
+#: Links, and accents that may hide them: marks that compose with no letter (U+0336,
+#: U+20DD) or with some (U+0301), and precomposed letters.
+HIDDEN_LINK_PIECES = [
+    *("evil", "com", "x", "w", "ww", "www", "1", ".", "/", "//", ":", "http", "https"),
+    *("javascript", "\u3002", " ", "(", "\u0336", "\u0301", "\u20dd", "\u1e83", "\u1e23"),
+    *("\u00e1", "\u00e9", "\u0405"),
+]
+hidden_links = st.lists(st.sampled_from(HIDDEN_LINK_PIECES), max_size=40).map("".join)
+
+
+@settings(max_examples=500)
+@given(hidden_links)
+def test_accents_hide_no_link_wherever_they_are(value: str) -> None:
+    from coda_memory.core.untrusted import _URL
+
+    result = data_text(value, 10_000)
+    assert not _URL.search(folded(result)), result
+    assert data_text(result, 10_000) == result
+
+
+@settings(max_examples=500)
+@given(hidden_links)
+def test_links_are_looked_for_on_base_letters_wherever_accents_may_hide_one(value: str) -> None:
+    """The copy of base letters is made only for a text that holds what a link that
+    accents hide needs: where it is not, every link of the copy is one of the text."""
+    from coda_memory.core import untrusted
+
+    text = unicodedata.normalize("NFKC", value).translate(CONFUSABLES)
+    if not untrusted._may_hide_link(text):
+        bare = untrusted._bare(text)
+        assert len(untrusted._URL.findall(bare)) == len(untrusted._URL.findall(text)), text
+
+
+def test_the_precomposed_w_are_every_letter_whose_base_is_w() -> None:
+    from coda_memory.core import untrusted
+
+    found = {
+        char
+        for char in map(chr, range(0xC0, 0x30000))
+        if unicodedata.decomposition(char)[:1] not in ("", "<")  # canonical only
+        and unicodedata.normalize("NFD", char)[0].translate(CONFUSABLES) in ("w", "W")
+        and unicodedata.is_normalized("NFKC", char)
+    }
+    assert found == set(untrusted._PRECOMPOSED_W)
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
         # Mistral's image, fill-in-the-middle and audio tokens, and its numbered fillers.
         ("[IMG] 2024.jpg", "2024.jpg"),
         ("[IMG_BREAK][img end] x", "x"),
@@ -634,7 +726,7 @@ STRUCTURE_PIECES = [
     *("file:", "mailto:", "blob:", "ftp:", "vbscript:", "system", "USER", "ai", "tool"),
     *("instructions", "ipython", "x.com/", "1.2.3.4/", "xn--p1ai/", "[INST]", "](", "%0a"),
     *("\\u000a", "x:", "x:x:x:", " : ", "&lt;", "##", ":80/", "observation", "Action 1 Input"),
-    *("Thought", "final answer", "reaction"),
+    *("Thought", "final answer", "reaction", "\uff61", "x./", "/x"),
 ]
 structured = st.lists(st.sampled_from(STRUCTURE_PIECES), max_size=120).map("".join)
 
@@ -676,7 +768,8 @@ def test_a_hostile_id_is_cleaned_once_and_searched_for_no_link() -> None:
     hostile = ("x:" * 100)[:199] + "1"
     assert untrusted._url_pattern(hostile) is None
     assert untrusted._url_pattern("x:" * 99 + "http:") is not None
-    only_paths = untrusted._url_pattern("x/" * 100)  # host.tld/path and IPv4/path
+    assert untrusted._url_pattern("x/" * 100) is None  # no dot, no host.tld/path
+    only_paths = untrusted._url_pattern("x./" * 100)  # host.tld/path and IPv4/path
     assert only_paths is not None
     assert only_paths.pattern == "|".join(untrusted._URL_BRANCHES[5:])
     content = f'Works with table "{hostile}"'
