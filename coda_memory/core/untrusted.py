@@ -36,7 +36,9 @@ line of plain data that cannot steer the model, in this order:
    them (``#́#́#``). Every removal leaves a space, so removing one pattern cannot join its
    neighbours into another; a combining mark left without its letter by a removal goes
    too.
-5. **Capped** at ``max_chars`` characters, ending in "…" when cut.
+5. **Capped** at ``max_chars`` characters, ending in "…" when cut. The "…" completes
+   no structure of step 4 (a ``www.``, ``//`` or ``http:`` with only a "…" after it is
+   no link), so cleaning a cut text again changes nothing either.
 
 Printable ASCII without ``<>[]#&:``, ``www``, ``//`` or a ``.tld/`` skips all of this but
 the whitespace collapsing: that is the common case, and it stays fast.
@@ -147,11 +149,14 @@ _URL_BRANCHES: tuple[str, ...] = (
     # every match of it starts anyway): tried at every position, the run before "://"
     # was read again from each, quadratic in a long run without "://" ("x:x:x:…")
     r"(?<![^\s\"'<>()\[\]{}])[^\s\"'<>()\[\]{}]*://[^\s\"'<>()\[\]{}]*",
-    r"(?<![\w/])//[^\s\"'<>()\[\]{}/]+[^\s\"'<>()\[\]{}]*",  # protocol-relative //host
-    r"\bwww\d{0,3}\.[^\s\"'<>()\[\]{}]+",  # www.host
+    # (a host, or what follows "www." or "http:", is more than a "…": the one that ends
+    # a cut text, "xx www.…" or "//…", would make it a link, and cleaning it again,
+    # "xx (lin…", would change it)
+    r"(?<![\w/])//\u2026*[^\s\"'<>()\[\]{}/\u2026][^\s\"'<>()\[\]{}]*",  # //host
+    r"\bwww\d{0,3}\.\u2026*[^\s\"'<>()\[\]{}\u2026][^\s\"'<>()\[\]{}]*",  # www.host
     r"\b(?:javascript|vbscript|data|file|mailto|blob|ftp):[^\s\"'<>()\[\]{}]*",
     # http: and ws: without "//", which a browser reads as the same link
-    r"\b(?:https?|wss?):[^\s\"'<>()\[\]{}]+",
+    r"\b(?:https?|wss?):\u2026*[^\s\"'<>()\[\]{}\u2026][^\s\"'<>()\[\]{}]*",
     # host.tld/path: labels of any script or with "_", a punycode top level, a dot of
     # another script (what browsers take for one); not after a word or "@"
     r"(?<![\w.\-@\u3002\uff0e\uff61])(?:[\w\-]+[.\u3002\uff0e\uff61])+"

@@ -885,3 +885,74 @@ def test_a_fact_line_is_one_line_of_data_whatever_its_content(content: str) -> N
     assert_is_data(body)
     assert body.count('"') % 2 == 0 and '\\"' not in body
     assert not re.match(r"\d{1,9}[.)]|[#>*+\-|=~`_]", body)
+
+
+@pytest.mark.parametrize(
+    ("value", "cap", "expected"),
+    [
+        # The "…" that ends a cut text completed a link: "www." with no host, "//" with
+        # none, "http:" with nothing after it.
+        ("xx www. yy", 8, "xx www.\u2026"),
+        ("\u2039\u2039//<\u2039", 5, "\u2039\u2039//\u2026"),
+        ("see http: yy", 10, "see http:\u2026"),
+        ("a //  b", 5, "a //\u2026"),
+    ],
+)
+def test_a_cut_text_cleaned_again_stays_as_it_is(value: str, cap: int, expected: str) -> None:
+    """Cleaning the result again gave "xx (lin…", "a (l…": a cut text was not data as
+    :func:`data_text` leaves it."""
+    assert data_text(value, cap) == expected
+    assert data_text(expected, cap) == expected
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        # A host, or what follows "www." or "http:", after a "…" is a link still.
+        ("www.\u2026evil.com", "(link removed)"),
+        ("//\u2026evil.com/x", "(link removed)"),
+        ("http:\u2026x", "(link removed)"),
+        ("https://x.com/a\u2026b", "(link removed)"),
+        ("Wait\u2026 www.example.com then", "Wait\u2026 (link removed) then"),
+        # Only a "…" after them is none.
+        ("www.\u2026 //\u2026 http:\u2026", "www.\u2026 //\u2026 http:\u2026"),
+        ("Loading\u2026 done", "Loading\u2026 done"),
+    ],
+)
+def test_a_link_is_more_than_an_ellipsis(value: str, expected: str) -> None:
+    assert data_text(value, 200) == expected
+
+
+#: What a cut may end in the middle of: links and their starts, markers, tags.
+CUT_PIECES = [
+    *("www", "www1", ".", "//", "/", "http", "https", "ws", ":", " ", "x", "evil", "com"),
+    *("\u2026", "\u2039", "\u203a", "<", ">", "|", "\u0301", "[", "]", "(", "!", "system"),
+    *("#", "&", "lt;", "\u0336", "\u00e9"),
+]
+#: Those, and every alphabet above, with an ellipsis of its own.
+HOSTILE_VALUES = {
+    "cut": st.lists(st.sampled_from(CUT_PIECES), max_size=30).map("".join),
+    "structure": structured,
+    "hidden links": hidden_links,
+    "accents": st.lists(st.sampled_from([*ACCENTED_PIECES, "\u2026"])).map("".join),
+    "angles": st.lists(st.sampled_from([*ANGLE_PIECES, "\u2026"]), max_size=40).map("".join),
+    "ascii": st.lists(st.sampled_from([*ASCII_PIECES, "\u2026"])).map("".join),
+    "fact lines": st.lists(line_pieces, max_size=60).map("".join),
+    "dense": st.text(st.sampled_from(list("SYTEMsytem:/<>[]()!#&|wh.tpx \u200b\u0405\u2026"))),
+    "any": st.text(max_size=200),
+}
+
+
+@pytest.mark.parametrize("alphabet", list(HOSTILE_VALUES))
+@settings(max_examples=100)
+@given(data=st.data())
+def test_cleaning_a_cut_text_again_changes_nothing(alphabet: str, data: st.DataObject) -> None:
+    """Cleaning is idempotent when the text is cut too, wherever the cut falls (every
+    cap up to the whole line's length, and the callers' larger ones): the "…" that ends
+    it completes no link or marker."""
+    value = data.draw(HOSTILE_VALUES[alphabet])
+    whole = data_text(value, 10_000)
+    for cap in (*range(min(len(whole), 100) + 2), 158, 160, 200, 320):
+        result = data_text(value, cap)
+        assert len(result) <= cap
+        assert data_text(result, cap) == result, (cap, result)
