@@ -46,6 +46,18 @@ def _checked_redis_url(redis_url: str) -> None:
         raise CliError(str(exc), code=2) from None
 
 
+def _checked_prefix(prefix: str) -> None:
+    """A usage error for a key prefix that the import ledger, which keeps it as text,
+    cannot hold (a NUL character, or bytes that are not UTF-8): the run, its dry run
+    too, failed on it as if the store had, naming the driver's error."""
+    if "\x00" in prefix or any("\ud800" <= c <= "\udfff" for c in prefix):
+        raise CliError(
+            f"invalid key prefix {printable(repr(prefix))} (--prefix, or the Redis URL's "
+            "?prefix=): the import ledger keeps it as UTF-8 text, without NUL",
+            code=2,
+        )
+
+
 @app.command("import-redis")
 def import_redis(
     redis_url: Annotated[
@@ -98,6 +110,7 @@ def import_redis(
                 code=2,
             ) from exc
         try:
+            _checked_prefix(source.keys.prefix)
             try:
                 await source.client.ping()
             except Exception as exc:

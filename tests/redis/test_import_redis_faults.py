@@ -9,6 +9,7 @@ import json
 import secrets
 from datetime import UTC, datetime
 from typing import Any
+from urllib.parse import quote
 
 import asyncpg
 import pytest
@@ -667,4 +668,32 @@ def test_a_user_the_server_refuses_a_command_stops_the_run_naming_it(pg_url: str
         result.stderr
     )
     assert "wrong type" not in result.output
+    assert asyncio.run(row_counts(pg_url))["redis_imports"] == 0
+
+
+@pytest.mark.parametrize(
+    ("given", "bad"),
+    [("url", "\x00"), ("option", "\x00"), ("option", "\udcff")],
+    ids=["nul in the url", "nul in --prefix", "not utf-8 in --prefix"],
+)
+def test_a_prefix_the_ledger_cannot_hold_is_a_usage_error(
+    redis_url: str, redis_prefix: str, pg_url: str, given: str, bad: str
+) -> None:
+    """A prefix with a NUL or bytes that are not UTF-8 stopped the run (its dry run too)
+    with "CharacterNotInRepertoireError: invalid byte sequence …" or "UnicodeEncodeError:
+    …" and exit 1, as if the store had failed: the ledger keeps the prefix as text."""
+    server, _ = split_prefix(redis_url)
+    prefix = f"{redis_prefix}{bad}:"
+    if bad == "\x00":  # (one that Redis holds: the dry run found it and said nothing)
+        client = redis.Redis.from_url(server)
+        client.hset(f"{prefix}facts:bob", "fact:tool_affinity:t", fact("bob", "t", 0.5, 1))
+        client.close()
+    where = [f"{server}?prefix={quote(prefix)}"] if given == "url" else [server, "--prefix", prefix]
+    for dry_run in (["--dry-run"], []):
+        result = CliRunner().invoke(app, ["import-redis", *where, *dry_run, "--url", pg_url])
+        assert result.exit_code == 2, result.output
+        lines = result.stderr.strip().splitlines()
+        assert len(lines) == 1, result.stderr
+        assert lines[0].startswith("error: invalid key prefix "), lines[0]
+        assert "UTF-8" in lines[0] and "NUL" in lines[0], lines[0]
     assert asyncio.run(row_counts(pg_url))["redis_imports"] == 0
