@@ -202,6 +202,11 @@ class Target:
 def check_database_url(url: str) -> None:
     """Refuse, with a ``ValueError`` whose message says why in one line, a Postgres URL
     that SQLAlchemy cannot parse or that the driver would refuse only on connecting."""
+    if "\x00" in url or any("\ud800" <= c <= "\udfff" for c in url):
+        # A byte that is not UTF-8 (an argument or a variable in another encoding) reached
+        # the driver, which failed on its own attributes ("'Protocol' object has no
+        # attribute '_on_error'") as if the server had.
+        raise ValueError("it holds bytes that are not UTF-8 text, or a NUL character")
     try:
         asyncpg_url(url)
     except (ArgumentError, ValueError, TypeError) as exc:

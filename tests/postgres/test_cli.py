@@ -299,6 +299,23 @@ def test_a_bad_url_is_one_line(url: str, message: str) -> None:
     assert "p@ss" not in result.output
 
 
+@pytest.mark.parametrize("part", ["database", "username"])
+def test_a_url_holding_bytes_that_are_not_utf8_is_a_usage_error(pg_url: str, part: str) -> None:
+    """An argument or a variable with a byte that is not UTF-8 (a shell's other encoding)
+    reached the driver, and the command said "cannot connect to …: 'Protocol' object has
+    no attribute '_on_error'", exit 1, as of a server that failed."""
+    parsed = make_url(pg_url)
+    if part == "database":
+        url = pg_url.replace(f"/{parsed.database}", "/a\udcff", 1)
+    else:
+        url = pg_url.replace(f"//{parsed.username}", "//a\udcff", 1)
+    assert "\udcff" in url
+    for command in (["stats"], ["migrate"], ["forget", "alice", "--yes"]):
+        result = run(*command, "--url", url)
+        assert_one_line_error(result, 2, "invalid database URL")
+        assert "not UTF-8" in result.stderr, result.stderr
+
+
 def test_an_unreachable_database_is_one_line() -> None:
     url = f"postgresql://postgres:pw@127.0.0.1:{closed_port()}/nothing"
     for command in (["stats"], ["facts", "alice"], ["migrate"], ["consolidate", "--all"]):
