@@ -49,6 +49,7 @@ from coda_memory.postgres.imports import (
     IdentityCopy,
     copied_identities,
     copy_identity,
+    settle_copies,
 )
 from coda_memory.postgres.store import PostgresStore
 from coda_memory.redis.codec import BadRecord, sanitized
@@ -125,6 +126,8 @@ async def import_redis(
     summary.prefix = source.keys.prefix
     summary.identities = len(identities)
     copied_before = {} if target is None else await copied_identities(target, source.keys.prefix)
+    #: An identity whose ledger row this run wrote or found (see settle_copies).
+    listed: str | None = None
     for done, identity in enumerate(identities, start=1):
         if identity in copied_before:
             summary.skipped += 1
@@ -135,7 +138,8 @@ async def import_redis(
         problem = _unusable(identity)
         if problem is None:
             try:
-                await _copy_one(source, target, identity, summary, now)
+                if await _copy_one(source, target, identity, summary, now):
+                    listed = identity
             except CopiedFromAnotherSource as exc:
                 problem = (
                     f"not copied: copied from the prefix {exc.source!r} already (two "
@@ -157,6 +161,9 @@ async def import_redis(
             summary.failed.append(_label(identity))
         if on_identity is not None:
             on_identity(identity, done, len(identities))
+    if target is not None and listed is not None:
+        # The copies commit unflushed: the run reports them once they are durable.
+        await settle_copies(target, source.keys.prefix, listed)
     return summary
 
 
@@ -219,8 +226,10 @@ async def _copy_one(
     identity: str,
     summary: ImportSummary,
     now: Callable[[], datetime],
-) -> None:
-    """Read ``identity`` from ``source``, and copy it into ``target`` (None: count it)."""
+) -> bool:
+    """Read ``identity`` from ``source``, and copy it into ``target`` (None: count it);
+    whether ``target``'s ledger now lists it (copied here, or found copied: by another
+    run, or by this one's commit whose connection was lost before it answered)."""
     try:
         exported = await export_identity(source, identity)
     except RedisTimeoutError as exc:
@@ -260,12 +269,12 @@ async def _copy_one(
         summary.fact_events += len(copy.events)
         summary.checkpoints += copy.checkpoint_at is not None
         summary.future_clamped += ahead
-        return
+        return False
     counts = await copy_identity(target, copy, at)
     summary.bad += exported.bad
     if counts is None:
         summary.skipped += 1
-        return
+        return True
     summary.copied += 1
     summary.observations += counts.observations
     summary.consumed_observations += counts.consumed_observations
@@ -273,3 +282,4 @@ async def _copy_one(
     summary.fact_events += counts.fact_events
     summary.checkpoints += counts.checkpoints
     summary.future_clamped += ahead
+    return True

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
 
+from sqlalchemy import update
 from sqlalchemy.ext.asyncio import AsyncConnection
 from sqlalchemy.sql.expression import Executable
 
@@ -33,6 +34,7 @@ from coda_memory.postgres.rollup import (
     entity_rollup,
     tool_rollup,
 )
+from coda_memory.postgres.schema import redis_imports
 from coda_memory.postgres.sql import query
 from coda_memory.postgres.store import PostgresStore
 from coda_memory.postgres.unit import Statements, lock_identity
@@ -161,6 +163,27 @@ async def copy_identity(
 
     # One transaction, which a lost connection rolls back: retried once.
     return await store.run(work)
+
+
+async def settle_copies(store: PostgresStore, source: str, identity_id: str) -> None:
+    """Make the copies committed so far durable, as the server's ``synchronous_commit``
+    makes any write: they commit with it off (a crash may lose the last of them, which a
+    rerun redoes), and a run that ended with them still unflushed reported identities as
+    copied that a crash or a failover right after took back, with nothing to say a rerun
+    was needed. A commit that waits for its WAL to reach disk takes every earlier one's
+    with it; this one rewrites the ledger row of ``identity_id``, an identity the run
+    copied or found copied (a commit that writes nothing waits for nothing)."""
+    statement = (
+        update(redis_imports)
+        .where(redis_imports.c.identity_id == identity_id, redis_imports.c.source == source)
+        .values(imported_at=redis_imports.c.imported_at)
+    )
+
+    async def write(conn: AsyncConnection) -> None:
+        async with conn.begin():
+            await conn.execute(statement)
+
+    await store.run(write)
 
 
 @functools.cache

