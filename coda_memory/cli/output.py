@@ -132,13 +132,20 @@ def checked_plot_path(path: Path | None) -> Path | None:
 
 
 def draw_plot(draw: Callable[[], Path]) -> None:
-    """Run ``draw``; a missing matplotlib or an unwritable file becomes a CliError."""
+    """Run ``draw``; a missing matplotlib, an unwritable file or data no chart can place
+    becomes a CliError."""
     try:
         path = draw()
     except PlotsUnavailable as exc:
         raise CliError(str(exc)) from exc
     except OSError as exc:
         raise CliError(f"cannot write the plot: {exc}") from exc
+    except (ValueError, OverflowError) as exc:
+        # Matplotlib's dates run from year 1 to 9999, and a chart's margins reach past
+        # data near either end (a fact's history, copied as it was by import-redis): its
+        # refusal was a traceback.
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise CliError(f"cannot draw the chart: {reason}") from exc
     note(f"plot written to {path}")
 
 

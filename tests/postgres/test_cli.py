@@ -496,6 +496,31 @@ def test_history_as_a_table_as_json_and_as_a_plot(pg_url: str, tmp_path: Path) -
     assert "History of tool_avoidance:run_sql" in drawn.stdout
 
 
+@pytest.mark.parametrize(
+    "at", [datetime(1, 1, 2, tzinfo=UTC), datetime(9999, 12, 30, tzinfo=UTC)], ids=["1", "9999"]
+)
+def test_a_history_no_chart_can_place_is_one_line(
+    pg_url: str, tmp_path: Path, at: datetime
+) -> None:
+    """A fact's history near either end of the dates (copied as it was by import-redis)
+    printed matplotlib's traceback ("Matplotlib dates must be between year 0001 and
+    9999"): the chart's margins reach past them."""
+    seed_alice(pg_url)
+    insert = (
+        "INSERT INTO coda_memory.fact_events (identity_id, recorded_at, subject, category, "
+        "kind, session_id, at, confidence_after, count_after, hits, trials) VALUES ('alice', "
+        "now(), 'tool_affinity:dated', 'tool_affinity', 'created', 's', "
+        ":at, 0.5, 1, 1, 1)"
+    )
+    asyncio.run(fetch(pg_url, insert, at=at))
+    plot = tmp_path / "history.png"
+
+    drawn = run("history", "alice", "tool_affinity:dated", "--url", pg_url, "--plot", str(plot))
+    assert_one_line_error(drawn, 1, "cannot draw the chart")
+    listed = run("history", "alice", "tool_affinity:dated", "--url", pg_url)
+    assert listed.exit_code == 0, listed.output
+
+
 def test_history_plot_needs_a_subject_and_a_known_one(pg_url: str, tmp_path: Path) -> None:
     seed_alice(pg_url)
     no_subject = run("history", "alice", "--url", pg_url, "--plot", str(tmp_path / "a.png"))
