@@ -118,6 +118,10 @@ async def copy_identity(
             # database sets (a managed server's parameter group) cut a large identity's
             # copy on every run, which then read as a lock held by live traffic.
             await conn.exec_driver_sql("SET LOCAL statement_timeout = 0")
+            # Nor by an idle_in_transaction_session_timeout: the work between two of the
+            # copy's statements (the arguments of hundreds of thousands of observations)
+            # takes seconds, and a shorter one ended the copy at every attempt.
+            await conn.exec_driver_sql("SET LOCAL idle_in_transaction_session_timeout = 0")
             await conn.exec_driver_sql("SET LOCAL synchronous_commit = off")
             driver = await driver_connection(conn)
             await lock_identity(driver, statements, identity)

@@ -12,7 +12,7 @@ import shutil
 import tempfile
 import warnings
 from collections.abc import Iterator
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 from urllib.parse import quote
 
@@ -34,7 +34,7 @@ from coda_memory.migration import (
     import_redis,
     redis_to_postgres,
 )
-from coda_memory.postgres import PostgresStore
+from coda_memory.postgres import PostgresStore, imports
 from coda_memory.postgres.engine import asyncpg_url
 from coda_memory.postgres.migrate import migrate_async
 from coda_memory.redis import RedisStore
@@ -565,6 +565,60 @@ async def test_a_statement_timeout_of_the_database_does_not_cut_a_copy(
     finally:
         await holder.close()
     assert (summary.copied, summary.busy, summary.failed) == (1, [], [])
+
+
+async def _idle_past_or_ended(admin_url: str, database: str | None, past: timedelta) -> None:
+    """Until the server has either ended the session of ``database`` that is idle in a
+    transaction (its idle_in_transaction_session_timeout), or let it idle for longer
+    than ``past`` by its own clock."""
+    query = (
+        "SELECT count(*) FILTER (WHERE clock_timestamp() - state_change > $2), count(*) "
+        "FROM pg_stat_activity WHERE datname = $1 "
+        "AND state = 'idle in transaction'"
+    )
+    conn = await asyncpg.connect(dsn(admin_url))
+    try:
+        async with asyncio.timeout(10):
+            while True:
+                idle_long, idle = await conn.fetchrow(query, database, past)
+                if idle_long or not idle:
+                    return
+                await asyncio.sleep(0.01)  # polling the server until either is so
+    finally:
+        await conn.close()
+
+
+async def test_an_idle_in_transaction_timeout_of_the_database_does_not_cut_a_copy(
+    redis_client: aioredis.Redis,
+    redis_url: str,
+    redis_prefix: str,
+    pg_url: str,
+    admin_url: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An idle_in_transaction_session_timeout set on the database or the role (a managed
+    server's parameter group) shorter than the import's own work between two statements
+    of a copy (seconds, for an identity of hundreds of thousands of observations) ended
+    the copy's session at every attempt: the run stopped there, and every rerun too."""
+    await _seed_good(redis_client, redis_prefix, "bob")
+    database = make_url(pg_url).database
+    setting = f"ALTER DATABASE \"{database}\" SET idle_in_transaction_session_timeout = '100ms'"
+    holder = await asyncpg.connect(dsn(pg_url))
+    try:
+        await holder.execute(setting)
+    finally:
+        await holder.close()
+    write_rollup = imports._write_rollup
+
+    async def after_a_long_pause(conn: Any, identity_id: str, types: Any) -> None:
+        # The client's work between two statements, past the database's timeout.
+        await _idle_past_or_ended(admin_url, database, timedelta(milliseconds=300))
+        await write_rollup(conn, identity_id, types)
+
+    monkeypatch.setattr(imports, "_write_rollup", after_a_long_pause)
+    summary = await _imported_once(redis_url, pg_url)
+    assert (summary.copied, summary.busy, summary.bad) == (1, [], [])
+    assert (await row_counts(pg_url))["redis_imports"] == 1
 
 
 async def test_an_identity_copied_from_another_prefix_is_not_merged_into(
