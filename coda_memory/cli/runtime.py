@@ -310,7 +310,10 @@ async def open_store(
     lock wait of every statement (a table that a migration or ``LOCK TABLE`` holds), and
     the checkpoint row's too unless ``lock_timeout`` says otherwise."""
     options: dict[str, Any] = {}
-    settings: dict[str, str] = dict(ALL_IDENTITIES)
+    # No statement_timeout of the role's or the database's (a managed server's parameter
+    # group): it ended a wait for a lock, which --lock-wait bounds, as a failure, and cut
+    # a long prune batch, count or erasure at every run.
+    settings: dict[str, str] = {**ALL_IDENTITIES, "statement_timeout": "0"}
     if lock_wait is not None:
         settings["lock_timeout"] = timeout_setting(lock_wait, "--lock-wait")
         options["table_lock_timeout"] = lock_wait

@@ -759,6 +759,58 @@ class ReleaseOnceWaitedFor(threading.Thread):
         return True
 
 
+class ReleaseOnceWaitedPast(ReleaseOnceWaitedFor):
+    """Sets ``release`` once a backend of the database at ``url`` has waited for a lock
+    for longer than ``past`` by the server's clock, or has stopped waiting (its wait was
+    ended); ``saw_waiter`` says whether one waited at all."""
+
+    def __init__(self, url: str, release: threading.Event, past: timedelta) -> None:
+        super().__init__(url, release)
+        self.past = past
+
+    async def _waiter(self) -> bool:
+        if not await super()._waiter():
+            return False
+        engine = create_async_engine(self.url, poolclass=pool.NullPool)
+        query = text(
+            "SELECT count(*) FILTER (WHERE clock_timestamp() - query_start > :past), count(*) "
+            "FROM pg_stat_activity WHERE datname = current_database() "
+            "AND wait_event_type = 'Lock'"
+        )
+        try:
+            async with asyncio.timeout(10):
+                while True:
+                    async with engine.connect() as conn:
+                        waited_past, waiting = (
+                            await conn.execute(query, {"past": self.past})
+                        ).one()
+                    if waited_past or not waiting:
+                        return True
+                    await asyncio.sleep(0.01)  # polling the server until either is so
+        finally:
+            await engine.dispose()
+
+
+@pytest.mark.parametrize("args", [["stats"], ["prune"], ["forget", "alice", "--yes"]])
+def test_a_statement_timeout_of_the_database_does_not_cut_a_lock_wait_short(
+    pg_url: str, args: list[str]
+) -> None:
+    """A statement_timeout set on the database or the role (a managed server's parameter
+    group) ended the wait for a lock that --lock-wait bounds (10 s) after its own time,
+    as a failure: "QueryCanceledError: canceling statement due to statement timeout",
+    exit 1, where the command was to wait, or stop as busy (exit 3)."""
+    seed_alice(pg_url)
+    database = make_url(pg_url).database
+    asyncio.run(fetch(pg_url, f"ALTER DATABASE \"{database}\" SET statement_timeout = '200ms'"))
+    with table_locked(pg_url, "observations") as release:
+        watcher = ReleaseOnceWaitedPast(pg_url, release, timedelta(milliseconds=400))
+        watcher.start()
+        result = run(*args, "--url", pg_url)
+        watcher.join(10)
+    assert watcher.saw_waiter
+    assert result.exit_code == 0, result.output
+
+
 def test_consolidate_waits_for_live_traffic_on_the_same_identity(pg_url: str) -> None:
     seed_alice(pg_url)
     emit_pending(pg_url, ["alice"])
