@@ -220,6 +220,11 @@ async def migrate_async(url: str, *, schema: str = DEFAULT_SCHEMA, revision: str
     engine = create_async_engine(asyncpg_url(url), poolclass=pool.NullPool)
     try:
         async with engine.connect() as connection:
+            # Bounded by the migrations' lock_timeout, not by a statement_timeout that the
+            # role or the database sets: it ended a wait for a lock as a failure, before
+            # the 5 s a migration waits, and cut an index built on a large table at every
+            # run. (For the session: the first commit below keeps it.)
+            await connection.exec_driver_sql("SET statement_timeout = 0")
             upgrade = functools.partial(_upgrade, config=config, revision=revision)
             await migrating_alone_async(connection, schema, upgrade)
     finally:

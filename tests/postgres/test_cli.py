@@ -36,6 +36,7 @@ from coda_memory.postgres import PostgresStore, maintenance
 from coda_memory.postgres.schema import checkpoints
 from tests.helpers import FakeClock, domain, entity, tool_failed, tool_ok
 from tests.postgres.helpers import consolidate, fetch, record, until_waiting
+from tests.postgres.test_migrations import alembic
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 HEAD = runtime.head_revision()
@@ -809,6 +810,34 @@ def test_a_statement_timeout_of_the_database_does_not_cut_a_lock_wait_short(
         watcher.join(10)
     assert watcher.saw_waiter
     assert result.exit_code == 0, result.output
+
+
+@pytest.mark.parametrize("how", ["coda-memory migrate", "alembic upgrade head"])
+def test_a_statement_timeout_of_the_database_does_not_cut_a_migrations_lock_wait(
+    empty_pg_url: str, how: str
+) -> None:
+    """A migration waits at most 5 s for a lock on its tables; a statement_timeout set on
+    the database or the role ended the wait after its own time, as a failure (exit 1, not
+    3), and would cut an index built on a large table at every run."""
+    migrate(empty_pg_url, revision="0018")
+    database = make_url(empty_pg_url).database
+    setting = f"ALTER DATABASE \"{database}\" SET statement_timeout = '200ms'"
+    asyncio.run(fetch(empty_pg_url, setting))
+    with table_locked(empty_pg_url, "observations") as release:
+        watcher = ReleaseOnceWaitedPast(empty_pg_url, release, timedelta(milliseconds=400))
+        watcher.start()
+        if how == "alembic upgrade head":
+            upgraded = alembic(empty_pg_url, "upgrade", "head")
+            outcome = (upgraded.returncode, upgraded.stdout + upgraded.stderr)
+        else:
+            result = run("migrate", "--url", empty_pg_url)
+            outcome = (result.exit_code, result.output)
+        watcher.join(10)
+    assert watcher.saw_waiter
+    assert outcome[0] == 0, outcome[1]
+    assert asyncio.run(
+        fetch(empty_pg_url, "SELECT version_num FROM coda_memory.alembic_version")
+    ) == [(HEAD,)]
 
 
 def test_consolidate_waits_for_live_traffic_on_the_same_identity(pg_url: str) -> None:

@@ -226,15 +226,20 @@ def _run_on_engine(engine: Engine) -> None:
         migrating_alone(connection, SCHEMA, lambda: do_run_migrations(connection))
 
 
-async def _run_on_async_engine(engine: AsyncEngine) -> None:
+async def _run_on_async_engine(engine: AsyncEngine, *, own: bool = False) -> None:
     async with engine.connect() as connection:
+        if own:
+            # Bounded by the migrations' lock_timeout, not by a statement_timeout that the
+            # role or the database sets (see coda_memory.postgres.migrate.migrate_async).
+            # Not on a caller's engine, whose pool would keep the setting.
+            await connection.exec_driver_sql("SET statement_timeout = 0")
         await migrating_alone_async(connection, SCHEMA, do_run_migrations)
 
 
 async def _run_on_url(url: str) -> None:
     engine = create_async_engine(asyncpg_url(url), poolclass=pool.NullPool)
     try:
-        await _run_on_async_engine(engine)
+        await _run_on_async_engine(engine, own=True)
     finally:
         await engine.dispose()
 
