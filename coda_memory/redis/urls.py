@@ -6,7 +6,7 @@ parser quotes what it misread, which may be part of a password.
 
 from __future__ import annotations
 
-from urllib.parse import urlsplit
+from urllib.parse import parse_qsl, urlsplit
 
 from coda_memory.core.logs import masked_url
 
@@ -21,7 +21,8 @@ def check_redis_url(url: str) -> None:
     """ValueError, saying why in one line and with the password masked, for a Redis URL
     that redis-py would read wrongly or refuse in words that quote part of the password:
     a scheme other than Redis's, a port or a database that is not a number (redis-py
-    reads database 0 for ``/abc``). Both come of a password with a ``/``, ``#``, ``?``
+    reads database 0 for ``/abc``), a query whose percent-escapes are not UTF-8. The
+    first two come of a password with a ``/``, ``#``, ``?``
     or ``@`` not percent-encoded: the URL's host part ends at the first of them."""
     masked = masked_url(url)
     try:
@@ -49,6 +50,14 @@ def check_redis_url(url: str) -> None:
         raise ValueError(
             f"invalid Redis URL {masked!r}: use redis://host:port/db (or rediss://, unix://)"
         )
+    try:
+        parse_qsl(parts.query, keep_blank_values=True, errors="strict")
+    except UnicodeDecodeError:
+        # (Decoded leniently, "?prefix=%FF" named the prefix "\ufffd": the store used
+        # another prefix than the one written, and an import found no identity.)
+        raise ValueError(
+            f"invalid Redis URL {masked!r}: the percent-escapes of its query are not UTF-8"
+        ) from None
     database = parts.path.strip("/")
     if scheme != "unix" and database and not (database.isascii() and database.isdecimal()):
         raise ValueError(

@@ -27,6 +27,10 @@ UNREACHABLE = "postgresql://u@127.0.0.1:1/x"
         ("http://x", "use redis://host:port/db"),
         ("postgresql://u@db/x", "use redis://host:port/db"),
         ("", "use redis://host:port/db"),
+        # The prefix was read as "\ufffd": the run scanned another prefix, and said
+        # "no identity found".
+        ("redis://127.0.0.1:6379/0?prefix=%FF", "are not UTF-8"),
+        ("redis://u:secret@127.0.0.1:6379/0?prefix=a%C3&x=1", "are not UTF-8"),
     ],
 )
 def test_a_url_that_is_not_a_redis_database_is_a_usage_error(redis_url: str, says: str) -> None:
