@@ -121,9 +121,14 @@ def short_error(
 def without_identities(text: str, identities: Iterable[object]) -> str:
     """``text`` with each of ``identities`` in it, quoted or bare, replaced by its label;
     not where it is part of a longer word (identity ``cat`` leaves ``tool_catalog``
-    alone)."""
+    alone). An identity that is not a ``str`` is left out, and a subclass's is read as
+    a plain ``str``: a host's object whose truth value raises (an array's) made the
+    writer's line for its rejection raise."""
     for identity in identities:
-        if identity and isinstance(identity, str):
+        if not isinstance(identity, str):
+            continue
+        identity = str.__str__(identity)
+        if identity:
             label = identity_label(identity)
             text = text.replace(_repr(identity), label)
             text = re.sub(rf"(?<!\w){re.escape(identity)}(?!\w)", label, text)

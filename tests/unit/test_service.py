@@ -2220,6 +2220,62 @@ async def test_an_identity_whose_repr_raises_is_rejected_and_the_writer_goes_on(
         await service.close()
 
 
+class TruthRaises:
+    """A host's identity object (not a string) whose truth value raises, as an array's
+    of more than one element does."""
+
+    def __bool__(self) -> bool:
+        raise ValueError("the truth value is ambiguous")
+
+
+class StrLenRaises(str):
+    """A str subclass whose len() raises."""
+
+    def __len__(self) -> int:
+        raise ValueError("no len")
+
+
+@pytest.mark.parametrize(
+    "identity", [TruthRaises(), StrLenRaises("ok")], ids=["object", "str-subclass"]
+)
+async def test_an_identity_whose_truth_value_raises_is_rejected_alone(identity: Any) -> None:
+    """Its rejection's log line, which replaces the identity in the reason, raised in
+    the writer: the valid observations validated with it in the batch were dropped."""
+    service = MemoryService.from_url("memory://", clock=FakeClock())
+    try:
+        service.emit_observation("ok", tool_ok("get_account", "s1"))
+        service.emit_observation(identity, tool_ok("get_account"))
+        service.emit_observation("ok", tool_ok("get_account", "s2"))
+        await service.drain(timeout=5)
+        stats = service.stats()
+        assert (stats.emitted, stats.stored, stats.rejected, stats.dropped) == (3, 2, 1, 0)
+        assert stats.pending == 0
+    finally:
+        await service.close()
+
+
+async def test_an_identity_whose_truth_value_raises_is_counted_once_when_refused_as_queued(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Metadata too large to queue is rejected as it comes; the rejection's log line
+    raised for such an identity, and the emit was counted as rejected twice (pending
+    went below zero)."""
+    service = MemoryService.from_url("memory://", clock=FakeClock())
+    try:
+        big = NewObservation(
+            type=ObservationType.TOOL_SUCCESS,
+            content="c",
+            metadata={"toolName": "t", "rows": list(range(20_000))},
+        )
+        service.emit_observation(TruthRaises(), big)  # type: ignore[arg-type]
+        await service.drain(timeout=5)
+        stats = service.stats()
+        assert (stats.emitted, stats.rejected, stats.pending) == (1, 1, 0)
+        assert "metadata is larger than 16 KiB" in caplog.text
+    finally:
+        await service.close()
+
+
 async def test_an_observation_queued_while_forget_filters_the_queue_is_kept() -> None:
     """Another thread may append to the queue while forget() takes the identity's
     observations out of it: such an observation was lost (the queue was replaced by a
