@@ -99,7 +99,9 @@ _COMPACT = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, default=s
 def _compact_json(value: Any, max_chars: int) -> str:
     """``value`` as compact JSON, encoded only as far as its first ``max_chars``
     characters and a little more: an error result of 300,000 rows is not written out
-    whole (a quarter of a second on the event loop) to keep 500 characters of it."""
+    whole (a quarter of a second on the event loop) to keep 500 characters of it. What
+    cannot be encoded gives the name of ``value``'s class, also when a value's ``str()``
+    (the encoder's fallback) raises: it is the host's object, and it raised to the host."""
     parts: list[str] = []
     size = 0
     try:
@@ -108,7 +110,7 @@ def _compact_json(value: Any, max_chars: int) -> str:
             size += len(part)
             if size > max_chars:
                 break
-    except (TypeError, ValueError, RecursionError):
+    except Exception:
         return f"<{type(value).__name__}>"
     return "".join(parts)
 

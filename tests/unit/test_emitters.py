@@ -158,6 +158,24 @@ def test_an_unserialisable_error_falls_back_to_text() -> None:
     assert tool_observations(uses, cyclic_results, {})[0].metadata["error"] == "<list>"
 
 
+class StrRaises:
+    """An object in a tool result whose str() raises."""
+
+    def __str__(self) -> str:
+        raise RuntimeError("no str")
+
+
+@pytest.mark.parametrize("content", [{"obj": StrRaises()}, [StrRaises()]])
+def test_an_error_holding_an_object_whose_str_raises_falls_back_to_its_type(
+    content: Any,
+) -> None:
+    """Its str() (the encoder's fallback for what JSON cannot hold) raised to the host."""
+    uses = [ToolUse(id="t1", name="run_sql")]
+    results = [ToolResult(tool_use_id="t1", is_error=True, content=content)]
+    [observation] = tool_observations(uses, results, {})
+    assert observation.metadata["error"] == f"<{type(content).__name__}>"
+
+
 # entity_observations: default extractors
 
 
