@@ -44,7 +44,8 @@ Observation policy:
   ``entityName``, if present, is a string, stored as
   :func:`~coda_memory.core.untrusted.data_text` makes it (one line of data, at most 200
   characters). ``query_pattern`` needs an identifier ``domain``; ``query``, if present,
-  is a string. Optional keys that are present with the value None are rejected.
+  is a string. Optional keys that are present with the value None are rejected. These
+  checks read each value under its cleaned key, as it is stored.
 """
 
 from __future__ import annotations
@@ -339,6 +340,8 @@ class _MetadataCleaner:
         # work on a huge tree before the exact size check.
         self.nodes = 0
         self.max_bytes = 2
+        #: Whether a key was cleaned other than as it is (it may have changed).
+        self.renamed = False
 
     def clean(self, value: object, parent: str, key: str | int, depth: int) -> Any:
         self.nodes += 1
@@ -378,6 +381,7 @@ class _MetadataCleaner:
                 clean_key = key  # the common case, as _scrub would find it
             else:
                 clean_key = _scrub(key, MAX_CONTENT_CHARS, _content_drop)
+                self.renamed = True
             if clean_key in cleaned:
                 raise ObservationRejected(
                     f"{_child_path(path, clean_key)} appears twice after cleaning"
@@ -400,14 +404,21 @@ class _MetadataCleaner:
         return cleaned
 
 
-def _clean_metadata(metadata: dict[Any, Any]) -> dict[str, Any]:
+def _clean_metadata(metadata: dict[Any, Any]) -> tuple[dict[str, Any], dict[Any, Any]]:
+    """The metadata cleaned, and its values as given under their cleaned keys, which the
+    checks of a type read: a key that cleaning changed (a zero-width character in
+    ``durationMs``) was stored under the name the checks looked for, unchecked; and a
+    dict subclass is read by its items, as it is stored, not by its own ``get``."""
     cleaner = _MetadataCleaner()
     cleaned = cleaner.clean_dict(metadata, "metadata", 1)
     if cleaner.max_bytes > MAX_METADATA_BYTES:
         size = len(json.dumps(cleaned, separators=(",", ":"), ensure_ascii=False).encode())
         if size > MAX_METADATA_BYTES:
             raise ObservationRejected("metadata is larger than 16 KiB")
-    return cleaned
+    if not cleaner.renamed and type(metadata) is dict:
+        return cleaned, metadata
+    # (The keys are strings and none repeats after cleaning: the walk checked it.)
+    return cleaned, dict(zip(cleaned, dict.values(metadata), strict=True))
 
 
 def _require_identifier(raw: dict[Any, Any], key: str) -> str:
@@ -509,7 +520,7 @@ def sanitize_fields(
     raw = metadata
     if not isinstance(raw, dict):
         raise ObservationRejected(f"metadata is {_type_name(raw)}, not a dict")
-    cleaned = _clean_metadata(raw)
+    cleaned, raw = _clean_metadata(raw)
     if kind in (ObservationType.TOOL_SUCCESS, ObservationType.TOOL_FAILURE):
         _check_tool(raw, tool_catalog)
     elif kind is ObservationType.ENTITY_ACCESS:
