@@ -968,12 +968,15 @@ class ObservationWriter:
         The queue is filtered in place, each item taken off its front and put back at
         its end unless it is the identity's: another thread may append meanwhile (a
         deque's append and popleft are atomic), and an item it appends is never lost, as
-        it was to a copy of the queue put in its place."""
+        it was to a copy of the queue put in its place. Identities are compared as plain
+        strings: a host's object queued as one (the writer rejects it) may have an ``==``
+        that raises, which lost the item just taken off the queue."""
         queue = self._queue
         dropped: list[_Item] = []
         for _ in range(len(queue)):
             item = queue.popleft()
-            if item[0] == identity_id:
+            queued = item[0]
+            if isinstance(queued, str) and str.__eq__(queued, identity_id) is True:
                 dropped.append(item)
             else:
                 queue.append(item)

@@ -2276,6 +2276,40 @@ async def test_an_identity_whose_truth_value_raises_is_counted_once_when_refused
         await service.close()
 
 
+class EqualityRaises:
+    """A host's identity object (not a string) whose == raises, as comparing an array
+    does once its answer is asked for."""
+
+    def __eq__(self, other: object) -> bool:
+        raise ValueError("the truth value is ambiguous")
+
+    __hash__ = object.__hash__
+
+
+async def test_forget_with_an_identity_whose_equality_raises_queued_loses_nothing() -> None:
+    """Filtering the queue compared each queued identity with the one forgotten: such an
+    object raised out of forget(), and the observation it had just taken off the queue
+    was lost, uncounted (pending for ever)."""
+    store = GatedStore()
+    service = MemoryService(store, clock=FakeClock())
+    try:
+        store.gate.clear()  # the queue holds what is emitted
+        service.emit_observation("u0", tool_ok("get_account", "first"))
+        await _until(lambda: store.append_calls == 1)
+        service.emit_observation("u1", tool_ok("get_account"))
+        service.emit_observation(EqualityRaises(), tool_ok("get_account"))  # type: ignore[arg-type]
+        service.emit_observation("u2", tool_ok("get_account"))
+        assert service._forget_queued("u1") == 1
+        store.gate.set()
+        await service.drain(timeout=5)
+        stats = service.stats()
+        assert (stats.emitted, stats.stored, stats.rejected, stats.dropped) == (4, 2, 1, 1)
+        assert stats.pending == 0
+    finally:
+        store.gate.set()
+        await service.close()
+
+
 async def test_an_observation_queued_while_forget_filters_the_queue_is_kept() -> None:
     """Another thread may append to the queue while forget() takes the identity's
     observations out of it: such an observation was lost (the queue was replaced by a
