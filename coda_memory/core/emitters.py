@@ -79,7 +79,9 @@ class ToolResult(BaseModel):
 def _blocks(blocks: Iterable[Any], model: type[ToolUse] | type[ToolResult]) -> Iterator[Any]:
     """The blocks as models: a model as it is, a mapping (a block as received, or a
     content block that wraps one: ``{"toolUse": {…}}``) validated, anything that does not
-    validate skipped."""
+    validate skipped; none when ``blocks`` is not iterable (a response's None)."""
+    if not isinstance(blocks, Iterable):
+        return
     wrapper = "toolUse" if model is ToolUse else "toolResult"
     for block in blocks:
         if isinstance(block, Mapping) and isinstance(block.get(wrapper), Mapping):

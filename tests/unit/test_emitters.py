@@ -563,6 +563,16 @@ def test_converse_blocks_as_received_are_read_and_odd_ones_skipped() -> None:
     assert ToolResult.model_validate({"toolUseId": "t", "status": "error"}).is_error
 
 
+@pytest.mark.parametrize("blocks", [None, 7, 2.5])
+def test_blocks_that_are_no_sequence_give_no_observation(blocks: Any) -> None:
+    """A host passed what a response held where it held no blocks (None): TypeError."""
+    uses = [ToolUse(id="t1", name="run_sql")]
+    results = [ToolResult(tool_use_id="t1", content="ok")]
+    assert tool_observations(blocks, results, None) == []
+    assert tool_observations(uses, blocks, None) == []
+    assert tool_observations(blocks, blocks, blocks) == []
+
+
 def test_a_query_or_patterns_of_another_shape_give_no_observation() -> None:
     assert query_pattern_observation(None) is None  # type: ignore[arg-type]
     assert query_pattern_observation(b"royalty") is None  # type: ignore[arg-type]
