@@ -353,16 +353,20 @@ class _MetadataCleaner:
         self.max_bytes += _MAX_SCALAR_BYTES
         if value is None or isinstance(value, bool):
             return value
+        # A number is checked and stored as its value: a subclass's own abs(), int() or
+        # float() may tell of another.
         if isinstance(value, int):
+            value = int.__int__(value)
             if abs(value) > MAX_METADATA_INT:
                 raise ObservationRejected(f"{_child_path(parent, key)} is an integer out of range")
-            return int(value)
+            return value
         if isinstance(value, float):
+            value = float.__float__(value)
             if math.isnan(value):
                 raise ObservationRejected(f"{_child_path(parent, key)} is NaN")
             if math.isinf(value):
                 raise ObservationRejected(f"{_child_path(parent, key)} is infinite")
-            return float(value)
+            return value
         path = _child_path(parent, key)
         if isinstance(value, list | dict) and depth >= MAX_METADATA_DEPTH:
             raise ObservationRejected(f"metadata is nested deeper than {MAX_METADATA_DEPTH}")
@@ -435,7 +439,9 @@ def _optional_string(raw: dict[Any, Any], key: str) -> None:
         raise ObservationRejected(f"metadata.{key} is not a string")
 
 
-def _check_tool(raw: dict[Any, Any], tool_catalog: Collection[str] | None) -> None:
+def _check_tool(
+    raw: dict[Any, Any], cleaned: dict[str, Any], tool_catalog: Collection[str] | None
+) -> None:
     name = raw.get("toolName")
     if name is None:
         raise ObservationRejected("metadata.toolName is missing")
@@ -444,7 +450,7 @@ def _check_tool(raw: dict[Any, Any], tool_catalog: Collection[str] | None) -> No
     if tool_catalog is not None and name not in tool_catalog:
         raise ObservationRejected("metadata.toolName is not in the tool catalog")
     if "durationMs" in raw:
-        duration = raw["durationMs"]
+        duration = cleaned["durationMs"]  # (a number as its value: see _MetadataCleaner)
         if isinstance(duration, bool) or not isinstance(duration, int | float):
             raise ObservationRejected("metadata.durationMs is not a number")
         if isinstance(duration, float) and math.isnan(duration):
@@ -522,7 +528,7 @@ def sanitize_fields(
         raise ObservationRejected(f"metadata is {_type_name(raw)}, not a dict")
     cleaned, raw = _clean_metadata(raw)
     if kind in (ObservationType.TOOL_SUCCESS, ObservationType.TOOL_FAILURE):
-        _check_tool(raw, tool_catalog)
+        _check_tool(raw, cleaned, tool_catalog)
     elif kind is ObservationType.ENTITY_ACCESS:
         _check_entity(raw, cleaned)
     else:

@@ -350,6 +350,38 @@ def test_a_required_key_that_cleaning_names_is_found() -> None:
     assert result == {"toolName": "get_account", "durationMs": 5}
 
 
+class AbsLies(int):
+    """An int whose abs() says it is small."""
+
+    def __abs__(self) -> int:
+        return 0
+
+
+class FloatLies(float):
+    """A float whose float() is NaN."""
+
+    def __float__(self) -> float:
+        return math.nan
+
+
+class NeverBelow(float):
+    """A float that is never below anything."""
+
+    def __lt__(self, other: object) -> bool:
+        return False
+
+
+def test_a_number_of_a_subclass_is_checked_and_stored_by_its_value() -> None:
+    """Checked through the subclass's own methods and stored by another (int(), float()),
+    an integer out of range, a NaN or a negative duration was stored."""
+    reason = rejected("u", tool_obs(big=AbsLies(2**70)))
+    assert reason == "metadata.big is an integer out of range"
+    assert rejected("u", tool_obs(durationMs=NeverBelow(-5.0))) == "metadata.durationMs is negative"
+    metadata = sanitize_observation("u", tool_obs(x=FloatLies(1.5), n=AbsLies(7)), AT).metadata
+    assert (metadata["x"], type(metadata["x"])) == (1.5, float)
+    assert (metadata["n"], type(metadata["n"])) == (7, int)
+
+
 def test_metadata_may_nest_eight_containers() -> None:
     value: Any = 1
     for _ in range(7):  # seven containers inside the metadata dict itself
