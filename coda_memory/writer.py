@@ -77,16 +77,32 @@ def _text_bytes(text: str) -> int:
     return _STR_BYTES + len(text) if text.isascii() else sys.getsizeof(text)
 
 
+def _id_bytes(value: object) -> int:
+    """What an identity or session id holds in memory, about (the queue holds it until
+    the writer rejects one too long: uncounted, long ids filled memory past
+    ``queue_bytes``); nothing for None or an object that is not a ``str``, which the
+    writer rejects."""
+    if type(value) is str:
+        return _text_bytes(value)
+    return sys.getsizeof(value) if isinstance(value, str) else 0
+
+
 class _TooManyValues(Exception):
     """Metadata of more values than validation accepts (see :func:`_approximate_bytes`)."""
 
 
 def _approximate_bytes(obs: NewObservation) -> int:
-    """What a queued observation holds in memory, about: its text and its metadata's.
-    Raises :class:`_TooManyValues` for metadata of more keys and values than fit in the
-    16 KiB validation allows (each costs a byte of JSON at least), having read no more
-    of it than that: walked whole, a list of a million numbers held the caller 0.1 s."""
+    """What a queued observation holds in memory, about: its text (its session id's too)
+    and its metadata's. Raises :class:`_TooManyValues` for metadata of more keys and
+    values than fit in the 16 KiB validation allows (each costs a byte of JSON at least),
+    having read no more of it than that: walked whole, a list of a million numbers held
+    the caller 0.1 s."""
     size = _ITEM_OVERHEAD + _text_bytes(obs.content)
+    session = obs.session_id
+    if type(session) is str and session.isascii():  # (the common case, without a call)
+        size += _STR_BYTES + len(session)
+    elif session is not None:
+        size += _id_bytes(session)
     metadata = obs.metadata
     return size + _nested_bytes(metadata, 0, [MAX_METADATA_BYTES]) if metadata else size
 
@@ -289,6 +305,11 @@ class ObservationWriter:
             emitted = self._emitted = self._emitted + 1
             try:
                 size = _approximate_bytes(obs)
+                # (An ASCII str, the common case, without the call.)
+                if type(identity_id) is str and identity_id.isascii():
+                    size += _STR_BYTES + len(identity_id)
+                else:
+                    size += _id_bytes(identity_id)
             except _TooManyValues:
                 self._refused_emit(emitted)
                 self._reject(identity_id, "metadata is larger than 16 KiB")

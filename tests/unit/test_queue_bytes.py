@@ -52,7 +52,7 @@ def test_emits_beyond_queue_bytes_are_dropped_and_counted(
     """No event loop runs, so nothing is stored: what fits in ``queue_bytes`` waits, the
     rest is dropped, logged as such (it was logged as "queue full", the count's limit)."""
     big = _observation("é" * 20_000, {"toolName": "t"})  # about 40 kB each
-    each = _approximate_bytes(big)
+    each = _approximate_bytes(big) + sys.getsizeof("u1")  # (the identity's too)
     service = MemoryService(InMemoryStore(), queue_bytes=5 * each)
     with caplog.at_level(logging.WARNING, "coda_memory"):
         for _ in range(8):
@@ -88,3 +88,25 @@ def test_metadata_of_more_values_than_validation_takes_is_rejected_unread_at_emi
     fits: dict[str, object] = {"toolName": "t", "rows": list(range(MAX_METADATA_BYTES - 10))}
     service.emit_observation("u1", _observation("", fits))
     assert service.stats().pending == 1
+
+
+@pytest.mark.parametrize("where", ["identity", "session"])
+def test_identity_and_session_ids_count_against_queue_bytes(where: str) -> None:
+    """The queue holds each observation's ids as well: uncounted, observations whose ids
+    were long (each its own, 200 kB here, which the writer rejects later) filled memory
+    far past ``queue_bytes``."""
+    service = MemoryService(InMemoryStore(), queue_bytes=1_000_000)
+    for n in range(10):
+        long_id = f"{n}" + "x" * 200_000
+        identity, session = (long_id, None) if where == "identity" else ("u1", long_id)
+        observation = NewObservation.model_construct(
+            type=ObservationType.TOOL_SUCCESS,
+            content="",
+            metadata={"toolName": "t"},
+            session_id=session,
+            created_at=None,
+        )
+        service.emit_observation(identity, observation)
+    stats = service.stats()
+    assert stats.pending * 200_000 <= 1_000_000
+    assert stats.dropped == 10 - stats.pending
