@@ -831,7 +831,8 @@ class ObservationWriter:
         all, and it counts as what the store made of it, once (it counted as both, and
         the count in flight went below zero)."""
         if key not in self._appending:
-            self._dropped -= len(items)
+            count = len(items)  # (before: see _settled)
+            self._dropped -= count
 
     def _settled(self, items: list[_Item], key: str | None = None) -> None:
         """``items`` are no longer in flight: stored, rejected or discarded (``key``: the
@@ -842,7 +843,12 @@ class ObservationWriter:
             self._progress.set()
             return
         self._count_later(items)
-        self._held_bytes = max(0, self._held_bytes - sum(item[5] for item in items))  # bytes
+        # Computed before the count is read: an emit of another thread adds to it, and a
+        # switch of threads at a call between the read and the write lost its addition.
+        freed = sum(item[5] for item in items)  # bytes
+        self._held_bytes -= freed
+        if self._held_bytes < 0:
+            self._held_bytes = 0
         self._inflight -= len(items)
         self._progress.set()
 
@@ -1003,8 +1009,10 @@ class ObservationWriter:
                 queue.append(item)
         if dropped:
             self._count_later(dropped)
-            self._held_bytes -= sum(item[5] for item in dropped)
-            self._dropped += len(dropped)  # asked for (forget): counted, with no warning
+            # (Computed before the counts are read: see _settled.)
+            freed, count = sum(item[5] for item in dropped), len(dropped)
+            self._held_bytes -= freed
+            self._dropped += count  # asked for (forget): counted, with no warning
             self._wake_waiters()
         return len(dropped)
 

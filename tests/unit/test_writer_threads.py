@@ -1,0 +1,127 @@
+"""Counters that an emit of another thread changes too: the loop's updates of them must
+not be split by a switch of threads, or the other thread's update is lost.
+
+CPython hands the GIL to another thread at a call's end (and a loop's jump back, a
+function's start), never between two plain instructions. These tests trace the writer's
+methods instruction by instruction and run an emit of "another thread" at every such
+point that follows a call, which is where a real switch could run it.
+"""
+
+from __future__ import annotations
+
+import dis
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from types import FrameType
+from typing import Any
+
+import pytest
+
+from coda_memory import MemoryService, NewObservation, ObservationType
+from coda_memory.testing import InMemoryStore
+from coda_memory.writer import ObservationWriter
+from tests.helpers import FakeClock, tool_ok
+
+#: On both event loops (see tests/conftest.py).
+pytestmark = pytest.mark.both_loops
+
+
+@contextmanager
+def switches_after_calls(method: Callable[..., Any], switch: Callable[[], None]) -> Iterator[None]:
+    """Run ``switch`` inside ``method`` after each call it makes, as another thread that
+    the GIL was handed to there would run."""
+    code = method.__code__
+
+    #: The last instruction each traced frame ran.
+    frame_state: dict[int, int] = {}
+
+    def local_with_state(frame: FrameType, event: str, arg: Any) -> Any:
+        if event == "opcode":
+            previous = frame_state.get(id(frame))
+            if previous is not None and dis.opname[code.co_code[previous]] == "CALL":
+                switch()
+            frame_state[id(frame)] = frame.f_lasti
+        return local_with_state
+
+    def tracer(frame: FrameType, event: str, arg: Any) -> Any:
+        if frame.f_code is not code:
+            return None
+        frame.f_trace_opcodes = True
+        frame.f_trace_lines = False
+        frame_state.pop(id(frame), None)
+        return local_with_state
+
+    before = sys.gettrace()
+    sys.settrace(tracer)
+    try:
+        yield
+    finally:
+        sys.settrace(before)
+
+
+def _held_bytes_of_queue(service: MemoryService) -> int:
+    return sum(item[5] for item in service._queue)
+
+
+async def test_forget_loses_no_count_of_an_emit_refused_on_another_thread() -> None:
+    """forget()'s count of what it dropped from the queue was added to ``dropped`` with a
+    call between its read and its write: an emit refused meanwhile on another thread (a
+    full queue) was lost from the count, and ``pending`` stayed at 1 for ever, which
+    drain() and close() waited out."""
+    service = MemoryService(InMemoryStore(), clock=FakeClock(), queue_bytes=100_000)
+    too_big = NewObservation(
+        type=ObservationType.TOOL_SUCCESS, content="x" * 200_000, metadata={"toolName": "t"}
+    )
+    try:
+        for identity in ("u1", "u2", "u1"):
+            service.emit_observation(identity, tool_ok("get_account"))
+        refused = 0
+
+        def emit_refused() -> None:
+            nonlocal refused
+            if refused < 50:
+                refused += 1
+                service.emit_observation("u3", too_big)  # dropped: larger than queue_bytes
+
+        with switches_after_calls(ObservationWriter._forget_queued, emit_refused):
+            assert service._forget_queued("u1") == 2
+        assert refused
+        await service.drain(timeout=5)
+        stats = service.stats()
+        assert stats.emitted == 3 + refused
+        assert (stats.stored, stats.dropped, stats.pending) == (1, 2 + refused, 0)
+    finally:
+        await service.close(timeout=1)
+
+
+async def test_bytes_held_lose_no_emit_of_another_thread() -> None:
+    """The bytes an emit of another thread added to the queue's count were lost when the
+    writer or forget() took a batch's bytes off it across a call (sum()): the count fell
+    below what the queue holds, and ``queue_bytes`` held more than its bound."""
+    service = MemoryService(InMemoryStore(), clock=FakeClock())
+    try:
+        for identity in ("u1", "u2", "u1"):
+            service.emit_observation(identity, tool_ok("get_account"))
+        emitted = 0
+
+        def emit_queued() -> None:
+            nonlocal emitted
+            if emitted < 20:
+                emitted += 1
+                service.emit_observation("u4", tool_ok("get_account"))
+
+        with switches_after_calls(ObservationWriter._forget_queued, emit_queued):
+            assert service._forget_queued("u1") == 2
+        assert emitted
+        assert service._held_bytes == _held_bytes_of_queue(service)
+        emitted = 0
+        with switches_after_calls(ObservationWriter._settled, emit_queued):
+            await service.drain(timeout=5)
+        assert emitted
+        # (It counts what is queued and what the writer holds.)
+        assert service._held_bytes >= _held_bytes_of_queue(service) > 0
+        await service.drain(timeout=5)
+        assert service._held_bytes == _held_bytes_of_queue(service) == 0
+    finally:
+        await service.close(timeout=1)
