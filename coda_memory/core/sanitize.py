@@ -483,6 +483,13 @@ def _check_query(raw: dict[Any, Any]) -> None:
     _optional_string(raw, "query")
 
 
+def _unexpected(error: Exception) -> ObservationRejected:
+    """The rejection of an observation one of whose values raised as it was read (a host's
+    object: a str subclass whose ``len()`` raises, a property), named by the error's class
+    alone: its message may quote what the value held."""
+    return ObservationRejected(f"unexpected {type(error).__name__}")
+
+
 def sanitize_observation(
     identity_id: str,
     obs: NewObservation,
@@ -495,15 +502,16 @@ def sanitize_observation(
     Returns the storable form, or raises :class:`ObservationRejected` with a specific
     reason; no other exception escapes, whatever the input.
     """
-    return sanitize_fields(
-        identity_id,
-        getattr(obs, "type", None),
-        getattr(obs, "content", None),
-        getattr(obs, "metadata", None),
-        getattr(obs, "session_id", None),
-        created_at,
-        tool_catalog,
-    )
+    try:
+        fields = (
+            getattr(obs, "type", None),
+            getattr(obs, "content", None),
+            getattr(obs, "metadata", None),
+            getattr(obs, "session_id", None),
+        )
+    except Exception as error:  # an observation of the host's own, whose property raised
+        raise _unexpected(error) from None
+    return sanitize_fields(identity_id, *fields, created_at, tool_catalog)
 
 
 def sanitize_fields(
@@ -517,27 +525,32 @@ def sanitize_fields(
 ) -> ObservationRecord:
     """:func:`sanitize_observation` of an observation given by its fields (the type as
     an :class:`ObservationType` or its value): the writer's queue keeps them so."""
-    identity = check_identity(identity_id)
-    kind = _check_type(obs_type)
-    if not isinstance(content, str):
-        raise ObservationRejected("content is not a string")
-    session = _check_session(session_id)
-    at = _check_created_at(created_at)
-    raw = metadata
-    if not isinstance(raw, dict):
-        raise ObservationRejected(f"metadata is {_type_name(raw)}, not a dict")
-    cleaned, raw = _clean_metadata(raw)
-    if kind in (ObservationType.TOOL_SUCCESS, ObservationType.TOOL_FAILURE):
-        _check_tool(raw, cleaned, tool_catalog)
-    elif kind is ObservationType.ENTITY_ACCESS:
-        _check_entity(raw, cleaned)
-    else:
-        _check_query(raw)
-    return ObservationRecord(
-        identity_id=identity,
-        type=kind,
-        content=_scrub(content, MAX_CONTENT_CHARS, _content_drop),
-        metadata=cleaned,
-        session_id=session,
-        created_at=at,
-    )
+    try:
+        identity = check_identity(identity_id)
+        kind = _check_type(obs_type)
+        if not isinstance(content, str):
+            raise ObservationRejected("content is not a string")
+        session = _check_session(session_id)
+        at = _check_created_at(created_at)
+        raw = metadata
+        if not isinstance(raw, dict):
+            raise ObservationRejected(f"metadata is {_type_name(raw)}, not a dict")
+        cleaned, raw = _clean_metadata(raw)
+        if kind in (ObservationType.TOOL_SUCCESS, ObservationType.TOOL_FAILURE):
+            _check_tool(raw, cleaned, tool_catalog)
+        elif kind is ObservationType.ENTITY_ACCESS:
+            _check_entity(raw, cleaned)
+        else:
+            _check_query(raw)
+        return ObservationRecord(
+            identity_id=identity,
+            type=kind,
+            content=_scrub(content, MAX_CONTENT_CHARS, _content_drop),
+            metadata=cleaned,
+            session_id=session,
+            created_at=at,
+        )
+    except ObservationRejected:
+        raise
+    except Exception as error:  # a value's own method (a str subclass's len())
+        raise _unexpected(error) from None

@@ -382,6 +382,70 @@ def test_a_number_of_a_subclass_is_checked_and_stored_by_its_value() -> None:
     assert (metadata["n"], type(metadata["n"])) == (7, int)
 
 
+class LenRaises(str):
+    def __len__(self) -> int:
+        raise RuntimeError("SECRET")
+
+
+class IsAsciiRaises(str):
+    def isascii(self) -> bool:
+        raise RuntimeError("SECRET")
+
+
+class HashRaises(str):
+    def __hash__(self) -> int:
+        raise RuntimeError("SECRET")
+
+
+class IterRaises(list[Any]):
+    def __iter__(self) -> Any:
+        raise RuntimeError("SECRET")
+
+
+class PropertyRaises:
+    type = ObservationType.TOOL_SUCCESS
+    content = "c"
+    session_id = None
+
+    @property
+    def metadata(self) -> Any:
+        raise RuntimeError("SECRET")
+
+
+@pytest.mark.parametrize(
+    ("identity", "observation"),
+    [
+        (LenRaises("u"), tool_obs()),
+        (IsAsciiRaises("u"), tool_obs()),
+        ("u", obs(HashRaises("tool_success"), {"toolName": "t"})),
+        ("u", obs(TOOL, {"toolName": "t"}, content=IsAsciiRaises("c"))),
+        ("u", obs(TOOL, {"toolName": "t"}, session_id=LenRaises("s"))),
+        ("u", obs(TOOL, {"toolName": IsAsciiRaises("t")})),
+        ("u", obs(TOOL, {"toolName": "t", IsAsciiRaises("k"): 1})),
+        ("u", obs(TOOL, {"toolName": "t", "k": LenRaises("v")})),
+        ("u", obs(TOOL, {"toolName": "t", "k": IterRaises([1])})),
+        ("u", PropertyRaises()),
+    ],
+    ids=[
+        "identity-len",
+        "identity-isascii",
+        "type-hash",
+        "content",
+        "session",
+        "tool-name",
+        "key",
+        "value",
+        "list",
+        "property",
+    ],
+)
+def test_a_value_whose_own_method_raises_is_a_rejection(identity: Any, observation: Any) -> None:
+    """The module promises ObservationRejected and nothing else, whatever the input: a
+    host's value whose own method raised (a str subclass's len() or isascii()) escaped
+    as its error."""
+    assert rejected(identity, observation) == "unexpected RuntimeError"
+
+
 def test_metadata_may_nest_eight_containers() -> None:
     value: Any = 1
     for _ in range(7):  # seven containers inside the metadata dict itself
