@@ -267,7 +267,7 @@ def _check_session(session_id: object) -> str | None:
         raise ObservationRejected(f"session_id is longer than {MAX_SESSION_CHARS} characters")
     if has_nul_or_surrogate(session_id):
         raise ObservationRejected("session_id contains NUL or a lone surrogate")
-    return str(session_id)
+    return str.__str__(session_id)  # its value (see check_identity)
 
 
 #: The observation types by value; a member hashes and compares as its value, so it finds

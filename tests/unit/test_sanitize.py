@@ -8,6 +8,7 @@ import re
 import sys
 import unicodedata
 from datetime import UTC, datetime, timedelta, timezone
+from enum import Enum
 from typing import Any
 
 import pytest
@@ -444,6 +445,17 @@ def test_a_value_whose_own_method_raises_is_a_rejection(identity: Any, observati
     host's value whose own method raised (a str subclass's len() or isascii()) escaped
     as its error."""
     assert rejected(identity, observation) == "unexpected RuntimeError"
+
+
+def test_a_str_enum_session_is_stored_as_its_value() -> None:
+    """str() of a str enum member is "Session.S1": the session's observations were stored
+    under a session id that no other of its observations had."""
+
+    class Session(str, Enum):  # noqa: UP042 (its str() is "Session.S1", not a StrEnum's)
+        S1 = "s1"
+
+    record = sanitize_observation("u", obs(TOOL, {"toolName": "t"}, session_id=Session.S1), AT)
+    assert (record.session_id, type(record.session_id)) == ("s1", str)
 
 
 def test_metadata_may_nest_eight_containers() -> None:
