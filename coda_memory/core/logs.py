@@ -128,10 +128,16 @@ def without_identities(text: str, identities: Iterable[object]) -> str:
         if not isinstance(identity, str):
             continue
         identity = str.__str__(identity)
-        if identity:
-            label = identity_label(identity)
-            text = text.replace(_repr(identity), label)
-            text = re.sub(rf"(?<!\w){re.escape(identity)}(?!\w)", label, text)
+        if not identity:
+            continue
+        quoted = _repr(identity)
+        # (Most texts name none: a rejection's reason, made for every one, before the
+        # throttle drops its line. Its pattern, compiled for each identity, cost 36 us.)
+        if identity not in text and quoted not in text:
+            continue
+        label = identity_label(identity)
+        text = text.replace(quoted, label)
+        text = re.sub(rf"(?<!\w){re.escape(identity)}(?!\w)", label, text)
     return text
 
 
