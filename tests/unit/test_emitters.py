@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+import tracemalloc
 from collections.abc import Iterator
 from datetime import UTC, datetime
 from typing import Any
@@ -26,7 +27,7 @@ from coda_memory.core.emitters import (
     tool_observations,
 )
 from coda_memory.core.model import NewObservation, ObservationType
-from coda_memory.core.sanitize import sanitize_observation
+from coda_memory.core.sanitize import clean_text, sanitize_observation
 
 # tool_observations
 
@@ -439,6 +440,29 @@ def test_a_large_error_result_is_encoded_only_as_far_as_the_error_keeps() -> Non
     [observation] = tool_observations(uses, results, {})
     assert observation.metadata["error"] == ('["row",' + '"row",' * 82 + '"r')[:499] + "…"
     assert _Counted.made < 1_000
+
+
+@pytest.mark.parametrize(
+    "content",
+    [{"detail": {"trace": "x" * 5_000_000}}, {"detail": ["y" * 5_000_000]}, {"k" * 5_000_000: 1}],
+    ids=["value", "item", "key"],
+)
+def test_a_long_string_in_an_error_result_is_encoded_only_as_far_as_the_error_keeps(
+    content: Any,
+) -> None:
+    """A string is encoded whole, as one part: a nested string of 50 MB held the event
+    loop for a third of a second (and twice its size in memory) to keep 500 characters."""
+    uses = [ToolUse(id="t1", name="run_sql")]
+    results = [ToolResult(tool_use_id="t1", is_error=True, content=content)]
+    whole = json.dumps(content, separators=(",", ":"), ensure_ascii=False)
+    tracemalloc.start()
+    try:
+        [observation] = tool_observations(uses, results, {})
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert observation.metadata["error"] == clean_text(whole, 500)
+    assert peak < 1_000_000
 
 
 def test_entities_past_the_cap_are_not_read() -> None:
