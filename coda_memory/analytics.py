@@ -1,10 +1,12 @@
 """Cross-user analytics, the public path: each function takes what a host has at hand.
 
 ``source`` is a :class:`~coda_memory.MemoryService` over Postgres, its ``.store``, a
-:class:`~coda_memory.postgres.PostgresStore`, or a Postgres URL (a store is opened for
-the call, on ``schema``, and closed after it). Anything else, such as a service over the
-in-memory store, raises ``TypeError``: the analytics are SQL over the Postgres views. The
-queries and their semantics are in :mod:`coda_memory.postgres.analytics`.
+:class:`~coda_memory.postgres.PostgresStore` (which answer for their own schema: a
+``schema`` that names another is a ``ValueError``), or a Postgres URL (a store is opened
+for the call, on ``schema``, ``coda_memory`` by default, and closed after it). Anything
+else, such as a service over the in-memory store, raises ``TypeError``: the analytics
+are SQL over the Postgres views. The queries and their semantics are in
+:mod:`coda_memory.postgres.analytics`.
 """
 
 from __future__ import annotations
@@ -41,9 +43,11 @@ AnalyticsSource: TypeAlias = HasStore | MemoryStore | str
 
 
 @asynccontextmanager
-async def _postgres(source: AnalyticsSource, schema: str) -> AsyncIterator[PostgresStore]:
+async def _postgres(source: AnalyticsSource, schema: str | None) -> AsyncIterator[PostgresStore]:
     if isinstance(source, str):
-        store = PostgresStore.from_url(source, schema=schema, pool_size=1)
+        store = PostgresStore.from_url(
+            source, schema=DEFAULT_SCHEMA if schema is None else schema, pool_size=1
+        )
         try:
             yield store
         finally:
@@ -55,6 +59,12 @@ async def _postgres(source: AnalyticsSource, schema: str) -> AsyncIterator[Postg
             "analytics need a Postgres store (a service from a postgresql:// URL, its "
             f"store, or the URL), not {type(store_of).__name__}"
         )
+    if schema is not None and schema != store_of.schema:
+        # (Ignored, it answered for the store's own schema: another tenant's, say.)
+        raise ValueError(
+            f"schema={schema!r} differs from the store's schema ({store_of.schema!r}): "
+            "a service or store answers for its own schema; pass a URL for another"
+        )
     yield store_of
 
 
@@ -64,7 +74,7 @@ async def tool_effectiveness(
     since: timedelta = DEFAULT_WINDOW,
     min_users: int = DEFAULT_MIN_USERS,
     now: datetime | None = None,
-    schema: str = DEFAULT_SCHEMA,
+    schema: str | None = None,
 ) -> list[ToolEffectiveness]:
     """Tools used by at least ``min_users`` identities in the window, most used first.
 
@@ -82,7 +92,7 @@ async def entity_popularity(
     min_users: int = DEFAULT_MIN_USERS,
     now: datetime | None = None,
     limit: int = DEFAULT_LIMIT,
-    schema: str = DEFAULT_SCHEMA,
+    schema: str | None = None,
 ) -> list[EntityPopularity]:
     """The ``limit`` entities accessed by the most identities in the window."""
     async with _postgres(source, schema) as store:
@@ -97,7 +107,7 @@ async def domain_trends(
     since: timedelta = DEFAULT_WINDOW,
     min_users: int = DEFAULT_MIN_USERS,
     now: datetime | None = None,
-    schema: str = DEFAULT_SCHEMA,
+    schema: str | None = None,
 ) -> list[DomainTrend]:
     """Queries and distinct users per UTC day and domain in the window."""
     async with _postgres(source, schema) as store:
@@ -109,14 +119,14 @@ async def fact_summary(
     *,
     min_users: int = DEFAULT_MIN_USERS,
     now: datetime | None = None,
-    schema: str = DEFAULT_SCHEMA,
+    schema: str | None = None,
 ) -> list[FactSummary]:
     """Active facts per category (at ``now``)."""
     async with _postgres(source, schema) as store:
         return await _queries.fact_summary(store, min_users=min_users, now=now)
 
 
-async def rebuild_rollups(source: AnalyticsSource, *, schema: str = DEFAULT_SCHEMA) -> None:
+async def rebuild_rollups(source: AnalyticsSource, *, schema: str | None = None) -> None:
     """Recompute the usage rollup from the observations stored now: the counts of
     observations already pruned (older than ``retention``) are lost, and readers holding
     an older snapshot (a repeatable-read report) see the rollup empty (it is truncated).

@@ -17,6 +17,7 @@ from coda_memory.analytics import (
     rebuild_rollups,
     tool_effectiveness,
 )
+from coda_memory.postgres import PostgresStore
 from tests.helpers import domain, entity, tool_ok
 
 
@@ -54,3 +55,19 @@ async def test_a_service_that_is_not_on_postgres_is_refused() -> None:
             await tool_effectiveness(memory)
         with pytest.raises(TypeError, match="not InMemoryStore"):
             await fact_summary(memory.store)
+
+
+async def test_a_schema_other_than_the_service_s_own_is_refused(pg_url: str) -> None:
+    """``schema=`` was ignored for a service or a store: the call answered for the
+    store's own schema (another tenant's, say) as if it were the one asked for."""
+    memory = MemoryService.from_url(pg_url, load_timeout=5.0)
+    try:
+        with pytest.raises(ValueError, match="differs from the store's schema"):
+            await tool_effectiveness(memory, schema="tenant_two")
+        with pytest.raises(ValueError, match="pass a URL for another"):
+            await rebuild_rollups(memory.store, schema="tenant_two")
+        store = memory.store
+        assert isinstance(store, PostgresStore)
+        assert await fact_summary(memory, schema=store.schema) == await fact_summary(memory)
+    finally:
+        await memory.close()
