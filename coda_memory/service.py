@@ -197,13 +197,25 @@ class LoadCancelled(Exception):
 def _host_counter(counter: Callable[[str], int]) -> Callable[[str], int]:
     """The host's ``token_counter``, whose errors are a :class:`HostCallbackError` that
     names their class only: it is given the prompt section's text, which the error's
-    message may quote, and the load's log line reports the error."""
+    message may quote, and the load's log line reports the error. So is a count that is
+    not a number from 0 up: a NaN or a negative one passed every comparison with the
+    budget, and the section held every fact."""
 
     def count(text: str) -> int:
         try:
-            return counter(text)
+            tokens = counter(text)
         except Exception as error:
             raise HostCallbackError(f"token_counter raised {type(error).__name__}") from None
+        try:
+            counted = bool(tokens >= 0)  # NaN fails too
+        except Exception:
+            counted = False
+        if not counted:
+            raise HostCallbackError(
+                f"token_counter returned {type(tokens).__name__}, not a count of tokens "
+                "(a number from 0 up)"
+            )
+        return tokens
 
     return count
 

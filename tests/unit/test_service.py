@@ -159,6 +159,49 @@ async def test_a_token_counter_that_fails_is_logged_by_its_class_not_its_message
     assert "Alice" not in caplog.text and "cannot count" not in caplog.text
 
 
+@pytest.mark.parametrize("odd", [float("nan"), -1, -0.5, "3", None])
+async def test_a_token_counter_that_returns_no_count_fails_the_load(
+    odd: object, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A count that is NaN or negative passed every comparison with the budget (NaN is
+    neither above nor below it; a negative one let any line in): the prompt section
+    held every fact, far over ``prompt_budget_tokens``. It fails the load as a counter
+    that raises does, naming the type only (a str may quote the section)."""
+    service = MemoryService.from_url(
+        "memory://",
+        clock=FakeClock(),
+        load_timeout=5.0,
+        prompt_budget_tokens=10,
+        token_counter=lambda text: odd,
+    )
+    try:
+        for n in range(20):
+            service.emit_observation("u1", entity("account", str(n), f"Account {n}", "s1"))
+        await service.drain()
+        with caplog.at_level(logging.WARNING, "coda_memory"):
+            memory = await service.load_memory("u1")
+    finally:
+        await service.close()
+    assert memory == LoadedMemory.empty()
+    assert service.stats().load_errors == 1
+    assert f"(HostCallbackError: token_counter returned {type(odd).__name__}," in caplog.text
+
+
+async def test_a_token_counter_may_count_in_floats() -> None:
+    """A count that is a float (characters over 4) is a count."""
+    service = MemoryService.from_url(
+        "memory://", clock=FakeClock(), load_timeout=5.0, token_counter=lambda t: len(t) / 4
+    )
+    try:
+        service.emit_observation("u1", entity("account", "42", "Acme", "s1"))
+        await service.drain()
+        memory = await service.load_memory("u1")
+    finally:
+        await service.close()
+    assert 'Works with account "Acme"' in memory.prompt_section
+    assert service.stats().load_errors == 0
+
+
 async def test_concurrent_loads_of_one_identity_get_answers_of_their_own() -> None:
     """They shared one consolidation and got the same object: a request that changed its
     answer (popped an affinity, cleared the facts) changed the other request's too."""
