@@ -290,6 +290,10 @@ def _check_clock(clock: Clock) -> None:
         )
 
 
+#: The first date there is (see ``MemoryService._planning``).
+_FIRST_DATE = datetime.min.replace(tzinfo=UTC)
+
+
 def system_clock() -> datetime:
     """The default clock: the system's UTC time."""
     return datetime.now(UTC)
@@ -700,9 +704,12 @@ class MemoryService(ObservationWriter):
         return [] if kept is None else await kept(identity_id)
 
     def _planning(self, identity_id: str, batch: ConsolidationInput) -> Steps[ConsolidationPlan]:
-        return planning(
-            identity_id, batch, self.clock(), self.decay, self.retention, self.max_facts
-        )
+        now = self.clock()
+        # Within the retention of year 1 (a test's clock), now less the retention, the
+        # prune bound, left the range of dates and every consolidation failed: the bound
+        # is the first date then.
+        retention = min(self.retention, max(timedelta(0), now - _FIRST_DATE))
+        return planning(identity_id, batch, now, self.decay, retention, self.max_facts)
 
     async def facts(self, identity_id: str) -> list[Fact]:
         """The identity's active facts at the clock's now, without consolidating."""

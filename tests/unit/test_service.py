@@ -18,7 +18,7 @@ import weakref
 from collections import deque
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from enum import Enum
 from typing import Any
 
@@ -1171,6 +1171,27 @@ def test_options_past_what_the_service_can_use_are_refused(option: str, value: o
         MemoryService.from_url("memory://", **options)
     # The largest accepted are accepted.
     MemoryService.from_url("memory://", max_facts=2**31 - 1, retention=timedelta(days=36_500))
+
+
+@pytest.mark.parametrize(
+    "now", [datetime(1, 1, 3, tzinfo=UTC), datetime(9999, 12, 31, 23, tzinfo=UTC)]
+)
+async def test_a_clock_at_the_edge_of_the_dates_still_consolidates(now: datetime) -> None:
+    """A clock within ``retention`` of year 1 (one a test sets there) made the prune
+    bound, now less the retention, leave the range of dates: every consolidation failed
+    with OverflowError, every load came back empty and counted in ``load_errors``."""
+    service = MemoryService.from_url("memory://", clock=lambda: now, load_timeout=5.0)
+    try:
+        service.emit_observation("u1", entity("account", "42", "Acme", "s1"))
+        await service.drain()
+        memory = await service.load_memory("u1")
+        assert [f.subject for f in await service.consolidate("u1")] == [
+            "entity_frequency:account:42"
+        ]
+    finally:
+        await service.close()
+    assert [f.subject for f in memory.facts] == ["entity_frequency:account:42"]
+    assert service.stats().load_errors == 0
 
 
 @pytest.mark.parametrize("call", ["consolidate", "facts", "history", "forget"])
