@@ -43,11 +43,14 @@ from __future__ import annotations
 import asyncio
 import functools
 import itertools
+import logging
 import threading
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import TYPE_CHECKING, Any
+
+from coda_memory.core.caps import LogThrottle
 
 if TYPE_CHECKING:
     from coda_memory.stats import MemoryStats
@@ -102,6 +105,7 @@ class Telemetry:
         from coda_memory import __version__
 
         self._error_status = functools.partial(trace.Status, trace.StatusCode.ERROR)
+        self._log = LogThrottle(logging.getLogger("coda_memory"))
         self._tracer = trace.get_tracer(
             INSTRUMENTATION, __version__, tracer_provider=tracer_provider
         )
@@ -128,22 +132,56 @@ class Telemetry:
     @contextmanager
     def span(self, name: str, **attributes: Any) -> Iterator[Any]:
         """A span named ``coda_memory.<name>``; yields it, for attributes set later. An
-        error ends it with its class only (see above)."""
-        with self._tracer.start_as_current_span(
-            f"{INSTRUMENTATION}.{name}",
-            attributes=attributes,
-            record_exception=False,
-            set_status_on_exception=False,
-        ) as span:
+        error ends it with its class only (see above). An error of the SDK as the span
+        starts or ends (the host's span processors are called then, and the SDK lets
+        their errors through) leaves the span unrecorded and the call going, with a line
+        that names its class: load_memory raised it, and a batch whose append span failed
+        was not stored."""
+        try:
+            started = self._tracer.start_as_current_span(
+                f"{INSTRUMENTATION}.{name}",
+                attributes=attributes,
+                record_exception=False,
+                set_status_on_exception=False,
+            )
+            span = started.__enter__()
+        except Exception as error:
+            self._failed(name, error)
+            started = None
+        if started is None:
+            yield None
+            return
+        failure: BaseException | None = None
+        try:
+            yield span
+        except (asyncio.CancelledError, GeneratorExit) as error:
+            failure = error
+            raise  # the caller gave up: not an error (as OpenTelemetry's use_span)
+        except BaseException as error:
+            failure = error
+            kind = type(error)
+            span.set_attribute("error.type", f"{kind.__module__}.{kind.__qualname__}")
+            span.set_status(self._error_status(kind.__name__))
+            raise
+        finally:
             try:
-                yield span
-            except (asyncio.CancelledError, GeneratorExit):
-                raise  # the caller gave up: not an error (as OpenTelemetry's use_span)
-            except BaseException as error:
-                kind = type(error)
-                span.set_attribute("error.type", f"{kind.__module__}.{kind.__qualname__}")
-                span.set_status(self._error_status(kind.__name__))
-                raise
+                if failure is None:
+                    started.__exit__(None, None, None)
+                else:
+                    started.__exit__(type(failure), failure, failure.__traceback__)
+            except Exception as error:
+                if error is not failure:
+                    self._failed(name, error)
+
+    def _failed(self, name: str, error: Exception) -> None:
+        """Log (at most once a second) that a span failed, naming the error's class only:
+        its message may quote what the span holds."""
+        self._log.warning(
+            f"span failed: {type(error).__name__}",
+            "coda-memory: the %s span failed (%s); not recorded",
+            f"{INSTRUMENTATION}.{name}",
+            type(error).__name__,
+        )
 
     def load_finished(self, seconds: float, outcome: str) -> None:
         self._load_duration.record(seconds, {"coda_memory.outcome": outcome})

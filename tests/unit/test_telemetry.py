@@ -417,3 +417,50 @@ async def test_load_durations_fall_in_buckets_of_seconds(clock: FakeClock) -> No
     assert point.explicit_bounds[0] <= 0.001 and 0.1 in point.explicit_bounds
     # The load took well under a second: it sits in a bucket below the 100 ms timeout.
     assert sum(point.bucket_counts[: point.explicit_bounds.index(0.1) + 1]) == 1
+
+
+class _FailingProcessor(SimpleSpanProcessor):
+    """A host's span processor that raises as a span starts or ends (its exporter
+    misconfigured)."""
+
+    def __init__(self, when: str) -> None:
+        super().__init__(InMemorySpanExporter())
+        self.when = when
+
+    def on_start(self, span: Any, parent_context: Any = None) -> None:
+        if self.when == "start":
+            raise RuntimeError("exporter misconfigured")
+
+    def on_end(self, span: Any) -> None:
+        if self.when == "end":
+            raise RuntimeError("exporter misconfigured")
+
+
+@pytest.mark.parametrize("when", ["start", "end"])
+async def test_a_span_processor_that_raises_fails_no_call(
+    clock: FakeClock, when: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The SDK calls the host's span processors as spans start and end, and lets their
+    errors through: load_memory raised one (it never raises), consolidate and the
+    writer's appends failed for telemetry. The spans go unrecorded instead, with a line
+    that names the error's class."""
+    tracer_provider = TracerProvider()
+    tracer_provider.add_span_processor(_FailingProcessor(when))
+    telemetry = Telemetry(tracer_provider=tracer_provider)
+    service = MemoryService.from_url(
+        "memory://", clock=clock, load_timeout=5.0, telemetry=telemetry
+    )
+    try:
+        service.emit_observation("alice", tool_ok("get_account"))
+        await service.drain()
+        loaded = await service.load_memory("alice")
+        assert [f.subject for f in await service.consolidate("alice")] == [
+            "tool_affinity:get_account"
+        ]
+    finally:
+        await service.close()
+    assert [f.subject for f in loaded.facts] == ["tool_affinity:get_account"]
+    stats = service.stats()
+    assert (stats.stored, stats.load_errors, stats.load_stale) == (1, 0, 0)
+    assert "span failed (RuntimeError); not recorded" in caplog.text
+    assert "misconfigured" not in caplog.text and "alice" not in caplog.text
