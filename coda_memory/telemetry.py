@@ -146,7 +146,7 @@ class Telemetry:
             )
             span = started.__enter__()
         except Exception as error:
-            self._failed(name, error)
+            self._failed(f"the {INSTRUMENTATION}.{name} span", error)
             started = None
         if started is None:
             yield None
@@ -171,20 +171,23 @@ class Telemetry:
                     started.__exit__(type(failure), failure, failure.__traceback__)
             except Exception as error:
                 if error is not failure:
-                    self._failed(name, error)
+                    self._failed(f"the {INSTRUMENTATION}.{name} span", error)
 
-    def _failed(self, name: str, error: Exception) -> None:
-        """Log (at most once a second) that a span failed, naming the error's class only:
-        its message may quote what the span holds."""
+    def _failed(self, what: str, error: Exception) -> None:
+        """Log (at most once a second) that ``what`` (a span, a measurement) failed,
+        naming the error's class only: its message may quote what it holds."""
         self._log.warning(
-            f"span failed: {type(error).__name__}",
-            "coda-memory: the %s span failed (%s); not recorded",
-            f"{INSTRUMENTATION}.{name}",
+            f"telemetry failed: {type(error).__name__}",
+            "coda-memory: %s failed (%s); not recorded",
+            what,
             type(error).__name__,
         )
 
     def load_finished(self, seconds: float, outcome: str) -> None:
-        self._load_duration.record(seconds, {"coda_memory.outcome": outcome})
+        try:
+            self._load_duration.record(seconds, {"coda_memory.outcome": outcome})
+        except Exception as error:  # (the SDK calls the host's exemplar filter here)
+            self._failed("the coda_memory.load_memory.duration measurement", error)
 
     def observe(self, stats: Callable[[], MemoryStats]) -> None:
         """Report the counters of ``stats()`` (a service's bound method, held weakly),

@@ -464,3 +464,36 @@ async def test_a_span_processor_that_raises_fails_no_call(
     assert (stats.stored, stats.load_errors, stats.load_stale) == (1, 0, 0)
     assert "span failed (RuntimeError); not recorded" in caplog.text
     assert "misconfigured" not in caplog.text and "alice" not in caplog.text
+
+
+class _FailingFilter:
+    """A host's exemplar filter that raises: the SDK calls it as a measurement is
+    recorded, and lets its error through."""
+
+    def should_sample(self, *args: Any) -> bool:
+        raise RuntimeError("filter misconfigured")
+
+
+async def test_a_measurement_that_fails_fails_no_load(
+    clock: FakeClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    """load_memory recorded its duration after its answer was made, and raised the
+    SDK's error (it never raises)."""
+    meter_provider = MeterProvider(
+        metric_readers=[InMemoryMetricReader()],
+        exemplar_filter=_FailingFilter(),  # type: ignore[arg-type]
+    )
+    telemetry = Telemetry(tracer_provider=TracerProvider(), meter_provider=meter_provider)
+    service = MemoryService.from_url(
+        "memory://", clock=clock, load_timeout=5.0, telemetry=telemetry
+    )
+    try:
+        service.emit_observation("alice", tool_ok("get_account"))
+        await service.drain()
+        loaded = await service.load_memory("alice")
+    finally:
+        await service.close()
+    assert [f.subject for f in loaded.facts] == ["tool_affinity:get_account"]
+    assert service.stats().load_errors == 0
+    assert "measurement failed (RuntimeError); not recorded" in caplog.text
+    assert "misconfigured" not in caplog.text
