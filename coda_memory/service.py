@@ -1007,16 +1007,19 @@ class MemoryService(ObservationWriter):
             fallback = loop.create_task(self._stale_answer(identity_id))
             remaining = max(0.0, self.load_timeout * ANSWER_BY - (loop.time() - started))
             return _answered(await _within(task, remaining)), "ok"
-        except TimeoutError:
-            if (
-                task is not None
-                and task.done()
-                and not task.cancelled()
-                and task.exception() is None
-            ):
-                # It finished while the wait was giving up on it (the loop ran it between
-                # the timeout and the cancellation of the wait): its answer is here.
-                return _answered(task.result()), "ok"
+        except TimeoutError as timed_out:
+            if task is not None and task.done() and not task.cancelled():
+                failure = task.exception()
+                if failure is None:
+                    # It finished while the wait was giving up on it (the loop ran it
+                    # between the timeout and the cancellation of the wait): its answer is
+                    # here.
+                    return _answered(task.result()), "ok"
+                if failure is timed_out:
+                    # The consolidation's own (a lock held past the store's lock timeout,
+                    # a driver's command timeout), not this load's: an error.
+                    waiting = self._stop_waiting(identity_id, waiting)
+                    return await self._failed_load(failure, fallback, identity_id)
             # From here on the consolidation's answer is not read by this load.
             waiting = self._stop_waiting(identity_id, waiting)
             loaded = await self._fallback(fallback, identity_id)
@@ -1040,26 +1043,36 @@ class MemoryService(ObservationWriter):
         except asyncio.CancelledError:
             raise
         except Exception as error:
-            self._load_errors += 1
             waiting = self._stop_waiting(identity_id, waiting)
-            loaded = await self._fallback(fallback, identity_id)
-            self._log.warning(
-                f"load failed: {type(error).__name__}",
-                "coda-memory: load_memory for %s failed (%s); %s",
-                self._label(identity_id),
-                short_error(error, (identity_id,), show=self.log_identities),
-                "returning empty"
-                if loaded is None
-                else "answering with the facts of its last consolidation",
-            )
-            _drop_traceback(error)
-            if loaded is not None:
-                return loaded, "stale"
+            return await self._failed_load(error, fallback, identity_id)
         finally:
             self._stop_waiting(identity_id, waiting)
             del self._answering[answering]
             if fallback is not None and not fallback.done():
                 fallback.cancel()  # the consolidation's own answer came (or the caller left)
+
+    async def _failed_load(
+        self,
+        error: BaseException,
+        fallback: asyncio.Task[LoadedMemory | None] | None,
+        identity_id: str,
+    ) -> tuple[LoadedMemory, str]:
+        """The answer of a load whose consolidation failed with ``error``: counted in
+        ``load_errors`` and logged, from the facts at hand, else empty."""
+        self._load_errors += 1
+        loaded = await self._fallback(fallback, identity_id)
+        self._log.warning(
+            f"load failed: {type(error).__name__}",
+            "coda-memory: load_memory for %s failed (%s); %s",
+            self._label(identity_id),
+            short_error(error, (identity_id,), show=self.log_identities),
+            "returning empty"
+            if loaded is None
+            else "answering with the facts of its last consolidation",
+        )
+        _drop_traceback(error)
+        if loaded is not None:
+            return loaded, "stale"
         return LoadedMemory.empty(), "error"
 
     def _stop_waiting(self, identity_id: str, waiting: bool) -> bool:

@@ -1865,6 +1865,49 @@ async def test_a_failing_load_whose_kept_facts_fail_too_still_returns_empty() ->
         await service.close()
 
 
+class TimingOutStore(KeepingStore):
+    """An in-memory store whose consolidation raises a TimeoutError of its own at once,
+    while ``timing_out`` is set (a lock held past the store's lock timeout, a driver's
+    command timeout)."""
+
+    timing_out = False
+
+    @asynccontextmanager
+    async def consolidation(self, identity_id: str) -> AsyncIterator[InMemoryConsolidationUnit]:
+        if self.timing_out:
+            raise TimeoutError("lock held past lock_timeout")
+        async with InMemoryStore.consolidation(self, identity_id) as unit:
+            yield unit
+
+
+@pytest.mark.parametrize("at_hand", [False, True])
+async def test_a_store_timeout_is_a_load_error_not_the_loads_timeout(
+    at_hand: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The store's TimeoutError, raised at once, was read as the load's own timeout:
+    counted in load_timeouts (not load_errors), and logged as a load that took over
+    load_timeout. It is an error, answered from the facts at hand when there are some."""
+    store = TimingOutStore()
+    service = MemoryService(store, clock=FakeClock(), load_timeout=5.0)
+    try:
+        if at_hand:
+            service.emit_observation("u1", tool_ok("old"))
+            await service.drain()
+            await service.consolidate("u1")
+        store.timing_out = True
+        service.emit_observation("u1", tool_ok("new"))
+        await service.drain()
+        with caplog.at_level(logging.WARNING, "coda_memory"):
+            memory = await asyncio.wait_for(service.load_memory("u1"), 1.0)
+    finally:
+        await service.close()
+    stats = service.stats()
+    assert (stats.load_errors, stats.load_timeouts, stats.load_stale) == (1, 0, int(at_hand))
+    assert "failed (TimeoutError: lock held past lock_timeout)" in caplog.text
+    assert "took over" not in caplog.text and "timed out" not in caplog.text
+    assert [f.subject for f in memory.facts] == (["tool_affinity:old"] if at_hand else [])
+
+
 class TimedKeepingStore(KeepingStore):
     """A keeping store that notes, on the loop's clock, when its kept facts are read, and
     can open its gate as it reads them (while the gate is shut the peek waits, so a
