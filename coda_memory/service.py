@@ -194,6 +194,24 @@ class LoadCancelled(Exception):
     """A load in flight was cancelled under its callers (by ``close``)."""
 
 
+class _FailedAfterPeek(Exception):
+    """A load's consolidation failed (``error``) once its peek had read the identity's
+    facts (``facts``), which the loads that waited for it answer from: they are gone
+    from the service's table of them when these loads wake up (see ``MemoryService._load``)."""
+
+    def __init__(self, error: Exception, facts: list[Fact]) -> None:
+        super().__init__()
+        self.error = error
+        self.facts = facts
+
+
+def _failure(error: BaseException) -> tuple[BaseException, list[Fact] | None]:
+    """A load's error as it happened, with the facts its peek read (None: none)."""
+    if isinstance(error, _FailedAfterPeek):
+        return error.error, error.facts
+    return error, None
+
+
 def _host_counter(counter: Callable[[str], int]) -> Callable[[str], int]:
     """The host's ``token_counter``, whose errors are a :class:`HostCallbackError` that
     names their class only: it is given the prompt section's text, which the error's
@@ -1060,7 +1078,9 @@ class MemoryService(ObservationWriter):
         """The answer of a load whose consolidation failed with ``error``: counted in
         ``load_errors`` and logged, from the facts at hand, else empty."""
         self._load_errors += 1
-        loaded = await self._fallback(fallback, identity_id)
+        _drop_traceback(error)
+        error, peeked = _failure(error)
+        loaded = await self._fallback(fallback, identity_id, peeked)
         self._log.warning(
             f"load failed: {type(error).__name__}",
             "coda-memory: load_memory for %s failed (%s); %s",
@@ -1098,24 +1118,30 @@ class MemoryService(ObservationWriter):
         return now - oldest < self.load_timeout * COLLECTION_BEFORE
 
     async def _fallback(
-        self, fallback: asyncio.Task[LoadedMemory | None] | None, identity_id: str
+        self,
+        fallback: asyncio.Task[LoadedMemory | None] | None,
+        identity_id: str,
+        peeked: list[Fact] | None = None,
     ) -> LoadedMemory | None:
         """The answer from the facts at hand: the one started at the hedge, else made now
-        (also when none was at hand at the hedge: the peek may have read them since);
-        counted in ``load_stale`` when there is one."""
+        (also when none was at hand at the hedge: the peek may have read them since, and
+        ``peeked`` holds them when the consolidation failed after it); counted in
+        ``load_stale`` when there is one."""
         loaded = None if fallback is None else await fallback
         if loaded is None:
-            loaded = await self._stale_answer(identity_id)
+            loaded = await self._stale_answer(identity_id, peeked)
         if loaded is not None:
             self._load_stale += 1
         return loaded
 
-    async def _stale_answer(self, identity_id: str) -> LoadedMemory | None:
+    async def _stale_answer(
+        self, identity_id: str, peeked: list[Fact] | None = None
+    ) -> LoadedMemory | None:
         """The answer of a load that did not get its consolidation's, from the facts at
         hand (None: none, or they could not be had: load_memory never raises)."""
         try:
             with collector_scope(self.hold_gc, self._may_collect):
-                return await self._from_facts_at_hand(identity_id)
+                return await self._from_facts_at_hand(identity_id, peeked)
         except Exception as error:
             self._log.warning(
                 f"stale answer failed: {type(error).__name__}",
@@ -1125,9 +1151,12 @@ class MemoryService(ObservationWriter):
             )
             return None
 
-    async def _from_facts_at_hand(self, identity_id: str) -> LoadedMemory | None:
-        """Those the peek read, else those the store keeps."""
-        stale = self._stale.get(identity_id)
+    async def _from_facts_at_hand(
+        self, identity_id: str, peeked: list[Fact] | None = None
+    ) -> LoadedMemory | None:
+        """Those the peek read (``peeked``, when the consolidation failed after it), else
+        those the store keeps."""
+        stale = self._stale.get(identity_id) if peeked is None else peeked
         # The peek's facts are shared (with concurrent loads and the consolidation); the
         # kept ones are read as new models, this answer's own.
         owned = stale is None
@@ -1164,6 +1193,13 @@ class MemoryService(ObservationWriter):
                 if version is not None:  # not after a consolidation (see answers)
                     self._recent.put(identity_id, version, made_at, loaded)
                 return loaded
+            except Exception as error:
+                # The peek's facts, dropped below, go to the loads that waited with the
+                # error (the facts at hand they answer from).
+                peeked = self._stale.get(identity_id)
+                if peeked:
+                    raise _FailedAfterPeek(error, peeked) from None
+                raise
             finally:
                 self._stale.pop(identity_id, None)
 
@@ -1251,8 +1287,9 @@ class MemoryService(ObservationWriter):
         if self._loading.get(identity_id) is task:
             del self._loading[identity_id]
             self._stale.pop(identity_id, None)
-        error = None if task.cancelled() else task.exception()
-        if error is not None:
+        wrapped = None if task.cancelled() else task.exception()
+        if wrapped is not None:
+            error, _ = _failure(wrapped)
             # Each load still waiting for the task reports the error itself (their wakeups
             # come after this callback, registered first): a line here too would count
             # every failed load twice in "N more like it". Without one (they gave up, or
@@ -1266,6 +1303,7 @@ class MemoryService(ObservationWriter):
                     short_error(error, (identity_id,), show=self.log_identities),
                 )
             _drop_traceback(error)
+            _drop_traceback(wrapped)
 
     # -- administration -----------------------------------------------------------------
 

@@ -1908,6 +1908,59 @@ async def test_a_store_timeout_is_a_load_error_not_the_loads_timeout(
     assert [f.subject for f in memory.facts] == (["tool_affinity:old"] if at_hand else [])
 
 
+class FailingConsolidationStore(InMemoryStore):
+    """An in-memory store (it keeps no facts between requests, as the Redis store) whose
+    consolidation fails at once while ``failing`` is set; its peek goes through."""
+
+    failing = False
+
+    @asynccontextmanager
+    async def consolidation(self, identity_id: str) -> AsyncIterator[InMemoryConsolidationUnit]:
+        if self.failing:
+            raise ConnectionError("database unavailable")
+        async with super().consolidation(identity_id) as unit:
+            yield unit
+
+
+async def test_a_load_whose_consolidation_fails_answers_from_the_facts_its_peek_read() -> None:
+    """The peek's facts were dropped as the consolidation failed, before the loads that
+    waited for it read them: over a store that keeps no facts (Redis, memory://), every
+    such load came back empty, though the facts were at hand."""
+    store = FailingConsolidationStore()
+    service = MemoryService(store, clock=FakeClock(), load_timeout=5.0)
+    try:
+        service.emit_observation("u1", tool_ok("old"))
+        await service.drain()
+        await service.consolidate("u1")
+        store.failing = True
+        service.emit_observation("u1", tool_ok("new"))
+        await service.drain()
+        first, second = await asyncio.gather(service.load_memory("u1"), service.load_memory("u1"))
+        assert [f.subject for f in first.facts] == ["tool_affinity:old"]
+        assert [f.subject for f in second.facts] == ["tool_affinity:old"]
+        assert "Uses old successfully" in first.prompt_section
+        stats = service.stats()
+        assert (stats.load_errors, stats.load_stale, stats.load_timeouts) == (2, 2, 0)
+        assert service._stale == {}  # nothing left behind
+        gc.collect()
+        gc.disable()
+        gc.set_debug(gc.DEBUG_SAVEALL)  # what a collection finds is kept in gc.garbage
+        try:
+            for _ in range(5):
+                assert (await service.load_memory("u1")).facts
+            gc.collect()
+            # The error and the facts that went with it were freed as soon as they were
+            # done with, not left in a cycle for a collection to find.
+            assert [o for o in gc.garbage if isinstance(o, ConnectionError)] == []
+        finally:
+            gc.set_debug(0)
+            gc.garbage.clear()
+            gc.enable()
+    finally:
+        store.failing = False
+        await service.close()
+
+
 class TimedKeepingStore(KeepingStore):
     """A keeping store that notes, on the loop's clock, when its kept facts are read, and
     can open its gate as it reads them (while the gate is shut the peek waits, so a
@@ -1961,8 +2014,10 @@ async def test_a_late_load_answers_from_facts_its_peek_read_after_the_hedge(
     hedged: list[LoadedMemory | None] = []
     stale_answer = service._stale_answer
 
-    async def hedge_then_peek(identity_id: str) -> LoadedMemory | None:
-        answer = await stale_answer(identity_id)
+    async def hedge_then_peek(
+        identity_id: str, peeked: list[Fact] | None = None
+    ) -> LoadedMemory | None:
+        answer = await stale_answer(identity_id, peeked)
         if not hedged:  # the hedge's answer: then the peek returns
             store.gate.set()
         hedged.append(answer)
