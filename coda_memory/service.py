@@ -405,7 +405,11 @@ class MemoryService(ObservationWriter):
         catalog = _tool_catalog(tool_catalog)
         if clock is not None:
             _check_clock(clock)
-        if not 0 < load_timeout < float("inf"):  # NaN fails too
+        try:
+            finite = 0 < float(load_timeout) < float("inf")  # NaN fails too
+        except OverflowError:  # an int past the floats
+            finite = False
+        if not finite:
             raise ValueError("load_timeout must be a positive, finite number of seconds")
         require_types(
             queue_size=(queue_size, int, "a whole number"),

@@ -39,6 +39,10 @@ def seconds_or_none(name: str, value: object) -> float | None:
         return None
     require_types(**{name: (value, (int, float), "a number of seconds (or None)")})
     assert isinstance(value, int | float)
-    if not 0 <= value < float("inf"):  # NaN fails too
+    try:
+        seconds = float(value)
+    except OverflowError:  # an int past the floats
+        seconds = float("inf")
+    if not 0 <= seconds < float("inf"):  # NaN fails too
         raise ValueError(f"{name} must be a finite number of seconds, not negative")
-    return float(value)
+    return seconds

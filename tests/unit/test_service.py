@@ -1016,6 +1016,8 @@ def test_bad_options_are_refused() -> None:
         ({"prompt_budget_tokens": -5}, ValueError, "prompt_budget_tokens must not be negative"),
         # NaN passed "<= 0": loads then timed out at once, now and then.
         ({"load_timeout": float("nan")}, ValueError, "load_timeout must be a positive, finite"),
+        # An int past the floats: accepted, then every load failed (OverflowError).
+        ({"load_timeout": 10**400}, ValueError, "load_timeout must be a positive, finite"),
         ({"queue_size": "1000"}, TypeError, "queue_size must be a whole number, not str"),
         ({"max_facts": 10.0}, TypeError, "max_facts must be a whole number, not float"),
         # "false" from an environment variable logged every identity in the clear.
@@ -1077,6 +1079,17 @@ def test_a_url_that_is_not_a_string_is_refused() -> None:
     # An unset environment variable: "'NoneType' object has no attribute 'split'".
     with pytest.raises(TypeError, match="the memory URL must be a str, not NoneType"):
         MemoryService.from_url(None)  # type: ignore[arg-type]
+
+
+async def test_a_timeout_past_the_floats_is_refused_by_name() -> None:
+    """An int too large for a float passed the check (it is below infinity), then
+    failed converting: an OverflowError rather than the ValueError of an infinite one."""
+    service = MemoryService(InMemoryStore(), clock=FakeClock())
+    with pytest.raises(ValueError, match="timeout must be a finite number of seconds"):
+        await service.drain(timeout=10**400)
+    with pytest.raises(ValueError, match="timeout must be a finite number of seconds"):
+        await service.close(timeout=10**400)
+    await service.close()
 
 
 async def test_a_timeout_of_the_wrong_kind_loses_nothing_queued() -> None:
