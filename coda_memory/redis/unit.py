@@ -311,6 +311,15 @@ class RedisConsolidationUnit:
             self._bad("state")(f"consolidatedAt is not epoch ms ({type(exc).__name__})")
             return None
 
+    def _sessions_before(self, now: datetime) -> int | float:
+        """Epoch ms before which a session's reinforcement record may go: ``now`` less
+        ``session_horizon``, counted in milliseconds past the first date (a clock within
+        the horizon of year 1, a test's, failed every consolidation)."""
+        try:
+            return to_ms(now - self._session_horizon)
+        except OverflowError:
+            return to_ms(now) - self._session_horizon / timedelta(milliseconds=1)
+
     async def write(self, plan: ConsolidationPlan) -> None:
         self._check_open()
         if not self._loaded:
@@ -374,7 +383,7 @@ class RedisConsolidationUnit:
                 "historyLimit": self._history_limit,
                 "sessions": sessions,
                 "sessionTimes": session_times,
-                "sessionsBefore": _number_text(to_ms(plan.now - self._session_horizon)),
+                "sessionsBefore": _number_text(self._sessions_before(plan.now)),
                 "sessionHorizon": self._session_horizon / timedelta(milliseconds=1),
                 "checkpoint": None if self._checkpoint is None else _number_text(self._checkpoint),
                 "pruneBefore": _number_text(to_ms(plan.prune_before)),
