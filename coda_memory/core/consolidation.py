@@ -555,7 +555,7 @@ def planning(
             yield
         fact = run.current[subject]
         confidence = decay.decayed(fact, now)
-        if confidence < threshold:
+        if not confidence >= threshold:  # (a NaN expires it too, as reads leave it out)
             run.expire(fact, now)
             if subject in stored:
                 deletes.append(subject)
