@@ -600,15 +600,19 @@ class ObservationWriter:
         ``queued``; how many."""
         taken = self._taken_off_queue() if queued else []
         lost = self._inflight + len(taken)
-        self._count_later([*taken, *self._held_items()])
+        held = [*taken, *self._held_items()]
+        self._count_later(held)
         self._validating.clear()
         self._ahead_batches.clear()
         self._appending.clear()
         self._unsettled.clear()
         self._inflight = self._ahead = 0
-        # What another thread queued meanwhile (a copy: iterating the queue raises if it
-        # appends).
-        self._held_bytes = sum(item[5] for item in self._queue.copy())
+        # Less what it let go, computed before the count is read (see _settled): set anew
+        # from the queue after calls, it lost what an emit of another thread added.
+        freed = sum(item[5] for item in held)  # bytes
+        self._held_bytes -= freed
+        if self._held_bytes < 0:
+            self._held_bytes = 0
         if lost:
             self._drop(lost, reason)
         return lost

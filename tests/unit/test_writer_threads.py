@@ -125,3 +125,27 @@ async def test_bytes_held_lose_no_emit_of_another_thread() -> None:
         assert service._held_bytes == _held_bytes_of_queue(service) == 0
     finally:
         await service.close(timeout=1)
+
+
+async def test_dropping_what_the_writer_holds_loses_no_bytes_of_another_threads_emit() -> None:
+    """Letting go of what the writer held (close, a writer that failed, a closed loop) set
+    the bytes held anew from a copy of the queue, across calls: an emit of another thread
+    between the copy and the write was lost from the count."""
+    service = MemoryService(InMemoryStore(), clock=FakeClock())
+    try:
+        for identity in ("u1", "u2", "u1"):
+            service.emit_observation(identity, tool_ok("get_account"))
+        emitted = 0
+
+        def emit_queued() -> None:
+            nonlocal emitted
+            if emitted < 20:
+                emitted += 1
+                service.emit_observation("u4", tool_ok("get_account"))
+
+        with switches_after_calls(ObservationWriter._drop_held, emit_queued):
+            assert service._drop_held("closing", queued=True) == 3
+        assert emitted
+        assert service._held_bytes == _held_bytes_of_queue(service) > 0
+    finally:
+        await service.close(timeout=1)
