@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
 
-from sqlalchemy import update
+from sqlalchemy import select, update
 from sqlalchemy.ext.asyncio import AsyncConnection
 from sqlalchemy.sql.expression import Executable
 
@@ -176,11 +176,20 @@ async def settle_copies(store: PostgresStore, source: str, identity_id: str) -> 
     copied that a crash or a failover right after took back, with nothing to say a rerun
     was needed. A commit that waits for its WAL to reach disk takes every earlier one's
     with it; this one rewrites the ledger row of ``identity_id``, an identity the run
-    copied or found copied (a commit that writes nothing waits for nothing)."""
+    copied or found copied, or else another row of the source (a forget may have erased
+    that one meanwhile: a commit that writes nothing waits for nothing)."""
+    ledger = redis_imports
+    row = (
+        select(ledger.c.identity_id)
+        .where(ledger.c.source == source)
+        .order_by((ledger.c.identity_id == identity_id).desc())
+        .limit(1)
+        .scalar_subquery()
+    )
     statement = (
-        update(redis_imports)
-        .where(redis_imports.c.identity_id == identity_id, redis_imports.c.source == source)
-        .values(imported_at=redis_imports.c.imported_at)
+        update(ledger)
+        .where(ledger.c.source == source, ledger.c.identity_id == row)
+        .values(imported_at=ledger.c.imported_at)
     )
 
     async def write(conn: AsyncConnection) -> None:

@@ -35,7 +35,7 @@ from coda_memory.migration import (
     redis_to_postgres,
 )
 from coda_memory.postgres import PostgresStore, imports
-from coda_memory.postgres.engine import asyncpg_url
+from coda_memory.postgres.engine import asyncpg_url, driver_connection
 from coda_memory.postgres.migrate import migrate_async
 from coda_memory.redis import RedisStore
 from coda_memory.redis.codec import SUBJECT_RULE, from_ms
@@ -826,3 +826,47 @@ def test_the_copies_a_run_reports_are_durable_when_it_ends(
         assert json.loads(result.stdout)["copied"] == len(identities)
         assert not asyncio.run(_unflushed(pg))
         assert asyncio.run(row_counts(pg))["redis_imports"] == len(identities)
+
+
+def test_the_copies_are_durable_when_the_ledger_row_it_rewrites_is_gone(
+    redis_client: aioredis.Redis,
+    redis_url: str,
+    redis_prefix: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The run's last write, which makes its copies durable, rewrote the ledger row of
+    one identity it copied: one that a forget erased meanwhile matched no row, the
+    transaction wrote nothing and its commit waited for nothing, and the run ended with
+    its copies unflushed all the same."""
+    server, _ = split_prefix(redis_url)
+    client = redis.Redis.from_url(server)
+    identities = [f"u{n}" for n in range(4)]
+    for identity in identities:
+        client.zadd(f"{redis_prefix}obs:{identity}", {observation(identity, "1", 1, "t"): ms(1)})
+    client.close()
+    settle = redis_to_postgres.settle_copies
+
+    async def erased_first(target: PostgresStore, source: str, identity_id: str) -> None:
+        async with target.engine.connect() as conn:
+            raw = await driver_connection(conn)
+            async with raw.transaction():  # (not flushed either)
+                await raw.execute("SET LOCAL synchronous_commit = off")
+                await raw.execute(
+                    f'DELETE FROM "{target.schema}".redis_imports WHERE identity_id = $1',
+                    identity_id,
+                )
+        await settle(target, source, identity_id)
+
+    monkeypatch.setattr(redis_to_postgres, "settle_copies", erased_first)
+    with _own_postgres(
+        wal_writer_delay="10s",
+        wal_writer_flush_after="1GB",
+        autovacuum="off",
+        wal_level="minimal",
+        max_wal_senders="0",
+    ) as pg:
+        assert CliRunner().invoke(app, ["migrate", "--url", pg]).exit_code == 0
+        result = CliRunner().invoke(app, ["import-redis", redis_url, "--url", pg, "-f", "json"])
+        assert result.exit_code == 0, result.output
+        assert not asyncio.run(_unflushed(pg))
+        assert asyncio.run(row_counts(pg))["redis_imports"] == len(identities) - 1
