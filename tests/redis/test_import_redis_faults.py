@@ -844,7 +844,7 @@ def test_the_copies_are_durable_when_the_ledger_row_it_rewrites_is_gone(
     for identity in identities:
         client.zadd(f"{redis_prefix}obs:{identity}", {observation(identity, "1", 1, "t"): ms(1)})
     client.close()
-    settle = redis_to_postgres.settle_copies
+    settle = imports.settle_copies
 
     async def erased_first(target: PostgresStore, source: str, identity_id: str) -> None:
         async with target.engine.connect() as conn:
