@@ -25,6 +25,10 @@ def check_redis_url(url: str) -> None:
     first two come of a password with a ``/``, ``#``, ``?``
     or ``@`` not percent-encoded: the URL's host part ends at the first of them."""
     masked = masked_url(url)
+    if "\x00" in url or any("\ud800" <= char <= "\udfff" for char in url):
+        # (An argument or a variable in another encoding arrives with lone surrogates:
+        # the client failed as it connected, "surrogates not allowed".)
+        raise ValueError(f"invalid Redis URL {masked!r}: it holds NUL or bytes that are not UTF-8")
     try:
         parts = urlsplit(url)
         parts.port  # noqa: B018  (ValueError when it is not a number)

@@ -31,6 +31,9 @@ UNREACHABLE = "postgresql://u@127.0.0.1:1/x"
         # "no identity found".
         ("redis://127.0.0.1:6379/0?prefix=%FF", "are not UTF-8"),
         ("redis://u:secret@127.0.0.1:6379/0?prefix=a%C3&x=1", "are not UTF-8"),
+        # An argument in another encoding (lone surrogates): "cannot connect", exit 1.
+        ("redis://:p\udcffsecret@127.0.0.1:6379/9", "bytes that are not UTF-8"),
+        ("redis://127.0.0.1:6379/9?prefix=a\x00b", "holds NUL"),
     ],
 )
 def test_a_url_that_is_not_a_redis_database_is_a_usage_error(redis_url: str, says: str) -> None:
