@@ -363,18 +363,29 @@ class RedisStore:
             await self.client.ping()
         except (RedisConnectionError, RedisTimeoutError, OSError, ResponseError) as error:
             # ResponseError: what the connection's own commands met (AUTH, SELECT of a
-            # database out of range), or a PING the user may not run.
-            options = self.client.connection_pool.connection_kwargs
-            where = options.get("path") or f"{options.get('host', 'localhost')}:" + str(
-                options.get("port", 6379)
-            )
-            raise ConnectionLost(
-                f"cannot reach Redis at {where} ({short_error(error)}); the service starts "
-                "on first use once it answers"
-            ) from error
-        with _lost_while("checking the user's permissions"):
-            await self._check_transactions()
+            # database out of range), or a PING the user may not run, or BUSY (a script of
+            # another client running long).
+            raise self._unreachable(error) from error
+        try:
+            with _lost_while("checking the user's permissions"):
+                await self._check_transactions()
+        except StoreBusy as busy:
+            # The EXEC met BUSY (a script that started after the PING), as the PING would
+            # have: the service starts on first use, where the writer retries it.
+            raise self._unreachable(busy.__cause__ or busy) from busy
         await self._warn_if_evicting()
+
+    def _unreachable(self, error: BaseException) -> ConnectionLost:
+        """What ``start()`` raises for a server it cannot use yet: ConnectionLost naming it
+        and ``error``."""
+        options = self.client.connection_pool.connection_kwargs
+        where = options.get("path") or f"{options.get('host', 'localhost')}:" + str(
+            options.get("port", 6379)
+        )
+        return ConnectionLost(
+            f"cannot reach Redis at {where} ({short_error(error)}); the service starts "
+            "on first use once it answers"
+        )
 
     async def _check_transactions(self) -> None:
         """Run an empty ``MULTI``/``EXEC`` once (it writes nothing), and raise
@@ -383,7 +394,13 @@ class RedisStore:
         ``MULTI`` refused the server ran them at once, outside any transaction, and
         stored them, then refused ``EXEC`` ("EXEC without MULTI"), and the batch was
         counted as rejected. Checked by ``start()``, else before the first append (and
-        before each one while it fails)."""
+        before each one while it fails).
+
+        A server or a proxy that does not run the command (unknown, or renamed away) is
+        refused alike, naming it; an error of the server's state (``EXECABORT`` quoting
+        ``BUSY``: a script of another client running long) is what ``_append`` makes of
+        it, :class:`StoreBusy`, which the writer retries (raised as it was, the batch was
+        rejected for good)."""
         if self._transactions_checked:
             return
         single = self.client.client()
@@ -392,14 +409,24 @@ class RedisStore:
             for command in ("MULTI", "EXEC"):
                 try:
                     await single.execute_command(command)  # type: ignore[no-untyped-call]
-                except (NoPermissionError, ExecAbortError) as error:
-                    # An EXEC refused discards the transaction (EXECABORT, quoting NOPERM).
-                    if isinstance(error, ExecAbortError) and "NOPERM" not in str(error):
-                        raise
+                except ResponseError as error:
+                    # An EXEC refused discards the transaction (EXECABORT, quoting NOPERM,
+                    # or BUSY, …).
+                    refused = isinstance(error, NoPermissionError) or (
+                        isinstance(error, ExecAbortError) and "NOPERM" in str(error)
+                    )
+                    if not refused and not _of_the_identity(error):
+                        _raise_server_state(error)
+                    if refused:
+                        raise AccessDenied(
+                            f"the Redis user may not run {command}: coda-memory's appends "
+                            "need +multi and +exec (a batch is one MULTI/EXEC); nothing was "
+                            f"written ({short_error(error)})"
+                        ) from error
                     raise AccessDenied(
-                        f"the Redis user may not run {command}: coda-memory's appends need "
-                        "+multi and +exec (a batch is one MULTI/EXEC); nothing was written "
-                        f"({short_error(error)})"
+                        f"Redis does not run {command} (the server, or a proxy before it): "
+                        "coda-memory's appends need MULTI and EXEC (a batch is one "
+                        f"MULTI/EXEC); nothing was written ({short_error(error)})"
                     ) from error
             done = True
         finally:

@@ -14,10 +14,11 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 import pytest
 import redis.asyncio as aioredis
 from redis.asyncio.client import Pipeline
+from redis.exceptions import ResponseError
 
 from coda_memory import MemoryService
 from coda_memory.core.sanitize import sanitize_observation
-from coda_memory.errors import AccessDenied
+from coda_memory.errors import AccessDenied, ConnectionLost, StoreBusy
 from coda_memory.redis import RedisStore
 from tests.helpers import T0, FakeClock, tool_ok
 from tests.redis.helpers import bad_refused_alone
@@ -358,3 +359,83 @@ async def test_a_script_cache_flushed_before_the_exec_keeps_the_batch_for_later(
         assert (stats.stored, stats.rejected, stats.pending) == (2, 0, 0)
     finally:
         await service.close()
+
+
+@contextlib.asynccontextmanager
+async def _busy_with_a_script(url: str) -> AsyncIterator[None]:
+    """The server at ``url`` running another client's script past busy-reply-threshold
+    (it answers BUSY to most commands) for the block, killed after it."""
+    admin = aioredis.Redis.from_url(url)
+    looping = aioredis.Redis.from_url(url)
+
+    async def loop_for_ever() -> None:
+        await looping.execute_command("EVAL", "while true do end", 0)  # type: ignore[no-untyped-call]
+
+    script = asyncio.create_task(loop_for_ever())
+    try:
+        async with asyncio.timeout(10):
+            while True:
+                try:
+                    await admin.execute_command("DBSIZE")  # type: ignore[no-untyped-call]
+                except ResponseError as error:
+                    if str(error).startswith("BUSY"):
+                        break
+                    raise
+                await asyncio.sleep(0.01)  # polling the server until it answers BUSY
+        yield
+    finally:
+        with contextlib.suppress(ResponseError):
+            await admin.script_kill()
+        with contextlib.suppress(ResponseError):
+            await script
+        await looping.aclose()
+        await admin.aclose()
+
+
+async def test_a_script_running_long_at_the_first_append_keeps_the_batch_for_later(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Another client's script running long makes the server answer the first append's
+    check of MULTI/EXEC with EXECABORT quoting BUSY: raised as the driver's error, the
+    writer took it for permanent and rejected the batch, where the same BUSY met by the
+    append itself is retried."""
+    with contextlib.contextmanager(_own_server)("--busy-reply-threshold", "50") as url:
+        store = RedisStore.from_url(url)
+        service = MemoryService.from_url(url, clock=FakeClock(), load_timeout=5.0)
+        caplog.set_level(logging.WARNING, "coda_memory")
+        try:
+            async with _busy_with_a_script(url):
+                with pytest.raises(StoreBusy, match="an error of its state") as busy:
+                    await store.append([sanitize_observation("alice", tool_ok("t"), T0)])
+                assert "BUSY" in str(busy.value.__cause__)
+                # start() says it cannot use the server yet, as for a PING answered BUSY.
+                with pytest.raises(ConnectionLost, match="cannot reach Redis"):
+                    await store.start()
+                service.emit_observation("alice", tool_ok("t"))
+                async with asyncio.timeout(10):
+                    while "storing 1 observation(s) waits" not in caplog.text:
+                        await asyncio.sleep(0.01)  # polling the log until the writer tried
+                assert service.stats().rejected == 0
+            await service.drain(10)
+            assert (service.stats().stored, service.stats().rejected) == (1, 0)
+            assert await store.client.zcard("coda:memory:pending:alice") == 1
+            assert (await store.append([sanitize_observation("bob", tool_ok("t"), T0)])).stored
+        finally:
+            await service.close()
+            await store.close()
+
+
+async def test_a_server_that_does_not_run_multi_is_refused_naming_it() -> None:
+    """A server (or a proxy) with MULTI renamed away answers "unknown command", which
+    start() raised as redis-py's own ResponseError (a host never sees the driver's
+    errors), and the first append too."""
+    with contextlib.contextmanager(_own_server)("--rename-command", "MULTI", "") as url:
+        store = RedisStore.from_url(url)
+        try:
+            with pytest.raises(AccessDenied, match="Redis does not run MULTI"):
+                await store.start()
+            with pytest.raises(AccessDenied, match="Redis does not run MULTI"):
+                await store.append([sanitize_observation("alice", tool_ok("t"), T0)])
+            assert await store.client.keys("*") == []
+        finally:
+            await store.close()
