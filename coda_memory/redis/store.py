@@ -26,7 +26,14 @@ import re
 import secrets
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from collections.abc import (
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Iterable,
+    Iterator,
+    Sequence,
+)
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -247,6 +254,9 @@ _TYPE_CHECKED = (
 
 #: The keys forget.lua counts before it erases them, in its order.
 _FORGET_COUNTED = ("obs", "facts", "history")
+#: The keys forget.lua takes first, in its order: the identity's lock, then the shared
+#: keys it writes.
+_FORGET_SHARED = ("lock", "checkpoint", "forgotten-batches")
 
 
 class LockTimeout(TimeoutError):
@@ -939,25 +949,56 @@ class RedisStore:
 
     async def forget(self, identity_id: str) -> Forgotten:
         k = self.keys
-        counted = [k.of(kind, identity_id) for kind in _FORGET_COUNTED]
         # The lock goes first in the keys (forget.lua checks it, and releases it last;
         # the release after it, for a script that never ran, finds it gone).
-        others = (*_FORGET_COUNTED, "lock", "batches")
-        rest = [k.of(kind, identity_id) for kind in IDENTITY_KINDS if kind not in others]
-        shared = [k.of("lock", identity_id), k.checkpoint, k.forgotten_batches]
+        first = (*_FORGET_SHARED, "batches", *_FORGET_COUNTED)
+        kinds = [*first, *(kind for kind in IDENTITY_KINDS if kind not in first)]
+        shared = {"checkpoint": k.checkpoint, "forgotten-batches": k.forgotten_batches}
+        keys = [shared.get(kind) or k.of(kind, identity_id) for kind in kinds]
         with _lost_while(f"forgetting {identity_label(identity_id)}"):
-            async with self._locked(identity_id) as token:
-                observations, facts, events = await self._script("forget")(
-                    keys=[*shared, k.of("batches", identity_id), *counted, *rest],
-                    args=[
-                        token,
-                        identity_id,
-                        round(time.time() * 1000),
-                        BATCH_KEYS_FOR_MS,
-                        FORGOTTEN_BATCH_KEYS_KEPT,
-                    ],
-                )
+            try:
+                async with self._locked(identity_id) as token:
+                    observations, facts, events = await self._script("forget")(
+                        keys=keys,
+                        args=[
+                            token,
+                            identity_id,
+                            round(time.time() * 1000),
+                            BATCH_KEYS_FOR_MS,
+                            FORGOTTEN_BATCH_KEYS_KEPT,
+                        ],
+                    )
+            except NoPermissionError as error:
+                # An ACL user whose key patterns leave out a key of the script (the shared
+                # forgotten-batches key, when they list the prefix's keys one by one): the
+                # script never ran, and the lock is released. Redis names no key: the
+                # first one refused, by its kind (its name holds the identity).
+                kind = await self._refused_kind(zip(kinds, keys, strict=True))
+                key = "one of the keys it erases or writes" if kind is None else _kind_named(kind)
+                raise AccessDenied(
+                    f"the Redis user may not touch {key}: forget needs every key under the "
+                    f"prefix (~{k.prefix}*), the checkpoint map and forgotten-batches "
+                    f"included; nothing was erased ({short_error(error, (identity_id,))})"
+                ) from error
         return Forgotten(observations=observations, facts=facts, fact_events=events)
+
+    async def _refused_kind(self, keys: Iterable[tuple[str, str]]) -> str | None:
+        """The kind of the first of ``keys`` (kind, key) that the client's ACL user may not
+        name in a script (an empty one, run with each key alone), or None when it may name
+        each, or may not run a script at all."""
+        probe = self.client.register_script("return 0")
+        try:
+            await probe(keys=[])
+        except ResponseError:
+            return None  # the command refused, not a key
+        for kind, key in keys:
+            try:
+                await probe(keys=[key])
+            except NoPermissionError:
+                return kind
+            except ResponseError:
+                return None
+        return None
 
     async def close(self) -> None:
         await self.client.aclose()
@@ -969,6 +1010,15 @@ __all__ = ["LockLost", "LockTimeout", "RedisStore", "RedisStoreStats", "split_pr
 #: The kinds of the keys that the peek and load scripts read, in their order (see
 #: :meth:`Keys.read_keys`; ``checkpoint``: the checkpoint map).
 _READ_KEYS = ("checkpoint", "pending", "obs", "facts")
+
+
+def _kind_named(kind: str) -> str:
+    """A key by its kind, never its name (which holds the identity)."""
+    if kind == "checkpoint":
+        return "the checkpoint map"
+    if kind == "forgotten-batches":
+        return "the forgotten-batches key (shared by every identity)"
+    return f"the identity's {kind} key"
 
 
 def _another_type(kind: str) -> str:

@@ -439,3 +439,42 @@ async def test_a_server_that_does_not_run_multi_is_refused_naming_it() -> None:
             assert await store.client.keys("*") == []
         finally:
             await store.close()
+
+
+async def test_forget_by_a_user_without_the_forgotten_batches_key_says_which_key(
+    own_redis_url: str, admin: aioredis.Redis
+) -> None:
+    """An ACL user whose key patterns list the prefix's keys one by one, without the
+    shared forgotten-batches key: forget raised redis-py's NoPermissionError. It raises
+    AccessDenied naming the key's kind (never the identity), erases nothing and leaves no
+    lock; the user's appends are refused for every identity, as the README says."""
+    await admin.acl_setuser(
+        "writer",
+        enabled=True,
+        nopass=True,
+        keys=["coda:memory:*:*", "coda:memory:checkpoint"],
+        channels=["*"],
+        commands=["+@all"],
+    )
+    owner = RedisStore.from_url(own_redis_url)
+    store = RedisStore.from_url(own_redis_url.replace("redis://", "redis://writer:any@", 1))
+    try:
+        await owner.append([sanitize_observation("alice", tool_ok("t"), T0)])
+        before = sorted(await admin.keys("coda:memory:*"))
+        with pytest.raises(AccessDenied, match="may not touch the forgotten-batches key") as denied:
+            await store.forget("alice")
+        assert "alice" not in str(denied.value)
+        assert "~coda:memory:*" in str(denied.value)
+        assert sorted(await admin.keys("coda:memory:*")) == before
+        assert await admin.keys("*lock*") == []
+        outcome = await store.append(
+            [sanitize_observation(who, tool_ok("t"), T0) for who in ("alice", "bob")]
+        )
+        assert (outcome.stored, len(outcome.refused)) == (0, 2)
+        # With the key, the same user forgets.
+        await admin.acl_setuser("writer", keys=["coda:memory:forgotten-batches"])
+        assert (await store.forget("alice")).observations == 1
+        assert await admin.keys("coda:memory:*:alice") == []
+    finally:
+        await store.close()
+        await owner.close()
