@@ -9,10 +9,9 @@ record that cannot be used is counted and reported by key, never stopping the co
 An identity whose records fail in a way the checks did not foresee (a key of another
 type, a value Postgres refuses, an identity that is not UTF-8 text) is left out whole and
 reported, and the next one goes on; so is one whose checkpoint live traffic holds locked
-past the store's lock timeout, or whose Redis keys it wrote throughout each paged read
-(``busy``: a later run copies it), and one that the ledger says was copied from another
-key prefix (two deployments' users of one name would become one). A store that fails
-stops the run.
+past the store's lock timeout (``busy``: a later run copies it), and one that the ledger
+says was copied from another key prefix (two deployments' users of one name would become
+one). A store that fails stops the run.
 
 Dates ahead. An observation dated more than the clock skew
 (:data:`~coda_memory.core.model.DEFAULT_MAX_CLOCK_SKEW`) after the run's now is copied as
@@ -53,7 +52,7 @@ from coda_memory.postgres.imports import (
 )
 from coda_memory.postgres.store import PostgresStore
 from coda_memory.redis.codec import BadRecord, sanitized
-from coda_memory.redis.export import ExportedIdentity, IdentityChanging, export_identity
+from coda_memory.redis.export import ExportedIdentity, export_identity
 from coda_memory.redis.store import RedisStore
 
 
@@ -92,8 +91,9 @@ _BUSY = frozenset({LOCK_NOT_AVAILABLE, QUERY_CANCELED})
 
 #: Seconds the import's Redis client waits for one reply (``socket_timeout``, which a
 #: Redis URL's ``?socket_timeout=`` overrides). An identity is read in pages
-#: (:data:`~coda_memory.redis.export.READ_PAGE`); read in one reply, one of 500,000
-#: observations took 25 to 32 s, where redis-py's default is 5 s.
+#: (:data:`~coda_memory.redis.export.READ_PAGE`), but one that live traffic writes
+#: during each paged read is read in one reply per key: one of 500,000 observations took
+#: 25 to 32 s, where redis-py's default is 5 s.
 IMPORT_SOCKET_TIMEOUT = 300.0
 
 
@@ -147,9 +147,8 @@ async def import_redis(
                     "into a schema of its own, --schema)"
                 )
             except Exception as exc:
-                if sqlstate(exc) in _BUSY or isinstance(exc, IdentityChanging):
-                    # Live traffic is consolidating it (or, on Redis, writing it
-                    # throughout each paged read): the others go on.
+                if sqlstate(exc) in _BUSY:
+                    # Live traffic is consolidating it: the others go on.
                     summary.busy.append(_label(identity))
                 elif isinstance(exc, BadRecord) or is_data_error(exc):
                     problem = f"not copied: {short_error(exc, show=True)}"

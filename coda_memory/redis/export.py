@@ -9,8 +9,11 @@ the checkpoint and the first page of each key; an identity that holds more is re
 again under ``WATCH`` of its keys, page by page, each a reply of its own, and the
 checkpoint once more in a closing ``MULTI``/``EXEC``: when anything wrote one of the keys
 (or the identity's checkpoint changed) meanwhile, ``EXEC`` runs nothing and the read
-starts again, :data:`READ_ATTEMPTS` times at most before the identity is left for a
-later run (:class:`IdentityChanging`). Each observation is classed as the Redis store itself
+starts again, :data:`READ_ATTEMPTS` times at most. An identity written during each of
+them (live traffic throughout a migration) is then read whole in one ``MULTI``/``EXEC``,
+a reply per key, which no write can land in, and which the import's socket timeout
+(``IMPORT_SOCKET_TIMEOUT``, 300 s) outlasts: left for a later run instead, it was left
+at every run while the traffic lasted. Each observation is classed as the Redis store itself
 would: pending when it is in the pending set, or when no checkpoint covers it (the
 original server's new ones); consumed otherwise. A pending observation that the sorted
 set no longer holds (pruned, or the key expired) is pending still, as the store reads
@@ -99,14 +102,9 @@ READ_PAGE = 10_000
 #: the previous one's size says fit (at most twice as many), and the first page of each
 #: holds at most one per 4 KiB of it.
 READ_PAGE_BYTES = 4 * 1024 * 1024
-#: Reads of an identity that something wrote meanwhile, before it is left for a later
-#: run (:class:`IdentityChanging`).
+#: Paged reads of an identity that something wrote meanwhile, before it is read whole in
+#: one ``MULTI``/``EXEC`` (see :func:`_read_whole`).
 READ_ATTEMPTS = 5
-
-
-class IdentityChanging(RuntimeError):
-    """Something wrote the identity's keys during each of :data:`READ_ATTEMPTS` paged
-    reads (live traffic): nothing of it was read, and a later run reads it again."""
 
 
 def _first_page() -> int:
@@ -193,10 +191,25 @@ async def _read_keys(store: RedisStore, identity_id: str) -> _Keys:
                 continue
             if again == checkpoint:
                 return keys
-    raise IdentityChanging(
-        f"something wrote the identity's keys during each of {READ_ATTEMPTS} reads (live"
-        " traffic): a later run copies it"
-    )
+    return await _read_whole(store, identity_id)
+
+
+async def _read_whole(store: RedisStore, identity_id: str) -> _Keys:
+    """Every key of the identity in one ``MULTI``/``EXEC``, a reply per key: for an
+    identity that something wrote during each of :data:`READ_ATTEMPTS` paged reads, which
+    no write can land in. A reply may be large (one of 500,000 observations took 25 to
+    32 s): the import's socket timeout outlasts it."""
+    k = store.keys
+    async with store.client.pipeline(transaction=True) as pipe:
+        pipe.hget(k.checkpoint, identity_id)
+        pipe.zrange(k.of("obs", identity_id), 0, -1, withscores=True)
+        pipe.zrange(k.of("pending", identity_id), 0, -1)
+        pipe.hgetall(k.of("facts", identity_id))
+        pipe.lrange(k.of("history", identity_id), 0, -1)
+        pipe.hvals(k.of("sessions", identity_id))
+        with _typed():
+            checkpoint, members, pending, facts, history, sessions = await pipe.execute()
+    return _Keys(checkpoint, members, pending, facts, history, sessions)
 
 
 async def _zset(pipe: Pipeline, key: str) -> list[tuple[bytes, float]]:

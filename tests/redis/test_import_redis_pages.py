@@ -10,6 +10,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import pytest
+import redis
 import redis.asyncio as aioredis
 from redis.asyncio.connection import Connection
 from redis.exceptions import NoPermissionError
@@ -196,37 +197,63 @@ async def test_a_write_between_the_pages_reads_the_identity_again(
         await target.close()
 
 
-async def test_an_identity_written_during_every_read_is_left_busy_for_a_later_run(
+async def test_an_identity_written_between_every_page_is_read_whole_once_and_copied_once(
+    _redis_server: str,
     redis_url: str,
     redis_client: aioredis.Redis,
     redis_prefix: str,
     pg_url: str,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Live traffic that writes the identity during each of its paged reads: after
-    READ_ATTEMPTS reads it is left busy (not in the ledger), the other identities are
-    copied, and the next run copies it."""
+    """Live traffic that writes the identity between every two pages of its paged reads
+    (a migration under load): after READ_ATTEMPTS reads it was left busy, at every run
+    while the traffic lasted. It is then read whole in one MULTI/EXEC, and copied as that
+    read found it, each observation once; the next run copies nothing again."""
     await _seed(redis_client, redis_prefix, "ana")
     await redis_client.zadd(f"{redis_prefix}obs:bob", {observation("bob", "b1", 1, "x"): ms(1)})
     monkeypatch.setattr(export_module, "READ_PAGE", PAGE, raising=False)
     source = RedisStore.from_url(redis_url)
     target = PostgresStore.from_url(pg_url)
+    live = redis.Redis.from_url(_redis_server)
+    obs_key = f"{redis_prefix}obs:ana"
+    written: list[str] = []
+    next_page = export_module._next_page
 
-    async def touch() -> None:
-        await redis_client.hset(f"{redis_prefix}facts:ana", "touched", len(sizes))
+    def write_then_next_page(count: int, read: list[bytes]) -> int:
+        # Between two pages of a key (a synchronous client: the write has landed when
+        # the next page is asked for), an observation of the original server's.
+        tool = f"w{len(written)}"
+        live.zadd(obs_key, {observation("ana", tool, 8, tool): ms(8) + len(written)})
+        written.append(tool)
+        return next_page(count, read)
 
-    sizes = _write_after_each_read_of(monkeypatch, f"{redis_prefix}obs:ana", touch)
+    wholes: list[str] = []
+    read_whole = getattr(export_module, "_read_whole", None)
+
+    async def counted_read_whole(store: RedisStore, identity_id: str) -> Any:
+        assert read_whole is not None
+        wholes.append(identity_id)
+        return await read_whole(store, identity_id)
+
+    monkeypatch.setattr(export_module, "_next_page", write_then_next_page)
+    monkeypatch.setattr(export_module, "_read_whole", counted_read_whole, raising=False)
     try:
         summary = await import_redis(source, target, now=now)
-        assert len(sizes) == 5  # export.READ_ATTEMPTS
-        assert summary.busy == ["ana"] and summary.copied == 1 and summary.failed == []
-        monkeypatch.undo()
-        await redis_client.hdel(f"{redis_prefix}facts:ana", "touched")
-        monkeypatch.setattr(export_module, "READ_PAGE", PAGE, raising=False)
+        assert (summary.copied, summary.busy, summary.failed, summary.bad) == (2, [], [], [])
+        assert wholes == ["ana"]
+        # Written between pages during each of the 5 paged reads (export.READ_ATTEMPTS),
+        # and not after: the whole read saw every one of them.
+        assert len(written) >= 5 and await redis_client.zcard(obs_key) == 85 + len(written)
+        assert summary.observations == 85 + 1 + len(written)
+        stored = [o.metadata["toolName"] for o in await target.observations("ana")]
+        assert len(stored) == 85 + len(written)
+        assert sorted(tool for tool in stored if tool.startswith("w")) == sorted(written)
+        # Exactly once: the ledger holds it, and a second run copies nothing.
         again = await import_redis(source, target, now=now)
-        assert (again.copied, again.skipped, again.busy) == (1, 1, [])
-        assert again.observations == 85
+        assert (again.copied, again.skipped, again.busy) == (0, 2, [])
+        assert len(await target.observations("ana")) == 85 + len(written)
     finally:
+        live.close()
         await source.close()
         await target.close()
 
