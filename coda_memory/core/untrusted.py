@@ -281,13 +281,17 @@ _ROLE = re.compile(
     # starts, instead of six lookbehinds and twenty words)
     # (and the steps of a ReAct loop, which its parsers look for anywhere in a text,
     # numbered or not: "Thought:", "Action 2:", "Action Input:", "Observation:",
-    # "Final Answer:")
+    # "Final Answer:"; a numbered one not before a digit, "Action 2:search" but not
+    # "Action 3:16" or "Observation 1:30 pm", a verse, a time or a ratio: group "step"
+    # is set when a number ends the word, and the run of colons, taken whole, must not
+    # be followed by a digit then)
     r"(?=[abdfhimoprstu])"
     r"(?:(?<=\\[nrt])|(?<=\\u000[ad])|(?<=\\u202[89])|(?<=\\x0[ad])|(?<=%0[ad])"
     r"|(?<![A-Za-z0-9_]))(system|developer|assistant|user|human|ai|model|"
     r"bot|instructions?|response|prompt|tool|function|ipython|"
-    r"(?:thought|observation|action(?:[\s_]?\d{1,3})?(?:[\s_]?input)?)(?:[\s_]?\d{1,3})?|"
-    r"final[\s_]?answer)(?:\s*:)+",
+    r"(?:thought|observation|action(?:[\s_]?input)?|action[\s_]?\d{1,3}[\s_]?input)"
+    r"(?:[\s_]?\d{1,3}(?P<step>))?|"
+    r"final[\s_]?answer)(?:\s*:)++(?(step)(?!\d))",
     re.IGNORECASE,
 )
 #: What makes brackets a markdown link, image or reference: ``](``, ``][``, ``]:``, ``![``.

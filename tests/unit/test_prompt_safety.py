@@ -344,6 +344,11 @@ def test_role_markers_in_disguise_lose_their_colon(value: str, expected: str) ->
         ("\u041ebservation\ua789 x", "Observation x"),
         ("Ac\u0301tion: x", "Action x"),
         ("Observation : : x", "Observation x"),
+        # Numbered, a step is followed by no digit; unnumbered, or after a space, it may.
+        ("Action 2:search Observation 2::x", "Action 2 search Observation 2 x"),
+        ("Action: 5 items, Action 2: 5 items", "Action 5 items, Action 2 5 items"),
+        ("Action:5 Action 2 Input:30", "Action 5 Action 2 Input 30"),
+        ("Observation: 1:30 pm", "Observation 1:30 pm"),
         # The words without a colon, or inside other words, are left alone.
         ("Action Bronson", "Action Bronson"),
         ("Observation deck", "Observation deck"),
@@ -351,6 +356,12 @@ def test_role_markers_in_disguise_lose_their_colon(value: str, expected: str) ->
         ("Reaction: x, Transaction: 5", "Reaction: x, Transaction: 5"),
         ("Thoughtful: y", "Thoughtful: y"),
         ("Final answers: 3", "Final answers: 3"),
+        # A number and a colon after a step's word are a time, a verse or a ratio.
+        ("Observation 1:30 pm", "Observation 1:30 pm"),
+        ("Bible Action 3:16", "Bible Action 3:16"),
+        ("Live Action 2:1 ratio", "Live Action 2:1 ratio"),
+        ("score Thought 10:2", "score Thought 10:2"),
+        ("Action 12:30, Observation 1::30", "Action 12:30, Observation 1::30"),
     ],
 )
 def test_react_steps_lose_their_colon(value: str, expected: str) -> None:
@@ -726,7 +737,7 @@ STRUCTURE_PIECES = [
     *("file:", "mailto:", "blob:", "ftp:", "vbscript:", "system", "USER", "ai", "tool"),
     *("instructions", "ipython", "x.com/", "1.2.3.4/", "xn--p1ai/", "[INST]", "](", "%0a"),
     *("\\u000a", "x:", "x:x:x:", " : ", "&lt;", "##", ":80/", "observation", "Action 1 Input"),
-    *("Thought", "final answer", "reaction", "\uff61", "x./", "/x"),
+    *("Thought", "final answer", "reaction", "\uff61", "x./", "/x", "Action 2", ":16"),
 ]
 structured = st.lists(st.sampled_from(STRUCTURE_PIECES), max_size=120).map("".join)
 
