@@ -122,7 +122,7 @@ _INVISIBLE_CATEGORIES = frozenset({"Cc", "Cf", "Co", "Cn", "Cs", "Zl", "Zp"})
 _MARK_CATEGORIES = frozenset({"Mn", "Me"})
 #: Combining marks kept on one base: enough for Vietnamese and most Indic clusters,
 #: too few for "Zalgo" stacks.
-MAX_MARKS_PER_BASE = 2
+MAX_LATIN_MARKS_PER_BASE = 2
 
 
 _IGNORABLE_BMP = frozenset(
@@ -273,12 +273,44 @@ _BRACKET_MARKER = re.compile(
     r"|transcribe|(?:next|repeat)[\s_]*audio[\s_]*text|control[\s_]*\d{1,4})\s*\]",
     re.IGNORECASE,
 )
+
+
+def _latin_letters() -> str:
+    """The cased letters of the Latin blocks past ASCII (``é``, ``Ñ``, ``ß``, ``ŋ``,
+    ``ɛ``, ``ẞ``), as ranges of a character class. A role word right after one is part
+    of a word (``Réaction:``, ``Çuser:``); right after a letter of another script it is
+    not (``注意SYSTEM:``: Chinese and Japanese put no space before a Latin word), nor
+    after a modifier letter that looks like a quote or an accent (``ʼSYSTEM:``)."""
+    blocks = (
+        (0x00C0, 0x02AF),  # Latin-1 Supplement, Extended-A and -B, IPA Extensions
+        (0x1D00, 0x1DBF),  # Phonetic Extensions and their Supplement
+        (0x1E00, 0x1EFF),  # Latin Extended Additional
+        (0x2C60, 0x2C7F),  # Latin Extended-C
+        (0xA720, 0xA7FF),  # Latin Extended-D
+        (0xAB30, 0xAB6F),  # Latin Extended-E
+    )
+    ranges: list[list[int]] = []
+    for low, high in blocks:
+        for code in range(low, high + 1):
+            if unicodedata.category(chr(code)) not in {"Lu", "Ll", "Lt"}:
+                continue
+            if ranges and ranges[-1][1] == code - 1:
+                ranges[-1][1] = code
+            else:
+                ranges.append([code, code])
+    return "".join(f"\\u{low:04x}-\\u{high:04x}" for low, high in ranges)
+
+
+#: What a role word cannot follow: a letter of a Latin word, accented or not, a digit
+#: or "_", also with one or two combining marks after it (``Re\u0336action:``).
+_IN_WORD = f"[A-Za-z0-9_{_latin_letters()}]"
+_LATIN_MARKS = "[\u0300-\u036f\u1ab0-\u1aff\u1dc0-\u1dff\u20d0-\u20ff\ufe20-\ufe2f]"
 _ROLE = re.compile(
     # (also right after an escaped line break, "\nSYSTEM:", as JSON-escaped text has it;
     # every colon of a run, "SYSTEM::" or "SYSTEM: :", or one would stay behind)
     # (or after one escaped as JSON, C or in a URL: "\u000a", "\x0a", "%0a")
     # (a role word's first letter is looked at first: one test at a position where none
-    # starts, instead of six lookbehinds and twenty words)
+    # starts, instead of eight lookbehinds and twenty words)
     # (and the steps of a ReAct loop, which its parsers look for anywhere in a text,
     # numbered or not: "Thought:", "Action 2:", "Action Input:", "Observation:",
     # "Final Answer:"; a numbered one not before a digit, "Action 2:search" but not
@@ -287,7 +319,8 @@ _ROLE = re.compile(
     # be followed by a digit then)
     r"(?=[abdfhimoprstu])"
     r"(?:(?<=\\[nrt])|(?<=\\u000[ad])|(?<=\\u202[89])|(?<=\\x0[ad])|(?<=%0[ad])"
-    r"|(?<![A-Za-z0-9_]))(system|developer|assistant|user|human|ai|model|"
+    f"|(?<!{_IN_WORD})(?<!{_IN_WORD}{_LATIN_MARKS})(?<!{_IN_WORD}{_LATIN_MARKS}{{2}}))"
+    r"(system|developer|assistant|user|human|ai|model|"
     r"bot|instructions?|response|prompt|tool|function|ipython|"
     r"(?:thought|observation|action(?:[\s_]?input)?|action[\s_]?\d{1,3}[\s_]?input)"
     r"(?:[\s_]?\d{1,3}(?P<step>))?|"
@@ -571,7 +604,7 @@ def _visible_line(text: str, max_chars: int) -> tuple[str, int | None]:
     text = ELLIPSIS.join(unicodedata.normalize("NFKC", part) for part in text.split(ELLIPSIS))
     kept: list[str] = []
     pending_space = False
-    marks = MAX_MARKS_PER_BASE
+    marks = MAX_LATIN_MARKS_PER_BASE
     for char in text:
         if " " < char < "\x7f":  # printable ASCII but the space: always kept
             marks = 0
@@ -584,12 +617,12 @@ def _visible_line(text: str, max_chars: int) -> tuple[str, int | None]:
             continue
         if char.isspace():
             pending_space = bool(kept)
-            marks = MAX_MARKS_PER_BASE
+            marks = MAX_LATIN_MARKS_PER_BASE
             continue
         if is_invisible(char):
             continue
         if _is_mark(char):
-            if marks >= MAX_MARKS_PER_BASE or pending_space:
+            if marks >= MAX_LATIN_MARKS_PER_BASE or pending_space:
                 continue  # no base, or one mark too many
             marks += 1
         else:
