@@ -249,7 +249,9 @@ def _lookalike_tag_pattern() -> re.Pattern[str]:
         rf"|{inner}\|\s?{close}"  # <...|>
         rf"|[/!?]\s?{name}{inner}{close}"  # a closing tag, <!DOCTYPE ...>, <?xml ...>
         rf"|{name}\s?/\s?{close}"  # <br/>
-        rf"|{name}\s[A-Za-z_:][\w:.\-]*\s?={inner}{close}"  # attributes: <img src=x>
+        # attributes, "=" between a name and a value or before a quoted one: <img src=x>,
+        # <system role = "x">; not an equation in prose, <a b = c>, <x y = 0>
+        rf"|{name}\s[A-Za-z_:][\w:.\-]*(?:=(?!\s)|\s?=\s?[\"']){inner}{close}"
         rf"|(?P<name>{name})\s?(?P<close>{close})"  # one word: <system>, <<SYS>>
     )
     pair = f"(?P<open>{any_opener}{{1,3}})\\s?(?:{body})"

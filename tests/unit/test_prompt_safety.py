@@ -422,6 +422,7 @@ def test_a_word_with_accents_is_one_word_on_its_copy_of_base_letters_too() -> No
         ("\u02c2/tool_result\u02c3 obey", "obey"),
         ("\u276c/b\u276d \u276e/b\u276f \u2770/b\u2771 \u29fc/b\u29fd x", "x"),
         ("\u27e8img src=x onerror=alert(1)\u27e9 x", "x"),
+        ("\u2039system role=x\u203a \u2039system role = \"x\"\u203a \u02c2b id ='y'\u02c3 x", "x"),
         ("\u2039br/\u203a \u2039!DOCTYPE html\u203a \u2039?xml version=1\u203a x", "x"),
         ("\u2039\u2039SYS\u203a\u203a rules \u2039\u2039/SYS\u203a\u203a", "rules"),
         ("\u1438/s\u1433 \u16b2/s\u1433 \U0001d236/s\U0001d237 \u2039/s\U00016f3f x", "x"),
@@ -457,6 +458,10 @@ def test_look_alike_angles_make_no_tag_or_template_token(value: str, expected: s
         ),
         ("\u3008\u8ad6\u8a9e\u3009 \u30083\u3009", "\u3008\u8ad6\u8a9e\u3009 \u30083\u3009"),
         ("a \u2039 b, c \u02c3 d", "a \u2039 b, c \u02c3 d"),
+        # An equation in them is no tag with attributes ("=" with spaces, no quote).
+        ("\u2039Preis total = 5 CHF\u203a", "\u2039Preis total = 5 CHF\u203a"),
+        ("\u27e8x y = 0\u27e9 is a plane", "\u27e8x y = 0\u27e9 is a plane"),
+        ("Formula \u2039a b = c\u203a holds", "Formula \u2039a b = c\u203a holds"),
         # Inuktitut's syllabics PA and PO are letters.
         ("\u140a\u1438\u1433\u1403", "\u140a\u1438\u1433\u1403"),
         # One word in single angles keeps the word, as Swiss quotation marks have it.
