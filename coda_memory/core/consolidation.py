@@ -195,6 +195,11 @@ class _Run:
         )
 
     def expire(self, fact: Fact, at: datetime) -> None:
+        before: float | None = self.decay.decayed(fact, at)
+        if before is not None and not math.isfinite(before):
+            # (A host's decay that gives NaN expires the fact: its history holds no
+            # confidence then, as JSON, which two stores write it as, has no NaN.)
+            before = None
         self.events.append(
             trusted(
                 FactEvent,
@@ -204,7 +209,7 @@ class _Run:
                 kind=FactEventKind.EXPIRED,
                 session_id=None,
                 at=self.expired_at(fact, at),
-                confidence_before=self.decay.decayed(fact, at),
+                confidence_before=before,
                 confidence_after=None,
                 count_before=fact.reinforcement_count,
                 count_after=None,

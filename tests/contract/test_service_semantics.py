@@ -603,3 +603,33 @@ async def test_a_clock_within_the_retention_of_year_1_still_consolidates(
         ("tool_affinity:get_account", 2)
     ]
     assert service.stats().load_errors == 0
+
+
+class _NaNForOneTool(ExponentialDecay):
+    """A host's decay that gives NaN for one tool's facts (a division by zero of its own)."""
+
+    def decayed(self, fact: Fact, now: datetime) -> float:
+        if fact.subject == "tool_affinity:broken":
+            return math.nan
+        return super().decayed(fact, now)
+
+
+async def test_a_fact_whose_decay_is_nan_expires_and_the_others_are_stored(
+    make_service: ServiceFactory, clock: FakeClock
+) -> None:
+    """Reads left the fact out (NaN is not at or above the expiry threshold) but
+    consolidation kept it (nor is NaN below it): it never expired, and every load ran a
+    consolidation. Expired, its event held a NaN confidence, which JSON refuses: on Redis
+    every consolidation of the identity failed, its other facts never stored."""
+    service = await make_service(decay=_NaNForOneTool())
+    service.emit_observation("u1", tool_ok("broken", session="s1"))
+    service.emit_observation("u1", tool_ok("fine", session="s1"))
+    clock.now = T0 + timedelta(minutes=1)
+    await service.drain()
+    loaded = await service.load_memory("u1")
+    assert [f.subject for f in loaded.facts] == ["tool_affinity:fine"]
+    assert {f.subject for f in await service.facts("u1")} == {"tool_affinity:fine"}
+    events = await service.history("u1", "tool_affinity:broken")
+    assert [e.kind.value for e in events] == ["created", "expired"]
+    assert events[-1].confidence_before is None
+    assert service.stats().load_errors == 0

@@ -10,7 +10,6 @@ import asyncio
 import gc
 import itertools
 import logging
-import math
 import re
 import sys
 import threading
@@ -27,7 +26,6 @@ import pytest
 import uvloop
 
 from coda_memory import (
-    ExponentialDecay,
     Fact,
     LoadedMemory,
     MemoryService,
@@ -2633,34 +2631,5 @@ async def test_consolidate_raises_store_busy_only_when_the_held_out_peek_answere
         else:
             with pytest.raises(StoreBusy, match="nothing was consolidated"):
                 await service.consolidate("u1")
-    finally:
-        await service.close()
-
-
-class _NaNForOneTool(ExponentialDecay):
-    """A host's decay that gives NaN for one tool's facts (a division by zero of its own)."""
-
-    def decayed(self, fact: Fact, now: datetime) -> float:
-        if fact.subject == "tool_affinity:broken":
-            return math.nan
-        return super().decayed(fact, now)
-
-
-async def test_a_fact_whose_decay_is_nan_is_dropped_by_consolidation_as_by_reads() -> None:
-    """A read left the fact out (NaN is not at or above the expiry threshold), but the
-    consolidation kept it (nor is NaN below it): it never expired, and every load ran a
-    consolidation, since the peek never matched what the reads showed."""
-    clock = FakeClock()
-    service = MemoryService.from_url("memory://", clock=clock, decay=_NaNForOneTool())
-    try:
-        service.emit_observation("u1", tool_ok("broken", session="s1"))
-        service.emit_observation("u1", tool_ok("fine", session="s1"))
-        await service.drain()
-        planned = {f.subject for f in await service.consolidate("u1")}
-        shown = {f.subject for f in await service.facts("u1")}
-        assert planned == shown == {"tool_affinity:fine"}
-        assert [event.kind.value for event in await service.history("u1", "tool_affinity:broken")][
-            -1
-        ] == "expired"
     finally:
         await service.close()
