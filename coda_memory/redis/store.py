@@ -425,7 +425,12 @@ class RedisStore:
                     refused = isinstance(error, NoPermissionError) or (
                         isinstance(error, ExecAbortError) and "NOPERM" in str(error)
                     )
-                    if not refused and not _of_the_identity(error):
+                    if not refused and (
+                        # (An empty transaction aborted for no refusal: the server's
+                        # state, whatever redis-py's version calls it; before 7 its
+                        # errors carry no code.)
+                        isinstance(error, ExecAbortError) or not _of_the_identity(error)
+                    ):
                         _raise_server_state(error)
                     if refused:
                         raise AccessDenied(

@@ -14,9 +14,10 @@ import pytest
 
 pytest.importorskip("redis")
 
-from redis.exceptions import NoPermissionError, NoScriptError, ResponseError
+from redis.exceptions import ExecAbortError, NoPermissionError, NoScriptError, ResponseError
 
-from coda_memory.redis.store import _of_the_identity
+from coda_memory.errors import StoreBusy
+from coda_memory.redis.store import RedisStore, _of_the_identity
 
 
 @pytest.mark.parametrize(
@@ -40,3 +41,33 @@ def test_an_append_error_is_one_identitys_unless_it_is_of_the_servers_state(
     error: Exception, the_identitys: bool
 ) -> None:
     assert _of_the_identity(error) is the_identitys
+
+
+class _TransactionBusy:
+    """A connection of its own whose ``EXEC`` is refused as redis-py before 7 raises it
+    (no ``status_code``): the server ran a script of another client for long."""
+
+    connection = None
+
+    async def execute_command(self, command: str) -> object:
+        if command == "EXEC":
+            raise ExecAbortError(
+                "Transaction discarded because of: -BUSY Redis is busy running a script."
+            )
+        return b"OK"
+
+    async def aclose(self) -> None:
+        return None
+
+
+async def test_an_exec_aborted_for_the_servers_state_is_busy_whatever_redis_py_says() -> None:
+    """The check of MULTI/EXEC made an EXECABORT that quoted no NOPERM an AccessDenied on
+    redis-py 5 and 6, whose errors carry no code: the writer rejected the batch for good
+    where the server was busy for a moment."""
+    import redis.asyncio as aioredis
+
+    store = RedisStore(aioredis.Redis())
+    store.client.client = _TransactionBusy  # type: ignore[method-assign,assignment]
+    with pytest.raises(StoreBusy):
+        await store._check_transactions()
+    await store.close()
