@@ -477,6 +477,10 @@ class MemoryService(ObservationWriter):
         #: Facts the peek read, for the identities being consolidated.
         self._stale: dict[str, list[Fact]] = {}
         self._load_stale = 0
+        #: How many forgets began erasing: a load whose answer from the facts at hand was
+        #: read before one of them ended gives none (see ``_fallback``). A count, not the
+        #: identities: a forgotten id is kept nowhere.
+        self._forgets = 0
         #: Answers given again while nothing changed (coda_memory.core.answers).
         self._recent = RecentAnswers()
         self._loads_reused = 0
@@ -1002,6 +1006,7 @@ class MemoryService(ObservationWriter):
                 rejected.reason,
             )
         started = loop.time()
+        forgets = self._forgets
         task: asyncio.Task[LoadedMemory | None] | None = None
         fallback: asyncio.Task[LoadedMemory | None] | None = None
         answering = next(self._answers)
@@ -1041,10 +1046,10 @@ class MemoryService(ObservationWriter):
                     # The consolidation's own (a lock held past the store's lock timeout,
                     # a driver's command timeout), not this load's: an error.
                     waiting = self._stop_waiting(identity_id, waiting)
-                    return await self._failed_load(failure, fallback, identity_id)
+                    return await self._failed_load(failure, fallback, identity_id, forgets)
             # From here on the consolidation's answer is not read by this load.
             waiting = self._stop_waiting(identity_id, waiting)
-            loaded = await self._fallback(fallback, identity_id)
+            loaded = await self._fallback(fallback, identity_id, forgets)
             if loaded is not None:
                 self._log.warning(
                     "load stale",
@@ -1066,7 +1071,7 @@ class MemoryService(ObservationWriter):
             raise
         except Exception as error:
             waiting = self._stop_waiting(identity_id, waiting)
-            return await self._failed_load(error, fallback, identity_id)
+            return await self._failed_load(error, fallback, identity_id, forgets)
         finally:
             self._stop_waiting(identity_id, waiting)
             del self._answering[answering]
@@ -1078,13 +1083,14 @@ class MemoryService(ObservationWriter):
         error: BaseException,
         fallback: asyncio.Task[LoadedMemory | None] | None,
         identity_id: str,
+        forgets: int,
     ) -> tuple[LoadedMemory, str]:
         """The answer of a load whose consolidation failed with ``error``: counted in
         ``load_errors`` and logged, from the facts at hand, else empty."""
         self._load_errors += 1
         _drop_traceback(error)
         error, peeked = _failure(error)
-        loaded = await self._fallback(fallback, identity_id, peeked)
+        loaded = await self._fallback(fallback, identity_id, forgets, peeked)
         self._log.warning(
             f"load failed: {type(error).__name__}",
             "coda-memory: load_memory for %s failed (%s); %s",
@@ -1125,15 +1131,20 @@ class MemoryService(ObservationWriter):
         self,
         fallback: asyncio.Task[LoadedMemory | None] | None,
         identity_id: str,
+        forgets: int,
         peeked: list[Fact] | None = None,
     ) -> LoadedMemory | None:
         """The answer from the facts at hand: the one started at the hedge, else made now
         (also when none was at hand at the hedge: the peek may have read them since, and
         ``peeked`` holds them when the consolidation failed after it); counted in
-        ``load_stale`` when there is one."""
+        ``load_stale`` when there is one. None when a forget began since the load did
+        (``forgets``: the count then): those facts may be the identity's, read before it
+        was erased, and the answer, made over turns of the loop, outlived the forget."""
         loaded = None if fallback is None else await fallback
         if loaded is None:
             loaded = await self._stale_answer(identity_id, peeked)
+        if loaded is not None and self._forgets != forgets:
+            loaded = None
         if loaded is not None:
             self._load_stale += 1
         return loaded
@@ -1334,6 +1345,7 @@ class MemoryService(ObservationWriter):
                     "erased, run it again"
                 ) from error
             try:
+                self._forgets += 1
                 forgotten = await self.store.forget(identity_id)
             finally:  # (also when cancelled: the erasure may have committed)
                 self.stored_for.discard(identity_id)

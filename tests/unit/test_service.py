@@ -2633,3 +2633,54 @@ async def test_consolidate_raises_store_busy_only_when_the_held_out_peek_answere
                 await service.consolidate("u1")
     finally:
         await service.close()
+
+
+class GatedFailingStore(InMemoryStore):
+    """An in-memory store whose consolidation, while ``gate`` is set, says it began
+    (``entered``) and fails once the gate opens; its peek goes through."""
+
+    gate: asyncio.Event | None = None
+    entered: asyncio.Event | None = None
+
+    @asynccontextmanager
+    async def consolidation(self, identity_id: str) -> AsyncIterator[InMemoryConsolidationUnit]:
+        if self.gate is not None and self.entered is not None:
+            self.entered.set()
+            await self.gate.wait()
+            raise ConnectionError("database unavailable")
+        async with super().consolidation(identity_id) as unit:
+            yield unit
+
+
+async def test_no_answer_from_the_facts_at_hand_outlives_a_forget_of_the_identity() -> None:
+    """A load whose consolidation failed after its peek made its answer from the peek's
+    facts over turns of the loop; a forget waiting for that consolidation erased the
+    identity and returned meanwhile, and the load then answered with the forgotten
+    facts."""
+    store = GatedFailingStore()
+    service = MemoryService(store, clock=FakeClock(), load_timeout=5.0)
+    try:
+        service.emit_observation("u1", tool_ok("old"))
+        await service.drain()
+        await service.consolidate("u1")
+        store.gate, store.entered = asyncio.Event(), asyncio.Event()
+        service.emit_observation("u1", tool_ok("new"))
+        await service.drain()
+        ended: list[str] = []
+        load = asyncio.create_task(service.load_memory("u1"))
+        load.add_done_callback(lambda _: ended.append("load"))
+        await store.entered.wait()
+        forget = asyncio.create_task(service.forget("u1"))
+        forget.add_done_callback(lambda _: ended.append("forget"))
+        for _ in range(20):  # turns of the loop: forget then waits for the consolidation
+            await asyncio.sleep(0)
+        assert not forget.done()
+        store.gate.set()
+        memory, forgotten = await load, await forget
+        assert forgotten.facts == 1
+        # Answered after the forget returned, it must hold nothing of the identity.
+        assert ended == ["load", "forget"] or memory.facts == []
+        assert await service.facts("u1") == []
+    finally:
+        store.gate = None
+        await service.close()
