@@ -232,6 +232,15 @@ ANGLE_CLOSERS = "\u203a\u02c3\u1433\u276f\U00016f3f\U0001d237\u3009\u27e9\u276d\
 _ANGLE_LOOKALIKE = re.compile(f"[{ANGLE_OPENERS}{ANGLE_CLOSERS}]")
 
 
+#: The words of roles and template tokens whose tag, drawn with look-alike angles, goes
+#: with attributes however spaced (an equation in prose is kept, ``<a b = c>``; one that
+#: opens with one of these is not, ``<system role = admin>``).
+_TAG_ROLE = (
+    r"(?i:system|developer|assistant|user|human|ai|model|bot|tool|function|ipython|sys"
+    r"|inst|im_start|im_end|start_of_turn|end_of_turn|tool_call|tool_result)"
+)
+
+
 def _lookalike_tag_pattern() -> re.Pattern[str]:
     """Tags and template tokens written with look-alikes of ``<`` and ``>`` (one of the
     two ends may be ASCII): ``‹|im_start|›``, ``˂system˃``, ``‹/tool_result›``,
@@ -249,6 +258,9 @@ def _lookalike_tag_pattern() -> re.Pattern[str]:
         rf"|{inner}\|\s?{close}"  # <...|>
         rf"|[/!?]\s?{name}{inner}{close}"  # a closing tag, <!DOCTYPE ...>, <?xml ...>
         rf"|{name}\s?/\s?{close}"  # <br/>
+        # a role's or a template's word with attributes, "=" spaced or not: <system role
+        # = admin> (not a title in angle quotes, <User Guide>)
+        rf"|{_TAG_ROLE}\s[^=<>{ANGLE_OPENERS}{ANGLE_CLOSERS}]{{0,40}}={inner}{close}"
         # attributes, "=" between a name and a value or before a quoted one: <img src=x>,
         # <system role = "x">; not an equation in prose, <a b = c>, <x y = 0>
         rf"|{name}\s[A-Za-z_:][\w:.\-]*(?:=(?!\s)|\s?=\s?[\"']){inner}{close}"
