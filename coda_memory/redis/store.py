@@ -985,6 +985,17 @@ class RedisStore:
                     f"prefix (~{k.prefix}*), the checkpoint map and forgotten-batches "
                     f"included; nothing was erased ({short_error(error, (identity_id,))})"
                 ) from error
+            except ResponseError as error:
+                if "can't run this command" not in str(error):
+                    raise
+                # A command of the script the user may not run (UNLINK, HDEL): refused
+                # before the checkpoint, so what stays is counted once (nothing is
+                # pending again); the script is not undone by its error.
+                raise AccessDenied(
+                    "the Redis user may not run a command of forget (it needs ZADD, UNLINK, "
+                    "HDEL, DEL among others); the identity may be partly erased, run it "
+                    f"again once allowed ({short_error(error, (identity_id,))})"
+                ) from error
         return Forgotten(observations=observations, facts=facts, fact_events=events)
 
     async def _refused_kind(self, keys: Iterable[tuple[str, str]]) -> str | None:

@@ -478,3 +478,36 @@ async def test_forget_by_a_user_without_the_forgotten_batches_key_says_which_key
     finally:
         await store.close()
         await owner.close()
+
+
+async def test_forget_by_a_user_that_may_not_unlink_leaves_the_checkpoint(
+    own_redis_url: str, admin: aioredis.Redis
+) -> None:
+    """A script is not undone by its error: forget erased the identity's checkpoint, then
+    failed at its first UNLINK, and every observation it kept was pending again, to be
+    consolidated a second time."""
+    await admin.acl_setuser(
+        "eraser",
+        enabled=True,
+        nopass=True,
+        keys=["coda:memory:*"],
+        channels=["*"],
+        commands=["+@all", "-unlink"],
+    )
+    owner = MemoryService.from_url(own_redis_url, clock=FakeClock())
+    store = RedisStore.from_url(own_redis_url.replace("redis://", "redis://eraser:any@", 1))
+    try:
+        owner.emit_observation("alice", tool_ok("t"))
+        await owner.drain()
+        assert [f.subject for f in await owner.consolidate("alice")] == ["tool_affinity:t"]
+        checkpoint = await admin.hget("coda:memory:checkpoint", "alice")
+        assert checkpoint is not None
+        with pytest.raises(AccessDenied, match="may not run a command of forget"):
+            await store.forget("alice")
+        assert await admin.hget("coda:memory:checkpoint", "alice") == checkpoint
+        # Nothing pending again: a consolidation reinforces nothing a second time.
+        facts = await owner.consolidate("alice")
+        assert [f.reinforcement_count for f in facts] == [1]
+    finally:
+        await store.close()
+        await owner.close()
