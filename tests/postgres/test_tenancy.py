@@ -914,6 +914,45 @@ async def test_the_owner_sees_every_identity_only_when_it_asks(tenancy: Tenancy)
         await conn.close()
 
 
+async def test_a_member_of_the_owner_sees_every_identity_only_when_it_asks(
+    tenancy: Tenancy,
+) -> None:
+    """The owner's policy applies to its members too (a login role granted the owner's
+    NOLOGIN role): without the setting such a role sees no row and writes none, as the
+    owner, and the analyst still reads the owner's aggregate views."""
+    await _populate(tenancy)
+    member = f"{tenancy.owner}_member"
+    await _superuser(tenancy.url, f'CREATE ROLE "{member}" NOLOGIN IN ROLE "{tenancy.owner}"')
+    try:
+        conn = await tenancy.connect(member)
+        try:
+            for table in PER_IDENTITY:
+                assert await _count(conn, table) == 0, table
+            assert await conn.execute(f"UPDATE {SCHEMA}.facts SET confidence = 0") == "UPDATE 0"
+            with pytest.raises(asyncpg.InsufficientPrivilegeError, match="row-level security"):
+                await conn.execute(
+                    f"INSERT INTO {SCHEMA}.checkpoints (identity_id) VALUES ('mallory')"
+                )
+        finally:
+            await conn.close()
+        conn = await tenancy.connect(member, **ALL_IDENTITIES)
+        try:
+            identities = f"SELECT count(DISTINCT identity_id) FROM {SCHEMA}.facts"
+            assert await conn.fetchval(identities) == 2
+        finally:
+            await conn.close()
+    finally:
+        await _superuser(tenancy.url, f'DROP ROLE "{member}"')
+    await _set_floor(tenancy, 1)
+    now = FakeClock().now.isoformat()
+    conn = await tenancy.connect(tenancy.analyst, **{"coda_memory.analytics_now": now})
+    try:
+        summary = await conn.fetch(f"SELECT category, users FROM {SCHEMA}.fact_summary")
+        assert dict(summary)["tool_affinity"] == 2
+    finally:
+        await conn.close()
+
+
 async def test_owner_maintenance_and_analytics_work_across_identities(tenancy: Tenancy) -> None:
     await _populate(tenancy)
     options: dict[str, Any] = {

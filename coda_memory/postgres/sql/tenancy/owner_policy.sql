@@ -5,6 +5,7 @@
 --   policy applies as the view's owner): the aggregate views granted to analysts, which
 --   return no identity_id. No per-identity view is granted to anyone.
 -- The owner's name is fixed here, when the policy is created (format's %L quotes it).
+-- Migration 0020 asks the owner's members for the setting too (owner_policy_members.sql).
 DO $tenancy$
 DECLARE
     allowed text := format(
