@@ -236,9 +236,13 @@ _ANGLE_LOOKALIKE = re.compile(f"[{ANGLE_OPENERS}{ANGLE_CLOSERS}]")
 #: with attributes however spaced (an equation in prose is kept, ``<a b = c>``; one that
 #: opens with one of these is not, ``<system role = admin>``).
 _TAG_ROLE = (
-    r"(?i:system|developer|assistant|user|human|ai|model|bot|tool|function|ipython|sys"
-    r"|inst|im_start|im_end|start_of_turn|end_of_turn|tool_call|tool_result)"
+    r"(?i:system|developer|assistant|user|human|ai|model|bot|tools?|function|ipython|sys"
+    r"|inst|instructions?|prompt|message|think|im_start|im_end|start_of_turn|end_of_turn"
+    r"|tool_calls?|tool_results?|start_header_id|end_header_id|eot_id|begin_of_text)"
 )
+#: One attribute of such a tag, "=" spaced or not, its value a word or quoted: ``role =
+#: admin``, ``id="x"`` (not an equation, ``y = ax + b``, nor a sentence, ``= Kunde``).
+_TAG_ATTRIBUTE = r"""[A-Za-z_:][\w:.\-]*\s?=\s?(?:\w[\w.\-]*|"[^"]{0,40}"|'[^']{0,40}')"""
 
 
 def _lookalike_tag_pattern() -> re.Pattern[str]:
@@ -260,7 +264,7 @@ def _lookalike_tag_pattern() -> re.Pattern[str]:
         rf"|{name}\s?/\s?{close}"  # <br/>
         # a role's or a template's word with attributes, "=" spaced or not: <system role
         # = admin> (not a title in angle quotes, <User Guide>)
-        rf"|{_TAG_ROLE}\s[^=<>{ANGLE_OPENERS}{ANGLE_CLOSERS}]{{0,40}}={inner}{close}"
+        rf"|{_TAG_ROLE}(?:\s{_TAG_ATTRIBUTE}){{1,8}}\s?{close}"
         # attributes, "=" between a name and a value or before a quoted one: <img src=x>,
         # <system role = "x">; not an equation in prose, <a b = c>, <x y = 0>
         rf"|{name}\s[A-Za-z_:][\w:.\-]*(?:=(?!\s)|\s?=\s?[\"']){inner}{close}"
