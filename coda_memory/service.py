@@ -477,10 +477,10 @@ class MemoryService(ObservationWriter):
         #: Facts the peek read, for the identities being consolidated.
         self._stale: dict[str, list[Fact]] = {}
         self._load_stale = 0
-        #: How many forgets began erasing: a load whose answer from the facts at hand was
-        #: read before one of them ended gives none (see ``_fallback``). A count, not the
-        #: identities: a forgotten id is kept nowhere.
-        self._forgets = 0
+        #: The identity of each load_memory call in flight, by call (while in flight
+        #: only), and the calls a forget of their identity met (see ``_fallback``).
+        self._answering_for: dict[int, str] = {}
+        self._forgotten_under: set[int] = set()
         #: Answers given again while nothing changed (coda_memory.core.answers).
         self._recent = RecentAnswers()
         self._loads_reused = 0
@@ -1006,11 +1006,11 @@ class MemoryService(ObservationWriter):
                 rejected.reason,
             )
         started = loop.time()
-        forgets = self._forgets
         task: asyncio.Task[LoadedMemory | None] | None = None
         fallback: asyncio.Task[LoadedMemory | None] | None = None
         answering = next(self._answers)
         self._answering[answering] = started
+        self._answering_for[answering] = identity_id
         waiting = False
         try:
             task = self._loading.get(identity_id)
@@ -1046,10 +1046,10 @@ class MemoryService(ObservationWriter):
                     # The consolidation's own (a lock held past the store's lock timeout,
                     # a driver's command timeout), not this load's: an error.
                     waiting = self._stop_waiting(identity_id, waiting)
-                    return await self._failed_load(failure, fallback, identity_id, forgets)
+                    return await self._failed_load(failure, fallback, identity_id, answering)
             # From here on the consolidation's answer is not read by this load.
             waiting = self._stop_waiting(identity_id, waiting)
-            loaded = await self._fallback(fallback, identity_id, forgets)
+            loaded = await self._fallback(fallback, identity_id, answering)
             if loaded is not None:
                 self._log.warning(
                     "load stale",
@@ -1071,10 +1071,11 @@ class MemoryService(ObservationWriter):
             raise
         except Exception as error:
             waiting = self._stop_waiting(identity_id, waiting)
-            return await self._failed_load(error, fallback, identity_id, forgets)
+            return await self._failed_load(error, fallback, identity_id, answering)
         finally:
             self._stop_waiting(identity_id, waiting)
-            del self._answering[answering]
+            del self._answering[answering], self._answering_for[answering]
+            self._forgotten_under.discard(answering)
             if fallback is not None and not fallback.done():
                 fallback.cancel()  # the consolidation's own answer came (or the caller left)
 
@@ -1083,14 +1084,14 @@ class MemoryService(ObservationWriter):
         error: BaseException,
         fallback: asyncio.Task[LoadedMemory | None] | None,
         identity_id: str,
-        forgets: int,
+        answering: int,
     ) -> tuple[LoadedMemory, str]:
         """The answer of a load whose consolidation failed with ``error``: counted in
         ``load_errors`` and logged, from the facts at hand, else empty."""
         self._load_errors += 1
         _drop_traceback(error)
         error, peeked = _failure(error)
-        loaded = await self._fallback(fallback, identity_id, forgets, peeked)
+        loaded = await self._fallback(fallback, identity_id, answering, peeked)
         self._log.warning(
             f"load failed: {type(error).__name__}",
             "coda-memory: load_memory for %s failed (%s); %s",
@@ -1131,19 +1132,19 @@ class MemoryService(ObservationWriter):
         self,
         fallback: asyncio.Task[LoadedMemory | None] | None,
         identity_id: str,
-        forgets: int,
+        answering: int,
         peeked: list[Fact] | None = None,
     ) -> LoadedMemory | None:
         """The answer from the facts at hand: the one started at the hedge, else made now
         (also when none was at hand at the hedge: the peek may have read them since, and
         ``peeked`` holds them when the consolidation failed after it); counted in
-        ``load_stale`` when there is one. None when a forget began since the load did
-        (``forgets``: the count then): those facts may be the identity's, read before it
-        was erased, and the answer, made over turns of the loop, outlived the forget."""
+        ``load_stale`` when there is one. None when a forget of the identity ran while the
+        load (the call ``answering``) was in flight: those facts may have been read before
+        the erasure, and the answer, made over turns of the loop, outlived the forget."""
         loaded = None if fallback is None else await fallback
         if loaded is None:
             loaded = await self._stale_answer(identity_id, peeked)
-        if loaded is not None and self._forgets != forgets:
+        if loaded is not None and answering in self._forgotten_under:
             loaded = None
         if loaded is not None:
             self._load_stale += 1
@@ -1345,12 +1346,20 @@ class MemoryService(ObservationWriter):
                     "erased, run it again"
                 ) from error
             try:
-                self._forgets += 1
+                self._forgetting(identity_id)
                 forgotten = await self.store.forget(identity_id)
             finally:  # (also when cancelled: the erasure may have committed)
+                self._forgetting(identity_id)  # (and those that began meanwhile)
                 self.stored_for.discard(identity_id)
                 self._recent.discard(identity_id)
         return dataclasses.replace(forgotten, observations=forgotten.observations + queued)
+
+    def _forgetting(self, identity_id: str) -> None:
+        """Note the loads of ``identity_id`` in flight as met by its forget: an answer of
+        theirs from the facts at hand is none (see ``_fallback``)."""
+        self._forgotten_under.update(
+            call for call, identity in self._answering_for.items() if identity == identity_id
+        )
 
     def stats(self) -> MemoryStats:
         """Counts of observations emitted, stored, rejected, dropped and pending."""

@@ -27,6 +27,7 @@ import uvloop
 
 from coda_memory import (
     Fact,
+    Forgotten,
     LoadedMemory,
     MemoryService,
     NewObservation,
@@ -2683,4 +2684,67 @@ async def test_no_answer_from_the_facts_at_hand_outlives_a_forget_of_the_identit
         assert await service.facts("u1") == []
     finally:
         store.gate = None
+        await service.close()
+
+
+async def test_a_forget_of_one_identity_leaves_another_s_answer_from_the_facts_at_hand() -> None:
+    """Loads of other identities in flight as one is forgotten keep their answers from
+    the facts at hand (a forget during a bulk erasure emptied every identity's)."""
+    store = GatedFailingStore()
+    service = MemoryService(store, clock=FakeClock(), load_timeout=5.0)
+    try:
+        for who in ("u1", "u2"):
+            service.emit_observation(who, tool_ok("old"))
+            await service.drain()
+            await service.consolidate(who)
+        store.gate, store.entered = asyncio.Event(), asyncio.Event()
+        service.emit_observation("u2", tool_ok("new"))
+        await service.drain()
+        load = asyncio.create_task(service.load_memory("u2"))
+        await store.entered.wait()
+        assert (await service.forget("u1")).facts == 1
+        store.gate.set()
+        assert [f.subject for f in (await load).facts] == ["tool_affinity:old"]
+    finally:
+        store.gate = None
+        await service.close()
+
+
+class GatedForgetStore(GatedFailingStore):
+    """A gated failing store whose forget, while ``forget_gate`` is set, says it began
+    (``forget_entered``) and erases once the gate opens."""
+
+    forget_gate: asyncio.Event | None = None
+    forget_entered: asyncio.Event | None = None
+
+    async def forget(self, identity_id: str) -> Forgotten:
+        if self.forget_gate is not None and self.forget_entered is not None:
+            self.forget_entered.set()
+            await self.forget_gate.wait()
+        return await super().forget(identity_id)
+
+
+async def test_a_load_that_began_during_a_forget_gives_no_answer_from_the_facts_at_hand() -> None:
+    """A load that began while the forget was erasing read the facts before the erasure
+    (its peek), and answered with them after the forget had returned."""
+    store = GatedForgetStore()
+    service = MemoryService(store, clock=FakeClock(), load_timeout=5.0)
+    try:
+        service.emit_observation("u1", tool_ok("old"))
+        await service.drain()
+        await service.consolidate("u1")
+        service.emit_observation("u1", tool_ok("new"))
+        await service.drain()
+        store.forget_gate, store.forget_entered = asyncio.Event(), asyncio.Event()
+        forget = asyncio.create_task(service.forget("u1"))
+        await store.forget_entered.wait()
+        store.gate, store.entered = asyncio.Event(), asyncio.Event()
+        load = asyncio.create_task(service.load_memory("u1"))
+        await store.entered.wait()  # (its peek read the facts)
+        store.forget_gate.set()
+        assert (await forget).facts == 1
+        store.gate.set()
+        assert (await load).facts == []
+    finally:
+        store.gate = store.forget_gate = None
         await service.close()
