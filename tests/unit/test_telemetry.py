@@ -15,7 +15,13 @@ import textwrap
 from typing import Any
 
 import pytest
-from opentelemetry.metrics import Meter
+from opentelemetry.metrics import (
+    Histogram,
+    Meter,
+    NoOpHistogram,
+    NoOpMeter,
+    NoOpMeterProvider,
+)
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from opentelemetry.sdk.trace import TracerProvider
@@ -466,23 +472,30 @@ async def test_a_span_processor_that_raises_fails_no_call(
     assert "misconfigured" not in caplog.text and "alice" not in caplog.text
 
 
-class _FailingFilter:
-    """A host's exemplar filter that raises: the SDK calls it as a measurement is
-    recorded, and lets its error through."""
+class _FailingHistogram(NoOpHistogram):
+    """A host's histogram whose recording raises (an SDK's exemplar filter that raises, a
+    misconfigured exporter's hook): the SDK lets such an error through to the caller."""
 
-    def should_sample(self, *args: Any) -> bool:
+    def record(self, *args: Any, **kwargs: Any) -> None:
         raise RuntimeError("filter misconfigured")
+
+
+class _FailingMeter(NoOpMeter):
+    def create_histogram(self, name: str, *args: Any, **kwargs: Any) -> Histogram:
+        return _FailingHistogram(name)
+
+
+class _FailingMeterProvider(NoOpMeterProvider):
+    def get_meter(self, name: str, *args: Any, **kwargs: Any) -> Meter:
+        return _FailingMeter(name)
 
 
 async def test_a_measurement_that_fails_fails_no_load(
     clock: FakeClock, caplog: pytest.LogCaptureFixture
 ) -> None:
     """load_memory recorded its duration after its answer was made, and raised the
-    SDK's error (it never raises)."""
-    meter_provider = MeterProvider(
-        metric_readers=[InMemoryMetricReader()],
-        exemplar_filter=_FailingFilter(),  # type: ignore[arg-type]
-    )
+    meter's error (it never raises)."""
+    meter_provider = _FailingMeterProvider()
     telemetry = Telemetry(tracer_provider=TracerProvider(), meter_provider=meter_provider)
     service = MemoryService.from_url(
         "memory://", clock=clock, load_timeout=5.0, telemetry=telemetry
