@@ -115,9 +115,11 @@ async def test_an_identity_of_many_pages_is_read_in_bounded_replies_as_one_read_
         _COUNTS.clear()
         paged = await export_identity(source, "ana")
         assert _as_read(paged) == _as_read(whole)
-        # The first read's pages of each key (5 of them), then one page a reply (HSCAN's
-        # count is a hint: a page of a hash may hold a few more).
-        assert max(_COUNTS) <= 5 * PAGE and sorted(_COUNTS)[-2] <= 2 * PAGE
+        # The first read's pages of each key (5 of them: 3 of exact size, 2 of a hash),
+        # then one page a reply. HSCAN's count is a hint: a page of a hash holds what the
+        # buckets it visits hold, which may be more, up to twice while the hash is being
+        # rehashed (one read in one reply held the whole identity).
+        assert max(_COUNTS) <= 3 * PAGE + 2 * 2 * PAGE and sorted(_COUNTS)[-2] <= 2 * PAGE
         summary = await import_redis(source, target, now=now)
         assert (summary.copied, summary.bad, summary.failed, summary.busy) == (1, [], [], [])
         assert (summary.observations, summary.consumed_observations) == (85, 31)
