@@ -173,12 +173,43 @@ _NAMED_ERRORS = (RedisConnectionError, RedisTimeoutError, ReadOnlyError, OutOfMe
 _QUEUED_CAUSE = re.compile(r" caused error: \(?['\"]?([A-Z]{3,20})\b")
 
 
+#: How Redis before 7 wraps an error that a script met (an error reply of ``redis.call``,
+#: or one the server raised for the command, which adds the place again): ``ERR Error
+#: running script (call to f_<sha>): @user_script:12: @user_script: 12: -READONLY You
+#: can't write …`` (redis-py strips the ``ERR``). Redis 7 passes the error on with its
+#: code, and redis-py raises it by its class.
+_WRAPPED = re.compile(
+    r"(?:ERR )?Error running script \(call to f_[0-9a-f]+\): (?:@?user_script: ?\d+: )*-?(.*)",
+    re.DOTALL,
+)
+#: What Redis says for a command or key of a script that the ACL user may not run or
+#: touch: Redis 6 and 7.0 (``The user executing the script can't run this command or
+#: subcommand``, ``… can't access at least one of the keys …``), 7.2 and Valkey (``ACL
+#: failure in script``).
+_SCRIPT_ACL_REFUSAL = re.compile(
+    r"The user executing the script (?:can't|is lacking)|ACL failure in script"
+)
+
+
+def _script_refused_by_acl(error: BaseException) -> bool:
+    """Whether ``error`` is a script's command or key that the ACL user may not run or
+    touch, in any supported server's words (wrapped by Redis 6 or not)."""
+    return _SCRIPT_ACL_REFUSAL.search(str(error)) is not None
+
+
 def _error_code(error: BaseException) -> str:
     """The code of a Redis error reply (the first word of the server's message, which
     redis-py strips from the errors it has a class for, or of the error it quotes for a
-    command refused as it was queued), or the error's class."""
-    if isinstance(error, NoPermissionError):
+    command refused as it was queued, or of the error a script met, which Redis 6 wraps
+    in an ``ERR``), or the error's class."""
+    if isinstance(error, NoPermissionError) or _script_refused_by_acl(error):
         return "NOPERM"
+    wrapped = _WRAPPED.match(str(error))
+    if wrapped is not None:
+        # A Lua error of the script's own (no code: "attempt to compare nil …") stays
+        # the ERR it came as.
+        inner = re.match(r"([A-Z]{3,20}) ", wrapped[1])
+        return inner[1] if inner is not None else "ERR"
     code = getattr(error, "status_code", None)
     if isinstance(code, str) and code:
         return code
@@ -205,8 +236,15 @@ def _raise_server_state(error: BaseException) -> NoReturn:
     keys)."""
     if isinstance(error, _NAMED_ERRORS):
         raise error
+    code = _error_code(error)
+    if _WRAPPED.match(str(error)) is not None and code in ("READONLY", "OOM"):
+        # Redis 6's wrapped READONLY or OOM, as redis-py raises Redis 7's: after a
+        # READONLY, the pool's idle connections are left for the primary of the moment
+        # (see RedisStore._leave_if_read_only).
+        named = ReadOnlyError if code == "READONLY" else OutOfMemoryError
+        raise named(str(error)) from error
     raise StoreBusy(
-        f"Redis failed the append with {_error_code(error)}, an error of its state",
+        f"Redis failed the append with {code}, an error of its state",
         may_have_stored=True,
     ) from error
 
@@ -986,9 +1024,7 @@ class RedisStore:
                     f"included; nothing was erased ({short_error(error, (identity_id,))})"
                 ) from error
             except ResponseError as error:
-                text = str(error)
-                # (Redis 6 and 7.0 say the one, 7.2 and Valkey the other.)
-                if "can't run this command" not in text and "ACL failure in script" not in text:
+                if not _script_refused_by_acl(error):
                     raise
                 # A command of the script the user may not run: UNLINK, refused before
                 # the checkpoint, so what stays is counted once (nothing is pending
