@@ -10,6 +10,7 @@ import contextlib
 import logging
 import socket
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from typing import Any, NamedTuple
 
 import pytest
 import redis.asyncio as aioredis
@@ -38,6 +39,46 @@ async def admin(own_redis_url: str) -> AsyncIterator[aioredis.Redis]:
     client = aioredis.Redis.from_url(own_redis_url)
     yield client
     await client.aclose()
+
+
+@contextlib.asynccontextmanager
+async def _acl_user(
+    admin: aioredis.Redis, server_url: str, name: str, **rules: Any
+) -> AsyncIterator[str]:
+    """The URL of the server as the ACL user ``name``, made for the block with ``rules``
+    (``acl_setuser``'s: every key and channel unless they say otherwise), enabled and
+    without a password; the user is deleted after."""
+    given = {"keys": ["*"], "channels": ["*"], **rules}
+    await admin.acl_setuser(name, enabled=True, nopass=True, **given)
+    try:
+        yield server_url.replace("redis://", f"redis://{name}:any@", 1)
+    finally:
+        await admin.acl_deluser(name)
+
+
+class _AclStores(NamedTuple):
+    #: As the server's default user, which may do anything (it writes what the other reads).
+    owner: RedisStore
+    #: As the ACL user.
+    store: RedisStore
+    #: The server's URL as the ACL user.
+    url: str
+
+
+@contextlib.asynccontextmanager
+async def _acl_stores(
+    admin: aioredis.Redis, server_url: str, name: str, **rules: Any
+) -> AsyncIterator[_AclStores]:
+    """A store as the server's default user, and one as the ACL user ``name`` (see
+    :func:`_acl_user`), closed after."""
+    async with _acl_user(admin, server_url, name, **rules) as url:
+        owner = RedisStore.from_url(server_url)
+        store = RedisStore.from_url(url)
+        try:
+            yield _AclStores(owner, store, url)
+        finally:
+            await store.close()
+            await owner.close()
 
 
 def _closed_port() -> int:
@@ -177,31 +218,25 @@ async def test_a_script_error_of_one_identity_refuses_its_rows_alone(
     the script's first command, on bad's keys) failed the EXEC's reply as a whole: the
     writer rejected the batch, every identity's rows, though good1's and good2's were
     stored all the same."""
-    await admin.acl_setuser(
-        "writer",
-        enabled=True,
-        nopass=True,
-        keys=["*"],
-        channels=["*"],
-        commands=["+@all", "-type"],
-        selectors=[
-            ("+type", "~coda:memory:*:good*"),
-            ("+type", "~coda:memory:checkpoint"),
-            ("+type", "~coda:memory:forgotten-batches"),
-        ],
-    )
-    url = own_redis_url.replace("redis://", "redis://writer:any@", 1)
-    service = MemoryService.from_url(url, clock=FakeClock(), load_timeout=5.0)
-    caplog.set_level(logging.WARNING, "coda_memory")
-    try:
-        await bad_refused_alone(service, admin, "coda:memory:")
-        assert "Redis failed the identity's append script" in caplog.text
-        assert "'bad'" not in caplog.text
-        assert await admin.keys("coda:memory:*:bad") == []
-        for identity in ("good1", "good2"):
-            assert [f.subject for f in await service.consolidate(identity)] == ["tool_affinity:t"]
-    finally:
-        await service.close()
+    selectors = [
+        ("+type", "~coda:memory:*:good*"),
+        ("+type", "~coda:memory:checkpoint"),
+        ("+type", "~coda:memory:forgotten-batches"),
+    ]
+    rules = {"commands": ["+@all", "-type"], "selectors": selectors}
+    async with _acl_user(admin, own_redis_url, "writer", **rules) as url:
+        service = MemoryService.from_url(url, clock=FakeClock(), load_timeout=5.0)
+        caplog.set_level(logging.WARNING, "coda_memory")
+        try:
+            await bad_refused_alone(service, admin, "coda:memory:")
+            assert "Redis failed the identity's append script" in caplog.text
+            assert "'bad'" not in caplog.text
+            assert await admin.keys("coda:memory:*:bad") == []
+            for identity in ("good1", "good2"):
+                facts = await service.consolidate(identity)
+                assert [f.subject for f in facts] == ["tool_affinity:t"]
+        finally:
+            await service.close()
 
 
 ANY_KEY = "Redis evicts any key at maxmemory (maxmemory-policy {})"
@@ -248,27 +283,21 @@ async def test_an_acl_refusal_as_the_script_is_queued_refuses_that_identity_alon
 ) -> None:
     """An ACL key pattern that leaves out one identity's keys refuses its script as it is
     queued, which aborts the whole MULTI/EXEC: every identity of the batch was rejected."""
-    await admin.acl_setuser(
-        "writer",
-        enabled=True,
-        nopass=True,
-        keys=["coda:memory:*:good*", "coda:memory:checkpoint", "coda:memory:forgotten-batches"],
-        channels=["*"],
-        commands=["+@all"],
-    )
-    url = own_redis_url.replace("redis://", "redis://writer:any@", 1)
-    service = MemoryService.from_url(url, clock=FakeClock(), load_timeout=5.0)
-    caplog.set_level(logging.WARNING, "coda_memory")
-    try:
-        await bad_refused_alone(service, admin, "coda:memory:")
-        assert "Redis refused the identity's append script as it was queued (NOPERM)" in (
-            caplog.text
-        )
-        assert "'bad'" not in caplog.text and ":bad" not in caplog.text
-        for identity in ("good1", "good2"):
-            assert [f.subject for f in await service.consolidate(identity)] == ["tool_affinity:t"]
-    finally:
-        await service.close()
+    keys = ["coda:memory:*:good*", "coda:memory:checkpoint", "coda:memory:forgotten-batches"]
+    async with _acl_user(admin, own_redis_url, "writer", keys=keys, commands=["+@all"]) as url:
+        service = MemoryService.from_url(url, clock=FakeClock(), load_timeout=5.0)
+        caplog.set_level(logging.WARNING, "coda_memory")
+        try:
+            await bad_refused_alone(service, admin, "coda:memory:")
+            assert "Redis refused the identity's append script as it was queued (NOPERM)" in (
+                caplog.text
+            )
+            assert "'bad'" not in caplog.text and ":bad" not in caplog.text
+            for identity in ("good1", "good2"):
+                facts = await service.consolidate(identity)
+                assert [f.subject for f in facts] == ["tool_affinity:t"]
+        finally:
+            await service.close()
 
 
 @pytest.mark.parametrize("command", ["multi", "exec"])
@@ -279,17 +308,9 @@ async def test_a_user_that_may_not_run_a_transaction_is_refused_before_anything_
     transaction, and stored them, then refused EXEC ("EXEC without MULTI"): the batch was
     counted as rejected though stored. start() says which command the user lacks, and
     so does the append without it, before anything is written."""
-    await admin.acl_setuser(
-        "writer",
-        enabled=True,
-        nopass=True,
-        keys=["*"],
-        channels=["*"],
-        commands=["+@all", f"-{command}"],
-    )
-    url = own_redis_url.replace("redis://", "redis://writer:any@", 1)
-    store = RedisStore.from_url(url)
-    try:
+    rules = {"commands": ["+@all", f"-{command}"]}
+    async with _acl_stores(admin, own_redis_url, "writer", **rules) as acl:
+        store, url = acl.store, acl.url
         with pytest.raises(AccessDenied, match=f"may not run {command.upper()}"):
             await store.start()
         with pytest.raises(AccessDenied, match=f"may not run {command.upper()}"):
@@ -309,8 +330,6 @@ async def test_a_user_that_may_not_run_a_transaction_is_refused_before_anything_
         await admin.acl_setuser("writer", commands=[f"+{command}"])
         assert (await store.append([sanitize_observation("alice", tool_ok("t"), T0)])).stored
         assert await store.client.zcard("coda:memory:pending:alice") == 1
-    finally:
-        await store.close()
 
 
 async def test_too_few_replicas_keep_the_batches_for_later(
@@ -448,17 +467,9 @@ async def test_forget_by_a_user_without_the_forgotten_batches_key_says_which_key
     shared forgotten-batches key: forget raised redis-py's NoPermissionError. It raises
     AccessDenied naming the key's kind (never the identity), erases nothing and leaves no
     lock; the user's appends are refused for every identity, as the README says."""
-    await admin.acl_setuser(
-        "writer",
-        enabled=True,
-        nopass=True,
-        keys=["coda:memory:*:*", "coda:memory:checkpoint"],
-        channels=["*"],
-        commands=["+@all"],
-    )
-    owner = RedisStore.from_url(own_redis_url)
-    store = RedisStore.from_url(own_redis_url.replace("redis://", "redis://writer:any@", 1))
-    try:
+    keys = ["coda:memory:*:*", "coda:memory:checkpoint"]
+    async with _acl_stores(admin, own_redis_url, "writer", keys=keys, commands=["+@all"]) as acl:
+        owner, store = acl.owner, acl.store
         await owner.append([sanitize_observation("alice", tool_ok("t"), T0)])
         before = sorted(await admin.keys("coda:memory:*"))
         with pytest.raises(AccessDenied, match="may not touch the forgotten-batches key") as denied:
@@ -475,9 +486,6 @@ async def test_forget_by_a_user_without_the_forgotten_batches_key_says_which_key
         await admin.acl_setuser("writer", keys=["coda:memory:forgotten-batches"])
         assert (await store.forget("alice")).observations == 1
         assert await admin.keys("coda:memory:*:alice") == []
-    finally:
-        await store.close()
-        await owner.close()
 
 
 async def test_forget_by_a_user_that_may_not_unlink_leaves_the_checkpoint(
@@ -486,28 +494,20 @@ async def test_forget_by_a_user_that_may_not_unlink_leaves_the_checkpoint(
     """A script is not undone by its error: forget erased the identity's checkpoint, then
     failed at its first UNLINK, and every observation it kept was pending again, to be
     consolidated a second time."""
-    await admin.acl_setuser(
-        "eraser",
-        enabled=True,
-        nopass=True,
-        keys=["coda:memory:*"],
-        channels=["*"],
-        commands=["+@all", "-unlink"],
-    )
-    owner = MemoryService.from_url(own_redis_url, clock=FakeClock())
-    store = RedisStore.from_url(own_redis_url.replace("redis://", "redis://eraser:any@", 1))
-    try:
-        owner.emit_observation("alice", tool_ok("t"))
-        await owner.drain()
-        assert [f.subject for f in await owner.consolidate("alice")] == ["tool_affinity:t"]
-        checkpoint = await admin.hget("coda:memory:checkpoint", "alice")
-        assert checkpoint is not None
-        with pytest.raises(AccessDenied, match="may not run a command of forget"):
-            await store.forget("alice")
-        assert await admin.hget("coda:memory:checkpoint", "alice") == checkpoint
-        # Nothing pending again: a consolidation reinforces nothing a second time.
-        facts = await owner.consolidate("alice")
-        assert [f.reinforcement_count for f in facts] == [1]
-    finally:
-        await store.close()
-        await owner.close()
+    rules = {"keys": ["coda:memory:*"], "commands": ["+@all", "-unlink"]}
+    async with _acl_stores(admin, own_redis_url, "eraser", **rules) as acl:
+        owner = MemoryService.from_url(own_redis_url, clock=FakeClock())
+        try:
+            owner.emit_observation("alice", tool_ok("t"))
+            await owner.drain()
+            assert [f.subject for f in await owner.consolidate("alice")] == ["tool_affinity:t"]
+            checkpoint = await admin.hget("coda:memory:checkpoint", "alice")
+            assert checkpoint is not None
+            with pytest.raises(AccessDenied, match="may not run a command of forget"):
+                await acl.store.forget("alice")
+            assert await admin.hget("coda:memory:checkpoint", "alice") == checkpoint
+            # Nothing pending again: a consolidation reinforces nothing a second time.
+            facts = await owner.consolidate("alice")
+            assert [f.reinforcement_count for f in facts] == [1]
+        finally:
+            await owner.close()
