@@ -837,18 +837,21 @@ class RedisStore:
         history with no limit (``history_limit=0``) grows without bound, and read in one
         reply it outlived redis-py's socket timeout. A commit appends at the tail (an
         item appended meanwhile is read or not) and trims the head of a history at its
-        limit: each later page is read with the head, and when it is not the one of the
-        first page, the read starts again (:data:`LIST_READ_ATTEMPTS` times, then in
-        one reply, as it was)."""
+        limit: each later page is followed by a read of the head, and when it is not the
+        one of the first page, the read starts again (:data:`LIST_READ_ATTEMPTS` times,
+        then in one reply, as it was). Only a trim changes the head, and the head read
+        after the page is the first page's only if nothing trimmed the list before the
+        page was read: the two go in one round trip, without ``MULTI``/``EXEC``, which a
+        user that may only read has not (with it, a history past a page was refused)."""
         page = unit_module.LOAD_PAGE
         for _ in range(LIST_READ_ATTEMPTS):
             items: list[Any] = await self.client.lrange(key, 0, page - 1)
             head = items[0] if items else None
             while len(items) % page == 0 and items:
-                async with self.client.pipeline(transaction=True) as pipe:
-                    pipe.lindex(key, 0)
+                async with self.client.pipeline(transaction=False) as pipe:
                     pipe.lrange(key, len(items), len(items) + page - 1)
-                    now, more = await pipe.execute()
+                    pipe.lindex(key, 0)
+                    more, now = await pipe.execute()
                 if now != head:
                     break
                 items += more

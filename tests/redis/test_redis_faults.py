@@ -7,20 +7,24 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import socket
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from datetime import timedelta
 from typing import Any, NamedTuple
 
 import pytest
 import redis.asyncio as aioredis
 from redis.asyncio.client import Pipeline
-from redis.exceptions import ResponseError
+from redis.exceptions import NoPermissionError, ResponseError
 
 from coda_memory import MemoryService
 from coda_memory.core.sanitize import sanitize_observation
 from coda_memory.errors import AccessDenied, ConnectionLost, StoreBusy
 from coda_memory.redis import RedisStore
+from coda_memory.redis import unit as unit_module
+from coda_memory.redis.codec import to_ms
 from tests.helpers import T0, FakeClock, tool_ok
 from tests.redis.helpers import bad_refused_alone
 from tests.redis_fixtures import _own_server
@@ -511,3 +515,49 @@ async def test_forget_by_a_user_that_may_not_unlink_leaves_the_checkpoint(
             assert [f.reinforcement_count for f in facts] == [1]
         finally:
             await owner.close()
+
+
+def _event(n: int) -> str:
+    """A fact event of alice's as the store writes it, its subject numbered ``n``."""
+    at = int(to_ms(T0 + timedelta(seconds=n)))
+    return json.dumps(
+        {
+            "identityId": "alice",
+            "subject": f"tool_affinity:t{n}",
+            "category": "tool_affinity",
+            "kind": "reinforced",
+            "sessionId": "s1",
+            "at": at,
+            "confidenceBefore": 0.5,
+            "confidenceAfter": 0.6,
+            "countBefore": 1,
+            "countAfter": 2,
+            "easeBefore": None,
+            "easeAfter": 2.5,
+            "quality": 1.0,
+            "hits": 1,
+            "trials": 1,
+        }
+    )
+
+
+async def test_a_history_longer_than_a_page_is_read_by_a_user_that_may_only_read(
+    own_redis_url: str, admin: aioredis.Redis
+) -> None:
+    """A history past a page (10,000 events, which history_limit=0 lets grow) read each
+    later page with its head in a MULTI/EXEC, which a user with +@read alone may not run:
+    history() raised redis-py's NoPermissionError. It reads the head after each page, in
+    one round trip without a transaction, and gets every event once, in order."""
+    events = unit_module.LOAD_PAGE * 2 + 5
+    assert events > 10_000
+    async with _acl_stores(admin, own_redis_url, "reader", commands=["+@read"]) as acl:
+        key = acl.owner.keys.of("history", "alice")
+        async with acl.owner.client.pipeline(transaction=False) as pipe:
+            for start in range(0, events, 1_000):
+                pipe.rpush(key, *(_event(n) for n in range(start, min(start + 1_000, events))))
+            await pipe.execute()
+        read = await acl.store.history("alice")
+        assert [event.subject for event in read] == [f"tool_affinity:t{n}" for n in range(events)]
+        # The user may indeed not run a transaction.
+        with pytest.raises(NoPermissionError):
+            await acl.store.client.execute_command("MULTI")  # type: ignore[no-untyped-call]
