@@ -870,12 +870,20 @@ class RedisStore:
         observations or :data:`~coda_memory.redis.unit.LOAD_PAGE_BYTES` of them, each a
         reply of its own: read in one, hundreds of thousands outlived redis-py's socket
         timeout (5 s) at every attempt. Each observation stored throughout the read is
-        in it once; one appended or pruned meanwhile may be or not."""
+        in it once; one appended or pruned meanwhile may be or not.
+
+        A page is a script, as the loads' reads are: an ACL user that may not run it
+        (``+@read`` alone) gets :class:`AccessDenied` naming what it needs (``+evalsha``,
+        and ``+script|load`` for a server whose script cache lacks it)."""
         key = self.keys.of("obs", identity_id)
         script = self._script("page")
         read: dict[Any, None] = {}  # in order, each once
         cursor: list[Any] = []
-        with _lost_while("reading observations"), _typed(("obs",)):
+        with (
+            _lost_while("reading observations"),
+            _typed(("obs",)),
+            _script_allowed("observations()", self.keys.prefix, identity_id),
+        ):
             while True:
                 args = [unit_module.LOAD_PAGE, unit_module.LOAD_PAGE_BYTES, *cursor]
                 page = await _read_twice(functools.partial(script, keys=[key], args=args))
@@ -1111,6 +1119,22 @@ def _typed(kinds: Sequence[str]) -> Iterator[None]:
         if kind is None:
             raise
         raise BadRecord(_another_type(kind)) from None
+
+
+@contextlib.contextmanager
+def _script_allowed(call: str, prefix: str, identity_id: str) -> Iterator[None]:
+    """A read that is a Lua script: the ACL user's refusal of the script (its EVALSHA, or
+    the SCRIPT LOAD after a server's script cache lost it) or of its key as the
+    :class:`AccessDenied` naming what the read needs, not redis-py's NoPermissionError
+    (the message names no identity: a host logs what the store raises)."""
+    try:
+        yield
+    except NoPermissionError as error:
+        raise AccessDenied(
+            f"the Redis user may not run {call}: its reads are Lua scripts, which need "
+            f"+evalsha and +script|load besides the read commands, and every key under "
+            f"the prefix (~{prefix}*) ({short_error(error, (identity_id,))})"
+        ) from error
 
 
 def _counted(reply: Any) -> int | None:

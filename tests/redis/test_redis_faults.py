@@ -561,3 +561,25 @@ async def test_a_history_longer_than_a_page_is_read_by_a_user_that_may_only_read
         # The user may indeed not run a transaction.
         with pytest.raises(NoPermissionError):
             await acl.store.client.execute_command("MULTI")  # type: ignore[no-untyped-call]
+
+
+async def test_observations_by_a_user_that_may_only_read_says_what_it_needs(
+    own_redis_url: str, admin: aioredis.Redis
+) -> None:
+    """observations() reads in pages that are each a script (one consistent read of the
+    sorted set after the last member read, as the loads' reads are), which a user with
+    +@read alone may not run: it raised redis-py's NoPermissionError. It raises
+    AccessDenied naming what the read needs, never the identity; with it, it reads."""
+    async with _acl_stores(admin, own_redis_url, "reader", commands=["+@read"]) as acl:
+        await acl.owner.append([sanitize_observation("alice", tool_ok("t"), T0)])
+        with pytest.raises(AccessDenied, match=r"\+evalsha and \+script\|load") as denied:
+            await acl.store.observations("alice")
+        assert "alice" not in str(denied.value)
+        assert "~coda:memory:*" in str(denied.value)
+        # The script cache emptied: redis-py loads the script again (SCRIPT LOAD).
+        await admin.script_flush()
+        await admin.acl_setuser("reader", commands=["+evalsha"])
+        with pytest.raises(AccessDenied, match=r"\+script\|load"):
+            await acl.store.observations("alice")
+        await admin.acl_setuser("reader", commands=["+script|load"])
+        assert [o.created_at for o in await acl.store.observations("alice")] == [T0]
