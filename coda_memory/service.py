@@ -1023,17 +1023,17 @@ class MemoryService(ObservationWriter):
             waiting = True
             try:
                 hedge = self.load_timeout * HEDGE_AT
-                return _answered(await _within(task, hedge)), "ok"
+                return self._given(answering, await _within(task, hedge)), "ok"
             except TimeoutError:
                 if task.done() and not task.cancelled():  # finished as the wait gave up
-                    return _answered(task.result()), "ok"
+                    return self._given(answering, task.result()), "ok"
             # Still running: the fallback answer is made now, while the consolidation
             # goes on, so that it is ready when the timeout fires. (Made when the load
             # gives up instead, 8 late loads' answers made one after another came up to
             # 40 ms late on a slow machine with a table locked.)
             fallback = loop.create_task(self._stale_answer(identity_id))
             remaining = max(0.0, self.load_timeout * ANSWER_BY - (loop.time() - started))
-            return _answered(await _within(task, remaining)), "ok"
+            return self._given(answering, await _within(task, remaining)), "ok"
         except TimeoutError as timed_out:
             if task is not None and task.done() and not task.cancelled():
                 failure = task.exception()
@@ -1041,7 +1041,7 @@ class MemoryService(ObservationWriter):
                     # It finished while the wait was giving up on it (the loop ran it
                     # between the timeout and the cancellation of the wait): its answer is
                     # here.
-                    return _answered(task.result()), "ok"
+                    return self._given(answering, task.result()), "ok"
                 if failure is timed_out:
                     # The consolidation's own (a lock held past the store's lock timeout,
                     # a driver's command timeout), not this load's: an error.
@@ -1078,6 +1078,15 @@ class MemoryService(ObservationWriter):
             self._forgotten_under.discard(answering)
             if fallback is not None and not fallback.done():
                 fallback.cancel()  # the consolidation's own answer came (or the caller left)
+
+    def _given(self, answering: int, loaded: LoadedMemory | None) -> LoadedMemory:
+        """The consolidation's answer as the load ``answering`` gives it: none when a
+        forget of its identity began or ended while the load was in flight. Its facts
+        may have been read before the erasure (a load that began while the forget was
+        erasing), and the answer then outlived the forget."""
+        if answering in self._forgotten_under:
+            return LoadedMemory.empty()
+        return _answered(loaded)
 
     async def _failed_load(
         self,
@@ -1356,7 +1365,8 @@ class MemoryService(ObservationWriter):
 
     def _forgetting(self, identity_id: str) -> None:
         """Note the loads of ``identity_id`` in flight as met by its forget: an answer of
-        theirs from the facts at hand is none (see ``_fallback``)."""
+        theirs is none, whether from their consolidation (see ``_given``) or from the
+        facts at hand (see ``_fallback``)."""
         self._forgotten_under.update(
             call for call, identity in self._answering_for.items() if identity == identity_id
         )

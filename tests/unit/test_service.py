@@ -2748,3 +2748,73 @@ async def test_a_load_that_began_during_a_forget_gives_no_answer_from_the_facts_
     finally:
         store.gate = store.forget_gate = None
         await service.close()
+
+
+class GatedPeekStore(GatedForgetStore):
+    """A gated forget store whose peek, while ``peek_gate`` is set, reads the identity's
+    facts, says so (``peeked``), and returns what it read once the gate opens."""
+
+    peek_gate: asyncio.Event | None = None
+    peeked: asyncio.Event | None = None
+
+    async def peek(self, identity_id: str) -> tuple[list[Fact], bool]:
+        read = await super().peek(identity_id)
+        if self.peek_gate is not None and self.peeked is not None:
+            self.peeked.set()
+            await self.peek_gate.wait()
+        return read
+
+
+async def test_a_load_that_read_the_facts_before_a_forget_erased_them_answers_none() -> None:
+    """A load that began while the forget was erasing read the facts before the erasure
+    (its peek, with nothing new waiting: its own answer, not one from the facts at hand),
+    and answered with them after the forget had returned."""
+    store = GatedPeekStore()
+    service = MemoryService(store, clock=FakeClock(), load_timeout=5.0)
+    try:
+        service.emit_observation("u1", tool_ok("old"))
+        await service.drain()
+        await service.consolidate("u1")
+        assert [f.subject for f in (await service.load_memory("u1")).facts] == ["tool_affinity:old"]
+        store.forget_gate, store.forget_entered = asyncio.Event(), asyncio.Event()
+        forget = asyncio.create_task(service.forget("u1"))
+        await store.forget_entered.wait()
+        store.peek_gate, store.peeked = asyncio.Event(), asyncio.Event()
+        load = asyncio.create_task(service.load_memory("u1"))
+        await store.peeked.wait()  # it read the facts, not yet erased
+        store.forget_gate.set()
+        assert (await forget).facts == 1
+        store.peek_gate.set()
+        assert (await load).facts == []
+        stats = service.stats()
+        assert (stats.load_stale, stats.load_timeouts, stats.load_errors) == (0, 0, 0)
+        # The next load reads what the forget left: nothing.
+        store.peek_gate = None
+        assert (await service.load_memory("u1")).facts == []
+    finally:
+        store.gate = store.forget_gate = store.peek_gate = None
+        await service.close()
+
+
+async def test_a_load_in_flight_as_a_forget_of_another_identity_ends_keeps_its_answer() -> None:
+    """The forget voids the answers of its identity's loads only."""
+    store = GatedPeekStore()
+    service = MemoryService(store, clock=FakeClock(), load_timeout=5.0)
+    try:
+        for who in ("u1", "u2"):
+            service.emit_observation(who, tool_ok("old"))
+            await service.drain()
+            await service.consolidate(who)
+        store.forget_gate, store.forget_entered = asyncio.Event(), asyncio.Event()
+        forget = asyncio.create_task(service.forget("u1"))
+        await store.forget_entered.wait()
+        store.peek_gate, store.peeked = asyncio.Event(), asyncio.Event()
+        load = asyncio.create_task(service.load_memory("u2"))
+        await store.peeked.wait()
+        store.forget_gate.set()
+        assert (await forget).facts == 1
+        store.peek_gate.set()
+        assert [f.subject for f in (await load).facts] == ["tool_affinity:old"]
+    finally:
+        store.gate = store.forget_gate = store.peek_gate = None
+        await service.close()
