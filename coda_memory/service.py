@@ -91,7 +91,6 @@ from coda_memory.core.consolidation import (
     DEFAULT_RETENTION,
     ConsolidationInput,
     ConsolidationPlan,
-    active_views,
     planning,
     viewing,
 )
@@ -741,8 +740,9 @@ class MemoryService(ObservationWriter):
         """The identity's active facts at the clock's now, without consolidating."""
         identity_id = _identity_argument(identity_id)
         async with self._using_store():
-            stored = await self.store.facts(identity_id)
-        return active_views(stored, self.decay, self.clock())
+            with collector_scope(self.hold_gc, self._may_collect):
+                stored = await self.store.facts(identity_id)
+                return await stepped(viewing(stored, self.decay, self.clock()))
 
     async def history(self, identity_id: str, subject: str | None = None) -> list[FactEvent]:
         """Every create, reinforce, extend and expire of the identity's facts, in order."""

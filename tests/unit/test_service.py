@@ -2818,3 +2818,40 @@ async def test_a_load_in_flight_as_a_forget_of_another_identity_ends_keeps_its_a
     finally:
         store.gate = store.forget_gate = store.peek_gate = None
         await service.close()
+
+
+async def test_facts_of_a_big_identity_give_the_loop_turns_as_they_are_decayed() -> None:
+    """facts() decayed and viewed every fact of the identity in one go: with 30,000 of
+    them, the event loop of the host's requests stalled for hundreds of milliseconds."""
+    service = MemoryService.from_url("memory://", clock=FakeClock(), max_facts=None)
+    try:
+        service.emit_observation("u1", tool_ok("t"))
+        await service.drain()
+        await service.consolidate("u1")
+        state = service.store._identities["u1"]  # type: ignore[attr-defined]
+        (fact,) = state.facts.values()
+        state.facts.clear()
+        for i in range(10 * turns.SLICE):
+            subject = f"tool_affinity:t{i:05}"
+            state.facts[subject] = fact.model_copy(update={"subject": subject})
+        ticks = 0
+        stop = False
+
+        async def other_request() -> None:
+            nonlocal ticks
+            while not stop:
+                ticks += 1
+                await asyncio.sleep(0)
+
+        other = asyncio.create_task(other_request())
+        await asyncio.sleep(0)
+        before = ticks
+        facts = await service.facts("u1")
+        during = ticks - before
+        stop = True
+        await other
+        assert [f.subject for f in facts] == sorted(state.facts)
+        # A turn of the loop at least every SLICE facts.
+        assert during >= len(facts) // turns.SLICE
+    finally:
+        await service.close()
