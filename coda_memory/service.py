@@ -1034,7 +1034,7 @@ class MemoryService(ObservationWriter):
             fallback = loop.create_task(self._stale_answer(identity_id))
             remaining = max(0.0, self.load_timeout * ANSWER_BY - (loop.time() - started))
             return self._given(answering, await _within(task, remaining)), "ok"
-        except TimeoutError as timed_out:
+        except TimeoutError:
             if task is not None and task.done() and not task.cancelled():
                 failure = task.exception()
                 if failure is None:
@@ -1042,11 +1042,13 @@ class MemoryService(ObservationWriter):
                     # between the timeout and the cancellation of the wait): its answer is
                     # here.
                     return self._given(answering, task.result()), "ok"
-                if failure is timed_out:
-                    # The consolidation's own (a lock held past the store's lock timeout,
-                    # a driver's command timeout), not this load's: an error.
-                    waiting = self._stop_waiting(identity_id, waiting)
-                    return await self._failed_load(failure, fallback, identity_id, answering)
+                # It failed: with its own TimeoutError (a lock held past the store's lock
+                # timeout, a driver's command timeout) that the wait passed on, or with
+                # any error as this load's timer fired (the loop ran it between the
+                # timer and this). The load's outcome is the consolidation's, known by
+                # now: an error, not this load's timeout.
+                waiting = self._stop_waiting(identity_id, waiting)
+                return await self._failed_load(failure, fallback, identity_id, answering)
             # From here on the consolidation's answer is not read by this load.
             waiting = self._stop_waiting(identity_id, waiting)
             loaded = await self._fallback(fallback, identity_id, answering)

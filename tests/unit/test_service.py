@@ -2855,3 +2855,57 @@ async def test_facts_of_a_big_identity_give_the_loop_turns_as_they_are_decayed()
         assert during >= len(facts) // turns.SLICE
     finally:
         await service.close()
+
+
+class FailingOnCueStore(InMemoryStore):
+    """An in-memory store whose peek, while ``failure`` is set, waits for it and raises the
+    error it is given."""
+
+    failure: asyncio.Future[Exception] | None = None
+
+    async def peek(self, identity_id: str) -> tuple[list[Fact], bool]:
+        if self.failure is not None:
+            raise await self.failure
+        return await super().peek(identity_id)
+
+
+@pytest.mark.parametrize("error", [TimeoutError, ConnectionError])
+async def test_a_store_error_landing_as_the_load_times_out_counts_as_an_error(
+    error: type[Exception], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The consolidation's failure (the store's own TimeoutError among them: a lock
+    timeout, a driver's command timeout) is the load's error. One that landed as the
+    load's timer fired, before the load handled its timeout (a busy loop runs it in
+    between), was taken for the load's timeout: counted in load_timeouts, and the
+    error's log line was missing."""
+    store = FailingOnCueStore()
+    service = MemoryService(store, clock=FakeClock(), load_timeout=0.05)
+    real_within = service_module._within
+    waits = 0
+
+    async def failing_as_the_timer_fires(task: Any, seconds: float) -> Any:
+        nonlocal waits
+        waits += 1
+        try:
+            return await real_within(task, seconds)
+        except TimeoutError:
+            if waits == 2 and store.failure is not None:  # the load's last wait
+                store.failure.set_result(error("the store timed out"))
+                await asyncio.wait([task])
+            raise
+
+    try:
+        service.emit_observation("u1", tool_ok("t"))
+        await service.drain()
+        store.failure = asyncio.get_running_loop().create_future()
+        monkeypatch.setattr(service_module, "_within", failing_as_the_timer_fires)
+        with caplog.at_level(logging.WARNING, logger="coda_memory"):
+            memory = await service.load_memory("u1")
+        assert waits == 2
+        assert memory.facts == []
+        stats = service.stats()
+        assert (stats.load_errors, stats.load_timeouts, stats.load_stale) == (1, 0, 0)
+        assert f"failed ({error.__name__}" in caplog.text
+    finally:
+        store.failure = None
+        await service.close()
