@@ -476,16 +476,15 @@ class MemoryService(ObservationWriter):
         #: Facts the peek read, for the identities being consolidated.
         self._stale: dict[str, list[Fact]] = {}
         self._load_stale = 0
-        #: The identity of each load_memory call in flight, by call (while in flight
-        #: only), and the calls a forget of their identity met (see ``_fallback``).
-        self._answering_for: dict[int, str] = {}
+        #: Each load_memory call in flight, by call (while in flight only): when it
+        #: started (the loop's time, see ``_may_collect``) and its identity; and the calls
+        #: a forget of their identity met (see ``_forgetting``).
+        self._answering: dict[int, tuple[float, str]] = {}
         self._forgotten_under: set[int] = set()
+        self._answers = itertools.count()
         #: Answers given again while nothing changed (coda_memory.core.answers).
         self._recent = RecentAnswers()
         self._loads_reused = 0
-        #: When each load_memory call in flight started (the loop's time), by call.
-        self._answering: dict[int, float] = {}
-        self._answers = itertools.count()
         #: The loads whose steps may run on the loop now (see STEPPING_AT_ONCE).
         self._stepping = asyncio.Semaphore(STEPPING_AT_ONCE)
         #: The async generator that closes the service when its event loop ends, while
@@ -1009,8 +1008,7 @@ class MemoryService(ObservationWriter):
         task: asyncio.Task[LoadedMemory | None] | None = None
         fallback: asyncio.Task[LoadedMemory | None] | None = None
         answering = next(self._answers)
-        self._answering[answering] = started
-        self._answering_for[answering] = identity_id
+        self._answering[answering] = (started, identity_id)
         waiting = False
         try:
             task = self._loading.get(identity_id)
@@ -1076,7 +1074,7 @@ class MemoryService(ObservationWriter):
             return await self._failed_load(error, fallback, identity_id, answering)
         finally:
             self._stop_waiting(identity_id, waiting)
-            del self._answering[answering], self._answering_for[answering]
+            del self._answering[answering]
             self._forgotten_under.discard(answering)
             if fallback is not None and not fallback.done():
                 fallback.cancel()  # the consolidation's own answer came (or the caller left)
@@ -1135,7 +1133,7 @@ class MemoryService(ObservationWriter):
         :mod:`~coda_memory.core.turns`)."""
         if not self._answering:
             return True
-        oldest = min(self._answering.values())
+        oldest = min(start for start, _ in self._answering.values())
         now = asyncio.get_running_loop().time()
         return now - oldest < self.load_timeout * COLLECTION_BEFORE
 
@@ -1370,7 +1368,7 @@ class MemoryService(ObservationWriter):
         theirs is none, whether from their consolidation (see ``_given``) or from the
         facts at hand (see ``_fallback``)."""
         self._forgotten_under.update(
-            call for call, identity in self._answering_for.items() if identity == identity_id
+            call for call, (_, identity) in self._answering.items() if identity == identity_id
         )
 
     def stats(self) -> MemoryStats:
