@@ -323,6 +323,14 @@ def _latin_letters() -> str:
 #: or "_", also with one or two combining marks after it (``Re\u0336action:``).
 _IN_WORD = f"[A-Za-z0-9_{_latin_letters()}]"
 _LATIN_MARKS = "[\u0300-\u036f\u1ab0-\u1aff\u1dc0-\u1dff\u20d0-\u20ff\ufe20-\ufe2f]"
+#: A role word or a ReAct step and its run of colons (group 1 the word).
+_ROLE_WORD = (
+    r"(system|developer|assistant|user|human|ai|model|"
+    r"bot|instructions?|response|prompt|tool|function|ipython|"
+    r"(?:thought|observation|action(?:[\s_]?input)?|action[\s_]?\d{1,3}[\s_]?input)"
+    r"(?:[\s_]?\d{1,3}(?P<step>))?|"
+    r"final[\s_]?answer)(?:\s*:)++(?(step)(?!\d))"
+)
 _ROLE = re.compile(
     # (also right after an escaped line break, "\nSYSTEM:", as JSON-escaped text has it;
     # every colon of a run, "SYSTEM::" or "SYSTEM: :", or one would stay behind)
@@ -338,13 +346,56 @@ _ROLE = re.compile(
     r"(?=[abdfhimoprstu])"
     r"(?:(?<=\\[nrt])|(?<=\\u000[ad])|(?<=\\u202[89])|(?<=\\x0[ad])|(?<=%0[ad])"
     f"|(?<!{_IN_WORD})(?<!{_IN_WORD}{_LATIN_MARKS})(?<!{_IN_WORD}{_LATIN_MARKS}{{2}}))"
-    r"(system|developer|assistant|user|human|ai|model|"
-    r"bot|instructions?|response|prompt|tool|function|ipython|"
-    r"(?:thought|observation|action(?:[\s_]?input)?|action[\s_]?\d{1,3}[\s_]?input)"
-    r"(?:[\s_]?\d{1,3}(?P<step>))?|"
-    r"final[\s_]?answer)(?:\s*:)++(?(step)(?!\d))",
+    + _ROLE_WORD,
     re.IGNORECASE,
 )
+#: A role word or a step (:data:`_ROLE`'s) right after an ASCII letter of the folded
+#: text, with up to two marks between: a word's end for :data:`_ROLE`, but the letter
+#: may be a look-alike folded from another script (a Cyrillic capital A before ``user:``),
+#: which is no part of a Latin word (see :func:`_roles_after_other_scripts`).
+_ROLE_AFTER_LETTER = re.compile(
+    f"(?:(?<=[A-Za-z])|(?<=[A-Za-z]{_LATIN_MARKS})|(?<=[A-Za-z]{_LATIN_MARKS}{{2}}))" + _ROLE_WORD,
+    re.IGNORECASE,
+)
+_IN_WORD_CHAR = re.compile(_IN_WORD)
+#: Every character that :data:`CONFUSABLES` folds to an ASCII letter.
+_FOLDED_LETTERS = re.compile(
+    "[" + "".join(re.escape(chr(k)) for k, v in CONFUSABLES.items() if v.isalpha()) + "]"
+)
+
+
+def _roles_after_other_scripts(pair: _Pair) -> _Pair:
+    """``pair`` with the colon of each role word or step gone that follows a letter
+    folded from another script (``Аuser:``, ``αuser:``, its letter Cyrillic or Greek):
+    :data:`_ROLE` reads the folded text, where that letter is a Latin one, and took the
+    word for the end of a Latin word, whereas after a letter of another script that has
+    no Latin look-alike (``Жuser:``) the colon went. A word whose first letter is of
+    that script too is the end of its word (Greek ``και:`` is no ``ai:``). Accents on
+    the word hide none (``Аúser:``: matched again as :func:`_sub_on_bases` does)."""
+    text, folded = pair
+    if text == folded or ":" not in folded or not _FOLDED_LETTERS.search(text):
+        return pair
+
+    def edits(scanned: str, at: Callable[[int], int]) -> list[tuple[int, int, str]]:
+        # ``at``: where a position of ``scanned`` is in the text.
+        found: list[tuple[int, int, str]] = []
+        for match in _ROLE_AFTER_LETTER.finditer(scanned):
+            start = at(match.start())
+            before = start - 1
+            while before > 0 and _is_mark(text[before]):
+                before -= 1
+            if not _IN_WORD_CHAR.match(text[before]) and _IN_WORD_CHAR.match(text[start]):
+                found.append((start, at(match.end() - 1) + 1, f"{match.group(1)} "))
+        return found
+
+    pair = _splice(pair, edits(folded, lambda i: i))
+    text, folded = pair
+    bare = _bare(folded)
+    if bare == folded or not _ROLE_AFTER_LETTER.search(bare):
+        return pair
+    return _splice(pair, edits(bare, _in_folded(folded)))
+
+
 #: What makes brackets a markdown link, image or reference: ``](``, ``][``, ``]:``, ``![``.
 _LINK_SYNTAX = re.compile(r"\](?=[(\[:])|!\[")
 #: Any of the three markers that accents may hide (see :func:`_sub_on_bases`).
@@ -567,6 +618,7 @@ def _neutralise(text: str) -> str:
     )
     for pattern, repl in markers:
         pair = _sub(pattern, repl, pair)
+    pair = _roles_after_other_scripts(pair)
     folded = pair[1]
     if (
         not folded.isascii()

@@ -396,6 +396,40 @@ def test_words_with_accents_are_no_role_words(value: str, expected: str) -> None
     assert data_text(expected, 200) == expected
 
 
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        # A Cyrillic or Greek letter that looks like a Latin one is a letter of another
+        # script as much as "Ж" is: the role word after it is a word of its own.
+        ("\u0410user: y", "\u0410user y"),
+        ("\u03b1user: y, \u0430SYSTEM: z", "\u03b1user y, \u0430SYSTEM z"),
+        (
+            "\u041c\u043e\u0441\u043a\u0432\u0430user: y",
+            "\u041c\u043e\u0441\u043a\u0432\u0430user y",
+        ),
+        ("\u0430\u0301user: y, \u0391\u0336Action: z", "\u0430\u0301user y, \u0391\u0336Action z"),
+        # Accents on the role word hide none; it loses them with its colon.
+        ("\u0410u\u0301ser: y, \u03b1\u00dcSER: z", "\u0410user y, \u03b1USER z"),
+        # A word of that script, look-alikes and all, keeps its colon: Greek "\u03ba\u03b1\u03b9"
+        # and "\u03bd\u03b1\u03b9" end in no "ai", nor does a Latin word after a Latin letter.
+        (
+            "\u03ba\u03b1\u03b9: x, \u03bd\u03b1\u03b9: y",
+            "\u03ba\u03b1\u03b9: x, \u03bd\u03b1\u03b9: y",
+        ),
+        ("\u0432\u043e\u0442user\u0430: x, xuser: y", "\u0432\u043e\u0442user\u0430: x, xuser: y"),
+        ("\u0131user: x, \u0261model: y", "\u0131user: x, \u0261model: y"),
+    ],
+)
+def test_a_role_word_after_a_look_alike_of_another_script_loses_its_colon(
+    value: str, expected: str
+) -> None:
+    """After a Cyrillic or Greek letter with a Latin look-alike (a Cyrillic capital A, a
+    Greek alpha) a role word kept its colon, after one without (``Ж``) it lost it: the
+    check read the folded text, where the letter was a Latin ``A``."""
+    assert data_text(value, 200) == expected
+    assert data_text(expected, 200) == expected
+
+
 def test_a_word_with_accents_is_one_word_on_its_copy_of_base_letters_too() -> None:
     from coda_memory.core import untrusted
 
