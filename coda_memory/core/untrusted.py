@@ -23,7 +23,9 @@ line of plain data that cannot steer the model, in this order:
    and so do look-alikes of ``<`` and ``>`` (:data:`ANGLE_OPENERS`) where they draw a tag
    or a template token (``‹|im_start|›``, ``˂/tool_result˃``; around one word, only the
    angles: ``˂system˃`` is ``system``), not in prose (``‹Das ist gut›``, ``⟨a, b⟩``);
-   ``[INST]``-like markers go, and a space splits ``](``, ``][``, ``]:`` and ``![``, so
+   ``[INST]``-like markers go, also drawn with look-alikes of their brackets
+   (:data:`BRACKET_OPENERS`: ``«SYS»``, ``【INST】``, ``⟦TOOL_CALLS⟧``; not in prose,
+   ``【Notice】``, ``«Bonjour»``), and a space splits ``](``, ``][``, ``]:`` and ``![``, so
    no markdown link or image can form; a role word followed by a colon (``SYSTEM:``,
    ``assistant:``, ``### Instruction:``), or a ReAct step's (``Thought:``, ``Action:``,
    ``Action Input:``, ``Observation:``, ``Final Answer:``), loses the colon. URLs, turn
@@ -280,15 +282,42 @@ def _lookalike_tag_pattern() -> re.Pattern[str]:
 _LOOKALIKE_TAG = _lookalike_tag_pattern()
 
 
-_BRACKET_MARKER = re.compile(
-    r"\[\s*/?\s*(?:inst|sys|system|user|assistant|human|ai|bot"
+#: The words of ``[INST]``-like markers, between their brackets (their first letter
+#: looked at first: one test where a bracket opens no marker).
+_MARKER_WORDS = (
+    r"\s*/?\s*(?=[abchimnprstu])(?:inst|sys|system|user|assistant|human|ai|bot"
     # Mistral's control tokens beside [INST]: the system prompt, tools, tool calls with
     # their arguments and ids, tool results, and the reasoning block
     r"|system[\s_]*prompt|tool[\s_]*calls?|available[\s_]*tools|tool[\s_]*results?"
     r"|tool[\s_]*content|args|call[\s_]*id|think"
     # and its others: images, fill-in-the-middle, audio, and the numbered fillers
     r"|img(?:[\s_]*(?:break|end))?|prefix|suffix|middle|audio|begin[\s_]*audio"
-    r"|transcribe|(?:next|repeat)[\s_]*audio[\s_]*text|control[\s_]*\d{1,4})\s*\]",
+    r"|transcribe|(?:next|repeat)[\s_]*audio[\s_]*text|control[\s_]*\d{1,4})\s*"
+)
+_BRACKET_MARKER = re.compile(rf"\[{_MARKER_WORDS}\]", re.IGNORECASE)
+
+#: Look-alikes of ``[`` and ``]`` (and of ``<<`` and ``>>``) that NFKC leaves alone:
+#: guillemets, the CJK lenticular, tortoise shell, white lenticular, white tortoise shell
+#: and white square brackets, the mathematical white square and white tortoise shell
+#: brackets, the square brackets with quill or with ticks, the light tortoise shell
+#: ornaments and the black tortoise shell brackets (NFKC makes the vertical forms, such
+#: as U+FE3B, the CJK ones, and the fullwidth ones ``[`` and ``]``). A guillemet may
+#: open or close (German quotes turn them round: ``»SYS«``).
+BRACKET_OPENERS = (
+    "\u00ab\u00bb\u3010\u3014\u3016\u3018\u301a\u27e6\u27ec\u2045\u298b\u298d\u298f\u2772\u2997"
+)
+BRACKET_CLOSERS = (
+    "\u00bb\u00ab\u3011\u3015\u3017\u3019\u301b\u27e7\u27ed\u2046\u298c\u298e\u2990\u2773\u2998"
+)
+_BRACKET_LOOKALIKE = re.compile(f"[{BRACKET_OPENERS}{BRACKET_CLOSERS}]")
+#: An ``[INST]``-like marker drawn with look-alikes of its brackets (one end may be
+#: ASCII; a pair of ASCII ends is :data:`_BRACKET_MARKER`'s): ``«SYS»``, ``【INST】``,
+#: ``⟦TOOL_CALLS⟧``, doubled too (``««SYS»»``: a run of one bracket at each end). Only
+#: around the markers' words: in prose the same brackets are quotation marks, headings
+#: and maths (``«Bonjour»``, ``【Notice】``, ``⟦x⟧``), left alone.
+_LOOKALIKE_BRACKET_MARKER = re.compile(
+    rf"(?P<opener>[\[{BRACKET_OPENERS}])(?P=opener){{0,2}}(?:{_MARKER_WORDS})"
+    rf"(?P<closer>[\]{BRACKET_CLOSERS}])(?P=closer){{0,2}}",
     re.IGNORECASE,
 )
 
@@ -349,6 +378,16 @@ _ROLE = re.compile(
     + _ROLE_WORD,
     re.IGNORECASE,
 )
+#: What a marker of :data:`_LOOKALIKE_BRACKET_MARKER` that accents hide holds: one of
+#: its opening brackets, then within its word a character past ASCII that is neither a
+#: CJK one nor a guillemet (an accented letter or a mark: ``«ÍNST»``, ``【S\u0336YS】``).
+#: (Japanese headings in ``【】`` are not read again on base letters for it.)
+_MAYBE_HIDDEN_BRACKET_MARKER = re.compile(
+    rf"[{BRACKET_OPENERS}][\s/]{{0,3}}[A-Za-z_\s]{{0,24}}"
+    r"[\u0080-\u00aa\u00ac-\u00ba\u00bc-\u1fff\u20d0-\u20ff\ufe20-\ufe2f]"
+)
+
+
 #: A role word or a step (:data:`_ROLE`'s) right after an ASCII letter of the folded
 #: text, with up to two marks between: a word's end for :data:`_ROLE`, but the letter
 #: may be a look-alike folded from another script (a Cyrillic capital A before ``user:``),
@@ -400,7 +439,11 @@ def _roles_after_other_scripts(pair: _Pair) -> _Pair:
 _LINK_SYNTAX = re.compile(r"\](?=[(\[:])|!\[")
 #: Any of the three markers that accents may hide (see :func:`_sub_on_bases`).
 _ANY_MARKER = re.compile(
-    "|".join(f"(?:{p.pattern})" for p in (_BRACKET_MARKER, _LINK_SYNTAX, _ROLE)), re.IGNORECASE
+    "|".join(
+        f"(?:{p.pattern})"
+        for p in (_BRACKET_MARKER, _LOOKALIKE_BRACKET_MARKER, _LINK_SYNTAX, _ROLE)
+    ),
+    re.IGNORECASE,
 )
 _HASHES_OR_ENTITY = re.compile(r"##+|&#?[a-z0-9]{1,10};", re.IGNORECASE)
 #: Printable ASCII that may hold any of the structures above (``.tld/`` for the
@@ -613,6 +656,8 @@ def _neutralise(text: str) -> str:
     pair = _sub(_TAG, lambda _: " ", pair)
     markers = (
         (_BRACKET_MARKER, lambda _: " "),
+        # (after it, which takes a pair of ASCII brackets)
+        (_LOOKALIKE_BRACKET_MARKER, lambda _: " "),
         (_LINK_SYNTAX, lambda match: f"{match.group()[0]} {match.group()[1:]}"),
         (_ROLE, lambda match: f"{match.group(1)} "),
     )
@@ -622,7 +667,13 @@ def _neutralise(text: str) -> str:
     folded = pair[1]
     if (
         not folded.isascii()
-        and ("[" in folded or "]" in folded or ":" in folded)  # every marker holds one
+        # every marker holds one of these
+        and (
+            "[" in folded
+            or "]" in folded
+            or ":" in folded
+            or _MAYBE_HIDDEN_BRACKET_MARKER.search(folded) is not None
+        )
         and _ANY_MARKER.search(_bare(folded))
     ):
         # Rare: a marker that accents hid (one search tells; the passes find which).
