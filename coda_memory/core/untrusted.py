@@ -27,8 +27,8 @@ line of plain data that cannot steer the model, in this order:
    (:data:`BRACKET_OPENERS`: ``«SYS»``, ``【INST】``, ``⟦TOOL_CALLS⟧``; not in prose,
    ``【Notice】``, ``«Bonjour»``), and a space splits ``](``, ``][``, ``]:`` and ``![``, so
    no markdown link or image can form; a role word followed by a colon (``SYSTEM:``,
-   ``assistant:``, ``### Instruction:``), or a ReAct step's (``Thought:``, ``Action:``,
-   ``Action Input:``, ``Observation:``, ``Final Answer:``), loses the colon. URLs, turn
+   ``assistant:``, ``### Instruction:``), or a ReAct step's (``Question:``, ``Thought:``,
+   ``Action:``, ``Action Input:``, ``Observation:``, ``Final Answer:``), loses the colon. URLs, turn
    markers, link syntax and role words that accents hide (a combining mark inside the
    word, ``S̶ystem:``, ``system̶.system/``, ``w̶ww.x``, or a precomposed letter,
    ``Sýstem:``, ``[ÍNST]``, ``ẃww.x``) are caught too: they are matched again on a copy
@@ -356,7 +356,7 @@ _LATIN_MARKS = "[\u0300-\u036f\u1ab0-\u1aff\u1dc0-\u1dff\u20d0-\u20ff\ufe20-\ufe
 _ROLE_WORD = (
     r"(system|developer|assistant|user|human|ai|model|"
     r"bot|instructions?|response|prompt|tool|function|ipython|"
-    r"(?:thought|observation|action(?:[\s_]?input)?|action[\s_]?\d{1,3}[\s_]?input)"
+    r"(?:question|thought|observation|action(?:[\s_]?input)?|action[\s_]?\d{1,3}[\s_]?input)"
     r"(?:[\s_]?\d{1,3}(?P<step>))?|"
     r"final[\s_]?answer)(?:\s*:)++(?(step)(?!\d))"
 )
@@ -368,11 +368,12 @@ _ROLE = re.compile(
     # starts, instead of eight lookbehinds and twenty words)
     # (and the steps of a ReAct loop, which its parsers look for anywhere in a text,
     # numbered or not: "Thought:", "Action 2:", "Action Input:", "Observation:",
-    # "Final Answer:"; a numbered one not before a digit, "Action 2:search" but not
-    # "Action 3:16" or "Observation 1:30 pm", a verse, a time or a ratio: group "step"
-    # is set when a number ends the word, and the run of colons, taken whole, must not
-    # be followed by a digit then)
-    r"(?=[abdfhimoprstu])"
+    # "Final Answer:", and "Question:", which opens each task of LangChain's ReAct
+    # prompt, so that a model reads what follows as a new task; a numbered one not
+    # before a digit, "Action 2:search" but not "Action 3:16" or "Observation 1:30 pm",
+    # a verse, a time or a ratio: group "step" is set when a number ends the word, and
+    # the run of colons, taken whole, must not be followed by a digit then)
+    r"(?=[abdfhimopqrstu])"
     r"(?:(?<=\\[nrt])|(?<=\\u000[ad])|(?<=\\u202[89])|(?<=\\x0[ad])|(?<=%0[ad])"
     f"|(?<!{_IN_WORD})(?<!{_IN_WORD}{_LATIN_MARKS})(?<!{_IN_WORD}{_LATIN_MARKS}{{2}}))"
     + _ROLE_WORD,
@@ -393,6 +394,8 @@ _MAYBE_HIDDEN_BRACKET_MARKER = re.compile(
 #: may be a look-alike folded from another script (a Cyrillic capital A before ``user:``),
 #: which is no part of a Latin word (see :func:`_roles_after_other_scripts`).
 _ROLE_AFTER_LETTER = re.compile(
+    # (the first letter looked at first, as in _ROLE)
+    "(?=[abdfhimopqrstu])"
     f"(?:(?<=[A-Za-z])|(?<=[A-Za-z]{_LATIN_MARKS})|(?<=[A-Za-z]{_LATIN_MARKS}{{2}}))" + _ROLE_WORD,
     re.IGNORECASE,
 )
