@@ -798,21 +798,18 @@ async def _unflushed(url: str) -> bool:
         await conn.close()
 
 
-def test_the_copies_a_run_reports_are_durable_when_it_ends(
-    redis_client: aioredis.Redis, redis_url: str, redis_prefix: str
-) -> None:
-    """The copies commit with synchronous_commit off, and the run ended with the last of
-    them unflushed: it reported them copied (exit 0), and a crash or a failover right
-    after took them back, ledger rows and all, with nothing to say a rerun was needed
-    (the servers start on Postgres next)."""
+@contextlib.contextmanager
+def _durable_run(redis_url: str, redis_prefix: str, identities: int) -> Iterator[str]:
+    """``identities`` identities (``u0``, ``u1``, …) of one observation each under
+    ``redis_prefix``, and the URL of a migrated Postgres server of the test's own whose
+    WAL writer flushes once every 10 s and on which nothing else writes WAL meanwhile (no
+    autovacuum; no standby snapshots, which wal_level minimal does without): what a run
+    leaves unflushed stays so while the test looks."""
     server, _ = split_prefix(redis_url)
     client = redis.Redis.from_url(server)
-    identities = [f"u{n}" for n in range(10)]
-    for identity in identities:
+    for identity in (f"u{n}" for n in range(identities)):
         client.zadd(f"{redis_prefix}obs:{identity}", {observation(identity, "1", 1, "t"): ms(1)})
     client.close()
-    # The WAL writer flushes once every 10 s, and nothing else writes WAL meanwhile (no
-    # autovacuum; no standby snapshots, which wal_level minimal does without).
     with _own_postgres(
         wal_writer_delay="10s",
         wal_writer_flush_after="1GB",
@@ -821,11 +818,22 @@ def test_the_copies_a_run_reports_are_durable_when_it_ends(
         max_wal_senders="0",
     ) as pg:
         assert CliRunner().invoke(app, ["migrate", "--url", pg]).exit_code == 0
+        yield pg
+
+
+def test_the_copies_a_run_reports_are_durable_when_it_ends(
+    redis_client: aioredis.Redis, redis_url: str, redis_prefix: str
+) -> None:
+    """The copies commit with synchronous_commit off, and the run ended with the last of
+    them unflushed: it reported them copied (exit 0), and a crash or a failover right
+    after took them back, ledger rows and all, with nothing to say a rerun was needed
+    (the servers start on Postgres next)."""
+    with _durable_run(redis_url, redis_prefix, 10) as pg:
         result = CliRunner().invoke(app, ["import-redis", redis_url, "--url", pg, "-f", "json"])
         assert result.exit_code == 0, result.output
-        assert json.loads(result.stdout)["copied"] == len(identities)
+        assert json.loads(result.stdout)["copied"] == 10
         assert not asyncio.run(_unflushed(pg))
-        assert asyncio.run(row_counts(pg))["redis_imports"] == len(identities)
+        assert asyncio.run(row_counts(pg))["redis_imports"] == 10
 
 
 def test_the_copies_are_durable_when_the_ledger_row_it_rewrites_is_gone(
@@ -838,12 +846,6 @@ def test_the_copies_are_durable_when_the_ledger_row_it_rewrites_is_gone(
     one identity it copied: one that a forget erased meanwhile matched no row, the
     transaction wrote nothing and its commit waited for nothing, and the run ended with
     its copies unflushed all the same."""
-    server, _ = split_prefix(redis_url)
-    client = redis.Redis.from_url(server)
-    identities = [f"u{n}" for n in range(4)]
-    for identity in identities:
-        client.zadd(f"{redis_prefix}obs:{identity}", {observation(identity, "1", 1, "t"): ms(1)})
-    client.close()
     settle = imports.settle_copies
 
     async def erased_first(target: PostgresStore, source: str, identity_id: str) -> None:
@@ -858,15 +860,8 @@ def test_the_copies_are_durable_when_the_ledger_row_it_rewrites_is_gone(
         await settle(target, source, identity_id)
 
     monkeypatch.setattr(redis_to_postgres, "settle_copies", erased_first)
-    with _own_postgres(
-        wal_writer_delay="10s",
-        wal_writer_flush_after="1GB",
-        autovacuum="off",
-        wal_level="minimal",
-        max_wal_senders="0",
-    ) as pg:
-        assert CliRunner().invoke(app, ["migrate", "--url", pg]).exit_code == 0
+    with _durable_run(redis_url, redis_prefix, 4) as pg:
         result = CliRunner().invoke(app, ["import-redis", redis_url, "--url", pg, "-f", "json"])
         assert result.exit_code == 0, result.output
         assert not asyncio.run(_unflushed(pg))
-        assert asyncio.run(row_counts(pg))["redis_imports"] == len(identities) - 1
+        assert asyncio.run(row_counts(pg))["redis_imports"] == 3
