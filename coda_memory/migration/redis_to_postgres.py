@@ -126,8 +126,9 @@ async def import_redis(
     summary.prefix = source.keys.prefix
     summary.identities = len(identities)
     copied_before = {} if target is None else await copied_identities(target, source.keys.prefix)
-    #: An identity whose ledger row this run wrote or found (see settle_copies).
-    listed: str | None = None
+    #: Whether the ledger lists an identity as this run wrote or found it (see
+    #: settle_copies).
+    listed = False
     for done, identity in enumerate(identities, start=1):
         if identity in copied_before:
             summary.skipped += 1
@@ -139,7 +140,7 @@ async def import_redis(
         if problem is None:
             try:
                 if await _copy_one(source, target, identity, summary, now):
-                    listed = identity
+                    listed = True
             except CopiedFromAnotherSource as exc:
                 problem = (
                     f"not copied: copied from the prefix {exc.source!r} already (two "
@@ -160,9 +161,9 @@ async def import_redis(
             summary.failed.append(_label(identity))
         if on_identity is not None:
             on_identity(identity, done, len(identities))
-    if target is not None and listed is not None:
+    if target is not None and listed:
         # The copies commit unflushed: the run reports them once they are durable.
-        await settle_copies(target, source.keys.prefix, listed)
+        await settle_copies(target)
     return summary
 
 

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
 
-from sqlalchemy import select, update
+from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncConnection
 from sqlalchemy.sql.expression import Executable
 
@@ -34,7 +34,6 @@ from coda_memory.postgres.rollup import (
     entity_rollup,
     tool_rollup,
 )
-from coda_memory.postgres.schema import redis_imports
 from coda_memory.postgres.sql import query
 from coda_memory.postgres.store import PostgresStore
 from coda_memory.postgres.unit import Statements, lock_identity
@@ -169,32 +168,28 @@ async def copy_identity(
     return await store.run(work)
 
 
-async def settle_copies(store: PostgresStore, source: str, identity_id: str) -> None:
+#: The prefix of the WAL message that :func:`settle_copies` writes (a logical decoding
+#: consumer of the database sees it, and may ignore it).
+SETTLE_MESSAGE_PREFIX = "coda_memory.import"
+
+
+async def settle_copies(store: PostgresStore) -> None:
     """Make the copies committed so far durable, as the server's ``synchronous_commit``
     makes any write: they commit with it off (a crash may lose the last of them, which a
     rerun redoes), and a run that ended with them still unflushed reported identities as
     copied that a crash or a failover right after took back, with nothing to say a rerun
     was needed. A commit that waits for its WAL to reach disk takes every earlier one's
-    with it; this one rewrites the ledger row of ``identity_id``, an identity the run
-    copied or found copied, or else another row of the source (a forget may have erased
-    that one meanwhile: a commit that writes nothing waits for nothing)."""
-    ledger = redis_imports
-    row = (
-        select(ledger.c.identity_id)
-        .where(ledger.c.source == source)
-        .order_by((ledger.c.identity_id == identity_id).desc())
-        .limit(1)
-        .scalar_subquery()
-    )
-    statement = (
-        update(ledger)
-        .where(ledger.c.source == source, ledger.c.identity_id == row)
-        .values(imported_at=ledger.c.imported_at)
-    )
+    with it, but only a transaction that wrote WAL waits: this one writes a transactional
+    WAL message, which needs no row of any table. (It rewrote a ledger row of the source,
+    and wrote nothing when a forget had erased every one of them, or held and erased the
+    one it chose.)"""
 
     async def write(conn: AsyncConnection) -> None:
         async with conn.begin():
-            await conn.execute(statement)
+            await conn.execute(
+                text("SELECT pg_logical_emit_message(true, :prefix, '')"),
+                {"prefix": SETTLE_MESSAGE_PREFIX},
+            )
 
     await store.run(write)
 

@@ -848,16 +848,15 @@ def test_the_copies_are_durable_when_the_ledger_row_it_rewrites_is_gone(
     its copies unflushed all the same."""
     settle = imports.settle_copies
 
-    async def erased_first(target: PostgresStore, source: str, identity_id: str) -> None:
+    async def erased_first(target: PostgresStore) -> None:
         async with target.engine.connect() as conn:
             raw = await driver_connection(conn)
             async with raw.transaction():  # (not flushed either)
                 await raw.execute("SET LOCAL synchronous_commit = off")
                 await raw.execute(
-                    f'DELETE FROM "{target.schema}".redis_imports WHERE identity_id = $1',
-                    identity_id,
+                    f'DELETE FROM "{target.schema}".redis_imports WHERE identity_id = $1', "u3"
                 )
-        await settle(target, source, identity_id)
+        await settle(target)
 
     monkeypatch.setattr(redis_to_postgres, "settle_copies", erased_first)
     with _durable_run(redis_url, redis_prefix, 4) as pg:
@@ -865,3 +864,31 @@ def test_the_copies_are_durable_when_the_ledger_row_it_rewrites_is_gone(
         assert result.exit_code == 0, result.output
         assert not asyncio.run(_unflushed(pg))
         assert asyncio.run(row_counts(pg))["redis_imports"] == 3
+
+
+def test_the_copies_are_durable_when_no_ledger_row_of_the_source_is_left(
+    redis_client: aioredis.Redis,
+    redis_url: str,
+    redis_prefix: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A forget of every identity the run copied (here its one) erased the ledger rows
+    the run's last write could rewrite: it wrote nothing, its commit waited for nothing,
+    and the run ended with the copies and the erasure unflushed."""
+    settle = imports.settle_copies
+
+    async def erased(target: PostgresStore) -> None:
+        async with target.engine.connect() as conn:
+            raw = await driver_connection(conn)
+            async with raw.transaction():  # (not flushed either)
+                await raw.execute("SET LOCAL synchronous_commit = off")
+                await raw.execute(f'DELETE FROM "{target.schema}".redis_imports')
+        await settle(target)
+
+    monkeypatch.setattr(redis_to_postgres, "settle_copies", erased)
+    with _durable_run(redis_url, redis_prefix, 1) as pg:
+        result = CliRunner().invoke(app, ["import-redis", redis_url, "--url", pg, "-f", "json"])
+        assert result.exit_code == 0, result.output
+        assert json.loads(result.stdout)["copied"] == 1
+        assert not asyncio.run(_unflushed(pg))
+        assert asyncio.run(row_counts(pg))["redis_imports"] == 0
