@@ -3,8 +3,9 @@
 Identities are copied one at a time, in sorted order, each in one Postgres transaction
 that ends with its ledger row (see :mod:`coda_memory.postgres.imports`): a second run
 copies nothing, and a run killed half-way resumes at the identity it was copying. Each
-identity is read whole from Redis first, as at one instant, in pages
-(:mod:`coda_memory.redis.export`); observations are validated as new emits are, and every
+identity is read from Redis as at one instant, in pages (:mod:`coda_memory.redis.export`),
+within its copy's transaction: each page of observations is written as it is read, so a
+run holds a page of them, not the identity; observations are validated as new emits are, and every
 record that cannot be used is counted and reported by key, never stopping the copy.
 An identity whose records fail in a way the checks did not foresee (a key of another
 type, a value Postgres refuses, an identity that is not UTF-8 text) is left out whole and
@@ -45,6 +46,7 @@ from coda_memory.postgres.connection import (
 )
 from coda_memory.postgres.imports import (
     CopiedFromAnotherSource,
+    CopyWriter,
     IdentityCopy,
     copied_identities,
     copy_identity,
@@ -52,7 +54,7 @@ from coda_memory.postgres.imports import (
 )
 from coda_memory.postgres.store import PostgresStore
 from coda_memory.redis.codec import BadRecord, sanitized
-from coda_memory.redis.export import ExportedIdentity, export_identity
+from coda_memory.redis.export import ObservationPage, stream_identity
 from coda_memory.redis.store import RedisStore
 
 
@@ -98,15 +100,47 @@ IMPORT_SOCKET_TIMEOUT = 300.0
 
 
 def _clean(
-    exported: ExportedIdentity, observations: list[Observation], key: str
+    page: ObservationPage, observations: list[Observation], key: str
 ) -> list[ObservationRecord]:
     clean: list[ObservationRecord] = []
     for observation in observations:
         try:
             clean.append(sanitized(observation))
         except BadRecord as exc:
-            exported.bad.append((exported.labels.get(observation.id, key), str(exc)))
+            page.bad.append((page.labels.get(observation.id, key), str(exc)))
     return clean
+
+
+class _Pages:
+    """The sink of one identity's observation pages: each is validated, its dates ahead
+    held to the run's now, and written to ``writer`` (none: a dry run counts them)."""
+
+    def __init__(self, writer: CopyWriter | None, obs_key: str, at: datetime) -> None:
+        self.writer = writer
+        self.obs_key = obs_key
+        self.records = partial(_not_ahead, now=at, times=_RECORD_TIMES, replace=dataclasses.replace)
+        self.restart_counts()
+
+    def restart_counts(self) -> None:
+        self.bad: list[tuple[str, str]] = []
+        self.ahead = 0
+        self.observations = 0
+        self.consumed = 0
+
+    async def page(self, page: ObservationPage) -> None:
+        consumed, consumed_ahead = self.records(_clean(page, page.consumed, self.obs_key))
+        pending, pending_ahead = self.records(_clean(page, page.pending, self.obs_key))
+        self.bad += page.bad
+        self.ahead += consumed_ahead + pending_ahead
+        self.observations += len(consumed) + len(pending)
+        self.consumed += len(consumed)
+        if self.writer is not None:
+            await self.writer.write(consumed, pending)
+
+    async def restart(self) -> None:
+        self.restart_counts()
+        if self.writer is not None:
+            await self.writer.restart()
 
 
 async def import_redis(
@@ -220,6 +254,19 @@ def _not_ahead(
     return dated, ahead
 
 
+class _RedisFailed(Exception):
+    """A failure of Redis while an identity is read within its copy's Postgres
+    transaction, carried out of it with no cause: a Redis timeout is an OSError (as
+    TimeoutError is), and so is what a lost Redis connection was raised from, which the
+    Postgres store takes for its own connection dead (it replaced its pool and read the
+    identity again)."""
+
+    def __init__(self, error: Exception, cause: Exception) -> None:
+        super().__init__(str(error))
+        self.error = error
+        self.cause = cause
+
+
 async def _copy_one(
     source: RedisStore,
     target: PostgresStore | None,
@@ -230,56 +277,72 @@ async def _copy_one(
     """Read ``identity`` from ``source``, and copy it into ``target`` (None: count it);
     whether ``target``'s ledger now lists it (copied here, or found copied: by another
     run, or by this one's commit whose connection was lost before it answered)."""
-    try:
-        exported = await export_identity(source, identity)
-    except RedisTimeoutError as exc:
-        raise TimeoutError(
-            f"Redis did not answer within its socket timeout while the identity "
-            f"{_label(identity)} was read (a large one: give it longer with "
-            "?socket_timeout=SECONDS in the Redis URL); the next run resumes there"
-        ) from exc
-    except RedisConnectionError as exc:
-        raise ConnectionLost(
-            f"the connection to Redis was lost while the identity {_label(identity)} was "
-            f"read ({exc}); the next run resumes there"
-        ) from exc
-    obs_key = source.keys.of("obs", identity)
     at = now()
-    records = partial(_not_ahead, now=at, times=_RECORD_TIMES, replace=dataclasses.replace)
-    consumed, consumed_ahead = records(_clean(exported, exported.consumed, obs_key))
-    pending, pending_ahead = records(_clean(exported, exported.pending, obs_key))
-    facts, facts_ahead = _not_ahead(exported.facts, at, _FACT_TIMES, replaced)
-    copy = IdentityCopy(
-        identity_id=identity,
-        source=source.keys.prefix,
-        consumed=consumed,
-        pending=pending,
-        facts=facts,
-        events=exported.events,
-        checkpoint_at=exported.checkpoint_at,
-        bad_records=len(exported.bad),
-    )
-    ahead = consumed_ahead + pending_ahead + facts_ahead
+    pages: _Pages | None = None
+    facts_ahead = 0
+    bad: list[tuple[str, str]] = []
+
+    async def read(writer: CopyWriter | None) -> IdentityCopy:
+        nonlocal pages, facts_ahead, bad
+        pages = _Pages(writer, source.keys.of("obs", identity), at)
+        try:
+            exported = await stream_identity(source, identity, pages)
+        except RedisTimeoutError as exc:
+            raise _RedisFailed(
+                TimeoutError(
+                    f"Redis did not answer within its socket timeout while the identity "
+                    f"{_label(identity)} was read (a large one: give it longer with "
+                    "?socket_timeout=SECONDS in the Redis URL); the next run resumes there"
+                ),
+                exc,
+            ) from None
+        except RedisConnectionError as exc:
+            raise _RedisFailed(
+                ConnectionLost(
+                    f"the connection to Redis was lost while the identity "
+                    f"{_label(identity)} was read ({exc}); the next run resumes there"
+                ),
+                exc,
+            ) from None
+        facts, facts_ahead = _not_ahead(exported.facts, at, _FACT_TIMES, replaced)
+        bad = [*pages.bad, *exported.bad]
+        return IdentityCopy(
+            identity_id=identity,
+            source=source.keys.prefix,
+            facts=facts,
+            events=exported.events,
+            checkpoint_at=exported.checkpoint_at,
+            bad_records=len(bad),
+        )
+
+    try:
+        if target is None:
+            copy = await read(None)
+        else:
+            counts = await copy_identity(target, identity, source.keys.prefix, read, at)
+    except _RedisFailed as failed:
+        raise failed.error from failed.cause
     if target is None:
-        summary.bad += exported.bad
+        assert pages is not None
+        summary.bad += bad
         summary.copied += 1
-        summary.observations += len(copy.consumed) + len(copy.pending)
-        summary.consumed_observations += len(copy.consumed)
+        summary.observations += pages.observations
+        summary.consumed_observations += pages.consumed
         summary.facts += len(copy.facts)
         summary.fact_events += len(copy.events)
         summary.checkpoints += copy.checkpoint_at is not None
-        summary.future_clamped += ahead
+        summary.future_clamped += pages.ahead + facts_ahead
         return False
-    counts = await copy_identity(target, copy, at)
-    summary.bad += exported.bad
     if counts is None:
         summary.skipped += 1
         return True
+    assert pages is not None
+    summary.bad += bad
     summary.copied += 1
     summary.observations += counts.observations
     summary.consumed_observations += counts.consumed_observations
     summary.facts += counts.facts
     summary.fact_events += counts.fact_events
     summary.checkpoints += counts.checkpoints
-    summary.future_clamped += ahead
+    summary.future_clamped += pages.ahead + facts_ahead
     return True

@@ -1,7 +1,9 @@
 """Copying one identity into Postgres from another store (``coda-memory import-redis``).
 
-The caller reads and validates the identity's records; this module writes them in one
-transaction that holds the identity's checkpoint lock (so no consolidation runs
+The caller reads and validates the identity's records inside the copy's transaction,
+giving its observations to a :class:`CopyWriter` a page at a time, which writes each as
+it comes (a read started again takes back what it wrote, to a savepoint); this module
+writes them in one transaction that holds the identity's checkpoint lock (so no consolidation runs
 meanwhile) and ends with a ledger row in ``redis_imports``: a rerun skips what a finished
 transaction copied, and a killed one left nothing behind, so the copy resumes where it
 stopped. Observations keep whether the source had consumed them: consumed ones are
@@ -14,9 +16,11 @@ from __future__ import annotations
 
 import functools
 import json
-from collections.abc import Sequence
+from array import array
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
+from typing import Any
 
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncConnection
@@ -41,15 +45,12 @@ from coda_memory.postgres.unit import Statements, lock_identity
 
 @dataclass(frozen=True, slots=True)
 class IdentityCopy:
-    """One identity's records as the source held them, validated."""
+    """One identity's records as the source held them, validated, but for its
+    observations (which the copy writes a page at a time, see :class:`CopyWriter`)."""
 
     identity_id: str
     #: Where they come from (for Redis: the key prefix); the ledger is kept per source.
     source: str
-    #: Observations the source had already consumed into facts.
-    consumed: Sequence[ObservationRecord]
-    #: Observations no consolidation had consumed yet.
-    pending: Sequence[ObservationRecord]
     facts: Sequence[Fact]
     events: Sequence[FactEvent]
     #: The source's checkpoint (None: never consolidated there).
@@ -101,13 +102,69 @@ def _observation_arguments(records: Sequence[ObservationRecord]) -> dict[str, ob
     }
 
 
+#: The ids of consumed observations marked by one statement.
+_MARK_PAGE = 10_000
+
+
+class CopyWriter:
+    """Writes one identity's observations into the copy's transaction as they are read,
+    a page at a time: the copy holds no more of them than the page it is given (and the
+    ids of the consumed ones written, 8 bytes each, marked once the rollup has read
+    them). :meth:`restart` voids what was written since the copy began to read."""
+
+    def __init__(self, driver: Any, schema: str, identity_id: str) -> None:
+        self._driver = driver
+        self._insert = query("redis_import_observations", schema)
+        self._identity = identity_id
+        self._begun = False
+        self.consumed_ids = array("q")
+        self.observations = 0
+        self.types: set[ObservationType] = set()
+
+    async def write(
+        self, consumed: Sequence[ObservationRecord], pending: Sequence[ObservationRecord]
+    ) -> None:
+        """One page's observations: those the source had consumed, and the others."""
+        if not self._begun:
+            await self._driver.execute("SAVEPOINT redis_import_read")
+            self._begun = True
+        for records, is_consumed in ((consumed, True), (pending, False)):
+            if not records:
+                continue
+            rows = await self._driver.fetch(
+                self._insert.text,
+                *self._insert.arguments_from(
+                    {"identity_id": self._identity, **_observation_arguments(records)}
+                ),
+            )
+            if is_consumed:
+                self.consumed_ids.extend(row["id"] for row in rows)
+            self.observations += len(records)
+            self.types.update(r.type for r in records)
+
+    async def restart(self) -> None:
+        """Takes back every observation written so far: the source is read again."""
+        if self._begun:
+            await self._driver.execute("ROLLBACK TO SAVEPOINT redis_import_read")
+        self.consumed_ids = array("q")
+        self.observations = 0
+        self.types = set()
+
+
 async def copy_identity(
-    store: PostgresStore, copy: IdentityCopy, now: datetime
+    store: PostgresStore,
+    identity_id: str,
+    source: str,
+    read: Callable[[CopyWriter], Awaitable[IdentityCopy]],
+    now: datetime,
 ) -> CopyCounts | None:
-    """Write ``copy`` in one transaction; None when the ledger says it was copied before."""
+    """Copy one identity in one transaction; None when the ledger says it was copied
+    before from ``source``. ``read(writer)`` reads the identity from the source, inside
+    that transaction: it gives its observations to ``writer`` a page at a time (and
+    restarts it when it reads them again), and returns the rest."""
     schema = store.schema
     statements = Statements.for_schema(schema)
-    identity = copy.identity_id
+    identity = identity_id
 
     async def work(conn: AsyncConnection) -> CopyCounts | None:
         async with conn.begin():
@@ -118,47 +175,39 @@ async def copy_identity(
             # copy on every run, which then read as a lock held by live traffic.
             await conn.exec_driver_sql("SET LOCAL statement_timeout = 0")
             # Nor by an idle_in_transaction_session_timeout: the work between two of the
-            # copy's statements (the arguments of hundreds of thousands of observations)
-            # takes seconds, and a shorter one ended the copy at every attempt.
+            # copy's statements (reading the next page from the source, and its
+            # arguments) takes time, and a shorter one ended the copy at every attempt.
             await conn.exec_driver_sql("SET LOCAL idle_in_transaction_session_timeout = 0")
             await conn.exec_driver_sql("SET LOCAL synchronous_commit = off")
             driver = await driver_connection(conn)
             await lock_identity(driver, statements, identity)
             done = query("redis_import_done", schema)
             ledger = await driver.fetchrow(
-                done.text, *done.arguments(identity_id=identity, source=copy.source)
+                done.text, *done.arguments(identity_id=identity, source=source)
             )
             if ledger["done"]:
                 return None
             if ledger["other"] is not None:
                 raise CopiedFromAnotherSource(ledger["other"])
-            observations = query("redis_import_observations", schema)
-            consumed_ids: list[int] = []
-            for records, consumed in ((copy.consumed, True), (copy.pending, False)):
-                if not records:
-                    continue
-                rows = await driver.fetch(
-                    observations.text,
-                    *observations.arguments_from(
-                        {"identity_id": identity, **_observation_arguments(records)}
+            writer = CopyWriter(driver, schema, identity)
+            copy = await read(writer)
+            if writer.observations:
+                # Reads the rows this transaction wrote, before some of them move to xid 3.
+                await _write_rollup(conn, identity, writer.types)
+            mark = query("redis_import_consumed", schema)
+            ids = writer.consumed_ids
+            for start in range(0, len(ids), _MARK_PAGE):
+                await driver.execute(
+                    mark.text,
+                    *mark.arguments(
+                        identity_id=identity, ids=ids[start : start + _MARK_PAGE].tolist()
                     ),
                 )
-                if consumed:
-                    consumed_ids = [row["id"] for row in rows]
-            stored = [*copy.consumed, *copy.pending]
-            if stored:
-                # Reads the rows this transaction wrote, before some of them move to xid 3.
-                await _write_rollup(conn, identity, {r.type for r in stored})
-            if consumed_ids:
-                mark = query("redis_import_consumed", schema)
-                await driver.execute(
-                    mark.text, *mark.arguments(identity_id=identity, ids=consumed_ids)
-                )
             rest = query("redis_import_rest", schema)
-            row = await driver.fetchrow(rest.text, *rest.arguments_from(_rest(copy, now)))
+            row = await driver.fetchrow(rest.text, *rest.arguments_from(_rest(copy, writer, now)))
             return CopyCounts(
-                observations=len(stored),
-                consumed_observations=len(consumed_ids),
+                observations=writer.observations,
+                consumed_observations=len(ids),
                 facts=row["facts"],
                 fact_events=row["fact_events"],
                 checkpoints=row["checkpoints"],
@@ -221,17 +270,17 @@ async def _write_rollup(
             await conn.execute(statements[kind], {"identities": [identity_id]})
 
 
-def _rest(copy: IdentityCopy, now: datetime) -> dict[str, object]:
+def _rest(copy: IdentityCopy, writer: CopyWriter, now: datetime) -> dict[str, object]:
     facts, events = copy.facts, copy.events
     return {
         "identity_id": copy.identity_id,
         "source": copy.source,
         "imported_at": now,
-        "observation_count": len(copy.consumed) + len(copy.pending),
-        "consumed_count": len(copy.consumed),
+        "observation_count": writer.observations,
+        "consumed_count": len(writer.consumed_ids),
         "checkpoint_at": copy.checkpoint_at,
         "last_expiry": max((e.at for e in events if e.kind is FactEventKind.EXPIRED), default=None),
-        "has_consumed": bool(copy.consumed),
+        "has_consumed": bool(writer.consumed_ids),
         "bad_records": copy.bad_records,
         "facts": rows_document([fact_row(f) for f in facts]),
         "events": rows_document([event_row(e) for e in events]),

@@ -1,19 +1,25 @@
-"""Reading one identity out of the Redis layout whole, for a copy into another store.
+"""Reading one identity out of the Redis layout, for a copy into another store.
 
 Every key of the identity is read as it was at one instant, so that an append or a
 consolidation cannot land between the reads, in pages (:data:`READ_PAGE` records,
 :data:`READ_PAGE_BYTES`): an identity of hundreds of thousands of observations read in
-one reply outlived redis-py's socket timeout (5 s) at every attempt, and the whole of it
-was held twice in memory, as the reply and as its records. One ``MULTI``/``EXEC`` reads
-the checkpoint and the first page of each key; an identity that holds more is read
-again under ``WATCH`` of its keys, page by page, each a reply of its own, and the
-checkpoint once more in a closing ``MULTI``/``EXEC``: when anything wrote one of the keys
-(or the identity's checkpoint changed) meanwhile, ``EXEC`` runs nothing and the read
+one reply outlived redis-py's socket timeout (5 s) at every attempt. Its observations go
+to a sink (:class:`PageSink`) a page at a time as they are read, and are not kept: an
+import held them all, as lists, then as the copy's, 550 MiB for 300,000 of them. One
+``MULTI``/``EXEC`` reads the checkpoint and the first page of each key; an identity that
+holds more is read again under ``WATCH`` of its keys, page by page, each a reply of its
+own (the pending set, facts, history and session records first, held: the facts' rule
+and the events need all of them; then the observations, each page given to the sink),
+and the checkpoint once more in a closing ``MULTI``/``EXEC``: when anything wrote one of
+the keys (or the identity's checkpoint changed) meanwhile, ``EXEC`` runs nothing, the
+sink is told that the pages it had are void (:meth:`PageSink.restart`), and the read
 starts again, :data:`READ_ATTEMPTS` times at most. An identity written during each of
 them (live traffic throughout a migration) is then read whole in one ``MULTI``/``EXEC``,
 a reply per key, which no write can land in, and which the import's socket timeout
 (``IMPORT_SOCKET_TIMEOUT``, 300 s) outlasts: left for a later run instead, it was left
-at every run while the traffic lasted. Each observation is classed as the Redis store itself
+at every run while the traffic lasted. That read holds the identity's replies whole (the
+sink still gets its observations a page at a time).
+Each observation is classed as the Redis store itself
 would: pending when it is in the pending set, or when no checkpoint covers it (the
 original server's new ones); consumed otherwise. A pending observation that the sorted
 set no longer holds (pruned, or the key expired) is pending still, as the store reads
@@ -28,10 +34,10 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any, cast
+from typing import Any, Protocol, cast
 
 from redis.asyncio.client import Pipeline
 from redis.exceptions import ResponseError, WatchError
@@ -120,18 +126,111 @@ def _next_page(count: int, read: list[bytes]) -> int:
 
 @dataclass(slots=True)
 class _Keys:
-    """What one read took of an identity's keys."""
+    """What one read took of an identity's keys (the observations of ``obs:`` aside,
+    which go to the sink a page at a time)."""
 
     checkpoint: bytes | None
-    members: list[tuple[bytes, float]]
     pending: list[bytes]
     facts: dict[bytes, bytes]
     history: list[bytes]
     sessions: list[bytes]
 
 
-async def _read_keys(store: RedisStore, identity_id: str) -> _Keys:
-    """The identity's keys as they were at one instant (see the module's docstring)."""
+class PageSink(Protocol):
+    """Where an identity's observations go as they are read, a page at a time."""
+
+    async def page(self, page: ObservationPage) -> None:
+        """The next page of the read under way."""
+
+    async def restart(self) -> None:
+        """The pages of the read so far are void: the identity is read again."""
+
+
+@dataclass(slots=True)
+class ObservationPage:
+    """One page of an identity's observations, parsed and classed."""
+
+    consumed: list[Observation] = field(default_factory=list)
+    pending: list[Observation] = field(default_factory=list)
+    #: (key, reason) for each record of the page left out.
+    bad: list[tuple[str, str]] = field(default_factory=list)
+    #: Where each observation of the page was read from (by its id).
+    labels: dict[int, str] = field(default_factory=dict)
+
+
+class _Classer:
+    """Classes an identity's observations as the Redis store does, a page at a time
+    (see the module's docstring), and remembers the pending members it met in ``obs:``:
+    the rest of the pending set are pending observations the sorted set no longer holds."""
+
+    def __init__(self, store: RedisStore, identity_id: str, keys: _Keys) -> None:
+        self.identity_id = identity_id
+        self.obs_key = store.keys.of("obs", identity_id)
+        self.pending_key = store.keys.of("pending", identity_id)
+        self.limit = _limit(store, identity_id, keys.checkpoint)
+        self.pending = keys.pending
+        self.in_pending = set(keys.pending)
+        self.met: set[bytes] = set()
+
+    def page(self, members: list[tuple[bytes, float]], start: int) -> ObservationPage:
+        """The page of ``members`` of ``obs:``, the first of them at rank ``start``."""
+        out = ObservationPage()
+        for index, (member, score) in enumerate(members, start=start):
+            if member in self.in_pending:
+                self.met.add(member)
+            self._one(out, member, score, self.obs_key, index)
+        return out
+
+    def lost(self) -> Iterator[ObservationPage]:
+        """The pending observations that ``obs:`` did not hold, in pages."""
+        out = ObservationPage()
+        for index, member in enumerate(self.pending):
+            if member not in self.met:
+                self._one(out, member, None, self.pending_key, index)
+                if len(out.consumed) + len(out.pending) + len(out.bad) >= READ_PAGE:
+                    yield out
+                    out = ObservationPage()
+        if out.consumed or out.pending or out.bad:
+            yield out
+
+    def _one(
+        self, out: ObservationPage, member: bytes, score: float | None, key: str, index: int
+    ) -> None:
+        try:
+            if score is not None and member not in self.in_pending:
+                # Outside the range of dates (±inf, past year 9999): the store reads no
+                # observation there (load.lua).
+                from_ms(score, "its score")
+            observation = observation_from_json(self.identity_id, member)
+        except BadRecord as exc:
+            out.bad.append((_member_label(key, member, index), str(exc)))
+            return
+        out.labels[observation.id] = _member_label(key, member, index)
+        limit = self.limit
+        if member in self.in_pending or limit is None or score is None or score > limit:
+            out.pending.append(observation)
+        else:
+            out.consumed.append(observation)
+
+
+def _limit(store: RedisStore, identity_id: str, checkpoint: bytes | None) -> float | None:
+    """The identity's checkpoint in epoch ms (None: never consolidated)."""
+    if checkpoint is None:
+        return None
+    try:
+        return checkpoint_ms(checkpoint)
+    except BadRecord as exc:
+        # Without it, nothing tells the consumed observations from the new ones: all
+        # would count again.
+        raise BadRecord(
+            f"{store.keys.checkpoint} field {identity_id!r} is not epoch ms ({exc}): which"
+            " observations were consumed is not known"
+        ) from None
+
+
+async def _read_keys(store: RedisStore, identity_id: str, sink: PageSink) -> _Keys:
+    """The identity's keys as they were at one instant (see the module's docstring), its
+    observations given to ``sink`` a page at a time."""
     k = store.keys
     obs, pending = k.of("obs", identity_id), k.of("pending", identity_id)
     facts, history = k.of("facts", identity_id), k.of("history", identity_id)
@@ -159,18 +258,20 @@ async def _read_keys(store: RedisStore, identity_id: str) -> _Keys:
         and int(facts_cursor) == 0
         and int(sessions_cursor) == 0
     ):
-        return _Keys(
-            checkpoint,
-            members,
-            pending_read,
-            facts_read,
-            history_read,
-            list(sessions_read.values()),
+        keys = _Keys(
+            checkpoint, pending_read, facts_read, history_read, list(sessions_read.values())
         )
+        await _give(sink, _Classer(store, identity_id, keys), members)
+        return keys
+    del members, pending_read, facts_read, history_read, sessions_read
     # More than a page: all of it again, under WATCH (the first read's EXEC ended it).
     # The checkpoint map is shared by every identity, and not watched: the identity's
-    # checkpoint is read again in the closing EXEC instead.
-    for _ in range(READ_ATTEMPTS):
+    # checkpoint is read again in the closing EXEC instead. The observations go to the
+    # sink as they are read (into a Postgres transaction, for the import): a read that
+    # the closing EXEC finds overtaken voids them (sink.restart) and starts again.
+    for attempt in range(READ_ATTEMPTS):
+        if attempt:
+            await sink.restart()
         async with store.client.pipeline(transaction=True) as pipe:
             try:
                 with _typed():
@@ -178,12 +279,16 @@ async def _read_keys(store: RedisStore, identity_id: str) -> _Keys:
                     checkpoint = cast(bytes | None, await pipe.hget(k.checkpoint, identity_id))
                     keys = _Keys(
                         checkpoint,
-                        await _zset(pipe, obs),
                         [member for member, _ in await _zset(pipe, pending)],
                         await _hash(pipe, facts),
                         await _list(pipe, history),
                         list((await _hash(pipe, sessions)).values()),
                     )
+                    classer = _Classer(store, identity_id, keys)
+                    async for start, page in _zset_pages(pipe, obs):
+                        await sink.page(classer.page(page, start))
+                    for lost in classer.lost():
+                        await sink.page(lost)
                     pipe.multi()  # type: ignore[no-untyped-call]
                     pipe.hget(k.checkpoint, identity_id)
                     (again,) = await pipe.execute()
@@ -191,14 +296,25 @@ async def _read_keys(store: RedisStore, identity_id: str) -> _Keys:
                 continue
             if again == checkpoint:
                 return keys
-    return await _read_whole(store, identity_id)
+    await sink.restart()
+    return await _read_whole(store, identity_id, sink)
 
 
-async def _read_whole(store: RedisStore, identity_id: str) -> _Keys:
+async def _give(sink: PageSink, classer: _Classer, members: list[tuple[bytes, float]]) -> None:
+    """``members`` of ``obs:`` (all of them) to ``sink`` in pages, then the pending
+    observations they do not hold."""
+    for start in range(0, len(members), READ_PAGE):
+        await sink.page(classer.page(members[start : start + READ_PAGE], start))
+    for lost in classer.lost():
+        await sink.page(lost)
+
+
+async def _read_whole(store: RedisStore, identity_id: str, sink: PageSink) -> _Keys:
     """Every key of the identity in one ``MULTI``/``EXEC``, a reply per key: for an
     identity that something wrote during each of :data:`READ_ATTEMPTS` paged reads, which
     no write can land in. A reply may be large (one of 500,000 observations took 25 to
-    32 s): the import's socket timeout outlasts it."""
+    32 s), and is held whole: the import's socket timeout outlasts it
+    (``IMPORT_SOCKET_TIMEOUT``), and the sink gets it a page at a time."""
     k = store.keys
     async with store.client.pipeline(transaction=True) as pipe:
         pipe.hget(k.checkpoint, identity_id)
@@ -209,20 +325,32 @@ async def _read_whole(store: RedisStore, identity_id: str) -> _Keys:
         pipe.hvals(k.of("sessions", identity_id))
         with _typed():
             checkpoint, members, pending, facts, history, sessions = await pipe.execute()
-    return _Keys(checkpoint, members, pending, facts, history, sessions)
+    keys = _Keys(checkpoint, pending, facts, history, sessions)
+    await _give(sink, _Classer(store, identity_id, keys), members)
+    return keys
+
+
+async def _zset_pages(pipe: Pipeline, key: str) -> AsyncIterator[tuple[int, list[Any]]]:
+    """The members of a sorted set (with their scores) by rank, a page at a time, each
+    with the rank of its first: under WATCH, nothing moves them, or the closing EXEC runs
+    nothing."""
+    start, count = 0, _first_page()
+    while True:
+        page: list[Any] = await pipe.zrange(key, start, start + count - 1, withscores=True)
+        if page:
+            yield start, page
+        start += len(page)
+        if len(page) < count:
+            return
+        count = _next_page(count, [member for member, _ in page])
 
 
 async def _zset(pipe: Pipeline, key: str) -> list[tuple[bytes, float]]:
-    """Every member of a sorted set (with its score), by rank: under WATCH, nothing moves
-    them, or the closing EXEC runs nothing."""
+    """Every member of a sorted set (with its score), by rank."""
     out: list[tuple[bytes, float]] = []
-    count = _first_page()
-    while True:
-        page: list[Any] = await pipe.zrange(key, len(out), len(out) + count - 1, withscores=True)
+    async for _, page in _zset_pages(pipe, key):
         out += page
-        if len(page) < count:
-            return out
-        count = _next_page(count, [member for member, _ in page])
+    return out
 
 
 async def _list(pipe: Pipeline, key: str) -> list[bytes]:
@@ -263,56 +391,45 @@ def _typed() -> Iterator[None]:
         raise BadRecord(f"a key of the wrong type ({exc})") from exc
 
 
+class _Collected:
+    """A sink that keeps every page (for :func:`export_identity`)."""
+
+    def __init__(self, out: ExportedIdentity) -> None:
+        self.out = out
+
+    async def page(self, page: ObservationPage) -> None:
+        self.out.consumed += page.consumed
+        self.out.pending += page.pending
+        self.out.bad += page.bad
+        self.out.labels.update(page.labels)
+
+    async def restart(self) -> None:
+        self.out.consumed, self.out.pending, self.out.bad = [], [], []
+        self.out.labels = {}
+
+
 async def export_identity(store: RedisStore, identity_id: str) -> ExportedIdentity:
     """Everything the Redis layout holds for ``identity_id``, as at one instant."""
+    out = ExportedIdentity(identity_id)
+    rest = await stream_identity(store, identity_id, _Collected(out))
+    out.facts, out.events, out.checkpoint_at = rest.facts, rest.events, rest.checkpoint_at
+    out.bad += rest.bad
+    return out
+
+
+async def stream_identity(store: RedisStore, identity_id: str, sink: PageSink) -> ExportedIdentity:
+    """What the Redis layout holds for ``identity_id``, as at one instant: its
+    observations given to ``sink`` a page at a time (of :data:`READ_PAGE` at most), the
+    rest returned (with no observations; ``bad`` names the other records left out)."""
     k = store.keys
-    obs_key, facts_key = k.of("obs", identity_id), k.of("facts", identity_id)
+    facts_key = k.of("facts", identity_id)
     history_key, sessions_key = k.of("history", identity_id), k.of("sessions", identity_id)
-    snapshot = await _read_keys(store, identity_id)
-    checkpoint, members, pending = snapshot.checkpoint, snapshot.members, snapshot.pending
+    snapshot = await _read_keys(store, identity_id, sink)
     facts, history, sessions = snapshot.facts, snapshot.history, snapshot.sessions
     out = ExportedIdentity(identity_id)
-    limit: float | None = None
-    if checkpoint is not None:
-        try:
-            limit = checkpoint_ms(checkpoint)
-        except BadRecord as exc:
-            # Without it, nothing tells the consumed observations from the new ones: all
-            # would count again.
-            raise BadRecord(
-                f"{k.checkpoint} field {identity_id!r} is not epoch ms ({exc}): which"
-                " observations were consumed is not known"
-            ) from None
+    limit = _limit(store, identity_id, snapshot.checkpoint)
+    if limit is not None:
         out.checkpoint_at = from_ms(limit, "checkpoint")
-    in_pending = set(pending)
-    # With the pending observations that the sorted set no longer holds (the original
-    # server's prune, or the key's TTL, took them): the Redis store still consolidates
-    # them. (Their score is the pending set's, which only says they are pending.)
-    held = {member for member, _ in members}
-    pending_key = k.of("pending", identity_id)
-    lost = [
-        (member, None, pending_key, index)
-        for index, member in enumerate(pending)
-        if member not in held
-    ]
-    for member, score, key, index in [
-        *((m, s, obs_key, i) for i, (m, s) in enumerate(members)),
-        *lost,
-    ]:
-        try:
-            if score is not None and member not in in_pending:
-                # Outside the range of dates (±inf, past year 9999): the store reads no
-                # observation there (load.lua).
-                from_ms(score, "its score")
-            observation = observation_from_json(identity_id, member)
-        except BadRecord as exc:
-            out.bad.append((_member_label(key, member, index), str(exc)))
-            continue
-        out.labels[observation.id] = _member_label(key, member, index)
-        if member in in_pending or limit is None or score is None or score > limit:
-            out.pending.append(observation)
-        else:
-            out.consumed.append(observation)
     fields: dict[int, bytes] = {}  # each parsed fact's field (by the fact's id())
     parsed: list[tuple[Fact, bytes]] = []
     for name, raw in sorted(facts.items()):

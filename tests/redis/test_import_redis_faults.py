@@ -39,7 +39,7 @@ from coda_memory.postgres.engine import asyncpg_url, driver_connection
 from coda_memory.postgres.migrate import migrate_async
 from coda_memory.redis import RedisStore
 from coda_memory.redis.codec import SUBJECT_RULE, from_ms
-from coda_memory.redis.export import export_identity
+from coda_memory.redis.export import stream_identity
 from coda_memory.redis.store import split_prefix
 from tests.helpers import tool_ok
 from tests.postgres.helpers import dsn, until_waiting
@@ -504,14 +504,14 @@ async def test_a_redis_failure_names_redis_the_identity_and_the_remedy(
 ) -> None:
     for identity in ("a-small", "whale"):
         await _seed_good(redis_client, redis_prefix, identity)
-    read = export_identity
+    read = stream_identity
 
-    async def slow(store: RedisStore, identity: str) -> Any:
+    async def slow(store: RedisStore, identity: str, sink: Any) -> Any:
         if identity == "whale":
             raise failure
-        return await read(store, identity)
+        return await read(store, identity, sink)
 
-    monkeypatch.setattr(redis_to_postgres, "export_identity", slow)
+    monkeypatch.setattr(redis_to_postgres, "stream_identity", slow)
     summary = ImportSummary()
     with pytest.raises(raised, match=says):
         source = RedisStore.from_url(redis_url)
@@ -520,6 +520,48 @@ async def test_a_redis_failure_names_redis_the_identity_and_the_remedy(
         finally:
             await source.close()
     assert summary.copied == 1  # a-small, before it
+
+
+@pytest.mark.parametrize(
+    ("failure", "raised"),
+    [
+        (redis.exceptions.TimeoutError("Timeout reading from 127.0.0.1:6379"), TimeoutError),
+        (redis.exceptions.ConnectionError("Connection closed by server."), ConnectionLost),
+    ],
+)
+async def test_a_redis_failure_during_a_copy_is_not_taken_for_a_dead_postgres_connection(
+    redis_client: aioredis.Redis,
+    redis_url: str,
+    redis_prefix: str,
+    pg_url: str,
+    monkeypatch: pytest.MonkeyPatch,
+    failure: Exception,
+    raised: type[Exception],
+) -> None:
+    """The identity is read within its copy's Postgres transaction: a Redis timeout (an
+    OSError, as TimeoutError is) or a lost Redis connection raised there must stop the
+    run at once, not read as a dead Postgres connection that replaces the pool and reads
+    the identity again (waiting out the socket timeout twice)."""
+    await _seed_good(redis_client, redis_prefix, "whale")
+    reads: list[str] = []
+
+    async def failing(store: RedisStore, identity: str, sink: Any) -> Any:
+        reads.append(identity)
+        raise failure from OSError("the socket said so")
+
+    monkeypatch.setattr(redis_to_postgres, "stream_identity", failing)
+    source = RedisStore.from_url(redis_url)
+    target = PostgresStore.from_url(pg_url)
+    try:
+        pool = target.engine.pool
+        with pytest.raises(raised, match="identity whale was read"):
+            await import_redis(source, target, now=now)
+        assert reads == ["whale"]
+        assert target.engine.pool is pool
+    finally:
+        await source.close()
+        await target.close()
+    assert (await row_counts(pg_url))["redis_imports"] == 0
 
 
 def test_the_command_reads_redis_with_a_long_socket_timeout_unless_the_url_says(
@@ -672,10 +714,10 @@ async def test_the_command_says_which_identity_redis_timed_out_on(
     remedy lost."""
     await _seed_good(redis_client, redis_prefix, "whale")
 
-    async def slow(store: RedisStore, identity: str) -> Any:
+    async def slow(store: RedisStore, identity: str, sink: Any) -> Any:
         raise redis.exceptions.TimeoutError("Timeout reading from 127.0.0.1:6379")
 
-    monkeypatch.setattr(redis_to_postgres, "export_identity", slow)
+    monkeypatch.setattr(redis_to_postgres, "stream_identity", slow)
     result = await asyncio.to_thread(
         CliRunner().invoke, app, ["import-redis", redis_url, "--url", pg_url]
     )
