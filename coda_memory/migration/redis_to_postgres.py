@@ -93,10 +93,12 @@ _BUSY = frozenset({LOCK_NOT_AVAILABLE, QUERY_CANCELED})
 
 #: Seconds the import's Redis client waits for one reply (``socket_timeout``, which a
 #: Redis URL's ``?socket_timeout=`` overrides). An identity is read in pages
-#: (:data:`~coda_memory.redis.export.READ_PAGE`), but one that live traffic writes
-#: during each paged read is read in one reply per key: one of 500,000 observations took
-#: 25 to 32 s, where redis-py's default is 5 s.
-IMPORT_SOCKET_TIMEOUT = 300.0
+#: (:data:`~coda_memory.redis.export.READ_PAGE`), each a reply of a few MiB at most, where
+#: redis-py's default is 5 s. One that live traffic writes during each paged read is read
+#: in one reply per key, on a connection of its own that waits longer
+#: (:data:`~coda_memory.redis.export.WHOLE_READ_TIMEOUT`, 300 s): one of 500,000
+#: observations took 25 to 32 s.
+IMPORT_SOCKET_TIMEOUT = 30.0
 
 
 def _clean(

@@ -15,8 +15,8 @@ the keys (or the identity's checkpoint changed) meanwhile, ``EXEC`` runs nothing
 sink is told that the pages it had are void (:meth:`PageSink.restart`), and the read
 starts again, :data:`READ_ATTEMPTS` times at most. An identity written during each of
 them (live traffic throughout a migration) is then read whole in one ``MULTI``/``EXEC``,
-a reply per key, which no write can land in, and which the import's socket timeout
-(``IMPORT_SOCKET_TIMEOUT``, 300 s) outlasts: left for a later run instead, it was left
+a reply per key, which no write can land in, on a connection that waits
+:data:`WHOLE_READ_TIMEOUT` (300 s) for a reply: left for a later run instead, it was left
 at every run while the traffic lasted. That read holds the identity's replies whole (the
 sink still gets its observations a page at a time).
 Each observation is classed as the Redis store itself
@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Protocol, cast
 
+from redis.asyncio import ConnectionPool, Redis
 from redis.asyncio.client import Pipeline
 from redis.exceptions import ResponseError, WatchError
 
@@ -108,6 +109,10 @@ READ_PAGE = 10_000
 #: the previous one's size says fit (at most twice as many), and the first page of each
 #: holds at most one per 4 KiB of it.
 READ_PAGE_BYTES = 4 * 1024 * 1024
+#: Seconds the whole read (:func:`_read_whole`) waits for a reply at least: its replies
+#: hold every record of a key (one of 500,000 observations took 25 to 32 s), where a
+#: page's come in well under a second, and the import waits less for those.
+WHOLE_READ_TIMEOUT = 300.0
 #: Paged reads of an identity that something wrote meanwhile, before it is read whole in
 #: one ``MULTI``/``EXEC`` (see :func:`_read_whole`).
 READ_ATTEMPTS = 5
@@ -313,10 +318,10 @@ async def _read_whole(store: RedisStore, identity_id: str, sink: PageSink) -> _K
     """Every key of the identity in one ``MULTI``/``EXEC``, a reply per key: for an
     identity that something wrote during each of :data:`READ_ATTEMPTS` paged reads, which
     no write can land in. A reply may be large (one of 500,000 observations took 25 to
-    32 s), and is held whole: the import's socket timeout outlasts it
-    (``IMPORT_SOCKET_TIMEOUT``), and the sink gets it a page at a time."""
+    32 s), and is held whole: it waits :data:`WHOLE_READ_TIMEOUT` for its replies (see
+    :func:`_patient`), and the sink gets it a page at a time."""
     k = store.keys
-    async with store.client.pipeline(transaction=True) as pipe:
+    async with _patient(store) as client, client.pipeline(transaction=True) as pipe:
         pipe.hget(k.checkpoint, identity_id)
         pipe.zrange(k.of("obs", identity_id), 0, -1, withscores=True)
         pipe.zrange(k.of("pending", identity_id), 0, -1)
@@ -328,6 +333,24 @@ async def _read_whole(store: RedisStore, identity_id: str, sink: PageSink) -> _K
     keys = _Keys(checkpoint, pending, facts, history, sessions)
     await _give(sink, _Classer(store, identity_id, keys), members)
     return keys
+
+
+@contextlib.asynccontextmanager
+async def _patient(store: RedisStore) -> AsyncIterator[Redis]:
+    """A client of ``store``'s server that waits :data:`WHOLE_READ_TIMEOUT` at least for
+    a reply (the store's own when its socket timeout is longer, or none), closed after."""
+    pool = store.client.connection_pool
+    options = dict(pool.connection_kwargs)
+    timeout = options.get("socket_timeout")
+    if timeout is None or timeout >= WHOLE_READ_TIMEOUT:
+        yield store.client
+        return
+    options["socket_timeout"] = WHOLE_READ_TIMEOUT
+    own = ConnectionPool(connection_class=pool.connection_class, max_connections=1, **options)
+    try:
+        yield Redis(connection_pool=own)
+    finally:
+        await own.disconnect()
 
 
 async def _zset_pages(pipe: Pipeline, key: str) -> AsyncIterator[tuple[int, list[Any]]]:

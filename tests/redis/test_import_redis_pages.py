@@ -16,7 +16,7 @@ from redis.asyncio.connection import Connection
 from redis.exceptions import NoPermissionError
 
 from coda_memory.core.sanitize import sanitize_observation
-from coda_memory.migration import import_redis
+from coda_memory.migration import IMPORT_SOCKET_TIMEOUT, import_redis
 from coda_memory.postgres import PostgresStore
 from coda_memory.postgres.imports import CopyWriter
 from coda_memory.redis import RedisStore
@@ -170,6 +170,47 @@ async def test_the_copy_is_given_the_observations_a_page_at_a_time(
     finally:
         await source.close()
         await target.close()
+
+
+#: The socket timeout of the connection each reply was read on.
+_TIMEOUTS: list[float | None] = []
+
+
+class _Timed(Connection):
+    async def read_response(self, *args: Any, **kwargs: Any) -> Any:
+        _TIMEOUTS.append(self.socket_timeout)
+        return await super().read_response(*args, **kwargs)
+
+
+async def test_only_the_whole_read_waits_long_for_its_replies(
+    redis_url: str, redis_client: aioredis.Redis, redis_prefix: str
+) -> None:
+    """The import waited 300 s for any reply, a page's too, for the sake of the whole
+    read's (a reply per key, seconds long): a page's reply is waited for as the import's
+    socket timeout says (30 s), the whole read's for WHOLE_READ_TIMEOUT, on a connection
+    of its own."""
+    await _seed(redis_client, redis_prefix, "ana")
+    source = RedisStore.from_url(
+        redis_url, connection_class=_Timed, socket_timeout=IMPORT_SOCKET_TIMEOUT
+    )
+    try:
+        _TIMEOUTS.clear()
+        paged = await export_identity(source, "ana")
+        assert _TIMEOUTS and set(_TIMEOUTS) == {IMPORT_SOCKET_TIMEOUT} == {30.0}
+        _TIMEOUTS.clear()
+        whole = ExportedIdentity("ana")
+        await export_module._read_whole(source, "ana", export_module._Collected(whole))
+        assert _TIMEOUTS and set(_TIMEOUTS) == {export_module.WHOLE_READ_TIMEOUT} == {300.0}
+        assert sorted(o.id for o in whole.consumed + whole.pending) == sorted(
+            o.id for o in paged.consumed + paged.pending
+        )
+        # The store's own connections still wait 30 s.
+        _TIMEOUTS.clear()
+        await export_identity(source, "ana")
+        assert set(_TIMEOUTS) == {IMPORT_SOCKET_TIMEOUT}
+    finally:
+        await source.close()
+        _TIMEOUTS.clear()
 
 
 def _write_after_each_read_of(
