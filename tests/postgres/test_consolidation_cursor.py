@@ -17,14 +17,12 @@ from sqlalchemy import insert, text
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from coda_memory import MemoryService
 from coda_memory.core.logs import identity_label
 from coda_memory.errors import ConnectionLost
 from coda_memory.postgres import PostgresStore
 from coda_memory.postgres.engine import driver_connection
 from coda_memory.postgres.schema import observations
 from coda_memory.postgres.unit import Statements
-from tests.helpers import T0, FakeClock, domain, tool_ok
 from tests.postgres.helpers import (
     NOW,
     consolidate,
@@ -369,40 +367,16 @@ async def test_a_run_cancelled_while_waiting_for_the_lock_leaves_nothing_behind(
 
 
 async def test_a_clock_set_back_leaves_the_last_consolidations_instant_where_it_was(
-    pg_url: str,
+    pg_store: PostgresStore,
 ) -> None:
-    """A fact expired and a consolidation deleted it at day 50; a clock set back to day
-    20 consolidated the identity again, and the checkpoint's instant went back with it.
-    An observation dated day 30, from when the fact was alive, then arrived late: it was
-    taken as dated after the last consolidation (no fact deleted before it), so the fact
-    restarted at 0.5 with count 1 instead of resuming its last life."""
-    clock = FakeClock()
-    service = MemoryService.from_url(pg_url, clock=clock, load_timeout=5.0)
-    try:
-        for day in range(5):  # count 5 at day 4: expires at about day 44
-            service.emit_observation(
-                "u1", tool_ok("t", session=f"d{day}", at=T0 + timedelta(days=day))
-            )
-        clock.now = T0 + timedelta(days=4, hours=1)
-        await service.drain()
-        await service.consolidate("u1")
-        clock.now = T0 + timedelta(days=50)
-        assert await service.consolidate("u1") == []  # expired, and deleted
-        clock.now = T0 + timedelta(days=20)  # set back, before it syncs again
-        service.emit_observation("u1", domain("royalty", session="behind"))
-        await service.drain()
-        await service.consolidate("u1")
-        store = service.store
-        assert isinstance(store, PostgresStore)
-        checkpoint = await store.checkpoint("u1")
-        assert checkpoint is not None
-        assert checkpoint.consolidated_at == T0 + timedelta(days=50)
-        clock.now = T0 + timedelta(days=51)
-        late = tool_ok("t", session="late", at=T0 + timedelta(days=30))
-        service.emit_observation("u1", late)
-        await service.drain()
-        resumed = {f.subject: f for f in await service.consolidate("u1")}["tool_affinity:t"]
-        assert resumed.reinforcement_count == 6
-        assert resumed.last_reinforced_at == late.created_at
-    finally:
-        await service.close()
+    """A run by a clock set back leaves the checkpoint's instant of the last consolidation
+    (``consolidated_at``) where the run before it left it. What its moving back did, a late
+    observation restarting a deleted fact, is the contract test of a clock set back
+    (tests/contract/test_service_semantics.py), which runs on Postgres too."""
+    await pg_store.append([record("before")])
+    await consolidate(pg_store, now=NOW)
+    await pg_store.append([record("set back")])
+    await consolidate(pg_store, now=NOW - timedelta(days=30))
+    checkpoint = await pg_store.checkpoint("alice")
+    assert checkpoint is not None
+    assert (checkpoint.runs, checkpoint.consolidated_at) == (2, NOW)
