@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import re
 import time
+from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -50,6 +51,16 @@ def writer(url: str) -> PostgresStore:
     return PostgresStore.from_url(url, writer_lock_timeout=WRITER_LOCK_TIMEOUT)
 
 
+@pytest.fixture
+async def store(pg_url: str) -> AsyncIterator[PostgresStore]:
+    """A store of the test's database with the writer's lock timeout of these tests."""
+    store = writer(pg_url)
+    try:
+        yield store
+    finally:
+        await store.close()
+
+
 async def rollup(store: PostgresStore) -> dict[str, list[tuple[Any, ...]]]:
     """Every rollup table, shards summed away."""
     return {table: await rollup_rows(store, table) for table in ROLLUP_TABLES}
@@ -87,206 +98,174 @@ async def timed_append(store: PostgresStore, batch: list[ObservationRecord], **k
 
 
 @pytest.mark.parametrize("table", ROLLUP_TABLES)
-async def test_an_append_goes_on_while_a_rollup_table_is_locked(pg_url: str, table: str) -> None:
-    store = writer(pg_url)
-    try:
-        await store.append(FIXTURE[:5])
-        async with locked(pg_url, table):
-            outcome = await timed_append(store, FIXTURE[5:])
-            assert (outcome.stored, outcome.refused) == (len(FIXTURE) - 5, [])
-            assert await stored(pg_url) == len(FIXTURE)
-            # One record per identity of the batch, for every kind it feeds.
-            assert await owed(pg_url) == [("ana", ALL_KINDS), ("ben", ALL_KINDS), ("cy", ALL_KINDS)]
-            assert store.rollup_debt.known
-        # Released: the store's next append folds what it owes.
-        await store.append([asked("dee", "royalty", D2)])
-        assert await owed(pg_url) == []
-        assert not store.rollup_debt.known
-        assert await rollup(store) == await rebuilt(store)
-    finally:
-        await store.close()
-
-
-async def test_only_the_kinds_a_batch_feeds_are_owed_and_locked(pg_url: str) -> None:
-    store = writer(pg_url)
-    try:
-        async with locked(pg_url, "entity_daily"):
-            # Tools and domains only: the entity rollup's lock is not in their way.
-            await timed_append(store, [call("ana", "t", True, D1), asked("ana", "royalty", D1)])
-            assert await owed(pg_url) == []
-            await timed_append(
-                store, [access("ben", "account", "1", D1), call("ben", "t", True, D1)]
-            )
-            assert await owed(pg_url) == [("ben", 1 | 2)]
-        await store.append([call("cy", "t", True, D2)])
-        assert await owed(pg_url) == []
-        assert await rollup(store) == await rebuilt(store)
-    finally:
-        await store.close()
-
-
-async def test_owed_records_stay_while_the_table_stays_locked(pg_url: str) -> None:
-    store = writer(pg_url)
-    try:
-        async with locked(pg_url, "tool_daily"):
-            await timed_append(store, [call("ana", "t", True, D1)])
-            # The next append owes as well (it does not try to fold behind the lock).
-            await timed_append(store, [call("ben", "t", True, D1)])
-            assert await owed(pg_url) == [("ana", 1), ("ben", 1)]
-            # Maintenance cannot fold either, and does not wait for the writer's timeout.
-            started = time.monotonic()
-            assert await maintenance.fold_owed_rollups(store) == 0
-            assert time.monotonic() - started < PROMPTLY
-            assert await owed(pg_url) == [("ana", 1), ("ben", 1)]
-        assert await maintenance.fold_owed_rollups(store) == 2
-        assert await owed(pg_url) == []
-        assert await rollup(store) == await rebuilt(store)
-    finally:
-        await store.close()
-
-
-async def test_a_second_fold_changes_nothing(pg_url: str) -> None:
-    store = writer(pg_url)
-    try:
-        async with locked(pg_url, "domain_users"):
-            await timed_append(store, FIXTURE)
-        assert await maintenance.fold_owed_rollups(store) == 1
-        folded = await rollup(store)
-        assert await maintenance.fold_owed_rollups(store) == 0
-        assert await rollup(store) == folded
-        # Nor does an append that folds (its store still believes it owes).
-        store.rollup_debt.known = True
-        await store.append([call("zed", "t", True, D2)])
-        assert not store.rollup_debt.known
-        assert await rollup(store) == await rebuilt(store)
-    finally:
-        await store.close()
-
-
-async def test_a_retried_batch_is_neither_stored_nor_counted_twice(pg_url: str) -> None:
-    store = writer(pg_url)
-    try:
-        async with locked(pg_url, "tool_users"):
-            first = await timed_append(store, FIXTURE, batch_key=KEY)
-            # The retry of a batch whose outcome was lost, while still locked.
-            again = await timed_append(store, FIXTURE, batch_key=KEY)
-            assert again == first
-            assert len(await owed(pg_url)) == 3
-        # And once released, when the retry's append folds the debt.
-        assert await store.append(FIXTURE, batch_key=KEY) == first
-        assert await owed(pg_url) == []
+async def test_an_append_goes_on_while_a_rollup_table_is_locked(
+    pg_url: str, table: str, store: PostgresStore
+) -> None:
+    await store.append(FIXTURE[:5])
+    async with locked(pg_url, table):
+        outcome = await timed_append(store, FIXTURE[5:])
+        assert (outcome.stored, outcome.refused) == (len(FIXTURE) - 5, [])
         assert await stored(pg_url) == len(FIXTURE)
-        assert await rollup(store) == await rebuilt(store)
-    finally:
-        await store.close()
+        # One record per identity of the batch, for every kind it feeds.
+        assert await owed(pg_url) == [("ana", ALL_KINDS), ("ben", ALL_KINDS), ("cy", ALL_KINDS)]
+        assert store.rollup_debt.known
+    # Released: the store's next append folds what it owes.
+    await store.append([asked("dee", "royalty", D2)])
+    assert await owed(pg_url) == []
+    assert not store.rollup_debt.known
+    assert await rollup(store) == await rebuilt(store)
+
+
+async def test_only_the_kinds_a_batch_feeds_are_owed_and_locked(
+    pg_url: str, store: PostgresStore
+) -> None:
+    async with locked(pg_url, "entity_daily"):
+        # Tools and domains only: the entity rollup's lock is not in their way.
+        await timed_append(store, [call("ana", "t", True, D1), asked("ana", "royalty", D1)])
+        assert await owed(pg_url) == []
+        await timed_append(store, [access("ben", "account", "1", D1), call("ben", "t", True, D1)])
+        assert await owed(pg_url) == [("ben", 1 | 2)]
+    await store.append([call("cy", "t", True, D2)])
+    assert await owed(pg_url) == []
+    assert await rollup(store) == await rebuilt(store)
+
+
+async def test_owed_records_stay_while_the_table_stays_locked(
+    pg_url: str, store: PostgresStore
+) -> None:
+    async with locked(pg_url, "tool_daily"):
+        await timed_append(store, [call("ana", "t", True, D1)])
+        # The next append owes as well (it does not try to fold behind the lock).
+        await timed_append(store, [call("ben", "t", True, D1)])
+        assert await owed(pg_url) == [("ana", 1), ("ben", 1)]
+        # Maintenance cannot fold either, and does not wait for the writer's timeout.
+        started = time.monotonic()
+        assert await maintenance.fold_owed_rollups(store) == 0
+        assert time.monotonic() - started < PROMPTLY
+        assert await owed(pg_url) == [("ana", 1), ("ben", 1)]
+    assert await maintenance.fold_owed_rollups(store) == 2
+    assert await owed(pg_url) == []
+    assert await rollup(store) == await rebuilt(store)
+
+
+async def test_a_second_fold_changes_nothing(pg_url: str, store: PostgresStore) -> None:
+    async with locked(pg_url, "domain_users"):
+        await timed_append(store, FIXTURE)
+    assert await maintenance.fold_owed_rollups(store) == 1
+    folded = await rollup(store)
+    assert await maintenance.fold_owed_rollups(store) == 0
+    assert await rollup(store) == folded
+    # Nor does an append that folds (its store still believes it owes).
+    store.rollup_debt.known = True
+    await store.append([call("zed", "t", True, D2)])
+    assert not store.rollup_debt.known
+    assert await rollup(store) == await rebuilt(store)
+
+
+async def test_a_retried_batch_is_neither_stored_nor_counted_twice(
+    pg_url: str, store: PostgresStore
+) -> None:
+    async with locked(pg_url, "tool_users"):
+        first = await timed_append(store, FIXTURE, batch_key=KEY)
+        # The retry of a batch whose outcome was lost, while still locked.
+        again = await timed_append(store, FIXTURE, batch_key=KEY)
+        assert again == first
+        assert len(await owed(pg_url)) == 3
+    # And once released, when the retry's append folds the debt.
+    assert await store.append(FIXTURE, batch_key=KEY) == first
+    assert await owed(pg_url) == []
+    assert await stored(pg_url) == len(FIXTURE)
+    assert await rollup(store) == await rebuilt(store)
 
 
 async def test_forget_folds_the_identitys_owed_rollup_first_and_leaves_no_record(
-    pg_url: str,
+    pg_url: str, store: PostgresStore
 ) -> None:
     # The anonymous counts stay after a forget, those of calls whose rollup was owed too
     # (the forget deleted the owed records unfolded, and those calls were never counted).
-    store = writer(pg_url)
-    try:
-        async with locked(pg_url, "entity_users"):
-            await timed_append(store, FIXTURE)
-        await store.forget("ana")
-        assert await owed(pg_url) == [("ben", ALL_KINDS), ("cy", ALL_KINDS)]
-        await store.append([call("ben", "t", True, D2)])
-        assert await owed(pg_url) == []
-        assert await counted(store) == (9 + 1, 7, 5)
-        # ana is no user any more.
-        users = await fetch(
-            pg_url,
-            "SELECT count(*) FROM coda_memory.tool_users WHERE identity_id = 'ana' UNION ALL "
-            "SELECT count(*) FROM coda_memory.entity_users WHERE identity_id = 'ana' UNION ALL "
-            "SELECT count(*) FROM coda_memory.domain_users WHERE identity_id = 'ana'",
-        )
-        assert users == [(0,), (0,), (0,)]
-        # The others' rows are what a rebuild computes from theirs; ana's counts are not.
-        assert (await rollup(store))["tool_users"] == (await rebuilt(store))["tool_users"]
-    finally:
-        await store.close()
+    async with locked(pg_url, "entity_users"):
+        await timed_append(store, FIXTURE)
+    await store.forget("ana")
+    assert await owed(pg_url) == [("ben", ALL_KINDS), ("cy", ALL_KINDS)]
+    await store.append([call("ben", "t", True, D2)])
+    assert await owed(pg_url) == []
+    assert await counted(store) == (9 + 1, 7, 5)
+    # ana is no user any more.
+    users = await fetch(
+        pg_url,
+        "SELECT count(*) FROM coda_memory.tool_users WHERE identity_id = 'ana' UNION ALL "
+        "SELECT count(*) FROM coda_memory.entity_users WHERE identity_id = 'ana' UNION ALL "
+        "SELECT count(*) FROM coda_memory.domain_users WHERE identity_id = 'ana'",
+    )
+    assert users == [(0,), (0,), (0,)]
+    # The others' rows are what a rebuild computes from theirs; ana's counts are not.
+    assert (await rollup(store))["tool_users"] == (await rebuilt(store))["tool_users"]
 
 
 async def test_forget_goes_on_while_a_table_only_the_folding_needs_stays_locked(
-    pg_url: str,
+    pg_url: str, store: PostgresStore
 ) -> None:
-    store = writer(pg_url)
-    try:
-        # A forget writes to the other rollup tables itself, and waits for their locks.
-        async with locked(pg_url, "tool_durations"):
-            await timed_append(store, FIXTURE)
-            started = time.monotonic()
-            await asyncio.wait_for(store.forget("ana"), 10)
-            assert time.monotonic() - started < PROMPTLY
-            assert await owed(pg_url) == [("ben", ALL_KINDS), ("cy", ALL_KINDS)]
-        await store.append([call("ben", "t", True, D2)])
-        # ana's calls, owed until the forget, were not counted: the others' are.
-        assert await rollup(store) == await rebuilt(store)
-    finally:
-        await store.close()
+    # A forget writes to the other rollup tables itself, and waits for their locks.
+    async with locked(pg_url, "tool_durations"):
+        await timed_append(store, FIXTURE)
+        started = time.monotonic()
+        await asyncio.wait_for(store.forget("ana"), 10)
+        assert time.monotonic() - started < PROMPTLY
+        assert await owed(pg_url) == [("ben", ALL_KINDS), ("cy", ALL_KINDS)]
+    await store.append([call("ben", "t", True, D2)])
+    # ana's calls, owed until the forget, were not counted: the others' are.
+    assert await rollup(store) == await rebuilt(store)
 
 
-async def test_a_rebuild_drops_the_owed_records_it_recomputes(pg_url: str) -> None:
-    store = writer(pg_url)
-    try:
-        async with locked(pg_url, "domain_daily"):
-            await timed_append(store, FIXTURE)
-        await rebuild_rollups(store)
-        assert await owed(pg_url) == []
-        # The store still believes it owes: its append finds nothing left to fold.
-        await store.append([call("ana", "t", True, D2)])
-        assert await rollup(store) == await rebuilt(store)
-    finally:
-        await store.close()
+async def test_a_rebuild_drops_the_owed_records_it_recomputes(
+    pg_url: str, store: PostgresStore
+) -> None:
+    async with locked(pg_url, "domain_daily"):
+        await timed_append(store, FIXTURE)
+    await rebuild_rollups(store)
+    assert await owed(pg_url) == []
+    # The store still believes it owes: its append finds nothing left to fold.
+    await store.append([call("ana", "t", True, D2)])
+    assert await rollup(store) == await rebuilt(store)
 
 
 async def test_prune_folds_first_and_never_deletes_an_observation_still_owed(
-    pg_url: str,
+    pg_url: str, store: PostgresStore
 ) -> None:
-    store = writer(pg_url)
-    try:
-        async with locked(pg_url, "tool_daily"):
-            await timed_append(store, FIXTURE)
-            for identity in ("ana", "ben", "cy"):
-                await consolidate(store, identity)
-            # Every row is consumed, but its rollup is owed and cannot be folded yet.
-            outcome = await maintenance.prune_consolidated(store, before=LATER)
-            assert (outcome.owed_folded, outcome.deleted) == (0, 0)
-            assert await stored(pg_url) == len(FIXTURE)
+    async with locked(pg_url, "tool_daily"):
+        await timed_append(store, FIXTURE)
+        for identity in ("ana", "ben", "cy"):
+            await consolidate(store, identity)
+        # Every row is consumed, but its rollup is owed and cannot be folded yet.
         outcome = await maintenance.prune_consolidated(store, before=LATER)
-        assert (outcome.owed_folded, outcome.deleted) == (1, len(FIXTURE))
-        assert await owed(pg_url) == []
-        # Every pruned row was counted first.
-        assert await counted(store) == (9, 7, 5)
-    finally:
-        await store.close()
+        assert (outcome.owed_folded, outcome.deleted) == (0, 0)
+        assert await stored(pg_url) == len(FIXTURE)
+    outcome = await maintenance.prune_consolidated(store, before=LATER)
+    assert (outcome.owed_folded, outcome.deleted) == (1, len(FIXTURE))
+    assert await owed(pg_url) == []
+    # Every pruned row was counted first.
+    assert await counted(store) == (9, 7, 5)
 
 
 async def test_a_consolidation_never_prunes_an_observation_whose_rollup_is_owed(
-    pg_url: str,
+    pg_url: str, store: PostgresStore
 ) -> None:
     # Observations dated further back than the retention, stored while a rollup table is
     # locked: the consolidation's own pruning deleted them before a later append folded
     # their owed rollup, which then counted nothing of them.
-    store = writer(pg_url)
-    try:
-        async with locked(pg_url, "tool_daily"):
-            await timed_append(store, FIXTURE)
-            for identity in ("ana", "ben", "cy"):
-                await consolidate(store, identity, now=LATER, retention=timedelta(days=7))
-            assert await stored(pg_url) == len(FIXTURE)
-        await store.append([call("dee", "t", True, D2)])
-        assert await owed(pg_url) == []
-        assert (await counted(store))[0] == 9 + 1
-        # Folded, they go at the identity's next consolidation.
-        await consolidate(store, "ana", now=LATER, retention=timedelta(days=7))
-        assert await fetch(
-            pg_url, "SELECT count(*) FROM coda_memory.observations WHERE identity_id = 'ana'"
-        ) == [(0,)]
-    finally:
-        await store.close()
+    async with locked(pg_url, "tool_daily"):
+        await timed_append(store, FIXTURE)
+        for identity in ("ana", "ben", "cy"):
+            await consolidate(store, identity, now=LATER, retention=timedelta(days=7))
+        assert await stored(pg_url) == len(FIXTURE)
+    await store.append([call("dee", "t", True, D2)])
+    assert await owed(pg_url) == []
+    assert (await counted(store))[0] == 9 + 1
+    # Folded, they go at the identity's next consolidation.
+    await consolidate(store, "ana", now=LATER, retention=timedelta(days=7))
+    assert await fetch(
+        pg_url, "SELECT count(*) FROM coda_memory.observations WHERE identity_id = 'ana'"
+    ) == [(0,)]
 
 
 async def test_concurrent_folders_fold_each_record_once(pg_url: str) -> None:
@@ -312,25 +291,19 @@ async def test_concurrent_folders_fold_each_record_once(pg_url: str) -> None:
 
 
 async def test_a_folding_counts_the_records_it_claimed_and_no_other_of_their_transactions(
-    pg_url: str,
+    pg_url: str, store: PostgresStore
 ) -> None:
     """Two owed transactions of the same two identities, folded three records at a time:
     the first folding takes one transaction whole and half of the other, and must not
     count the rows of the record it did not claim (the second folding counts them)."""
-    store = writer(pg_url)
-    try:
-        async with locked(pg_url, "tool_daily"):
-            for n in range(2):
-                await timed_append(
-                    store, [call("ana", f"t{n}", True, D1), call("ben", "t", True, D1)]
-                )
-        assert len(await owed(pg_url)) == 4
-        # Transactions folded: two in the first folding (one of them in part), one after.
-        assert await maintenance.fold_owed_rollups(store, batch_size=3) == 3
-        assert await owed(pg_url) == []
-        assert await rollup(store) == await rebuilt(store)
-    finally:
-        await store.close()
+    async with locked(pg_url, "tool_daily"):
+        for n in range(2):
+            await timed_append(store, [call("ana", f"t{n}", True, D1), call("ben", "t", True, D1)])
+    assert len(await owed(pg_url)) == 4
+    # Transactions folded: two in the first folding (one of them in part), one after.
+    assert await maintenance.fold_owed_rollups(store, batch_size=3) == 3
+    assert await owed(pg_url) == []
+    assert await rollup(store) == await rebuilt(store)
 
 
 async def test_the_service_counts_what_its_appends_owed_and_folded(pg_url: str) -> None:
@@ -353,34 +326,30 @@ async def test_the_service_counts_what_its_appends_owed_and_folded(pg_url: str) 
 
 
 async def test_a_folding_reads_each_owed_record_by_index_not_by_scanning_the_table(
-    pg_url: str,
+    pg_url: str, store: PostgresStore
 ) -> None:
     """The planner cannot estimate the rollup's key filters (it guesses a row or two of
     the whole table): as a plain join of the owed records to the observations, it chose
     a scan of every observation, nested under the records, and a folding of 1,000
     records took seconds. Each record's rows are read by an index probe instead."""
-    store = writer(pg_url)
-    try:
-        calls = [call(f"user-{n % 50}", f"tool-{n % 7}", n % 3 > 0, D1) for n in range(5_000)]
-        for start in range(0, len(calls), 500):  # ten transactions
-            await store.append(calls[start : start + 500])
-        await fetch(pg_url, "ANALYZE coda_memory.observations")
-        async with store.engine.connect() as conn:
-            driver = await driver_connection(conn)
-            pairs = await driver.fetch(
-                "SELECT DISTINCT identity_id, xid FROM coda_memory.observations LIMIT 100"
+    calls = [call(f"user-{n % 50}", f"tool-{n % 7}", n % 3 > 0, D1) for n in range(5_000)]
+    for start in range(0, len(calls), 500):  # ten transactions
+        await store.append(calls[start : start + 500])
+    await fetch(pg_url, "ANALYZE coda_memory.observations")
+    async with store.engine.connect() as conn:
+        driver = await driver_connection(conn)
+        pairs = await driver.fetch(
+            "SELECT DISTINCT identity_id, xid FROM coda_memory.observations LIMIT 100"
+        )
+        identities = [row["identity_id"] for row in pairs]
+        xids = [row["xid"] for row in pairs]
+        for statement in owed_statements("coda_memory"):
+            arguments = statement.arguments(identities, 0, xids)
+            plan = "\n".join(
+                row[0] for row in await driver.fetch(f"EXPLAIN {statement.sql}", *arguments)
             )
-            identities = [row["identity_id"] for row in pairs]
-            xids = [row["xid"] for row in pairs]
-            for statement in owed_statements("coda_memory"):
-                arguments = statement.arguments(identities, 0, xids)
-                plan = "\n".join(
-                    row[0] for row in await driver.fetch(f"EXPLAIN {statement.sql}", *arguments)
-                )
-                assert "Seq Scan on observations" not in plan
-                assert re.search(r"Index Scan (using|on) ix_observations_\w+", plan), plan
-    finally:
-        await store.close()
+            assert "Seq Scan on observations" not in plan
+            assert re.search(r"Index Scan (using|on) ix_observations_\w+", plan), plan
 
 
 def test_the_rollup_lock_timeout_is_short() -> None:
