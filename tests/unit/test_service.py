@@ -16,8 +16,8 @@ import threading
 import warnings
 import weakref
 from collections import deque
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
-from contextlib import asynccontextmanager
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator, Sequence
+from contextlib import asynccontextmanager, contextmanager
 from datetime import UTC, datetime, timedelta
 from enum import Enum
 from typing import Any
@@ -1808,6 +1808,28 @@ class KeepingStore(GatedStore):
         return [fact.model_copy() for fact in await InMemoryStore.facts(self, identity_id)]
 
 
+@contextmanager
+def collector_keeping_cycles() -> Iterator[None]:
+    """The collector off, after a collection, and what a collection finds kept in
+    ``gc.garbage`` rather than freed (see :func:`left_in_cycles`); all as it was after."""
+    gc.collect()
+    gc.disable()
+    gc.set_debug(gc.DEBUG_SAVEALL)
+    try:
+        yield
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+        gc.enable()
+
+
+def left_in_cycles(kind: type) -> list[object]:
+    """The objects of ``kind`` a collection finds in reference cycles, under
+    :func:`collector_keeping_cycles`."""
+    gc.collect()
+    return [o for o in gc.garbage if isinstance(o, kind)]
+
+
 async def test_a_load_whose_consolidation_fails_answers_from_the_facts_at_hand(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
@@ -1842,24 +1864,15 @@ async def test_a_failed_load_leaves_no_reference_cycle_for_the_collector() -> No
         await service.drain()
         await service.consolidate("u1")
         store.failing = True
-        gc.collect()
-        gc.disable()
-        gc.set_debug(gc.DEBUG_SAVEALL)  # what a collection finds is kept in gc.garbage
-        try:
+        with collector_keeping_cycles():
             for _ in range(10):
                 assert (await service.load_memory("u1")).facts  # stale, from the kept facts
                 assert (await service.load_memory("u2")).facts == []  # nothing at hand
             await service.drain()
             assert service.stats().load_errors == 20
-            gc.collect()
             # Each failed load's error, traceback and frames were freed as soon as they
             # were done with, not left in a cycle for a (full) collection to find.
-            cyclic = [o for o in gc.garbage if isinstance(o, ConnectionError)]
-            assert cyclic == []
-        finally:
-            gc.set_debug(0)
-            gc.garbage.clear()
-            gc.enable()
+            assert left_in_cycles(ConnectionError) == []
     finally:
         store.failing = False
         await service.close()
@@ -1962,20 +1975,12 @@ async def test_a_load_whose_consolidation_fails_answers_from_the_facts_its_peek_
         stats = service.stats()
         assert (stats.load_errors, stats.load_stale, stats.load_timeouts) == (2, 2, 0)
         assert service._stale == {}  # nothing left behind
-        gc.collect()
-        gc.disable()
-        gc.set_debug(gc.DEBUG_SAVEALL)  # what a collection finds is kept in gc.garbage
-        try:
+        with collector_keeping_cycles():
             for _ in range(5):
                 assert (await service.load_memory("u1")).facts
-            gc.collect()
             # The error and the facts that went with it were freed as soon as they were
             # done with, not left in a cycle for a collection to find.
-            assert [o for o in gc.garbage if isinstance(o, ConnectionError)] == []
-        finally:
-            gc.set_debug(0)
-            gc.garbage.clear()
-            gc.enable()
+            assert left_in_cycles(ConnectionError) == []
     finally:
         store.failing = False
         await service.close()
