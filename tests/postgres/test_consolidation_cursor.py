@@ -28,7 +28,6 @@ from tests.postgres.helpers import (
     consolidate,
     contents,
     engine,
-    event,
     fact,
     fetch,
     plan,
@@ -146,54 +145,6 @@ async def test_prune_deletes_only_old_observations_the_run_saw(pg_store: Postgre
     nxt = await consolidate(pg_store, retention=timedelta(days=7))
     assert sorted(contents(nxt.observations)) == ["old committed meanwhile", "old in flight"]
     assert contents(await pg_store.observations("alice")) == ["recent"]
-
-
-async def test_leaving_without_commit_leaves_no_trace(pg_store: PostgresStore) -> None:
-    await pg_store.append([record("consumed")])
-    await consolidate(pg_store, upserts=[fact("tool_affinity:kept")])
-    await pg_store.append([record("pending", created_at=NOW - timedelta(days=30))])
-    before = (
-        await pg_store.checkpoint("alice"),
-        await pg_store.facts("alice"),
-        await pg_store.history("alice"),
-        await pg_store.observations("alice"),
-    )
-
-    async with pg_store.consolidation("alice") as unit:
-        loaded = await unit.load()
-        await unit.write(
-            plan(
-                consumed=1,
-                upserts=[fact("tool_affinity:new")],
-                deletes=["tool_affinity:kept"],
-                events=[event("tool_affinity:new")],
-                prune_before=NOW,
-            )
-        )
-    with pytest.raises(KeyError):
-        async with pg_store.consolidation("alice") as unit:
-            await unit.load()
-            await unit.write(plan(consumed=1, upserts=[fact("tool_affinity:new")]))
-            raise KeyError("the caller failed before commit")
-
-    after = (
-        await pg_store.checkpoint("alice"),
-        await pg_store.facts("alice"),
-        await pg_store.history("alice"),
-        await pg_store.observations("alice"),
-    )
-    assert after == before
-    assert contents(loaded.observations) == ["pending"]
-    assert contents((await consolidate(pg_store)).observations) == ["pending"]
-
-
-async def test_a_unit_is_done_after_commit(pg_store: PostgresStore) -> None:
-    async with pg_store.consolidation("alice") as unit:
-        await unit.load()
-        await unit.write(plan())
-        await unit.commit()
-        with pytest.raises(RuntimeError, match="committed"):
-            await unit.load()
 
 
 async def test_a_connection_killed_mid_unit_leaves_the_previous_state(
