@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
+import asyncpg
 from sqlalchemy import pool, text
 from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
@@ -27,6 +28,7 @@ __all__ = [
     "plan",
     "prepared_plans",
     "record",
+    "superuser",
     "table_digests",
 ]
 
@@ -50,6 +52,17 @@ async def fetch(url: str, sql: str, **params: Any) -> list[tuple[Any, ...]]:
             return [tuple(row) for row in result] if result.returns_rows else []
     finally:
         await own.dispose()
+
+
+async def superuser(url: str, *statements: str) -> None:
+    """Run ``statements`` (each a script, no parameters) on a connection of their own,
+    as the role of ``url``."""
+    conn = await asyncpg.connect(dsn(url))
+    try:
+        for statement in statements:
+            await conn.execute(statement)
+    finally:
+        await conn.close()
 
 
 async def table_digests(

@@ -12,13 +12,12 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import asyncpg
 import pytest
 from sqlalchemy.engine import make_url
 
 from coda_memory.errors import AccessDenied
 from coda_memory.postgres import PostgresStore, maintenance
-from tests.postgres.helpers import dsn
+from tests.postgres.helpers import superuser
 from tests.postgres.test_cli import assert_one_line_error, run, seed_alice
 
 README = Path(__file__).resolve().parents[2] / "README.md"
@@ -33,21 +32,12 @@ def _owner_policy_snippet() -> str:
     return found[1].replace(":'schema'", "'coda_memory'")
 
 
-async def _superuser(url: str, *statements: str) -> None:
-    conn = await asyncpg.connect(dsn(url))
-    try:
-        for statement in statements:
-            await conn.execute(statement)
-    finally:
-        await conn.close()
-
-
 @pytest.fixture
 def roles(pg_url: str) -> Iterator[tuple[str, str]]:
     """URLs of an app role and an analyst role (LOGIN), granted with coda-memory grant."""
     suffix = secrets.token_hex(4)
     app_role, analyst = f"coda_cli_app_{suffix}", f"coda_cli_analyst_{suffix}"
-    asyncio.run(_superuser(pg_url, *(f'CREATE ROLE "{r}" LOGIN' for r in (app_role, analyst))))
+    asyncio.run(superuser(pg_url, *(f'CREATE ROLE "{r}" LOGIN' for r in (app_role, analyst))))
     try:
         for kind, role in (("app", app_role), ("analyst", analyst)):
             granted = run("grant", kind, role, "--url", pg_url)
@@ -59,7 +49,7 @@ def roles(pg_url: str) -> Iterator[tuple[str, str]]:
         yield next(as_role), next(as_role)
     finally:
         asyncio.run(
-            _superuser(
+            superuser(
                 pg_url,
                 *(f'DROP OWNED BY "{r}"' for r in (app_role, analyst)),
                 *(f'DROP ROLE "{r}"' for r in (app_role, analyst)),
@@ -120,11 +110,11 @@ def test_analytics_as_the_analyst_role_answer_as_for_the_owner(
     assert floored.exit_code == 0, floored.output
     assert json.loads(floored.stdout) == []
 
-    asyncio.run(_superuser(pg_url, "UPDATE coda_memory.analytics_floor SET min_users = 1"))
+    asyncio.run(superuser(pg_url, "UPDATE coda_memory.analytics_floor SET min_users = 1"))
     try:
         as_analyst = run(*arguments, "--url", analyst_url)
     finally:
-        asyncio.run(_superuser(pg_url, "UPDATE coda_memory.analytics_floor SET min_users = 5"))
+        asyncio.run(superuser(pg_url, "UPDATE coda_memory.analytics_floor SET min_users = 5"))
     assert as_analyst.exit_code == 0, as_analyst.output
     # (Confidences decay between the two runs: compared to six places.)
     assert _rounded(json.loads(as_analyst.stdout)) == _rounded(json.loads(as_owner.stdout))
@@ -154,7 +144,7 @@ def test_a_new_owner_is_refused_until_the_policies_name_it(pg_url: str) -> None:
     seed_alice(pg_url)
     owner = f"coda_cli_owner_{secrets.token_hex(4)}"
     asyncio.run(
-        _superuser(
+        superuser(
             pg_url,
             f'CREATE ROLE "{owner}" LOGIN',
             f'ALTER SCHEMA coda_memory OWNER TO "{owner}"',
@@ -171,13 +161,13 @@ def test_a_new_owner_is_refused_until_the_policies_name_it(pg_url: str) -> None:
         assert_one_line_error(result, 1, "the role of ")
         assert "cannot read every identity's rows" in result.stderr
         # The README's remedy, run as the new owner, makes the policies name it.
-        asyncio.run(_superuser(owner_url, _owner_policy_snippet()))
+        asyncio.run(superuser(owner_url, _owner_policy_snippet()))
         result = run("facts", "alice", "--url", owner_url)
         assert result.exit_code == 0, result.output
         assert "tool_affinity:get_account" in result.stdout
     finally:
         asyncio.run(
-            _superuser(
+            superuser(
                 pg_url,
                 f'REASSIGN OWNED BY "{owner}" TO CURRENT_USER',
                 f'DROP OWNED BY "{owner}"',
@@ -190,7 +180,7 @@ def test_a_member_of_the_role_the_policy_names_sees_every_identity(pg_url: str) 
     seed_alice(pg_url)
     member = f"coda_cli_member_{secrets.token_hex(4)}"
     asyncio.run(
-        _superuser(
+        superuser(
             pg_url,
             f'CREATE ROLE "{member}" LOGIN',
             # The role that ran the migration (the policy names it) is this superuser.
@@ -203,7 +193,7 @@ def test_a_member_of_the_role_the_policy_names_sees_every_identity(pg_url: str) 
         assert result.exit_code == 0, result.output
         assert "tool_affinity:get_account" in result.stdout
     finally:
-        asyncio.run(_superuser(pg_url, f'DROP OWNED BY "{member}"', f'DROP ROLE "{member}"'))
+        asyncio.run(superuser(pg_url, f'DROP OWNED BY "{member}"', f'DROP ROLE "{member}"'))
 
 
 def test_the_analyst_is_not_asked_for_the_revision_it_may_not_read(

@@ -31,7 +31,7 @@ from coda_memory.postgres.schema import (
     validate_schema_name,
 )
 from coda_memory.postgres.tenancy import grant_script
-from tests.postgres.helpers import engine, fetch
+from tests.postgres.helpers import engine, fetch, superuser
 
 REPOSITORY = Path(__file__).resolve().parents[2]
 TABLES = [
@@ -134,16 +134,6 @@ def test_upgrade_downgrade_upgrade_and_no_drift(empty_pg_url: str) -> None:
 
 #: The views that decay facts, which 0012 replaces.
 DECAYING_VIEWS = ("active_facts", "tool_effectiveness", "entity_popularity", "fact_summary")
-
-
-async def superuser(url: str, *statements: str) -> None:
-    """Run ``statements`` (each a script, no parameters) on a connection of their own."""
-    conn = await asyncpg.connect(str(asyncpg_url(url)).replace("+asyncpg", ""))
-    try:
-        for statement in statements:
-            await conn.execute(statement)
-    finally:
-        await conn.close()
 
 
 def decaying_views(url: str, role: str) -> list[tuple[str, bool, bool, bool]]:

@@ -43,7 +43,7 @@ from coda_memory.postgres.tenancy import (
 )
 from coda_memory.postgres.unit import Statements
 from tests.helpers import FakeClock, domain, entity, tool_failed, tool_ok
-from tests.postgres.helpers import dsn, prepared_plans, table_digests
+from tests.postgres.helpers import dsn, prepared_plans, superuser, table_digests
 from tests.postgres.test_analytics import D1, call
 from tests.postgres.test_migrations import HEAD
 from tests.postgres.test_query_plans import Recorder, plan_nodes
@@ -87,15 +87,6 @@ class Tenancy:
         return await asyncpg.connect(dsn(self.url), server_settings={"role": role, **settings})
 
 
-async def _superuser(url: str, *statements: str) -> None:
-    conn = await asyncpg.connect(dsn(url))
-    try:
-        for statement in statements:
-            await conn.execute(statement)
-    finally:
-        await conn.close()
-
-
 def _upgrade(connection: Connection) -> None:
     config = alembic_config(schema=SCHEMA)
     config.attributes["connection"] = connection
@@ -110,7 +101,7 @@ async def tenancy(pg_url: str) -> AsyncIterator[Tenancy]:
     names = Tenancy(pg_url, f"coda_owner_{suffix}", f"coda_app_{suffix}", f"coda_analyst_{suffix}")
     roles = (names.owner, names.app, names.analyst)
     database = make_url(pg_url).database
-    await _superuser(
+    await superuser(
         pg_url,
         *(f'CREATE ROLE "{role}" NOLOGIN' for role in roles),
         f'GRANT CREATE ON DATABASE "{database}" TO "{names.owner}"',
@@ -128,7 +119,7 @@ async def tenancy(pg_url: str) -> AsyncIterator[Tenancy]:
             await owner.dispose()
         yield names
     finally:
-        await _superuser(
+        await superuser(
             pg_url,
             f'DROP SCHEMA IF EXISTS "{SCHEMA}" CASCADE',
             *(f'DROP OWNED BY "{role}"' for role in roles),
@@ -214,7 +205,7 @@ async def test_a_connection_whose_tenant_was_reset_sees_no_row_of_the_empty_iden
     # identity_id with it: rows of the empty identity (which stores wrote before they
     # refused it) were the tenant's of every connection whose tenant had been reset.
     await _populate(tenancy)
-    await _superuser(
+    await superuser(
         tenancy.url,
         f"INSERT INTO {SCHEMA}.facts VALUES ('', 'domain_preference:x', "
         "'domain_preference', 'x', 0.5, 1, now(), now(), now(), now(), null)",
@@ -420,7 +411,7 @@ async def test_analytics_as_a_role_without_any_grant_raise_access_denied(
     without USAGE on the schema cannot even ask: that raised SQLAlchemy's error."""
     await _populate(tenancy)
     stranger = f"coda_stranger_{secrets.token_hex(4)}"
-    await _superuser(tenancy.url, f'CREATE ROLE "{stranger}" NOLOGIN')
+    await superuser(tenancy.url, f'CREATE ROLE "{stranger}" NOLOGIN')
     service = MemoryService.from_url(tenancy.url, schema=SCHEMA, **tenancy.as_role(stranger))
     try:
         for function in (coda_analytics.entity_popularity, coda_analytics.tool_effectiveness):
@@ -428,7 +419,7 @@ async def test_analytics_as_a_role_without_any_grant_raise_access_denied(
                 await function(service, min_users=1, schema=SCHEMA)
     finally:
         await service.close()
-        await _superuser(tenancy.url, f'DROP ROLE "{stranger}"')
+        await superuser(tenancy.url, f'DROP ROLE "{stranger}"')
 
 
 async def test_the_app_role_owes_the_rollup_under_a_lock_and_folds_it(
@@ -922,7 +913,7 @@ async def test_a_member_of_the_owner_sees_every_identity_only_when_it_asks(
     owner, and the analyst still reads the owner's aggregate views."""
     await _populate(tenancy)
     member = f"{tenancy.owner}_member"
-    await _superuser(tenancy.url, f'CREATE ROLE "{member}" NOLOGIN IN ROLE "{tenancy.owner}"')
+    await superuser(tenancy.url, f'CREATE ROLE "{member}" NOLOGIN IN ROLE "{tenancy.owner}"')
     try:
         conn = await tenancy.connect(member)
         try:
@@ -942,7 +933,7 @@ async def test_a_member_of_the_owner_sees_every_identity_only_when_it_asks(
         finally:
             await conn.close()
     finally:
-        await _superuser(tenancy.url, f'DROP ROLE "{member}"')
+        await superuser(tenancy.url, f'DROP ROLE "{member}"')
     await _set_floor(tenancy, 1)
     now = FakeClock().now.isoformat()
     conn = await tenancy.connect(tenancy.analyst, **{"coda_memory.analytics_now": now})
@@ -1010,7 +1001,7 @@ def test_grant_on_a_schema_behind_head_says_to_migrate(empty_pg_url: str) -> Non
 
     asyncio.run(migrate_async(empty_pg_url, revision="0006"))
     role = f"coda_grantee_{secrets.token_hex(4)}"
-    asyncio.run(_superuser(empty_pg_url, f'CREATE ROLE "{role}" NOLOGIN'))
+    asyncio.run(superuser(empty_pg_url, f'CREATE ROLE "{role}" NOLOGIN'))
     try:
         result = CliRunner().invoke(app, ["grant", "app", role, "--url", empty_pg_url])
         assert result.exit_code == 1, result.output
@@ -1019,14 +1010,14 @@ def test_grant_on_a_schema_behind_head_says_to_migrate(empty_pg_url: str) -> Non
             "run coda-memory migrate"
         ]
     finally:
-        asyncio.run(_superuser(empty_pg_url, f'DROP OWNED BY "{role}"', f'DROP ROLE "{role}"'))
+        asyncio.run(superuser(empty_pg_url, f'DROP OWNED BY "{role}"', f'DROP ROLE "{role}"'))
 
 
 def test_grant_applies_the_grants(pg_url: str) -> None:
     import asyncio
 
     role = f"coda_grantee_{secrets.token_hex(4)}"
-    asyncio.run(_superuser(pg_url, f'CREATE ROLE "{role}" NOLOGIN'))
+    asyncio.run(superuser(pg_url, f'CREATE ROLE "{role}" NOLOGIN'))
     try:
         result = CliRunner().invoke(app, ["grant", "app", role, "--url", pg_url])
         assert result.exit_code == 0, result.output
@@ -1050,7 +1041,7 @@ def test_grant_applies_the_grants(pg_url: str) -> None:
 
         assert asyncio.run(privileges()) == [True, True, False, False]
     finally:
-        asyncio.run(_superuser(pg_url, f'DROP OWNED BY "{role}"', f'DROP ROLE "{role}"'))
+        asyncio.run(superuser(pg_url, f'DROP OWNED BY "{role}"', f'DROP ROLE "{role}"'))
 
 
 @pytest.mark.parametrize("name", ["information_schema", "pg_catalog", "pg_toast", "pg_temp_1"])
@@ -1094,7 +1085,7 @@ async def test_an_upgrade_grants_its_new_table_to_the_app_roles_granted_before(
     )
     roles = (owner, app_role, analyst, member)
     database = make_url(pg_url).database
-    await _superuser(
+    await superuser(
         pg_url,
         *(f'CREATE ROLE "{role}" NOLOGIN' for role in roles),
         f'GRANT CREATE ON DATABASE "{database}" TO "{owner}"',
@@ -1144,7 +1135,7 @@ async def test_an_upgrade_grants_its_new_table_to_the_app_roles_granted_before(
         assert grantees == {"ingest_batches": own, "rollup_owed": own, "ingest_batches_spill": own}
     finally:
         await engine.dispose()
-        await _superuser(
+        await superuser(
             pg_url,
             f'DROP SCHEMA IF EXISTS "{SCHEMA}" CASCADE',
             *(f'DROP OWNED BY "{role}"' for role in roles),
