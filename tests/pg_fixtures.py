@@ -8,6 +8,8 @@ Contract for other tests:
 - ``empty_pg_url`` (function scope): like ``pg_url`` but without any table.
 - ``admin_url`` (session scope): the server's maintenance database, for server-level work
   (``pg_terminate_backend``, inspecting locks); tests must not leave anything behind in it.
+- ``new_database(server, template)``: a context manager for a test's further database,
+  as ``pg_url`` makes its own (a second migrated one: ``_pg_server`` and ``_pg_template``).
 
 The server is the one at ``CODA_MEMORY_TEST_DATABASE_URL`` when that is set (any
 Postgres 13+); with ``CODA_MEMORY_TEST_SERVER=docker``, a testcontainers Postgres
@@ -27,6 +29,7 @@ import shutil
 import tempfile
 import warnings
 from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import pytest
@@ -147,24 +150,28 @@ def _pg_template(_pg_server: URL) -> Iterator[str]:
         _drop_database(_pg_server, name)
 
 
-@pytest.fixture
-def pg_url(_pg_server: URL, _pg_template: str) -> Iterator[str]:
+@contextmanager
+def new_database(server: URL, template: str | None = None) -> Iterator[str]:
+    """A database of this run's on ``server``, a copy of ``template`` (or empty), dropped
+    on leaving: its URL."""
     name = f"{_RUN}_{next(_counter)}"
-    url = _create_database(_pg_server, name, template=_pg_template)
+    url = _create_database(server, name, template=template)
     try:
         yield _render(url)
     finally:
-        _drop_database(_pg_server, name)
+        _drop_database(server, name)
+
+
+@pytest.fixture
+def pg_url(_pg_server: URL, _pg_template: str) -> Iterator[str]:
+    with new_database(_pg_server, _pg_template) as url:
+        yield url
 
 
 @pytest.fixture
 def empty_pg_url(_pg_server: URL) -> Iterator[str]:
-    name = f"{_RUN}_{next(_counter)}"
-    url = _create_database(_pg_server, name)
-    try:
-        yield _render(url)
-    finally:
-        _drop_database(_pg_server, name)
+    with new_database(_pg_server) as url:
+        yield url
 
 
 @pytest.fixture

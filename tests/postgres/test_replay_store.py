@@ -20,7 +20,7 @@ from coda_memory import ExponentialDecay, MemoryService, ObservationType
 from coda_memory.errors import ConnectionLost
 from coda_memory.replay import Event, ReplayResult, build_timeline, harness, replay_decay
 from tests.helpers import T0
-from tests.pg_fixtures import _RUN, _counter, _create_database, _drop_database, _render
+from tests.pg_fixtures import new_database
 from tests.postgres.helpers import fetch
 from tests.postgres.test_cli import assert_one_line_error, run, seed_alice
 
@@ -28,12 +28,8 @@ from tests.postgres.test_cli import assert_one_line_error, run, seed_alice
 @pytest.fixture
 def scratch_url(_pg_server: URL, _pg_template: str) -> Iterator[str]:
     """A second migrated database, for the replay to write to."""
-    name = f"{_RUN}_{next(_counter)}"
-    url = _create_database(_pg_server, name, template=_pg_template)
-    try:
-        yield _render(url)
-    finally:
-        _drop_database(_pg_server, name)
+    with new_database(_pg_server, _pg_template) as url:
+        yield url
 
 
 _COUNTS = (
