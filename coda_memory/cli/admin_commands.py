@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from coda_memory.cli.app import (
     DecayName,
@@ -28,6 +27,7 @@ from coda_memory.cli.app import (
 from coda_memory.cli.output import (
     add_row,
     fmt_bytes,
+    identities_progress,
     make_console,
     new_table,
     note,
@@ -259,14 +259,7 @@ async def _consolidate_each(
     if not identities:
         return summary
     queue = iter(identities)
-    progress = Progress(
-        TextColumn("consolidating"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TextColumn("identities"),
-        TimeElapsedColumn(),
-        console=make_console(stderr=True),
-    )
+    progress = identities_progress("consolidating")
     task = progress.add_task("consolidating", total=len(identities))
 
     async def worker() -> None:
@@ -349,14 +342,7 @@ def prune(
         await require_revision(store, target, "prune", "0008")
         await require_writable(store)
         total = await maintenance.count_checkpointed(store)
-        progress = Progress(
-            TextColumn("pruning"),
-            BarColumn(),
-            MofNCompleteColumn(),
-            TextColumn("identities"),
-            TimeElapsedColumn(),
-            console=make_console(stderr=True),
-        )
+        progress = identities_progress("pruning")
         task = progress.add_task("pruning", total=total)
         with progress:
             return await maintenance.prune_consolidated(

@@ -6,11 +6,11 @@ from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Annotated
 
 import typer
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from coda_memory.cli.app import FormatOption, OutputFormat, SchemaOption, UrlOption, app
 from coda_memory.cli.output import (
     add_row,
+    identities_progress,
     make_console,
     new_table,
     note,
@@ -117,14 +117,7 @@ def import_redis(
                 raise CliError(
                     f"cannot connect to Redis at {masked_url(redis_url)}: {exc}"
                 ) from exc
-            progress = Progress(
-                TextColumn("checking" if dry_run else "copying"),
-                BarColumn(),
-                MofNCompleteColumn(),
-                TextColumn("identities"),
-                TimeElapsedColumn(),
-                console=make_console(stderr=True),
-            )
+            progress = identities_progress("checking" if dry_run else "copying")
             task = progress.add_task("import", total=None)
 
             def advance(identity: str, done: int, total: int) -> None:

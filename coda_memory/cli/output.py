@@ -14,6 +14,7 @@ import typer
 from pydantic import BaseModel
 from rich import box
 from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 from rich.text import Text
 
@@ -36,6 +37,19 @@ def make_console(*, stderr: bool = False) -> Console:
     if not console.is_terminal and not os.environ.get("COLUMNS"):
         console.width = PIPE_WIDTH
     return console
+
+
+def identities_progress(doing: str) -> Progress:
+    """A progress bar on stderr of the identities a command has done, out of how many
+    (``doing``: what it does to them, as "pruning")."""
+    return Progress(
+        TextColumn(doing),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("identities"),
+        TimeElapsedColumn(),
+        console=make_console(stderr=True),
+    )
 
 
 def note(message: str) -> None:
