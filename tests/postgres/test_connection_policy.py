@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -70,20 +71,30 @@ async def through_asyncpg(conn: AsyncConnection) -> int:
 WORK = [through_sqlalchemy, through_asyncpg]
 
 
+async def dividing_by_zero(conn: AsyncConnection) -> None:
+    await conn.execute(text("SELECT 1 / 0"))
+
+
+@dataclass
+class Counted:
+    """``statement`` as the work given to :func:`run`, counting the attempts made."""
+
+    statement: Callable[[AsyncConnection], Awaitable[Any]]
+    attempts: int = 0
+
+    async def __call__(self, conn: AsyncConnection) -> Any:
+        self.attempts += 1
+        return await self.statement(conn)
+
+
 @pytest.mark.parametrize("statement", WORK, ids=["sqlalchemy", "asyncpg"])
 async def test_idempotent_work_on_a_dead_connection_runs_once_more(
     pg_store: PostgresStore, admin_url: str, statement: Callable[..., Awaitable[int]]
 ) -> None:
-    attempts = 0
-
-    async def work(conn: AsyncConnection) -> int:
-        nonlocal attempts
-        attempts += 1
-        return await statement(conn)
-
+    work = Counted(statement)
     await kill_pooled_connections(pg_store, admin_url)
     assert await run(pg_store.engine, pg_store.schema, work, idempotent=True) == 1
-    assert attempts == 2
+    assert work.attempts == 2
 
 
 async def test_connections_found_dead_together_replace_the_pool_once(
@@ -107,17 +118,11 @@ async def test_connections_found_dead_together_replace_the_pool_once(
 async def test_other_work_on_a_dead_connection_is_not_retried(
     pg_store: PostgresStore, admin_url: str, statement: Callable[..., Awaitable[int]]
 ) -> None:
-    attempts = 0
-
-    async def work(conn: AsyncConnection) -> int:
-        nonlocal attempts
-        attempts += 1
-        return await statement(conn)
-
+    work = Counted(statement)
     await kill_pooled_connections(pg_store, admin_url)
     with pytest.raises(ConnectionLost):
         await run(pg_store.engine, pg_store.schema, work, idempotent=False)
-    assert attempts == 1
+    assert work.attempts == 1
     # The dead pool was replaced: the next work runs at the first attempt.
     assert await run(pg_store.engine, pg_store.schema, work, idempotent=False) == 1
 
@@ -125,16 +130,10 @@ async def test_other_work_on_a_dead_connection_is_not_retried(
 async def test_an_error_that_is_not_a_dead_connection_is_not_retried(
     pg_store: PostgresStore,
 ) -> None:
-    attempts = 0
-
-    async def work(conn: AsyncConnection) -> None:
-        nonlocal attempts
-        attempts += 1
-        await conn.execute(text("SELECT 1 / 0"))
-
+    work = Counted(dividing_by_zero)
     with pytest.raises(Exception, match="division by zero"):
         await run(pg_store.engine, pg_store.schema, work, idempotent=True)
-    assert attempts == 1
+    assert work.attempts == 1
 
 
 async def consolidation(store: PostgresStore) -> Any:
