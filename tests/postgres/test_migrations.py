@@ -361,28 +361,35 @@ def test_offline_mode_emits_the_ddl() -> None:
         assert first == "SELECT set_config('lock_timeout', '5s', true) AS set_config_1;"
 
 
+async def upgrade_from_0001_held_out(url: str, lock: str, *, wait: float) -> None:
+    """From 0001, an upgrade while another connection's transaction holds ``lock`` (a LOCK
+    TABLE statement) fails on its lock timeout, within 15 s (``wait``: how long it may
+    take before it counts as waiting for good); released, the upgrade goes to head."""
+    await migrate_async(url, revision="0001")
+    holder = await asyncpg.connect(url.replace("postgresql+asyncpg://", "postgresql://"))
+    try:
+        held = holder.transaction()
+        await held.start()
+        await holder.execute(lock)
+        started = asyncio.get_running_loop().time()
+        with pytest.raises(Exception, match="lock timeout"):
+            await asyncio.wait_for(migrate_async(url), wait)
+        assert asyncio.get_running_loop().time() - started < 15
+        await held.rollback()
+    finally:
+        await holder.close()
+    await migrate_async(url)
+    assert await fetch(url, "SELECT version_num FROM coda_memory.alembic_version") == [(HEAD,)]
+
+
 async def test_an_upgrade_past_0002_waits_for_a_held_table_at_most_its_lock_timeout(
     empty_pg_url: str,
 ) -> None:
     """From 0001 on, the transaction after 0002's index builds ran with no lock timeout:
     the upgrade queued behind a lock on checkpoints for as long as it was held."""
-    await migrate_async(empty_pg_url, revision="0001")
-    holder = await asyncpg.connect(empty_pg_url.replace("postgresql+asyncpg://", "postgresql://"))
-    try:
-        lock = holder.transaction()
-        await lock.start()
-        await holder.execute("LOCK TABLE coda_memory.checkpoints IN ACCESS SHARE MODE")
-        started = asyncio.get_running_loop().time()
-        with pytest.raises(Exception, match="lock timeout"):
-            await asyncio.wait_for(migrate_async(empty_pg_url), 30)
-        assert asyncio.get_running_loop().time() - started < 15
-        await lock.rollback()
-    finally:
-        await holder.close()
-    await migrate_async(empty_pg_url)
-    assert await fetch(empty_pg_url, "SELECT version_num FROM coda_memory.alembic_version") == [
-        (HEAD,)
-    ]
+    await upgrade_from_0001_held_out(
+        empty_pg_url, "LOCK TABLE coda_memory.checkpoints IN ACCESS SHARE MODE", wait=30
+    )
 
 
 def test_invalid_schema_names_never_reach_the_database() -> None:
@@ -651,23 +658,10 @@ async def test_an_upgrade_from_0001_waits_for_a_writer_of_facts_at_most_its_lock
     """0002 builds its indexes CONCURRENTLY, each statement a transaction of its own, in
     which the migration's transaction-local lock timeout no longer held: the build
     waited for an open transaction that wrote facts for as long as it stayed open."""
-    await migrate_async(empty_pg_url, revision="0001")
-    holder = await asyncpg.connect(empty_pg_url.replace("postgresql+asyncpg://", "postgresql://"))
-    try:
-        lock = holder.transaction()
-        await lock.start()
-        await holder.execute("LOCK TABLE coda_memory.facts IN ROW EXCLUSIVE MODE")
-        started = asyncio.get_running_loop().time()
-        with pytest.raises(Exception, match="lock timeout"):
-            await asyncio.wait_for(migrate_async(empty_pg_url), 60)
-        assert asyncio.get_running_loop().time() - started < 15
-        await lock.rollback()
-    finally:
-        await holder.close()
-    await migrate_async(empty_pg_url)  # the interrupted build is dropped and done again
-    assert await fetch(empty_pg_url, "SELECT version_num FROM coda_memory.alembic_version") == [
-        (HEAD,)
-    ]
+    # Once released, the interrupted build is dropped and done again.
+    await upgrade_from_0001_held_out(
+        empty_pg_url, "LOCK TABLE coda_memory.facts IN ROW EXCLUSIVE MODE", wait=60
+    )
     assert await asyncio.to_thread(_invalid_indexes, empty_pg_url) == []
 
 
