@@ -22,6 +22,8 @@ import struct
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
+from sqlalchemy.engine import make_url
+
 #: What to do at the n-th COMMIT (counted over every connection, from 1): None
 #: (forward it), "cut" or "blackhole".
 Decision = Callable[[int], str | None]
@@ -49,6 +51,27 @@ class FaultProxy:
     _server: asyncio.Server | None = None
     _held: list[asyncio.StreamWriter] = field(default_factory=list)
     _tasks: set[asyncio.Task[None]] = field(default_factory=set)
+
+    @classmethod
+    def in_front_of(
+        cls,
+        url: str,
+        decide: Decision,
+        *,
+        before_cut: Callable[[], Awaitable[None]] | None = None,
+    ) -> FaultProxy:
+        """A proxy to the server of ``url`` (SQLAlchemy's): its TCP address, or the
+        directory of its Unix socket, which a server on one (the embedded one) names in
+        the query."""
+        target = make_url(url)
+        socket_dir = target.query.get("host")
+        return cls(
+            target.host or "127.0.0.1",
+            target.port or 5432,
+            decide,
+            socket_dir=socket_dir if isinstance(socket_dir, str) else None,
+            before_cut=before_cut,
+        )
 
     async def start(self) -> int:
         self._server = await asyncio.start_server(self._accept, "127.0.0.1", 0)

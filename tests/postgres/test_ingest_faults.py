@@ -23,7 +23,7 @@ from coda_memory import MemoryService, NewObservation
 from coda_memory.postgres.connection import GRACEFUL_CLOSE
 from tests.helpers import FakeClock, domain, entity, tool_ok
 from tests.postgres.fault_proxy import FaultProxy
-from tests.postgres.helpers import fetch
+from tests.postgres.helpers import dsn, fetch
 
 IDENTITIES = [f"user-{n}@example.com" for n in range(7)]
 
@@ -77,14 +77,7 @@ async def test_close_ends_connections_whose_server_does_not_answer_without_an_er
     # connection (its Terminate message) is never answered. Cancelled half-way, SQLAlchemy's
     # pool logged "Exception closing connection" at ERROR, with a traceback, per connection,
     # and close() waited out its whole grace.
-    target = make_url(pg_url)
-    socket_dir = target.query.get("host")
-    proxy = FaultProxy(
-        target.host or "127.0.0.1",
-        target.port or 5432,
-        lambda _commit: None,
-        socket_dir=socket_dir if isinstance(socket_dir, str) else None,
-    )
+    proxy = FaultProxy.in_front_of(pg_url, lambda _commit: None)
     port = await proxy.start()
     service = MemoryService.from_url(
         _via(port, pg_url), clock=FakeClock(), connect_args={"ssl": False}, pool_size=3
@@ -108,7 +101,6 @@ async def test_close_ends_connections_whose_server_does_not_answer_without_an_er
 
 
 async def test_lost_commit_acknowledgements_store_nothing_twice(pg_url: str) -> None:
-    target = make_url(pg_url)
     # Every other COMMIT is cut until ten were, then (later) one is swallowed.
     plan: dict[str, Any] = {"cut": 10, "blackhole": False}
 
@@ -121,14 +113,7 @@ async def test_lost_commit_acknowledgements_store_nothing_twice(pg_url: str) -> 
             return "cut"
         return None
 
-    # A server on a Unix socket (the embedded one) names its directory in the query.
-    socket_dir = target.query.get("host")
-    proxy = FaultProxy(
-        target.host or "127.0.0.1",
-        target.port or 5432,
-        decide,
-        socket_dir=socket_dir if isinstance(socket_dir, str) else None,
-    )
+    proxy = FaultProxy.in_front_of(pg_url, decide)
     port = await proxy.start()
     service = MemoryService.from_url(
         _via(port, pg_url),
@@ -188,8 +173,6 @@ async def test_a_commit_landed_unacknowledged_is_stored_once_when_a_lock_then_ho
     # (on a new connection) finds ingest_batches locked: StoreBusy. The writer took its next
     # try for a first attempt, which records the key without looking for it (in the spill
     # table, ingest_batches being locked) and stored the batch a second time.
-    target = make_url(pg_url)
-    socket_dir = target.query.get("host")
     plan = {"cut": True}
 
     def decide(_commit: int) -> str | None:
@@ -198,7 +181,7 @@ async def test_a_commit_landed_unacknowledged_is_stored_once_when_a_lock_then_ho
             return "cut"
         return None
 
-    locker = await asyncpg.connect(target.set(drivername="postgresql").render_as_string(False))
+    locker = await asyncpg.connect(dsn(pg_url))
     lock = locker.transaction()
 
     async def lock_batches_once_committed() -> None:
@@ -206,13 +189,7 @@ async def test_a_commit_landed_unacknowledged_is_stored_once_when_a_lock_then_ho
         await lock.start()
         await locker.execute("LOCK TABLE coda_memory.ingest_batches IN ACCESS EXCLUSIVE MODE")
 
-    proxy = FaultProxy(
-        target.host or "127.0.0.1",
-        target.port or 5432,
-        decide,
-        socket_dir=socket_dir if isinstance(socket_dir, str) else None,
-        before_cut=lock_batches_once_committed,
-    )
+    proxy = FaultProxy.in_front_of(pg_url, decide, before_cut=lock_batches_once_committed)
     port = await proxy.start()
     service = MemoryService.from_url(
         _via(port, pg_url),
