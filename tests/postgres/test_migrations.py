@@ -12,6 +12,8 @@ import subprocess
 import sys
 import threading
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -153,12 +155,22 @@ def decaying_views(url: str, role: str) -> list[tuple[str, bool, bool, bool]]:
     return [(row[0], row[1], row[2], row[3]) for row in rows]
 
 
-def test_0012_caps_the_views_decay_in_place(empty_pg_url: str) -> None:
-    role = f"coda_mig_analyst_{secrets.token_hex(4)}"
-    assert alembic(empty_pg_url, "upgrade", "0011").returncode == 0
-    asyncio.run(superuser(empty_pg_url, f'CREATE ROLE "{role}" NOLOGIN'))
+@contextmanager
+def granted_role(url: str, kind: str) -> Iterator[str]:
+    """A new role with the grants of ``kind`` ("app" or "analyst") on the schema as it
+    stands; on leaving, what it was granted and the role are dropped."""
+    role = f"coda_mig_{kind}_{secrets.token_hex(4)}"
+    asyncio.run(superuser(url, f'CREATE ROLE "{role}" NOLOGIN'))
     try:
-        asyncio.run(superuser(empty_pg_url, grant_script("analyst", role, "coda_memory")))
+        asyncio.run(superuser(url, grant_script(kind, role, "coda_memory")))
+        yield role
+    finally:
+        asyncio.run(superuser(url, f'DROP OWNED BY "{role}"', f'DROP ROLE "{role}"'))
+
+
+def test_0012_caps_the_views_decay_in_place(empty_pg_url: str) -> None:
+    assert alembic(empty_pg_url, "upgrade", "0011").returncode == 0
+    with granted_role(empty_pg_url, "analyst") as role:
         # The analyst reads the aggregate views, not active_facts (it has identity_id).
         granted = {"active_facts": False}
         before = decaying_views(empty_pg_url, role)
@@ -176,8 +188,6 @@ def test_0012_caps_the_views_decay_in_place(empty_pg_url: str) -> None:
         downgraded = alembic(empty_pg_url, "downgrade", "0011")
         assert downgraded.returncode == 0, downgraded.stderr
         assert decaying_views(empty_pg_url, role) == before
-    finally:
-        asyncio.run(superuser(empty_pg_url, f'DROP OWNED BY "{role}"', f'DROP ROLE "{role}"'))
 
 
 #: The views that 0013 puts under the k-anonymity floor.
@@ -202,11 +212,8 @@ def floored_views(url: str, role: str) -> list[tuple[str, str, bool, str, Any]]:
 
 
 def test_0013_puts_the_views_under_the_floor_in_place(empty_pg_url: str) -> None:
-    role = f"coda_mig_analyst_{secrets.token_hex(4)}"
     assert alembic(empty_pg_url, "upgrade", "0012").returncode == 0
-    asyncio.run(superuser(empty_pg_url, f'CREATE ROLE "{role}" NOLOGIN'))
-    try:
-        asyncio.run(superuser(empty_pg_url, grant_script("analyst", role, "coda_memory")))
+    with granted_role(empty_pg_url, "analyst") as role:
         before = floored_views(empty_pg_url, role)
         window = "SELECT pg_get_viewdef('coda_memory.analytics_window'::regclass)"
         window_before = asyncio.run(fetch(empty_pg_url, window))
@@ -237,8 +244,6 @@ def test_0013_puts_the_views_under_the_floor_in_place(empty_pg_url: str) -> None
         assert "analytics_floor" not in tables_in(empty_pg_url, "coda_memory")
         reader = "SELECT to_regclass('coda_memory.analytics_reader_floor') IS NULL"
         assert asyncio.run(fetch(empty_pg_url, reader)) == [(True,)]
-    finally:
-        asyncio.run(superuser(empty_pg_url, f'DROP OWNED BY "{role}"', f'DROP ROLE "{role}"'))
 
 
 def vacuum_truncate_off(url: str, schema: str) -> list[str]:
@@ -705,11 +710,7 @@ def test_an_app_role_keeps_its_grants_through_a_downgrade_below_0003(empty_pg_ur
     """0003 gave the import ledger no grant: after a downgrade below it and an upgrade,
     the app role could no longer forget (it deletes the identity's ledger rows)."""
     migrate(empty_pg_url)
-    role = f"coda_mig_app_{secrets.token_hex(4)}"
-    asyncio.run(
-        superuser(empty_pg_url, f'CREATE ROLE "{role}"', grant_script("app", role, "coda_memory"))
-    )
-    try:
+    with granted_role(empty_pg_url, "app") as role:
         assert alembic(empty_pg_url, "downgrade", "0002").returncode == 0
         migrate(empty_pg_url)
         granted = asyncio.run(
@@ -723,8 +724,6 @@ def test_an_app_role_keeps_its_grants_through_a_downgrade_below_0003(empty_pg_ur
         )
         # What grant_app.sql gives, no more.
         assert dict(granted) == {"SELECT": True, "DELETE": True, "INSERT": False, "UPDATE": False}
-    finally:
-        asyncio.run(superuser(empty_pg_url, f'DROP OWNED BY "{role}"', f'DROP ROLE "{role}"'))
 
 
 async def test_a_migration_on_a_callers_connection_does_not_wait_inside_its_transaction(
