@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 import weakref
 from collections.abc import Callable
@@ -54,7 +55,12 @@ class LogThrottle:
     held the first of them says it, once the cause has been quiet for ``interval`` after
     its window (a timer handle per cause with lines held, no task; off an event loop,
     nothing is scheduled), and so does :meth:`flush`, which a service calls when it
-    closes."""
+    closes.
+
+    Lines come from any thread (an emit of another thread meets a full queue), so the
+    counts and times of each cause change under a lock; the line itself is written
+    after it is released (a log handler that logs through the throttle again must not
+    wait for it)."""
 
     def __init__(
         self,
@@ -71,6 +77,8 @@ class LogThrottle:
         self._levels: dict[str, int] = {}
         #: The timer that reports each cause's held lines when no later line does.
         self._timers: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.TimerHandle]] = {}
+        #: Held while the counts and times above are read and changed.
+        self._lock = threading.Lock()
         _THROTTLES.add(self)
 
     def debug(self, cause: str, message: str, *args: Any) -> None:
@@ -88,16 +96,21 @@ class LogThrottle:
     def _log(
         self, level: int, cause: str, message: str, args: tuple[Any, ...], exc_info: bool
     ) -> None:
-        now = self.clock()
-        last = self._last.get(cause)
-        if last is not None and now - last < self.interval:
-            self._held[cause] = self._held.get(cause, 0) + 1
-            self._levels[cause] = max(level, self._levels.get(cause, level))
-            self._schedule(cause, self._quiet_at(last) - now)
-            return
-        self._levels.pop(cause, None)
-        held = self._held.pop(cause, 0)
-        self._last[cause] = now
+        # (acquire and release rather than a with block: half its cost, on every line.)
+        self._lock.acquire()
+        try:
+            now = self.clock()
+            last = self._last.get(cause)
+            if last is not None and now - last < self.interval:
+                self._held[cause] = self._held.get(cause, 0) + 1
+                self._levels[cause] = max(level, self._levels.get(cause, level))
+                self._schedule(cause, self._quiet_at(last) - now)
+                return
+            self._levels.pop(cause, None)
+            held = self._held.pop(cause, 0)
+            self._last[cause] = now
+        finally:
+            self._lock.release()
         suffix = (
             f" (and {held} more like it in the last {now - last:.1f}s)" if held and last else ""
         )
@@ -106,24 +119,35 @@ class LogThrottle:
     def flush(self) -> None:
         """Log, for each cause, the lines held back since its last line, which no later
         line of the cause has reported (one line per cause; then none are held)."""
-        now = self.clock()
-        for cause in sorted(self._held):
-            self._report(cause, now)
-        for _, timer in self._timers.values():
+        with self._lock:
+            now = self.clock()
+            reports = [self._held_back(cause, now) for cause in sorted(self._held)]
+            timers = [timer for _, timer in self._timers.values()]
+            self._timers.clear()
+        for timer in timers:
             timer.cancel()
-        self._timers.clear()
+        for report in reports:
+            self._report(report)
 
-    def _report(self, cause: str, now: float) -> None:
-        """The line that says how many lines of ``cause`` were held back (none held:
-        nothing), after which none are."""
+    def _held_back(self, cause: str, now: float) -> tuple[str, int, int, float]:
+        """``cause``'s held lines, taken (none are held after it): the cause, the level
+        of its report, how many were held and over how many seconds. Called with the
+        lock held."""
         held = self._held.pop(cause, 0)
         level = self._levels.pop(cause, logging.WARNING)
+        since = now - self._last.get(cause, now)
+        if held:
+            # A line of the cause too: the next one waits an interval after it (a line
+            # half a second after this report made two of one cause in a second).
+            self._last[cause] = now
+        return cause, level, held, since
+
+    def _report(self, report: tuple[str, int, int, float]) -> None:
+        """The line that says how many lines of a cause were held back (none held:
+        nothing); ``report`` is :meth:`_held_back`'s."""
+        cause, level, held, since = report
         if not held:
             return
-        since = now - self._last.get(cause, now)
-        # A line of the cause too: the next one waits an interval after it (a line half
-        # a second after this report made two of one cause in a second).
-        self._last[cause] = now
         # The cause in the template, not an argument: a line per cause, each its own
         # template, as a log handler that groups lines by template counts causes.
         named = repr(cause).replace("%", "%%")
@@ -142,7 +166,8 @@ class LogThrottle:
 
     def _schedule(self, cause: str, delay: float) -> None:
         """Have the running event loop report ``cause``'s held lines after ``delay``
-        seconds, unless a timer of a loop still open is set for it already."""
+        seconds, unless a timer of a loop still open is set for it already. Called with
+        the lock held."""
         set_for = self._timers.get(cause)
         if set_for is not None and not set_for[0].is_closed():
             return
@@ -157,17 +182,18 @@ class LogThrottle:
     def _when_quiet(self, cause: str) -> None:
         """The timer of ``cause``: its held lines are reported once the cause has had no
         line for ``interval``; a line logged since moved that on, so wait for it."""
-        self._timers.pop(cause, None)
-        if not self._held.get(cause):
-            return
-        now = self.clock()
-        last = self._last.get(cause)
-        if last is not None and now < self._quiet_at(last):
-            self._schedule(cause, self._quiet_at(last) - now)
-            return
-        self._report(cause, now)
-        # The report is the cause's line of this interval.
-        self._last[cause] = now
+        with self._lock:
+            self._timers.pop(cause, None)
+            if not self._held.get(cause):
+                return
+            now = self.clock()
+            last = self._last.get(cause)
+            if last is not None and now < self._quiet_at(last):
+                self._schedule(cause, self._quiet_at(last) - now)
+                return
+            # (The report is the cause's line of this interval: _held_back notes it.)
+            report = self._held_back(cause, now)
+        self._report(report)
 
 
 class CapCounter:

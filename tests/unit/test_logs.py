@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import re
 import subprocess
 import sys
+import threading
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -15,7 +17,9 @@ import pytest
 
 import coda_memory
 from coda_memory.core import logs
+from coda_memory.core.caps import LogThrottle
 from coda_memory.core.logs import identity_label, short_error, without_identities
+from tests.thread_switches import switches_after_calls
 
 
 def test_an_identity_in_an_error_message_becomes_its_label() -> None:
@@ -188,3 +192,92 @@ def test_a_value_the_server_quotes_in_its_message_is_not_logged(message: str, lo
     error = asyncpg.exceptions.DataError(message)
     assert short_error(error) == f"DataError: {logged}"
     assert error_reason(error) == logged
+
+
+class _Kept(logging.Handler):
+    """The records logged, from any thread."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+class _AnnouncedLock:
+    """The throttle's lock, which says when a thread finds it held: that thread waits
+    for it from then on (see :func:`test_a_throttle_keeps_its_limit_and_count_across_threads`)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        #: Each waiting thread's event, by thread id.
+        self.blocked: dict[int, threading.Event] = {}
+
+    def acquire(self) -> None:
+        if not self._lock.acquire(blocking=False):
+            blocked = self.blocked.get(threading.get_ident())  # (none for the test's own)
+            if blocked is not None:
+                blocked.set()
+            self._lock.acquire()
+
+    def release(self) -> None:
+        self._lock.release()
+
+    def __enter__(self) -> None:
+        self.acquire()
+
+    def __exit__(self, *_: object) -> None:
+        self.release()
+
+
+def test_a_throttle_keeps_its_limit_and_count_across_threads(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The writer logs what emits of any thread meet (a full queue, a rejection), through
+    one throttle: a switch of threads inside a line's check let another thread's line
+    of the cause through in the same interval (two lines where one was allowed), and an
+    increment of the held count read before the other thread's and written after it
+    lost that one from the count the next line gives. Another thread logs at every
+    point after a call where the GIL could pass to it."""
+    handler = _Kept()
+    records = handler.records
+    logger = logging.getLogger("coda_memory.test.threads")
+    logger.addHandler(handler)
+    monkeypatch.setattr(logger, "propagate", False)
+    throttle = LogThrottle(logger, 1.0, clock=lambda: 100.0)
+    lock = _AnnouncedLock()
+    monkeypatch.setattr(throttle, "_lock", lock, raising=False)
+    threads: list[threading.Thread] = []
+    main = threading.get_ident()
+
+    def log_from_another_thread() -> None:
+        if threading.get_ident() != main or len(threads) >= 20:
+            return
+        done_or_blocked = threading.Event()
+
+        def run() -> None:
+            lock.blocked[threading.get_ident()] = done_or_blocked
+            throttle.warning("queue full", "coda-memory: dropped")
+            done_or_blocked.set()
+
+        thread = threading.Thread(target=run)
+        threads.append(thread)
+        thread.start()
+        assert done_or_blocked.wait(10), "the other thread neither ran nor waited"
+
+    try:
+        with switches_after_calls(LogThrottle._log, log_from_another_thread):
+            for _ in range(3):
+                throttle.warning("queue full", "coda-memory: dropped")
+        for thread in threads:
+            thread.join(10)
+        assert threads and not any(thread.is_alive() for thread in threads)
+        lines = [record.getMessage() for record in records]
+        assert lines == ["coda-memory: dropped"], "one line in the interval"
+        throttle.flush()
+        held = records[-1].args
+        assert isinstance(held, tuple)
+        assert held[0] == 3 + len(threads) - 1, "every line is counted, once"
+    finally:
+        logger.removeHandler(handler)

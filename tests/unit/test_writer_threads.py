@@ -9,13 +9,8 @@ point that follows a call, which is where a real switch could run it.
 
 from __future__ import annotations
 
-import dis
-import sys
-from collections.abc import AsyncIterator, Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from types import FrameType
-from typing import Any
 
 import pytest
 
@@ -23,82 +18,10 @@ from coda_memory import MemoryService, NewObservation, ObservationType
 from coda_memory.testing import InMemoryStore
 from coda_memory.writer import ObservationWriter
 from tests.helpers import FakeClock, tool_ok
+from tests.thread_switches import switches_after_calls
 
 #: On both event loops (see tests/conftest.py).
 pytestmark = pytest.mark.both_loops
-
-
-#: The instructions that call (3.11's to 3.13's).
-_CALLS = frozenset({"CALL", "CALL_KW", "CALL_FUNCTION_EX"})
-
-
-@contextmanager
-def switches_after_calls(method: Callable[..., Any], switch: Callable[[], None]) -> Iterator[None]:
-    """Run ``switch`` inside ``method`` after each call it makes, as another thread that
-    the GIL was handed to there would run."""
-    code = method.__code__
-    if sys.version_info >= (3, 12):
-        with _monitored_after_calls(code, switch):
-            yield
-        return
-
-    #: The last instruction each traced frame ran.
-    frame_state: dict[int, int] = {}
-
-    def local_with_state(frame: FrameType, event: str, arg: Any) -> Any:
-        if event == "opcode":
-            previous = frame_state.get(id(frame))
-            if previous is not None and dis.opname[code.co_code[previous]] in _CALLS:
-                switch()
-            frame_state[id(frame)] = frame.f_lasti
-        return local_with_state
-
-    def tracer(frame: FrameType, event: str, arg: Any) -> Any:
-        if frame.f_code is not code:
-            return None
-        frame.f_trace_opcodes = True
-        frame.f_trace_lines = False
-        frame_state.pop(id(frame), None)
-        return local_with_state
-
-    before = sys.gettrace()
-    sys.settrace(tracer)
-    try:
-        yield
-    finally:
-        sys.settrace(before)
-
-
-@contextmanager
-def _monitored_after_calls(code: Any, switch: Callable[[], None]) -> Iterator[None]:
-    """:func:`switches_after_calls` by ``sys.monitoring`` (3.12 on, where a trace
-    function's opcode events reach a code object only from its next call on): events
-    of ``code`` alone, every instruction, the first of each call starting afresh."""
-    monitoring: Any = getattr(sys, "monitoring")  # noqa: B009  (3.12 on)
-    tool = next(t for t in range(6) if monitoring.get_tool(t) is None)
-    events = monitoring.events
-    previous: list[int | None] = [None]
-
-    def started(_code: Any, _offset: int) -> None:
-        previous[0] = None
-
-    def instruction(_code: Any, offset: int) -> None:
-        last = previous[0]
-        if last is not None and dis.opname[code.co_code[last]] in _CALLS:
-            switch()
-        previous[0] = offset
-
-    monitoring.use_tool_id(tool, "switches_after_calls")
-    try:
-        monitoring.register_callback(tool, events.PY_START, started)
-        monitoring.register_callback(tool, events.INSTRUCTION, instruction)
-        monitoring.set_local_events(tool, code, events.PY_START | events.INSTRUCTION)
-        yield
-    finally:
-        monitoring.set_local_events(tool, code, 0)
-        monitoring.register_callback(tool, events.PY_START, None)
-        monitoring.register_callback(tool, events.INSTRUCTION, None)
-        monitoring.free_tool_id(tool)
 
 
 def _held_bytes_of_queue(service: MemoryService) -> int:
