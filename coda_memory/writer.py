@@ -339,7 +339,12 @@ class ObservationWriter:
                 self._refused_emit(emitted)
                 self._drop(1, reason)
                 return
-            created_at = obs.created_at if obs.created_at is not None else self.clock()
+            created_at = obs.created_at
+            if created_at is None:
+                try:
+                    created_at = self.clock()
+                except Exception as error:  # the host's clock: the observation stays
+                    created_at = self._clock_failed(error)
             self._queue.append(_queued(identity_id, obs, created_at, size, emitted))
             self._held_bytes += size
         except Exception as error:  # the fire-and-forget boundary: log, count, carry on
@@ -899,7 +904,10 @@ class ObservationWriter:
         records: list[ObservationRecord] = []
         # In UTC: the skew added to a local time (a clock in a ZoneInfo zone) is added to
         # the wall clock, which the fall back of daylight saving time stretches by an hour.
-        now = self.clock().astimezone(UTC)
+        try:
+            now = self.clock().astimezone(UTC)
+        except Exception as error:  # the host's clock: the batch stays (see _clock_failed)
+            now = self._clock_failed(error)
         try:
             latest = now + self.max_clock_skew
         except OverflowError:  # a clock at the end of datetime's range: none is later
@@ -944,6 +952,19 @@ class ObservationWriter:
             self._reject(identity_id, reason)
         self._future_clamped += clamped
         return kept, records
+
+    def _clock_failed(self, error: Exception) -> datetime:
+        """The system's UTC time, for a read of the host's clock that raised ``error``
+        (logged by its class: the host's message may say anything). An emit dates its
+        observation by it, and the writer checks a batch's dates against it: the
+        observations are kept, where a clock that raised once lost them (the emit's was
+        counted as rejected, the writer's whole batch as dropped)."""
+        self._log.warning(
+            "clock failed",
+            "coda-memory: the clock raised %s; the system clock stood in for it",
+            type(error).__name__,
+        )
+        return datetime.now(UTC)
 
     def _reject(self, identity_id: str, reason: str) -> None:
         self._rejected += 1

@@ -13,6 +13,7 @@ import threading
 import warnings
 import weakref
 from collections.abc import Awaitable, Callable, Iterator, Sequence
+from datetime import UTC, datetime
 from functools import partial
 from typing import Any
 
@@ -1103,3 +1104,62 @@ async def test_emits_dropped_while_close_drains_do_not_cut_its_wait_short(
     stats = service.stats()
     assert (stats.emitted, stats.stored, stats.dropped, stats.pending) == (6, 3, 3, 0)
     assert await fetch(pg_url, "SELECT count(*) FROM coda_memory.observations") == [(3,)]
+
+
+class _FailingClock(FakeClock):
+    """A fake clock that raises on its next ``failures`` reads, as a host's clock may
+    (a clock of the host's own that reads a server's time, say)."""
+
+    failures = 0
+
+    def __call__(self) -> datetime:
+        if self.failures:
+            self.failures -= 1
+            raise OSError("the host's time source did not answer")
+        return super().__call__()
+
+
+async def test_a_clock_that_raises_as_a_batch_is_validated_loses_none_of_it(
+    pg_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The writer reads the clock once a batch (for the dates too far ahead): a clock
+    that raised there failed the writer, and the batch it held was dropped, counted and
+    lost. The batch is now checked against the system clock, with a log line."""
+    clock = _FailingClock()
+    service = MemoryService.from_url(pg_url, clock=clock)
+    try:
+        for n in range(5):
+            service.emit_observation("alice", tool_ok("get_account", f"s{n}", at=clock.now))
+        clock.failures = 1
+        with caplog.at_level(logging.WARNING, logger="coda_memory"):
+            await service.drain(10)
+        assert clock.failures == 0, "the writer read the clock"
+        stats = service.stats()
+        assert (stats.stored, stats.dropped, stats.rejected, stats.pending) == (5, 0, 0, 0)
+        rows = await fetch(pg_url, "SELECT count(*), min(created_at) FROM coda_memory.observations")
+        assert rows == [(5, clock.now)]
+        assert "the clock raised OSError" in caplog.text
+        assert "did not answer" not in caplog.text  # (its message is the host's)
+    finally:
+        await service.close()
+
+
+async def test_a_clock_that_raises_as_an_observation_is_emitted_loses_none(pg_url: str) -> None:
+    """emit_observation dates an observation that has no created_at by the clock: one
+    that raised there made the emit count it as rejected, never queued. It is now dated
+    by the system clock."""
+    clock = _FailingClock(datetime.now(UTC))  # (a date ahead of it would be clamped)
+    service = MemoryService.from_url(pg_url, clock=clock)
+    try:
+        clock.failures = 1
+        before = datetime.now(UTC)
+        service.emit_observation("alice", tool_ok("get_account"))
+        after = datetime.now(UTC)
+        assert clock.failures == 0, "the emit read the clock"
+        await service.drain(10)
+        stats = service.stats()
+        assert (stats.stored, stats.dropped, stats.rejected, stats.pending) == (1, 0, 0, 0)
+        rows = await fetch(pg_url, "SELECT created_at FROM coda_memory.observations")
+        assert len(rows) == 1 and before <= rows[0][0] <= after
+    finally:
+        await service.close()
