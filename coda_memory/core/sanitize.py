@@ -34,7 +34,9 @@ Observation policy:
   ``content``; string values have NUL and lone surrogates removed and are capped at
   1,000 characters. The Postgres store keeps metadata as ``jsonb``, which keeps a
   number's value, not its float form: ``-0.0`` comes back as ``0.0``, and a float with
-  a whole value that JSON writes with an exponent (``1e20``) as an integer.
+  a whole value that JSON writes with an exponent (``1e20``) as an integer. A value
+  or key of a ``str``, ``int`` or ``float`` subclass is kept as a plain one of its
+  value (JSON gives back plain ones, and ``memory://`` keeps what it is given).
 * Per type: ``tool_success``/``tool_failure`` need ``toolName`` matching
   :data:`~coda_memory.core.model.TOOL_NAME_PATTERN` (and, when the host gives a tool
   catalog, naming a tool in it); ``durationMs``, if present, is a finite number >= 0
@@ -305,6 +307,13 @@ def _check_created_at(value: object) -> datetime:
     return utc
 
 
+def _plain(text: str) -> str:
+    """``text`` as a plain ``str`` (a subclass's by its value, read without its own
+    methods): the stores that keep JSON give back plain strings, and ``memory://``,
+    which keeps what it is given, must too (as numbers are kept by their value)."""
+    return text if type(text) is str else str.__str__(text)
+
+
 def _type_name(value: object) -> str:
     return clean_text(type(value).__name__, 40)
 
@@ -349,7 +358,7 @@ class _MetadataCleaner:
             raise ObservationRejected("metadata is larger than 16 KiB")
         if isinstance(value, str):
             self.max_bytes += _MAX_CHAR_BYTES * len(value) + 3  # quotes and a comma
-            return _scrub(value, MAX_METADATA_STRING_CHARS, _value_drop)
+            return _plain(_scrub(value, MAX_METADATA_STRING_CHARS, _value_drop))
         self.max_bytes += _MAX_SCALAR_BYTES
         if value is None or isinstance(value, bool):
             return value
@@ -382,9 +391,9 @@ class _MetadataCleaner:
             if not isinstance(key, str):
                 raise ObservationRejected(f"{path} has a key of type {_type_name(key)}")
             if key.isascii() and key.isprintable() and len(key) <= MAX_CONTENT_CHARS:
-                clean_key = key  # the common case, as _scrub would find it
+                clean_key = key if type(key) is str else _plain(key)  # (as _scrub finds it)
             else:
-                clean_key = _scrub(key, MAX_CONTENT_CHARS, _content_drop)
+                clean_key = _plain(_scrub(key, MAX_CONTENT_CHARS, _content_drop))
                 self.renamed = True
             if clean_key in cleaned:
                 raise ObservationRejected(
@@ -466,13 +475,15 @@ def _check_entity(raw: dict[Any, Any], cleaned: dict[str, Any]) -> None:
     _require_identifier(raw, "entityType")
     entity_id = raw.get("entityId")
     if isinstance(entity_id, int) and not isinstance(entity_id, bool):
-        # Range-checked by the metadata walk, so the conversion is cheap.
-        entity_id = str(entity_id)
+        # By its value (the metadata walk's, range-checked, so the conversion is cheap):
+        # an int subclass's own str() may say anything ("a count" was rejected).
+        entity_id = cleaned["entityId"] = str(cleaned["entityId"])
     if entity_id is None:
         raise ObservationRejected("metadata.entityId is missing")
     if not is_identifier(entity_id):
         raise ObservationRejected("metadata.entityId does not match the identifier pattern")
-    cleaned["entityId"] = entity_id
+    # (A string id is kept as the metadata walk made it: plain, and whole, as an
+    # identifier has nothing that the walk removes and is shorter than its cap.)
     _optional_string(raw, "entityName")
     if "entityName" in cleaned:
         cleaned["entityName"] = data_text(cleaned["entityName"], MAX_ENTITY_NAME_CHARS)
@@ -545,7 +556,7 @@ def sanitize_fields(
         return ObservationRecord(
             identity_id=identity,
             type=kind,
-            content=_scrub(content, MAX_CONTENT_CHARS, _content_drop),
+            content=_plain(_scrub(content, MAX_CONTENT_CHARS, _content_drop)),
             metadata=cleaned,
             session_id=session,
             created_at=at,
