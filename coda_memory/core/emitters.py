@@ -526,14 +526,23 @@ def query_pattern_observation(
     characters); None for an empty or unmatched query.
 
     ``patterns`` defaults to :data:`DEFAULT_DOMAIN_PATTERNS`; domains that are not
-    identifiers are skipped.
+    identifiers are skipped. ``patterns`` that is not a mapping (a list of patterns, one
+    pattern) is a TypeError naming it, whatever the query.
     """
+    if patterns is None:
+        patterns = DEFAULT_DOMAIN_PATTERNS
+    elif not isinstance(patterns, Mapping):
+        # (Its .items() raised AttributeError, and only for a query that was a string.)
+        raise TypeError(
+            "patterns must be a mapping of domain to compiled pattern (or None), "
+            f"not {type(patterns).__name__}"
+        )
     if not isinstance(query, str):
         return None
     text = clean_text(query, MAX_QUERY_MATCH_CHARS)
     if not text:
         return None
-    for domain, pattern in (DEFAULT_DOMAIN_PATTERNS if patterns is None else patterns).items():
+    for domain, pattern in patterns.items():
         search = getattr(pattern, "search", None)  # a compiled pattern (re's, or regex's)
         if is_identifier(domain) and callable(search) and search(text):
             return NewObservation(

@@ -604,6 +604,26 @@ def test_a_query_or_patterns_of_another_shape_give_no_observation() -> None:
     assert query_pattern_observation("royalty totals", patterns=odd) is None
 
 
+@pytest.mark.parametrize(
+    "patterns",
+    [
+        [DEFAULT_DOMAIN_PATTERNS["royalty"]],
+        DEFAULT_DOMAIN_PATTERNS["royalty"],
+        "royalty|royalties",
+        ("royalty", DEFAULT_DOMAIN_PATTERNS["royalty"]),
+        7,
+    ],
+    ids=["list", "one-pattern", "str", "tuple", "int"],
+)
+def test_patterns_of_the_wrong_type_are_named(patterns: Any) -> None:
+    """Patterns that were no mapping raised AttributeError ('list' object has no
+    attribute 'items'), and only for a query that was a string: the host's mistake
+    showed in some requests, under another name."""
+    for query in ("royalty totals", "no domain here", None):
+        with pytest.raises(TypeError, match=r"^patterns must be a mapping .* not "):
+            query_pattern_observation(query, patterns=patterns)  # type: ignore[arg-type]
+
+
 @pytest.mark.parametrize("max_entities", [2.5, "5", -1, True])
 def test_max_entities_of_the_wrong_type_is_named(max_entities: Any) -> None:
     with pytest.raises(TypeError, match="max_entities"):
