@@ -40,6 +40,7 @@ from coda_memory.postgres.tenancy import (
     apply_grants,
     grant_script,
     quote_role,
+    tenancy_sql,
 )
 from coda_memory.postgres.unit import Statements
 from tests.helpers import FakeClock, domain, entity, tool_failed, tool_ok
@@ -1204,3 +1205,33 @@ async def test_entity_popularity_as_the_owner_reads_the_facts_of_its_top_entitie
     )
     # The facts of the three entities shown, and no other.
     assert facts_read == 30
+
+
+async def test_the_owner_policy_template_writes_the_policy_of_the_latest_migration(
+    tenancy: Tenancy,
+) -> None:
+    """A table that a later migration makes per-identity, from the template, gets the
+    owner's policy that 0020 left on the existing tables, not 0004's, which let a member
+    of the owner through without asking for every identity."""
+    owner = await tenancy.connect(tenancy.owner)
+    try:
+        await owner.execute(f"CREATE TABLE {SCHEMA}.later_table (identity_id text NOT NULL)")
+        for name in ("enable", "tenant_policy", "owner_policy"):
+            await owner.execute(tenancy_sql(name, SCHEMA, "later_table"))
+        rows = await owner.fetch(
+            "SELECT tablename, roles, qual, with_check FROM pg_catalog.pg_policies "
+            "WHERE schemaname = $1 AND policyname = 'all_identities'",
+            SCHEMA,
+        )
+    finally:
+        await owner.close()
+    policies = {
+        row["tablename"]: (tuple(row["roles"]), row["qual"], row["with_check"]) for row in rows
+    }
+    made = policies.pop("later_table")
+    assert set(policies) == {*PER_IDENTITY, *LEDGER, "rollup_owed"}
+    assert set(policies.values()) == {made}
+    roles, qual, with_check = made
+    assert roles == (tenancy.owner,)
+    assert qual == with_check
+    assert "pg_has_role" in qual and "CURRENT_USER" not in qual

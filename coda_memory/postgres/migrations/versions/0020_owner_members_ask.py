@@ -34,7 +34,7 @@ depends_on: str | Sequence[str] | None = None
 
 #: The policy's expression, as format()'s template of the setting, 'on' and the owner.
 MEMBERS_ASK = "'(SELECT current_setting(%L, true)) = %L OR (SELECT NOT pg_has_role(%L, ''USAGE''))'"
-#: 0004's (sql/tenancy/owner_policy.sql).
+#: 0004's (sql/tenancy/owner_policy_0004.sql); sql/tenancy/owner_policy.sql writes MEMBERS_ASK.
 OWNER_ONLY_ASKS = "'(SELECT current_setting(%L, true)) = %L OR current_user <> %L'"
 
 
