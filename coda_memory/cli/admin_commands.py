@@ -372,7 +372,11 @@ def stats(
     """Identities, observations (and how many are pending), facts, events, sizes."""
 
     result = run_on_store(
-        url, schema, lambda store, _: maintenance.store_stats(store), lock_wait=lock_wait
+        url,
+        schema,
+        lambda store, _: maintenance.store_stats(store),
+        prepare=lambda: StoreOptions(reads_only=True),
+        lock_wait=lock_wait,
     )
     if output is OutputFormat.JSON:
         print_json(result.model_dump(mode="json"))

@@ -169,7 +169,8 @@ def _analytics(
     def prepare() -> StoreOptions:
         checked_plot_path(plot)
         # An analyst's role reads the aggregate views, not every identity's rows.
-        return StoreOptions(across=False)
+        # It only reads: a statement_timeout that a DBA set on the role still applies.
+        return StoreOptions(across=False, reads_only=True)
 
     rows = run_on_store(
         query.url,

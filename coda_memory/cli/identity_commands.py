@@ -45,6 +45,7 @@ from coda_memory.cli.output import (
 from coda_memory.cli.runtime import (
     DEFAULT_LOCK_WAIT,
     CliError,
+    StoreOptions,
     Target,
     fail,
     require_identity,
@@ -60,6 +61,11 @@ from coda_memory.postgres import maintenance
 from coda_memory.postgres.schema import DEFAULT_SCHEMA
 from coda_memory.postgres.store import PostgresStore
 from coda_memory.service import MemoryService
+
+
+def _reads_only() -> StoreOptions:
+    """The store of a command that only reads: the role's statement_timeout applies."""
+    return StoreOptions(reads_only=True)
 
 
 @app.command()
@@ -80,7 +86,7 @@ def facts(
             store, identity
         )
 
-    active, pending = run_on_store(url, schema, work, lock_wait=lock_wait)
+    active, pending = run_on_store(url, schema, work, prepare=_reads_only, lock_wait=lock_wait)
     if output is OutputFormat.JSON:
         print_json(dump(active))
         return
@@ -132,7 +138,7 @@ def prompt(
         facts = await service.facts(identity)
         return format_memory_section(facts, budget), len(facts)
 
-    section, facts = run_on_store(url, schema, work, lock_wait=lock_wait)
+    section, facts = run_on_store(url, schema, work, prepare=_reads_only, lock_wait=lock_wait)
     if section:
         typer.echo(section)
     elif facts:
@@ -174,8 +180,9 @@ def history(
             raise CliError(f"unknown subject for {identity!r}: {subject!r}")
         return events
 
-    def prepare() -> None:
+    def prepare() -> StoreOptions:
         checked_plot_path(plot)
+        return StoreOptions(reads_only=True)
 
     events = run_on_store(url, schema, work, prepare=prepare, lock_wait=lock_wait)
     if plot is not None:

@@ -28,6 +28,7 @@ from coda_memory.cli.output import (
 )
 from coda_memory.cli.runtime import (
     CliError,
+    StoreOptions,
     Target,
     check_database_url,
     describe,
@@ -58,7 +59,7 @@ def _stored_events(url: str | None, schema: str) -> list[Event]:
         observations = await store.every_observation()
         return [e for o in observations if (e := observation_event(o)) is not None]
 
-    return run_on_store(url, schema, work)
+    return run_on_store(url, schema, work, prepare=lambda: StoreOptions(reads_only=True))
 
 
 def _check_redis_store(url: str) -> None:

@@ -28,6 +28,7 @@ from coda_memory.postgres.connection import (
     INSUFFICIENT_PRIVILEGE,
     LOCK_NOT_AVAILABLE,
     MAX_TIMEOUT,
+    QUERY_CANCELED,
     is_read_only,
     sqlstate,
     timeout_setting,
@@ -55,6 +56,12 @@ _LOCKED_OUT = (
 _READS_ONLY = (
     "the database only reads (a hot standby or read replica, a writer that a failover "
     "demoted, or default_transaction_read_only): run it against the primary"
+)
+
+#: Why the server cancels a command's statement.
+_CANCELED = (
+    "the commands that only read run under the statement_timeout that the role or the "
+    "database sets; or a cancel request ended it"
 )
 
 #: The environment variable that gives ``--url``.
@@ -140,6 +147,8 @@ def run(main: Callable[[], Coroutine[Any, Any, T]], schema: str = DEFAULT_SCHEMA
             fail(f"{_LOCKED_OUT}: run it again later", BUSY_EXIT_CODE)
         if is_read_only(exc):
             fail(_READS_ONLY)
+        if sqlstate(exc) == QUERY_CANCELED:
+            fail(f"the server cancelled a statement: {_first_line(exc)} ({_CANCELED})")
         if isinstance(exc, SchemaNotMigrated):
             hint = ""
         elif sqlstate(exc) == INSUFFICIENT_PRIVILEGE:
@@ -300,6 +309,7 @@ async def open_store(
     lock_timeout: timedelta | None = None,
     across: bool = True,
     lock_wait: timedelta | None = None,
+    reads_only: bool = False,
 ) -> AsyncIterator[PostgresStore]:
     """A store on the target, connected and (when ``migrated``) checked to be migrated;
     the embedded database is migrated here, any other only by ``migrate``. With
@@ -308,12 +318,18 @@ async def open_store(
     the command answer as if there were none. ``lock_timeout`` is the store's wait for an
     identity's checkpoint row; ``lock_wait`` (``--lock-wait``), when given, bounds every
     lock wait of every statement (a table that a migration or ``LOCK TABLE`` holds), and
-    the checkpoint row's too unless ``lock_timeout`` says otherwise."""
+    the checkpoint row's too unless ``lock_timeout`` says otherwise. A command that
+    ``reads_only`` keeps the ``statement_timeout`` of the role or the database."""
     options: dict[str, Any] = {}
-    # No statement_timeout of the role's or the database's (a managed server's parameter
-    # group): it ended a wait for a lock, which --lock-wait bounds, as a failure, and cut
-    # a long prune batch, count or erasure at every run.
-    settings: dict[str, str] = {**ALL_IDENTITIES, "statement_timeout": "0"}
+    settings: dict[str, str] = {**ALL_IDENTITIES}
+    if not reads_only:
+        # A command that writes must finish: no statement_timeout of the role's or the
+        # database's (a managed server's parameter group), which ended a wait for a lock
+        # that --lock-wait bounds as a failure, and cut a long prune batch, erasure or
+        # consolidation at every run. A command that only reads keeps the one a DBA set
+        # (an analyst's role, say): it reads on the admin pool, which sets none of its
+        # own. (The request pool, which only peeks and consolidations use, sets 0.)
+        settings["statement_timeout"] = "0"
     if lock_wait is not None:
         settings["lock_timeout"] = timeout_setting(lock_wait, "--lock-wait")
         options["table_lock_timeout"] = lock_wait
@@ -374,6 +390,8 @@ class StoreOptions:
     pool_size: int = 2
     lock_timeout: timedelta | None = None
     across: bool = True
+    #: The command only reads: it keeps the role's or the database's statement_timeout.
+    reads_only: bool = False
 
 
 def run_on_store(
@@ -404,6 +422,7 @@ def run_on_store(
             lock_timeout=options.lock_timeout,
             across=options.across,
             lock_wait=wait,
+            reads_only=options.reads_only,
         ) as store:
             try:
                 return await work(store, target)

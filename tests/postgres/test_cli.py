@@ -792,7 +792,7 @@ class ReleaseOnceWaitedPast(ReleaseOnceWaitedFor):
             await engine.dispose()
 
 
-@pytest.mark.parametrize("args", [["stats"], ["prune"], ["forget", "alice", "--yes"]])
+@pytest.mark.parametrize("args", [["prune"], ["forget", "alice", "--yes"]])
 def test_a_statement_timeout_of_the_database_does_not_cut_a_lock_wait_short(
     pg_url: str, args: list[str]
 ) -> None:
@@ -810,6 +810,32 @@ def test_a_statement_timeout_of_the_database_does_not_cut_a_lock_wait_short(
         watcher.join(10)
     assert watcher.saw_waiter
     assert result.exit_code == 0, result.output
+
+
+@pytest.mark.parametrize(
+    ("table", "args"),
+    [
+        ("observations", ["stats"]),
+        ("facts", ["facts", "alice"]),
+        ("facts", ["prompt", "alice"]),
+        ("fact_events", ["history", "alice"]),
+        ("tool_daily", ["analytics", "tools"]),
+    ],
+)
+def test_a_command_that_only_reads_keeps_the_statement_timeout_of_the_database(
+    pg_url: str, table: str, args: list[str]
+) -> None:
+    """A DBA's statement_timeout bounds the commands that only read: they set it to 0,
+    and a read that a held table kept waiting ran until --lock-wait (10 s) instead of the
+    200 ms the database allows a statement."""
+    seed_alice(pg_url)
+    database = make_url(pg_url).database
+    asyncio.run(fetch(pg_url, f"ALTER DATABASE \"{database}\" SET statement_timeout = '200ms'"))
+    with table_locked(pg_url, table):
+        result = run(*args, "--url", pg_url)
+    assert_one_line_error(result, 1, "the server cancelled a statement: canceling statement")
+    assert "due to statement timeout" in result.stderr
+    assert "statement_timeout that the role or the database sets" in result.stderr
 
 
 @pytest.mark.parametrize("how", ["coda-memory migrate", "alembic upgrade head"])

@@ -18,7 +18,7 @@ from sqlalchemy.engine import make_url
 from coda_memory.errors import AccessDenied
 from coda_memory.postgres import PostgresStore, maintenance
 from tests.postgres.helpers import superuser
-from tests.postgres.test_cli import assert_one_line_error, run, seed_alice
+from tests.postgres.test_cli import assert_one_line_error, run, seed_alice, table_locked
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 
@@ -118,6 +118,23 @@ def test_analytics_as_the_analyst_role_answer_as_for_the_owner(
     assert as_analyst.exit_code == 0, as_analyst.output
     # (Confidences decay between the two runs: compared to six places.)
     assert _rounded(json.loads(as_analyst.stdout)) == _rounded(json.loads(as_owner.stdout))
+
+
+def test_analytics_as_the_analyst_keep_the_statement_timeout_set_on_its_role(
+    pg_url: str, roles: tuple[str, str]
+) -> None:
+    """A DBA's bound on the analysts' statements (ALTER ROLE … SET statement_timeout)
+    applies to analytics: the command set it to 0 for its connections, and a read that a
+    held table kept waiting ran until --lock-wait (10 s), then stopped as busy (exit 3)."""
+    seed_alice(pg_url)
+    _, analyst_url = roles
+    analyst = make_url(analyst_url).username
+    asyncio.run(superuser(pg_url, f"ALTER ROLE \"{analyst}\" SET statement_timeout = '200ms'"))
+    with table_locked(pg_url, "tool_daily"):
+        result = run("analytics", "tools", "--min-users", "1", "--url", analyst_url)
+    assert_one_line_error(result, 1, "the server cancelled a statement: canceling statement")
+    assert "due to statement timeout" in result.stderr
+    assert "statement_timeout that the role or the database sets" in result.stderr
 
 
 def _rounded(value: Any) -> Any:
