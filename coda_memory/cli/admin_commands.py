@@ -223,7 +223,11 @@ def consolidate(
             with make_console(stderr=True).status("finding identities with pending observations"):
                 identities = await maintenance.pending_identities(store)
         try:
-            return await _consolidate_each(service, identities, workers, target.schema)
+            summary = await _consolidate_each(service, identities, workers, target.schema)
+            if summary.consolidated:
+                # Durable before the run reports them: they commit asynchronously.
+                await maintenance.settle_consolidations(store)
+            return summary
         finally:
             await service.close()
 

@@ -22,7 +22,6 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncConnection
 from sqlalchemy.sql.expression import Executable
 
@@ -30,6 +29,7 @@ from coda_memory.core.model import Fact, FactEvent, FactEventKind, ObservationTy
 from coda_memory.core.sanitize import ObservationRecord
 from coda_memory.postgres.connection import lock_timeout_clause
 from coda_memory.postgres.documents import event_row, fact_row, rows_document
+from coda_memory.postgres.durability import flush_commits
 from coda_memory.postgres.engine import driver_connection
 from coda_memory.postgres.rollup import (
     TOOL_TYPES,
@@ -233,14 +233,7 @@ async def settle_copies(store: PostgresStore) -> None:
     and wrote nothing when a forget had erased every one of them, or held and erased the
     one it chose.)"""
 
-    async def write(conn: AsyncConnection) -> None:
-        async with conn.begin():
-            await conn.execute(
-                text("SELECT pg_logical_emit_message(true, :prefix, '')"),
-                {"prefix": SETTLE_MESSAGE_PREFIX},
-            )
-
-    await store.run(write)
+    await flush_commits(store, SETTLE_MESSAGE_PREFIX)
 
 
 @functools.cache

