@@ -1235,3 +1235,48 @@ async def test_the_owner_policy_template_writes_the_policy_of_the_latest_migrati
     assert roles == (tenancy.owner,)
     assert qual == with_check
     assert "pg_has_role" in qual and "CURRENT_USER" not in qual
+
+
+async def test_a_schema_ahead_on_the_app_roles_search_path_redirects_no_table(
+    tenancy: Tenancy,
+) -> None:
+    """Every statement of the service names its tables with their schema: tables of the
+    same names in a schema ahead on the role's search path, writable by everyone, are
+    neither read nor written."""
+    shadow = f"shadow_{secrets.token_hex(4)}"
+    names = (*PER_IDENTITY, *LEDGER, *AGGREGATE_TABLES, "rollup_owed", "ingest_batches")
+    await _superuser(
+        tenancy.url,
+        f'CREATE SCHEMA "{shadow}"',
+        *(f'CREATE TABLE "{shadow}".{name} (x int)' for name in names),
+        f'GRANT ALL ON SCHEMA "{shadow}" TO PUBLIC',
+        f'GRANT ALL ON ALL TABLES IN SCHEMA "{shadow}" TO PUBLIC',
+    )
+    try:
+        path = {"search_path": f'"{shadow}", public'}
+        service = MemoryService.from_url(
+            tenancy.url,
+            schema=SCHEMA,
+            clock=FakeClock(),
+            load_timeout=5.0,
+            **tenancy.as_role(tenancy.app, **path),
+        )
+        try:
+            service.emit_observation("alice", tool_ok("get_account"))
+            service.emit_observation("alice", domain("royalty"))
+            await service.drain()
+            assert service.stats().stored == 2
+            await service.consolidate("alice")
+            loaded = await service.load_memory("alice")
+            assert "tool_affinity:get_account" in {f.subject for f in loaded.facts}
+        finally:
+            await service.close()
+        superuser = await asyncpg.connect(dsn(tenancy.url))
+        try:
+            for name in names:
+                assert await superuser.fetchval(f'SELECT count(*) FROM "{shadow}".{name}') == 0
+            assert await _count(superuser, "observations", "identity_id = 'alice'") == 2
+        finally:
+            await superuser.close()
+    finally:
+        await _superuser(tenancy.url, f'DROP SCHEMA "{shadow}" CASCADE')
