@@ -1207,12 +1207,14 @@ async def test_entity_popularity_as_the_owner_reads_the_facts_of_its_top_entitie
     assert facts_read == 30
 
 
-async def test_the_owner_policy_template_writes_the_policy_of_the_latest_migration(
-    tenancy: Tenancy,
+@pytest.mark.parametrize("policy", ["all_identities", "tenant"])
+async def test_the_policy_templates_write_the_policies_of_the_latest_migrations(
+    tenancy: Tenancy, policy: str
 ) -> None:
-    """A table that a later migration makes per-identity, from the template, gets the
-    owner's policy that 0020 left on the existing tables, not 0004's, which let a member
-    of the owner through without asking for every identity."""
+    """A table that a later migration makes per-identity, from the templates, gets the
+    policies that 0016 and 0020 left on the existing tables, not 0004's: the owner's let
+    a member of the owner through without asking for every identity, and the tenant's
+    gave a connection whose setting was reset the rows of the empty identity."""
     owner = await tenancy.connect(tenancy.owner)
     try:
         await owner.execute(f"CREATE TABLE {SCHEMA}.later_table (identity_id text NOT NULL)")
@@ -1220,8 +1222,9 @@ async def test_the_owner_policy_template_writes_the_policy_of_the_latest_migrati
             await owner.execute(tenancy_sql(name, SCHEMA, "later_table"))
         rows = await owner.fetch(
             "SELECT tablename, roles, qual, with_check FROM pg_catalog.pg_policies "
-            "WHERE schemaname = $1 AND policyname = 'all_identities'",
+            "WHERE schemaname = $1 AND policyname = $2",
             SCHEMA,
+            policy,
         )
     finally:
         await owner.close()
@@ -1232,9 +1235,13 @@ async def test_the_owner_policy_template_writes_the_policy_of_the_latest_migrati
     assert set(policies) == {*PER_IDENTITY, *LEDGER, "rollup_owed"}
     assert set(policies.values()) == {made}
     roles, qual, with_check = made
-    assert roles == (tenancy.owner,)
     assert qual == with_check
-    assert "pg_has_role" in qual and "CURRENT_USER" not in qual
+    if policy == "all_identities":
+        assert roles == (tenancy.owner,)
+        assert "pg_has_role" in qual and "CURRENT_USER" not in qual
+    else:
+        assert roles == ("public",)
+        assert "nullif" in qual
 
 
 async def test_a_schema_ahead_on_the_app_roles_search_path_redirects_no_table(

@@ -56,7 +56,7 @@ def _schema() -> str:
 def upgrade() -> None:
     schema = _schema()
     for table in PER_IDENTITY:
-        for name in ("enable", "tenant_policy", "owner_policy_0004"):
+        for name in ("enable", "tenant_policy_created_0004", "owner_policy_0004"):
             op.execute(tenancy_sql(name, schema, table))
     op.execute(tenancy_sql("writer_insert_policy", schema, "observations"))
     op.execute(tenancy_sql("writer_read_policy", schema, "observations"))

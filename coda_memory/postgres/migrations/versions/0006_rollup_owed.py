@@ -58,7 +58,8 @@ def upgrade() -> None:
         schema=SCHEMA,
     )
     schema = _schema()
-    for name in ("enable", "tenant_policy", "owner_policy_0004", "writer_rollup_policy"):
+    frozen = ("tenant_policy_created_0004", "owner_policy_0004")
+    for name in ("enable", *frozen, "writer_rollup_policy"):
         op.execute(tenancy_sql(name, schema, "rollup_owed"))
     op.execute(tenancy_sql("writer_owed_read_policy", schema, "observations"))
     # The app roles granted before this migration may use the new table at once.
