@@ -1252,7 +1252,7 @@ async def test_a_schema_ahead_on_the_app_roles_search_path_redirects_no_table(
     neither read nor written."""
     shadow = f"shadow_{secrets.token_hex(4)}"
     names = (*PER_IDENTITY, *LEDGER, *AGGREGATE_TABLES, "rollup_owed", "ingest_batches")
-    await _superuser(
+    await superuser(
         tenancy.url,
         f'CREATE SCHEMA "{shadow}"',
         *(f'CREATE TABLE "{shadow}".{name} (x int)' for name in names),
@@ -1278,12 +1278,12 @@ async def test_a_schema_ahead_on_the_app_roles_search_path_redirects_no_table(
             assert "tool_affinity:get_account" in {f.subject for f in loaded.facts}
         finally:
             await service.close()
-        superuser = await asyncpg.connect(dsn(tenancy.url))
+        admin = await asyncpg.connect(dsn(tenancy.url))
         try:
             for name in names:
-                assert await superuser.fetchval(f'SELECT count(*) FROM "{shadow}".{name}') == 0
-            assert await _count(superuser, "observations", "identity_id = 'alice'") == 2
+                assert await admin.fetchval(f'SELECT count(*) FROM "{shadow}".{name}') == 0
+            assert await _count(admin, "observations", "identity_id = 'alice'") == 2
         finally:
-            await superuser.close()
+            await admin.close()
     finally:
-        await _superuser(tenancy.url, f'DROP SCHEMA "{shadow}" CASCADE')
+        await superuser(tenancy.url, f'DROP SCHEMA "{shadow}" CASCADE')
