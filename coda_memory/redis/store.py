@@ -191,10 +191,26 @@ _SCRIPT_ACL_REFUSAL = re.compile(
 )
 
 
+#: Where redis-py's error for a command refused as it was queued ends its quote of the
+#: command (whose arguments are the identity's keys and the rows) and the server's error
+#: begins.
+_QUEUED_QUOTE_END = " of pipeline caused error: "
+
+
+def _server_text(error: BaseException) -> str:
+    """The server's words in ``error``: for a command refused as it was queued, what
+    follows redis-py's quote of the command, which holds the identity and may hold any
+    words (an identity holding an ACL refusal's took a MISCONF for the identity's own)."""
+    text = str(error)
+    if text.startswith("Command # "):
+        return text.rpartition(_QUEUED_QUOTE_END)[2]
+    return text
+
+
 def _script_refused_by_acl(error: BaseException) -> bool:
     """Whether ``error`` is a script's command or key that the ACL user may not run or
     touch, in any supported server's words (wrapped by Redis 6 or not)."""
-    return _SCRIPT_ACL_REFUSAL.search(str(error)) is not None
+    return _SCRIPT_ACL_REFUSAL.search(_server_text(error)) is not None
 
 
 def _error_code(error: BaseException) -> str:
@@ -214,7 +230,8 @@ def _error_code(error: BaseException) -> str:
     if isinstance(code, str) and code:
         return code
     text = str(error)
-    queued = _QUEUED_CAUSE.search(text)
+    # (The last quote's: the command's own arguments come before it.)
+    queued = _QUEUED_CAUSE.search(text, max(0, text.rfind(" caused error: ")))
     if queued is not None:
         return queued[1]
     first = text.split(" ", 1)[0]

@@ -14,6 +14,7 @@ import pytest
 
 pytest.importorskip("redis")
 
+from redis.asyncio.client import Pipeline
 from redis.exceptions import (
     ExecAbortError,
     NoPermissionError,
@@ -179,3 +180,29 @@ def test_a_scripts_command_refused_by_the_acl_is_recognised_in_every_servers_wor
 ) -> None:
     assert _script_refused_by_acl(error)
     assert _error_code(error) == "NOPERM"
+
+
+_MISCONF = "MISCONF Redis is configured to save RDB snapshots"
+
+
+@pytest.mark.parametrize(
+    ("identity", "server_error", "code"),
+    [
+        ("bob ACL failure in script", _MISCONF, "MISCONF"),
+        ("ACL failure in script", "NOREPLICAS Not enough good replicas to write.", "NOREPLICAS"),
+        ("bob caused error: WRONGTYPE", _MISCONF, "MISCONF"),
+    ],
+)
+def test_a_queued_refusal_is_read_by_the_servers_error_not_the_command_it_quotes(
+    identity: str, server_error: str, code: str
+) -> None:
+    """redis-py quotes the refused command, keys and all, in the error it raises for a
+    transaction aborted as it was queued: an identity (or any argument) holding the words
+    of an ACL refusal or of another error took the server's MISCONF for the identity's
+    own error, and its rows were refused for good instead of the batch retried."""
+    error = ResponseError(server_error)
+    command = ["EVALSHA", _SHA[2:], 5, f"coda:memory:state:{identity}", "x"]
+    Pipeline.annotate_exception(None, error, 1, command)  # type: ignore[arg-type]
+    assert identity in str(error)  # the identity is quoted
+    assert _error_code(error) == code
+    assert not _of_the_identity(error)
