@@ -3,10 +3,12 @@
 The caller reads and validates the identity's records inside the copy's transaction,
 giving its observations to a :class:`CopyWriter` a page at a time, which writes each as
 it comes (a read started again takes back what it wrote, to a savepoint); this module
-writes them in one transaction that holds the identity's checkpoint lock (so no consolidation runs
-meanwhile) and ends with a ledger row in ``redis_imports``: a rerun skips what a finished
-transaction copied, and a killed one left nothing behind, so the copy resumes where it
-stopped. Observations keep whether the source had consumed them: consumed ones are
+writes them in one transaction that takes the identity's checkpoint lock once the read is
+done (so no consolidation runs during the writes that follow, and none is held off for the
+read; another run's copy finished meanwhile is found in the ledger then, and this one's
+writes are taken back) and ends with a ledger row in ``redis_imports``: a rerun skips
+what a finished transaction copied, and a killed one left nothing behind, so the copy
+resumes where it stopped. Observations keep whether the source had consumed them: consumed ones are
 written under transaction id 3, which every checkpoint snapshot sees (see
 ``redis_import_consumed.sql``), so the next consolidation here reinforces nothing twice;
 the others are new to it. All of them go into the analytics rollup, as appends do.
@@ -167,7 +169,7 @@ async def copy_identity(
     identity = identity_id
 
     async def work(conn: AsyncConnection) -> CopyCounts | None:
-        async with conn.begin():
+        async with conn.begin() as transaction:
             # A crash may lose the last copies with their ledger rows: a rerun redoes them.
             await conn.exec_driver_sql(lock_timeout_clause(store.lock_timeout))
             # Only the lock waits are bounded: a statement_timeout that the role or the
@@ -180,17 +182,27 @@ async def copy_identity(
             await conn.exec_driver_sql("SET LOCAL idle_in_transaction_session_timeout = 0")
             await conn.exec_driver_sql("SET LOCAL synchronous_commit = off")
             driver = await driver_connection(conn)
-            await lock_identity(driver, statements, identity)
             done = query("redis_import_done", schema)
-            ledger = await driver.fetchrow(
-                done.text, *done.arguments(identity_id=identity, source=source)
-            )
+            arguments = done.arguments(identity_id=identity, source=source)
+            ledger = await driver.fetchrow(done.text, *arguments)
             if ledger["done"]:
                 return None
             if ledger["other"] is not None:
                 raise CopiedFromAnotherSource(ledger["other"])
             writer = CopyWriter(driver, schema, identity)
             copy = await read(writer)
+            # The identity's lock once the source is read, not across the read: a live
+            # server's consolidation of the identity waited for all of it (a large one
+            # takes a minute). The rows written so far are this transaction's alone.
+            await lock_identity(driver, statements, identity)
+            # Another run may have copied the identity meanwhile: what this one wrote
+            # goes with its transaction.
+            ledger = await driver.fetchrow(done.text, *arguments)
+            if ledger["done"] or ledger["other"] is not None:
+                await transaction.rollback()
+                if ledger["done"]:
+                    return None
+                raise CopiedFromAnotherSource(ledger["other"])
             if writer.observations:
                 # Reads the rows this transaction wrote, before some of them move to xid 3.
                 await _write_rollup(conn, identity, writer.types)

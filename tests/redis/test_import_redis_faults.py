@@ -891,3 +891,69 @@ def test_the_copies_are_durable_when_no_ledger_row_of_the_source_is_left(
         assert json.loads(result.stdout)["copied"] == 1
         assert not asyncio.run(unflushed(pg))
         assert asyncio.run(row_counts(pg))["redis_imports"] == 0
+
+
+async def test_a_live_consolidation_is_not_held_off_while_the_import_reads_redis(
+    redis_client: aioredis.Redis,
+    redis_url: str,
+    redis_prefix: str,
+    pg_url: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The import reads an identity from Redis within its copy's transaction, which took
+    the identity's checkpoint lock first: a live server on Postgres (which the README
+    allows during an import) could not consolidate the identity for the whole read (one
+    of 300,000 observations took 35 to 57 s). The lock is taken once the read is done."""
+    await _seed_good(redis_client, redis_prefix, "bob")
+    await _served_live(pg_url, "bob")
+    live: list[str] = []
+    read = stream_identity
+
+    async def consolidated_meanwhile(store: RedisStore, identity: str, sink: Any) -> Any:
+        conn = await asyncpg.connect(dsn(pg_url))
+        try:
+            async with conn.transaction():
+                await conn.execute("SET LOCAL lock_timeout = '200ms'")
+                try:
+                    await conn.execute(
+                        "SELECT 1 FROM coda_memory.checkpoints WHERE identity_id = 'bob' FOR UPDATE"
+                    )
+                    live.append("locked")
+                except asyncpg.LockNotAvailableError:
+                    live.append("held off")
+        finally:
+            await conn.close()
+        return await read(store, identity, sink)
+
+    monkeypatch.setattr(redis_to_postgres, "stream_identity", consolidated_meanwhile)
+    summary = await _imported_once(redis_url, pg_url)
+    assert live == ["locked"]
+    assert (summary.copied, summary.observations, summary.busy) == (1, 1, [])
+
+
+async def test_an_identity_another_run_copies_during_the_read_is_copied_once(
+    redis_client: aioredis.Redis,
+    redis_url: str,
+    redis_prefix: str,
+    pg_url: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Two runs at once: the one whose read ends second finds the identity in the ledger
+    once it holds the identity's lock, and takes back what it wrote, so nothing is copied
+    twice."""
+    await _seed_good(redis_client, redis_prefix, "bob")
+    read = stream_identity
+    runs: list[ImportSummary] = []
+
+    async def another_run_meanwhile(store: RedisStore, identity: str, sink: Any) -> Any:
+        if not runs:
+            runs.append(ImportSummary())
+            runs[0] = await _imported_once(redis_url, pg_url)
+        return await read(store, identity, sink)
+
+    monkeypatch.setattr(redis_to_postgres, "stream_identity", another_run_meanwhile)
+    summary = await _imported_once(redis_url, pg_url)
+    assert (runs[0].copied, runs[0].observations) == (1, 1)
+    assert (summary.copied, summary.skipped, summary.observations) == (0, 1, 0)
+    counts = await row_counts(pg_url)
+    assert (counts["observations"], counts["redis_imports"]) == (1, 1)
