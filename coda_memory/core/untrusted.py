@@ -25,7 +25,8 @@ line of plain data that cannot steer the model, in this order:
    angles: ``˂system˃`` is ``system``), not in prose (``‹Das ist gut›``, ``⟨a, b⟩``);
    ``[INST]``-like markers go, also drawn with look-alikes of their brackets
    (:data:`BRACKET_OPENERS`: ``«SYS»``, ``【INST】``, ``⟦TOOL_CALLS⟧``; not in prose,
-   ``【Notice】``, ``«Bonjour»``), and a space splits ``](``, ``][``, ``]:`` and ``![``, so
+   ``【Notice】``, ``«Bonjour»``; around a word of prose, only the brackets: ``«User»`` is
+   ``User``), and a space splits ``](``, ``][``, ``]:`` and ``![``, so
    no markdown link or image can form; a role word followed by a colon (``SYSTEM:``,
    ``assistant:``, ``### Instruction:``), or a ReAct step's (``Question:``, ``Thought:``,
    ``Action:``, ``Action Input:``, ``Observation:``, ``Final Answer:``), loses the colon. URLs, turn
@@ -314,12 +315,27 @@ _BRACKET_LOOKALIKE = re.compile(f"[{BRACKET_OPENERS}{BRACKET_CLOSERS}]")
 #: ASCII; a pair of ASCII ends is :data:`_BRACKET_MARKER`'s): ``«SYS»``, ``【INST】``,
 #: ``⟦TOOL_CALLS⟧``, doubled too (``««SYS»»``: a run of one bracket at each end). Only
 #: around the markers' words: in prose the same brackets are quotation marks, headings
-#: and maths (``«Bonjour»``, ``【Notice】``, ``⟦x⟧``), left alone.
+#: and maths (``«Bonjour»``, ``【Notice】``, ``⟦x⟧``), left alone. Around a word of prose
+#: too (``«User»``, ``【System】``, ``«AI»``) they are quotes or a heading: only the brackets
+#: go there (see :func:`_lookalike_bracket_removed`).
 _LOOKALIKE_BRACKET_MARKER = re.compile(
-    rf"(?P<opener>[\[{BRACKET_OPENERS}])(?P=opener){{0,2}}(?:{_MARKER_WORDS})"
+    rf"(?P<opener>[\[{BRACKET_OPENERS}])(?P=opener){{0,2}}(?P<inner>{_MARKER_WORDS})"
     rf"(?P<closer>[\]{BRACKET_CLOSERS}])(?P=closer){{0,2}}",
     re.IGNORECASE,
 )
+#: The markers' words that no prose holds (a closing one, ``INST``, ``SYS``, a token with
+#: "_" or a digit, ``TOOL_CALLS``, ``CONTROL_8``): the marker goes whole.
+_MARKER_ONLY = re.compile(r"/.*|inst|sys|.*[_0-9].*", re.IGNORECASE | re.DOTALL)
+
+
+def _lookalike_bracket_removed(match: re.Match[str]) -> str:
+    """What stands for a marker of :data:`_LOOKALIKE_BRACKET_MARKER`: its word, without
+    the brackets, where prose may quote it or head a section with it (``«User»``,
+    ``»Assistant«``, ``【System】``, ``«AI»`` are ``User``, ``Assistant``, ``System``,
+    ``AI``: no bracket is left to make a token), or nothing for a word of
+    :data:`_MARKER_ONLY` (``«SYS»``, ``⟦TOOL_CALLS⟧``, ``«/SYS»``)."""
+    word = " ".join(match.group("inner").split())
+    return " " if _MARKER_ONLY.fullmatch(word) else f" {word} "
 
 
 def _latin_letters() -> str:
@@ -660,7 +676,7 @@ def _neutralise(text: str) -> str:
     markers = (
         (_BRACKET_MARKER, lambda _: " "),
         # (after it, which takes a pair of ASCII brackets)
-        (_LOOKALIKE_BRACKET_MARKER, lambda _: " "),
+        (_LOOKALIKE_BRACKET_MARKER, _lookalike_bracket_removed),
         (_LINK_SYNTAX, lambda match: f"{match.group()[0]} {match.group()[1:]}"),
         (_ROLE, lambda match: f"{match.group(1)} "),
     )
