@@ -298,17 +298,20 @@ _MARKER_WORDS = (
 _BRACKET_MARKER = re.compile(rf"\[{_MARKER_WORDS}\]", re.IGNORECASE)
 
 #: Look-alikes of ``[`` and ``]`` (and of ``<<`` and ``>>``) that NFKC leaves alone:
-#: guillemets, the CJK lenticular, tortoise shell, white lenticular, white tortoise shell
-#: and white square brackets, the mathematical white square and white tortoise shell
-#: brackets, the square brackets with quill or with ticks, the light tortoise shell
-#: ornaments and the black tortoise shell brackets (NFKC makes the vertical forms, such
-#: as U+FE3B, the CJK ones, and the fullwidth ones ``[`` and ``]``). A guillemet may
-#: open or close (German quotes turn them round: ``»SYS«``).
+#: guillemets, the CJK double angle brackets (``《SYS》``), the CJK lenticular, tortoise
+#: shell, white lenticular, white tortoise shell and white square brackets, the
+#: mathematical white square and white tortoise shell brackets, the square brackets with
+#: quill or with ticks, the light tortoise shell ornaments and the black tortoise shell
+#: brackets (NFKC makes the vertical forms, such as U+FE3B, the CJK ones, and the
+#: fullwidth ones ``[`` and ``]``). A guillemet may open or close (German quotes turn
+#: them round: ``»SYS«``).
 BRACKET_OPENERS = (
-    "\u00ab\u00bb\u3010\u3014\u3016\u3018\u301a\u27e6\u27ec\u2045\u298b\u298d\u298f\u2772\u2997"
+    "\u00ab\u00bb\u300a\u3010\u3014\u3016\u3018\u301a\u27e6\u27ec\u2045\u298b\u298d\u298f\u2772"
+    "\u2997"
 )
 BRACKET_CLOSERS = (
-    "\u00bb\u00ab\u3011\u3015\u3017\u3019\u301b\u27e7\u27ed\u2046\u298c\u298e\u2990\u2773\u2998"
+    "\u00bb\u00ab\u300b\u3011\u3015\u3017\u3019\u301b\u27e7\u27ed\u2046\u298c\u298e\u2990\u2773"
+    "\u2998"
 )
 _BRACKET_LOOKALIKE = re.compile(f"[{BRACKET_OPENERS}{BRACKET_CLOSERS}]")
 #: An ``[INST]``-like marker drawn with look-alikes of its brackets (one end may be
