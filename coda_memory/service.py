@@ -481,6 +481,9 @@ class MemoryService(ObservationWriter):
         #: a forget of their identity met (see ``_forgetting``).
         self._answering: dict[int, tuple[float, str]] = {}
         self._forgotten_under: set[int] = set()
+        #: The consolidations of loads that a forget of their identity met, while they
+        #: run: no later load joins one, nor does its peek give the facts at hand.
+        self._voided: set[asyncio.Task[LoadedMemory | None]] = set()
         self._answers = itertools.count()
         #: Answers given again while nothing changed (coda_memory.core.answers).
         self._recent = RecentAnswers()
@@ -645,7 +648,11 @@ class MemoryService(ObservationWriter):
         if not skip_peek:
             async with self._slots:
                 stored, pending, version = await self._peek(identity_id)
-            if identity_id in self._loading and (stored or not pending):
+            if (
+                identity_id in self._loading
+                and asyncio.current_task() not in self._voided
+                and (stored or not pending)
+            ):
                 # What a load that outlives its timeout answers with (see load_memory);
                 # when the store left the facts out, the ones it keeps.
                 self._stale[identity_id] = stored
@@ -1226,7 +1233,8 @@ class MemoryService(ObservationWriter):
                     raise _FailedAfterPeek(error, peeked) from None
                 raise
             finally:
-                self._stale.pop(identity_id, None)
+                if asyncio.current_task() not in self._voided:  # (else a later load's)
+                    self._stale.pop(identity_id, None)
 
     async def _reused(self, identity_id: str) -> LoadedMemory | None:
         """The identity's last answer, when it is recent and its facts' version is still
@@ -1309,6 +1317,7 @@ class MemoryService(ObservationWriter):
 
     def _finished(self, identity_id: str, task: asyncio.Task[LoadedMemory | None]) -> None:
         self._background.discard(task)
+        self._voided.discard(task)
         if self._loading.get(identity_id) is task:
             del self._loading[identity_id]
             self._stale.pop(identity_id, None)
@@ -1370,6 +1379,12 @@ class MemoryService(ObservationWriter):
         self._forgotten_under.update(
             call for call, (_, identity) in self._answering.items() if identity == identity_id
         )
+        # Its consolidation under way may have read the facts before the erasure: a load
+        # that begins from here on starts its own, and answers from none of those facts.
+        load = self._loading.pop(identity_id, None)
+        if load is not None and not load.done():
+            self._voided.add(load)
+        self._stale.pop(identity_id, None)
 
     def stats(self) -> MemoryStats:
         """Counts of observations emitted, stored, rejected, dropped and pending."""

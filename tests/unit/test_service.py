@@ -2914,3 +2914,35 @@ async def test_a_store_error_landing_as_the_load_times_out_counts_as_an_error(
     finally:
         store.failure = None
         await service.close()
+
+
+async def test_a_load_begun_after_a_forget_joins_no_consolidation_that_read_before_it() -> None:
+    """A load that began while the forget was erasing read the facts before the erasure;
+    one that begins once the forget has returned consolidates anew, and neither it nor
+    its answer from the facts at hand has the erased facts."""
+    store = GatedPeekStore()
+    service = MemoryService(store, clock=FakeClock(), load_timeout=5.0)
+    try:
+        service.emit_observation("u1", tool_ok("old"))
+        await service.drain()
+        await service.consolidate("u1")
+        store.forget_gate, store.forget_entered = asyncio.Event(), asyncio.Event()
+        forget = asyncio.create_task(service.forget("u1"))
+        await store.forget_entered.wait()
+        store.peek_gate, store.peeked = asyncio.Event(), asyncio.Event()
+        during = asyncio.create_task(service.load_memory("u1"))
+        await store.peeked.wait()  # it read the facts, not yet erased
+        store.forget_gate.set()
+        assert (await forget).facts == 1
+        store.peeked = asyncio.Event()
+        after = asyncio.create_task(service.load_memory("u1"))
+        async with asyncio.timeout(5):  # (joined to the first, it would read nothing)
+            await store.peeked.wait()  # its own read, after the erasure
+        store.peek_gate.set()
+        assert (await during).facts == []
+        assert (await after).facts == []
+        stats = service.stats()
+        assert (stats.load_stale, stats.load_timeouts, stats.load_errors) == (0, 0, 0)
+    finally:
+        store.gate = store.forget_gate = store.peek_gate = None
+        await service.close()
