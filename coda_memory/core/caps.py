@@ -77,8 +77,10 @@ class LogThrottle:
         self._levels: dict[str, int] = {}
         #: The timer that reports each cause's held lines when no later line does.
         self._timers: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.TimerHandle]] = {}
-        #: Held while the counts and times above are read and changed.
-        self._lock = threading.Lock()
+        #: Held while the counts and times above are read and changed; reentrant, as
+        #: a signal's handler that logs through the throttle runs in the thread that
+        #: may hold it.
+        self._lock = threading.RLock()
         _THROTTLES.add(self)
 
     def debug(self, cause: str, message: str, *args: Any) -> None:

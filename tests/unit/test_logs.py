@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import faulthandler
 import hashlib
 import json
 import logging
 import re
+import signal
 import subprocess
 import sys
 import threading
+import time
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -281,3 +284,32 @@ def test_a_throttle_keeps_its_limit_and_count_across_threads(
         assert held[0] == 3 + len(threads) - 1, "every line is counted, once"
     finally:
         logger.removeHandler(handler)
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGUSR1"), reason="no SIGUSR1")
+def test_a_signal_handler_that_logs_through_the_throttle_as_it_checks_a_line_goes_on(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A signal's handler (one that emits, meeting a full queue) runs in the main thread
+    between two of its steps, while a line of it is checked: its own line is checked
+    too, where it waited for ever for the check it interrupted."""
+    reads = 0
+
+    def clock() -> float:
+        nonlocal reads
+        reads += 1
+        if reads == 2:  # within the second line's check
+            signal.raise_signal(signal.SIGUSR1)
+        return time.monotonic()
+
+    throttle = LogThrottle(logging.getLogger("coda_memory.test.signal"), clock=clock)
+    previous = signal.signal(signal.SIGUSR1, lambda *_: throttle.warning("c", "handler"))
+    faulthandler.dump_traceback_later(10, exit=True)  # (a hang ends the run)
+    try:
+        with caplog.at_level(logging.WARNING, logger="coda_memory.test.signal"):
+            throttle.warning("a", "first")
+            throttle.warning("b", "second")
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+        signal.signal(signal.SIGUSR1, previous)
+    assert sorted(r.getMessage() for r in caplog.records) == ["first", "handler", "second"]
