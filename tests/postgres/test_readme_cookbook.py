@@ -34,10 +34,28 @@ async def _run(url: str, statements: list[str]) -> list[list[dict[str, Any]]]:
         await conn.close()
 
 
+async def _avoids(url: str, identity_id: str, tool: str) -> None:
+    """A fresh tool_avoidance fact of ``identity_id`` about ``tool``."""
+    now = datetime.now(UTC)
+    conn = await asyncpg.connect(dsn(url))
+    try:
+        await conn.execute(
+            "INSERT INTO coda_memory.facts VALUES ($1, $2, 'tool_avoidance', 'fails', "
+            "0.9, 1, $3, $3, $3, $3, NULL)",
+            identity_id,
+            f"tool_avoidance:{tool}",
+            now,
+        )
+    finally:
+        await conn.close()
+
+
 def test_the_cookbook_runs_and_answers_as_its_comments_say(pg_url: str) -> None:
     statements = _cookbook()
     assert len(statements) >= 10
     seed_alice(pg_url, "X")  # get_account works for X on three days, run_sql fails
+    # A tool name may hold a colon (a namespaced tool): its avoidance counts under it whole.
+    asyncio.run(_avoids(pg_url, "X", "crm:lookup"))
 
     results = dict(zip(statements, asyncio.run(_run(pg_url, statements)), strict=True))
 
@@ -51,7 +69,8 @@ def test_the_cookbook_runs_and_answers_as_its_comments_say(pg_url: str) -> None:
     assert answer("WHERE successes + failures > 0") == []
     (window,) = answer("FROM analytics_window")
     assert (window["end_day"], window["since"]) == (date(2026, 11, 1), timedelta(days=90))
-    assert [(r["tool"], r["users"]) for r in answer("FROM active_facts")] == [("run_sql", 1)]
+    avoided = sorted((r["tool"], r["users"]) for r in answer("FROM active_facts"))
+    assert avoided == [("crm:lookup", 1), ("run_sql", 1)]
     kinds = [r["kind"] for r in answer("FROM fact_events")]
     assert kinds == ["created", "reinforced", "reinforced"]
     summary = {r["category"]: r["users"] for r in answer("FROM fact_summary")}
