@@ -162,11 +162,13 @@ async def import_redis(
     summary.prefix = source.keys.prefix
     summary.identities = len(identities)
     copied_before = {} if target is None else await copied_identities(target, source.keys.prefix)
-    #: Whether the ledger lists an identity as this run wrote or found it (see
-    #: settle_copies).
+    #: Whether the ledger lists an identity as this run wrote or found it, skipped ones
+    #: too: an earlier run killed before its last write left its copies unflushed, and
+    #: this one reports them copied (see settle_copies).
     listed = False
     for done, identity in enumerate(identities, start=1):
         if identity in copied_before:
+            listed = True
             summary.skipped += 1
             summary.bad_earlier += copied_before[identity]
             if on_identity is not None:
@@ -198,7 +200,8 @@ async def import_redis(
         if on_identity is not None:
             on_identity(identity, done, len(identities))
     if target is not None and listed:
-        # The copies commit unflushed: the run reports them once they are durable.
+        # The copies commit unflushed, this run's and those of an earlier one that was
+        # killed before its last write: the run reports them once they are durable.
         await settle_copies(target)
     return summary
 

@@ -957,3 +957,30 @@ async def test_an_identity_another_run_copies_during_the_read_is_copied_once(
     assert (summary.copied, summary.skipped, summary.observations) == (0, 1, 0)
     counts = await row_counts(pg_url)
     assert (counts["observations"], counts["redis_imports"]) == (1, 1)
+
+
+def test_a_rerun_that_only_skips_makes_the_copies_of_a_killed_run_durable(
+    redis_client: aioredis.Redis,
+    redis_url: str,
+    redis_prefix: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A run killed before its last write left its copies committed but unflushed; a rerun
+    found every identity in the ledger and skipped it, and, having copied none, wrote
+    nothing: it reported them all copied by an earlier run while a crash right after still
+    took them back."""
+
+    async def killed_first(target: PostgresStore) -> None:
+        pass
+
+    with _durable_run(redis_url, redis_prefix, 3) as pg:
+        monkeypatch.setattr(redis_to_postgres, "settle_copies", killed_first)
+        first = CliRunner().invoke(app, ["import-redis", redis_url, "--url", pg, "-f", "json"])
+        assert first.exit_code == 0, first.output
+        assert asyncio.run(unflushed(pg))
+        monkeypatch.undo()
+        rerun = CliRunner().invoke(app, ["import-redis", redis_url, "--url", pg, "-f", "json"])
+        assert rerun.exit_code == 0, rerun.output
+        assert (json.loads(rerun.stdout)["copied"], json.loads(rerun.stdout)["skipped"]) == (0, 3)
+        assert not asyncio.run(unflushed(pg))
+        assert asyncio.run(row_counts(pg))["redis_imports"] == 3
