@@ -483,7 +483,11 @@ class MemoryService(ObservationWriter):
         self._forgotten_under: set[int] = set()
         #: The consolidations of loads that a forget of their identity met, while they
         #: run: no later load joins one, nor does its peek give the facts at hand.
-        self._voided: set[asyncio.Task[LoadedMemory | None]] = set()
+        self._voided: set[asyncio.Task[Any]] = set()
+        #: The tasks of consolidate() calls in flight, by task: the identity of each. A
+        #: forget of it voids one as it does a load's consolidation (its peek's facts are
+        #: no facts at hand for a load).
+        self._consolidating: dict[asyncio.Task[Any], str] = {}
         self._answers = itertools.count()
         #: Answers given again while nothing changed (coda_memory.core.answers).
         self._recent = RecentAnswers()
@@ -580,11 +584,17 @@ class MemoryService(ObservationWriter):
         held: list[str] = []
         from_peek: list[bool] = []
         token, peek_token = HELD_OUT.set(held), _FROM_PEEK.set(from_peek)
+        task = asyncio.current_task()
+        if task is not None:
+            self._consolidating[task] = identity_id
         try:
             async with self._using_store():
                 with collector_scope(self.hold_gc, self._may_collect):
                     facts, _ = await self._consolidated(identity_id)
         finally:
+            if task is not None:
+                self._consolidating.pop(task, None)
+                self._voided.discard(task)
             _FROM_PEEK.reset(peek_token)
             HELD_OUT.reset(token)
         # Held out and answered from the peek: nothing consolidated. (A peek held out
@@ -1384,6 +1394,10 @@ class MemoryService(ObservationWriter):
         load = self._loading.pop(identity_id, None)
         if load is not None and not load.done():
             self._voided.add(load)
+        # So may a consolidate() call's: its peek stores no facts at hand for the loads.
+        self._voided.update(
+            call for call, identity in self._consolidating.items() if identity == identity_id
+        )
         self._stale.pop(identity_id, None)
 
     def stats(self) -> MemoryStats:

@@ -2946,3 +2946,52 @@ async def test_a_load_begun_after_a_forget_joins_no_consolidation_that_read_befo
     finally:
         store.gate = store.forget_gate = store.peek_gate = None
         await service.close()
+
+
+class QueuedPeekStore(GatedForgetStore):
+    """A gated forget store whose peeks each take the next of ``peek_gates`` (when any is
+    left): the peek reads the identity's facts, says so, and returns them once its gate
+    opens."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.peek_gates: list[tuple[asyncio.Event, asyncio.Event]] = []
+
+    async def peek(self, identity_id: str) -> tuple[list[Fact], bool]:
+        read = await super().peek(identity_id)
+        if self.peek_gates:
+            peeked, gate = self.peek_gates.pop(0)
+            peeked.set()
+            await gate.wait()
+        return read
+
+
+async def test_a_consolidate_call_that_read_before_a_forget_leaves_no_facts_at_hand() -> None:
+    """A consolidate() call (not a load's) read the facts before a forget erased them;
+    a load that began after the forget stored them as the facts at hand, and a load whose
+    consolidation ran late answered with the erased facts."""
+    store = QueuedPeekStore()
+    service = MemoryService(store, clock=FakeClock(), load_timeout=0.5)
+    before = (asyncio.Event(), asyncio.Event())
+    late = (asyncio.Event(), asyncio.Event())
+    try:
+        service.emit_observation("u1", tool_ok("old"))
+        await service.drain()
+        await service.consolidate("u1")
+        store.peek_gates.append(before)
+        direct = asyncio.create_task(service.consolidate("u1"))
+        await before[0].wait()  # it read the facts, not yet erased
+        assert (await service.forget("u1")).facts == 1
+        store.peek_gates.append(late)
+        load = asyncio.create_task(service.load_memory("u1"))
+        await late[0].wait()  # its own read, after the erasure; held past its timeout
+        before[1].set()
+        await direct
+        assert (await load).facts == []
+        late[1].set()
+        stats = service.stats()
+        assert (stats.load_stale, stats.load_timeouts) == (0, 1)
+    finally:
+        before[1].set()
+        late[1].set()
+        await service.close()
