@@ -527,7 +527,8 @@ def query_pattern_observation(
 
     ``patterns`` defaults to :data:`DEFAULT_DOMAIN_PATTERNS`; domains that are not
     identifiers are skipped. ``patterns`` that is not a mapping (a list of patterns, one
-    pattern) is a TypeError naming it, whatever the query.
+    pattern), or one of whose values is no compiled pattern (a string not compiled), is
+    a TypeError naming it, whatever the query.
     """
     if patterns is None:
         patterns = DEFAULT_DOMAIN_PATTERNS
@@ -537,14 +538,22 @@ def query_pattern_observation(
             "patterns must be a mapping of domain to compiled pattern (or None), "
             f"not {type(patterns).__name__}"
         )
+    else:
+        for domain, pattern in patterns.items():
+            # A compiled pattern, re's or regex's (one of no search was skipped: its
+            # domain was never observed, and nothing said why).
+            if not callable(getattr(pattern, "search", None)):
+                raise TypeError(
+                    f"patterns[{domain!r}] must be a compiled pattern (re.compile), "
+                    f"not {type(pattern).__name__}"
+                )
     if not isinstance(query, str):
         return None
     text = clean_text(query, MAX_QUERY_MATCH_CHARS)
     if not text:
         return None
     for domain, pattern in patterns.items():
-        search = getattr(pattern, "search", None)  # a compiled pattern (re's, or regex's)
-        if is_identifier(domain) and callable(search) and search(text):
+        if is_identifier(domain) and pattern.search(text):
             return NewObservation(
                 type=ObservationType.QUERY_PATTERN,
                 content=f"Asked about {domain}",

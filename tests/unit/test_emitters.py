@@ -597,11 +597,20 @@ def test_blocks_that_are_no_sequence_give_no_observation(blocks: Any) -> None:
     assert tool_observations(blocks, blocks, blocks) == []
 
 
-def test_a_query_or_patterns_of_another_shape_give_no_observation() -> None:
+def test_a_query_of_another_shape_gives_no_observation() -> None:
     assert query_pattern_observation(None) is None  # type: ignore[arg-type]
     assert query_pattern_observation(b"royalty") is None  # type: ignore[arg-type]
-    odd: Any = {"royalty": "royalt"}
-    assert query_pattern_observation("royalty totals", patterns=odd) is None
+
+
+@pytest.mark.parametrize("value", ["royalt", b"royalt", None, 7])
+def test_a_pattern_that_is_not_compiled_is_named(value: Any) -> None:
+    """A pattern left uncompiled (a string) was skipped: its domain was never observed,
+    and nothing said why. It is the host's mistake, not a response's shape (which the
+    emitters take as it comes), so it is named, whatever the query."""
+    odd: Any = {"account": DEFAULT_DOMAIN_PATTERNS["account"], "royalty": value}
+    for query in ("royalty totals", "my account", "no domain here", None):
+        with pytest.raises(TypeError, match=r"^patterns\['royalty'\] must be a compiled "):
+            query_pattern_observation(query, patterns=odd)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(
