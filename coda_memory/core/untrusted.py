@@ -14,9 +14,10 @@ line of plain data that cannot steer the model, in this order:
    no base, and combining marks past the second on one base. Whitespace runs become one
    space; the result is one line.
 3. **Confusables folded before checks.** The checks below run on a copy in which
-   Cyrillic, Greek, Armenian and Lisu letters that look like Latin ones, and colons that
-   look like ``:`` (:data:`CONFUSABLES`, from Unicode's confusables.txt), are Latin
-   letters and ``:``, so ``ЅYЅТЕМ:`` and ``SYSTEM꞉`` are caught like ``SYSTEM:``.
+   Cyrillic, Greek, Armenian and Lisu letters that look like Latin ones, the Latin small
+   capitals, and colons that look like ``:`` (:data:`CONFUSABLES`, from Unicode's
+   confusables.txt), are Latin letters and ``:``, so ``ЅYЅТЕМ:``, ``[ɪɴsᴛ]`` and
+   ``SYSTEM꞉`` are caught like ``SYSTEM:`` and ``[INST]``.
 4. **Structure neutralised.** URLs (any ``scheme://``, ``//host``, ``www.`` hosts,
    ``javascript:``-like schemes, ``host.tld/path``) become ``(link removed)``; tags
    such as ``<img …>`` or ``<|im_start|>`` and every other ``<`` or ``>`` become a space,
@@ -24,9 +25,10 @@ line of plain data that cannot steer the model, in this order:
    or a template token (``‹|im_start|›``, ``˂/tool_result˃``; around one word, only the
    angles: ``˂system˃`` is ``system``), not in prose (``‹Das ist gut›``, ``⟨a, b⟩``);
    ``[INST]``-like markers go, also drawn with look-alikes of their brackets
-   (:data:`BRACKET_OPENERS`: ``«SYS»``, ``【INST】``, ``⟦TOOL_CALLS⟧``; not in prose,
-   ``【Notice】``, ``«Bonjour»``; around a word of prose, only the brackets: ``«User»`` is
-   ``User``), and a space splits ``](``, ``][``, ``]:`` and ``![``, so
+   (:data:`BRACKET_OPENERS`: ``«SYS»``, ``【INST】``, ``⟦TOOL_CALLS⟧``, ``「SYS」``; not in
+   prose, ``【Notice】``, ``«Bonjour»``, ``「システム」``; around a word of prose, only the
+   brackets, the word kept as written: ``«User»`` is ``User``, ``«Usér»`` is ``Usér``),
+   and a space splits ``](``, ``][``, ``]:`` and ``![``, so
    no markdown link or image can form; a role word followed by a colon (``SYSTEM:``,
    ``assistant:``, ``### Instruction:``), or a ReAct step's (``Question:``, ``Thought:``,
    ``Action:``, ``Action Input:``, ``Observation:``, ``Final Answer:``), loses the colon. URLs, turn
@@ -60,8 +62,8 @@ ELLIPSIS = "…"
 LINK_REMOVED = "(link removed)"
 
 #: Cyrillic, Greek, Armenian and a few Latin-extension letters that look like a Latin
-#: letter, and characters that look like a colon, from Unicode's confusables.txt (one
-#: character to one character, so positions line up).
+#: letter (the Latin small capitals among them), and characters that look like a colon,
+#: from Unicode's confusables.txt (one character to one character, so positions line up).
 CONFUSABLES: dict[int, str] = {
     ord(k): v
     for k, v in {
@@ -82,6 +84,10 @@ CONFUSABLES: dict[int, str] = {
         "ı": "i", "ɑ": "a", "ʏ": "y", "ȷ": "j", "օ": "o", "ս": "u", "ց": "g", "հ": "h",
         "Ս": "U", "Տ": "S", "Օ": "O", "ա": "w", "գ": "q", "զ": "q", "ո": "n", "ռ": "n",
         "ք": "f",
+        # Latin small capitals, which NFKC leaves alone
+        "ᴀ": "a", "ʙ": "b", "ᴄ": "c", "ᴅ": "d", "ᴇ": "e", "ꜰ": "f", "ɢ": "g", "ʜ": "h",
+        "ɪ": "i", "ᴊ": "j", "ᴋ": "k", "ʟ": "l", "ᴍ": "m", "ɴ": "n", "ᴏ": "o", "ᴘ": "p",
+        "ꞯ": "q", "ʀ": "r", "ꜱ": "s", "ᴛ": "t", "ᴜ": "u", "ᴠ": "v", "ᴡ": "w", "ᴢ": "z",
         # Lisu capitals
         "ꓐ": "B", "ꓑ": "P", "ꓒ": "d", "ꓓ": "D", "ꓔ": "T", "ꓖ": "G", "ꓗ": "K", "ꓙ": "J",
         "ꓚ": "C", "ꓜ": "Z", "ꓝ": "F", "ꓟ": "M", "ꓠ": "N", "ꓡ": "L", "ꓢ": "S", "ꓣ": "R",
@@ -302,16 +308,19 @@ _BRACKET_MARKER = re.compile(rf"\[{_MARKER_WORDS}\]", re.IGNORECASE)
 #: shell, white lenticular, white tortoise shell and white square brackets, the
 #: mathematical white square and white tortoise shell brackets, the square brackets with
 #: quill or with ticks, the light tortoise shell ornaments and the black tortoise shell
-#: brackets (NFKC makes the vertical forms, such as U+FE3B, the CJK ones, and the
-#: fullwidth ones ``[`` and ``]``). A guillemet may open or close (German quotes turn
-#: them round: ``»SYS«``).
+#: brackets; the white parentheses (``⦅SYS⦆``), the CJK corner and white corner brackets
+#: (``「SYS」``, ``『INST』``, Japanese quotes, which keep a word of prose) and the half
+#: brackets (``⸢INST⸣``, ``⸤INST⸥``) (NFKC makes the vertical forms, such as U+FE3B, the
+#: CJK ones, the fullwidth ones ``[`` and ``]``, the fullwidth white parentheses and the
+#: halfwidth corner brackets ``⦅`` and ``「``). A guillemet may open or close (German
+#: quotes turn them round: ``»SYS«``).
 BRACKET_OPENERS = (
     "\u00ab\u00bb\u300a\u3010\u3014\u3016\u3018\u301a\u27e6\u27ec\u2045\u298b\u298d\u298f\u2772"
-    "\u2997"
+    "\u2997\u2985\u300c\u300e\u2e22\u2e24"
 )
 BRACKET_CLOSERS = (
     "\u00bb\u00ab\u300b\u3011\u3015\u3017\u3019\u301b\u27e7\u27ed\u2046\u298c\u298e\u2990\u2773"
-    "\u2998"
+    "\u2998\u2986\u300d\u300f\u2e23\u2e25"
 )
 _BRACKET_LOOKALIKE = re.compile(f"[{BRACKET_OPENERS}{BRACKET_CLOSERS}]")
 #: An ``[INST]``-like marker drawn with look-alikes of its brackets (one end may be
@@ -331,14 +340,20 @@ _LOOKALIKE_BRACKET_MARKER = re.compile(
 _MARKER_ONLY = re.compile(r"/.*|inst|sys|.*[_0-9].*", re.IGNORECASE | re.DOTALL)
 
 
+#: What a replacement function returns for a match whose group ``inner`` stays as it was
+#: written, and only the rest goes (see :func:`_edits`). (No replacement holds a NUL.)
+_KEEP_INNER = "\x00"
+
+
 def _lookalike_bracket_removed(match: re.Match[str]) -> str:
-    """What stands for a marker of :data:`_LOOKALIKE_BRACKET_MARKER`: its word, without
-    the brackets, where prose may quote it or head a section with it (``«User»``,
-    ``»Assistant«``, ``【System】``, ``«AI»`` are ``User``, ``Assistant``, ``System``,
-    ``AI``: no bracket is left to make a token), or nothing for a word of
+    """What stands for a marker of :data:`_LOOKALIKE_BRACKET_MARKER`: its word as it was
+    written (:data:`_KEEP_INNER`), only the brackets gone, where prose may quote it or
+    head a section with it (``«User»``, ``»Assistant«``, ``【System】``, ``«AI»``,
+    ``「User」`` are ``User``, ``Assistant``, ``System``, ``AI``, ``User``; ``«Usér»`` is
+    ``Usér``: no bracket is left to make a token), or nothing for a word of
     :data:`_MARKER_ONLY` (``«SYS»``, ``⟦TOOL_CALLS⟧``, ``«/SYS»``)."""
     word = " ".join(match.group("inner").split())
-    return " " if _MARKER_ONLY.fullmatch(word) else f" {word} "
+    return " " if _MARKER_ONLY.fullmatch(word) else _KEEP_INNER
 
 
 def _latin_letters() -> str:
@@ -479,7 +494,25 @@ _Pair = tuple[str, str]
 
 def _sub(pattern: re.Pattern[str], repl: Callable[[re.Match[str]], str], pair: _Pair) -> _Pair:
     """Replace ``pattern``'s matches in the folded text, in both texts alike."""
-    return _splice(pair, [(m.start(), m.end(), repl(m)) for m in pattern.finditer(pair[1])])
+    return _splice(pair, [e for m in pattern.finditer(pair[1]) for e in _edits(m, repl, _same)])
+
+
+def _same(position: int) -> int:
+    return position
+
+
+def _edits(
+    match: re.Match[str], repl: Callable[[re.Match[str]], str], at: Callable[[int], int]
+) -> list[tuple[int, int, str]]:
+    """The edits of one match (``at``: where a position of the text it was found in is in
+    the folded text): its span replaced by ``repl``'s answer, or, when that is
+    :data:`_KEEP_INNER`, each side of its group ``inner`` a space, the group kept as it
+    was written (its marks too: it ends where the next character starts)."""
+    replacement = repl(match)
+    start, end = at(match.start()), at(match.end() - 1) + 1
+    if replacement != _KEEP_INNER:
+        return [(start, end, replacement)]
+    return [(start, at(match.start("inner")), " "), (at(match.end("inner")), end, " ")]
 
 
 def _sub_on_bases(
@@ -507,9 +540,7 @@ def _sub_on_bases(
     if not pattern.search(bare):
         return pair
     at = _in_folded(folded)
-    return _splice(
-        pair, [(at(m.start()), at(m.end() - 1) + 1, repl(m)) for m in pattern.finditer(bare)]
-    )
+    return _splice(pair, [e for m in pattern.finditer(bare) for e in _edits(m, repl, at)])
 
 
 def _splice(pair: _Pair, edits: list[tuple[int, int, str]]) -> _Pair:
