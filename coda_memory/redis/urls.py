@@ -17,13 +17,26 @@ REDIS_SCHEMES = ("redis", "rediss", "unix")
 _ENCODE = "a password holding /, #, ? or @ must be percent-encoded"
 
 
+def _port_digits(url: str) -> bool:
+    """Whether the port of ``url``'s host part is written in digits (a number the parser
+    refused as out of range), not quoted: it may be a piece of a password."""
+    try:
+        hostinfo = urlsplit(url).netloc.rpartition("@")[2]
+    except ValueError:  # (an IPv6 address without its "]")
+        return False
+    _, bracket, after = hostinfo.partition("]")  # (an IPv6 address's own colons)
+    port = (after if bracket else hostinfo).partition(":")[2]
+    return port.isascii() and port.isdecimal()
+
+
 def check_redis_url(url: str) -> None:
     """ValueError, saying why in one line and with the password masked, for a Redis URL
     that redis-py would read wrongly or refuse in words that quote part of the password:
     a scheme other than Redis's, a port or a database that is not a number (redis-py
-    reads database 0 for ``/abc``), a query whose percent-escapes are not UTF-8. The
-    first two come of a password with a ``/``, ``#``, ``?``
-    or ``@`` not percent-encoded: the URL's host part ends at the first of them."""
+    reads database 0 for ``/abc``), a port outside 1 to 65535, a query whose
+    percent-escapes are not UTF-8. The first three may come of a password with a ``/``,
+    ``#``, ``?`` or ``@`` not percent-encoded: the URL's host part ends at the first of
+    them."""
     masked = masked_url(url)
     if "\x00" in url or any("\ud800" <= char <= "\udfff" for char in url):
         # (An argument or a variable in another encoding arrives with lone surrogates:
@@ -31,12 +44,15 @@ def check_redis_url(url: str) -> None:
         raise ValueError(f"invalid Redis URL {masked!r}: it holds NUL or bytes that are not UTF-8")
     try:
         parts = urlsplit(url)
-        parts.port  # noqa: B018  (ValueError when it is not a number)
+        port = parts.port  # (ValueError when it is not a number, or past 65535)
     except ValueError:
         # (Not chained: the parser's message quotes what it took for the port.)
+        what = "is out of range (1 to 65535)" if _port_digits(url) else "is not a number"
+        raise ValueError(f"invalid Redis URL {masked!r}: the port {what} ({_ENCODE})") from None
+    if port == 0:
         raise ValueError(
-            f"invalid Redis URL {masked!r}: the port is not a number ({_ENCODE})"
-        ) from None
+            f"invalid Redis URL {masked!r}: the port is out of range (1 to 65535) ({_ENCODE})"
+        )
     scheme = parts.scheme.lower()
     keys = [pair.partition("=")[0] for pair in parts.query.split("&")]
     if "@" not in parts.netloc and (

@@ -1026,6 +1026,7 @@ async def test_a_backlog_is_read_and_written_with_turns_of_the_event_loop(
         ("redis://127.0.0.1:6379/abc", "the database (the path after"),
         ("redis://app:8080#pw@127.0.0.1:6379/0", "the host part ends before its '@'"),
         ("redis://app:1234?z@127.0.0.1:6379/0", "the host part ends before its '@'"),
+        ("redis://app:1234567/8@127.0.0.1:6379/0", "the port is out of range (1 to 65535)"),
     ],
 )
 def test_a_redis_url_that_redis_py_would_misread_is_refused_without_its_password(
@@ -1039,7 +1040,7 @@ def test_a_redis_url_that_redis_py_would_misread_is_refused_without_its_password
     message = str(raised.value)
     assert why in message
     assert "percent-encoded" in message or "abc" in url
-    for secret in ("Tr0ub4dor", "pa55", "w0rd", "s3cret", "8080", "#pw", "1234", "?z"):
+    for secret in ("Tr0ub4dor", "pa55", "w0rd", "s3cret", "8080", "#pw", "1234", "?z", "/8"):
         assert secret not in message
     # Nor in a traceback: redis-py's own error is not chained to it.
     error = raised.value
@@ -1058,6 +1059,15 @@ def test_a_redis_url_that_redis_py_would_misread_is_refused_without_its_password
 )
 def test_an_at_sign_that_is_the_urls_own_is_taken(url: str) -> None:
     MemoryService.from_url(url)  # (no connection is made here)
+
+
+@pytest.mark.parametrize("port", ["0", "65536", "99999"])
+def test_a_redis_port_out_of_range_is_refused_as_such(port: str) -> None:
+    """A port of digits past 65535 was refused as "the port is not a number", and port 0
+    was taken (every connection then refused), where a Postgres URL's is refused as a
+    port outside 1 to 65535."""
+    with pytest.raises(ValueError, match=r"the port is out of range \(1 to 65535\)"):
+        MemoryService.from_url(f"redis://127.0.0.1:{port}/0")
 
 
 def test_a_unix_socket_url_names_the_redis_store(tmp_path: Any) -> None:

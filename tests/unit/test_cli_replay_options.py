@@ -115,7 +115,7 @@ def test_a_plot_that_can_not_be_written_is_a_usage_error(tmp_path: Path, plot: s
         ("postgres://u@127.0.0.1/x?foo=1", "foo"),
         ("postgresql://u@127.0.0.1:abc/x", "the port is not a number"),
         ("postgresql", "Could not parse"),  # a traceback, from SQLAlchemy's ArgumentError
-        ("redis://127.0.0.1:99999/9", "the port is not a number"),
+        ("redis://127.0.0.1:99999/9", "the port is out of range (1 to 65535)"),
         ("redis://app:8080#pw@127.0.0.1/9", "the host part ends before its '@'"),
     ],
 )
