@@ -17,13 +17,16 @@ import re
 import signal
 import socket
 import sys
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 
 import httpx
 import pytest
+from sqlalchemy.engine import make_url
 
+from tests.postgres.fault_proxy import FaultProxy
 from tests.postgres.helpers import fetch
 
 REPOSITORY = Path(__file__).resolve().parents[2]
@@ -142,3 +145,40 @@ async def test_the_fastapi_example_serves_memory_over_http(
         pg_url, "SELECT count(*) FROM coda_memory.observations WHERE session_id = 's3'"
     )
     assert stored[0][0] >= 3
+
+
+async def test_the_fastapi_example_shuts_down_within_dockers_grace_period_on_a_stalled_database(
+    pg_url: str,
+) -> None:
+    """The example closes the service "within less than the platform's grace period" (docker
+    stop: 10 s). With the database no longer answering, close() spends its timeout on the
+    queue and then seconds more on the batch under way, the consolidations it cancels and
+    the pools: with the example's default timeout of 8 s, shutdown took 11 to 12 s, and docker's
+    SIGKILL would have cut it short."""
+    stalled = False
+    proxy = FaultProxy.in_front_of(pg_url, lambda _commit: "blackhole" if stalled else None)
+    port = await proxy.start()
+    # (The proxy reads plain messages: no TLS. It reaches a server on a Unix socket itself.)
+    proxied = make_url(pg_url).difference_update_query(["host"]).set(host="127.0.0.1", port=port)
+    proxied = proxied.update_query_dict({"ssl": "disable"})
+    url = proxied.render_as_string(hide_password=False)
+    try:
+        async with serving(url, "asyncio", "0.1") as (base, process, _):
+            async with httpx.AsyncClient(base_url=base, timeout=30) as client:
+                for n in range(3):
+                    body = {"query": "royalty for acct-118", "session_id": f"s{n}"}
+                    assert (await client.post(f"/chat/u{n}", json=body)).status_code == 200
+                await _until_stored(client)
+                stalled = True  # every COMMIT from now on waits for ever
+                for n in range(3):
+                    body = {"query": "royalty for acct-118", "session_id": f"t{n}"}
+                    assert (await client.post(f"/chat/u{n}", json=body)).status_code == 200
+            began = time.monotonic()
+            process.send_signal(signal.SIGTERM)
+            _, stderr = await asyncio.wait_for(process.communicate(), 60)
+            took = time.monotonic() - began
+        assert b"Application shutdown complete" in stderr, stderr.decode()
+        assert proxy.blackholes > 0
+        assert took < 9.5, f"shutdown took {took:.1f} s"
+    finally:
+        await proxy.close()
