@@ -33,7 +33,8 @@ def check_redis_url(url: str) -> None:
     """ValueError, saying why in one line and with the password masked, for a Redis URL
     that redis-py would read wrongly or refuse in words that quote part of the password:
     a scheme other than Redis's, a port or a database that is not a number (redis-py
-    reads database 0 for ``/abc``), a port outside 1 to 65535, a query whose
+    reads database 0 for ``/abc``), a port outside 1 to 65535, no ``//`` after
+    ``redis:`` or ``rediss:`` (not quoted: it would show the password), a query whose
     percent-escapes are not UTF-8. The first three may come of a password with a ``/``,
     ``#``, ``?`` or ``@`` not percent-encoded: the URL's host part ends at the first of
     them."""
@@ -54,6 +55,14 @@ def check_redis_url(url: str) -> None:
             f"invalid Redis URL {masked!r}: the port is out of range (1 to 65535) ({_ENCODE})"
         )
     scheme = parts.scheme.lower()
+    given, _, rest = url.partition(":")
+    if scheme in ("redis", "rediss") and not rest.startswith("//"):
+        # (Not quoted, masked or not: with no "//" there is no host part to mask a
+        # password in, and "redis:app:pw@db" was quoted whole.)
+        raise ValueError(
+            f"invalid Redis URL: no '//' after {given + ':'!r}: use redis://host:port/db "
+            "(or rediss://, unix://)"
+        )
     keys = [pair.partition("=")[0] for pair in parts.query.split("&")]
     if "@" not in parts.netloc and (
         "@" in parts.fragment

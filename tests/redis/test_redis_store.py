@@ -1070,6 +1070,18 @@ def test_a_redis_port_out_of_range_is_refused_as_such(port: str) -> None:
         MemoryService.from_url(f"redis://127.0.0.1:{port}/0")
 
 
+@pytest.mark.parametrize(
+    "url", ["redis:app:s3cret@db:6379/0", "redis:/app:s3cret@db/0", "rediss:s3cret@db", "redis:"]
+)
+def test_a_redis_url_without_its_slashes_is_refused_without_quoting_it(url: str) -> None:
+    """With no "//" there is no host part, and the mask (of the password in it) did
+    nothing: "redis:app:s3cret@db:6379/0" was quoted whole in the error, password and
+    all, and one without an "@" was "the database … is not a number"."""
+    with pytest.raises(ValueError, match=r"no '//' after 'rediss?:'") as raised:
+        MemoryService.from_url(url)
+    assert "s3cret" not in str(raised.value)
+
+
 def test_a_unix_socket_url_names_the_redis_store(tmp_path: Any) -> None:
     socket_path = tmp_path / "redis.sock"
     with contextlib.contextmanager(_own_server)("--unixsocket", str(socket_path)):
