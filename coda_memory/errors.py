@@ -31,7 +31,8 @@ class StoreBusy(CodaMemoryError):
     timeout, a deadlock, a cancelled statement, no connection free within the pool's
     timeout): nothing of it was stored by the try that met it, and the same write is
     worth retrying. Also what ``MemoryService.consolidate()`` raises when a table held
-    past the store's lock timeout kept its first read out: it consolidated nothing.
+    past the store's lock timeout kept its first read out: it consolidated nothing; and
+    what a Postgres ``start()`` raises when one kept its warm-up out.
 
     ``may_have_stored``: an earlier try of the same call lost its connection around its
     COMMIT, so the write may be stored already; a retry must look for it (its batch key)

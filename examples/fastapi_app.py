@@ -39,7 +39,7 @@ from coda_memory import (
     rank_tools,
     tool_observations,
 )
-from coda_memory.errors import ConnectionLost
+from coda_memory.errors import ConnectionLost, StoreBusy
 
 BASE_PROMPT = "You are an analyst's assistant for a music publisher."
 
@@ -104,11 +104,12 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     memory = MemoryService.from_url(url, load_timeout=timeout)
     try:
         # Open the connections and prepare the statements before the first request. A
-        # database that does not answer yet must not keep the agent from serving: memory
-        # then starts on first use, and loads answer empty until it answers.
+        # database that does not answer yet, or a table that a migration holds, must not
+        # keep the agent from serving: memory then starts on first use, and loads answer
+        # empty (or from the facts at hand) until it answers.
         try:
             await memory.start()
-        except ConnectionLost as error:
+        except (ConnectionLost, StoreBusy) as error:
             logging.getLogger(__name__).warning("memory not warmed up: %s", error)
         app.state.memory = memory
         yield

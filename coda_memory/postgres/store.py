@@ -417,6 +417,16 @@ class PostgresStore:
             # One line that says what failed (a refused connection, a server that never
             # answered: a bare TimeoutError), for a host that decides whether to start
             # without memory warm (everything then starts on first use).
+            state = sqlstate(error)
+            if state in _BUSY:
+                # A table held past the lock timeout (a migration under way), or the
+                # statement timeout: the warm-up waits no longer, and the service starts
+                # on first use, as for a server not reached (the host's startup went on
+                # only for that, and a deploy made during a migration failed to start).
+                raise StoreBusy(
+                    f"start() was kept out by {_BUSY[state]} ({state}); the service "
+                    "starts on first use"
+                ) from error
             if not cannot_connect(error):
                 raise
             raise ConnectionLost(

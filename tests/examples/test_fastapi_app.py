@@ -24,8 +24,11 @@ from pathlib import Path
 
 import httpx
 import pytest
+from sqlalchemy import NullPool, text
 from sqlalchemy.engine import make_url
+from sqlalchemy.ext.asyncio import create_async_engine
 
+from coda_memory.postgres.engine import asyncpg_url
 from tests.postgres.fault_proxy import FaultProxy
 from tests.postgres.helpers import fetch
 
@@ -90,6 +93,26 @@ async def test_the_fastapi_example_serves_while_the_database_cannot_be_reached()
             assert answer.json()["system_prompt"] == (
                 "You are an analyst's assistant for a music publisher."
             )
+
+
+async def test_the_fastapi_example_serves_while_a_migration_holds_a_table(pg_url: str) -> None:
+    """start() during a migration that holds a table raised the driver's
+    LockNotAvailableError, which the lifespan did not expect: uvicorn exited
+    ("Application startup failed"), and a deploy made while `coda-memory migrate` ran
+    restarted in a loop. It serves now, memory starting on first use."""
+    engine = create_async_engine(asyncpg_url(pg_url), poolclass=NullPool)
+    try:
+        async with engine.connect() as holder:
+            await holder.execute(text("LOCK TABLE coda_memory.facts IN ACCESS EXCLUSIVE MODE"))
+            async with serving(pg_url, "asyncio", load_timeout="1") as (base, _, printed):
+                assert b"memory not warmed up: start() was kept out by" in printed, printed.decode()
+                await holder.rollback()
+                async with httpx.AsyncClient(base_url=base, timeout=30) as client:
+                    body = {"query": "royalty", "session_id": "s"}
+                    answer = await client.post("/chat/alice", json=body)
+                    assert answer.status_code == 200, answer.text
+    finally:
+        await engine.dispose()
 
 
 async def _until_stored(client: httpx.AsyncClient) -> dict[str, int]:
