@@ -34,7 +34,8 @@ def check_redis_url(url: str) -> None:
     that redis-py would read wrongly or refuse in words that quote part of the password:
     a scheme other than Redis's, a port or a database that is not a number (redis-py
     reads database 0 for ``/abc``), a port outside 1 to 65535, no ``//`` after
-    ``redis:`` or ``rediss:`` (not quoted: it would show the password), a query whose
+    ``redis:`` or ``rediss:``, or an ``@`` with none after ``unix:`` (not quoted: it would
+    show the password), a query whose
     percent-escapes are not UTF-8. The first three may come of a password with a ``/``,
     ``#``, ``?`` or ``@`` not percent-encoded: the URL's host part ends at the first of
     them."""
@@ -62,6 +63,13 @@ def check_redis_url(url: str) -> None:
         raise ValueError(
             f"invalid Redis URL: no '//' after {given + ':'!r}: use redis://host:port/db "
             "(or rediss://, unix://)"
+        )
+    if scheme == "unix" and not rest.startswith("//") and "@" in rest:
+        # ("unix:app:pw@/run/redis.sock": redis-py took it all for the socket's path, and
+        # its error quoted that path, password and all.)
+        raise ValueError(
+            f"invalid Redis URL: an '@' with no '//' after {given + ':'!r}: write "
+            "unix://user:password@/path/redis.sock, or unix:///path for a path holding '@'"
         )
     keys = [pair.partition("=")[0] for pair in parts.query.split("&")]
     if "@" not in parts.netloc and (

@@ -1071,13 +1071,22 @@ def test_a_redis_port_out_of_range_is_refused_as_such(port: str) -> None:
 
 
 @pytest.mark.parametrize(
-    "url", ["redis:app:s3cret@db:6379/0", "redis:/app:s3cret@db/0", "rediss:s3cret@db", "redis:"]
+    "url",
+    [
+        "redis:app:s3cret@db:6379/0",
+        "redis:/app:s3cret@db/0",
+        "rediss:s3cret@db",
+        "redis:",
+        "unix:app:s3cret@/run/redis.sock",
+        "unix:/app:s3cret@/run/redis.sock",
+    ],
 )
 def test_a_redis_url_without_its_slashes_is_refused_without_quoting_it(url: str) -> None:
     """With no "//" there is no host part, and the mask (of the password in it) did
     nothing: "redis:app:s3cret@db:6379/0" was quoted whole in the error, password and
-    all, and one without an "@" was "the database … is not a number"."""
-    with pytest.raises(ValueError, match=r"no '//' after 'rediss?:'") as raised:
+    all, and one without an "@" was "the database … is not a number"; a unix: one was
+    taken whole for a socket's path, which start()'s error quoted."""
+    with pytest.raises(ValueError, match=r"no '//' after '(rediss?|unix):'") as raised:
         MemoryService.from_url(url)
     assert "s3cret" not in str(raised.value)
 
