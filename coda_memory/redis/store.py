@@ -138,6 +138,20 @@ def _client_options() -> frozenset[str]:
     return frozenset(taken - {"self", "url", "decode_responses"})
 
 
+def _unknown_query_parameters(url: str, client: Any) -> list[str]:
+    """The query parameters of ``url`` that no part of ``client`` takes: redis-py hands
+    every parameter of a URL to its connections, whose class refuses those it does not
+    know (``ssl_cert_reqs`` on a ``redis://`` one) only as it connects."""
+    given = {key for key, value in parse_qsl(urlsplit(url).query) if value}
+    taken: set[str] = {"db", "path"}
+    pool = client.connection_pool
+    for cls in (*pool.connection_class.__mro__, type(pool)):
+        init = cls.__dict__.get("__init__")
+        if init is not None:
+            taken.update(inspect.signature(init).parameters)
+    return sorted(given - taken)
+
+
 #: The codes of the errors of the server's state, which every identity of an append
 #: batch meets alike (a replica, maxmemory, a script cache emptied, too few replicas, a
 #: failed save, a server loading or busy with a script): the batch is retried whole. Any
@@ -415,6 +429,15 @@ class RedisStore:
                 f"{sorted(store_keys | {'prefix'})}, and redis-py's client its own)"
             )
         client = aioredis.Redis.from_url(bare, decode_responses=False, **client_options)
+        unknown = _unknown_query_parameters(bare, client)
+        if unknown:
+            # (The names only: a value may be a password.) redis-py passed them on to the
+            # connection, whose TypeError came at the first connection: start() raised
+            # it, and without start() every load answered empty.
+            raise ValueError(
+                f"unknown Redis URL parameter(s) {unknown}: not taken by redis-py's "
+                f"{client.connection_pool.connection_class.__name__}"
+            )
         chosen = prefix if prefix is not None else url_prefix
         return cls(client, prefix=DEFAULT_PREFIX if chosen is None else chosen, **store_options)
 

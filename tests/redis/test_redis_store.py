@@ -1091,6 +1091,25 @@ def test_a_redis_url_without_its_slashes_is_refused_without_quoting_it(url: str)
     assert "s3cret" not in str(raised.value)
 
 
+@pytest.mark.parametrize(
+    ("query", "unknown"),
+    [("?sokcet_timeout=1", "sokcet_timeout"), ("?ssl_cert_reqs=none", "ssl_cert_reqs")],
+)
+async def test_a_redis_url_parameter_nothing_takes_is_refused_when_the_service_is_made(
+    redis_url: str, query: str, unknown: str
+) -> None:
+    """redis-py handed it to its connections, which refused it as they connected: start()
+    raised a TypeError, and without start() every load answered empty and every batch
+    failed. (ssl_cert_reqs is a rediss:// one.)"""
+    with pytest.raises(ValueError, match=rf"unknown Redis URL parameter\(s\) \['{unknown}'\]"):
+        MemoryService.from_url(redis_url.partition("?")[0] + query)
+    service = MemoryService.from_url(redis_url.partition("?")[0] + "?socket_timeout=5")
+    try:
+        await service.start()
+    finally:
+        await service.close()
+
+
 def test_a_unix_socket_url_names_the_redis_store(tmp_path: Any) -> None:
     socket_path = tmp_path / "redis.sock"
     with contextlib.contextmanager(_own_server)("--unixsocket", str(socket_path)):
