@@ -162,13 +162,17 @@ async def fold_owed(
     *,
     limit: int = FOLD_ROWS,
     identity_id: str | None = None,
+    kinds: int | None = None,
 ) -> Folded:
     """Fold up to ``limit`` owed records into the rollup (``identity_id``'s only, when
     given), in the caller's transaction (the writer's, a forget's, or the owner's across
     identities): all of them in one savepoint, and when that meets an error other than a
     lock, each owed transaction in a savepoint of its own. Every lock wait is bounded by
     :data:`ROLLUP_LOCK_TIMEOUT`. Records whose folding meets a lock or an error stay.
-    Connection errors propagate."""
+    Connection errors propagate.
+
+    ``kinds``: fold only these kinds of rollup (``KIND_*`` bits) of the records, and keep
+    the records (a forget folds one kind at a time, and deletes the records itself)."""
     await driver.execute(short_locks("coda_owed", ROLLUP_LOCK_TIMEOUT))
     try:
         claim = query("rollup_owed_claim", schema)
@@ -187,7 +191,7 @@ async def fold_owed(
         by_xid.setdefault(record[1], []).append(record)
     folded, blocked = 0, False
     if records:
-        failure = await _fold(driver, schema, shard, records)
+        failure = await _fold(driver, schema, shard, records, kinds)
         if failure is None:
             folded = len(by_xid)
         elif failure in _DEFERRABLE:
@@ -195,7 +199,7 @@ async def fold_owed(
         else:
             # One owed transaction's rows may be what fails: fold the others without it.
             for owed in by_xid.values():
-                failure = await _fold(driver, schema, shard, owed)
+                failure = await _fold(driver, schema, shard, owed, kinds)
                 if failure is None:
                     folded += 1
                     continue
@@ -210,20 +214,28 @@ async def fold_owed(
 
 
 async def _fold(
-    driver: Any, schema: str, shard: int, owed: list[tuple[str, int, int]]
+    driver: Any,
+    schema: str,
+    shard: int,
+    owed: list[tuple[str, int, int]],
+    kinds: int | None = None,
 ) -> str | None:
     """Fold the owed records given as (identity_id, xid, kinds) and delete them, in a
     savepoint; None when done, else the SQLSTATE that undid it (the records stay).
+    ``kinds``: only these kinds, and the records stay (see :func:`fold_owed`).
     Connection errors propagate."""
     try:
         await driver.execute("SAVEPOINT coda_owed_fold")
         xids = sorted({xid for _, xid, _ in owed})
         await driver.execute(_SET_XIDS, ",".join(map(str, xids)))
+        if kinds is not None:
+            owed = [(identity_id, xid, owes & kinds) for identity_id, xid, owes in owed]
         await fold_rollup(driver, schema, shard, owed)
-        paid = query("rollup_owed_paid", schema)
-        identities = [identity_id for identity_id, _, _ in owed]
-        paid_xids = [xid for _, xid, _ in owed]
-        await driver.execute(paid.text, *paid.arguments(identities=identities, xids=paid_xids))
+        if kinds is None:
+            paid = query("rollup_owed_paid", schema)
+            identities = [identity_id for identity_id, _, _ in owed]
+            paid_xids = [xid for _, xid, _ in owed]
+            await driver.execute(paid.text, *paid.arguments(identities=identities, xids=paid_xids))
         await driver.execute("RELEASE SAVEPOINT coda_owed_fold")
         return None
     except Exception as exc:

@@ -23,6 +23,7 @@ from coda_memory.postgres.rollup import (
     entity_rollup,
     tool_rollup,
 )
+from coda_memory.postgres.rollup_batch import KIND_DOMAINS, KIND_ENTITIES, KIND_TOOLS
 from coda_memory.postgres.rollup_owed import fold_owed
 from coda_memory.postgres.schema import (
     domain_daily,
@@ -112,36 +113,43 @@ async def forget_identity(conn: AsyncConnection, schema: str, identity_id: str) 
 
     The locks are taken in the order a folding append takes them, so that the two never
     wait for each other in a circle: the tables (a mode no append's conflicts with), the
-    identity's owed records (waiting for a folder
-    that holds some to commit), then its per-identity rows of each table in key order
-    (see :func:`_lock_in_key_order`), then the shared daily rows (the folding's, and the
-    forget's own)."""
+    identity's owed records (waiting for a folder that holds some to commit), then, one
+    kind of rollup after the other (tools, entities, domains, as an append's statements
+    go), its per-identity rows of that kind in key order (see :func:`_lock_in_key_order`)
+    and then the shared daily rows of that kind (the folding's, and the forget's own).
+    Its rows of every kind locked before any daily row, the forget deadlocked with an
+    append that held a daily row of tools and waited for the identity's row of entities
+    (the forget failed with ``deadlock detected``)."""
     shard = await connection_shard(conn)
     driver = await driver_connection(conn)
     await driver.execute(_lock_forget_writes(schema))
-    await conn.execute(
-        select(literal(1))
-        .select_from(rollup_owed)
-        .where(rollup_owed.c.identity_id == identity_id)
-        .with_for_update()
+    owed = (
+        await conn.execute(
+            select(literal(1))
+            .select_from(rollup_owed)
+            .where(rollup_owed.c.identity_id == identity_id)
+            .with_for_update()
+        )
+    ).all()
+    kinds = (
+        (KIND_TOOLS, tool_users, ["tool_name"]),
+        (KIND_ENTITIES, entity_users, ["entity_type", "entity_id"]),
+        (KIND_DOMAINS, domain_users, ["domain", "day"]),
     )
-    user_keys = (
-        (tool_users, ["tool_name"]),
-        (entity_users, ["entity_type", "entity_id"]),
-        (domain_users, ["domain", "day"]),
-    )
-    for users, keys in user_keys:
+    for kind, users, keys in kinds:
         await _lock_in_key_order(conn, users, identity_id, keys)
-    # More than one claim's worth may be owed (after a long lock): fold them all, unless a
-    # lock stops the folding (the same records would be claimed again).
-    folded = await fold_owed(driver, schema, shard, identity_id=identity_id)
-    while folded.full and not folded.blocked:
-        folded = await fold_owed(driver, schema, shard, identity_id=identity_id)
+        if owed:
+            # Every record at once (they stay until deleted below), this kind only.
+            await fold_owed(
+                driver, schema, shard, limit=len(owed), identity_id=identity_id, kinds=kind
+            )
+        if kind == KIND_TOOLS:
+            await conn.execute(_forget_latest(identity_id, users, tool_daily, keys, shard))
+        elif kind == KIND_ENTITIES:
+            await conn.execute(_forget_latest(identity_id, users, entity_daily, keys, None))
+        else:
+            await conn.execute(_forget_domains(identity_id, shard))
     await conn.execute(delete(rollup_owed).where(rollup_owed.c.identity_id == identity_id))
-    await conn.execute(_forget_latest(identity_id, tool_users, tool_daily, ["tool_name"], shard))
-    keys = ["entity_type", "entity_id"]
-    await conn.execute(_forget_latest(identity_id, entity_users, entity_daily, keys, None))
-    await conn.execute(_forget_domains(identity_id, shard))
 
 
 class _Truncate(ExecutableDDLElement):

@@ -12,17 +12,19 @@ from contextlib import AsyncExitStack
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+import asyncpg
 import pytest
 
 from coda_memory import MemoryService
 from coda_memory.ports import ObservationRecord
-from coda_memory.postgres import PostgresStore, maintenance
+from coda_memory.postgres import PostgresStore, batch_keys, maintenance
+from coda_memory.postgres import rollup as rollup_module
 from coda_memory.postgres.analytics import rebuild_rollups
 from coda_memory.postgres.engine import driver_connection
 from coda_memory.postgres.rollup_batch import owed_statements
 from coda_memory.postgres.rollup_owed import ROLLUP_LOCK_TIMEOUT
 from tests.helpers import FakeClock, tool_ok
-from tests.postgres.helpers import consolidate, fetch, locked
+from tests.postgres.helpers import consolidate, dsn, fetch, locked
 from tests.postgres.test_analytics import (
     D1,
     D2,
@@ -213,8 +215,13 @@ async def test_forget_goes_on_while_a_table_only_the_folding_needs_stays_locked(
         assert time.monotonic() - started < PROMPTLY
         assert await owed(pg_url) == [("ben", ALL_KINDS), ("cy", ALL_KINDS)]
     await store.append([call("ben", "t", True, D2)])
-    # ana's calls, owed until the forget, were not counted: the others' are.
-    assert await rollup(store) == await rebuilt(store)
+    # ana's calls, owed until the forget, were not counted: the others' are. Her entity
+    # accesses and queries were, as a forget folds each kind of rollup on its own.
+    assert (await counted(store))[1:] == (7, 5)
+    tools = ("tool_daily", "tool_users", "tool_durations")
+    kept = await rollup(store)
+    expected = await rebuilt(store)
+    assert {table: kept[table] for table in tools} == {table: expected[table] for table in tools}
 
 
 async def test_a_rebuild_drops_the_owed_records_it_recomputes(
@@ -431,4 +438,55 @@ async def test_forget_fails_whole_when_a_table_it_writes_stays_locked(pg_url: st
         await store.append([call("ben", "t", True, D2)])
         assert await counted(store) == (9 + 1, 7, 5)
     finally:
+        await store.close()
+
+
+async def _waiting_for_locks(url: str, count: int) -> None:
+    """Until ``count`` backends wait for a lock."""
+    async with asyncio.timeout(10):
+        while True:
+            rows = await fetch(
+                url, "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
+            )
+            if rows[0][0] >= count:
+                return
+            await asyncio.sleep(0.02)  # polling the server's lock table
+
+
+async def test_a_forget_and_an_append_of_the_identity_never_deadlock(
+    pg_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An append holds a daily row of tools and waits for the identity's row of entities:
+    the forget took the identity's rows of every kind before any daily row, so it had that
+    row and then waited for the append's daily row (one shard, as any two connections of
+    the eight share one in eight times): "deadlock detected" failed the forget, or
+    deferred the append's rollup."""
+    monkeypatch.setattr(rollup_module, "SHARDS", 1)
+    monkeypatch.setattr(batch_keys, "SHARDS", 1)
+    store = PostgresStore.from_url(
+        pg_url, writer_lock_timeout=WRITER_LOCK_TIMEOUT, lock_timeout=timedelta(seconds=10)
+    )
+    holder = await asyncpg.connect(dsn(pg_url))
+    try:
+        await store.append([call("x", "t", True, D1), access("x", "account", "e1", D1)])
+        # The identity's row of entities, held a moment: the forget waits for it first,
+        # then the append, which holds its daily row of tools by then.
+        held = holder.transaction()
+        await held.start()
+        await holder.execute(
+            "SELECT 1 FROM coda_memory.entity_users WHERE identity_id = 'x' FOR UPDATE"
+        )
+        forget = asyncio.ensure_future(store.forget("x"))
+        await _waiting_for_locks(pg_url, 1)
+        append = asyncio.ensure_future(
+            store.append([call("a", "t", True, D1), access("x", "account", "e1", D1)])
+        )
+        await _waiting_for_locks(pg_url, 2)
+        await asyncio.sleep(1.2)  # past the append's own check for a deadlock
+        await held.rollback()
+        outcomes = await asyncio.gather(forget, append, return_exceptions=True)
+        assert not any(isinstance(o, BaseException) for o in outcomes), outcomes
+        assert store.ingest_counts.rollups_owed == 0
+    finally:
+        await holder.close()
         await store.close()
