@@ -66,6 +66,12 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'coda_memory' has no attribute {name!r}")
 
 
+def __dir__() -> list[str]:
+    # (The lazy helpers are no module attribute until first asked for: dir() and
+    # completion would not list them.)
+    return sorted({*globals(), "migrate", "migrate_async"})
+
+
 __all__ = [
     "AFFINITY_WEIGHT",
     "DEFAULT_DOMAIN_PATTERNS",
