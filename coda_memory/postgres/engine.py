@@ -28,9 +28,9 @@ _MISSING_RELATION = {"42P01", "3F000"}
 def asyncpg_url(url: str | URL) -> URL:
     """Return ``url`` as a ``postgresql+asyncpg`` URL.
 
-    Accepts ``postgresql://``, ``postgres://`` and ``postgresql+asyncpg://``; a unix
-    socket goes in the query (``postgresql://user@/db?host=/run/postgresql``), and a libpq
-    ``sslmode`` becomes asyncpg's ``ssl``.
+    Accepts ``postgresql://``, ``postgres://`` and ``postgresql+asyncpg://``, in any
+    case; a unix socket goes in the query (``postgresql://user@/db?host=/run/postgresql``),
+    and a libpq ``sslmode`` becomes asyncpg's ``ssl``.
     """
     try:
         parsed = make_url(url)
@@ -40,6 +40,9 @@ def asyncpg_url(url: str | URL) -> URL:
         raise ValueError(
             "the port is not a number (an '@' in the user name or password must be written %40)"
         ) from None
+    # (A scheme is case-insensitive, RFC 3986: POSTGRESQL:// is postgresql://, as
+    # REDIS:// and MEMORY:// are taken; SQLAlchemy looks its dialect up as written.)
+    parsed = parsed.set(drivername=parsed.drivername.lower())
     if parsed.drivername not in _POSTGRES_DRIVERS:
         raise ValueError(
             f"unsupported database URL scheme {parsed.drivername!r}: "

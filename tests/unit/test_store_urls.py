@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import pytest
+
 import coda_memory
+from coda_memory import MemoryService
+from coda_memory.postgres import PostgresStore
+from coda_memory.postgres.engine import asyncpg_url
 
 
 def test_dir_lists_the_lazy_migration_helpers() -> None:
@@ -10,3 +15,13 @@ def test_dir_lists_the_lazy_migration_helpers() -> None:
     assert "migrate" in listed
     assert "migrate_async" in listed
     assert set(coda_memory.__all__) <= set(listed)
+
+
+@pytest.mark.parametrize(
+    "url", ["POSTGRESQL://app@db/app", "Postgres://app@db/app", "PostgreSQL+AsyncPG://app@db/app"]
+)
+def test_a_postgres_scheme_is_case_insensitive(url: str) -> None:
+    # (As REDIS:// and MEMORY:// are taken: RFC 3986's schemes are case-insensitive.)
+    assert asyncpg_url(url).drivername == "postgresql+asyncpg"
+    service = MemoryService.from_url(url)
+    assert isinstance(service.store, PostgresStore)
