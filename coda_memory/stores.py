@@ -45,6 +45,10 @@ def store_from_url(url: str, store_options: dict[str, Any]) -> MemoryStore:
     scheme = url_scheme(url)
     store: MemoryStore
     if scheme in ("memory", "null"):
+        if not url.partition(":")[2].startswith("//"):
+            # ("memory", "memory:" or "null:", as a Redis URL without its "//" is; not
+            # quoted, as that one is not.)
+            raise ValueError(f"invalid memory URL: no '//' after {scheme + ':'!r}: use {scheme}://")
         if store_options:
             raise TypeError(f"unexpected options for {scheme}://: {sorted(store_options)}")
         if scheme == "null":

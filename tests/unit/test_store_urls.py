@@ -25,3 +25,15 @@ def test_a_postgres_scheme_is_case_insensitive(url: str) -> None:
     assert asyncpg_url(url).drivername == "postgresql+asyncpg"
     service = MemoryService.from_url(url)
     assert isinstance(service.store, PostgresStore)
+
+
+@pytest.mark.parametrize("url", ["memory", "memory:", "Memory:", "null", "null:", "memory:/x"])
+def test_a_memory_or_null_url_without_its_slashes_is_refused(url: str) -> None:
+    expected = "null://" if url.startswith("null") else "memory://"
+    with pytest.raises(ValueError, match=f"use {expected}"):
+        MemoryService.from_url(url)
+
+
+@pytest.mark.parametrize("url", ["memory://", "MEMORY://", "null://", "Null://"])
+def test_a_memory_or_null_url_with_its_slashes_is_taken(url: str) -> None:
+    MemoryService.from_url(url)
