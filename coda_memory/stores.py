@@ -43,6 +43,13 @@ def shown_scheme(url: str) -> str:
 def store_from_url(url: str, store_options: dict[str, Any]) -> MemoryStore:
     """The store ``url`` names, built with ``store_options`` (see ``MemoryService.from_url``)."""
     scheme = url_scheme(url)
+    if url != url.strip():
+        # (A newline from an environment file: Postgres took it into the database name
+        # and failed only on connecting. Not quoted: the URL may hold a password.)
+        raise ValueError(
+            "invalid memory URL: it begins or ends with whitespace (a newline from an "
+            "environment file?): strip it"
+        )
     store: MemoryStore
     if scheme in ("memory", "null"):
         if not url.partition(":")[2].startswith("//"):

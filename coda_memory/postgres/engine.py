@@ -32,6 +32,13 @@ def asyncpg_url(url: str | URL) -> URL:
     case; a unix socket goes in the query (``postgresql://user@/db?host=/run/postgresql``),
     and a libpq ``sslmode`` becomes asyncpg's ``ssl``.
     """
+    if isinstance(url, str) and url != url.strip():
+        # (A newline from an environment file was taken into the database name, and
+        # failed only on connecting. Not quoted: the URL may hold a password.)
+        raise ValueError(
+            "the database URL begins or ends with whitespace (a newline from an "
+            "environment file?): strip it"
+        )
     try:
         parsed = make_url(url)
     except ValueError:

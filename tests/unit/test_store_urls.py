@@ -37,3 +37,26 @@ def test_a_memory_or_null_url_without_its_slashes_is_refused(url: str) -> None:
 @pytest.mark.parametrize("url", ["memory://", "MEMORY://", "null://", "Null://"])
 def test_a_memory_or_null_url_with_its_slashes_is_taken(url: str) -> None:
     MemoryService.from_url(url)
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "postgresql://app:S3cret@db/app\n",
+        " postgresql://app:S3cret@db/app",
+        "postgresql://app:S3cret@db/app\t",
+        "redis://:S3cret@db:6379/0\n",
+        "memory://\n",
+        " null://",
+    ],
+)
+def test_a_url_with_whitespace_about_it_is_refused_unquoted(url: str) -> None:
+    with pytest.raises(ValueError, match="whitespace") as caught:
+        MemoryService.from_url(url)
+    assert "S3cret" not in str(caught.value)
+
+
+def test_a_postgres_url_with_whitespace_about_it_is_refused_by_the_store_too() -> None:
+    with pytest.raises(ValueError, match="whitespace") as caught:
+        PostgresStore.from_url("postgresql://app:S3cret@db/app\n")
+    assert "S3cret" not in str(caught.value)
