@@ -40,8 +40,10 @@ def shown_scheme(url: str) -> str:
     return "no scheme"
 
 
-def store_from_url(url: str, store_options: dict[str, Any]) -> MemoryStore:
-    """The store ``url`` names, built with ``store_options`` (see ``MemoryService.from_url``)."""
+def checked_scheme(url: str) -> str:
+    """The scheme of ``url`` (see ``url_scheme``), or a ValueError, not quoting it, for a
+    URL with whitespace at its start or end, or a ``memory:`` or ``null:`` one without its
+    ``//``. (What a store's own URL checks refuse is left to them.)"""
     scheme = url_scheme(url)
     if url != url.strip():
         # (A newline from an environment file: Postgres took it into the database name
@@ -50,12 +52,18 @@ def store_from_url(url: str, store_options: dict[str, Any]) -> MemoryStore:
             "invalid memory URL: it begins or ends with whitespace (a newline from an "
             "environment file?): strip it"
         )
+    if scheme in ("memory", "null") and not url.partition(":")[2].startswith("//"):
+        # ("memory", "memory:" or "null:", as a Redis URL without its "//" is; not
+        # quoted, as that one is not.)
+        raise ValueError(f"invalid memory URL: no '//' after {scheme + ':'!r}: use {scheme}://")
+    return scheme
+
+
+def store_from_url(url: str, store_options: dict[str, Any]) -> MemoryStore:
+    """The store ``url`` names, built with ``store_options`` (see ``MemoryService.from_url``)."""
+    scheme = checked_scheme(url)
     store: MemoryStore
     if scheme in ("memory", "null"):
-        if not url.partition(":")[2].startswith("//"):
-            # ("memory", "memory:" or "null:", as a Redis URL without its "//" is; not
-            # quoted, as that one is not.)
-            raise ValueError(f"invalid memory URL: no '//' after {scheme + ':'!r}: use {scheme}://")
         if store_options:
             raise TypeError(f"unexpected options for {scheme}://: {sorted(store_options)}")
         if scheme == "null":

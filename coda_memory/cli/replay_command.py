@@ -51,7 +51,7 @@ from coda_memory.replay import (
 from coda_memory.replay.report import HEADER, rows, values
 from coda_memory.replay.suite import Comparison, compare
 from coda_memory.replay.tuning import FAMILIES
-from coda_memory.stores import REDIS_SCHEMES, SCHEMES, shown_scheme, url_scheme
+from coda_memory.stores import REDIS_SCHEMES, SCHEMES, checked_scheme, shown_scheme
 
 
 def _stored_events(url: str | None, schema: str) -> list[Event]:
@@ -151,7 +151,10 @@ def replay(
         )
     checked_plot_path(plot)
     # Before the events are read (a long file, or the database's observations).
-    scheme = url_scheme(store)
+    try:
+        scheme = checked_scheme(store)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--store") from None
     if scheme == "null":
         raise typer.BadParameter(
             "null:// keeps nothing: the replay would score nothing", param_hint="--store"

@@ -117,6 +117,9 @@ def test_a_plot_that_can_not_be_written_is_a_usage_error(tmp_path: Path, plot: s
         ("postgresql", "Could not parse"),  # a traceback, from SQLAlchemy's ArgumentError
         ("redis://127.0.0.1:99999/9", "the port is out of range (1 to 65535)"),
         ("redis://app:8080#pw@127.0.0.1/9", "the host part ends before its '@'"),
+        ("memory", "use memory://"),
+        ("memory://\n", "whitespace"),
+        ("redis://127.0.0.1/9\n", "whitespace"),
     ],
 )
 def test_a_store_that_can_not_serve_the_replay_is_a_usage_error(store: str, says: str) -> None:
