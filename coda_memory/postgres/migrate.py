@@ -261,7 +261,19 @@ def _schemaless(url: str | URL) -> bool:
         return False
     if not isinstance(url, str):
         raise TypeError(f"the database URL must be a str, not {type(url).__name__}")
-    return url.split(":", 1)[0].lower() in _SCHEMALESS
+    scheme = url.split(":", 1)[0].lower()
+    if scheme in _SCHEMALESS:
+        # (Refused as MemoryService.from_url refuses them, where nothing was done; Postgres
+        # URLs are refused so by asyncpg_url. Not quoted: the URL may hold a password.)
+        if url != url.strip():
+            raise ValueError(
+                "invalid memory URL: it begins or ends with whitespace (a newline from an "
+                "environment file?): strip it"
+            )
+        if scheme in ("memory", "null") and not url.partition(":")[2].startswith("//"):
+            raise ValueError(f"invalid memory URL: no '//' after {scheme + ':'!r}: use {scheme}://")
+        return True
+    return False
 
 
 #: The schemes of the stores with no schema.

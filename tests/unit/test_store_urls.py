@@ -60,3 +60,10 @@ def test_a_postgres_url_with_whitespace_about_it_is_refused_by_the_store_too() -
     with pytest.raises(ValueError, match="whitespace") as caught:
         PostgresStore.from_url("postgresql://app:S3cret@db/app\n")
     assert "S3cret" not in str(caught.value)
+
+
+@pytest.mark.parametrize("url", ["memory", "null:", "memory://\n", " redis://db:6379/0"])
+def test_migrate_refuses_what_from_url_refuses(url: str) -> None:
+    # (It did nothing for them: a store without a schema has nothing to migrate.)
+    with pytest.raises(ValueError, match=r"use memory://|use null://|whitespace"):
+        coda_memory.migrate(url)
