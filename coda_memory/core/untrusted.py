@@ -745,7 +745,18 @@ def cap(text: str, max_chars: int) -> str:
         return text
     if max_chars <= 0:
         return ""
-    return text[: max_chars - 1].rstrip() + ELLIPSIS
+    return _cut(text, max_chars)
+
+
+def _cut(text: str, max_chars: int) -> str:
+    """``text`` cut to ``max_chars - 1`` characters and "…", without a colon after a
+    digit just before the "…": a numbered ReAct step keeps its colon only before a digit
+    (``Action 2:80``), which the cut takes away, so cleaning the cut text again removed
+    it (``Action 2:…`` became ``Action 2 …``)."""
+    head = text[: max_chars - 1].rstrip()
+    if head.endswith(":") and head[-2:-1].isdigit():
+        head = head[:-1]
+    return head + ELLIPSIS
 
 
 def read_window(max_chars: int) -> int:
@@ -767,7 +778,7 @@ def capped(text: str, max_chars: int, cut: bool) -> str:
     when ``cut`` says its input was (read only so far, see :func:`read_window`)."""
     if not cut or len(text) > max_chars:
         return cap(text, max_chars)
-    return text[: max_chars - 1].rstrip() + ELLIPSIS if max_chars > 0 else ""
+    return _cut(text, max_chars) if max_chars > 0 else ""
 
 
 def _visible_line(text: str, max_chars: int) -> tuple[str, int | None]:

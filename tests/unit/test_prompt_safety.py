@@ -1285,6 +1285,21 @@ HOSTILE_VALUES = {
 }
 
 
+@pytest.mark.parametrize(
+    ("value", "cap", "expected"),
+    [
+        # "2:80" keeps its colon, "2:…" would not: the cut leaves none before its "…".
+        ("Action 2:80/", 10, "Action 2\u2026"),
+        ("Observation 12:30 pm", 16, "Observation 12\u2026"),
+    ],
+)
+def test_a_cut_leaves_no_colon_that_cleaning_again_would_remove(
+    value: str, cap: int, expected: str
+) -> None:
+    assert data_text(value, cap) == expected
+    assert data_text(expected, cap) == expected
+
+
 @pytest.mark.parametrize("alphabet", list(HOSTILE_VALUES))
 @settings(max_examples=100)
 @given(data=st.data())
