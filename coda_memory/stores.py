@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from coda_memory.core.urls import refuse_malformed
 from coda_memory.ports import MemoryStore
 
 #: The schemes of Redis URLs (redis-py's): TCP, TLS, a Unix socket. (Those of
@@ -45,17 +46,7 @@ def checked_scheme(url: str) -> str:
     URL with whitespace at its start or end, or a ``memory:`` or ``null:`` one without its
     ``//``. (What a store's own URL checks refuse is left to them.)"""
     scheme = url_scheme(url)
-    if url != url.strip():
-        # (A newline from an environment file: Postgres took it into the database name
-        # and failed only on connecting. Not quoted: the URL may hold a password.)
-        raise ValueError(
-            "invalid memory URL: it begins or ends with whitespace (a newline from an "
-            "environment file?): strip it"
-        )
-    if scheme in ("memory", "null") and not url.partition(":")[2].startswith("//"):
-        # ("memory", "memory:" or "null:", as a Redis URL without its "//" is; not
-        # quoted, as that one is not.)
-        raise ValueError(f"invalid memory URL: no '//' after {scheme + ':'!r}: use {scheme}://")
+    refuse_malformed(url, scheme)
     return scheme
 
 

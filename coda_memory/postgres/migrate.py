@@ -34,6 +34,7 @@ from sqlalchemy import Connection, pool, text
 from sqlalchemy.engine import URL
 from sqlalchemy.ext.asyncio import AsyncConnection, create_async_engine
 
+from coda_memory.core.urls import refuse_malformed
 from coda_memory.errors import MigrationUnderWay
 from coda_memory.postgres.engine import asyncpg_url
 from coda_memory.postgres.schema import DEFAULT_SCHEMA, validate_schema_name
@@ -264,14 +265,8 @@ def _schemaless(url: str | URL) -> bool:
     scheme = url.split(":", 1)[0].lower()
     if scheme in _SCHEMALESS:
         # (Refused as MemoryService.from_url refuses them, where nothing was done; Postgres
-        # URLs are refused so by asyncpg_url. Not quoted: the URL may hold a password.)
-        if url != url.strip():
-            raise ValueError(
-                "invalid memory URL: it begins or ends with whitespace (a newline from an "
-                "environment file?): strip it"
-            )
-        if scheme in ("memory", "null") and not url.partition(":")[2].startswith("//"):
-            raise ValueError(f"invalid memory URL: no '//' after {scheme + ':'!r}: use {scheme}://")
+        # URLs are refused so by asyncpg_url.)
+        refuse_malformed(url, scheme)
         return True
     return False
 
