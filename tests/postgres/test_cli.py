@@ -373,7 +373,11 @@ def test_debug_shows_the_exception_instead() -> None:
     assert isinstance(result.exception, runtime.CliError)
 
 
-@pytest.mark.parametrize("command", ["facts", "history", "prompt", "forget", "consolidate"])
+# The commands that take an identity.
+IDENTITY_COMMANDS = ["facts", "history", "prompt", "forget", "consolidate"]
+
+
+@pytest.mark.parametrize("command", IDENTITY_COMMANDS)
 def test_unknown_identities_are_refused(pg_url: str, command: str) -> None:
     seed_alice(pg_url)
     extra = ["--yes"] if command == "forget" else []
@@ -381,7 +385,7 @@ def test_unknown_identities_are_refused(pg_url: str, command: str) -> None:
     assert_one_line_error(result, 1, "unknown identity: 'zed'")
 
 
-@pytest.mark.parametrize("command", ["facts", "history", "prompt", "forget", "consolidate"])
+@pytest.mark.parametrize("command", IDENTITY_COMMANDS)
 def test_an_identity_longer_than_any_stored_is_a_usage_error(command: str) -> None:
     """It was looked up and echoed whole in "unknown identity: …" (5,000 characters)."""
     extra = ["--yes"] if command == "forget" else []
@@ -822,16 +826,17 @@ def test_a_statement_timeout_of_the_database_does_not_cut_a_lock_wait_short(
     assert result.exit_code == 0, result.output
 
 
-@pytest.mark.parametrize(
-    ("table", "args"),
-    [
-        ("observations", ["stats"]),
-        ("facts", ["facts", "alice"]),
-        ("facts", ["prompt", "alice"]),
-        ("fact_events", ["history", "alice"]),
-        ("tool_daily", ["analytics", "tools"]),
-    ],
-)
+# The commands that only read, each with a table that it reads.
+READ_ONLY_COMMANDS: list[tuple[str, list[str]]] = [
+    ("observations", ["stats"]),
+    ("facts", ["facts", "alice"]),
+    ("facts", ["prompt", "alice"]),
+    ("fact_events", ["history", "alice"]),
+    ("tool_daily", ["analytics", "tools"]),
+]
+
+
+@pytest.mark.parametrize(("table", "args"), READ_ONLY_COMMANDS)
 def test_a_command_that_only_reads_keeps_the_statement_timeout_of_the_database(
     pg_url: str, table: str, args: list[str]
 ) -> None:
@@ -949,13 +954,9 @@ def test_consolidate_waits_for_live_traffic_on_the_same_identity(pg_url: str) ->
 @pytest.mark.parametrize(
     ("table", "args"),
     [
-        ("observations", ["stats"]),
-        ("facts", ["facts", "alice"]),
-        ("facts", ["prompt", "alice"]),
-        ("fact_events", ["history", "alice"]),
+        *READ_ONLY_COMMANDS,
         ("observations", ["prune"]),
         ("observations", ["forget", "alice", "--yes"]),
-        ("tool_daily", ["analytics", "tools"]),
         ("observations", ["consolidate", "--all"]),
     ],
 )
