@@ -2657,6 +2657,29 @@ class GatedFailingStore(InMemoryStore):
         async with super().consolidation(identity_id) as unit:
             yield unit
 
+    def ungate(self) -> None:
+        """No call waits at a gate any more."""
+        self.gate = None
+
+
+@asynccontextmanager
+async def forget_window_service(
+    store: GatedFailingStore, *identities: str, load_timeout: float = 5.0
+) -> AsyncIterator[MemoryService]:
+    """A service over ``store`` with one fact (``tool_affinity:old``) consolidated for each
+    of ``identities``; on leaving, the store's gates are taken away and the service
+    closed."""
+    service = MemoryService(store, clock=FakeClock(), load_timeout=load_timeout)
+    try:
+        for who in identities:
+            service.emit_observation(who, tool_ok("old"))
+            await service.drain()
+            await service.consolidate(who)
+        yield service
+    finally:
+        store.ungate()
+        await service.close()
+
 
 async def test_no_answer_from_the_facts_at_hand_outlives_a_forget_of_the_identity() -> None:
     """A load whose consolidation failed after its peek made its answer from the peek's
@@ -2664,11 +2687,7 @@ async def test_no_answer_from_the_facts_at_hand_outlives_a_forget_of_the_identit
     identity and returned meanwhile, and the load then answered with the forgotten
     facts."""
     store = GatedFailingStore()
-    service = MemoryService(store, clock=FakeClock(), load_timeout=5.0)
-    try:
-        service.emit_observation("u1", tool_ok("old"))
-        await service.drain()
-        await service.consolidate("u1")
+    async with forget_window_service(store, "u1") as service:
         store.gate, store.entered = asyncio.Event(), asyncio.Event()
         service.emit_observation("u1", tool_ok("new"))
         await service.drain()
@@ -2687,21 +2706,13 @@ async def test_no_answer_from_the_facts_at_hand_outlives_a_forget_of_the_identit
         # Answered after the forget returned, it must hold nothing of the identity.
         assert ended == ["load", "forget"] or memory.facts == []
         assert await service.facts("u1") == []
-    finally:
-        store.gate = None
-        await service.close()
 
 
 async def test_a_forget_of_one_identity_leaves_another_s_answer_from_the_facts_at_hand() -> None:
     """Loads of other identities in flight as one is forgotten keep their answers from
     the facts at hand (a forget during a bulk erasure emptied every identity's)."""
     store = GatedFailingStore()
-    service = MemoryService(store, clock=FakeClock(), load_timeout=5.0)
-    try:
-        for who in ("u1", "u2"):
-            service.emit_observation(who, tool_ok("old"))
-            await service.drain()
-            await service.consolidate(who)
+    async with forget_window_service(store, "u1", "u2") as service:
         store.gate, store.entered = asyncio.Event(), asyncio.Event()
         service.emit_observation("u2", tool_ok("new"))
         await service.drain()
@@ -2710,9 +2721,6 @@ async def test_a_forget_of_one_identity_leaves_another_s_answer_from_the_facts_a
         assert (await service.forget("u1")).facts == 1
         store.gate.set()
         assert [f.subject for f in (await load).facts] == ["tool_affinity:old"]
-    finally:
-        store.gate = None
-        await service.close()
 
 
 class GatedForgetStore(GatedFailingStore):
@@ -2728,31 +2736,37 @@ class GatedForgetStore(GatedFailingStore):
             await self.forget_gate.wait()
         return await super().forget(identity_id)
 
+    def ungate(self) -> None:
+        super().ungate()
+        self.forget_gate = None
+
+
+async def forget_in_flight(
+    store: GatedForgetStore, service: MemoryService, identity_id: str
+) -> tuple[asyncio.Task[Forgotten], asyncio.Event]:
+    """A forget of ``identity_id`` that has begun erasing in ``store``, and the gate that
+    holds it there until set (``store.forget_gate``)."""
+    store.forget_gate, store.forget_entered = asyncio.Event(), asyncio.Event()
+    forget = asyncio.create_task(service.forget(identity_id))
+    await store.forget_entered.wait()
+    return forget, store.forget_gate
+
 
 async def test_a_load_that_began_during_a_forget_gives_no_answer_from_the_facts_at_hand() -> None:
     """A load that began while the forget was erasing read the facts before the erasure
     (its peek), and answered with them after the forget had returned."""
     store = GatedForgetStore()
-    service = MemoryService(store, clock=FakeClock(), load_timeout=5.0)
-    try:
-        service.emit_observation("u1", tool_ok("old"))
-        await service.drain()
-        await service.consolidate("u1")
+    async with forget_window_service(store, "u1") as service:
         service.emit_observation("u1", tool_ok("new"))
         await service.drain()
-        store.forget_gate, store.forget_entered = asyncio.Event(), asyncio.Event()
-        forget = asyncio.create_task(service.forget("u1"))
-        await store.forget_entered.wait()
+        forget, erase = await forget_in_flight(store, service, "u1")
         store.gate, store.entered = asyncio.Event(), asyncio.Event()
         load = asyncio.create_task(service.load_memory("u1"))
         await store.entered.wait()  # (its peek read the facts)
-        store.forget_gate.set()
+        erase.set()
         assert (await forget).facts == 1
         store.gate.set()
         assert (await load).facts == []
-    finally:
-        store.gate = store.forget_gate = None
-        await service.close()
 
 
 class GatedPeekStore(GatedForgetStore):
@@ -2769,60 +2783,52 @@ class GatedPeekStore(GatedForgetStore):
             await self.peek_gate.wait()
         return read
 
+    def ungate(self) -> None:
+        super().ungate()
+        self.peek_gate = None
+
+
+async def load_that_peeked(
+    store: GatedPeekStore, service: MemoryService, identity_id: str
+) -> tuple[asyncio.Task[LoadedMemory], asyncio.Event]:
+    """A load of ``identity_id`` whose peek has read the identity's facts in ``store``, and
+    the gate that holds the peek there until set (``store.peek_gate``)."""
+    store.peek_gate, store.peeked = asyncio.Event(), asyncio.Event()
+    load = asyncio.create_task(service.load_memory(identity_id))
+    await store.peeked.wait()
+    return load, store.peek_gate
+
 
 async def test_a_load_that_read_the_facts_before_a_forget_erased_them_answers_none() -> None:
     """A load that began while the forget was erasing read the facts before the erasure
     (its peek, with nothing new waiting: its own answer, not one from the facts at hand),
     and answered with them after the forget had returned."""
     store = GatedPeekStore()
-    service = MemoryService(store, clock=FakeClock(), load_timeout=5.0)
-    try:
-        service.emit_observation("u1", tool_ok("old"))
-        await service.drain()
-        await service.consolidate("u1")
+    async with forget_window_service(store, "u1") as service:
         assert [f.subject for f in (await service.load_memory("u1")).facts] == ["tool_affinity:old"]
-        store.forget_gate, store.forget_entered = asyncio.Event(), asyncio.Event()
-        forget = asyncio.create_task(service.forget("u1"))
-        await store.forget_entered.wait()
-        store.peek_gate, store.peeked = asyncio.Event(), asyncio.Event()
-        load = asyncio.create_task(service.load_memory("u1"))
-        await store.peeked.wait()  # it read the facts, not yet erased
-        store.forget_gate.set()
+        forget, erase = await forget_in_flight(store, service, "u1")
+        load, answer = await load_that_peeked(store, service, "u1")  # (not yet erased)
+        erase.set()
         assert (await forget).facts == 1
-        store.peek_gate.set()
+        answer.set()
         assert (await load).facts == []
         stats = service.stats()
         assert (stats.load_stale, stats.load_timeouts, stats.load_errors) == (0, 0, 0)
         # The next load reads what the forget left: nothing.
         store.peek_gate = None
         assert (await service.load_memory("u1")).facts == []
-    finally:
-        store.gate = store.forget_gate = store.peek_gate = None
-        await service.close()
 
 
 async def test_a_load_in_flight_as_a_forget_of_another_identity_ends_keeps_its_answer() -> None:
     """The forget voids the answers of its identity's loads only."""
     store = GatedPeekStore()
-    service = MemoryService(store, clock=FakeClock(), load_timeout=5.0)
-    try:
-        for who in ("u1", "u2"):
-            service.emit_observation(who, tool_ok("old"))
-            await service.drain()
-            await service.consolidate(who)
-        store.forget_gate, store.forget_entered = asyncio.Event(), asyncio.Event()
-        forget = asyncio.create_task(service.forget("u1"))
-        await store.forget_entered.wait()
-        store.peek_gate, store.peeked = asyncio.Event(), asyncio.Event()
-        load = asyncio.create_task(service.load_memory("u2"))
-        await store.peeked.wait()
-        store.forget_gate.set()
+    async with forget_window_service(store, "u1", "u2") as service:
+        forget, erase = await forget_in_flight(store, service, "u1")
+        load, answer = await load_that_peeked(store, service, "u2")
+        erase.set()
         assert (await forget).facts == 1
-        store.peek_gate.set()
+        answer.set()
         assert [f.subject for f in (await load).facts] == ["tool_affinity:old"]
-    finally:
-        store.gate = store.forget_gate = store.peek_gate = None
-        await service.close()
 
 
 async def test_facts_of_a_big_identity_give_the_loop_turns_as_they_are_decayed() -> None:
@@ -2921,31 +2927,20 @@ async def test_a_load_begun_after_a_forget_joins_no_consolidation_that_read_befo
     one that begins once the forget has returned consolidates anew, and neither it nor
     its answer from the facts at hand has the erased facts."""
     store = GatedPeekStore()
-    service = MemoryService(store, clock=FakeClock(), load_timeout=5.0)
-    try:
-        service.emit_observation("u1", tool_ok("old"))
-        await service.drain()
-        await service.consolidate("u1")
-        store.forget_gate, store.forget_entered = asyncio.Event(), asyncio.Event()
-        forget = asyncio.create_task(service.forget("u1"))
-        await store.forget_entered.wait()
-        store.peek_gate, store.peeked = asyncio.Event(), asyncio.Event()
-        during = asyncio.create_task(service.load_memory("u1"))
-        await store.peeked.wait()  # it read the facts, not yet erased
-        store.forget_gate.set()
+    async with forget_window_service(store, "u1") as service:
+        forget, erase = await forget_in_flight(store, service, "u1")
+        during, answer = await load_that_peeked(store, service, "u1")  # (not yet erased)
+        erase.set()
         assert (await forget).facts == 1
         store.peeked = asyncio.Event()
         after = asyncio.create_task(service.load_memory("u1"))
         async with asyncio.timeout(5):  # (joined to the first, it would read nothing)
             await store.peeked.wait()  # its own read, after the erasure
-        store.peek_gate.set()
+        answer.set()
         assert (await during).facts == []
         assert (await after).facts == []
         stats = service.stats()
         assert (stats.load_stale, stats.load_timeouts, stats.load_errors) == (0, 0, 0)
-    finally:
-        store.gate = store.forget_gate = store.peek_gate = None
-        await service.close()
 
 
 class QueuedPeekStore(GatedForgetStore):
@@ -2971,27 +2966,23 @@ async def test_a_consolidate_call_that_read_before_a_forget_leaves_no_facts_at_h
     a load that began after the forget stored them as the facts at hand, and a load whose
     consolidation ran late answered with the erased facts."""
     store = QueuedPeekStore()
-    service = MemoryService(store, clock=FakeClock(), load_timeout=0.5)
     before = (asyncio.Event(), asyncio.Event())
     late = (asyncio.Event(), asyncio.Event())
-    try:
-        service.emit_observation("u1", tool_ok("old"))
-        await service.drain()
-        await service.consolidate("u1")
-        store.peek_gates.append(before)
-        direct = asyncio.create_task(service.consolidate("u1"))
-        await before[0].wait()  # it read the facts, not yet erased
-        assert (await service.forget("u1")).facts == 1
-        store.peek_gates.append(late)
-        load = asyncio.create_task(service.load_memory("u1"))
-        await late[0].wait()  # its own read, after the erasure; held past its timeout
-        before[1].set()
-        await direct
-        assert (await load).facts == []
-        late[1].set()
-        stats = service.stats()
-        assert (stats.load_stale, stats.load_timeouts) == (0, 1)
-    finally:
-        before[1].set()
-        late[1].set()
-        await service.close()
+    async with forget_window_service(store, "u1", load_timeout=0.5) as service:
+        try:
+            store.peek_gates.append(before)
+            direct = asyncio.create_task(service.consolidate("u1"))
+            await before[0].wait()  # it read the facts, not yet erased
+            assert (await service.forget("u1")).facts == 1
+            store.peek_gates.append(late)
+            load = asyncio.create_task(service.load_memory("u1"))
+            await late[0].wait()  # its own read, after the erasure; held past its timeout
+            before[1].set()
+            await direct
+            assert (await load).facts == []
+            late[1].set()
+            stats = service.stats()
+            assert (stats.load_stale, stats.load_timeouts) == (0, 1)
+        finally:
+            before[1].set()
+            late[1].set()
