@@ -273,19 +273,26 @@ async def test_the_new_observations_query_uses_the_xid_index(pg_store: PostgresS
                 for i in range(1000)
             ]
         )
-    await consolidate(pg_store, "id7")
     await pg_store.append([record("new", identity_id="id7")])
-    checkpoint = await pg_store.checkpoint("id7")
-    assert checkpoint is not None and checkpoint.snapshot is not None
+    # The snapshot a consolidation stores with nothing else running on the server: every
+    # transaction before the new observation's is visible. (A consolidation's own snapshot
+    # has the xmin of the oldest transaction running on the whole server: another client's
+    # would put every observation here in the xid range, and the primary key's order win.)
     async with pg_store.engine.connect() as conn:
-        await conn.execute(text("ANALYZE coda_memory.observations"))
+        new_xid = (
+            await conn.execute(
+                text("SELECT xid::text FROM coda_memory.observations WHERE content = 'new'")
+            )
+        ).scalar_one()
+        await conn.execute(text("ANALYZE coda_memory.observations, coda_memory.fact_events"))
         # The statement the consolidation unit runs, with its parameters bound.
         statement = Statements.for_schema("coda_memory").new_since.text
         driver = await driver_connection(conn)
-        plan_json = await driver.fetchval(
-            f"EXPLAIN (FORMAT JSON) {statement}", "id7", checkpoint.snapshot
-        )
+        stored = f"{new_xid}:{new_xid}:"
+        pending = await driver.fetch(statement, "id7", stored)
+        plan_json = await driver.fetchval(f"EXPLAIN (FORMAT JSON) {statement}", "id7", stored)
 
+    assert [row["content"] for row in pending] == ["new"]
     assert "ix_observations_identity_id_xid" in str(plan_json)
 
 
