@@ -25,11 +25,13 @@ line of plain data that cannot steer the model, in this order:
    or a template token (``‹|im_start|›``, ``˂/tool_result˃``; around one word, only the
    angles: ``˂system˃`` is ``system``), not in prose (``‹Das ist gut›``, ``⟨a, b⟩``);
    ``[INST]``-like markers go, also drawn with look-alikes of their brackets
-   (:data:`BRACKET_OPENERS`: ``«SYS»``, ``【INST】``, ``⟦TOOL_CALLS⟧``, ``「SYS」``; not in
-   prose, ``【Notice】``, ``«Bonjour»``, ``「システム」``; around a word of prose, only the
-   brackets, the word kept as written: ``«User»`` is ``User``, ``«Usér»`` is ``Usér``),
-   and a space splits ``](``, ``][``, ``]:`` and ``![``, so
-   no markdown link or image can form; a role word followed by a colon (``SYSTEM:``,
+   (:data:`BRACKET_OPENERS`, the opening and closing punctuation of Unicode but quotes
+   and angles, and quasi-quotation corners: ``«SYS»``, ``【INST】``, ``⟦TOOL_CALLS⟧``,
+   ``「SYS」``, ``⌜SYS⌝``, ``⦃SYS⦄``; not in prose, ``【Notice】``, ``«Bonjour»``,
+   ``「システム」``, ``⌈x⌉``; around a word of prose, only the brackets, the word kept as
+   written: ``«User»`` is ``User``, ``«Usér»`` is ``Usér``), and a space splits ``](``,
+   ``][``, ``]:`` and ``![``, so no markdown link or image can form; a role word
+   followed by a colon (``SYSTEM:``,
    ``assistant:``, ``### Instruction:``), or a ReAct step's (``Question:``, ``Thought:``,
    ``Action:``, ``Action Input:``, ``Observation:``, ``Final Answer:``), loses the colon. URLs, turn
    markers, link syntax and role words that accents hide (a combining mark inside the
@@ -303,25 +305,46 @@ _MARKER_WORDS = (
 )
 _BRACKET_MARKER = re.compile(rf"\[{_MARKER_WORDS}\]", re.IGNORECASE)
 
-#: Look-alikes of ``[`` and ``]`` (and of ``<<`` and ``>>``) that NFKC leaves alone:
-#: guillemets, the CJK double angle brackets (``《SYS》``), the CJK lenticular, tortoise
-#: shell, white lenticular, white tortoise shell and white square brackets, the
-#: mathematical white square and white tortoise shell brackets, the square brackets with
-#: quill or with ticks, the light tortoise shell ornaments and the black tortoise shell
-#: brackets; the white parentheses (``⦅SYS⦆``), the CJK corner and white corner brackets
-#: (``「SYS」``, ``『INST』``, Japanese quotes, which keep a word of prose) and the half
-#: brackets (``⸢INST⸣``, ``⸤INST⸥``) (NFKC makes the vertical forms, such as U+FE3B, the
-#: CJK ones, the fullwidth ones ``[`` and ``]``, the fullwidth white parentheses and the
-#: halfwidth corner brackets ``⦅`` and ``「``). A guillemet may open or close (German
-#: quotes turn them round: ``»SYS«``).
-BRACKET_OPENERS = (
-    "\u00ab\u00bb\u300a\u3010\u3014\u3016\u3018\u301a\u27e6\u27ec\u2045\u298b\u298d\u298f\u2772"
-    "\u2997\u2985\u300c\u300e\u2e22\u2e24"
-)
-BRACKET_CLOSERS = (
-    "\u00bb\u00ab\u300b\u3011\u3015\u3017\u3019\u301b\u27e7\u27ed\u2046\u298c\u298e\u2990\u2773"
-    "\u2998\u2986\u300d\u300f\u2e23\u2e25"
-)
+#: Brackets that a rule of Unicode data does not find: the guillemets, which open or
+#: close (German quotes turn them round: ``»SYS«``), and the ornate parentheses, whose
+#: categories are the reverse of their names (Arabic text runs right to left), both
+#: ways; the corner brackets of quasi-quotation (``⌜SYS⌝``, ``⌞SYS⌟``), which are
+#: symbols (So), not punctuation.
+_BOTH_WAYS = "\u00ab\u00bb\ufd3e\ufd3f"
+_EXTRA_OPENERS = "\u231c\u231e"
+_EXTRA_CLOSERS = "\u231d\u231f"
+
+
+def _lookalike_brackets() -> tuple[str, str]:
+    """Look-alikes of ``[`` and ``]`` (and of ``<<`` and ``>>``) that NFKC leaves alone,
+    openers and closers, from Unicode data: every character past ASCII of category Ps
+    or Pi (an opener) or Pe or Pf (a closer) that NFKC keeps as it is, but quotation
+    marks (``„User“``, ``〝AI〞`` are quotes of prose) and look-alikes of ``<``
+    and ``>`` (:data:`ANGLE_OPENERS`, whose single angles around one word lose only the
+    angles), with :data:`_BOTH_WAYS` and the corners of :data:`_EXTRA_OPENERS` added:
+    the CJK double angle (``《SYS》``), lenticular, tortoise shell, corner and white
+    square brackets, the mathematical ones (``⟦TOOL_CALLS⟧``, ``⟪SYS⟫``, ``⟮INST⟯``,
+    ``⟅SYS⟆``), the white and double parentheses and curly brackets (``⦅SYS⦆``,
+    ``⦃SYS⦄``, ``⸨SYS⸩``), the Z notation, ornament, ceiling, floor, half, sideways,
+    wiggly and editorial brackets (``⸢INST⸣``, ``❨SYS❩``, ``⌈SYS⌉``, ``⸂SYS⸃``) and the
+    Tibetan and Ogham ones. (NFKC makes the vertical, fullwidth, halfwidth and small
+    forms one of these or an ASCII bracket. Only the BMP is read: Unicode 14 has no
+    such character past it, and reading every plane took 0.1 s at import.)"""
+    angles = ANGLE_OPENERS + ANGLE_CLOSERS
+    openers = [*_BOTH_WAYS, *_EXTRA_OPENERS]
+    closers = [*_BOTH_WAYS, *_EXTRA_CLOSERS]
+    for code in range(0x80, 0x10000):
+        char = chr(code)
+        category = unicodedata.category(char)
+        if category not in {"Ps", "Pi", "Pe", "Pf"} or char in angles or char in _BOTH_WAYS:
+            continue
+        if "QUOTATION" in unicodedata.name(char, "") or not unicodedata.is_normalized("NFKC", char):
+            continue
+        (openers if category in {"Ps", "Pi"} else closers).append(char)
+    return "".join(openers), "".join(closers)
+
+
+BRACKET_OPENERS, BRACKET_CLOSERS = _lookalike_brackets()
 _BRACKET_LOOKALIKE = re.compile(f"[{BRACKET_OPENERS}{BRACKET_CLOSERS}]")
 #: An ``[INST]``-like marker drawn with look-alikes of its brackets (one end may be
 #: ASCII; a pair of ASCII ends is :data:`_BRACKET_MARKER`'s): ``«SYS»``, ``【INST】``,
