@@ -941,10 +941,11 @@ class MemoryService(ObservationWriter):
     @asynccontextmanager
     async def _using_store(self) -> AsyncIterator[None]:
         """A call of the caller's that uses the store: ServiceClosed once ``close`` began,
-        and meanwhile counted, so that ``close`` waits for it (up to CLOSE_GRACE) before
-        it releases the store. (A connection still checked out when its pool is disposed
-        is left open until the garbage collector finds it.) RuntimeError on an event loop
-        other than the service's: its connections belong to that loop."""
+        and meanwhile counted, so that ``close`` waits for it (within CLOSE_GRACE of its
+        drain's end) before it releases the store. (A connection still checked out when
+        its pool is disposed is left open until the garbage collector finds it.)
+        RuntimeError on an event loop other than the service's: its connections belong to
+        that loop."""
         self._check_open()
         self._bind(self._check_loop())
         self._calls_in_flight += 1
@@ -967,13 +968,14 @@ class MemoryService(ObservationWriter):
                             short_error(error),
                         )
 
-    async def _calls_end(self) -> None:
-        """Wait, up to CLOSE_GRACE, for the calls in flight to end (see ``_using_store``)."""
+    async def _calls_end(self, grace: float) -> None:
+        """Wait, up to ``grace`` seconds (what is left of close()'s CLOSE_GRACE), for the
+        calls in flight to end (see ``_using_store``)."""
         if not self._calls_in_flight:
             return
         self._calls_ended = asyncio.Event()
         try:
-            async with asyncio.timeout(CLOSE_GRACE):
+            async with asyncio.timeout(grace):
                 await self._calls_ended.wait()
         except TimeoutError:
             logger.warning(
@@ -1437,7 +1439,10 @@ class MemoryService(ObservationWriter):
     async def close(self, timeout: float | None = 30.0) -> None:
         """Drain (up to ``timeout`` seconds), stop the writer and, once the calls in flight
         (``consolidate``, ``facts``, …) have ended or 2 seconds more have passed, release
-        the store. Observations that could not be stored by then are dropped and counted.
+        the store. The writer's stop, the consolidations' and the calls' ends share those
+        2 seconds, and the store's close gets up to 2 seconds of its own, so that close()
+        returns within ``timeout`` plus 4 seconds even when the database stops answering.
+        Observations that could not be stored by then are dropped and counted.
         A second call returns when the first has released the store. Raises RuntimeError,
         and closes nothing, on an event loop other than the one the service ran on: its
         connections can only be released there."""
@@ -1468,16 +1473,24 @@ class MemoryService(ObservationWriter):
                 len(self._background),
             )
         finally:
+            # Each wait below is bounded: a connection that never answers (its command
+            # timeout not reached yet) can't hold close() up beyond its timeout. The
+            # writer's stop, the consolidations and the calls in flight share one grace,
+            # counted from here (each waits for what is left of it), and the store's close
+            # has its own: close() returns within timeout + 2 * CLOSE_GRACE.
+            loop = asyncio.get_running_loop()
+            grace_ends = loop.time() + CLOSE_GRACE
+
+            def grace_left() -> float:
+                return max(0.0, grace_ends - loop.time())
+
             try:
-                # Each wait below is bounded: a connection that never answers (its
-                # command timeout not reached yet) can't hold close() up beyond its
-                # timeout.
-                await self._stop_writer()
+                await self._stop_writer(grace_left())
                 for task in list(self._background):
                     task.cancel()
                 if self._background:
-                    await asyncio.wait(list(self._background), timeout=CLOSE_GRACE)
-                await self._calls_end()
+                    await asyncio.wait(list(self._background), timeout=grace_left())
+                await self._calls_end(grace_left())
                 self._released_under_calls = self._calls_in_flight > 0
             finally:
                 try:

@@ -149,8 +149,10 @@ def _nested_bytes(value: object, depth: int, left: list[int]) -> int:
     return 32
 
 
-#: Seconds ``close`` waits for the writer to stop, and for the store to close, after its
-#: ``timeout``: a connection that never answers can't hold it up longer.
+#: Seconds ``close`` waits, after its ``timeout``, for the writer to stop, the
+#: consolidations and the caller's calls in flight to end (one grace, which they share),
+#: and then for the store to close: a connection that never answers can't hold it up
+#: longer.
 CLOSE_GRACE = 2.0
 #: Observations the writer validates between two turns of the event loop (about a
 #: millisecond of work), so that a large batch does not hold up requests.
@@ -1041,16 +1043,17 @@ class ObservationWriter:
             self._wake_waiters()
         return len(dropped)
 
-    async def _stop_writer(self) -> None:
-        """Stop the writer for good (waiting at most CLOSE_GRACE); drop and count what it
-        held, also when this is cancelled meanwhile (the loop shutting down under a
-        close() left to go on in the background)."""
+    async def _stop_writer(self, grace: float) -> None:
+        """Stop the writer for good (waiting at most ``grace`` seconds, what is left of
+        close()'s CLOSE_GRACE); drop and count what it held, also when this is cancelled
+        meanwhile (the loop shutting down under a close() left to go on in the
+        background)."""
         self._stopped = True
         writer = self._writer
         try:
             if writer is not None and not writer.done():
                 writer.cancel()
-                await asyncio.wait([writer], timeout=CLOSE_GRACE)
+                await asyncio.wait([writer], timeout=grace)
         finally:
             self._writer = None
             self._drop_held("service closed before they were stored", queued=True)

@@ -118,8 +118,9 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         # kills the process (docker stop: 10 s; Kubernetes: 30 s), so that a loss is
         # logged and counted rather than cut short. (close() alone waits up to 30 s.) With
         # the database no longer answering, close() takes up to 2 s past its timeout for
-        # each of the batch under way, the consolidations it cancels, the calls in flight
-        # and the pools (4 s in the example's test, where a timeout of 8 s took 11 s).
+        # the batch under way, the consolidations it cancels and the calls in flight
+        # together, and up to 2 s more for the pools (4.2 s in all in the example's test,
+        # where a timeout of 8 s took 11 s).
         await memory.close(timeout=float(os.environ.get("MEMORY_CLOSE_TIMEOUT", "2")))
 
 

@@ -407,6 +407,45 @@ async def test_close_gives_up_on_a_call_that_does_not_end_and_says_so(
     assert closed == ["store", "store"]
 
 
+async def test_close_gives_its_waits_one_grace_not_one_each(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """With the database no longer answering, the writer's stop, the consolidations and the
+    caller's calls in flight share one grace, counted from the drain's end: an append and
+    a call that both stall take the grace once, not one after the other, and close()
+    returns within its timeout and twice the grace."""
+    grace = 1.0  # large against the scheduling noise of a loaded machine
+    monkeypatch.setattr(service_module, "CLOSE_GRACE", grace)
+    monkeypatch.setattr(writer_module, "CLOSE_GRACE", grace)
+    never = asyncio.Event()
+
+    class StuckStore(GatedStore):
+        async def facts(self, identity_id: str) -> list[Fact]:
+            await never.wait()
+            return []
+
+    store = StuckStore()
+    service = MemoryService(store, clock=FakeClock())
+    store.gate.clear()  # the append in flight does not end
+    service.emit_observation("u1", tool_ok("t"))
+    await _until(lambda: store.append_calls == 1)
+    reading = asyncio.create_task(service.facts("u1"))  # nor does this call
+    await _until(lambda: service._calls_in_flight == 1)
+    loop = asyncio.get_running_loop()
+    with caplog.at_level(logging.WARNING, "coda_memory"):
+        began = loop.time()
+        await asyncio.wait_for(service.close(timeout=0), 10)
+        took = loop.time() - began
+    # One after the other, the append's moment (grace / 2) and the call's grace took 1.5
+    # grace; shared, the call's wait ends with the grace that the append's began.
+    assert 0.95 * grace <= took < 1.4 * grace  # (the call is waited for: its grace)
+    assert "1 call(s) still used the store" in caplog.text
+    assert service.stats().dropped == 1
+    assert not reading.done()
+    never.set()
+    assert await reading == []
+
+
 async def test_load_memory_returns_empty_on_store_errors(
     gated: tuple[MemoryService, GatedStore], caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -669,9 +708,9 @@ async def test_no_writer_runs_again_once_close_has_stopped_it(
     calls_end = service._calls_end
     calls_ended = asyncio.Event()
 
-    async def held_calls_end() -> None:  # a call still in flight
+    async def held_calls_end(grace: float) -> None:  # a call still in flight
         await calls_ended.wait()
-        await calls_end()
+        await calls_end(grace)
 
     monkeypatch.setattr(service, "_calls_end", held_calls_end)
     await clock.emit_held(service)
