@@ -16,6 +16,7 @@ from sqlalchemy.engine import URL, Engine, make_url
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 
+from coda_memory.core.urls import refuse_whitespace
 from coda_memory.errors import SchemaNotMigrated
 from coda_memory.postgres.schema import schema_translate_map
 
@@ -32,13 +33,8 @@ def asyncpg_url(url: str | URL) -> URL:
     case; a unix socket goes in the query (``postgresql://user@/db?host=/run/postgresql``),
     and a libpq ``sslmode`` becomes asyncpg's ``ssl``.
     """
-    if isinstance(url, str) and url != url.strip():
-        # (A newline from an environment file was taken into the database name, and
-        # failed only on connecting. Not quoted: the URL may hold a password.)
-        raise ValueError(
-            "the database URL begins or ends with whitespace (a newline from an "
-            "environment file?): strip it"
-        )
+    if isinstance(url, str):
+        refuse_whitespace(url, "the database URL")
     try:
         parsed = make_url(url)
     except ValueError:
