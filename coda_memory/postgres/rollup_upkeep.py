@@ -131,24 +131,31 @@ async def forget_identity(conn: AsyncConnection, schema: str, identity_id: str) 
             .with_for_update()
         )
     ).all()
+    tool_keys, entity_keys = ["tool_name"], ["entity_type", "entity_id"]
+    # Each kind: its per-identity table and key, and the statement that forgets its rows.
     kinds = (
-        (KIND_TOOLS, tool_users, ["tool_name"]),
-        (KIND_ENTITIES, entity_users, ["entity_type", "entity_id"]),
-        (KIND_DOMAINS, domain_users, ["domain", "day"]),
+        (
+            KIND_TOOLS,
+            tool_users,
+            tool_keys,
+            _forget_latest(identity_id, tool_users, tool_daily, tool_keys, shard),
+        ),
+        (
+            KIND_ENTITIES,
+            entity_users,
+            entity_keys,
+            _forget_latest(identity_id, entity_users, entity_daily, entity_keys, None),
+        ),
+        (KIND_DOMAINS, domain_users, ["domain", "day"], _forget_domains(identity_id, shard)),
     )
-    for kind, users, keys in kinds:
+    for kind, users, keys, forget in kinds:
         await _lock_in_key_order(conn, users, identity_id, keys)
         if owed:
             # Every record at once (they stay until deleted below), this kind only.
             await fold_owed(
                 driver, schema, shard, limit=len(owed), identity_id=identity_id, kinds=kind
             )
-        if kind == KIND_TOOLS:
-            await conn.execute(_forget_latest(identity_id, users, tool_daily, keys, shard))
-        elif kind == KIND_ENTITIES:
-            await conn.execute(_forget_latest(identity_id, users, entity_daily, keys, None))
-        else:
-            await conn.execute(_forget_domains(identity_id, shard))
+        await conn.execute(forget)
     await conn.execute(delete(rollup_owed).where(rollup_owed.c.identity_id == identity_id))
 
 
