@@ -305,46 +305,36 @@ _MARKER_WORDS = (
 )
 _BRACKET_MARKER = re.compile(rf"\[{_MARKER_WORDS}\]", re.IGNORECASE)
 
-#: Brackets that a rule of Unicode data does not find: the guillemets, which open or
-#: close (German quotes turn them round: ``»SYS«``), and the ornate parentheses, whose
-#: categories are the reverse of their names (Arabic text runs right to left), both
-#: ways; the corner brackets of quasi-quotation (``⌜SYS⌝``, ``⌞SYS⌟``), which are
-#: symbols (So), not punctuation.
-_BOTH_WAYS = "\u00ab\u00bb\ufd3e\ufd3f"
-_EXTRA_OPENERS = "\u231c\u231e"
-_EXTRA_CLOSERS = "\u231d\u231f"
-
-
-def _lookalike_brackets() -> tuple[str, str]:
-    """Look-alikes of ``[`` and ``]`` (and of ``<<`` and ``>>``) that NFKC leaves alone,
-    openers and closers, from Unicode data: every character past ASCII of category Ps
-    or Pi (an opener) or Pe or Pf (a closer) that NFKC keeps as it is, but quotation
-    marks (``„User“``, ``〝AI〞`` are quotes of prose) and look-alikes of ``<``
-    and ``>`` (:data:`ANGLE_OPENERS`, whose single angles around one word lose only the
-    angles), with :data:`_BOTH_WAYS` and the corners of :data:`_EXTRA_OPENERS` added:
-    the CJK double angle (``《SYS》``), lenticular, tortoise shell, corner and white
-    square brackets, the mathematical ones (``⟦TOOL_CALLS⟧``, ``⟪SYS⟫``, ``⟮INST⟯``,
-    ``⟅SYS⟆``), the white and double parentheses and curly brackets (``⦅SYS⦆``,
-    ``⦃SYS⦄``, ``⸨SYS⸩``), the Z notation, ornament, ceiling, floor, half, sideways,
-    wiggly and editorial brackets (``⸢INST⸣``, ``❨SYS❩``, ``⌈SYS⌉``, ``⸂SYS⸃``) and the
-    Tibetan and Ogham ones. (NFKC makes the vertical, fullwidth, halfwidth and small
-    forms one of these or an ASCII bracket. Only the BMP is read: Unicode 14 has no
-    such character past it, and reading every plane took 0.1 s at import.)"""
-    angles = ANGLE_OPENERS + ANGLE_CLOSERS
-    openers = [*_BOTH_WAYS, *_EXTRA_OPENERS]
-    closers = [*_BOTH_WAYS, *_EXTRA_CLOSERS]
-    for code in range(0x80, 0x10000):
-        char = chr(code)
-        category = unicodedata.category(char)
-        if category not in {"Ps", "Pi", "Pe", "Pf"} or char in angles or char in _BOTH_WAYS:
-            continue
-        if "QUOTATION" in unicodedata.name(char, "") or not unicodedata.is_normalized("NFKC", char):
-            continue
-        (openers if category in {"Ps", "Pi"} else closers).append(char)
-    return "".join(openers), "".join(closers)
-
-
-BRACKET_OPENERS, BRACKET_CLOSERS = _lookalike_brackets()
+#: Look-alikes of ``[`` and ``]`` (and of ``<<`` and ``>>``) that NFKC leaves alone,
+#: openers and closers: every character past ASCII of category Ps or Pi (an opener) or
+#: Pe or Pf (a closer) that NFKC keeps as it is, but quotation marks (``„User“``,
+#: ``〝AI〞`` are quotes of prose) and look-alikes of ``<`` and ``>`` (:data:`ANGLE_OPENERS`,
+#: whose single angles around one word lose only the angles); and, which that rule does
+#: not find, the guillemets, which open or close (German quotes turn them round:
+#: ``»SYS«``), the ornate parentheses, whose categories are the reverse of their names
+#: (Arabic text runs right to left), both ways, and the corner brackets of
+#: quasi-quotation (``⌜SYS⌝``, ``⌞SYS⌟``), which are symbols (So). So: the CJK double
+#: angle (``《SYS》``), lenticular, tortoise shell, corner and white square brackets, the
+#: mathematical ones (``⟦TOOL_CALLS⟧``, ``⟪SYS⟫``, ``⟮INST⟯``, ``⟅SYS⟆``), the white and
+#: double parentheses and curly brackets (``⦅SYS⦆``, ``⦃SYS⦄``, ``⸨SYS⸩``), the Z
+#: notation, ornament, ceiling, floor, half, sideways, wiggly and editorial brackets
+#: (``⸢INST⸣``, ``⌈SYS⌉``, ``⸂SYS⸃``) and the Tibetan and Ogham ones. (NFKC
+#: makes the vertical, fullwidth, halfwidth and small forms one of these or an ASCII
+#: bracket.) Written out, not read from Unicode at import (6 ms of every start):
+#: tests/unit/test_prompt_safety.py derives them by that rule from the running Python's
+#: Unicode (14 and 15.1 give these) and fails when a version adds one.
+BRACKET_OPENERS = (
+    "\u00ab\u00bb\ufd3e\ufd3f\u231c\u231e\u0f3a\u0f3c\u169b\u2045\u2308\u230a\u2768\u276a"
+    "\u2772\u2774\u27c5\u27e6\u27ea\u27ec\u27ee\u2983\u2985\u2987\u2989\u298b\u298d\u298f"
+    "\u2991\u2993\u2995\u2997\u29d8\u29da\u2e02\u2e04\u2e09\u2e0c\u2e1c\u2e20\u2e22\u2e24"
+    "\u2e26\u2e28\u2e55\u2e57\u2e59\u2e5b\u300a\u300c\u300e\u3010\u3014\u3016\u3018\u301a"
+)
+BRACKET_CLOSERS = (
+    "\u00ab\u00bb\ufd3e\ufd3f\u231d\u231f\u0f3b\u0f3d\u169c\u2046\u2309\u230b\u2769\u276b"
+    "\u2773\u2775\u27c6\u27e7\u27eb\u27ed\u27ef\u2984\u2986\u2988\u298a\u298c\u298e\u2990"
+    "\u2992\u2994\u2996\u2998\u29d9\u29db\u2e03\u2e05\u2e0a\u2e0d\u2e1d\u2e21\u2e23\u2e25"
+    "\u2e27\u2e29\u2e56\u2e58\u2e5a\u2e5c\u300b\u300d\u300f\u3011\u3015\u3017\u3019\u301b"
+)
 _BRACKET_LOOKALIKE = re.compile(f"[{BRACKET_OPENERS}{BRACKET_CLOSERS}]")
 #: An ``[INST]``-like marker drawn with look-alikes of its brackets (one end may be
 #: ASCII; a pair of ASCII ends is :data:`_BRACKET_MARKER`'s): ``«SYS»``, ``【INST】``,

@@ -37,7 +37,14 @@ from coda_memory.core.model import (
 from coda_memory.core.prompt import format_memory_section
 from coda_memory.core.sanitize import ObservationRejected, sanitize_observation
 from coda_memory.core.tokens import estimate_tokens
-from coda_memory.core.untrusted import CONFUSABLES, data_text
+from coda_memory.core.untrusted import (
+    ANGLE_CLOSERS,
+    ANGLE_OPENERS,
+    BRACKET_CLOSERS,
+    BRACKET_OPENERS,
+    CONFUSABLES,
+    data_text,
+)
 from tests.helpers import T0
 from tests.unit.adversarial_corpus import CORPORA, HOSTILE_IDENTIFIERS, NORMAL
 
@@ -978,6 +985,33 @@ MORE_BRACKET_PAIRS = [
     # Tibetan and Ogham.
     *("\u0f3a\u0f3b", "\u0f3c\u0f3d", "\u169b\u169c"),
 ]
+
+
+#: What the rule of Unicode data does not find (see untrusted.BRACKET_OPENERS): the
+#: guillemets and the ornate parentheses, both ways, and the quasi-quotation corners.
+_BOTH_WAYS = "\u00ab\u00bb\ufd3e\ufd3f"
+_EXTRA_OPENERS = "\u231c\u231e"
+_EXTRA_CLOSERS = "\u231d\u231f"
+
+
+def test_the_look_alike_brackets_are_those_unicode_data_gives() -> None:
+    """The tables are written out (reading Unicode cost 6 ms of every import); they must
+    be what the rule gives on this Python's Unicode: every character past ASCII of
+    category Ps or Pi (openers) or Pe or Pf (closers) that NFKC keeps, but quotation
+    marks and the look-alikes of < and >, with the brackets the rule misses. (Only the
+    basic plane: no Unicode up to 15.1 has such a character past it.)"""
+    openers = [*_BOTH_WAYS, *_EXTRA_OPENERS]
+    closers = [*_BOTH_WAYS, *_EXTRA_CLOSERS]
+    for code in range(0x80, 0x10000):
+        char = chr(code)
+        category = unicodedata.category(char)
+        if category not in {"Ps", "Pi", "Pe", "Pf"} or char in _BOTH_WAYS:
+            continue
+        if char in ANGLE_OPENERS + ANGLE_CLOSERS or "QUOTATION" in unicodedata.name(char, ""):
+            continue
+        if unicodedata.is_normalized("NFKC", char):
+            (openers if category in {"Ps", "Pi"} else closers).append(char)
+    assert ("".join(openers), "".join(closers)) == (BRACKET_OPENERS, BRACKET_CLOSERS)
 
 
 @pytest.mark.parametrize("pair", MORE_BRACKET_PAIRS)
